@@ -1,0 +1,1 @@
+"""prm: a minimal PyTorch trainer for process reward models."""

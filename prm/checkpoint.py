@@ -1,0 +1,79 @@
+"""Atomic training checkpoints (safetensors weights + weights_only state) and finding the newest complete one. Depends on: torch, safetensors, prm.model."""
+import json
+import os
+import random
+import re
+import shutil
+
+import torch
+
+MARKER = "complete.json"  # written last: a directory without it is a crashed save and is never resumed
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, scaler, config_json: str,
+                    keep_last: int = 0) -> str:
+    """Writes into a temporary directory, then renames it into place: a crash never leaves a whole-looking one."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(), "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+    with open(os.path.join(tmp, "config.train.json"), "w") as f:
+        f.write(config_json)
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump({"step": step}, f)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    if keep_last > 0:
+        for old in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(output_dir: str) -> list:
+    """checkpoint-<step> directories holding the completion marker, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and os.path.isfile(os.path.join(output_dir, name, MARKER)):
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume(resume: str, output_dir: str):
+    if resume != "auto":
+        if not os.path.isfile(os.path.join(resume, MARKER)):
+            raise SystemExit(f"--resume {resume}: not a complete checkpoint (no {MARKER})")
+        return resume
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
+    """Restores everything save_checkpoint wrote; returns the optimizer step to continue from."""
+    from prm.model import load_weights
+    load_weights(model, path)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    with open(os.path.join(path, MARKER)) as f:
+        return json.load(f)["step"]

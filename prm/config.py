@@ -1,0 +1,84 @@
+"""One dataclass holds every training/eval setting; argparse is generated from it. Depends on: stdlib only."""
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+
+
+def _opt(default, help, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Config:
+    # model and data
+    model: str = _opt("tiny", "hub id, local dir, or 'tiny' (a small random decoder built from a config, offline)")
+    tokenizer: str = _opt("", "tokenizer path/id; default: the model's own (the built-in char tokenizer for 'tiny')")
+    dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a directory")
+    eval_dataset: str = _opt("", "held-out data; default: the dataset's eval split or an --eval-fraction share")
+    dataset_config: str = _opt("", "hub dataset config name")
+    train_split: str = _opt("train", "split used for training")
+    eval_split: str = _opt("test", "split used for evaluation when the dataset has it")
+    eval_fraction: float = _opt(0.05, "share held out (split by prompt) when there is no eval split")
+    format: str = _opt("auto", "input format; 'auto' detects it from the columns",
+                       choices=["auto", "stepwise", "math_shepherd", "prm800k", "processbench"])
+    neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop the step",
+                              choices=["positive", "negative", "drop"])
+    skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")
+    num_proc: int = _opt(1, "processes for dataset tokenization")
+    synthetic_size: int = _opt(4000, "rows generated for the synthetic default (10%% of them held out)")
+    output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
+    # tokenization
+    max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
+    step_separator: str = _opt("\n", "text appended to every step; its last token carries the step's label")
+    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label")
+    # optimization
+    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes")
+    epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1")
+    batch_size: int = _opt(8, "examples per device per micro-batch")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)")
+    lr: float = _opt(0.0, "peak AdamW learning rate; 0 = 1e-3 for the random 'tiny' preset, else 1e-5")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    warmup_steps: int = _opt(0, "linear warmup steps, then cosine decay to 10%% of --lr")
+    max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables")
+    dtype: str = _opt("auto", "autocast dtype; auto = bf16 where supported (CUDA, CPU), master weights stay fp32",
+                      choices=["auto", "fp32", "bf16", "fp16"])
+    gradient_checkpointing: bool = _opt(False, "recompute backbone activations in backward to save memory")
+    group_by_length: bool = _opt(True, "batch similar lengths together (less padding); deterministic from the seed")
+    compile: bool = _opt(False, "torch.compile the model")
+    seed: int = _opt(0, "seed for init, data order and dropout")
+    # evaluation, logging, checkpoints
+    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)")
+    eval_batch_size: int = _opt(0, "examples per device at evaluation (0: 2 x --batch-size)")
+    threshold: float = _opt(0.5, "a step is predicted correct when P(correct) >= threshold")
+    log_every: int = _opt(10, "log line and metrics.jsonl record every N optimizer steps")
+    save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)")
+    keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all")
+    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one")
+    trust_remote_code: bool = _opt(False, "allow hub models that run their own code (off: safer)")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
+    """Every dataclass field becomes --field-name, with its default, type and help."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            p.add_argument(flag, type=typ, default=f.default, **meta)
+    return p
+
+
+def parse_config(argv=None) -> Config:
+    return Config(**vars(build_parser(description="Train a process reward model.").parse_args(argv)))

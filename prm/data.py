@@ -1,0 +1,174 @@
+"""Step-label tokenization, padding, and deterministic (length-grouped) batch plans. Depends on: torch, datasets."""
+import math
+import random
+
+import torch
+
+IGNORE = -100  # label of every position that is not the end of a step
+
+
+def normalize_label(label):
+    """bool and 0/1 ints become int; floats in [0,1] stay floats (soft Monte-Carlo labels); anything else raises."""
+    if isinstance(label, bool):
+        return int(label)
+    if isinstance(label, int) and label in (0, 1):
+        return label
+    if isinstance(label, float) and 0.0 <= label <= 1.0:  # NaN fails both comparisons
+        return label
+    raise ValueError(f"label {label!r} is not a bool, 0/1, or a float in [0, 1]")
+
+
+def prompt_ids(prompt, tokenizer) -> list:
+    """BOS (only if the tokenizer has one) + prompt ids; a list of {role, content} goes through the chat template."""
+    if isinstance(prompt, list):  # conversational: the template writes its own special tokens
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
+
+
+def separator_ids(tokenizer, step_separator: str) -> list:
+    ids = tokenizer(step_separator, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"step separator {step_separator!r} tokenizes to nothing: no token could carry the label")
+    return ids
+
+
+def assemble(prompt: list, steps: list, sep: list, labels: list, max_length=None,
+             train_on_last_step_only=False, is_eval=False) -> dict:
+    """Concatenate already-tokenized pieces; the label sits on each step's last separator token.
+
+    Truncation drops whole steps from the end, so a label never slides onto another token."""
+    labels = [normalize_label(x) for x in labels]
+    if len(steps) != len(labels):
+        raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
+    if train_on_last_step_only and not is_eval:
+        labels = [IGNORE] * (len(labels) - 1) + labels[-1:]
+    input_ids, out_labels, steps_kept = list(prompt), [IGNORE] * len(prompt), 0
+    for step, label in zip(steps, labels):
+        piece = step + sep
+        if max_length is not None and len(input_ids) + len(piece) > max_length:
+            break
+        input_ids += piece
+        out_labels += [IGNORE] * (len(piece) - 1) + [label]
+        steps_kept += 1
+    if max_length is not None and steps_kept == 0:  # even the prompt may not fit: keep nothing labeled
+        input_ids, out_labels = input_ids[:max_length], out_labels[:max_length]
+    return {"input_ids": input_ids, "labels": out_labels, "steps_kept": steps_kept}
+
+
+def tokenize_example(example, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
+                     is_eval=False) -> dict:
+    """One row {prompt, completions, labels} -> {input_ids, labels, steps_kept}; plain lists, no model needed."""
+    steps = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in example["completions"]]
+    return assemble(prompt_ids(example["prompt"], tokenizer), steps, separator_ids(tokenizer, step_separator),
+                    example["labels"], max_length, train_on_last_step_only, is_eval)
+
+
+def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
+                   is_eval=False) -> dict:
+    """Column-batch version of tokenize_example for datasets.map: one tokenizer call for all steps of the batch."""
+    sep = separator_ids(tokenizer, step_separator)
+    flat = [s for steps in batch["completions"] for s in steps]
+    flat_ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    if all(isinstance(p, str) for p in batch["prompt"]):
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        prompts = [bos + ids for ids in tokenizer(batch["prompt"], add_special_tokens=False)["input_ids"]]
+    else:
+        prompts = [prompt_ids(p, tokenizer) for p in batch["prompt"]]
+    out = {"input_ids": [], "labels": [], "steps_kept": [], "length": [], "n_labeled": []}
+    start = 0
+    for prompt, steps, labels in zip(prompts, batch["completions"], batch["labels"]):
+        row = assemble(prompt, flat_ids[start:start + len(steps)], sep, labels, max_length,
+                       train_on_last_step_only, is_eval)
+        start += len(steps)
+        row["labels"] = [float(x) for x in row["labels"]]  # one arrow type for hard and soft labels
+        row["length"], row["n_labeled"] = len(row["input_ids"]), sum(x != IGNORE for x in row["labels"])
+        for k in out:
+            out[k].append(row[k])
+    return out
+
+
+def tokenize_dataset(ds, tokenizer, cfg, is_eval: bool, num_proc: int = 1, desc: str = "tokenize"):
+    """datasets.map(tokenize_batch) then drop rows with no labeled step. Returns (dataset, report dict)."""
+    from datasets import Features, Sequence, Value
+    features = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
+                         "steps_kept": Value("int32"), "length": Value("int32"), "n_labeled": Value("int32"), **{k: v for k, v in ds.features.items() if k == "id"}})
+    kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
+                  train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
+    n_steps_in = sum(len(c) for c in ds["completions"])
+    tok = ds.map(tokenize_batch, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
+                 remove_columns=[c for c in ds.column_names if c != "id"], num_proc=num_proc if num_proc > 1 else None,
+                 desc=desc)
+    kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True,
+                      desc="drop unlabeled")
+    report = dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
+    return kept, report
+
+
+def dataset_report(tok, n_rows_in: int, n_steps_in: int) -> dict:
+    lengths = tok["length"]
+    labels = [x for lab in tok["labels"] for x in lab if x != IGNORE]
+    steps_kept = sum(tok["steps_kept"])
+    return {"examples": len(tok), "labeled_steps": len(labels),
+            "positive_rate": round(sum(y >= 0.5 for y in labels) / max(len(labels), 1), 4),
+            "mean_tokens": round(sum(lengths) / max(len(lengths), 1), 1), "max_tokens": max(lengths, default=0),
+            "examples_dropped": n_rows_in - len(tok), "steps_truncated": n_steps_in - steps_kept}
+
+
+def collate(rows: list, pad_id: int) -> dict:
+    """Right padding (causal model: real tokens keep positions 0..n-1); ids/mask int64, labels float32 with -100.
+
+    Float labels carry hard (0/1) and soft targets in one tensor."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
+    labels = torch.full((len(rows), width), float(IGNORE), dtype=torch.float32)  # (B, T)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        mask[i, :n] = 1
+        labels[i, :n] = torch.as_tensor(r["labels"], dtype=torch.float32)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def pad_token_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an EOS token: set tokenizer.pad_token")
+    return pad
+
+
+def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, group_by_length: bool) -> list:
+    """The epoch's optimizer-step batches: lists of exactly `global_batch` dataset indices, whatever the world size.
+
+    Shuffled from (seed, epoch). With grouping, windows of 64 batches are sorted by length before cutting, then
+    the batch order is shuffled again, so neighbours in a batch have similar lengths but the order stays random.
+    The last batch is completed with the epoch's first indices so every rank runs the same number of steps."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    n_batches = math.ceil(len(order) / global_batch)
+    order = (order * math.ceil(n_batches * global_batch / max(len(order), 1)))[: n_batches * global_batch]
+    if group_by_length:
+        window = 64 * global_batch
+        order = [i for w in range(0, len(order), window)
+                 for i in sorted(order[w:w + window], key=lambda i: lengths[i])]
+    batches = [order[b * global_batch:(b + 1) * global_batch] for b in range(n_batches)]
+    if group_by_length:
+        rng.shuffle(batches)
+    return batches
+
+
+def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_accum: int) -> list:
+    """This rank's `grad_accum` micro-batches of one global batch; sorted by length first so padding stays small."""
+    ordered = sorted(batch, key=lambda i: lengths[i])
+    per = len(batch) // (world_size * grad_accum)
+    return [ordered[(a * world_size + rank) * per:(a * world_size + rank + 1) * per] for a in range(grad_accum)]
+
+
+def eval_batches(lengths: list, batch_size: int, world_size: int = 1, rank: int = 0) -> list:
+    """Length-sorted evaluation batches, dealt round-robin to ranks; every example is seen exactly once."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return batches[rank::world_size]

@@ -1,0 +1,68 @@
+"""Device, autocast dtype and torchrun/DDP plumbing shared by training and evaluation. Depends on: torch."""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def setup() -> Runtime:
+    """Under torchrun (WORLD_SIZE set): one process per device, nccl on CUDA, gloo on CPU. Otherwise: no dist."""
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" not in os.environ:
+        return Runtime(device=torch.device("cuda" if cuda else "cpu"))
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return Runtime(rank, local_rank, world, device)
+
+
+def teardown(rt: Runtime):
+    if rt.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def autocast_dtype(name: str, device: torch.device):
+    """None means plain fp32. 'auto' picks bf16 wherever the device runs it (CUDA with bf16, and CPU)."""
+    if name == "auto":
+        ok = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        return torch.bfloat16 if ok else None
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    if rt.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def gather_objects(obj, rt: Runtime) -> list:
+    """Every rank's obj, in rank order, on every rank (one collective)."""
+    if not rt.distributed:
+        return [obj]
+    out = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(rt: Runtime):
+    if rt.distributed:
+        dist.barrier()

@@ -1,0 +1,239 @@
+"""The hand-written training loop: AdamW, warmup+cosine, autocast, accumulation, DDP, checkpoints, eval. Depends on: torch, transformers, tqdm, prm.*."""
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import time
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from prm.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from prm.config import Config
+from prm.data import IGNORE, collate, global_batches, micro_batches, pad_token_id, tokenize_dataset
+from prm.evaluate import evaluate
+from prm.model import build_model, step_loss
+from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, setup, teardown
+from prm.sources import load_splits
+
+PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
+
+
+def load_tokenizer(cfg: Config):
+    if cfg.model == "tiny" and not cfg.tokenizer:
+        from prm.synthetic import char_tokenizer
+        return char_tokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+def make_optimizer(model, cfg: Config, lr: float, device):
+    """AdamW without decay on biases/norms; the fused kernel (one launch for all tensors) where it exists."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"))
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=True)
+
+
+def _on_signal(signum, frame):
+    PREEMPTED["signal"] = signum
+
+
+def train(cfg: Config) -> dict:
+    rt = setup()
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _train(cfg, rt)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        teardown(rt)
+
+
+def _train(cfg: Config, rt: Runtime) -> dict:
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    log = print if rt.is_main else (lambda *a, **k: None)
+    tokenizer = load_tokenizer(cfg)
+    pad_id = pad_token_id(tokenizer)
+    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code).to(rt.device)
+    if cfg.gradient_checkpointing:  # non-reentrant: works under DDP and with inputs that need no grad
+        model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    amp_dtype = autocast_dtype(cfg.dtype, rt.device)
+
+    with _main_first(rt):  # rank 0 tokenizes and fills the datasets cache; the others then read it
+        train_raw, eval_raw = load_splits(cfg)
+        train_ds, train_report = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
+        eval_ds, eval_report = tokenize_dataset(eval_raw, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc)
+    log(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
+    eval_rows = eval_ds.to_list()
+    lengths = train_ds["length"]
+    n_labeled = train_ds["n_labeled"]
+
+    global_batch = cfg.batch_size * cfg.grad_accum * rt.world_size
+    steps_per_epoch = math.ceil(len(train_ds) / global_batch)
+    total = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    lr = cfg.lr or (1e-3 if cfg.model == "tiny" else 1e-5)
+    optimizer = make_optimizer(model, cfg, lr, rt.device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total))
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=amp_dtype == torch.float16)
+    step = 0
+    resume = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+    if resume:
+        step = load_checkpoint(resume, model, optimizer, scheduler, scaler)
+        log(f"resumed from {resume} at step {step}")
+    raw_model = model
+    if cfg.compile:
+        model = torch.compile(model)
+    if rt.distributed:
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+    amp = (lambda: torch.autocast(rt.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    eval_bs = cfg.eval_batch_size or 2 * cfg.batch_size
+    run_eval = lambda: evaluate(raw_model, eval_rows, eval_bs, pad_id, rt.device, amp_dtype, cfg.threshold, rt)
+
+    if rt.is_main:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, "config.train.json"), "w") as f:
+            f.write(cfg.to_json())
+    metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if rt.is_main else None
+    log(f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters | {len(train_ds)} train examples | "
+        f"global batch {global_batch} | {total} steps | autocast {amp_dtype or 'off'} | world {rt.world_size}")
+
+    pbar = tqdm(total=total, initial=step, disable=not rt.is_main, desc="train")
+    window = torch.zeros(2, device=rt.device)  # (ce sum, correct) since the last log line, summed on device
+    window_labeled, window_tokens, total_tokens, processed_tokens, train_time = 0, 0, 0, 0, 0.0
+    plan_epoch, plan = None, None
+    t_window = time.perf_counter()
+    model.train()
+    while step < total:
+        t0 = time.perf_counter()
+        epoch, position = divmod(step, steps_per_epoch)
+        if epoch != plan_epoch:  # reseeded every epoch; a pure function of (seed, epoch): resume needs no state
+            plan_epoch, plan = epoch, global_batches(lengths, global_batch, cfg.seed, epoch, cfg.group_by_length)
+        batch = plan[position]
+        labeled = sum(n_labeled[i] for i in batch)  # all ranks know the whole global batch: no collective needed
+        tokens = sum(lengths[i] for i in batch)
+        micro = micro_batches(batch, lengths, rt.world_size, rt.rank, cfg.grad_accum)
+        processed_tokens += sum(len(m) * max(lengths[i] for i in m) for r in range(rt.world_size)  # padded, all ranks
+                                for m in micro_batches(batch, lengths, rt.world_size, r, cfg.grad_accum))
+        for a, idx in enumerate(micro):
+            mb = collate(_rows(train_ds, idx), pad_id)
+            ids, mask = (mb[k].to(rt.device, non_blocking=True) for k in ("input_ids", "attention_mask"))
+            labels = mb["labels"].to(rt.device, non_blocking=True)
+            last = a == len(micro) - 1
+            sync = model.no_sync() if rt.distributed and not last else contextlib.nullcontext()
+            with sync:
+                with amp():
+                    logits = model(ids, mask)  # (B, T, 2)
+                loss, ce_sum, n_correct = step_loss(logits, labels, labeled)
+                # DDP averages gradients over ranks; scaling by world size turns that back into the global sum
+                scaler.scale(loss * rt.world_size).backward()
+            window += torch.stack([ce_sum, n_correct.float()])
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm or float("inf"))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        step += 1
+        window_labeled += labeled
+        window_tokens += tokens
+        total_tokens += tokens
+        pbar.update(1)
+        train_time += time.perf_counter() - t0
+
+        if step % cfg.log_every == 0 or step == total:
+            stats = all_reduce_sum(torch.cat([window, norm.detach().float().view(1)]), rt).tolist()  # one sync
+            elapsed = time.perf_counter() - t_window
+            rec = {"step": step, "loss": stats[0] / max(window_labeled, 1), "acc": stats[1] / max(window_labeled, 1),
+                   "lr": scheduler.get_last_lr()[0], "norm": stats[2] / rt.world_size,
+                   "tok_per_s": window_tokens / elapsed, "epoch": epoch}
+            log_line(rec, pbar, metrics_file)
+            window.zero_()
+            window_labeled, window_tokens, t_window = 0, 0, time.perf_counter()
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+            m = run_eval()
+            log_line({"step": step, **{f"eval_{k}": v for k, v in m.items()}}, pbar, metrics_file)
+        stop = _agree_to_stop(rt)
+        if (cfg.save_every and step % cfg.save_every == 0) or stop:
+            _save(cfg, rt, step, raw_model, optimizer, scheduler, scaler)
+        if stop:
+            name = signal.Signals(PREEMPTED["signal"]).name if PREEMPTED["signal"] else "a signal on another rank"
+            log(f"stopped by {name} after step {step}; checkpoint saved. Continue with --resume auto")
+            pbar.close()
+            raise SystemExit(128 + (PREEMPTED["signal"] or signal.SIGTERM))
+    pbar.close()
+
+    final = run_eval()
+    final["train_tokens_per_second"] = total_tokens / max(train_time, 1e-9)
+    final["padding_efficiency"] = total_tokens / max(processed_tokens, 1)
+    final["train_data"], final["eval_data"] = train_report, eval_report
+    barrier(rt)
+    if rt.is_main:
+        path = os.path.join(cfg.output_dir, "final")
+        raw_model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        with open(os.path.join(path, "config.train.json"), "w") as f:
+            f.write(cfg.to_json())
+        metrics_file.write(json.dumps({"step": step, "final": final}) + "\n")
+        metrics_file.close()
+    barrier(rt)
+    return final if rt.is_main else None
+
+
+def _rows(ds, idx: list) -> list:
+    cols = ds[idx]
+    return [{"input_ids": i, "labels": l} for i, l in zip(cols["input_ids"], cols["labels"])]
+
+
+def log_line(rec: dict, pbar, metrics_file):
+    if metrics_file is None:
+        return
+    metrics_file.write(json.dumps(rec) + "\n")
+    metrics_file.flush()
+    if "loss" in rec:
+        msg = (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
+               f"norm {rec['norm']:.2f} | {rec['tok_per_s'] / 1000:.1f}k tok/s")
+    else:
+        msg = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items())
+    pbar.write(msg)
+
+
+def _agree_to_stop(rt: Runtime) -> bool:
+    """Under DDP every rank must stop at the same step, even if only one was signalled."""
+    flag = float(PREEMPTED["signal"] is not None)
+    if not rt.distributed:
+        return bool(flag)
+    return all_reduce_sum(torch.tensor([flag], device=rt.device), rt).item() > 0
+
+
+def _save(cfg, rt, step, model, optimizer, scheduler, scaler):
+    barrier(rt)
+    if rt.is_main:
+        save_checkpoint(cfg.output_dir, step, model, optimizer, scheduler, scaler, cfg.to_json(), cfg.keep_last)
+    barrier(rt)
+
+
+@contextlib.contextmanager
+def _main_first(rt: Runtime):
+    if not rt.is_main:
+        barrier(rt)
+    yield
+    if rt.is_main:
+        barrier(rt)

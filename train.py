@@ -1,0 +1,12 @@
+"""Train a process reward model: `python train.py` (offline default) or `torchrun ... train.py --model ...`. Depends on: prm."""
+import json
+
+from prm.config import parse_config
+from prm.trainer import train
+
+if __name__ == "__main__":
+    cfg = parse_config()
+    final = train(cfg)
+    if final is not None:
+        summary = {k: v for k, v in final.items() if k not in ("train_data", "eval_data")}
+        print(json.dumps(summary), flush=True)
