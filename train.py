@@ -2,11 +2,13 @@
 import json
 
 from prm.config import parse_config
+from prm.sources import exit_on_data_error
 from prm.trainer import train
 
 if __name__ == "__main__":
     cfg = parse_config()
-    final = train(cfg)
+    with exit_on_data_error():  # bad rows: exit status 2 with a one-screen message, no traceback
+        final = train(cfg)
     if final is not None:
         summary = {k: v for k, v in final.items() if k not in ("train_data", "eval_data")}
         print(json.dumps(summary), flush=True)

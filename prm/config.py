@@ -22,11 +22,11 @@ class Config:
     eval_fraction: float = _opt(0.05, "share held out (split by prompt) when there is no eval split")
     format: str = _opt("auto", "input format; 'auto' detects it from the columns",
                        choices=["auto", "stepwise", "math_shepherd", "prm800k", "processbench"])
-    neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop the step",
+    neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop (step kept as context, unlabeled)",
                               choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")
     num_proc: int = _opt(1, "processes for dataset tokenization")
-    synthetic_size: int = _opt(4000, "rows generated for the synthetic default (10%% of them held out)")
+    synthetic_size: int = _opt(8000, "rows generated for the synthetic default (10%% of them held out)")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
     # tokenization
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")

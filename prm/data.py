@@ -8,7 +8,9 @@ IGNORE = -100  # label of every position that is not the end of a step
 
 
 def normalize_label(label):
-    """bool and 0/1 ints become int; floats in [0,1] stay floats (soft Monte-Carlo labels); anything else raises."""
+    """bool and 0/1 ints become int; floats in [0,1] stay floats (soft Monte-Carlo labels); None = not scored."""
+    if label is None:  # a step kept as context but not scored (e.g. ProcessBench steps after the first error)
+        return IGNORE
     if isinstance(label, bool):
         return int(label)
     if isinstance(label, int) and label in (0, 1):

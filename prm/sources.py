@@ -1,56 +1,197 @@
-"""Load train/held-out rows in the stepwise format (prompt, completions, labels[, id]) from any source. Depends on: datasets, prm.synthetic."""
+"""Read train/held-out data from a hub name, a .jsonl/.json/.parquet file or a directory; convert and validate every row. Depends on: datasets, prm.formats, prm.synthetic."""
+import contextlib
+import hashlib
+import json
 import os
 import random
+import sys
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, Features, List, Value, load_dataset
 
-LOCAL_EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+from prm.formats import FORMATS, detect_format, format_help, to_stepwise
+
+LOCAL_EXT = (".jsonl", ".json", ".parquet")
+SHOWN = 15  # problems listed before "... and N more": the message must fit one screen
+WHERE = "line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a hub split"
 
 
-def load_source(spec: str, split: str, cfg) -> Dataset:
-    """A local file, a directory of files, or a hub dataset name."""
+class DataError(Exception):
+    """Problems with the input data, one "<source> <line|row> N: field 'x': ..." line each."""
+
+    def __init__(self, problems: list, total_rows: int = 0):
+        self.problems = problems
+        head = f"{total_rows} invalid rows ({WHERE}):" if total_rows else "invalid input data:"
+        more = [f"  ... and {len(problems) - SHOWN} more"] if len(problems) > SHOWN else []
+        tail = ["Fix these rows, or pass --skip-invalid to drop them."] if total_rows else []
+        super().__init__("\n".join([head] + [f"  {p}" for p in problems[:SHOWN]] + more + tail))
+
+
+class MissingSplit(DataError):
+    """The hub dataset has no such split; for the eval split, load_splits holds out --eval-fraction instead."""
+
+
+@contextlib.contextmanager
+def exit_on_data_error():
+    """Bad data ends the program with exit status 2 and the problem list, not a traceback."""
+    try:
+        yield
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _say(msg: str):
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank loads the data: say it once
+        print(msg, file=sys.stderr, flush=True)
+
+
+def is_local(spec: str) -> bool:
+    return os.path.isdir(spec) or spec.endswith(LOCAL_EXT)
+
+
+def read_records(path: str):
+    """(where, record, problem) for every row of one local file; JSONL is read here so a bad line names its number."""
+    if path.endswith(".parquet"):
+        try:
+            ds = Dataset.from_parquet(path)
+        except Exception as e:  # pyarrow's own error says what is wrong with the file
+            raise DataError([f"{path}: cannot read this parquet file: {e}"]) from None
+        return [(f"row {i}", r, None) for i, r in enumerate(ds)]
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            if text.lstrip().startswith("["):  # a broken array: nothing in it can be trusted
+                raise DataError([f"{path} line {e.lineno}: malformed JSON: {e.msg} (column {e.colno})"]) from None
+            data = None  # often JSON Lines under a .json name: read it line by line below
+        if isinstance(data, list):
+            return [(f"row {i}", r, None) for i, r in enumerate(data)]
+        if isinstance(data, dict) and "\n" in text.strip():
+            raise DataError([f"{path}: one JSON object; expected an array of records or JSON Lines"])
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit raw inside a JSON string
+        if line.strip():
+            try:
+                out.append((f"line {n}", json.loads(line), None))
+            except json.JSONDecodeError as e:
+                out.append((f"line {n}", None, f"malformed JSON: {e.msg} (column {e.colno})"))
+    return out
+
+
+def _sources(spec: str, split: str, cfg):
+    """(name, records) per file of a local spec, or the one split of a hub dataset."""
     if os.path.isdir(spec):
-        files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if os.path.splitext(f)[1] in LOCAL_EXT)
+        files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(LOCAL_EXT))
         if not files:
-            raise SystemExit(f"{spec}: no .jsonl/.json/.parquet files in this directory")
-        return load_dataset(LOCAL_EXT[os.path.splitext(files[0])[1]], data_files=files, split="train")
-    ext = os.path.splitext(spec)[1]
-    if ext in LOCAL_EXT:
+            raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this directory"])
+        return [(f, read_records(f)) for f in files]
+    if is_local(spec):
         if not os.path.isfile(spec):
-            raise SystemExit(f"{spec}: no such file")
-        return load_dataset(LOCAL_EXT[ext], data_files=spec, split="train")
-    return load_dataset(spec, cfg.dataset_config or None, split=split)
+            raise DataError([f"{spec}: no such file"])
+        return [(spec, read_records(spec))]
+    try:
+        ds = load_dataset(spec, cfg.dataset_config or None, split=split)
+    except Exception as e:  # offline, no such dataset, a typo in a local path: one line, not a traceback
+        if isinstance(e, ValueError) and "split" in str(e).lower():  # datasets: 'Unknown split' or 'Bad split'
+            raise MissingSplit([f"{spec}: {e}"]) from None
+        raise DataError([f"{spec}: not a local .jsonl/.json/.parquet file or directory, and the hub could not load "
+                         f"it ({type(e).__name__}: {e})"]) from None
+    return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
 
 
-def split_by_prompt(ds: Dataset, fraction: float, seed: int):
+def read_rows(spec: str, split: str, cfg) -> list:
+    """Every record of a source as validated stepwise rows. Raises DataError listing each bad row, or with
+    cfg.skip_invalid drops those records and says how many."""
+    rows, problems, bad, n_records, empty = [], [], 0, 0, 0
+    formats = {cfg.format: "forced by --format"} if cfg.format != "auto" else {}
+    for name, records in _sources(spec, split, cfg):
+        fmt = cfg.format if cfg.format != "auto" else None
+        for where, record, problem in records:
+            n_records += 1
+            if fmt is None and problem is None:  # each file's format comes from its first readable record
+                fmt = detect_format(record) if isinstance(record, dict) else None
+                if fmt is None:
+                    why = format_help(record) if isinstance(record, dict) else "expected a JSON object"
+                    raise DataError([f"{name} {where}: {why}"])
+                formats.setdefault(fmt, "detected from columns " + ", ".join(FORMATS[fmt]))
+            found, issues = ([], [problem]) if problem else to_stepwise(record, fmt, cfg.neutral_label)
+            if found and rows and isinstance(found[0]["prompt"], list) != isinstance(rows[0]["prompt"], list):
+                issues = ["field 'prompt': plain-text and conversational prompts are mixed in one dataset"]
+            if issues:
+                bad += 1
+                problems += [f"{name} {where}: {p}" for p in issues]
+            else:
+                rows += found
+                empty += not found
+    if bad and not cfg.skip_invalid:
+        raise DataError(problems, total_rows=bad)
+    note = f"; {empty} records gave no labeled example" if empty else ""
+    skipped = f"; skipped {bad} invalid records (--skip-invalid), the first: {problems[0]}" if bad else ""
+    _say(f"{spec}: format {', '.join(f'{k} ({v})' for k, v in formats.items())}; "
+         f"{n_records} records -> {len(rows)} examples{note}{skipped}")
+    if not rows:
+        raise DataError([f"{spec}: no usable rows"])
+    return rows
+
+
+def to_dataset(rows: list) -> Dataset:
+    """An arrow-file-backed Dataset (so tokenization by datasets.map is cached), keyed by a hash of the rows."""
+    soft = any(isinstance(y, float) for r in rows for y in r["labels"])
+    features = {"prompt": List({"role": Value("string"), "content": Value("string")})
+                if isinstance(rows[0]["prompt"], list) else Value("string"),
+                "completions": List(Value("string")), "labels": List(Value("float64" if soft else "bool"))}
+    for col, kind in (("id", "string"), ("first_error", "int64"), ("final_answer_correct", "bool")):
+        if any(col in r for r in rows):
+            features[col] = Value(kind)
+    digest = hashlib.sha256(json.dumps(list(features)).encode())
+    for r in rows:
+        digest.update(json.dumps(r, sort_keys=True).encode())
+
+    def generate():
+        for r in rows:
+            yield {k: r.get(k) for k in features}
+
+    return Dataset.from_generator(generate, features=Features(features), fingerprint=digest.hexdigest()[:32])
+
+
+def split_by_prompt(rows: list, fraction: float, seed: int):
     """Seeded held-out share, split by prompt so one problem never sits on both sides."""
-    prompts = sorted({str(p) for p in ds["prompt"]})
+    key = lambda r: json.dumps(r["prompt"])
+    prompts = sorted({key(r) for r in rows})
+    if len(prompts) < 2:
+        raise DataError([f"only {len(prompts)} distinct prompt: nothing to hold out; pass --eval-dataset"])
     random.Random(seed).shuffle(prompts)
-    held = set(prompts[: max(1, round(len(prompts) * fraction))])
-    is_held = [str(p) in held for p in ds["prompt"]]
-    return (ds.select([i for i, h in enumerate(is_held) if not h]),
-            ds.select([i for i, h in enumerate(is_held) if h]))
+    held = set(prompts[:min(len(prompts) - 1, max(1, round(len(prompts) * fraction)))])
+    return [r for r in rows if key(r) not in held], [r for r in rows if key(r) in held]
 
 
 def load_splits(cfg):
-    """(train, held-out) datasets with columns prompt, completions, labels and, when the data has one, id."""
+    """(train, held-out) datasets with columns prompt, completions, labels and, when the data has them, id,
+    first_error and final_answer_correct (ProcessBench)."""
     if cfg.dataset == "synthetic":
         from prm.synthetic import train_eval_rows
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
         return Dataset.from_list(train), Dataset.from_list(held)
-    train = load_source(cfg.dataset, cfg.train_split, cfg)
+    train = read_rows(cfg.dataset, cfg.train_split, cfg)
+    held = None
     if cfg.eval_dataset:
-        return train, load_source(cfg.eval_dataset, cfg.eval_split, cfg)
-    if not any(cfg.dataset.endswith(e) for e in LOCAL_EXT) and not os.path.isdir(cfg.dataset):
+        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg)
+    elif not is_local(cfg.dataset):
         try:
-            return train, load_source(cfg.dataset, cfg.eval_split, cfg)
-        except ValueError:  # the hub dataset has no such split: hold out a share below
+            held = read_rows(cfg.dataset, cfg.eval_split, cfg)
+        except MissingSplit:  # hold out a share below
             pass
-    return split_by_prompt(train, cfg.eval_fraction, cfg.seed)
+    if held is None:
+        train, held = split_by_prompt(train, cfg.eval_fraction, cfg.seed)
+        _say(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt (--eval-fraction "
+             f"{cfg.eval_fraction}, --seed {cfg.seed})")
+    return to_dataset(train), to_dataset(held)
 
 
 def load_eval(cfg, whole: str = ""):
     """`whole`: evaluate all of that source; otherwise the held-out set a run used, rebuilt from its config."""
     if whole and whole != "synthetic":
-        return load_source(whole, cfg.eval_split, cfg)
+        return to_dataset(read_rows(whole, cfg.eval_split, cfg))
     return load_splits(cfg)[1]

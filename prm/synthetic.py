@@ -11,30 +11,30 @@ def char_tokenizer():
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     vocab = {t: i for i, t in enumerate(specials + list(CHARS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # any char, newline too
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
                                    unk_token="<unk>")
 
 
 def make_rows(n: int, seed: int) -> list:
-    """Chains of `x+k=y` steps, each starting from the previous result (k is given in the prompt).
+    """Chains of one-digit `x+1=y` steps (mod 10), each starting from the previous result.
 
-    Half of the solutions contain one arithmetic slip (y off by one). Labels follow first-error semantics: the
-    slip and every later step are wrong, even though later steps compute correctly from the wrong value, so the
-    model must read earlier steps, not just check the current one."""
+    Half of the solutions contain one slip (y off by one). Labels follow first-error semantics: the slip and every
+    later step are wrong, even though later steps compute correctly from the wrong value, so the model must read
+    earlier steps, not just check the current one."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        start, k, n_steps = rng.randint(0, 50), 1, rng.randint(3, 6)
+        start, n_steps = rng.randrange(10), rng.randint(3, 6)
         slip = rng.randrange(n_steps) if rng.random() < 0.5 else -1
         x, steps, labels = start, [], []
         for s in range(n_steps):
-            y = x + k + (rng.choice([-1, 1]) if s == slip else 0)
-            steps.append(f"{x}+{k}={y}")
+            y = (x + 1 + (rng.choice([-1, 1]) if s == slip else 0)) % 10
+            steps.append(f"{x}+1={y}")
             labels.append(slip < 0 or s < slip)
             x = y
-        rows.append({"id": f"synthetic-{seed}-{i}", "prompt": f"start {start}, add {k}:", "completions": steps,
+        rows.append({"id": f"synthetic-{seed}-{i}", "prompt": f"count from {start}:", "completions": steps,
                      "labels": labels})
     return rows
 

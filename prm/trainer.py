@@ -72,16 +72,17 @@ def _train(cfg: Config, rt: Runtime) -> dict:
     log = print if rt.is_main else (lambda *a, **k: None)
     tokenizer = load_tokenizer(cfg)
     pad_id = pad_token_id(tokenizer)
-    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code).to(rt.device)
-    if cfg.gradient_checkpointing:  # non-reentrant: works under DDP and with inputs that need no grad
-        model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    amp_dtype = autocast_dtype(cfg.dtype, rt.device)
-
-    with _main_first(rt):  # rank 0 tokenizes and fills the datasets cache; the others then read it
+    with _main_first(rt):  # data before model: bad rows are reported at once. Rank 0 fills the datasets cache
         train_raw, eval_raw = load_splits(cfg)
         train_ds, train_report = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
         eval_ds, eval_report = tokenize_dataset(eval_raw, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc)
     log(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
+    if len(train_ds) == 0:
+        raise SystemExit(f"no training example has a labeled step left (max length {cfg.max_length}): see the report")
+    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code).to(rt.device)
+    if cfg.gradient_checkpointing:  # non-reentrant: works under DDP and with inputs that need no grad
+        model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    amp_dtype = autocast_dtype(cfg.dtype, rt.device)
     eval_rows = eval_ds.to_list()
     lengths = train_ds["length"]
     n_labeled = train_ds["n_labeled"]

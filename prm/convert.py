@@ -1,0 +1,43 @@
+"""`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer sees. Depends on: prm.config, prm.sources."""
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+from prm.config import Config
+from prm.sources import exit_on_data_error, read_rows
+
+
+def main(argv=None):
+    opts = {f.name: f for f in dataclasses.fields(Config)}
+    p = argparse.ArgumentParser(description="Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, "
+                                            "labels; null = unlabeled step), validating every row.")
+    p.add_argument("input", help=opts["dataset"].metadata["help"].replace("'synthetic', ", ""))
+    p.add_argument("output", nargs="?", default="-", help="output .jsonl file; '-' (default) writes to stdout")
+    for name in ("format", "neutral_label"):
+        meta = opts[name].metadata
+        p.add_argument("--" + name.replace("_", "-"), default=opts[name].default, choices=meta["choices"],
+                       help=meta["help"])
+    p.add_argument("--skip-invalid", action="store_true", help=opts["skip_invalid"].metadata["help"])
+    p.add_argument("--dataset-config", default="", help=opts["dataset_config"].metadata["help"])
+    p.add_argument("--split", default="train", help="hub split to convert")
+    a = p.parse_args(argv)
+    cfg = Config(format=a.format, neutral_label=a.neutral_label, skip_invalid=a.skip_invalid,
+                 dataset_config=a.dataset_config)
+    with exit_on_data_error():
+        rows = read_rows(a.input, a.split, cfg)
+    try:
+        with (contextlib.nullcontext(sys.stdout) if a.output == "-" else open(a.output, "w", encoding="utf-8")) as out:
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    except BrokenPipeError:  # `| head` closed stdout early: that is fine, and Python must not complain at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
+    if a.output != "-":
+        print(f"wrote {len(rows)} rows to {a.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels) and check them. Depends on: stdlib only."""
+import difflib
+
+# columns that identify each format, in detection order (first match wins)
+FORMATS = {
+    "stepwise": ("prompt", "completions", "labels"),
+    "processbench": ("problem", "steps", "label"),
+    "prm800k": ("question", "label"),  # label is a dict: {"steps": [...], "finish_reason": ...}
+    "math_shepherd": ("input", "label"),  # label is text: `input` with +/- in place of each step tag
+}
+STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
+NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
+# A label of None marks a step kept as context but not scored (ProcessBench after the first error, dropped neutrals).
+
+
+class BadField(ValueError):
+    """One problem with one record: the field and what is wrong with it."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"field '{field}': {problem}")
+
+
+def detect_format(record: dict):
+    """The first format whose columns the record has, or None."""
+    for name, cols in FORMATS.items():
+        if all(c in record for c in cols) and (name != "prm800k" or isinstance(record["label"], dict)):
+            return name
+    return None
+
+
+def format_help(record: dict) -> str:
+    """Why no format matched: the columns found, the ones expected, and near misses ('completion' for 'completions')."""
+    known = sorted({c for cols in FORMATS.values() for c in cols})
+    near = [f"'{k}' -> '{m[0]}'" for k in record if k not in known
+            for m in [difflib.get_close_matches(str(k), known, 1, 0.75)] if m]
+    expected = "; ".join(f"{n} ({', '.join(c)})" for n, c in FORMATS.items())
+    return (f"columns {sorted(map(str, record))} match no format. Expected one of: {expected}."
+            + (f" Misnamed? {', '.join(near)}." if near else "") + " Or force one with --format.")
+
+
+def _need(record: dict, key: str, kind=None, what: str = ""):
+    if key not in record:
+        near = difflib.get_close_matches(key, [str(k) for k in record], 1, 0.6)
+        raise BadField(key, "missing" + (f" (found '{near[0]}': misnamed?)" if near else ""))
+    value = record[key]
+    if kind is not None and not isinstance(value, kind):
+        raise BadField(key, f"expected {what}, got {_kind(value)}")
+    return value
+
+
+def _kind(value) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"[:80]
+
+
+def from_stepwise(r: dict, neutral: str) -> list:
+    row = {"prompt": _need(r, "prompt"), "completions": _need(r, "completions"), "labels": _need(r, "labels")}
+    if "first_error" in r:  # a converted ProcessBench file read back
+        steps = row["completions"]
+        row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
+    return [row]
+
+
+def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
+    """ProcessBench's first-error index (0-based, -1 = none) and final-answer flag, kept for its F1."""
+    first, correct = r[key], r.get("final_answer_correct")
+    if type(first) is not int or not -1 <= first < n_steps:
+        raise BadField(key, f"first-error index {_kind(first)} is out of range for {n_steps} steps "
+                            "(0-based, -1 = no error)")
+    if correct is not None and not isinstance(correct, bool):
+        raise BadField("final_answer_correct", f"expected true/false, got {_kind(correct)}")
+    return {"first_error": first, "final_answer_correct": correct}
+
+
+def from_math_shepherd(r: dict, neutral: str) -> list:
+    """`input` = question + "Step 1: ... ки\\nStep 2: ... ки"; `label` = the same text with + or - for each tag
+    (or a list of per-step labels, e.g. soft Monte-Carlo values)."""
+    parts = _need(r, "input", str, "text with step tags").split(STEP_TAG)
+    label = _need(r, "label")
+    if len(parts) < 2:
+        raise BadField("input", f"no '{STEP_TAG}' step tag")
+    if parts[-1].strip():
+        raise BadField("input", f"text after the last '{STEP_TAG}' step tag: {parts[-1].strip()[:40]!r}")
+    if isinstance(label, str):
+        labels, pos = [], 0
+        for k, part in enumerate(parts[:-1]):  # the text must match exactly, so a + or - inside a step is no mark
+            mark = label[pos + len(part):pos + len(part) + 1]
+            if label[pos:pos + len(part)] != part or mark not in ("+", "-"):
+                raise BadField("label", f"does not match 'input' at step {k + 1}: expected the same text with + or - "
+                                        f"in place of each '{STEP_TAG}'")
+            labels.append(mark == "+")
+            pos += len(part) + 1
+    elif isinstance(label, list):
+        labels = label
+    else:
+        raise BadField("label", f"expected text with +/- step marks or a list of step labels, got {_kind(label)}")
+    # the question and the first step share the text before the first tag; rpartition: a question may quote "Step 1:"
+    question, marker, first = parts[0].rpartition("Step 1:")
+    if not marker:
+        raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the question from the first step")
+    return [{"prompt": question.strip(), "completions": [s.strip() for s in [marker + first] + parts[1:-1]],
+             "labels": labels}]
+
+
+def from_prm800k(r: dict, neutral: str) -> list:
+    """One row per rated alternative the labeler rejected (the trajectory so far + that step), plus the trajectory
+    itself: chosen completions, or the labeler's own rewrite (labeled correct) where none was chosen.
+
+    The trajectory ends where the labeler stopped (found_error, give_up: `completions` null); it is not emitted again
+    when it is only the prefix of the rows just emitted. finish_reason bad_problem gives no row (the problem itself is
+    broken); unrated completions (rating null) give no row."""
+    question = _need(r, "question", dict, "an object with 'problem'")
+    problem = _need(question, "problem", str, "text")
+    label = _need(r, "label", dict, "an object with 'steps'")
+    steps = _need(label, "steps", list, "a list")
+    if label.get("finish_reason") == "bad_problem":
+        return []
+    rate = {1: True, -1: False, 0: NEUTRAL[neutral], None: None}
+    rows, texts, labels = [], [], []
+    for k, step in enumerate(steps):
+        if not isinstance(step, dict) or not isinstance(step.get("completions") or [], list):
+            raise BadField(f"label.steps[{k}]", f"expected an object with a list of completions, got {_kind(step)}")
+        options, chosen = step.get("completions") or [], step.get("chosen_completion")  # null after a give_up
+        for i, c in enumerate(options):
+            rating = c.get("rating") if isinstance(c, dict) else "not an object"
+            if type(rating) not in (int, type(None)) or rating not in rate:  # type(): True is no rating
+                raise BadField(f"label.steps[{k}].completions[{i}].rating", f"expected -1, 0, 1 or null in {_kind(c)}")
+            if i != chosen and rate[rating] is not None:
+                rows.append({"prompt": problem, "completions": texts + [c.get("text")],
+                             "labels": labels + [rate[rating]]})
+        if chosen is not None:
+            if not isinstance(chosen, int) or not 0 <= chosen < len(options):
+                raise BadField(f"label.steps[{k}].chosen_completion", f"{chosen!r} is not an index of its completions")
+            texts.append(options[chosen].get("text"))
+            labels.append(rate[options[chosen].get("rating")])
+        elif isinstance(step.get("human_completion"), dict):
+            texts.append(step["human_completion"].get("text"))
+            labels.append(True)
+        else:
+            break
+    if any(y is not None for y in labels) and not (rows and rows[-1]["completions"][:-1] == texts):
+        rows.append({"prompt": problem, "completions": texts, "labels": labels})
+    return rows
+
+
+def from_processbench(r: dict, neutral: str) -> list:
+    """Correct up to the first error, wrong at it, unlabeled (None) after it: nothing is known about later steps."""
+    steps = _need(r, "steps", list, "a list of steps")
+    _need(r, "label")
+    extra = _benchmark_columns(r, "label", len(steps))
+    first = extra["first_error"]
+    labels = [True] * len(steps) if first < 0 else [True] * first + [False] + [None] * (len(steps) - first - 1)
+    return [{"prompt": _need(r, "problem"), "completions": steps, "labels": labels, **extra}]
+
+
+CONVERTERS = {"stepwise": from_stepwise, "processbench": from_processbench, "prm800k": from_prm800k,
+              "math_shepherd": from_math_shepherd}
+
+
+def label_problem(y):
+    """Why y is not a step label (bool, 0/1, float in [0, 1], or None = unlabeled), or None when it is one."""
+    if y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1)):
+        return None
+    if isinstance(y, float) and 0.0 <= y <= 1.0:  # NaN fails both comparisons
+        return None
+    return f"{_kind(y)} is not a bool, 0/1 or a float in [0, 1]"
+
+
+def row_problems(row: dict) -> list:
+    """Every problem of one stepwise row, as "field 'x': ..." strings; empty when the row is valid."""
+    out = []
+    prompt, steps, labels = row["prompt"], row["completions"], row["labels"]
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                 and isinstance(m.get("content"), str) for m in prompt):
+            out.append("field 'prompt': a conversational prompt must be a non-empty list of {role, content} strings")
+    elif not isinstance(prompt, str):
+        out.append(f"field 'prompt': expected text or a list of {{role, content}}, got {_kind(prompt)}")
+    if not isinstance(steps, list) or not steps:
+        out.append(f"field 'completions': expected a non-empty list of steps, got {_kind(steps)}")
+    else:
+        bad = [(i, s) for i, s in enumerate(steps) if not isinstance(s, str) or not s.strip()]
+        if bad:
+            i, s = bad[0]
+            more = f" ({len(bad) - 1} more like it)" if len(bad) > 1 else ""
+            out.append(f"field 'completions': step {i} is " + ("empty" if isinstance(s, str) else _kind(s)) + more)
+    if not isinstance(labels, list):
+        out.append(f"field 'labels': expected a list, got {_kind(labels)}")
+        return out
+    bad = [(i, p) for i, y in enumerate(labels) for p in [label_problem(y)] if p]
+    if bad:
+        more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
+        out.append(f"field 'labels': label {bad[0][0]}: {bad[0][1]}{more}")
+    if isinstance(steps, list) and steps and len(labels) != len(steps):
+        out.append(f"field 'labels': {len(labels)} labels for {len(steps)} steps")
+    elif labels and not bad and all(y is None for y in labels):
+        out.append("field 'labels': no step is labeled")
+    return out
+
+
+def _clean(row: dict) -> dict:
+    """0/1 labels become bools (hard), floats stay floats (soft); chat messages keep only role and content."""
+    row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in row["labels"]]
+    if isinstance(row["prompt"], list):
+        row["prompt"] = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    return row
+
+
+def to_stepwise(record, fmt: str, neutral: str = "negative"):
+    """(rows, problems) for one raw record in format `fmt`; rows are valid only when problems is empty."""
+    if not isinstance(record, dict):
+        return [], [f"expected a JSON object, got {_kind(record)}"]
+    try:
+        rows = CONVERTERS[fmt](record, neutral)
+    except BadField as e:
+        return [], [str(e)]
+    problems = [p for row in rows for p in row_problems(row)]
+    if problems:
+        return [], sorted(set(problems), key=problems.index)
+    if record.get("id") is not None:  # several rows from one record get "<id>/<n>"
+        for n, row in enumerate(rows):
+            row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
+    return [_clean(row) for row in rows], []

@@ -1,0 +1,135 @@
+"""Tokenization, collation and batch plans against hand-built expectations."""
+import pytest
+import torch
+
+from prm.data import (IGNORE, collate, eval_batches, global_batches, micro_batches, pad_token_id, tokenize_batch,
+                      tokenize_example)
+
+
+def ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_layout_with_bos_and_multi_token_separator(char_tok):
+    row = {"prompt": "q?", "completions": ["1+1=2", "2+1=4"], "labels": [True, False]}
+    out = tokenize_example(row, char_tok, step_separator="\n\n")
+    sep = ids(char_tok, "\n\n")
+    assert len(sep) == 2
+    expected = [char_tok.bos_token_id] + ids(char_tok, "q?") + ids(char_tok, "1+1=2") + sep + ids(char_tok, "2+1=4") + sep
+    assert out["input_ids"] == expected
+    labeled = [i for i, y in enumerate(out["labels"]) if y != IGNORE]
+    assert labeled == [1 + 2 + 5 + 1, 1 + 2 + 5 + 2 + 5 + 1]  # the LAST separator token of each step
+    assert [out["labels"][i] for i in labeled] == [1, 0]
+    assert all(type(out["labels"][i]) is int for i in labeled)
+
+
+def test_no_bos_when_tokenizer_has_none(char_tok_no_bos):
+    out = tokenize_example({"prompt": "q", "completions": ["a"], "labels": [1]}, char_tok_no_bos)
+    assert out["input_ids"] == ids(char_tok_no_bos, "q") + ids(char_tok_no_bos, "a") + ids(char_tok_no_bos, "\n")
+    assert out["labels"] == [IGNORE, IGNORE, 1]
+
+
+def test_steps_tokenized_alone_not_joined(qwen2_tok):
+    """Qwen2 merges '.\\n' into one token: joined text would lose the separator token the label sits on."""
+    row = {"prompt": "Solve.", "completions": ["First step.", "Second step."], "labels": [True, True]}
+    out = tokenize_example(row, qwen2_tok)
+    joined = ids(qwen2_tok, "Solve.First step.\nSecond step.\n")
+    assert out["input_ids"] != joined
+    nl = ids(qwen2_tok, "\n")[-1]
+    assert [out["input_ids"][i] for i, y in enumerate(out["labels"]) if y != IGNORE] == [nl, nl]
+    assert qwen2_tok.bos_token_id is None and out["input_ids"][0] == ids(qwen2_tok, "Solve.")[0]
+
+
+def test_label_never_on_prompt_token(char_tok):
+    row = {"prompt": "x\ny\n", "completions": ["s"], "labels": [0]}
+    out = tokenize_example(row, char_tok)
+    n_prompt = 1 + len(ids(char_tok, "x\ny\n"))
+    assert all(y == IGNORE for y in out["labels"][:n_prompt])
+    assert out["labels"][-1] == 0
+
+
+def test_truncation_keeps_whole_steps(char_tok):
+    row = {"prompt": "pp", "completions": ["aaa", "bbb", "ccc"], "labels": [1, 0, 1]}
+    full = tokenize_example(row, char_tok)
+    assert len(full["input_ids"]) == 3 + 3 * 4
+    at_boundary = tokenize_example(row, char_tok, max_length=3 + 2 * 4)
+    inside = tokenize_example(row, char_tok, max_length=3 + 2 * 4 + 2)  # cuts inside the third step
+    for out in (at_boundary, inside):
+        assert out["input_ids"] == full["input_ids"][:11]
+        assert out["labels"] == full["labels"][:11]
+        assert out["steps_kept"] == 2
+    nothing = tokenize_example(row, char_tok, max_length=5)
+    assert all(y == IGNORE for y in nothing["labels"]) and nothing["steps_kept"] == 0
+
+
+def test_last_step_only_in_training_all_steps_in_eval(char_tok):
+    row = {"prompt": "p", "completions": ["a", "b", "c"], "labels": [1, 1, 0]}
+    train = tokenize_example(row, char_tok, train_on_last_step_only=True)
+    evaluation = tokenize_example(row, char_tok, train_on_last_step_only=True, is_eval=True)
+    assert [y for y in train["labels"] if y != IGNORE] == [0]
+    assert [y for y in evaluation["labels"] if y != IGNORE] == [1, 1, 0]
+
+
+def test_soft_labels_stay_floats(char_tok):
+    out = tokenize_example({"prompt": "p", "completions": ["a", "b"], "labels": [0.25, 1.0]}, char_tok)
+    assert [y for y in out["labels"] if y != IGNORE] == [0.25, 1.0]
+    assert all(isinstance(y, float) for y in out["labels"] if y != IGNORE)
+
+
+@pytest.mark.parametrize("bad", ["yes", 2, -0.5, 1.5, float("nan"), "[invalid]"])
+def test_bad_labels_raise(char_tok, bad):
+    with pytest.raises(ValueError):
+        tokenize_example({"prompt": "p", "completions": ["a"], "labels": [bad]}, char_tok)
+
+
+def test_batch_tokenization_equals_per_row(char_tok):
+    rows = [{"prompt": "p1", "completions": ["ab", "c"], "labels": [True, 0.5]},
+            {"prompt": "p2", "completions": ["de"], "labels": [False]}]
+    batch = tokenize_batch({k: [r[k] for r in rows] for k in rows[0]}, char_tok, max_length=8)
+    for i, row in enumerate(rows):
+        one = tokenize_example(row, char_tok, max_length=8)
+        assert batch["input_ids"][i] == one["input_ids"]
+        assert batch["labels"][i] == [float(y) for y in one["labels"]]
+
+
+def test_collate_pads_right_with_ignored_labels(char_tok):
+    rows = [{"input_ids": [5, 6, 7], "labels": [IGNORE, IGNORE, 1.0]}, {"input_ids": [8], "labels": [0.3]}]
+    b = collate(rows, pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert b["labels"][1].tolist() == pytest.approx([0.3, IGNORE, IGNORE])
+    assert b["input_ids"].dtype == torch.long and b["labels"].dtype == torch.float32
+
+
+def test_pad_falls_back_to_eos(char_tok):
+    from prm.synthetic import char_tokenizer
+    tok = char_tokenizer()
+    tok.pad_token = None
+    assert pad_token_id(tok) == tok.eos_token_id
+    assert pad_token_id(char_tok) == char_tok.pad_token_id
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_global_batches_do_not_depend_on_world_size(group):
+    lengths = [(i * 37) % 50 + 1 for i in range(23)]
+    plan = global_batches(lengths, 8, seed=3, epoch=1, group_by_length=group)
+    assert len(plan) == 3 and all(len(b) == 8 for b in plan)  # last batch completed by wrap-around
+    assert set(i for b in plan for i in b) == set(range(23))
+    assert plan != global_batches(lengths, 8, seed=3, epoch=2, group_by_length=group)  # reshuffled per epoch
+    for batch in plan:
+        for world, accum in ((1, 1), (2, 1), (2, 2), (4, 2)):
+            parts = [m for r in range(world) for m in micro_batches(batch, lengths, world, r, accum)]
+            assert sorted(i for m in parts for i in m) == sorted(batch)
+            assert len({len(m) for m in parts}) == 1
+
+
+def test_eval_batches_cover_every_example_once():
+    lengths = [5, 1, 9, 3, 3, 7, 2]
+    for world in (1, 2, 3):
+        seen = [i for r in range(world) for b in eval_batches(lengths, 2, world, r) for i in b]
+        assert sorted(seen) == list(range(7))
+
+
+def test_none_label_keeps_the_step_unscored(char_tok):
+    out = tokenize_example({"prompt": "p", "completions": ["a", "b"], "labels": [True, None]}, char_tok)
+    assert [y for y in out["labels"] if y != IGNORE] == [1] and out["steps_kept"] == 2

@@ -1,0 +1,141 @@
+"""Each supported format, parsed from real fixture rows to the expected prompt / steps / labels; row checks."""
+import json
+import math
+import os
+
+import pytest
+
+from prm.formats import detect_format, format_help, label_problem, row_problems, to_stepwise
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def records(name):
+    with open(os.path.join(FIX, name), encoding="utf-8") as f:
+        return json.load(f) if name.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+
+
+def convert(record, fmt, neutral="negative"):
+    rows, problems = to_stepwise(record, fmt, neutral)
+    assert problems == []
+    return rows
+
+
+def test_detection_names_each_format_and_explains_misses():
+    assert detect_format(records("stepwise_train.jsonl")[0]) == "stepwise"
+    assert detect_format(records("math_shepherd.jsonl")[0]) == "math_shepherd"
+    assert detect_format(records("prm800k.jsonl")[0]) == "prm800k"
+    assert detect_format(records("processbench.json")[0]) == "processbench"
+    bad = {"prompt": "p", "completion": ["a"], "labels": [True]}
+    assert detect_format(bad) is None
+    assert "'completion' -> 'completions'" in format_help(bad)
+
+
+def test_stepwise_rows_pass_through():
+    for r in records("stepwise_train.jsonl") + records("stepwise_test.jsonl"):
+        assert convert(r, "stepwise") == [{"prompt": r["prompt"], "completions": r["completions"],
+                                           "labels": r["labels"]}]
+
+
+def test_math_shepherd_real_row():
+    row, = convert(records("math_shepherd.jsonl")[0], "math_shepherd")
+    assert row["prompt"].startswith("Janet pays $40/hour") and row["prompt"].endswith("clarinet lessons in a year?")
+    assert len(row["completions"]) == 5
+    assert row["completions"][0] == ("Step 1: Janet spends 3 hours + 5 hours = <<3+5=8>>8 hours per week on music "
+                                     "lessons.")
+    assert row["completions"][4].endswith("The answer is: 13520")  # no tag, no trailing whitespace
+    assert row["labels"] == [True, True, True, True, False]
+    for r in records("math_shepherd.jsonl"):  # every real row: one label per tag
+        out, = convert(r, "math_shepherd")
+        assert len(out["labels"]) == r["input"].count("ки") == len(out["completions"])
+
+
+def test_math_shepherd_soft_labels_as_a_list():
+    r = {"input": "Q? Step 1: a ки\nStep 2: b ки", "label": [0.625, 1.0]}
+    assert convert(r, "math_shepherd")[0] == {"prompt": "Q?", "completions": ["Step 1: a", "Step 2: b"],
+                                              "labels": [0.625, 1.0]}
+
+
+def test_prm800k_expands_alternatives_and_handles_give_up():
+    recs = records("prm800k.jsonl")
+    give_up = recs[4]  # finish_reason give_up: the last step has `completions: null`
+    assert give_up["label"]["finish_reason"] == "give_up" and give_up["label"]["steps"][-1]["completions"] is None
+    rows = convert(give_up, "prm800k")
+    # 6 rejected alternatives at step 8 (each a row ending there, labeled wrong), then the trajectory with the
+    # labeler's own rewrite (labeled right) in their place; the null step adds nothing
+    assert [len(r["completions"]) for r in rows] == [8] * 6 + [8]
+    assert all(r["labels"] == [True] * 7 + [False] for r in rows[:6])
+    assert rows[-1]["labels"] == [True] * 8
+    assert rows[-1]["completions"][-1] == give_up["label"]["steps"][7]["human_completion"]["text"]
+    assert all(r["prompt"] == give_up["question"]["problem"] for r in rows)
+
+
+def test_prm800k_found_error_is_not_repeated_as_a_bare_prefix():
+    rec = records("prm800k.jsonl")[1]  # found_error: no completion chosen at the last step
+    assert rec["label"]["finish_reason"] == "found_error"
+    rows = convert(rec, "prm800k")
+    assert [len(r["completions"]) for r in rows] == [7, 7, 7, 7]
+    assert [r["labels"][-1] for r in rows] == [False, True, True, True]
+
+
+@pytest.mark.parametrize("neutral, expected", [("negative", False), ("positive", True), ("drop", None)])
+def test_prm800k_neutral_rating(neutral, expected):
+    rec = records("prm800k.jsonl")[1]
+    assert rec["label"]["steps"][1]["completions"][0]["rating"] == 0  # chosen, rated neutral
+    rows = convert(rec, "prm800k", neutral)
+    assert all(r["labels"][1] is expected for r in rows)
+
+
+def test_prm800k_unrated_completions_and_bad_problem_give_no_rows():
+    rec, = records("prm800k_give_up_unrated.jsonl")
+    last = rec["label"]["steps"][-1]["completions"]
+    assert all(c["rating"] is None for c in last)
+    rows = convert(rec, "prm800k")
+    assert max(len(r["completions"]) for r in rows) == len(rec["label"]["steps"]) - 1
+    assert all(y is not None for r in rows for y in r["labels"])
+    bad = dict(rec, label=dict(rec["label"], finish_reason="bad_problem"))
+    assert convert(bad, "prm800k") == []
+
+
+def test_processbench_rows():
+    recs = records("processbench.json")
+    rows = [convert(r, "processbench")[0] for r in recs]
+    for r, out in zip(recs, rows):
+        assert out["prompt"] == r["problem"] and out["completions"] == r["steps"] and out["id"] == r["id"]
+        assert out["first_error"] == r["label"] and out["final_answer_correct"] == r["final_answer_correct"]
+    assert rows[0]["labels"] == [False, None, None, None]  # gsm8k-17: wrong at step 0, nothing known after
+    assert rows[1]["labels"] == [True] * 4 + [False, None, None]  # gsm8k-74: first error at step 4 of 7
+    assert rows[2]["labels"] == [True] * 5  # gsm8k-222: label -1, all correct
+
+
+@pytest.mark.parametrize("y", [True, False, 0, 1, 0.0, 0.5, 1.0, None])
+def test_valid_labels(y):
+    assert label_problem(y) is None
+
+
+@pytest.mark.parametrize("y", ["yes", "[invalid]", "1", 2, -1, 1.5, -0.1, math.nan, [1], {}])
+def test_invalid_labels(y):
+    assert label_problem(y)
+
+
+def test_row_problems_name_the_field():
+    ok = {"prompt": "p", "completions": ["a", "b"], "labels": [True, 0.5]}
+    assert row_problems(ok) == []
+    assert row_problems({**ok, "labels": [True]}) == ["field 'labels': 1 labels for 2 steps"]
+    assert row_problems({**ok, "completions": []})[0].startswith("field 'completions'")
+    assert "step 1 is empty" in row_problems({**ok, "completions": ["a", " "]})[0]
+    assert "step 1 is int" in row_problems({**ok, "completions": ["a", 3]})[0]
+    assert "'yes'" in row_problems({**ok, "labels": [True, "yes"]})[0]
+    assert row_problems({**ok, "labels": [None, None]}) == ["field 'labels': no step is labeled"]
+    chat = [{"role": "user", "content": "hi"}]
+    assert row_problems({**ok, "prompt": chat}) == []
+    assert row_problems({**ok, "prompt": [{"role": "user"}]})[0].startswith("field 'prompt'")
+
+
+def test_hard_labels_become_bools_soft_stay_floats():
+    rows = convert({"prompt": "p", "completions": ["a", "b", "c"], "labels": [1, 0.25, None]}, "stepwise")
+    assert rows[0]["labels"] == [True, 0.25, None] and rows[0]["labels"][0] is True
+
+
+def test_non_object_record():
+    assert to_stepwise([1, 2], "stepwise")[1] == ["expected a JSON object, got list [1, 2]"]

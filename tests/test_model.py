@@ -1,0 +1,95 @@
+"""Loss, metrics and model behaviour on tiny random backbones."""
+import math
+
+import pytest
+import torch
+
+from prm.data import collate, tokenize_example
+from prm.metrics import step_metrics
+from prm.model import build_model, step_loss
+from prm.synthetic import make_rows
+
+
+def test_loss_ignores_unlabeled_positions_and_counts_globally():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 2)
+    labels = torch.full((2, 5), -100.0)
+    labels[0, 2], labels[1, 4] = 1.0, 0.0
+    loss, ce_sum, n_correct = step_loss(logits, labels, 2)
+    other = logits.clone()
+    other[labels == -100] = 50.0  # garbage where nothing is labeled
+    assert torch.allclose(step_loss(other, labels, 2)[0], loss)
+    expected = -(torch.log_softmax(logits[0, 2], -1)[1] + torch.log_softmax(logits[1, 4], -1)[0])
+    assert torch.allclose(ce_sum, expected)
+    assert torch.allclose(step_loss(logits, labels, 8)[0], expected / 8)  # divided by the GLOBAL count
+
+
+def test_soft_label_loss_is_cross_entropy_against_distribution():
+    logits = torch.tensor([[[0.3, -0.2]]])
+    loss, _, _ = step_loss(logits, torch.tensor([[0.25]]), 1)
+    logp = torch.log_softmax(logits[0, 0], -1)
+    assert torch.allclose(loss, -(0.25 * logp[1] + 0.75 * logp[0]))
+
+
+def test_all_unlabeled_batch_gives_zero_loss_not_nan():
+    logits = torch.randn(2, 3, 2, requires_grad=True)
+    loss, ce_sum, n_correct = step_loss(logits, torch.full((2, 3), -100.0), 0)
+    loss.backward()
+    assert loss.item() == 0.0 and not math.isnan(loss.item()) and n_correct.item() == 0
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_step_metrics_hand_computed():
+    probs = [0.9, 0.2, 0.6, 0.4, 0.7]
+    labels = [1, 0, 0, 1, 1.0]
+    m = step_metrics(probs, labels)  # predicted correct: 1,0,1,0,1 -> right on items 0,1,4
+    assert m["step_accuracy"] == pytest.approx(3 / 5) and m["n_steps"] == 5
+    assert m["positive_rate"] == pytest.approx(3 / 5)
+    assert m["precision_0"] == pytest.approx(1 / 2) and m["recall_0"] == pytest.approx(1 / 2)
+    assert m["precision_1"] == pytest.approx(2 / 3) and m["recall_1"] == pytest.approx(2 / 3)
+    # AUROC: positives {0.9, 0.4, 0.7} vs negatives {0.2, 0.6}: 5 of 6 pairs ranked right (0.4 < 0.6)
+    assert m["auroc"] == pytest.approx(5 / 6)
+
+
+def _batch(tok, n=8, seed=1):
+    return collate([tokenize_example(r, tok) for r in make_rows(n, seed)], tok.pad_token_id)
+
+
+def test_overfits_one_small_batch(char_tok):
+    model = build_model("tiny", char_tok, seed=0)
+    b = _batch(char_tok)
+    n = (b["labels"] != -100).sum()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(150):
+        loss, _, n_correct = step_loss(model(b["input_ids"], b["attention_mask"]), b["labels"], n)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1 and n_correct.item() == n.item()
+
+
+def test_gradient_checkpointing_gives_same_gradients(char_tok):
+    b = _batch(char_tok, 4)
+    grads = []
+    for gc in (False, True):
+        model = build_model("tiny", char_tok, seed=0)
+        if gc:
+            model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        loss, _, _ = step_loss(model(b["input_ids"], b["attention_mask"]), b["labels"], 10)
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) < 1e-6
+
+
+def test_padding_does_not_change_scores(char_tok):
+    """Right padding with a causal model: a row's logits are the same alone or next to a longer row."""
+    model = build_model("tiny", char_tok, seed=0).eval()
+    rows = [tokenize_example(r, char_tok) for r in make_rows(2, 5)]
+    alone = collate(rows[:1], char_tok.pad_token_id)
+    padded = collate([rows[0], {**rows[1], "input_ids": rows[1]["input_ids"] * 3, "labels": rows[1]["labels"] * 3}],
+                     char_tok.pad_token_id)
+    with torch.no_grad():
+        a = model(alone["input_ids"], alone["attention_mask"])[0]
+        p = model(padded["input_ids"], padded["attention_mask"])[0, : a.shape[0]]
+    assert torch.allclose(a, p, atol=1e-5)

@@ -1,0 +1,306 @@
+"""Loading local files and directories, the bad-input matrix (exit status 2, row named), soft and chat data, training."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from datasets import Dataset
+
+from prm.config import Config
+from prm.convert import main as convert_main
+from prm.data import IGNORE, collate, normalize_label, tokenize_dataset
+from prm.model import step_loss
+from prm.sources import DataError, load_eval, load_splits, read_rows
+from prm.synthetic import char_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIX = os.path.join(ROOT, "tests", "fixtures")
+BAD = os.path.join(FIX, "bad")
+
+
+def _none_labels_supported():
+    try:
+        return normalize_label(None) == IGNORE
+    except ValueError:
+        return False
+
+
+needs_unlabeled_steps = pytest.mark.skipif(not _none_labels_supported(),
+                                           reason="prm.data.normalize_label must map None (unlabeled step) to -100")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def datasets_cache(tmp_path_factory):
+    """Arrow files of these tests go to a temporary cache, not the user's; caching on, whatever ran before."""
+    import datasets
+    was_on = datasets.is_caching_enabled()
+    datasets.enable_caching()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
+        yield
+    if not was_on:
+        datasets.disable_caching()
+
+
+def cfg_for(dataset, **kw):
+    return Config(dataset=dataset, **kw)
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+@pytest.mark.parametrize("name, fmt, n_rows", [
+    ("stepwise_train.jsonl", "stepwise", 17), ("math_shepherd.jsonl", "math_shepherd", 7),
+    ("prm800k.jsonl", "prm800k", 36), ("processbench.json", "processbench", 5)])
+def test_fixtures_load_with_detected_format(name, fmt, n_rows, capsys):
+    path = os.path.join(FIX, name)
+    train, held = load_splits(cfg_for(path, eval_dataset=path))
+    assert len(train) == len(held) == n_rows
+    assert f"format {fmt} (detected from columns" in capsys.readouterr().err
+    assert {"prompt", "completions", "labels"} <= set(train.column_names)
+    assert train.features["labels"].feature.dtype == "bool"
+
+
+def test_processbench_keeps_benchmark_columns():
+    path = os.path.join(FIX, "processbench.json")
+    ds = load_eval(Config(), path)
+    assert ds["first_error"] == [0, 4, -1, 1, -1] and ds["final_answer_correct"] == [False, False, True, True, True]
+    assert ds["id"][0] == "gsm8k-17" and ds[0]["labels"] == [False, None, None, None]
+
+
+def test_forced_format(capsys):
+    path = os.path.join(FIX, "math_shepherd.jsonl")
+    assert len(read_rows(path, "train", Config(format="math_shepherd"))) == 7
+    assert "forced by --format" in capsys.readouterr().err
+    with pytest.raises(DataError) as e:
+        read_rows(path, "train", Config(format="stepwise"))
+    assert "math_shepherd.jsonl line 1: field 'prompt': missing" in str(e.value)
+
+
+def test_json_parquet_and_directory_read_the_same_rows(tmp_path):
+    rows = read_rows(os.path.join(FIX, "stepwise_train.jsonl"), "train", Config())
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "part.parquet"))
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    assert read_rows(str(tmp_path / "part.parquet"), "train", Config()) == rows
+    assert read_rows(str(tmp_path / "array.json"), "train", Config()) == rows
+    both = read_rows(str(tmp_path), "train", Config())  # the directory: every supported file, sorted by name
+    assert both == rows + rows
+
+
+def test_directory_may_mix_formats(tmp_path):
+    for name in ("math_shepherd.jsonl", "stepwise_train.jsonl"):
+        (tmp_path / name).write_bytes(open(os.path.join(FIX, name), "rb").read())
+    assert len(read_rows(str(tmp_path), "train", Config())) == 7 + 17
+
+
+def test_hub_names_go_through_the_same_checks(monkeypatch, capsys):
+    """No network here: a stand-in for datasets.load_dataset with a train split only."""
+    import prm.sources
+    rows = read_rows(os.path.join(FIX, "stepwise_train.jsonl"), "train", Config())
+    bad = rows[:3] + [{**rows[3], "labels": rows[3]["labels"][:1]}]
+
+    def fake_load(name, config, split):
+        assert config == "main"
+        if split != "train":
+            raise ValueError(f'Unknown split "{split}". Should be one of [\'train\'].')
+        return Dataset.from_list(rows if name == "org/good" else bad)
+
+    monkeypatch.setattr(prm.sources, "load_dataset", fake_load)
+    train, held = load_splits(Config(dataset="org/good", dataset_config="main", eval_fraction=0.2))
+    assert len(train) + len(held) == len(rows) and len(held) > 0  # no test split: a share held out by prompt
+    assert "held out" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"org/bad\[train\] row 3: field 'labels': 1 labels for 2 steps"):
+        load_splits(Config(dataset="org/bad", dataset_config="main"))
+    with pytest.raises(DataError, match="Unknown split"):
+        load_splits(Config(dataset="org/good", dataset_config="main", train_split="nope"))
+
+
+def test_eval_fraction_holds_out_whole_problems(capsys):
+    path = os.path.join(FIX, "prm800k.jsonl")  # 36 rows from 6 problems
+    train, held = load_splits(cfg_for(path, eval_fraction=0.3, seed=1))
+    assert len(train) + len(held) == 36 and len(held) > 0
+    assert not set(train["prompt"]) & set(held["prompt"])
+    assert "held out" in capsys.readouterr().err
+    again = load_splits(cfg_for(path, eval_fraction=0.3, seed=1))[1]
+    assert again["prompt"] == held["prompt"]  # seeded: eval.py rebuilds the same held-out set
+
+
+def test_loaded_data_is_cached_on_disk():
+    path = os.path.join(FIX, "stepwise_train.jsonl")
+    a, b = load_eval(Config(), path), load_eval(Config(), path)
+    assert a.cache_files and a.cache_files == b.cache_files  # file-backed: the tokenization map is cached too
+    tok, cfg = char_tokenizer(), Config()
+    first, _ = tokenize_dataset(a, tok, cfg, is_eval=True)
+    second, _ = tokenize_dataset(b, tok, cfg, is_eval=True)
+    assert first.cache_files == second.cache_files
+
+
+# the bad-input matrix: (file, where the problem is, what the message says)
+MATRIX = [
+    ("missing_column.jsonl", "line 2", "field 'labels': missing"),
+    ("misnamed_column.jsonl", "line 1", "'completion' -> 'completions'"),
+    ("length_mismatch.jsonl", "line 2", "field 'labels': 2 labels for 3 steps"),
+    ("empty_step_list.jsonl", "line 2", "field 'completions': expected a non-empty list"),
+    ("non_string_step.jsonl", "line 2", "field 'completions': step 1 is int"),
+    ("empty_step.jsonl", "line 2", "field 'completions': step 1 is empty"),
+    ("label_string.jsonl", "line 2", "field 'labels': label 1: str 'yes'"),
+    ("label_invalid_marker.jsonl", "line 2", "field 'labels': label 1: str '[invalid]'"),
+    ("label_out_of_range.jsonl", "line 2", "field 'labels': label 0: float 1.5"),
+    ("first_error_out_of_range.json", "row 1", "field 'label': first-error index int 2 is out of range for 2 steps"),
+    ("malformed_json.jsonl", "line 2", "malformed JSON"),
+    ("malformed_json_array.json", "line 3", "malformed JSON: Expecting ',' delimiter"),
+    ("math_shepherd_bad_marks.jsonl", "line 2", "field 'label': does not match 'input' at step 2"),
+    ("prm800k_bad_rating.jsonl", "line 2", "field 'label.steps[0].completions[0].rating'"),
+    ("bad_chat_prompt.jsonl", "line 2", "field 'prompt': a conversational prompt must be"),
+]
+
+FILE_LEVEL = ("misnamed_column.jsonl", "malformed_json_array.json")  # the whole file is unusable: nothing to skip
+
+
+@pytest.mark.parametrize("name, where, message", MATRIX)
+def test_bad_input_exits_2_naming_file_row_and_field(name, where, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        convert_main([os.path.join(BAD, name), str(tmp_path / "out.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{name} {where}: " in err and message in err
+    assert len(err.splitlines()) < 25  # one screen
+
+
+@pytest.mark.parametrize("name, where, message", [m for m in MATRIX if m[0] not in FILE_LEVEL])
+def test_skip_invalid_drops_the_bad_row_and_says_so(name, where, message, capsys):
+    path = os.path.join(BAD, name)
+    rows = read_rows(path, "train", Config(skip_invalid=True))
+    assert len(rows) == (2 if name == "malformed_json.jsonl" else 1)
+    err = capsys.readouterr().err
+    assert "skipped 1 invalid records (--skip-invalid)" in err and where in err
+
+
+def test_bad_input_in_a_subprocess_has_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "prm.convert", os.path.join(BAD, "label_string.jsonl")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "label_string.jsonl line 2: field 'labels'" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.skipif("exit_on_data_error" not in open(os.path.join(ROOT, "train.py")).read(),
+                    reason="train.py does not wrap train() in prm.sources.exit_on_data_error yet")
+def test_train_py_exits_2_on_bad_data():
+    r = subprocess.run([sys.executable, "train.py", "--dataset", os.path.join(BAD, "length_mismatch.jsonl")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "length_mismatch.jsonl line 2" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["stepwise_train.jsonl", "math_shepherd.jsonl", "prm800k.jsonl", "processbench.json"])
+def test_convert_writes_exactly_what_the_trainer_reads(name, tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    convert_main([os.path.join(FIX, name), out])
+    written = [json.loads(line) for line in open(out, encoding="utf-8")]
+    assert written == read_rows(os.path.join(FIX, name), "train", Config())
+    assert read_rows(out, "train", Config()) == written  # and it reads back unchanged as stepwise
+
+
+def test_soft_labels_reach_the_loss_as_floats(tmp_path):
+    path = write_jsonl(tmp_path / "soft.jsonl", [
+        {"prompt": "a", "completions": ["b", "c"], "labels": [0.625, 1]},
+        {"prompt": "d", "completions": ["e"], "labels": [0.25]}])
+    ds = load_eval(Config(), path)
+    assert ds.features["labels"].feature.dtype == "float64" and ds[0]["labels"] == [0.625, 1.0]
+    tok, _ = tokenize_dataset(ds, char_tokenizer(), Config(), is_eval=True)
+    batch = collate(tok.to_list(), 0)
+    targets = batch["labels"][batch["labels"] != IGNORE]
+    assert targets.tolist() == [0.625, 1.0, 0.25]
+    logits = torch.zeros(*batch["labels"].shape, 2)
+    logits[..., 1] = torch.log(torch.tensor(3.0))  # P(correct) = 0.75 everywhere
+    loss, _, _ = step_loss(logits, batch["labels"], 3)
+    p = torch.tensor(0.75)
+    expected = -sum(y * p.log() + (1 - y) * (1 - p).log() for y in (0.625, 1.0, 0.25)) / 3
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)  # a label cast to int would give another value
+
+
+def chat_tokenizer():
+    tok = char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    return tok
+
+
+def test_conversational_prompts_go_through_the_chat_template(tmp_path):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": chat, "completions": ["2+2=4", "so 4"],
+                                                  "labels": [True, False]}])
+    ds = load_eval(Config(), path)
+    assert ds[0]["prompt"] == chat
+    tokenizer = chat_tokenizer()
+    tok, _ = tokenize_dataset(ds, tokenizer, Config(), is_eval=True)
+    assert tokenizer.decode(tok[0]["input_ids"]) == "system: be brief\nuser: 2+2?\nassistant: 2+2=4\nso 4\n"
+
+
+def test_mixed_plain_and_chat_prompts_name_the_row(tmp_path):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [
+        {"prompt": "plain", "completions": ["a"], "labels": [True]},
+        {"prompt": [{"role": "user", "content": "chat"}], "completions": ["a"], "labels": [True]}])
+    with pytest.raises(DataError, match="mixed.jsonl line 2: field 'prompt': plain-text and conversational"):
+        read_rows(path, "train", Config())
+
+
+@needs_unlabeled_steps
+def test_processbench_steps_after_the_first_error_are_unlabeled():
+    ds = load_eval(Config(), os.path.join(FIX, "processbench.json"))
+    tok, report = tokenize_dataset(ds, char_tokenizer(), Config(max_length=4096), is_eval=True)
+    assert report["labeled_steps"] == 1 + 5 + 5 + 2 + 4  # first errors at 0, 4, -1, 1, -1 of 4, 7, 5, 4, 4 steps
+    labeled = [[y for y in row if y != IGNORE] for row in tok["labels"]]
+    assert labeled[0] == [0.0] and labeled[1] == [1.0] * 4 + [0.0]
+
+
+def short_records():
+    """One short file per format, so a training run over all of them stays fast."""
+    return {
+        "a_stepwise.jsonl": [{"prompt": f"start {i}:", "completions": [f"{i}+1={i + 1}", f"{i + 1}+1={i + 3}"],
+                              "labels": [True, False]} for i in range(6)],
+        "b_soft.jsonl": [{"prompt": f"go {i}:", "completions": [f"{i}*2={2 * i}"], "labels": [0.75]} for i in range(4)],
+        "c_shepherd.jsonl": [{"input": f"What is {i}+{i}? Step 1: {i}+{i}={2 * i} ки\nStep 2: so {2 * i} ки",
+                              "label": f"What is {i}+{i}? Step 1: {i}+{i}={2 * i} +\nStep 2: so {2 * i} -"}
+                             for i in range(4)],
+        "d_prm800k.jsonl": [{"question": {"problem": f"What is {i}-1?"}, "label": {"finish_reason": "solution",
+                             "steps": [{"completions": [{"text": f"{i}-1={i - 1}", "rating": 1},
+                                                        {"text": f"{i}-1={i}", "rating": -1}], "chosen_completion": 0},
+                                       {"completions": [{"text": f"so {i - 1}", "rating": 0}], "chosen_completion": 0}]}}
+                            for i in range(4)],
+        **({"e_processbench.json": [{"id": f"pb-{i}", "problem": f"What is {i}*3?", "steps": [f"{i}*3={3 * i + 1}",
+            "so it is"], "label": 0, "final_answer_correct": False} for i in range(4)]}
+           if _none_labels_supported() else {}),
+    }
+
+
+def test_every_format_trains_and_evaluates(tmp_path):
+    from prm.trainer import train
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, rows in short_records().items():
+        (data / name).write_text(json.dumps(rows) if name.endswith(".json") else
+                                 "".join(json.dumps(r) + "\n" for r in rows))
+    cfg = Config(dataset=str(data), eval_fraction=0.3, max_steps=2, batch_size=4, max_length=128,
+                 output_dir=str(tmp_path / "out"), dtype="fp32", log_every=1)
+    final = train(cfg)
+    assert final["train_data"]["examples"] > 0 and final["eval_data"]["labeled_steps"] > 0
+    assert 0.0 <= final["step_accuracy"] <= 1.0
+    losses = [json.loads(line).get("loss") for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert all(torch.isfinite(torch.tensor(x)) for x in losses if x is not None)
+
+
+def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
+    from prm.trainer import train
+    chat_tokenizer().save_pretrained(str(tmp_path / "tok"))
+    rows = [{"prompt": [{"role": "user", "content": f"start {i}:"}], "completions": [f"{i}+1={i + 1}"],
+             "labels": [i % 2 == 0]} for i in range(8)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = Config(dataset=path, eval_dataset=path, tokenizer=str(tmp_path / "tok"), max_steps=1, batch_size=4,
+                 max_length=128, output_dir=str(tmp_path / "out"), dtype="fp32")
+    final = train(cfg)
+    assert final["train_data"]["examples"] == 8 and final["eval_data"]["labeled_steps"] == 8
