@@ -5,6 +5,11 @@ import json
 from dataclasses import dataclass, field, fields
 
 
+def unescape(text: str) -> str:
+    """`--step-separator '\\n'` on a shell means a newline, as it does in TRL's Python config."""
+    return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
+
+
 def _opt(default, help, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -30,7 +35,8 @@ class Config:
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
     # tokenization
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
-    step_separator: str = _opt("\n", "text appended to every step; its last token carries the step's label")
+    step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last token "
+                               "carries the step's label", type=unescape)
     train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label")
     # optimization
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes")
@@ -75,8 +81,8 @@ def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
         if f.type in (bool, "bool"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
         else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(flag, type=typ, default=f.default, **meta)
+            meta.setdefault("type", {"int": int, "float": float, "str": str}.get(f.type, f.type))
+            p.add_argument(flag, default=f.default, **meta)
     return p
 
 
