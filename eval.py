@@ -1,52 +1,131 @@
-"""Evaluate a trained PRM (ours or any HF token classifier with 2 labels); prints one JSON object. Depends on: prm."""
+"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC, as one JSON object. Depends on: prm, transformers."""
 import argparse
 import json
 import os
+import sys
 
 import torch
 
 from prm.config import Config, build_parser
-from prm.data import pad_token_id, tokenize_dataset
-from prm.evaluate import predict
-from prm.metrics import step_metrics
-from prm.model import PRM
-from prm.runtime import autocast_dtype, setup, teardown
-from prm.sources import load_eval
+from prm.evaluate import report, score_batch, true_first_error
+from prm.metrics import first_error, tune_threshold
+from prm.model import PRM, load_tokenizer
+from prm.runtime import autocast_dtype, barrier, setup, teardown
+from prm.sources import exit_on_data_error, load_eval
+
+EXTRA = ("predictions", "processbench", "tune_threshold")
 
 
 def parse_args(argv=None):
-    """Every training flag is accepted; those not given come from the run's saved config beside the model."""
+    """Every training flag is accepted; those not given come from the run's saved config beside the model.
+
+    Returns (config, the eval-only options, the names of the config fields given on the command line)."""
     p = build_parser(Config, description=__doc__)
-    p.set_defaults(**{a.dest: argparse.SUPPRESS for a in p._actions if a.dest != "help"})
-    p.add_argument("--predictions", default="", help="write one JSON line per example with per-step P(correct)")
+    for a in p._actions:  # on the actions, not set_defaults: that would put the SUPPRESS string in the namespace
+        a.default = argparse.SUPPRESS
+        if a.dest == "dataset":
+            a.nargs = "+"
+            a.help = ("one or more sources, each evaluated whole (default: the run's held-out set); several give "
+                      "one block per subset and their mean F1")
+    p.add_argument("--predictions", default="", metavar="OUT_JSONL",
+                   help="write one JSON line per example: id, per-step P(correct), truth, predicted first error")
+    p.add_argument("--processbench", action="store_true",
+                   help="ProcessBench metrics even when the data has no first_error column (taken from the labels)")
+    p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
+                   help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere")
     args = vars(p.parse_args(argv))
-    saved = os.path.join(args["model"], "config.train.json") if "model" in args else ""
-    base = Config.from_dict(json.load(open(saved))) if saved and os.path.isfile(saved) else Config()
-    fields = {k: v for k, v in args.items() if k != "predictions"}
-    cfg = Config.from_dict({**base.__dict__, **fields, "model": args.get("model", base.model)})
-    return cfg, args.get("predictions", ""), fields.get("dataset", "")
+    if "model" not in args:
+        p.error("--model is required: a directory written by train.py or any 2-label token-classification model")
+    opts = {k: args.pop(k) for k in EXTRA}
+    opts["datasets"] = args.pop("dataset", [])
+    saved = os.path.join(args["model"], "config.train.json")
+    base = Config.from_dict(json.load(open(saved))) if os.path.isfile(saved) else Config()
+    if opts["datasets"] and "format" not in args:  # the run's training format says nothing about new files
+        args["format"] = "auto"
+    return Config.from_dict({**base.__dict__, **args}).resolve(), opts, set(args)
+
+
+def load_model(cfg: Config, given: set, device):
+    """The tokenizer saved beside the model wins unless --tokenizer is given; label 1 must mean 'correct'."""
+    from transformers import AutoConfig
+    hf_cfg = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
+        raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
+                         f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+    own = os.path.join(cfg.model, "tokenizer_config.json")
+    name = cfg.tokenizer if cfg.tokenizer and ("tokenizer" in given or not os.path.isfile(own)) else cfg.model
+    tokenizer = load_tokenizer(name, cfg.trust_remote_code)
+    model = PRM.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32)
+    names = {int(i): str(n).lower() for i, n in (hf_cfg.id2label or {}).items()}
+    positive = {"correct", "positive", "good", "+", "true", "yes"}
+    if names.get(0) in positive and names.get(1) not in positive:  # a checkpoint that put 'correct' first
+        with torch.no_grad():
+            model.head.weight.copy_(model.head.weight.flip(0))
+            if model.head.bias is not None:
+                model.head.bias.copy_(model.head.bias.flip(0))
+    return tokenizer, model.to(device)
+
+
+def load_rows(cfg: Config, sources: list, rt) -> dict:
+    """{subset name: rows}; rank 0 loads first so the other ranks read the datasets cache it filled."""
+    if not rt.is_main:
+        barrier(rt)
+    names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
+    names = names if len(set(names)) == len(names) else sources
+    with exit_on_data_error():
+        out = {name: load_eval(cfg, s).to_list() for name, s in zip(names, sources)} if sources else \
+            {"held-out": load_eval(cfg).to_list()}
+    if rt.is_main:
+        barrier(rt)
+    return out
 
 
 def main(argv=None):
-    cfg, predictions_path, whole = parse_args(argv)
+    cfg, opts, given = parse_args(argv)
     rt = setup()
     try:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
-        model = PRM.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32)
-        model.to(rt.device)
-        raw = load_eval(cfg, whole)
-        ds, report = tokenize_dataset(raw, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc)
-        rows = ds.to_list()
-        preds = predict(model, rows, cfg.eval_batch_size or 2 * cfg.batch_size, pad_token_id(tokenizer), rt.device,
-                        autocast_dtype(cfg.dtype, rt.device), rt)
-        out = step_metrics([p for ps, _ in preds for p in ps], [y for _, ys in preds for y in ys], cfg.threshold)
-        out["n_examples"] = len(rows)
+        tokenizer, model = load_model(cfg, given, rt.device)
+        amp = autocast_dtype(cfg.dtype, rt.device)
+        batch_size = cfg.eval_batch_size
+
+        def scores(rows):
+            return score_batch(model, tokenizer, [(r["prompt"], r["completions"]) for r in rows], cfg.step_separator,
+                               cfg.max_length, batch_size, amp, rt, progress=True)
+
+        head = {"threshold": cfg.threshold}
+        if opts["tune_threshold"]:
+            dev = load_rows(cfg, [opts["tune_threshold"]], rt).popitem()[1]
+            kept = [(ps, r) for ps, r in zip(scores(dev), dev) if ps]
+            t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
+            head = {"threshold": t, "threshold_tuned_on": opts["tune_threshold"], "dev_f1": f1}
+        threshold = head["threshold"]
+        blocks, lines = {}, []
+        for name, rows in load_rows(cfg, opts["datasets"], rt).items():
+            pb = opts["processbench"] or cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
+            probs = scores(rows)
+            blocks[name] = report(probs, rows, threshold, pb)
+            for i, (ps, row) in enumerate(zip(probs, rows)):
+                line = {"subset": name, "id": row.get("id", i), "step_probs": ps, "labels": row["labels"]}
+                if pb:
+                    line.update(first_error_pred=first_error(ps, threshold), first_error=true_first_error(row))
+                if row.get("final_answer_correct") is not None:
+                    line["final_answer_correct"] = row["final_answer_correct"]
+                lines.append(line)
+        if len(blocks) == 1:
+            out = {**head, **blocks.popitem()[1]}
+        else:
+            f1s = [b.get("f1") for b in blocks.values()]
+            mean_f1 = sum(f1s) / len(f1s) if all(f is not None for f in f1s) else None
+            out = {**head, "subsets": blocks, "mean_f1": mean_f1}
         if rt.is_main:
-            if predictions_path:
-                with open(predictions_path, "w") as f:
-                    for i, (row, (probs, _)) in enumerate(zip(rows, preds)):
-                        f.write(json.dumps({"id": row.get("id", i), "step_probs": probs}) + "\n")
+            for name, block in ([("", out)] if "subsets" not in out else out["subsets"].items()):
+                if block["examples_truncated"] or block["examples_dropped"]:
+                    print(f"warning: {name or 'data'}: {block['examples_truncated']} examples truncated (their cut "
+                          f"steps are unscored), {block['examples_dropped']} dropped (no step fits); raise "
+                          f"--max-length (now {cfg.max_length})", file=sys.stderr)
+            if opts["predictions"]:
+                with open(opts["predictions"], "w") as f:
+                    f.writelines(json.dumps(line) + "\n" for line in lines)
             print(json.dumps(out), flush=True)
         return out
     finally:

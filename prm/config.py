@@ -31,7 +31,7 @@ class Config:
                               choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")
     num_proc: int = _opt(1, "processes for dataset tokenization")
-    synthetic_size: int = _opt(8000, "rows generated for the synthetic default (10%% of them held out)")
+    synthetic_size: int = _opt(20000, "rows generated for the synthetic default (10%% of them held out)")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
     # tokenization
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
@@ -41,7 +41,7 @@ class Config:
     # optimization
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes")
     epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1")
-    batch_size: int = _opt(8, "examples per device per micro-batch")
+    batch_size: int = _opt(0, "examples per device per micro-batch; 0 = 32 for the 'tiny' preset, else 8")
     grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)")
     lr: float = _opt(0.0, "peak AdamW learning rate; 0 = 1e-3 for the random 'tiny' preset, else 1e-5")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
@@ -62,6 +62,14 @@ class Config:
     keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all")
     resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one")
     trust_remote_code: bool = _opt(False, "allow hub models that run their own code (off: safer)")
+
+    def resolve(self) -> "Config":
+        """Fill the 0 = auto fields, so the saved config says what was actually used."""
+        tiny = self.model == "tiny"
+        self.batch_size = self.batch_size or (32 if tiny else 8)
+        self.lr = self.lr or (1e-3 if tiny else 1e-5)
+        self.eval_batch_size = self.eval_batch_size or 2 * self.batch_size
+        return self
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

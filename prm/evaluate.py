@@ -1,11 +1,11 @@
-"""Batched per-step P(correct) for a tokenized set (sharded over ranks), its metrics, and a scoring API. Depends on: torch, prm.data, prm.metrics, prm.runtime."""
+"""Batched per-step P(correct) (sharded over ranks), a scoring API, and the full metric report of a set. Depends on: torch, tqdm, prm.data, prm.metrics, prm.runtime."""
 import contextlib
 
 import torch
 from tqdm import tqdm
 
-from prm.data import IGNORE, collate, eval_batches, pad_token_id, tokenize_example
-from prm.metrics import step_metrics
+from prm.data import IGNORE, collate, eval_batches, pad_token_id, tokenize_batch
+from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics
 from prm.runtime import Runtime, gather_objects
 
 
@@ -54,10 +54,50 @@ def score(model, tokenizer, prompt, steps: list, step_separator: str = "\n", max
 
 @torch.inference_mode()
 def score_batch(model, tokenizer, solutions: list, step_separator: str = "\n", max_length=None,
-                batch_size: int = 16) -> list:
-    """[(prompt, steps), ...] -> [[P(correct) per step], ...]; steps cut by max_length get no score."""
+                batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(), progress: bool = False) -> list:
+    """[(prompt, steps), ...] -> [[P(correct) per step], ...], every step scored whatever its label.
+
+    Truncation keeps whole steps, so each list is a prefix: steps cut by max_length get no score."""
     device = next(model.parameters()).device
-    rows = [tokenize_example({"prompt": p, "completions": s, "labels": [1] * len(s)}, tokenizer, step_separator,
-                             max_length, is_eval=True) for p, s in solutions]
-    preds = predict(model, rows, batch_size, pad_token_id(tokenizer), device, progress=False)
-    return [p for p, _ in preds]
+    rows = []
+    for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
+        chunk = solutions[start:start + 256]
+        cols = tokenize_batch({"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
+                               "labels": [[1] * len(s) for _, s in chunk]},  # a dummy label marks every step end
+                              tokenizer, step_separator, max_length, is_eval=True)
+        rows += [{"input_ids": ids, "labels": labels} for ids, labels in zip(cols["input_ids"], cols["labels"])]
+    scored = [i for i, r in enumerate(rows) if any(y != IGNORE for y in r["labels"])]  # no step fits: no forward
+    preds = predict(model, [rows[i] for i in scored], batch_size, pad_token_id(tokenizer), device, amp_dtype, rt,
+                    progress)
+    out = [[] for _ in rows]
+    for i, (p, _) in zip(scored, preds):
+        out[i] = p
+    return out
+
+
+def true_first_error(row: dict) -> int:
+    """The row's `first_error` if it has one, else the first step labeled wrong (unlabeled steps skipped), or -1."""
+    if row.get("first_error") is not None:
+        return row["first_error"]
+    return next((i for i, y in enumerate(row["labels"]) if y is not None and y < 0.5), -1)
+
+
+def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: bool = False) -> dict:
+    """Every metric of one set, from each row's scored-step P(correct) (score_batch) and its truth.
+
+    rows: dicts with completions, labels (None = unlabeled step), optionally first_error and final_answer_correct.
+    Unlabeled steps are scored (ProcessBench needs them) but stay out of the step metrics. A row without a single
+    scored step is left out of every metric and counted in examples_dropped; a truncated row (some steps unscored)
+    is kept and its first error is looked for among its scored steps only."""
+    kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
+    pairs = [(p, float(y)) for ps, row in kept for p, y in zip(ps, row["labels"]) if y is not None]
+    out = {"n_examples": len(kept), **step_metrics([p for p, _ in pairs], [y for _, y in pairs], threshold),
+           "examples_dropped": len(rows) - len(kept),
+           "examples_truncated": sum(len(ps) < len(row["completions"]) for ps, row in kept)}
+    if processbench:
+        out.update(processbench_metrics([first_error(ps, threshold) for ps, _ in kept],
+                                        [true_first_error(row) for _, row in kept]))
+    outcomes = [row.get("final_answer_correct") for _, row in kept]
+    if any(y is not None for y in outcomes):
+        out.update(outcome_metrics([ps for ps, _ in kept], outcomes))
+    return out

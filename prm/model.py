@@ -1,4 +1,5 @@
 """PRM = transformers backbone + linear 2-way head; per-step loss; save/load as a standard HF token classifier. Depends on: torch, transformers, safetensors."""
+import json
 import os
 
 import torch
@@ -50,6 +51,14 @@ class PRM(nn.Module):
         return cls(backbone, new_head(backbone.config))
 
 
+def enable_checkpointing(backbone):
+    """Non-reentrant activation checkpointing: works under DDP and with inputs that need no grad."""
+    if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        backbone.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _head_name(hf) -> str:
     """The HF token classifier's output layer: `score` for decoders, `classifier` for BERT/GPT-2."""
     for name, module in hf.named_children():
@@ -82,6 +91,18 @@ def new_head(config) -> nn.Linear:
     nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
     nn.init.zeros_(head.bias)
     return head
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
+    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which re-splits the text."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    saved = os.path.join(name, "tokenizer_config.json")
+    if os.path.isfile(saved):
+        with open(saved) as f:
+            if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                return PreTrainedTokenizerFast.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
 
 
 def tiny_config(vocab_size: int, pad_token_id: int, bos_token_id=None, eos_token_id=None):

@@ -15,19 +15,18 @@ from prm.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prm.config import Config
 from prm.data import IGNORE, collate, global_batches, micro_batches, pad_token_id, tokenize_dataset
 from prm.evaluate import evaluate
-from prm.model import build_model, step_loss
+from prm.model import build_model, enable_checkpointing, load_tokenizer, step_loss
 from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, setup, teardown
 from prm.sources import load_splits
 
 PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
 
 
-def load_tokenizer(cfg: Config):
+def tokenizer_for(cfg: Config):
     if cfg.model == "tiny" and not cfg.tokenizer:
         from prm.synthetic import char_tokenizer
         return char_tokenizer()
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    return load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
 
 
 def lr_lambda(warmup: int, total: int):
@@ -67,10 +66,11 @@ def train(cfg: Config) -> dict:
 
 
 def _train(cfg: Config, rt: Runtime) -> dict:
+    cfg.resolve()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     log = print if rt.is_main else (lambda *a, **k: None)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer_for(cfg)
     pad_id = pad_token_id(tokenizer)
     with _main_first(rt):  # data before model: bad rows are reported at once. Rank 0 fills the datasets cache
         train_raw, eval_raw = load_splits(cfg)
@@ -80,8 +80,8 @@ def _train(cfg: Config, rt: Runtime) -> dict:
     if len(train_ds) == 0:
         raise SystemExit(f"no training example has a labeled step left (max length {cfg.max_length}): see the report")
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code).to(rt.device)
-    if cfg.gradient_checkpointing:  # non-reentrant: works under DDP and with inputs that need no grad
-        model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model.backbone)
     amp_dtype = autocast_dtype(cfg.dtype, rt.device)
     eval_rows = eval_ds.to_list()
     lengths = train_ds["length"]
@@ -90,8 +90,7 @@ def _train(cfg: Config, rt: Runtime) -> dict:
     global_batch = cfg.batch_size * cfg.grad_accum * rt.world_size
     steps_per_epoch = math.ceil(len(train_ds) / global_batch)
     total = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    lr = cfg.lr or (1e-3 if cfg.model == "tiny" else 1e-5)
-    optimizer = make_optimizer(model, cfg, lr, rt.device)
+    optimizer = make_optimizer(model, cfg, cfg.lr, rt.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total))
     scaler = torch.amp.GradScaler(rt.device.type, enabled=amp_dtype == torch.float16)
     step = 0
@@ -105,8 +104,7 @@ def _train(cfg: Config, rt: Runtime) -> dict:
     if rt.distributed:
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     amp = (lambda: torch.autocast(rt.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
-    eval_bs = cfg.eval_batch_size or 2 * cfg.batch_size
-    run_eval = lambda: evaluate(raw_model, eval_rows, eval_bs, pad_id, rt.device, amp_dtype, cfg.threshold, rt)
+    run_eval = lambda: evaluate(raw_model, eval_rows, cfg.eval_batch_size, pad_id, rt.device, amp_dtype, cfg.threshold, rt)
 
     if rt.is_main:
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -118,9 +116,9 @@ def _train(cfg: Config, rt: Runtime) -> dict:
 
     pbar = tqdm(total=total, initial=step, disable=not rt.is_main, desc="train")
     window = torch.zeros(2, device=rt.device)  # (ce sum, correct) since the last log line, summed on device
-    window_labeled, window_tokens, total_tokens, processed_tokens, train_time = 0, 0, 0, 0, 0.0
+    window_labeled, window_tokens, window_time, total_tokens, processed_tokens, train_time = 0, 0, 0.0, 0, 0, 0.0
     plan_epoch, plan = None, None
-    t_window = time.perf_counter()
+    pin = rt.device.type == "cuda"  # page-locked host memory makes the non_blocking copies truly asynchronous
     model.train()
     while step < total:
         t0 = time.perf_counter()
@@ -135,6 +133,7 @@ def _train(cfg: Config, rt: Runtime) -> dict:
                                 for m in micro_batches(batch, lengths, rt.world_size, r, cfg.grad_accum))
         for a, idx in enumerate(micro):
             mb = collate(_rows(train_ds, idx), pad_id)
+            mb = {k: v.pin_memory() for k, v in mb.items()} if pin else mb
             ids, mask = (mb[k].to(rt.device, non_blocking=True) for k in ("input_ids", "attention_mask"))
             labels = mb["labels"].to(rt.device, non_blocking=True)
             last = a == len(micro) - 1
@@ -157,17 +156,19 @@ def _train(cfg: Config, rt: Runtime) -> dict:
         window_tokens += tokens
         total_tokens += tokens
         pbar.update(1)
-        train_time += time.perf_counter() - t0
 
         if step % cfg.log_every == 0 or step == total:
             stats = all_reduce_sum(torch.cat([window, norm.detach().float().view(1)]), rt).tolist()  # one sync
-            elapsed = time.perf_counter() - t_window
+            window_time += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
             rec = {"step": step, "loss": stats[0] / max(window_labeled, 1), "acc": stats[1] / max(window_labeled, 1),
                    "lr": scheduler.get_last_lr()[0], "norm": stats[2] / rt.world_size,
-                   "tok_per_s": window_tokens / elapsed, "epoch": epoch}
+                   "tok_per_s": window_tokens / window_time, "epoch": epoch}
             log_line(rec, pbar, metrics_file)
             window.zero_()
-            window_labeled, window_tokens, t_window = 0, 0, time.perf_counter()
+            train_time += window_time
+            window_labeled, window_tokens, window_time = 0, 0, 0.0
+        else:
+            window_time += time.perf_counter() - t0
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
             m = run_eval()
             log_line({"step": step, **{f"eval_{k}": v for k, v in m.items()}}, pbar, metrics_file)

@@ -6,7 +6,7 @@ import torch
 
 from prm.data import collate, tokenize_example
 from prm.metrics import step_metrics
-from prm.model import build_model, step_loss
+from prm.model import build_model, enable_checkpointing, step_loss
 from prm.synthetic import make_rows
 
 
@@ -70,15 +70,25 @@ def test_overfits_one_small_batch(char_tok):
 
 def test_gradient_checkpointing_gives_same_gradients(char_tok):
     b = _batch(char_tok, 4)
-    grads = []
+    grads, saved = [], []
     for gc in (False, True):
         model = build_model("tiny", char_tok, seed=0)
         if gc:
-            model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model.backbone)
         model.train()
-        loss, _, _ = step_loss(model(b["input_ids"], b["attention_mask"]), b["labels"], 10)
+        nbytes = [0]
+
+        def pack(t):  # count what autograd keeps for backward: checkpointing must shrink it
+            nbytes[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(b["input_ids"], b["attention_mask"])
+        loss, _, _ = step_loss(logits, b["labels"], 10)
         loss.backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        saved.append(nbytes[0])
+    assert saved[1] < saved[0] / 4
     assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) < 1e-6
 
 
