@@ -31,7 +31,7 @@ class Config:
                               choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")
     num_proc: int = _opt(1, "processes for dataset tokenization")
-    synthetic_size: int = _opt(20000, "rows generated for the synthetic default (10%% of them held out)")
+    synthetic_size: int = _opt(32000, "rows generated for the synthetic default (10%% of them held out)")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
     # tokenization
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
