@@ -127,6 +127,7 @@ def main(argv=None):
                 with open(opts["predictions"], "w") as f:
                     f.writelines(json.dumps(line) + "\n" for line in lines)
             print(json.dumps(out), flush=True)
+        barrier(rt)  # no rank tears the process group down while another is still talking to it
         return out
     finally:
         teardown(rt)
