@@ -134,11 +134,11 @@ def step_loss(logits, labels, n_labeled_global):
     labels: (B, T) float, -100 where unlabeled, 0/1 hard or in-between soft. Returns (loss, ce_sum, n_correct);
     ce_sum and n_correct are detached sums for logging. Zero labeled steps give a loss of exactly 0, never NaN."""
     mask = labels != -100  # (B, T)
-    logp = F.log_softmax(logits[mask].float(), dim=-1)  # (N, 2)
-    p = labels[mask]  # (N,)
-    ce = -(p * logp[:, 1] + (1 - p) * logp[:, 0])  # (N,)
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, so no host sync on CUDA
+    p = torch.where(mask, labels, 0.0)  # (B, T)
+    ce = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0)  # (B, T)
     ce_sum = ce.sum()
-    n_correct = ((logp[:, 1] >= logp[:, 0]) == (p >= 0.5)).sum()
+    n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
     n = n_labeled_global.clamp(min=1) if torch.is_tensor(n_labeled_global) else max(n_labeled_global, 1)
     return ce_sum / n, ce_sum.detach(), n_correct
 

@@ -1,0 +1,275 @@
+"""Benchmark the real training loop for a fixed number of steps and print one JSON line. Depends on: torch, datasets, prm.*.
+
+    python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512 --dtype fp32
+
+Every training flag of train.py is accepted (--gradient-checkpointing, --no-group-by-length, --compile, ...).
+One run measures, in this process: the dataset tokenization rate, then prm.trainer.train on the same data (final
+evaluation on a 1% held-out share, kept cheap; its time is not in tokens/s) and prints
+
+  tokens_per_second       non-pad tokens / summed optimizer-step time: the trainer's own figure (its clock stops
+                          after the log-step sync, so queued CUDA kernels are counted)
+  padding_efficiency      non-pad tokens / tokens processed (batch x padded width, summed over micro-batches)
+  peak_memory_mb          CUDA: torch.cuda.max_memory_allocated; CPU: max RSS of this process (ru_maxrss)
+  static_memory_mb        smallest memory right after an optimizer step (weights + grads + optimizer state +
+                          runtime); activation_memory_mb = peak - static: what the forward/backward adds on top.
+                          On CPU, RSS also holds memory the C allocator kept after freeing it: static is then an
+                          upper bound and the activation part a lower bound. For reference: baseline_memory_mb
+                          (before training starts) and model_state_mb = 16 B/parameter (fp32 weights, grads,
+                          AdamW's two moments)
+  mfu                     CUDA only: flops_per_token x tokens/s / bf16 dense peak (--peak-tflops, else by device
+                          name); flops_per_token = 6 x non-embedding parameters (head included) + 12 x layers x
+                          heads x head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the training rows (causal
+                          masking not discounted; recomputation under gradient checkpointing not counted)
+  tokenize_rows_per_second  prm.data.tokenize_dataset on the training split, datasets cache disabled
+
+--repeats N runs N fresh processes (max RSS is process-wide) and prints medians plus every run's values.
+--peer-python PY --peer-script trl_peer.py interleaves a TRL PRMTrainer run (and a timing of its dataset
+tokenization) with each of ours, same model, data, steps, batch and max length, and adds the peer's medians and
+the ratios.
+"""
+import contextlib
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from prm.config import Config, build_parser
+
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script")
+MEASURED = ("tokens_per_second", "padding_efficiency", "peak_memory_mb", "static_memory_mb", "activation_memory_mb",
+            "baseline_memory_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
+
+
+def parser():
+    p = build_parser(Config, description=__doc__.splitlines()[0])
+    p.add_argument("--steps", dest="max_steps", type=int, help="optimizer steps to time (same as --max-steps)")
+    p.add_argument("--repeats", type=int, default=1, help="fresh processes to run; medians are reported")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="device bf16 dense peak for MFU (0: by name)")
+    p.add_argument("--peer-python", default="", help="python of a venv with trl==1.13.0 (runs the TRL peer)")
+    p.add_argument("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
+    p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
+    return p
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_now(device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes()
+
+
+def _peak_memory(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def flops_per_token(model_cfg, lengths: list) -> tuple:
+    """(model FLOPs per trained token, non-embedding parameter count): 6N for the weight matmuls forward and
+    backward, plus 12 x layers x attention width x s_eff for the attention scores and their use."""
+    from transformers import AutoModel
+    with torch.device("meta"):  # counts the real architecture's parameters without allocating them
+        backbone = AutoModel.from_config(model_cfg)
+    embed = sum(p.numel() for m in backbone.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    text = model_cfg.get_text_config()
+    d = text.hidden_size
+    n = sum(p.numel() for p in backbone.parameters()) - embed + 2 * d + 2  # + the 2-way head
+    width = text.num_attention_heads * (getattr(text, "head_dim", None) or d // text.num_attention_heads)
+    s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
+    return 6 * n + 12 * text.num_hidden_layers * width * s_eff, n
+
+
+def _device_peak(device, override: float) -> float:
+    if override:
+        return override * 1e12
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in BF16_PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return 0.0
+
+
+def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
+    """Tokenization rate, then the real training loop; returns the measurement dict."""
+    import datasets
+    from prm.data import tokenize_dataset
+    from prm.sources import load_splits
+    from prm.trainer import tokenizer_for, train
+    cfg = Config(**vars(cfg)).resolve()  # the 0 = auto fields filled in, as train() does
+    datasets.disable_caching()  # both sides tokenize from scratch; nothing is read back from a cache
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    tokenizer = tokenizer_for(cfg)
+    train_raw, _ = load_splits(cfg)
+    t0 = time.perf_counter()
+    tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
+    tok_seconds = time.perf_counter() - t0
+    lengths = tok_ds["length"]
+    if cfg.model == "tiny":
+        from prm.data import pad_token_id
+        from prm.model import tiny_config
+        model_cfg = tiny_config(len(tokenizer), pad_token_id(tokenizer))
+    else:
+        from transformers import AutoConfig
+        model_cfg = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    fpt, n_nonembed = flops_per_token(model_cfg, lengths)
+
+    seen = {"steps": 0, "after_step": [], "params": 0}
+
+    def after_step(optimizer, args, kwargs):  # a global hook: the trainer's code is not touched
+        seen["steps"] += 1
+        if seen["steps"] == 1:
+            seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+        seen["after_step"].append(_memory_now(device))
+
+    baseline = _memory_now(device)  # before train(): interpreter, libraries, tokenizer, raw and tokenized data
+    handle = register_optimizer_step_post_hook(after_step)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cfg = Config(**{**vars(cfg), "output_dir": cfg.output_dir or tmp})
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
+                final = train(run_cfg)
+        finally:
+            handle.remove()
+    if final is None:  # not rank 0 under torchrun: rank 0 reports
+        return None
+    peak = _peak_memory(device)
+    static = min(seen["after_step"]) if seen["after_step"] else 0
+    tps = final["train_tokens_per_second"]
+    out = {
+        "tokens_per_second": round(tps, 1),
+        "padding_efficiency": round(final["padding_efficiency"], 4),
+        "peak_memory_mb": round(peak / 2**20, 1),
+        "memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
+        "static_memory_mb": round(static / 2**20, 1),
+        "activation_memory_mb": round((peak - static) / 2**20, 1),
+        "baseline_memory_mb": round(baseline / 2**20, 1),
+        "model_state_mb": round(16 * seen["params"] / 2**20, 1),
+        "mfu": None,
+        "flops_per_token": round(fpt),
+        "params": seen["params"], "params_non_embedding": n_nonembed,
+        "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
+        "tokenize_tokens_per_second": round(sum(lengths) / tok_seconds, 1),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
+        "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"], "batch_size": cfg.batch_size,
+        "grad_accum": cfg.grad_accum, "max_length": cfg.max_length, "dtype": cfg.dtype,
+        "group_by_length": cfg.group_by_length, "gradient_checkpointing": cfg.gradient_checkpointing,
+        "compile": cfg.compile, "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        peak_flops = _device_peak(device, peak_tflops)
+        out["mfu"] = round(fpt * tps / peak_flops, 4) if peak_flops else None
+        out["peak_tflops"] = peak_flops / 1e12 or None
+    return out
+
+
+PEER_TOKENIZE = r"""
+import sys, time, datasets
+from datasets import features, load_dataset
+from transformers import AutoTokenizer
+from trl.experimental.prm import PRMTrainer
+datasets.disable_caching()
+model, data, max_length = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = AutoTokenizer.from_pretrained(model)
+ds = load_dataset("json", data_files=data, split="train")
+feats = features.Features({"labels": features.Sequence(features.Value("int64")),
+                           "input_ids": features.Sequence(features.Value("int64"))})
+t0 = time.perf_counter()  # the same map call PRMTrainer.__init__ makes
+ds.map(PRMTrainer.tokenize_row, fn_kwargs=dict(tokenizer=tok, step_separator="\n", max_length=max_length,
+       max_completion_length=None, train_on_last_step_only=False, is_eval=False), remove_columns=ds.features,
+       features=feats)
+print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
+"""
+
+
+def _run(cmd: list) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def _peer(a, cfg: Config) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [a.peer_python, a.peer_script, cfg.model, cfg.dataset, tmp, "--steps", str(cfg.max_steps),
+               "--batch", str(cfg.batch_size), "--max-length", str(cfg.max_length)]
+        train_out = _run(cmd + (["--gc"] if cfg.gradient_checkpointing else []))
+    tok_out = _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset, str(cfg.max_length)])
+    return {"tokens_per_second": float(re.search(r"tok_per_s=([\d.]+)", train_out).group(1)),
+            "tokenize_rows_per_second": float(re.search(r"tokenize_rows_per_second=([\d.]+)", tok_out).group(1))}
+
+
+def _strip_bench_flags(argv: list) -> list:
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        name = x.split("=", 1)[0]
+        if name in BENCH_FLAGS:
+            skip = "=" not in x
+            continue
+        out.append(x)
+    return out
+
+
+def repeated(a, cfg: Config, argv: list) -> dict:
+    """Fresh processes, ours and the peer's alternating (first one, then the other) so drift hits both."""
+    child = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv)]
+    if a.peak_tflops:
+        child += ["--peak-tflops", str(a.peak_tflops)]
+    ours, peer = [], []
+    for i in range(a.repeats):
+        jobs = [lambda: ours.append(json.loads(_run(child).strip().splitlines()[-1]))]
+        if a.peer_python:
+            jobs.append(lambda: peer.append(_peer(a, cfg)))
+        for job in (jobs if i % 2 == 0 else jobs[::-1]):
+            job()
+        print(f"run {i + 1}/{a.repeats}: ours {ours[-1]['tokens_per_second']} tok/s"
+              + (f", peer {peer[-1]['tokens_per_second']} tok/s" if peer else ""), file=sys.stderr, flush=True)
+    out = dict(ours[0])
+    for k in MEASURED:
+        if out.get(k) is not None:
+            out[k] = round(statistics.median(r[k] for r in ours), 4)
+    out["repeats"] = a.repeats
+    out["runs_tokens_per_second"] = [r["tokens_per_second"] for r in ours]
+    out["runs_peak_memory_mb"] = [r["peak_memory_mb"] for r in ours]
+    if peer:
+        for k in ("tokens_per_second", "tokenize_rows_per_second"):
+            out[f"peer_{k}"] = round(statistics.median(r[k] for r in peer), 1)
+            out[f"runs_peer_{k}"] = [r[k] for r in peer]
+        out["speedup_tokens_per_second"] = round(out["tokens_per_second"] / out["peer_tokens_per_second"], 3)
+        out["speedup_tokenize"] = round(out["tokenize_rows_per_second"] / out["peer_tokenize_rows_per_second"], 3)
+        if cfg.dtype != "fp32":
+            out["note"] = "the peer always trains in fp32"
+    return out
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parser().parse_args(argv)
+    cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__}).resolve()
+    if a.peer_python and not a.peer_script:
+        raise SystemExit("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
+    if a.repeats > 1 or a.peer_python:
+        out = repeated(a, cfg, argv)
+    else:
+        out = run_once(cfg, a.peak_tflops)
+    if out is not None:
+        print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
