@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from prm.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prm.config import Config
-from prm.data import IGNORE, collate, global_batches, micro_batches, pad_token_id, tokenize_dataset
+from prm.data import collate, global_batches, micro_batches, pad_token_id, tokenize_dataset
 from prm.evaluate import evaluate
 from prm.model import build_model, enable_checkpointing, load_tokenizer, step_loss
 from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, setup, teardown
@@ -55,6 +55,7 @@ def _on_signal(signum, frame):
 
 
 def train(cfg: Config) -> dict:
+    PREEMPTED["signal"] = None
     rt = setup()
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
