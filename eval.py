@@ -10,7 +10,7 @@ from prm.config import Config, build_parser
 from prm.evaluate import report, score_batch, true_first_error
 from prm.metrics import first_error, tune_threshold
 from prm.model import PRM, load_tokenizer
-from prm.runtime import autocast_dtype, barrier, setup, teardown
+from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import exit_on_data_error, load_eval
 
 EXTRA = ("predictions", "processbench", "tune_threshold")
@@ -68,16 +68,11 @@ def load_model(cfg: Config, given: set, device):
 
 def load_rows(cfg: Config, sources: list, rt) -> dict:
     """{subset name: rows}; rank 0 loads first so the other ranks read the datasets cache it filled."""
-    if not rt.is_main:
-        barrier(rt)
     names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
     names = names if len(set(names)) == len(names) else sources
-    with exit_on_data_error():
-        out = {name: load_eval(cfg, s).to_list() for name, s in zip(names, sources)} if sources else \
+    with exit_on_data_error(), main_first(rt):
+        return {name: load_eval(cfg, s).to_list() for name, s in zip(names, sources)} if sources else \
             {"held-out": load_eval(cfg).to_list()}
-    if rt.is_main:
-        barrier(rt)
-    return out
 
 
 def main(argv=None):

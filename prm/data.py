@@ -25,7 +25,10 @@ def prompt_ids(prompt, tokenizer) -> list:
     if isinstance(prompt, list):  # conversational: the template writes its own special tokens
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return with_bos(tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer)
+
+
+def with_bos(ids: list, tokenizer) -> list:
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
 
 
@@ -76,8 +79,7 @@ def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
     texts = (list(batch["prompt"]) if plain else []) + flat
     ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts else []
     if plain:
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        prompts, flat_ids = [bos + x for x in ids[:len(batch["prompt"])]], ids[len(batch["prompt"]):]
+        prompts, flat_ids = [with_bos(x, tokenizer) for x in ids[:len(batch["prompt"])]], ids[len(batch["prompt"]):]
     else:
         prompts, flat_ids = [prompt_ids(p, tokenizer) for p in batch["prompt"]], ids
     out = {"input_ids": [], "labels": [], "steps_kept": [], "length": [], "n_labeled": []}

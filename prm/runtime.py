@@ -1,4 +1,5 @@
 """Device, autocast dtype and torchrun/DDP plumbing shared by training and evaluation. Depends on: torch."""
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -66,3 +67,13 @@ def gather_objects(obj, rt: Runtime) -> list:
 def barrier(rt: Runtime):
     if rt.distributed:
         dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first(rt: Runtime):
+    """Rank 0 runs the block first (filling the datasets cache), then the other ranks run it and read the cache."""
+    if not rt.is_main:
+        barrier(rt)
+    yield
+    if rt.is_main:
+        barrier(rt)

