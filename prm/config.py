@@ -35,6 +35,8 @@ class Config:
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
     # tokenization
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
+    max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, applied "
+                                      "before --max-length; 0: no separate cap")
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last token "
                                "carries the step's label", type=unescape)
     train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label")
@@ -43,7 +45,8 @@ class Config:
     epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1")
     batch_size: int = _opt(0, "examples per device per micro-batch; 0 = 32 for the 'tiny' preset, else 8")
     grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)")
-    lr: float = _opt(0.0, "peak AdamW learning rate; 0 = 1e-3 for the random 'tiny' preset, else 1e-5")
+    lr: float = _opt(0.0, "peak AdamW learning rate; 0 = 1e-3 for the random 'tiny' preset, else 1e-4 "
+                       "with LoRA, 1e-5 without")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     warmup_steps: int = _opt(0, "linear warmup steps, then cosine decay to 10%% of --lr")
     max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables")
@@ -52,6 +55,13 @@ class Config:
     gradient_checkpointing: bool = _opt(False, "recompute backbone activations in backward to save memory")
     group_by_length: bool = _opt(True, "batch similar lengths together (less padding); deterministic from the seed")
     compile: bool = _opt(False, "torch.compile the model")
+    # LoRA: low-rank adapters on the backbone's linear layers; the head stays fully trainable
+    lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)")
+    lora_alpha: float = _opt(0.0, "LoRA scale numerator (update = alpha / r x B A); 0 = 2 x --lora-r")
+    lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input")
+    lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                             "comma-separated glob patterns, matched against a linear layer's full name or its last "
+                             "part (the default covers Llama/Qwen2/Mistral attention and MLP projections)")
     seed: int = _opt(0, "seed for init, data order and dropout")
     # evaluation, logging, checkpoints
     eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)")
@@ -67,7 +77,8 @@ class Config:
         """Fill the 0 = auto fields, so the saved config says what was actually used."""
         tiny = self.model == "tiny"
         self.batch_size = self.batch_size or (32 if tiny else 8)
-        self.lr = self.lr or (1e-3 if tiny else 1e-5)
+        self.lr = self.lr or (1e-3 if tiny else 1e-4 if self.lora_r else 1e-5)
+        self.lora_alpha = self.lora_alpha or 2.0 * self.lora_r
         self.eval_batch_size = self.eval_batch_size or 2 * self.batch_size
         return self
 
