@@ -1,6 +1,7 @@
 """Train a process reward model: `python train.py` (offline default) or `torchrun ... train.py --model ...`. Depends on: prm."""
 import json
 
+from prm.card import launch_command
 from prm.config import parse_config
 from prm.sources import exit_on_data_error
 from prm.trainer import train
@@ -8,7 +9,7 @@ from prm.trainer import train
 if __name__ == "__main__":
     cfg = parse_config()
     with exit_on_data_error():  # bad rows: exit status 2 with a one-screen message, no traceback
-        final = train(cfg)
+        final = train(cfg, launch_command())
     if final is not None:
         summary = {k: v for k, v in final.items() if k not in ("train_data", "eval_data")}
         print(json.dumps(summary), flush=True)

@@ -1,4 +1,4 @@
-"""Atomic training checkpoints (safetensors weights + weights_only state) and finding the newest complete one. Depends on: torch, safetensors, prm.model."""
+"""Atomic training checkpoints (safetensors weights + weights_only state) and finding the newest complete one. Depends on: torch, safetensors, prm.model, prm.lora."""
 import json
 import os
 import random
@@ -6,8 +6,12 @@ import re
 import shutil
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from prm.lora import has_lora, trainable_state_dict
 
 MARKER = "complete.json"  # written last: a directory without it is a crashed save and is never resumed
+TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
 
 
 def rng_state() -> dict:
@@ -30,7 +34,12 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, sca
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if has_lora(model):  # the frozen base is rebuilt from --model on resume: store only what trains
+        os.makedirs(tmp)
+        save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},
+                  os.path.join(tmp, TRAINABLE), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(), "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
     with open(os.path.join(tmp, "config.train.json"), "w") as f:
@@ -66,10 +75,23 @@ def resolve_resume(resume: str, output_dir: str):
     return found[-1] if found else None
 
 
+def load_trainable(model, path: str):
+    """Adapters + head into a model built with the same --model and LoRA flags; any mismatch is an error."""
+    state, expected = load_file(path), set(trainable_state_dict(model))
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise SystemExit(f"{path} does not fit this model (same --model and --lora-* flags as the run?): "
+                         f"missing {missing[:3]}, unexpected {extra[:3]}")
+    model.load_state_dict(state, strict=False)
+
+
 def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
     """Restores everything save_checkpoint wrote; returns the optimizer step to continue from."""
     from prm.model import load_weights
-    load_weights(model, path)
+    if os.path.isfile(os.path.join(path, TRAINABLE)):
+        load_trainable(model, os.path.join(path, TRAINABLE))
+    else:
+        load_weights(model, path)
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

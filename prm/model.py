@@ -1,10 +1,12 @@
-"""PRM = transformers backbone + linear 2-way head; per-step loss; save/load as a standard HF token classifier. Depends on: torch, transformers, safetensors."""
+"""PRM = transformers backbone + linear 2-way head; per-step loss; save/load as a standard HF token classifier. Depends on: torch, transformers, safetensors, prm.lora."""
 import json
 import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from prm.lora import merged_state_dict
 
 ID2LABEL = {0: "incorrect", 1: "correct"}
 
@@ -31,7 +33,8 @@ class PRM(nn.Module):
         cfg.num_labels, cfg.id2label, cfg.label2id = 2, dict(ID2LABEL), {v: k for k, v in ID2LABEL.items()}
         arch, prefix, head_name = hf_names(cfg)
         cfg.architectures = [arch]
-        state = {f"{prefix}.{k}": v for k, v in self.backbone.state_dict().items()}
+        # LoRA adapters are folded in: the file is a plain token classifier, loadable without this code
+        state = {f"{prefix}.{k}": v for k, v in merged_state_dict(self.backbone).items()}
         state.update({f"{head_name}.{k}": v for k, v in self.head.state_dict().items()})
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

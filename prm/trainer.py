@@ -11,10 +11,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from prm.card import config_command, model_card
 from prm.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prm.config import Config
 from prm.data import collate, global_batches, micro_batches, pad_token_id, tokenize_dataset
 from prm.evaluate import evaluate
+from prm.lora import apply_lora, count_parameters
 from prm.model import build_model, enable_checkpointing, load_tokenizer, step_loss
 from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import load_splits
@@ -54,19 +56,20 @@ def _on_signal(signum, frame):
     PREEMPTED["signal"] = signum
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, command: str = "") -> dict:
+    """command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
     PREEMPTED["signal"] = None
     rt = setup()
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _train(cfg, rt)
+        return _train(cfg, rt, command or config_command(cfg))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         teardown(rt)
 
 
-def _train(cfg: Config, rt: Runtime) -> dict:
+def _train(cfg: Config, rt: Runtime, command: str) -> dict:
     cfg.resolve()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -80,7 +83,10 @@ def _train(cfg: Config, rt: Runtime) -> dict:
     log(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
     if len(train_ds) == 0:
         raise SystemExit(f"no training example has a labeled step left (max length {cfg.max_length}): see the report")
-    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code).to(rt.device)
+    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
+    if cfg.lora_r:  # before .to(device) and DDP: DDP must see which parameters train
+        apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    model = model.to(rt.device)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model.backbone)
     amp_dtype = autocast_dtype(cfg.dtype, rt.device)
@@ -112,7 +118,9 @@ def _train(cfg: Config, rt: Runtime) -> dict:
         with open(os.path.join(cfg.output_dir, "config.train.json"), "w") as f:
             f.write(cfg.to_json())
     metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if rt.is_main else None
-    log(f"{sum(p.numel() for p in raw_model.parameters()) / 1e6:.1f}M parameters | {len(train_ds)} train examples | "
+    trainable, n_params = count_parameters(raw_model)
+    log(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable ({100 * trainable / n_params:.2f}%) | "
+        f"{len(train_ds)} train examples | "
         f"global batch {global_batch} | {total} steps | autocast {amp_dtype or 'off'} | world {rt.world_size}")
 
     pbar = tqdm(total=total, initial=step, disable=not rt.is_main, desc="train")
@@ -194,6 +202,8 @@ def _train(cfg: Config, rt: Runtime) -> dict:
         tokenizer.save_pretrained(path)
         with open(os.path.join(path, "config.train.json"), "w") as f:
             f.write(cfg.to_json())
+        with open(os.path.join(path, "README.md"), "w") as f:
+            f.write(model_card(cfg, final, command))
         metrics_file.write(json.dumps({"step": step, "final": final}) + "\n")
         metrics_file.close()
     barrier(rt)

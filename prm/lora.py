@@ -1,0 +1,93 @@
+"""LoRA in plain PyTorch: low-rank adapters on chosen nn.Linear layers, and merging them back for export. Depends on: torch."""
+import fnmatch
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LoRALinear(nn.Linear):
+    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W and b frozen.
+
+    A subclass of nn.Linear that keeps the original `weight`/`bias` parameters, so the frozen tensors keep their
+    state-dict names and a merged export is the plain model's layout. B starts at zero: step 0 equals the base model."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=dev))  # (r, in)
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=dev))  # (out, r)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init, as in the LoRA paper's code
+        self.scale = alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x):
+        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., out) through (..., r)
+        return F.linear(x, self.weight, self.bias) + self.scale * update
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + scale * B A, computed in fp32 whatever the parameters' dtype."""
+        delta = self.lora_B.float() @ self.lora_A.float()  # (out, in)
+        return (self.weight.float() + self.scale * delta).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, r={self.lora_A.shape[0]}, scale={self.scale:g}"
+
+
+def matches(name: str, patterns: list) -> bool:
+    """A glob matches the full module name (`layers.0.self_attn.q_proj`) or its last part (`q_proj`)."""
+    last = name.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
+
+
+def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, targets: str) -> list:
+    """Freezes every backbone parameter and swaps matching nn.Linear layers for LoRALinear, in place.
+
+    Returns the adapted module names. No match is an error: a LoRA run that trains nothing but the head is the
+    silent failure this guards against (GPT-2 style Conv1D layers are not nn.Linear, for instance)."""
+    patterns = [p.strip() for p in targets.split(",") if p.strip()]
+    for p in backbone.parameters():
+        p.requires_grad_(False)
+    linear = [(n, m) for n, m in backbone.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
+    chosen = [(n, m) for n, m in linear if matches(n, patterns)]
+    if not chosen:
+        seen = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
+        raise SystemExit(f"--lora-targets {targets!r} matches no nn.Linear layer of this backbone; its linear "
+                         f"layers end in: {', '.join(seen) or 'none (it uses another layer type)'}")
+    for name, module in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = backbone.get_submodule(parent_name) if parent_name else backbone
+        setattr(parent, child, LoRALinear(module, r, alpha, dropout))
+    return [n for n, _ in chosen]
+
+
+def merged_state_dict(module: nn.Module) -> dict:
+    """The module's state dict with every adapter folded into its weight and the lora_* entries removed."""
+    state = module.state_dict()
+    for name, m in module.named_modules():
+        if isinstance(m, LoRALinear):
+            prefix = f"{name}." if name else ""
+            state[prefix + "weight"] = m.merged_weight().detach()
+            del state[prefix + "lora_A"], state[prefix + "lora_B"]
+    return state
+
+
+def trainable_state_dict(model: nn.Module) -> dict:
+    """Only the parameters that train (adapters and head): what a LoRA checkpoint needs to resume."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def count_parameters(model: nn.Module) -> tuple:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

@@ -1,0 +1,145 @@
+"""LoRA: only adapters and head train, the merged export equals the unmerged model, resume and checkpointing work."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import final_weights, read_metrics, run_train
+from prm.checkpoint import TRAINABLE
+from prm.data import collate, tokenize_example
+from prm.lora import LoRALinear, apply_lora, count_parameters
+from prm.model import PRM, build_model, step_loss
+from prm.synthetic import train_eval_rows
+from prm.trainer import make_optimizer
+
+LORA = dict(lora_r=4, lora_alpha=8.0, lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+
+
+def tiny_lora(char_tok, **kw):
+    model = build_model("tiny", char_tok, seed=0)
+    names = apply_lora(model.backbone, kw.get("r", 4), kw.get("alpha", 8.0), kw.get("dropout", 0.0),
+                       kw.get("targets", LORA["lora_targets"]))
+    return model, names
+
+
+def batch(char_tok, n=8):
+    rows = [tokenize_example(r, char_tok) for r in train_eval_rows(40, seed=1)[0][:n]]
+    return collate(rows, char_tok.pad_token_id)
+
+
+def test_targets_cover_attention_and_mlp_and_freeze_the_rest(char_tok):
+    model, names = tiny_lora(char_tok)
+    assert len(names) == 3 * 7  # 3 layers x (q, k, v, o, gate, up, down)
+    assert all(isinstance(model.backbone.get_submodule(n), LoRALinear) for n in names)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"backbone.{n}.lora_{x}" for n in names for x in "AB"} | {"head.weight", "head.bias"}
+    n_train, n_total = count_parameters(model)
+    assert 0 < n_train < n_total
+    _, only_q = tiny_lora(char_tok, targets="layers.0.*.q_proj")  # a glob on the full name
+    assert only_q == ["layers.0.self_attn.q_proj"]
+
+
+def test_targets_that_match_nothing_are_an_error(char_tok):
+    model = build_model("tiny", char_tok, seed=0)
+    with pytest.raises(SystemExit, match="matches no nn.Linear layer.*q_proj"):
+        apply_lora(model.backbone, 4, 8.0, 0.0, "c_attn")
+
+
+def test_fresh_adapters_leave_the_model_unchanged(char_tok):
+    b = batch(char_tok)
+    base = build_model("tiny", char_tok, seed=0).eval()
+    model, _ = tiny_lora(char_tok)
+    with torch.no_grad():
+        assert torch.equal(base(b["input_ids"], b["attention_mask"]), model.eval()(b["input_ids"], b["attention_mask"]))
+
+
+def test_only_adapters_and_head_change(char_tok):
+    model, _ = tiny_lora(char_tok)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    from prm.config import Config
+    opt = make_optimizer(model, Config(weight_decay=0.1), 1e-2, torch.device("cpu"))
+    b = batch(char_tok)
+    for _ in range(3):
+        logits = model(b["input_ids"], b["attention_mask"])  # (B, T, 2)
+        loss, _, _ = step_loss(logits, b["labels"], int((b["labels"] != -100).sum()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert changed == trainable  # every adapter and the head moved; every frozen tensor is bit-identical
+    state_params = {id(p) for p in opt.state}
+    assert state_params == {id(p) for p in model.parameters() if p.requires_grad}  # no Adam state for frozen ones
+
+
+def test_merged_export_equals_unmerged_logits(char_tok, tmp_path):
+    from transformers import AutoModelForTokenClassification
+    model, _ = tiny_lora(char_tok)
+    torch.manual_seed(3)
+    with torch.no_grad():  # trained-looking adapters: B != 0, so merging really changes the weights
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.normal_(std=0.05)
+    b = batch(char_tok)
+    model.eval()
+    with torch.no_grad():
+        unmerged = model(b["input_ids"], b["attention_mask"])  # (B, T, 2)
+        model.save_pretrained(str(tmp_path))
+        hf = AutoModelForTokenClassification.from_pretrained(str(tmp_path)).eval()
+        merged = hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # (B, T, 2)
+        ours = PRM.from_pretrained(str(tmp_path)).eval()(b["input_ids"], b["attention_mask"])
+    mask = b["attention_mask"].bool()
+    assert not any("lora" in k for k in load_file(str(tmp_path / "model.safetensors")))
+    assert (merged - unmerged)[mask].abs().max().item() <= 1e-4
+    assert (ours - unmerged)[mask].abs().max().item() <= 1e-4
+    base = build_model("tiny", char_tok, seed=0).eval()
+    with torch.no_grad():
+        assert (base(b["input_ids"], b["attention_mask"]) - unmerged)[mask].abs().max().item() > 1e-3
+
+
+def test_lora_run_checkpoints_only_what_trains_and_exports_merged(char_tok, tmp_path):
+    run_train(tmp_path, max_steps=4, save_every=4, **LORA)
+    saved = load_file(str(tmp_path / "checkpoint-4" / TRAINABLE))
+    assert not os.path.exists(tmp_path / "checkpoint-4" / "model.safetensors")
+    assert set(saved) == {k for k in saved if ".lora_" in k} | {"head.weight", "head.bias"}
+    assert len(saved) == 2 + 2 * 21
+    # final/ is merged: W_final = W_base + scale * B A for adapted layers, untouched tensors are the base's exactly
+    base = {k: v for k, v in build_model("tiny", char_tok, seed=0).backbone.state_dict().items()}
+    final = final_weights(tmp_path)
+    for key, w in base.items():
+        out = final[f"model.{key}"]
+        adapter = f"backbone.{key[:-len('.weight')]}.lora_A"
+        if adapter in saved:
+            a, b = saved[adapter], saved[adapter.replace("lora_A", "lora_B")]
+            assert torch.allclose(out, w + 2.0 * b @ a, atol=1e-6)
+            assert not torch.equal(out, w)
+        else:
+            assert torch.equal(out, w), key
+    assert torch.equal(final["score.weight"], saved["head.weight"])
+
+
+def test_lora_resume_is_exact(tmp_path):
+    run_train(tmp_path / "full", max_steps=6, save_every=3, keep_last=0, dtype="bf16", **LORA)
+    run_train(tmp_path / "resumed", max_steps=6, dtype="bf16", resume=str(tmp_path / "full" / "checkpoint-3"), **LORA)
+    losses = lambda out: {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6] and all(full[s] == resumed[s] for s in resumed)
+    a, b = final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_other_lora_flags_is_refused(tmp_path):
+    run_train(tmp_path, max_steps=2, save_every=2, **LORA)
+    with pytest.raises(SystemExit, match="does not fit this model"):
+        run_train(tmp_path, max_steps=4, resume="auto", **{**LORA, "lora_targets": "q_proj"})
+
+
+def test_lora_with_gradient_checkpointing_and_bf16(tmp_path):
+    run_train(tmp_path / "plain", max_steps=3, **LORA)
+    run_train(tmp_path / "gc", max_steps=3, gradient_checkpointing=True, **LORA)
+    plain = [r["loss"] for r in read_metrics(tmp_path / "plain") if "loss" in r]
+    gc = [r["loss"] for r in read_metrics(tmp_path / "gc") if "loss" in r]
+    assert plain == pytest.approx(gc, rel=1e-6)
+    final = run_train(tmp_path / "bf16", max_steps=2, dtype="bf16", lora_dropout=0.1, **LORA)
+    assert 0.0 <= final["step_accuracy"] <= 1.0
