@@ -7,7 +7,8 @@ import sys
 import torch
 
 from prm.config import Config, build_parser
-from prm.evaluate import report, score_batch, true_first_error
+from prm.data import IGNORE, check_tokenized, cut_tokenized, pad_token_id
+from prm.evaluate import predict, report, score_batch, true_first_error
 from prm.metrics import first_error, tune_threshold
 from prm.model import PRM, load_tokenizer
 from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown
@@ -66,13 +67,25 @@ def load_model(cfg: Config, given: set, device):
     return tokenizer, model.to(device)
 
 
-def load_rows(cfg: Config, sources: list, rt) -> dict:
-    """{subset name: rows}; rank 0 loads first so the other ranks read the datasets cache it filled."""
+def load_rows(cfg: Config, sources: list, rt, tokenizer) -> dict:
+    """{subset name: rows}; rank 0 loads first so the other ranks read the datasets cache it filled.
+
+    Pre-tokenized rows are checked against the tokenizer, then read as steps (as_steps)."""
     names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
     names = names if len(set(names)) == len(names) else sources
     with exit_on_data_error(), main_first(rt):
-        return {name: load_eval(cfg, s).to_list() for name, s in zip(names, sources)} if sources else \
-            {"held-out": load_eval(cfg).to_list()}
+        sets = {name: load_eval(cfg, s) for name, s in zip(names, sources)} if sources else \
+            {"held-out": load_eval(cfg)}
+        for ds in sets.values():
+            if "input_ids" in ds.column_names:
+                check_tokenized(ds, tokenizer, cfg)
+        return {name: [as_steps(r) if "input_ids" in r else r for r in ds.to_list()] for name, ds in sets.items()}
+
+
+def as_steps(row: dict) -> dict:
+    """A pre-tokenized row as report() reads it: its labeled positions are its steps."""
+    labels = [y for y in row["labels"] if y != IGNORE]
+    return {**row, "token_labels": row["labels"], "labels": labels, "completions": [None] * len(labels)}
 
 
 def main(argv=None):
@@ -84,18 +97,24 @@ def main(argv=None):
         batch_size = cfg.eval_batch_size
 
         def scores(rows):
+            if rows and "input_ids" in rows[0]:  # pre-tokenized: cut at --max-length as in training
+                cut = cut_tokenized({"input_ids": [r["input_ids"] for r in rows],
+                                     "labels": [r["token_labels"] for r in rows]}, cfg.max_length, is_eval=True)
+                tok = [{"input_ids": i, "labels": y} for i, y in zip(cut["input_ids"], cut["labels"])]
+                return [ps for ps, _ in predict(model, tok, batch_size, pad_token_id(tokenizer), rt.device, amp, rt)]
             return score_batch(model, tokenizer, [(r["prompt"], r["completions"]) for r in rows], cfg.step_separator,
-                               cfg.max_length, batch_size, amp, rt, progress=True)
+                               cfg.max_length, batch_size, amp, rt, progress=True,
+                               max_completion_length=cfg.max_completion_length)
 
         head = {"threshold": cfg.threshold}
         if opts["tune_threshold"]:
-            dev = load_rows(cfg, [opts["tune_threshold"]], rt).popitem()[1]
+            dev = load_rows(cfg, [opts["tune_threshold"]], rt, tokenizer).popitem()[1]
             kept = [(ps, r) for ps, r in zip(scores(dev), dev) if ps]
             t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
             head = {"threshold": t, "threshold_tuned_on": opts["tune_threshold"], "dev_f1": f1}
         threshold = head["threshold"]
         blocks, lines = {}, []
-        for name, rows in load_rows(cfg, opts["datasets"], rt).items():
+        for name, rows in load_rows(cfg, opts["datasets"], rt, tokenizer).items():
             pb = opts["processbench"] or cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
             probs = scores(rows)
             blocks[name] = report(probs, rows, threshold, pb)
@@ -117,7 +136,8 @@ def main(argv=None):
                 if block["examples_truncated"] or block["examples_dropped"]:
                     print(f"warning: {name or 'data'}: {block['examples_truncated']} examples truncated (their cut "
                           f"steps are unscored), {block['examples_dropped']} dropped (no step fits); raise "
-                          f"--max-length (now {cfg.max_length})", file=sys.stderr)
+                          f"--max-length (now {cfg.max_length})" + (f" or --max-completion-length (now "
+                          f"{cfg.max_completion_length})" if cfg.max_completion_length else ""), file=sys.stderr)
             if opts["predictions"]:
                 with open(opts["predictions"], "w") as f:
                     f.writelines(json.dumps(line) + "\n" for line in lines)

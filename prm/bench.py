@@ -14,8 +14,10 @@ evaluation on a 1% held-out share, kept cheap; its time is not in tokens/s) and 
                           runtime); activation_memory_mb = peak - static: what the forward/backward adds on top.
                           On CPU, RSS also holds memory the C allocator kept after freeing it: static is then an
                           upper bound and the activation part a lower bound. For reference: baseline_memory_mb
-                          (before training starts) and model_state_mb = 16 B/parameter (fp32 weights, grads,
-                          AdamW's two moments)
+                          (before training starts) and model_state_mb = 16 B per trainable parameter (fp32
+                          weights, grads, AdamW's two moments) + 4 B per frozen one (LoRA)
+  optimizer_state_mb      measured: bytes of the optimizer's state tensors after the first step (AdamW: 8 B per
+                          trainable parameter), the figure LoRA shrinks
   mfu                     CUDA only: flops_per_token x tokens/s / bf16 dense peak (--peak-tflops, else by device
                           name); flops_per_token = 6 x non-embedding parameters (head included) + 12 x layers x
                           heads x head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the training rows (causal
@@ -46,7 +48,7 @@ from prm.config import Config, build_parser
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script")
 MEASURED = ("tokens_per_second", "padding_efficiency", "peak_memory_mb", "static_memory_mb", "activation_memory_mb",
-            "baseline_memory_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
+            "baseline_memory_mb", "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
 
 
 def parser():
@@ -124,6 +126,10 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         from transformers import AutoConfig
         model_cfg = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     fpt, n_nonembed = flops_per_token(model_cfg, lengths)
+    from transformers import AutoModel
+    with torch.device("meta"):  # counts parameters without allocating them
+        backbone = AutoModel.from_config(model_cfg)
+    n_total = sum(p.numel() for p in backbone.parameters()) + 2 * (model_cfg.get_text_config().hidden_size + 1)
 
     seen = {"steps": 0, "after_step": [], "params": 0}
 
@@ -131,6 +137,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         seen["steps"] += 1
         if seen["steps"] == 1:
             seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+            seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values() for t in st.values()
+                                          if torch.is_tensor(t))
         seen["after_step"].append(_memory_now(device))
 
     baseline = _memory_now(device)  # before train(): interpreter, libraries, tokenizer, raw and tokenized data
@@ -155,10 +163,11 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "static_memory_mb": round(static / 2**20, 1),
         "activation_memory_mb": round((peak - static) / 2**20, 1),
         "baseline_memory_mb": round(baseline / 2**20, 1),
-        "model_state_mb": round(16 * seen["params"] / 2**20, 1),
+        "model_state_mb": round((16 * seen["params"] + 4 * (n_total - seen["params"])) / 2**20, 1),
+        "optimizer_state_mb": round(seen["optimizer_bytes"] / 2**20, 1),
         "mfu": None,
         "flops_per_token": round(fpt),
-        "params": seen["params"], "params_non_embedding": n_nonembed,
+        "params": n_total, "trainable_params": seen["params"], "params_non_embedding": n_nonembed,
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
         "tokenize_tokens_per_second": round(sum(lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",

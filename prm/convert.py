@@ -13,7 +13,8 @@ from prm.sources import exit_on_data_error, read_rows
 def main(argv=None):
     opts = {f.name: f for f in dataclasses.fields(Config)}
     p = argparse.ArgumentParser(description="Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, "
-                                            "labels; null = unlabeled step), validating every row.")
+                                            "labels; null = unlabeled step), validating every row. Pre-tokenized rows "
+                                            "(input_ids, labels) pass through validated, right padding stripped.")
     p.add_argument("input", help=opts["dataset"].metadata["help"].replace("'synthetic', ", ""))
     p.add_argument("output", nargs="?", default="-", help="output .jsonl file; '-' (default) writes to stdout")
     for name in ("format", "neutral_label"):
@@ -31,6 +32,7 @@ def main(argv=None):
     try:
         with (contextlib.nullcontext(sys.stdout) if a.output == "-" else open(a.output, "w", encoding="utf-8")) as out:
             for row in rows:
+                row.pop("where", None)  # a pre-tokenized row's source line: the output is a source of its own
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
     except BrokenPipeError:  # `| head` closed stdout early: that is fine, and Python must not complain at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,10 +1,10 @@
-"""Step-label tokenization, padding, and deterministic (length-grouped) batch plans. Depends on: torch, datasets."""
+"""Step-label tokenization (or the cut of pre-tokenized rows), padding, and deterministic (length-grouped) batch plans. Depends on: torch, datasets, prm.formats."""
 import math
 import random
 
 import torch
 
-IGNORE = -100  # label of every position that is not the end of a step
+from prm.formats import IGNORE  # label of every position that is not the end of a step
 
 
 def normalize_label(label):
@@ -40,10 +40,11 @@ def separator_ids(tokenizer, step_separator: str) -> list:
 
 
 def assemble(prompt: list, steps: list, sep: list, labels: list, max_length=None,
-             train_on_last_step_only=False, is_eval=False) -> dict:
+             train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
     """Concatenate already-tokenized pieces; the label sits on each step's last separator token.
 
-    Truncation drops whole steps from the end, so a label never slides onto another token."""
+    Truncation drops whole steps from the end, so a label never slides onto another token: first those past
+    max_completion_length tokens of steps (0/None: no cap), then those past max_length tokens in all."""
     labels = [normalize_label(x) for x in labels]
     if len(steps) != len(labels):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
@@ -52,6 +53,8 @@ def assemble(prompt: list, steps: list, sep: list, labels: list, max_length=None
     input_ids, out_labels, steps_kept = list(prompt), [IGNORE] * len(prompt), 0
     for step, label in zip(steps, labels):
         piece = step + sep
+        if max_completion_length and len(input_ids) - len(prompt) + len(piece) > max_completion_length:
+            break
         if max_length is not None and len(input_ids) + len(piece) > max_length:
             break
         input_ids += piece
@@ -63,15 +66,15 @@ def assemble(prompt: list, steps: list, sep: list, labels: list, max_length=None
 
 
 def tokenize_example(example, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
-                     is_eval=False) -> dict:
+                     is_eval=False, max_completion_length=None) -> dict:
     """One row {prompt, completions, labels} -> {input_ids, labels, steps_kept}; plain lists, no model needed."""
     steps = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in example["completions"]]
     return assemble(prompt_ids(example["prompt"], tokenizer), steps, separator_ids(tokenizer, step_separator),
-                    example["labels"], max_length, train_on_last_step_only, is_eval)
+                    example["labels"], max_length, train_on_last_step_only, is_eval, max_completion_length)
 
 
 def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
-                   is_eval=False) -> dict:
+                   is_eval=False, max_completion_length=None) -> dict:
     """Column-batch version of tokenize_example for datasets.map: one tokenizer call for all prompts and steps."""
     sep = separator_ids(tokenizer, step_separator)
     flat = [s for steps in batch["completions"] for s in steps]
@@ -86,7 +89,7 @@ def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
     start = 0
     for prompt, steps, labels in zip(prompts, batch["completions"], batch["labels"]):
         row = assemble(prompt, flat_ids[start:start + len(steps)], sep, labels, max_length,
-                       train_on_last_step_only, is_eval)
+                       train_on_last_step_only, is_eval, max_completion_length)
         start += len(steps)
         # ints and floats mixed: the float32 feature in tokenize_dataset makes one arrow type for hard and soft labels
         row["length"], row["n_labeled"] = len(row["input_ids"]), len(row["labels"]) - row["labels"].count(IGNORE)
@@ -108,22 +111,72 @@ def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:
 
 
 def tokenize_dataset(ds, tokenizer, cfg, is_eval: bool, num_proc: int = 1, desc: str = "tokenize"):
-    """datasets.map(tokenize_batch) then drop rows with no labeled step. Returns (dataset, report dict)."""
+    """datasets.map(tokenize_batch), or cut_tokenized for pre-tokenized rows, then drop rows with no labeled step.
+    Returns (dataset, report dict)."""
     import pyarrow.compute as pc
     from datasets import Features, Sequence, Value
     features = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
                          "steps_kept": Value("int32"), "length": Value("int32"), "n_labeled": Value("int32"),
                          **{k: v for k, v in ds.features.items() if k == "id"}})
-    kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
-                  train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
-    n_steps_in = pc.sum(pc.list_value_length(ds.with_format("arrow")["completions"])).as_py() or 0
-    tok = ds.map(tokenize_batch, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
+    table = ds.with_format("arrow")
+    if "input_ids" in ds.column_names:  # pre-tokenized: its labeled positions are its steps
+        check_tokenized(ds, tokenizer, cfg)
+        fn, kwargs, fingerprint = cut_tokenized, dict(max_length=cfg.max_length, is_eval=is_eval,
+                                                      train_on_last_step_only=cfg.train_on_last_step_only), None
+        n_steps_in = pc.sum(pc.not_equal(pc.list_flatten(table["labels"]), IGNORE)).as_py() or 0
+    else:
+        fn = tokenize_batch
+        kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
+                      max_completion_length=cfg.max_completion_length,
+                      train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
+        fingerprint = map_fingerprint(ds, tokenizer, kwargs)
+        n_steps_in = pc.sum(pc.list_value_length(table["completions"])).as_py() or 0
+    tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
                  remove_columns=[c for c in ds.column_names if c != "id"], num_proc=num_proc if num_proc > 1 else None,
-                 desc=desc, new_fingerprint=map_fingerprint(ds, tokenizer, kwargs))
+                 desc=desc, new_fingerprint=fingerprint)
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True,
                       desc="drop unlabeled")
     report = dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
     return kept, report
+
+
+def check_tokenized(ds, tokenizer, cfg):
+    """Raise DataError for pre-tokenized rows the run cannot use: ids past the tokenizer's vocabulary (data
+    tokenized with another tokenizer would fail inside the embedding), or a --max-completion-length to apply."""
+    import pyarrow.compute as pc
+    from prm.sources import DataError
+    if cfg.max_completion_length:
+        raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows carry no "
+                         "prompt/step boundary to apply it to; set it to 0 and cap them with --max-length"])
+    n_vocab, bad, offset = len(tokenizer), [], 0
+    for chunk in ds.with_format("arrow")["input_ids"].chunks:  # parent indices count from each chunk's start
+        over = pc.filter(pc.list_parent_indices(chunk), pc.greater_equal(pc.list_flatten(chunk), n_vocab))
+        bad += [offset + i for i in pc.unique(over).to_pylist()]
+        offset += len(chunk)
+    if bad:
+        where = ds["where"] if "where" in ds.column_names else [f"row {i}" for i in range(len(ds))]
+        raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is out of the "
+                         f"tokenizer's {n_vocab} tokens: was it tokenized with another tokenizer?" for i in bad])
+
+
+def cut_tokenized(batch: dict, max_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
+    """Pre-tokenized rows (labels: -100 or a step's label) cut after max_length tokens, as tokenize_batch returns.
+
+    The model is causal, so cutting the tail never changes what an earlier label means; labels past the cut are lost.
+    steps_kept counts the labeled positions kept, before train_on_last_step_only hides all but the last."""
+    out = {"input_ids": [], "labels": [], "steps_kept": [], "length": [], "n_labeled": []}
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        ids, cut = ids[:max_length], labels[:max_length]  # a None max_length keeps everything
+        steps_kept = len(cut) - cut.count(IGNORE)
+        if train_on_last_step_only and not is_eval:  # the row's last label, wherever the cut leaves it
+            last = max((i for i, y in enumerate(labels) if y != IGNORE), default=-1)
+            cut = [y if i == last else IGNORE for i, y in enumerate(cut)]
+        out["input_ids"].append(ids)
+        out["labels"].append(cut)
+        out["steps_kept"].append(steps_kept)
+        out["length"].append(len(ids))
+        out["n_labeled"].append(len(cut) - cut.count(IGNORE))
+    return out
 
 
 def dataset_report(tok, n_rows_in: int, n_steps_in: int) -> dict:

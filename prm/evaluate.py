@@ -47,24 +47,29 @@ def evaluate(model, rows, batch_size: int, pad_id: int, device, amp_dtype=None, 
 
 
 @torch.inference_mode()
-def score(model, tokenizer, prompt, steps: list, step_separator: str = "\n", max_length=None) -> list:
+def score(model, tokenizer, prompt, steps: list, step_separator: str = "\n", max_length=None,
+          max_completion_length=None) -> list:
     """P(correct) for each step of one solution, tokenized exactly as in training."""
-    return score_batch(model, tokenizer, [(prompt, steps)], step_separator, max_length)[0]
+    return score_batch(model, tokenizer, [(prompt, steps)], step_separator, max_length,
+                       max_completion_length=max_completion_length)[0]
 
 
 @torch.inference_mode()
 def score_batch(model, tokenizer, solutions: list, step_separator: str = "\n", max_length=None,
-                batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(), progress: bool = False) -> list:
+                batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(), progress: bool = False,
+                max_completion_length=None) -> list:
     """[(prompt, steps), ...] -> [[P(correct) per step], ...], every step scored whatever its label.
 
-    Truncation keeps whole steps, so each list is a prefix: steps cut by max_length get no score."""
+    Truncation keeps whole steps, so each list is a prefix: steps cut by max_completion_length or max_length get
+    no score."""
     device = next(model.parameters()).device
     rows = []
     for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
         chunk = solutions[start:start + 256]
         cols = tokenize_batch({"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
                                "labels": [[1] * len(s) for _, s in chunk]},  # a dummy label marks every step end
-                              tokenizer, step_separator, max_length, is_eval=True)
+                              tokenizer, step_separator, max_length, is_eval=True,
+                              max_completion_length=max_completion_length)
         rows += [{"input_ids": ids, "labels": labels} for ids, labels in zip(cols["input_ids"], cols["labels"])]
     scored = [i for i, r in enumerate(rows) if any(y != IGNORE for y in r["labels"])]  # no step fits: no forward
     preds = predict(model, [rows[i] for i in scored], batch_size, pad_token_id(tokenizer), device, amp_dtype, rt,

@@ -1,13 +1,15 @@
-"""Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels) and check them. Depends on: stdlib only."""
+"""Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels), or pre-tokenized ones (input_ids, labels), and check them. Depends on: stdlib only."""
 import difflib
 
 # columns that identify each format, in detection order (first match wins)
 FORMATS = {
+    "pretokenized": ("input_ids", "labels"),  # used as is: labels per token, -100 where no step ends
     "stepwise": ("prompt", "completions", "labels"),
     "processbench": ("problem", "steps", "label"),
     "prm800k": ("question", "label"),  # label is a dict: {"steps": [...], "finish_reason": ...}
     "math_shepherd": ("input", "label"),  # label is text: `input` with +/- in place of each step tag
 }
+IGNORE = -100  # the label of a token that ends no step (prm.data puts it on every such position)
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
 # A label of None marks a step kept as context but not scored (ProcessBench after the first error, dropped neutrals).
@@ -152,8 +154,15 @@ def from_processbench(r: dict, neutral: str) -> list:
     return [{"prompt": _need(r, "problem"), "completions": steps, "labels": labels, **extra}]
 
 
-CONVERTERS = {"stepwise": from_stepwise, "processbench": from_processbench, "prm800k": from_prm800k,
-              "math_shepherd": from_math_shepherd}
+def from_pretokenized(r: dict, neutral: str) -> list:
+    row = {"input_ids": _need(r, "input_ids"), "labels": _need(r, "labels")}
+    if r.get("attention_mask") is not None:
+        row["attention_mask"] = r["attention_mask"]
+    return [row]
+
+
+CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise, "processbench": from_processbench,
+              "prm800k": from_prm800k, "math_shepherd": from_math_shepherd}
 
 
 def label_problem(y):
@@ -205,18 +214,77 @@ def _clean(row: dict) -> dict:
     return row
 
 
+def token_label_problem(y):
+    """Why y is not a pre-tokenized label (-100 = none, bool, 0/1, float in [0, 1]), or None when it is one."""
+    if type(y) in (int, float) and y == IGNORE:
+        return None
+    problem = label_problem(y) if y is not None else "null is not a label"
+    return problem and f"{problem}, nor -100 (no label)"
+
+
+def token_problems(row: dict) -> list:
+    """Every problem of one pre-tokenized row, as "field 'x': ..." strings; empty when the row is valid.
+
+    Padding (attention_mask 0) may only trail the row, and carries no label."""
+    ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
+    out = []
+    if not isinstance(ids, list) or not ids:
+        out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
+    else:
+        bad = [(i, x) for i, x in enumerate(ids) if type(x) is not int or x < 0]  # type(): True is no token id
+        if bad:
+            more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
+            out.append(f"field 'input_ids': position {bad[0][0]}: {_kind(bad[0][1])} is not a token id (an int >= 0)"
+                       + more)
+    if not isinstance(labels, list):
+        return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
+    bad = [(i, p) for i, y in enumerate(labels) for p in [token_label_problem(y)] if p]
+    if bad:
+        more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
+        out.append(f"field 'labels': position {bad[0][0]}: {bad[0][1]}{more}")
+    if isinstance(ids, list) and len(labels) != len(ids):
+        return out + [f"field 'labels': {len(labels)} labels for {len(ids)} input_ids"]
+    n = len(labels)
+    if mask is not None:
+        if not isinstance(mask, list) or len(mask) != n or any(type(m) not in (int, bool) or m not in (0, 1)
+                                                                for m in mask):
+            return out + [f"field 'attention_mask': expected {n} zeros and ones, got {_kind(mask)}"]
+        n = sum(mask)
+        if any(mask[n:]):
+            return out + ["field 'attention_mask': expected ones then zeros (right padding); left or inner padding "
+                          "is not supported"]
+        padded = [i for i in range(n, len(labels)) if labels[i] != IGNORE]
+        if padded and not bad:
+            out.append(f"field 'labels': position {padded[0]} is padding (attention_mask 0) but has a label")
+    if not bad and all(y == IGNORE for y in labels[:n]):
+        out.append("field 'labels': no position is labeled (every label is -100)")
+    return out
+
+
+def _clean_tokens(row: dict) -> dict:
+    """Right padding stripped (the mask has nothing else to say); bool labels become 0/1."""
+    mask = row.pop("attention_mask", None)
+    n = sum(mask) if mask is not None else len(row["input_ids"])
+    row["input_ids"], row["labels"] = row["input_ids"][:n], [y if isinstance(y, float) else int(y)
+                                                             for y in row["labels"][:n]]
+    return row
+
+
 def to_stepwise(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) for one raw record in format `fmt`; rows are valid only when problems is empty."""
+    """(rows, problems) for one raw record in format `fmt`; rows are valid only when problems is empty.
+
+    Pre-tokenized records stay token-level: {input_ids, labels}."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:
         rows = CONVERTERS[fmt](record, neutral)
     except BadField as e:
         return [], [str(e)]
-    problems = [p for row in rows for p in row_problems(row)]
+    check, clean = (token_problems, _clean_tokens) if fmt == "pretokenized" else (row_problems, _clean)
+    problems = [p for row in rows for p in check(row)]
     if problems:
         return [], sorted(set(problems), key=problems.index)
     if record.get("id") is not None:  # several rows from one record get "<id>/<n>"
         for n, row in enumerate(rows):
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
-    return [_clean(row) for row in rows], []
+    return [clean(row) for row in rows], []

@@ -117,12 +117,18 @@ def read_rows(spec: str, split: str, cfg) -> list:
                     raise DataError([f"{name} {where}: {why}"])
                 formats.setdefault(fmt, "detected from columns " + ", ".join(FORMATS[fmt]))
             found, issues = ([], [problem]) if problem else to_stepwise(record, fmt, cfg.neutral_label)
-            if found and rows and isinstance(found[0]["prompt"], list) != isinstance(rows[0]["prompt"], list):
+            if found and rows and ("input_ids" in found[0]) != ("input_ids" in rows[0]):
+                issues = ["pre-tokenized and text rows are mixed in one dataset"]
+            elif found and rows and "prompt" in rows[0] and \
+                    isinstance(found[0]["prompt"], list) != isinstance(rows[0]["prompt"], list):
                 issues = ["field 'prompt': plain-text and conversational prompts are mixed in one dataset"]
             if issues:
                 bad += 1
                 problems += [f"{name} {where}: {p}" for p in issues]
             else:
+                if fmt == "pretokenized":  # errors found at tokenization (ids past the vocabulary) name the line
+                    for row in found:
+                        row["where"] = f"{name} {where}"
                 rows += found
                 empty += not found
     if bad and not cfg.skip_invalid:
@@ -138,10 +144,13 @@ def read_rows(spec: str, split: str, cfg) -> list:
 
 def to_dataset(rows: list) -> Dataset:
     """An arrow-file-backed Dataset (so tokenization by datasets.map is cached), keyed by a hash of the rows."""
-    soft = any(isinstance(y, float) for r in rows for y in r["labels"])
-    features = {"prompt": List({"role": Value("string"), "content": Value("string")})
-                if isinstance(rows[0]["prompt"], list) else Value("string"),
-                "completions": List(Value("string")), "labels": List(Value("float64" if soft else "bool"))}
+    if "input_ids" in rows[0]:  # pre-tokenized: one float column holds -100, hard and soft labels
+        features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")), "where": Value("string")}
+    else:
+        soft = any(isinstance(y, float) for r in rows for y in r["labels"])
+        features = {"prompt": List({"role": Value("string"), "content": Value("string")})
+                    if isinstance(rows[0]["prompt"], list) else Value("string"),
+                    "completions": List(Value("string")), "labels": List(Value("float64" if soft else "bool"))}
     for col, kind in (("id", "string"), ("first_error", "int64"), ("final_answer_correct", "bool")):
         if any(col in r for r in rows):
             features[col] = Value(kind)
@@ -157,8 +166,10 @@ def to_dataset(rows: list) -> Dataset:
 
 
 def split_by_prompt(rows: list, fraction: float, seed: int):
-    """Seeded held-out share, split by prompt so one problem never sits on both sides."""
-    key = lambda r: json.dumps(r["prompt"])
+    """Seeded held-out share, split by prompt so one problem never sits on both sides.
+
+    Pre-tokenized rows carry no prompt: each is held out on its own (pass --eval-dataset to split by problem)."""
+    key = lambda r: json.dumps(r["prompt"] if "prompt" in r else r["input_ids"])
     prompts = sorted({key(r) for r in rows})
     if len(prompts) < 2:
         raise DataError([f"only {len(prompts)} distinct prompt: nothing to hold out; pass --eval-dataset"])

@@ -19,7 +19,7 @@ def test_config_command_lists_what_differs_from_the_defaults(tmp_path):
 
 def test_card_is_deterministic_and_carries_metrics_and_convention(tmp_path):
     a = run_train(tmp_path / "a", max_steps=2)
-    b = run_train(tmp_path / "b", max_steps=2)
+    run_train(tmp_path / "b", max_steps=2)
     card_a = (tmp_path / "a" / "final" / "README.md").read_text()
     card_b = (tmp_path / "b" / "final" / "README.md").read_text()
     assert card_a == card_b.replace(str(tmp_path / "b"), str(tmp_path / "a"))  # only the output dir differs

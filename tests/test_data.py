@@ -82,14 +82,69 @@ def test_bad_labels_raise(char_tok, bad):
         tokenize_example({"prompt": "p", "completions": ["a"], "labels": [bad]}, char_tok)
 
 
-def test_batch_tokenization_equals_per_row(char_tok):
+@pytest.mark.parametrize("cap", [0, 2, 3, 5])
+def test_batch_tokenization_equals_per_row(char_tok, cap):
     rows = [{"prompt": "p1", "completions": ["ab", "c"], "labels": [True, 0.5]},
             {"prompt": "p2", "completions": ["de"], "labels": [False]}]
-    batch = tokenize_batch({k: [r[k] for r in rows] for k in rows[0]}, char_tok, max_length=8)
+    batch = tokenize_batch({k: [r[k] for r in rows] for k in rows[0]}, char_tok, max_length=8,
+                           max_completion_length=cap)
     for i, row in enumerate(rows):
-        one = tokenize_example(row, char_tok, max_length=8)
+        one = tokenize_example(row, char_tok, max_length=8, max_completion_length=cap)
         assert batch["input_ids"][i] == one["input_ids"]
         assert batch["labels"][i] == [float(y) for y in one["labels"]]
+        assert batch["steps_kept"][i] == one["steps_kept"]
+
+
+def test_completion_cap_keeps_whole_steps(char_tok):
+    row = {"prompt": "pp", "completions": ["a", "bbbbbb", "c"], "labels": [1, 0, 1]}  # steps of 2, 7, 2 tokens
+    full = tokenize_example(row, char_tok)
+    for cap in (2, 5, 8):  # the second step crosses each cap: it goes, and the third (which would fit) with it
+        out = tokenize_example(row, char_tok, max_completion_length=cap)
+        assert out["input_ids"] == full["input_ids"][:3 + 2] and out["labels"] == full["labels"][:5]
+        assert out["labels"][-1] == 1 and out["steps_kept"] == 1  # the label still on the separator token
+    two = tokenize_example(row, char_tok, max_completion_length=9)  # a cap right at a step boundary keeps it
+    assert two["input_ids"] == full["input_ids"][:12] and two["labels"][-1] == 0 and two["steps_kept"] == 2
+    none = tokenize_example(row, char_tok, max_completion_length=1)
+    assert none["input_ids"] == full["input_ids"][:3] and none["steps_kept"] == 0  # the prompt alone, no label
+    assert tokenize_example(row, char_tok, max_completion_length=0) == full  # 0: no cap
+
+
+def test_completion_cap_counts_steps_only_and_comes_before_max_length(char_tok):
+    row = {"prompt": "pppppp", "completions": ["aa", "bb", "cc"], "labels": [1, 1, 0]}  # prompt 7, steps 3 tokens
+    kept = lambda **kw: tokenize_example(row, char_tok, **kw)["steps_kept"]
+    assert kept(max_completion_length=6, max_length=100) == 2  # the cap bites; a 7-token prompt does not count
+    assert kept(max_completion_length=100, max_length=7 + 3) == 1  # max_length bites
+    assert kept(max_completion_length=6, max_length=7 + 6) == 2  # both allow exactly two
+    assert kept(max_completion_length=3, max_length=7 + 6) == 1  # the tighter one wins, whichever it is
+    assert kept(max_completion_length=6, max_length=7 + 3) == 1
+    prompt_too_long = tokenize_example(row, char_tok, max_completion_length=6, max_length=4)
+    assert len(prompt_too_long["input_ids"]) == 4 and prompt_too_long["steps_kept"] == 0
+
+
+def test_completion_cap_reaches_the_dataset_report_and_the_cache_key(char_tok):
+    from datasets import Dataset
+
+    from prm.config import Config
+    from prm.data import map_fingerprint, tokenize_dataset
+    ds = Dataset.from_list([{"prompt": "pp", "completions": ["a", "bbbbbb", "c"], "labels": [True, False, True]},
+                            {"prompt": "q", "completions": ["dddddd"], "labels": [True]}])
+    tok, report = tokenize_dataset(ds, char_tok, Config(max_completion_length=5), is_eval=False)
+    assert len(tok) == 1 and tok[0]["steps_kept"] == 1
+    assert report["steps_truncated"] == 3 and report["examples_dropped"] == 1
+    settings = dict(step_separator="\n", max_length=64, is_eval=False)
+    assert map_fingerprint(ds, char_tok, {**settings, "max_completion_length": 5}) != \
+        map_fingerprint(ds, char_tok, {**settings, "max_completion_length": 0})
+
+
+def test_scoring_uses_the_completion_cap(char_tok):
+    from prm.evaluate import score, score_batch
+    from prm.model import build_model
+    model = build_model("tiny", char_tok, seed=0)
+    steps = ["1+1=2", "2+1=3", "3+1=4"]
+    full = score(model, char_tok, "count:", steps)
+    assert len(full) == 3
+    assert score(model, char_tok, "count:", steps, max_completion_length=13) == pytest.approx(full[:2], abs=1e-6)
+    assert score_batch(model, char_tok, [("count:", steps)], max_completion_length=5) == [[]]
 
 
 def test_collate_pads_right_with_ignored_labels(char_tok):

@@ -32,11 +32,15 @@ def assert_same_run(a, b):
     assert worst <= 1e-5 and diff <= 1e-5
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_two_ranks_match_one_process(tmp_path, accum):
-    one = launch(tmp_path / "one", 1, "--batch-size", str(6 * accum), "--grad-accum", "1")
-    two = launch(tmp_path / "two", 2, "--batch-size", "3", "--grad-accum", str(accum))
+@pytest.mark.parametrize("accum,lora", [(1, False), (2, False), (2, True)])
+def test_two_ranks_match_one_process(tmp_path, accum, lora):
+    extra = ["--lora-r", "4"] if lora else []
+    one = launch(tmp_path / "one", 1, "--batch-size", str(6 * accum), "--grad-accum", "1", *extra)
+    two = launch(tmp_path / "two", 2, "--batch-size", "3", "--grad-accum", str(accum), *extra)
     assert_same_run(tmp_path / "one", tmp_path / "two")
+    card = (tmp_path / "two" / "final" / "README.md").read_text()
+    assert "torchrun --nproc_per_node 2 train.py --synthetic-size 71" in card
+    assert ("LoRA (rank 4" in card) == lora
     # evaluation sharded over 2 ranks on 7 held-out rows equals the single-process figures exactly
     for key in ("step_accuracy", "n_steps", "n_examples", "auroc", "f1_0"):
         assert one[key] == two[key], key

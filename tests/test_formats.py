@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from prm.formats import detect_format, format_help, label_problem, row_problems, to_stepwise
+from prm.formats import detect_format, format_help, label_problem, row_problems, to_stepwise, token_problems
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -26,6 +26,8 @@ def test_detection_names_each_format_and_explains_misses():
     assert detect_format(records("math_shepherd.jsonl")[0]) == "math_shepherd"
     assert detect_format(records("prm800k.jsonl")[0]) == "prm800k"
     assert detect_format(records("processbench.json")[0]) == "processbench"
+    assert detect_format({"input_ids": [1, 2], "labels": [-100, 1]}) == "pretokenized"
+    assert detect_format({"input_ids": [1], "labels": [1], "prompt": "p", "completions": ["a"]}) == "pretokenized"
     bad = {"prompt": "p", "completion": ["a"], "labels": [True]}
     assert detect_format(bad) is None
     assert "'completion' -> 'completions'" in format_help(bad)
@@ -139,3 +141,30 @@ def test_hard_labels_become_bools_soft_stay_floats():
 
 def test_non_object_record():
     assert to_stepwise([1, 2], "stepwise")[1] == ["expected a JSON object, got list [1, 2]"]
+
+
+def test_pretokenized_rows_are_checked_and_right_padding_stripped():
+    ok = {"input_ids": [1, 5, 6, 7], "labels": [-100, True, -100.0, 0.25]}
+    assert token_problems(ok) == []
+    rows, problems = to_stepwise({**ok, "id": 3}, "pretokenized")
+    assert problems == [] and rows == [{"input_ids": [1, 5, 6, 7], "labels": [-100, 1, -100.0, 0.25], "id": "3"}]
+    assert type(rows[0]["labels"][1]) is int  # a bool label becomes 0/1, never True in a float column
+    padded = {"input_ids": [1, 5, 0, 0], "labels": [-100, 1, -100, -100], "attention_mask": [1, 1, 0, 0]}
+    assert to_stepwise(padded, "pretokenized")[0] == [{"input_ids": [1, 5], "labels": [-100, 1]}]
+    problems = {
+        "field 'input_ids': expected a non-empty list": {**ok, "input_ids": [], "labels": []},
+        "field 'input_ids': position 1: str '5' is not a token id": {**ok, "input_ids": [1, "5", 6, 7]},
+        "field 'input_ids': position 0: int -1 is not a token id": {**ok, "input_ids": [-1, 5, 6, 7]},
+        "field 'input_ids': position 0: bool True": {**ok, "input_ids": [True, 5, 6, 7]},
+        "field 'labels': position 1: int 2 is not a bool, 0/1 or a float in [0, 1], nor -100": {**ok, "labels": [
+            -100, 2, -100, 1]},
+        "field 'labels': position 0: null is not a label": {**ok, "labels": [None, 1, -100, 1]},
+        "field 'labels': 3 labels for 4 input_ids": {**ok, "labels": [-100, 1, 0]},
+        "field 'labels': no position is labeled": {**ok, "labels": [-100] * 4},
+        "field 'labels': position 3 is padding": {**padded, "labels": [-100, 1, -100, 0]},
+        "field 'attention_mask': expected ones then zeros": {**padded, "attention_mask": [0, 0, 1, 1]},
+        "field 'attention_mask': expected 4 zeros and ones": {**padded, "attention_mask": [1, 2, 0, 0]},
+    }
+    for message, row in problems.items():
+        assert [p for p in token_problems(row) if p.startswith(message)], (message, token_problems(row))
+    assert to_stepwise({"input_ids": [1]}, "pretokenized")[1] == ["field 'labels': missing"]

@@ -41,6 +41,9 @@ def test_default_pipeline_end_to_end_and_eval_agrees(tmp_path):
         assert key in final
     assert os.path.isfile(out / "final" / "model.safetensors") and os.path.isfile(out / "final" / "tokenizer.json")
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [2, 4, 6]
+    card = (out / "final" / "README.md").read_text()
+    assert f"python train.py --max-steps 6 --synthetic-size 200 --output-dir {out} --log-every 2" in card
+    assert f"| step_accuracy | {final['step_accuracy']:.4f} |" in card and "arXiv:2305.20050" in card
     ev = subprocess.run([sys.executable, "eval.py", "--model", str(out / "final")], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr[-3000:]
