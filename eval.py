@@ -6,11 +6,13 @@ import sys
 
 import torch
 
+from prm.checkpoint import TRAINABLE, load_trainable
 from prm.config import Config, build_parser
 from prm.data import IGNORE, check_tokenized, cut_tokenized, pad_token_id
 from prm.evaluate import predict, report, score_batch, true_first_error
 from prm.metrics import first_error, tune_threshold
-from prm.model import PRM, load_tokenizer
+from prm.lora import apply_lora
+from prm.model import PRM, build_model, load_tokenizer
 from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import exit_on_data_error, load_eval
 
@@ -49,6 +51,8 @@ def parse_args(argv=None):
 def load_model(cfg: Config, given: set, device):
     """The tokenizer saved beside the model wins unless --tokenizer is given; label 1 must mean 'correct'."""
     from transformers import AutoConfig
+    if os.path.isfile(os.path.join(cfg.model, TRAINABLE)):  # a LoRA run's checkpoint: base + adapters + head
+        return load_lora_checkpoint(cfg, device)
     hf_cfg = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
         raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
@@ -64,6 +68,17 @@ def load_model(cfg: Config, given: set, device):
             model.head.weight.copy_(model.head.weight.flip(0))
             if model.head.bias is not None:
                 model.head.bias.copy_(model.head.bias.flip(0))
+    return tokenizer, model.to(device)
+
+
+def load_lora_checkpoint(cfg: Config, device):
+    """The frozen base rebuilt from the run's own --model (and seed, for 'tiny'), then its adapters and head."""
+    with open(os.path.join(cfg.model, "config.train.json")) as f:
+        run = Config.from_dict(json.load(f))
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    model = build_model(run.model, tokenizer, run.seed, cfg.trust_remote_code)
+    apply_lora(model.backbone, run.lora_r, run.lora_alpha, 0.0, run.lora_targets)  # no dropout in evaluation
+    load_trainable(model, os.path.join(cfg.model, TRAINABLE))
     return tokenizer, model.to(device)
 
 

@@ -29,8 +29,10 @@ def set_rng_state(state: dict):
 
 
 def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, scaler, config_json: str,
-                    keep_last: int = 0) -> str:
-    """Writes into a temporary directory, then renames it into place: a crash never leaves a whole-looking one."""
+                    keep_last: int = 0, tokenizer=None) -> str:
+    """Writes into a temporary directory, then renames it into place: a crash never leaves a whole-looking one.
+
+    With the tokenizer saved too, eval.py can evaluate the checkpoint directory as it is."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -40,6 +42,8 @@ def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, sca
                   os.path.join(tmp, TRAINABLE), metadata={"format": "pt"})
     else:
         model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(), "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
     with open(os.path.join(tmp, "config.train.json"), "w") as f:

@@ -82,7 +82,8 @@ def _train(cfg: Config, rt: Runtime, command: str) -> dict:
         eval_ds, eval_report = tokenize_dataset(eval_raw, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc)
     log(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
     if len(train_ds) == 0:
-        raise SystemExit(f"no training example has a labeled step left (max length {cfg.max_length}): see the report")
+        raise SystemExit(f"no training example has a labeled step left (--max-length {cfg.max_length}, "
+                         f"--max-completion-length {cfg.max_completion_length}): see the report")
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:  # before .to(device) and DDP: DDP must see which parameters train
         apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
@@ -183,7 +184,7 @@ def _train(cfg: Config, rt: Runtime, command: str) -> dict:
             log_line({"step": step, **{f"eval_{k}": v for k, v in m.items()}}, pbar, metrics_file)
         stop = _agree_to_stop(rt)
         if (cfg.save_every and step % cfg.save_every == 0) or stop:
-            _save(cfg, rt, step, raw_model, optimizer, scheduler, scaler)
+            _save(cfg, rt, step, raw_model, optimizer, scheduler, scaler, tokenizer)
         if stop:
             name = signal.Signals(PREEMPTED["signal"]).name if PREEMPTED["signal"] else "a signal on another rank"
             log(f"stopped by {name} after step {step}; checkpoint saved. Continue with --resume auto")
@@ -236,8 +237,9 @@ def _agree_to_stop(rt: Runtime) -> bool:
     return all_reduce_sum(torch.tensor([flag], device=rt.device), rt).item() > 0
 
 
-def _save(cfg, rt, step, model, optimizer, scheduler, scaler):
+def _save(cfg, rt, step, model, optimizer, scheduler, scaler, tokenizer):
     barrier(rt)
     if rt.is_main:
-        save_checkpoint(cfg.output_dir, step, model, optimizer, scheduler, scaler, cfg.to_json(), cfg.keep_last)
+        save_checkpoint(cfg.output_dir, step, model, optimizer, scheduler, scaler, cfg.to_json(), cfg.keep_last,
+                        tokenizer)
     barrier(rt)

@@ -1,4 +1,5 @@
 """LoRA: only adapters and head train, the merged export equals the unmerged model, resume and checkpointing work."""
+import json
 import os
 
 import pytest
@@ -143,3 +144,17 @@ def test_lora_with_gradient_checkpointing_and_bf16(tmp_path):
     assert plain == pytest.approx(gc, rel=1e-6)
     final = run_train(tmp_path / "bf16", max_steps=2, dtype="bf16", lora_dropout=0.1, **LORA)
     assert 0.0 <= final["step_accuracy"] <= 1.0
+
+
+def test_eval_py_reads_lora_and_full_checkpoints_like_final(tmp_path):
+    import eval as eval_cli
+    for name, extra in (("lora", LORA), ("full", {})):
+        out = tmp_path / name
+        run_train(out, max_steps=4, save_every=4, **extra)
+        preds = {}
+        for d in ("checkpoint-4", "final"):
+            eval_cli.main(["--model", str(out / d), "--dtype", "fp32", "--predictions", str(out / f"{d}.jsonl")])
+            preds[d] = [json.loads(line)["step_probs"] for line in open(out / f"{d}.jsonl")]
+        assert len(preds["final"]) > 0
+        for a, b in zip(preds["checkpoint-4"], preds["final"]):
+            assert a == pytest.approx(b, abs=1e-5)
