@@ -108,7 +108,8 @@ def _train(cfg: Config, rt: Runtime, command: str) -> dict:
         log(f"resumed from {resume} at step {step}")
     raw_model = model
     if cfg.compile:
-        model = torch.compile(model)
+        # batch widths vary: one symbolic-shape graph at once, not a static one and then a recompile (~100 s on GPU)
+        model = torch.compile(model, dynamic=True)
     if rt.distributed:
         model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     amp = (lambda: torch.autocast(rt.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
