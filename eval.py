@@ -11,10 +11,10 @@ from prm.config import Config, build_parser
 from prm.data import IGNORE, check_tokenized, cut_tokenized, pad_token_id
 from prm.evaluate import predict, report, score_batch, true_first_error
 from prm.metrics import first_error, tune_threshold
-from prm.lora import apply_lora
-from prm.model import PRM, build_model, load_tokenizer
+from prm.model import PRM, load_tokenizer
 from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import exit_on_data_error, load_eval
+from prm.trainer import model_for
 
 EXTRA = ("predictions", "processbench", "tune_threshold")
 
@@ -76,8 +76,7 @@ def load_lora_checkpoint(cfg: Config, device):
     with open(os.path.join(cfg.model, "config.train.json")) as f:
         run = Config.from_dict(json.load(f))
     tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    model = build_model(run.model, tokenizer, run.seed, cfg.trust_remote_code)
-    apply_lora(model.backbone, run.lora_r, run.lora_alpha, 0.0, run.lora_targets)  # no dropout in evaluation
+    model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() puts the model in eval mode
     load_trainable(model, os.path.join(cfg.model, TRAINABLE))
     return tokenizer, model.to(device)
 

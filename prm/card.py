@@ -1,7 +1,9 @@
-"""The model card (README.md) written into final/: what the model is, how it scores, its metrics and the command. Depends on: stdlib only."""
+"""The model card (README.md) written into final/: what the model is, how it scores, its metrics and the command. Depends on: prm.sources."""
 import os
 import shlex
 import sys
+
+from prm.sources import is_local
 
 CITATIONS = """\
 @article{uesato2022solving,
@@ -51,8 +53,7 @@ def model_card(cfg, metrics: dict, command: str) -> str:
     header = ["---", "library_name: transformers", "pipeline_tag: token-classification",
               "tags: [process-reward-model, prm]"]
     header += [f"base_model: {cfg.model}"] if cfg.model != "tiny" else []
-    hub = [d for d in datasets if d != "synthetic" and not os.path.isdir(d)  # hub metadata names hub datasets only
-           and not d.endswith((".jsonl", ".json", ".parquet"))]
+    hub = [d for d in datasets if d != "synthetic" and not is_local(d)]  # hub metadata names hub datasets only
     header += (["datasets:"] + [f"- {d}" for d in hub] if hub else []) + ["---"]
     method = (f"LoRA (rank {cfg.lora_r}, alpha {cfg.lora_alpha:g}, dropout {cfg.lora_dropout:g}, targets "
               f"`{cfg.lora_targets}`), merged into the weights; the 2-way head fully trained") if cfg.lora_r \

@@ -31,6 +31,17 @@ def tokenizer_for(cfg: Config):
     return load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
 
 
+def model_for(cfg: Config, tokenizer):
+    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r is set.
+
+    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild a
+    LoRA checkpoint's frozen base with this same function."""
+    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
+    if cfg.lora_r:
+        apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    return model
+
+
 def lr_lambda(warmup: int, total: int):
     """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
     def f(step):
@@ -84,10 +95,7 @@ def _train(cfg: Config, rt: Runtime, command: str) -> dict:
     if len(train_ds) == 0:
         raise SystemExit(f"no training example has a labeled step left (--max-length {cfg.max_length}, "
                          f"--max-completion-length {cfg.max_completion_length}): see the report")
-    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
-    if cfg.lora_r:  # before .to(device) and DDP: DDP must see which parameters train
-        apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-    model = model.to(rt.device)
+    model = model_for(cfg, tokenizer).to(rt.device)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model.backbone)
     amp_dtype = autocast_dtype(cfg.dtype, rt.device)

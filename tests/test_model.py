@@ -6,6 +6,7 @@ import torch
 
 from prm.data import collate, tokenize_example
 from prm.metrics import step_metrics
+from prm.lora import apply_lora
 from prm.model import build_model, enable_checkpointing, step_loss
 from prm.synthetic import make_rows
 
@@ -68,11 +69,18 @@ def test_overfits_one_small_batch(char_tok):
     assert loss.item() < 0.1 and n_correct.item() == n.item()
 
 
-def test_gradient_checkpointing_gives_same_gradients(char_tok):
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_same_gradients(char_tok, lora):
     b = _batch(char_tok, 4)
     grads, saved = [], []
     for gc in (False, True):
         model = build_model("tiny", char_tok, seed=0)
+        if lora:  # frozen base weights, trainable adapters: checkpointing must still recompute and save memory
+            apply_lora(model.backbone, 4, 8.0, 0.0, "q_proj,v_proj,up_proj")
+            torch.manual_seed(1)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:  # B = 0 would give the adapters' A no gradient to compare
+                    torch.nn.init.normal_(p, std=0.02)
         if gc:
             enable_checkpointing(model.backbone)
         model.train()
@@ -86,7 +94,7 @@ def test_gradient_checkpointing_gives_same_gradients(char_tok):
             logits = model(b["input_ids"], b["attention_mask"])
         loss, _, _ = step_loss(logits, b["labels"], 10)
         loss.backward()
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad})
         saved.append(nbytes[0])
     assert saved[1] < saved[0] / 4
     assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) < 1e-6
