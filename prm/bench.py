@@ -1,4 +1,4 @@
-"""Benchmark the real training loop for a fixed number of steps and print one JSON line. Depends on: torch, datasets, prm.*.
+"""Benchmark the real training loop for a fixed number of steps and print one JSON line. Depends on: torch, datasets, transformers, prm.*.
 
     python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512 --dtype fp32
 
@@ -22,7 +22,7 @@ evaluation on a 1% held-out share, kept cheap; its time is not in tokens/s) and 
                           name); flops_per_token = 6 x non-embedding parameters (head included) + 12 x layers x
                           heads x head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the training rows (causal
                           masking not discounted; recomputation under gradient checkpointing not counted)
-  tokenize_rows_per_second  prm.data.tokenize_dataset on the training split, datasets cache disabled
+  tokenize_rows_per_second  prm.ingest.tokenize_dataset on the training split, datasets cache disabled
 
 --repeats N runs N fresh processes (max RSS is process-wide) and prints medians plus every run's values.
 --peer-python PY --peer-script trl_peer.py interleaves a TRL PRMTrainer run (and a timing of its dataset
@@ -40,10 +40,16 @@ import sys
 import tempfile
 import time
 
+import datasets
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from transformers import AutoModel
 
+from prm.build import hf_config_for, tokenizer_for
 from prm.config import Config, build_parser
+from prm.ingest import tokenize_dataset
+from prm.sources import load_splits
+from prm.trainer import train
 
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script")
@@ -80,7 +86,6 @@ def _peak_memory(device) -> int:
 def flops_per_token(model_cfg, lengths: list) -> tuple:
     """(model FLOPs per trained token, non-embedding parameter count): 6N for the weight matmuls forward and
     backward, plus 12 x layers x attention width x s_eff for the attention scores and their use."""
-    from transformers import AutoModel
     with torch.device("meta"):  # counts the real architecture's parameters without allocating them
         backbone = AutoModel.from_config(model_cfg)
     embed = sum(p.numel() for m in backbone.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
@@ -102,38 +107,12 @@ def _device_peak(device, override: float) -> float:
     return 0.0
 
 
-def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization rate, then the real training loop; returns the measurement dict."""
-    import datasets
-    from prm.data import tokenize_dataset
-    from prm.sources import load_splits
-    from prm.trainer import tokenizer_for, train
-    cfg = Config(**vars(cfg)).resolve()  # the 0 = auto fields filled in, as train() does
-    datasets.disable_caching()  # both sides tokenize from scratch; nothing is read back from a cache
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    tokenizer = tokenizer_for(cfg)
-    train_raw, _ = load_splits(cfg)
-    t0 = time.perf_counter()
-    tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
-    tok_seconds = time.perf_counter() - t0
-    lengths = tok_ds["length"]
-    if cfg.model == "tiny":
-        from prm.data import pad_token_id
-        from prm.model import tiny_config
-        model_cfg = tiny_config(len(tokenizer), pad_token_id(tokenizer))
-    else:
-        from transformers import AutoConfig
-        model_cfg = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    fpt, n_nonembed = flops_per_token(model_cfg, lengths)
-    from transformers import AutoModel
-    with torch.device("meta"):  # counts parameters without allocating them
-        backbone = AutoModel.from_config(model_cfg)
-    n_total = sum(p.numel() for p in backbone.parameters()) + 2 * (model_cfg.get_text_config().hidden_size + 1)
-
+def _train_watched(cfg: Config, device) -> tuple:
+    """prm.trainer.train with a global optimizer hook (the trainer's code is not touched) that records the memory
+    after every optimizer step: (final metrics, what the hook saw, memory before training)."""
     seen = {"steps": 0, "after_step": [], "params": 0}
 
-    def after_step(optimizer, args, kwargs):  # a global hook: the trainer's code is not touched
+    def after_step(optimizer, args, kwargs):
         seen["steps"] += 1
         if seen["steps"] == 1:
             seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
@@ -150,6 +129,28 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
                 final = train(run_cfg)
         finally:
             handle.remove()
+    return final, seen, baseline
+
+
+def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
+    """Tokenization rate, then the real training loop; returns the measurement dict."""
+    cfg = Config(**vars(cfg)).resolve()  # the 0 = auto fields filled in, as train() does
+    datasets.disable_caching()  # both sides tokenize from scratch; nothing is read back from a cache
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    tokenizer = tokenizer_for(cfg)
+    train_raw, _ = load_splits(cfg)
+    t0 = time.perf_counter()
+    tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
+    tok_seconds = time.perf_counter() - t0
+    lengths = tok_ds["length"]
+    model_cfg = hf_config_for(cfg, tokenizer)
+    fpt, n_nonembed = flops_per_token(model_cfg, lengths)
+    with torch.device("meta"):  # counts parameters without allocating them
+        backbone = AutoModel.from_config(model_cfg)
+    n_total = sum(p.numel() for p in backbone.parameters()) + 2 * (model_cfg.get_text_config().hidden_size + 1)
+
+    final, seen, baseline = _train_watched(cfg, device)
     if final is None:  # not rank 0 under torchrun: rank 0 reports
         return None
     peak = _peak_memory(device)

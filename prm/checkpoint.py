@@ -1,4 +1,5 @@
-"""Atomic training checkpoints (safetensors weights + weights_only state) and finding the newest complete one. Depends on: torch, safetensors, prm.model, prm.lora."""
+"""Training checkpoints (atomic, exact resume), the final export, and finding the newest complete checkpoint.
+Depends on: torch, safetensors, prm.model, prm.lora."""
 import json
 import os
 import random
@@ -8,7 +9,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from prm.lora import has_lora, trainable_state_dict
+from prm.lora import has_lora, merged_state_dict, trainable_state_dict
+from prm.model import load_weights
 
 MARKER = "complete.json"  # written last: a directory without it is a crashed save and is never resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
@@ -28,34 +30,46 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(output_dir: str, step: int, model, optimizer, scheduler, scaler, config_json: str,
-                    keep_last: int = 0, tokenizer=None) -> str:
+def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False):
+    """What eval.py and transformers read: weights (LoRA folded in, or with trainable_only the adapters and head
+    alone), the tokenizer and the run's config."""
+    if trainable_only:  # the frozen base is rebuilt from --model on resume: store only what trains
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},
+                  os.path.join(path, TRAINABLE), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(path, merged_state_dict(model.backbone))
+    tokenizer.save_pretrained(path)
+    cfg.save(path)
+
+
+def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, scaler, tokenizer, cfg) -> str:
     """Writes into a temporary directory, then renames it into place: a crash never leaves a whole-looking one.
 
-    With the tokenizer saved too, eval.py can evaluate the checkpoint directory as it is."""
+    Holds everything resume needs (weights, optimizer, scheduler, scaler, RNG) and what eval.py reads."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    if has_lora(model):  # the frozen base is rebuilt from --model on resume: store only what trains
-        os.makedirs(tmp)
-        save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},
-                  os.path.join(tmp, TRAINABLE), metadata={"format": "pt"})
-    else:
-        model.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+    write_model_dir(tmp, model, tokenizer, cfg, trainable_only=has_lora(model))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(), "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-    with open(os.path.join(tmp, "config.train.json"), "w") as f:
-        f.write(config_json)
     with open(os.path.join(tmp, MARKER), "w") as f:
         json.dump({"step": step}, f)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if keep_last > 0:
-        for old in complete_checkpoints(output_dir)[:-keep_last]:
+    if cfg.keep_last > 0:
+        for old in complete_checkpoints(output_dir)[:-cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_final(output_dir: str, *, model, tokenizer, cfg, card: str) -> str:
+    """<output_dir>/final: a plain HF token classifier (adapters merged), its tokenizer, config and model card."""
+    path = os.path.join(output_dir, "final")
+    write_model_dir(path, model, tokenizer, cfg)
+    with open(os.path.join(path, "README.md"), "w") as f:
+        f.write(card)
+    return path
 
 
 def complete_checkpoints(output_dir: str) -> list:
@@ -91,7 +105,6 @@ def load_trainable(model, path: str):
 
 def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
     """Restores everything save_checkpoint wrote; returns the optimizer step to continue from."""
-    from prm.model import load_weights
     if os.path.isfile(os.path.join(path, TRAINABLE)):
         load_trainable(model, os.path.join(path, TRAINABLE))
     else:

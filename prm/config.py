@@ -2,7 +2,11 @@
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field, fields
+
+
+FILE = "config.train.json"
 
 
 def unescape(text: str) -> str:
@@ -84,6 +88,17 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def save(self, directory: str):
+        """<directory>/config.train.json: saved with every run, checkpoint and final model."""
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, FILE), "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, directory: str) -> "Config":
+        with open(os.path.join(directory, FILE)) as f:
+            return cls.from_dict(json.load(f))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":

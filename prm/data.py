@@ -1,23 +1,36 @@
-"""Step-label tokenization (or the cut of pre-tokenized rows), padding, and deterministic (length-grouped) batch plans. Depends on: torch, datasets, prm.formats."""
+"""Step labels on tokens, the padding collator, and the batch plans that let 2 ranks equal 1 process.
+
+Depends on: torch and the standard library only; copy this file alone into another repo and it works."""
 import math
 import random
 
 import torch
 
-from prm.formats import IGNORE  # label of every position that is not the end of a step
+IGNORE = -100  # the label of every position that ends no step (or ends an unlabeled one): the loss skips it
+
+
+def label_problem(y):
+    """Why y is not a step label (bool, 0/1, a float in [0, 1], or None = not scored), or None when it is one."""
+    if y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1)):
+        return None
+    if isinstance(y, float) and 0.0 <= y <= 1.0:  # NaN fails both comparisons
+        return None
+    return f"{type(y).__name__} {y!r}"[:80] + " is not a bool, 0/1 or a float in [0, 1]"
 
 
 def normalize_label(label):
-    """bool and 0/1 ints become int; floats in [0,1] stay floats (soft Monte-Carlo labels); None = not scored."""
-    if label is None:  # a step kept as context but not scored (e.g. ProcessBench steps after the first error)
+    """bool and 0/1 become int; floats in [0,1] stay floats (soft Monte-Carlo labels); None (a step kept as
+    context but not scored, e.g. ProcessBench after the first error) becomes IGNORE."""
+    problem = label_problem(label)
+    if problem:
+        raise ValueError(f"label {problem}")
+    if label is None:
         return IGNORE
-    if isinstance(label, bool):
-        return int(label)
-    if isinstance(label, int) and label in (0, 1):
-        return label
-    if isinstance(label, float) and 0.0 <= label <= 1.0:  # NaN fails both comparisons
-        return label
-    raise ValueError(f"label {label!r} is not a bool, 0/1, or a float in [0, 1]")
+    return label if isinstance(label, float) else int(label)
+
+
+def with_bos(ids: list, tokenizer) -> list:
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
 
 
 def prompt_ids(prompt, tokenizer) -> list:
@@ -28,10 +41,6 @@ def prompt_ids(prompt, tokenizer) -> list:
     return with_bos(tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer)
 
 
-def with_bos(ids: list, tokenizer) -> list:
-    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
-
-
 def separator_ids(tokenizer, step_separator: str) -> list:
     ids = tokenizer(step_separator, add_special_tokens=False)["input_ids"]
     if not ids:
@@ -39,18 +48,19 @@ def separator_ids(tokenizer, step_separator: str) -> list:
     return ids
 
 
-def assemble(prompt: list, steps: list, sep: list, labels: list, max_length=None,
-             train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
+def assemble(prompt: list, steps: list, sep: list, labels: list, *, max_length=None, max_completion_length=None,
+             train_on_last_step_only=False, is_eval=False) -> dict:
     """Concatenate already-tokenized pieces; the label sits on each step's last separator token.
 
     Truncation drops whole steps from the end, so a label never slides onto another token: first those past
-    max_completion_length tokens of steps (0/None: no cap), then those past max_length tokens in all."""
-    labels = [normalize_label(x) for x in labels]
+    max_completion_length tokens of steps (0/None: no cap), then those past max_length tokens in all.
+    step_ends: the position of every kept step's last token, labeled or not (where evaluation reads scores)."""
+    labels = [normalize_label(y) for y in labels]
     if len(steps) != len(labels):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
     if train_on_last_step_only and not is_eval:
         labels = [IGNORE] * (len(labels) - 1) + labels[-1:]
-    input_ids, out_labels, steps_kept = list(prompt), [IGNORE] * len(prompt), 0
+    input_ids, out_labels, ends = list(prompt), [IGNORE] * len(prompt), []
     for step, label in zip(steps, labels):
         piece = step + sep
         if max_completion_length and len(input_ids) - len(prompt) + len(piece) > max_completion_length:
@@ -59,23 +69,35 @@ def assemble(prompt: list, steps: list, sep: list, labels: list, max_length=None
             break
         input_ids += piece
         out_labels += [IGNORE] * (len(piece) - 1) + [label]
-        steps_kept += 1
-    if max_length is not None and steps_kept == 0:  # even the prompt may not fit: keep nothing labeled
+        ends.append(len(input_ids) - 1)
+    if max_length is not None and not ends:  # even the prompt may not fit: keep nothing labeled
         input_ids, out_labels = input_ids[:max_length], out_labels[:max_length]
-    return {"input_ids": input_ids, "labels": out_labels, "steps_kept": steps_kept}
+    return {"input_ids": input_ids, "labels": out_labels, "steps_kept": len(ends), "step_ends": ends}
 
 
 def tokenize_example(example, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
                      is_eval=False, max_completion_length=None) -> dict:
-    """One row {prompt, completions, labels} -> {input_ids, labels, steps_kept}; plain lists, no model needed."""
+    """One row {prompt, completions, labels} -> {input_ids, labels, steps_kept, step_ends}; plain lists.
+
+    Example (a tokenizer with BOS id 1 and one id per character; separator "\\n" = id 9):
+
+        {"prompt": "q", "completions": ["ab", "c"], "labels": [True, False]}
+        input_ids: [ 1,    q,    a,    b,  9,    c,  9]
+        labels:    [-100, -100, -100, -100, 1, -100, 0]   steps_kept: 2, step_ends: [4, 6]
+
+    Each step and the separator are tokenized on their own (joined text merges differently with BPE)."""
     steps = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in example["completions"]]
     return assemble(prompt_ids(example["prompt"], tokenizer), steps, separator_ids(tokenizer, step_separator),
-                    example["labels"], max_length, train_on_last_step_only, is_eval, max_completion_length)
+                    example["labels"], max_length=max_length, max_completion_length=max_completion_length,
+                    train_on_last_step_only=train_on_last_step_only, is_eval=is_eval)
 
 
 def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
                    is_eval=False, max_completion_length=None) -> dict:
-    """Column-batch version of tokenize_example for datasets.map: one tokenizer call for all prompts and steps."""
+    """Column-batch tokenize_example (for datasets.map): one tokenizer call for all prompts and steps.
+
+    Adds per row: length, n_labeled (positions with a label: what the loss divides by) and step_labels (every
+    step's label as given, None = unlabeled, steps cut by truncation included: the truth evaluation reads)."""
     sep = separator_ids(tokenizer, step_separator)
     flat = [s for steps in batch["completions"] for s in steps]
     plain = all(isinstance(p, str) for p in batch["prompt"])
@@ -85,113 +107,18 @@ def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
         prompts, flat_ids = [with_bos(x, tokenizer) for x in ids[:len(batch["prompt"])]], ids[len(batch["prompt"]):]
     else:
         prompts, flat_ids = [prompt_ids(p, tokenizer) for p in batch["prompt"]], ids
-    out = {"input_ids": [], "labels": [], "steps_kept": [], "length": [], "n_labeled": []}
+    out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled", "step_labels")}
     start = 0
     for prompt, steps, labels in zip(prompts, batch["completions"], batch["labels"]):
-        row = assemble(prompt, flat_ids[start:start + len(steps)], sep, labels, max_length,
-                       train_on_last_step_only, is_eval, max_completion_length)
+        row = assemble(prompt, flat_ids[start:start + len(steps)], sep, labels, max_length=max_length,
+                       max_completion_length=max_completion_length,
+                       train_on_last_step_only=train_on_last_step_only, is_eval=is_eval)
         start += len(steps)
-        # ints and floats mixed: the float32 feature in tokenize_dataset makes one arrow type for hard and soft labels
         row["length"], row["n_labeled"] = len(row["input_ids"]), len(row["labels"]) - row["labels"].count(IGNORE)
+        row["step_labels"] = [None if y is None else float(y) for y in labels]
         for k in out:
             out[k].append(row[k])
     return out
-
-
-def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:
-    """datasets would dill-hash fn_kwargs, the whole tokenizer included (1.4 s for Qwen2's 151k vocabulary), on
-    every map, cache on or off. Same inputs, hashed cheaply: data fingerprint, tokenizer content, settings, code."""
-    import hashlib
-    from datasets.fingerprint import Hasher
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    tok = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend is not None else Hasher.hash(tokenizer)
-    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
-    settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
-    return Hasher.hash([ds._fingerprint, tok, special, settings, Hasher.hash(tokenize_batch)])
-
-
-def tokenize_dataset(ds, tokenizer, cfg, is_eval: bool, num_proc: int = 1, desc: str = "tokenize"):
-    """datasets.map(tokenize_batch), or cut_tokenized for pre-tokenized rows, then drop rows with no labeled step.
-    Returns (dataset, report dict)."""
-    import pyarrow.compute as pc
-    from datasets import Features, Sequence, Value
-    features = Features({"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
-                         "steps_kept": Value("int32"), "length": Value("int32"), "n_labeled": Value("int32"),
-                         **{k: v for k, v in ds.features.items() if k == "id"}})
-    table = ds.with_format("arrow")
-    if "input_ids" in ds.column_names:  # pre-tokenized: its labeled positions are its steps
-        check_tokenized(ds, tokenizer, cfg)
-        fn, kwargs, fingerprint = cut_tokenized, dict(max_length=cfg.max_length, is_eval=is_eval,
-                                                      train_on_last_step_only=cfg.train_on_last_step_only), None
-        n_steps_in = pc.sum(pc.not_equal(pc.list_flatten(table["labels"]), IGNORE)).as_py() or 0
-    else:
-        fn = tokenize_batch
-        kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
-                      max_completion_length=cfg.max_completion_length,
-                      train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
-        fingerprint = map_fingerprint(ds, tokenizer, kwargs)
-        n_steps_in = pc.sum(pc.list_value_length(table["completions"])).as_py() or 0
-    tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
-                 remove_columns=[c for c in ds.column_names if c != "id"], num_proc=num_proc if num_proc > 1 else None,
-                 desc=desc, new_fingerprint=fingerprint)
-    kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True,
-                      desc="drop unlabeled")
-    report = dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
-    return kept, report
-
-
-def check_tokenized(ds, tokenizer, cfg):
-    """Raise DataError for pre-tokenized rows the run cannot use: ids past the tokenizer's vocabulary (data
-    tokenized with another tokenizer would fail inside the embedding), or a --max-completion-length to apply."""
-    import pyarrow.compute as pc
-    from prm.sources import DataError
-    if cfg.max_completion_length:
-        raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows carry no "
-                         "prompt/step boundary to apply it to; set it to 0 and cap them with --max-length"])
-    n_vocab, bad, offset = len(tokenizer), [], 0
-    for chunk in ds.with_format("arrow")["input_ids"].chunks:  # parent indices count from each chunk's start
-        over = pc.filter(pc.list_parent_indices(chunk), pc.greater_equal(pc.list_flatten(chunk), n_vocab))
-        bad += [offset + i for i in pc.unique(over).to_pylist()]
-        offset += len(chunk)
-    if bad:
-        where = ds["where"] if "where" in ds.column_names else [f"row {i}" for i in range(len(ds))]
-        raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is out of the "
-                         f"tokenizer's {n_vocab} tokens: was it tokenized with another tokenizer?" for i in bad])
-
-
-def cut_tokenized(batch: dict, max_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """Pre-tokenized rows (labels: -100 or a step's label) cut after max_length tokens, as tokenize_batch returns.
-
-    The model is causal, so cutting the tail never changes what an earlier label means; labels past the cut are lost.
-    steps_kept counts the labeled positions kept, before train_on_last_step_only hides all but the last."""
-    out = {"input_ids": [], "labels": [], "steps_kept": [], "length": [], "n_labeled": []}
-    for ids, labels in zip(batch["input_ids"], batch["labels"]):
-        ids, cut = ids[:max_length], labels[:max_length]  # a None max_length keeps everything
-        steps_kept = len(cut) - cut.count(IGNORE)
-        if train_on_last_step_only and not is_eval:  # the row's last label, wherever the cut leaves it
-            last = max((i for i, y in enumerate(labels) if y != IGNORE), default=-1)
-            cut = [y if i == last else IGNORE for i, y in enumerate(cut)]
-        out["input_ids"].append(ids)
-        out["labels"].append(cut)
-        out["steps_kept"].append(steps_kept)
-        out["length"].append(len(ids))
-        out["n_labeled"].append(len(cut) - cut.count(IGNORE))
-    return out
-
-
-def dataset_report(tok, n_rows_in: int, n_steps_in: int) -> dict:
-    """Counted in Arrow: no per-token Python loop over the labels."""
-    import pyarrow.compute as pc
-    t = tok.with_format("arrow")
-    lengths, labels = t["length"], pc.list_flatten(t["labels"])
-    labels = pc.filter(labels, pc.not_equal(labels, IGNORE))
-    n = len(labels)
-    total = lambda a: pc.sum(a).as_py() or 0
-    return {"examples": len(tok), "labeled_steps": n,
-            "positive_rate": round(total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
-            "mean_tokens": round(total(lengths) / max(len(lengths), 1), 1),
-            "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
-            "examples_dropped": n_rows_in - len(tok), "steps_truncated": n_steps_in - total(t["steps_kept"])}
 
 
 def collate(rows: list, pad_id: int) -> dict:
@@ -220,13 +147,15 @@ def pad_token_id(tokenizer) -> int:
 def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, group_by_length: bool) -> list:
     """The epoch's optimizer-step batches: lists of exactly `global_batch` dataset indices, whatever the world size.
 
-    Shuffled from (seed, epoch). With grouping, windows of 64 batches are sorted by length before cutting, then
-    the batch order is shuffled again, so neighbours in a batch have similar lengths but the order stays random.
-    The last batch is completed with the epoch's first indices so every rank runs the same number of steps."""
+    A pure function of (seed, epoch): resuming at any step rebuilds the same plan, with no data-loader state to save.
+    With grouping, windows of 64 batches are sorted by length before cutting, then the batch order is shuffled
+    again, so neighbours in a batch have similar lengths but the order stays random."""
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(len(lengths)))
     rng.shuffle(order)
     n_batches = math.ceil(len(order) / global_batch)
+    # wrap around: the last batch is completed with the epoch's first indices, so every batch is full and every
+    # rank runs the same number of micro-batches (a short last batch would leave a rank idle in the all-reduce)
     order = (order * math.ceil(n_batches * global_batch / max(len(order), 1)))[: n_batches * global_batch]
     if group_by_length:
         window = 64 * global_batch
@@ -239,10 +168,21 @@ def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, grou
 
 
 def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_accum: int) -> list:
-    """This rank's `grad_accum` micro-batches of one global batch; sorted by length first so padding stays small."""
+    """This rank's `grad_accum` micro-batches of one global batch.
+
+    The batch is sorted by length and cut into world_size x grad_accum equal chunks; micro-step a of rank r takes
+    chunk a x world_size + r. Any (world_size, grad_accum) split of the same global batch therefore sees the same
+    examples, and ranks running the same micro-step get neighbouring lengths (similar padding, similar time)."""
     ordered = sorted(batch, key=lambda i: lengths[i])
     per = len(batch) // (world_size * grad_accum)
     return [ordered[(a * world_size + rank) * per:(a * world_size + rank + 1) * per] for a in range(grad_accum)]
+
+
+def padded_tokens(batch: list, lengths: list, n_chunks: int) -> int:
+    """Tokens processed, padding included, by all micro-batches of all ranks (the chunks of micro_batches)."""
+    ordered = sorted(lengths[i] for i in batch)
+    per = len(batch) // n_chunks
+    return sum(per * ordered[(c + 1) * per - 1] for c in range(n_chunks))  # a chunk is as wide as its longest row
 
 
 def eval_batches(lengths: list, batch_size: int, world_size: int = 1, rank: int = 0) -> list:

@@ -1,5 +1,7 @@
-"""Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels), or pre-tokenized ones (input_ids, labels), and check them. Depends on: stdlib only."""
+"""Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels), or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.data (the label rules)."""
 import difflib
+
+from prm.data import IGNORE, label_problem
 
 # columns that identify each format, in detection order (first match wins)
 FORMATS = {
@@ -9,7 +11,6 @@ FORMATS = {
     "prm800k": ("question", "label"),  # label is a dict: {"steps": [...], "finish_reason": ...}
     "math_shepherd": ("input", "label"),  # label is text: `input` with +/- in place of each step tag
 }
-IGNORE = -100  # the label of a token that ends no step (prm.data puts it on every such position)
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
 # A label of None marks a step kept as context but not scored (ProcessBench after the first error, dropped neutrals).
@@ -163,15 +164,6 @@ def from_pretokenized(r: dict, neutral: str) -> list:
 
 CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise, "processbench": from_processbench,
               "prm800k": from_prm800k, "math_shepherd": from_math_shepherd}
-
-
-def label_problem(y):
-    """Why y is not a step label (bool, 0/1, float in [0, 1], or None = unlabeled), or None when it is one."""
-    if y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1)):
-        return None
-    if isinstance(y, float) and 0.0 <= y <= 1.0:  # NaN fails both comparisons
-        return None
-    return f"{_kind(y)} is not a bool, 0/1 or a float in [0, 1]"
 
 
 def row_problems(row: dict) -> list:

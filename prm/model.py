@@ -1,12 +1,12 @@
-"""PRM = transformers backbone + linear 2-way head; per-step loss; save/load as a standard HF token classifier. Depends on: torch, transformers, safetensors, prm.lora."""
-import json
+"""PRM = a transformers backbone + a linear 2-way head; the per-step loss; save/load as a standard HF token
+classifier. Depends on: torch, transformers (and safetensors, which transformers installs); copy it alone."""
 import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from prm.lora import merged_state_dict
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
 ID2LABEL = {0: "incorrect", 1: "correct"}
 
@@ -25,25 +25,28 @@ class PRM(nn.Module):
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, H)
         return self.head(h)  # (B, T, 2)
 
-    def save_pretrained(self, path: str):
-        """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is."""
-        from safetensors.torch import save_file
+    def save_pretrained(self, path: str, backbone_state: dict = None):
+        """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is.
+
+        backbone_state: the backbone weights to write (default: its state_dict). A model with adapters passes
+        them folded in (prm.lora.merged_state_dict), so the file is a plain token classifier."""
+        state = self.backbone.state_dict() if backbone_state is None else backbone_state
+        if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them and load the base model
+            raise ValueError("the backbone has unmerged adapters: pass backbone_state=merged_state_dict(backbone)")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         cfg.num_labels, cfg.id2label, cfg.label2id = 2, dict(ID2LABEL), {v: k for k, v in ID2LABEL.items()}
         arch, prefix, head_name = hf_names(cfg)
         cfg.architectures = [arch]
-        # LoRA adapters are folded in: the file is a plain token classifier, loadable without this code
-        state = {f"{prefix}.{k}": v for k, v in merged_state_dict(self.backbone).items()}
-        state.update({f"{head_name}.{k}": v for k, v in self.head.state_dict().items()})
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
+        out = {f"{prefix}.{k}": v for k, v in state.items()}
+        out.update({f"{head_name}.{k}": v for k, v in self.head.state_dict().items()})
+        save_file({k: v.detach().contiguous().cpu() for k, v in out.items()},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         cfg.save_pretrained(path)
 
     @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
         """Loads a token-classification checkpoint (ours, TRL's, any HF one) or puts a fresh head on a backbone."""
-        from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         if any(a.endswith("ForTokenClassification") for a in (cfg.architectures or [])):
             hf = AutoModelForTokenClassification.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
@@ -54,7 +57,30 @@ class PRM(nn.Module):
         return cls(backbone, new_head(backbone.config))
 
 
-def enable_checkpointing(backbone):
+def new_head(config) -> nn.Linear:
+    hidden = config.get_text_config().hidden_size
+    head = nn.Linear(hidden, 2)
+    nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def step_loss(logits, labels, n_labeled_global):
+    """Sum of per-step cross-entropy against [1-p, p], divided by the labeled steps of the WHOLE optimizer step.
+
+    labels: (B, T) float, -100 where unlabeled, 0/1 hard or in-between soft. Returns (loss, ce_sum, n_correct);
+    ce_sum and n_correct are detached sums for logging. Zero labeled steps give a loss of exactly 0, never NaN."""
+    mask = labels != -100  # (B, T)
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, so no host sync on CUDA
+    p = torch.where(mask, labels, 0.0)  # (B, T)
+    ce = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0)  # (B, T)
+    ce_sum = ce.sum()
+    n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
+    n = n_labeled_global.clamp(min=1) if torch.is_tensor(n_labeled_global) else max(n_labeled_global, 1)
+    return ce_sum / n, ce_sum.detach(), n_correct
+
+
+def enable_activation_checkpointing(backbone):
     """Non-reentrant activation checkpointing: works under DDP and with inputs that need no grad."""
     if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
         backbone.activation_checkpointing_enable({"use_reentrant": False})
@@ -72,7 +98,6 @@ def _head_name(hf) -> str:
 
 def hf_names(config):
     """(HF token-classification class name, backbone key prefix, head key prefix) for this config."""
-    from transformers import AutoModelForTokenClassification
     with torch.device("meta"):  # builds no real weights
         hf = AutoModelForTokenClassification.from_config(config)
     return type(hf).__name__, hf.base_model_prefix, _head_name(hf)
@@ -80,68 +105,8 @@ def hf_names(config):
 
 def load_weights(model: PRM, path: str):
     """Loads save_pretrained's safetensors back into an existing PRM (exact tensors, no re-init)."""
-    from safetensors.torch import load_file
     state = load_file(os.path.join(path, "model.safetensors"))
     _, prefix, head_name = hf_names(model.config)
     model.backbone.load_state_dict({k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")})
     model.head.load_state_dict({k[len(head_name) + 1:]: v for k, v in state.items()
                                 if k.startswith(head_name + ".")})
-
-
-def new_head(config) -> nn.Linear:
-    hidden = config.get_text_config().hidden_size
-    head = nn.Linear(hidden, 2)
-    nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
-    nn.init.zeros_(head.bias)
-    return head
-
-
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
-    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which re-splits the text."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    saved = os.path.join(name, "tokenizer_config.json")
-    if os.path.isfile(saved):
-        with open(saved) as f:
-            if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-                return PreTrainedTokenizerFast.from_pretrained(name)
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-
-
-def tiny_config(vocab_size: int, pad_token_id: int, bos_token_id=None, eos_token_id=None):
-    """The offline preset: a 3-layer, 128-wide Qwen2 decoder (about 0.6M parameters plus embeddings)."""
-    from transformers import Qwen2Config
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                       tie_word_embeddings=False, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
-                       eos_token_id=eos_token_id, attention_dropout=0.0)
-
-
-def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
-    """'tiny' -> random init from tiny_config (seeded); anything else -> PRM.from_pretrained."""
-    from transformers import AutoModel
-    torch.manual_seed(seed)
-    if name == "tiny":
-        from prm.data import pad_token_id
-        cfg = tiny_config(len(tokenizer), pad_token_id(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
-        backbone = AutoModel.from_config(cfg, attn_implementation="sdpa")
-        return PRM(backbone, new_head(cfg))
-    # fp32 master weights whatever the checkpoint's dtype; autocast handles the low-precision compute
-    return PRM.from_pretrained(name, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
-                               dtype=torch.float32)
-
-
-def step_loss(logits, labels, n_labeled_global):
-    """Sum of per-step cross-entropy against [1-p, p], divided by the labeled steps of the WHOLE optimizer step.
-
-    labels: (B, T) float, -100 where unlabeled, 0/1 hard or in-between soft. Returns (loss, ce_sum, n_correct);
-    ce_sum and n_correct are detached sums for logging. Zero labeled steps give a loss of exactly 0, never NaN."""
-    mask = labels != -100  # (B, T)
-    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, so no host sync on CUDA
-    p = torch.where(mask, labels, 0.0)  # (B, T)
-    ce = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0)  # (B, T)
-    ce_sum = ce.sum()
-    n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
-    n = n_labeled_global.clamp(min=1) if torch.is_tensor(n_labeled_global) else max(n_labeled_global, 1)
-    return ce_sum / n, ce_sum.detach(), n_correct
-

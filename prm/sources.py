@@ -9,6 +9,7 @@ import sys
 from datasets import Dataset, Features, List, Value, load_dataset
 
 from prm.formats import FORMATS, detect_format, format_help, to_stepwise
+from prm.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more": the message must fit one screen
@@ -182,7 +183,6 @@ def load_splits(cfg):
     """(train, held-out) datasets with columns prompt, completions, labels and, when the data has them, id,
     first_error and final_answer_correct (ProcessBench)."""
     if cfg.dataset == "synthetic":
-        from prm.synthetic import train_eval_rows
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
         return Dataset.from_list(train), Dataset.from_list(held)
     train = read_rows(cfg.dataset, cfg.train_split, cfg)

@@ -1,13 +1,14 @@
 """The offline default: a character tokenizer built in code and a step-labelled counting task. Depends on: tokenizers, transformers."""
 import random
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:;?!'\n"
 
 
 def char_tokenizer():
     """One token per character plus <pad>/<bos>/<eos>/<unk>; has a BOS, so it exercises the BOS path."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     vocab = {t: i for i, t in enumerate(specials + list(CHARS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

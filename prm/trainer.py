@@ -1,4 +1,8 @@
-"""The hand-written training loop: AdamW, warmup+cosine, autocast, accumulation, DDP, checkpoints, eval. Depends on: torch, transformers, tqdm, prm.*."""
+"""The hand-written training loop: a short train() over train_step(), with logging, evaluation and checkpoints
+behind one call each. Depends on: torch, tqdm, prm.*.
+
+Here "step" always means an optimizer step (--max-steps, checkpoint-<step>); the reasoning steps of a solution
+are the "labels" of the batch."""
 import contextlib
 import json
 import math
@@ -11,35 +15,38 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from prm.build import model_for, tokenizer_for
 from prm.card import config_command, model_card
-from prm.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from prm.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
 from prm.config import Config
-from prm.data import collate, global_batches, micro_batches, pad_token_id, tokenize_dataset
-from prm.evaluate import evaluate
-from prm.lora import apply_lora, count_parameters
-from prm.model import build_model, enable_checkpointing, load_tokenizer, step_loss
+from prm.data import collate, global_batches, micro_batches, pad_token_id, padded_tokens
+from prm.evaluate import predict, report
+from prm.ingest import tokenize_dataset
+from prm.lora import count_parameters
+from prm.model import enable_activation_checkpointing, step_loss
 from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import load_splits
 
 PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
 
 
-def tokenizer_for(cfg: Config):
-    if cfg.model == "tiny" and not cfg.tokenizer:
-        from prm.synthetic import char_tokenizer
-        return char_tokenizer()
-    return load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
+def train(cfg: Config, command: str = "") -> dict:
+    """Runs one training; returns the final held-out metrics on rank 0, None on the other ranks.
+
+    command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
+    PREEMPTED["signal"] = None
+    rt = setup()
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return Trainer(cfg, rt, command or config_command(cfg)).train()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        teardown(rt)
 
 
-def model_for(cfg: Config, tokenizer):
-    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r is set.
-
-    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild a
-    LoRA checkpoint's frozen base with this same function."""
-    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
-    if cfg.lora_r:
-        apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
-    return model
+def _on_signal(signum, frame):
+    PREEMPTED["signal"] = signum
 
 
 def lr_lambda(warmup: int, total: int):
@@ -63,182 +70,183 @@ def make_optimizer(model, cfg: Config, lr: float, device):
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=True)
 
 
-def _on_signal(signum, frame):
-    PREEMPTED["signal"] = signum
+class Trainer:
+    """Set-up in __init__ (one _setup_* per concern), then train(): a loop over train_step()."""
 
+    def __init__(self, cfg: Config, rt: Runtime, command: str):
+        self.cfg, self.rt, self.command = cfg.resolve(), rt, command
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.say = print if rt.is_main else (lambda *a, **k: None)
+        self._setup_data()  # data before model: bad rows are reported before any weight loads
+        self._setup_model()
+        self._setup_optimizer()
+        self._setup_output()
 
-def train(cfg: Config, command: str = "") -> dict:
-    """command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
-    PREEMPTED["signal"] = None
-    rt = setup()
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return _train(cfg, rt, command or config_command(cfg))
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        teardown(rt)
+    def _setup_data(self):
+        cfg, rt = self.cfg, self.rt
+        self.tokenizer = tokenizer_for(cfg)
+        self.pad_id = pad_token_id(self.tokenizer)
+        with main_first(rt):  # rank 0 fills the datasets cache; the other ranks then read it
+            train_raw, eval_raw = load_splits(cfg)
+            train_ds, self.train_report = tokenize_dataset(train_raw, self.tokenizer, cfg, is_eval=False,
+                                                           num_proc=cfg.num_proc)
+            eval_ds, self.eval_report = tokenize_dataset(eval_raw, self.tokenizer, cfg, is_eval=True,
+                                                         num_proc=cfg.num_proc, drop_unlabeled=False)
+        self.say(f"train data: {json.dumps(self.train_report)}\neval data: {json.dumps(self.eval_report)}")
+        if len(train_ds) == 0:
+            raise SystemExit(f"no training example has a labeled step left (--max-length {cfg.max_length}, "
+                             f"--max-completion-length {cfg.max_completion_length}): see the report")
+        self.lengths, self.n_labels = train_ds["length"], train_ds["n_labeled"]  # host lists: no device sync
+        self.train_ds = train_ds.select_columns(["input_ids", "labels"])
+        self.eval_rows = eval_ds.to_list()
+        self.processbench = "first_error" in eval_ds.column_names
+        self.global_batch = cfg.batch_size * cfg.grad_accum * rt.world_size
+        self.steps_per_epoch = math.ceil(len(train_ds) / self.global_batch)
+        self.total = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        self.plan_epoch, self.plan = None, None
 
+    def _setup_model(self):
+        self.model = model_for(self.cfg, self.tokenizer).to(self.rt.device)
+        if self.cfg.gradient_checkpointing:
+            enable_activation_checkpointing(self.model.backbone)
+        self.amp_dtype = autocast_dtype(self.cfg.dtype, self.rt.device)
 
-def _train(cfg: Config, rt: Runtime, command: str) -> dict:
-    cfg.resolve()
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    log = print if rt.is_main else (lambda *a, **k: None)
-    tokenizer = tokenizer_for(cfg)
-    pad_id = pad_token_id(tokenizer)
-    with main_first(rt):  # data before model: bad rows are reported at once. Rank 0 fills the datasets cache
-        train_raw, eval_raw = load_splits(cfg)
-        train_ds, train_report = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
-        eval_ds, eval_report = tokenize_dataset(eval_raw, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc)
-    log(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
-    if len(train_ds) == 0:
-        raise SystemExit(f"no training example has a labeled step left (--max-length {cfg.max_length}, "
-                         f"--max-completion-length {cfg.max_completion_length}): see the report")
-    model = model_for(cfg, tokenizer).to(rt.device)
-    if cfg.gradient_checkpointing:
-        enable_checkpointing(model.backbone)
-    amp_dtype = autocast_dtype(cfg.dtype, rt.device)
-    eval_rows = eval_ds.to_list()
-    lengths = train_ds["length"]
-    n_labeled = train_ds["n_labeled"]
+    def _setup_optimizer(self):
+        cfg, rt = self.cfg, self.rt
+        self.optimizer = make_optimizer(self.model, cfg, cfg.lr, rt.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.warmup_steps, self.total))
+        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
+        self.step = 0
+        resume = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+        if resume:  # before compile and DDP: they wrap the weights loaded here
+            self.step = load_checkpoint(resume, self.model, self.optimizer, self.scheduler, self.scaler)
+            self.say(f"resumed from {resume} at step {self.step}")
+        self.train_model = self.model  # what the forward runs; self.model stays the plain PRM
+        if cfg.compile:  # batch widths vary: one symbolic-shape graph at once, not a static one and then a recompile
+            self.train_model = torch.compile(self.train_model, dynamic=True)
+        if rt.distributed:
+            self.train_model = DDP(self.train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
-    global_batch = cfg.batch_size * cfg.grad_accum * rt.world_size
-    steps_per_epoch = math.ceil(len(train_ds) / global_batch)
-    total = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    optimizer = make_optimizer(model, cfg, cfg.lr, rt.device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, total))
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=amp_dtype == torch.float16)
-    step = 0
-    resume = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
-    if resume:
-        step = load_checkpoint(resume, model, optimizer, scheduler, scaler)
-        log(f"resumed from {resume} at step {step}")
-    raw_model = model
-    if cfg.compile:
-        # batch widths vary: one symbolic-shape graph at once, not a static one and then a recompile (~100 s on GPU)
-        model = torch.compile(model, dynamic=True)
-    if rt.distributed:
-        model = DDP(model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
-    amp = (lambda: torch.autocast(rt.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
-    run_eval = lambda: evaluate(raw_model, eval_rows, cfg.eval_batch_size, pad_id, rt.device, amp_dtype, cfg.threshold, rt)
+    def _setup_output(self):
+        cfg, rt = self.cfg, self.rt
+        if rt.is_main:
+            cfg.save(cfg.output_dir)
+        self.pbar = tqdm(total=self.total, initial=self.step, disable=not rt.is_main, desc="train")
+        self.metrics = TrainLog(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, rt, self.pbar,
+                                lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum)
+        trainable, n_params = count_parameters(self.model)
+        self.say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
+                 f"({100 * trainable / n_params:.2f}%) | {len(self.train_ds)} train examples | global batch "
+                 f"{self.global_batch} | {self.total} steps | autocast {self.amp_dtype or 'off'} | "
+                 f"world {rt.world_size}")
 
-    if rt.is_main:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, "config.train.json"), "w") as f:
-            f.write(cfg.to_json())
-    metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") if rt.is_main else None
-    trainable, n_params = count_parameters(raw_model)
-    log(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable ({100 * trainable / n_params:.2f}%) | "
-        f"{len(train_ds)} train examples | "
-        f"global batch {global_batch} | {total} steps | autocast {amp_dtype or 'off'} | world {rt.world_size}")
+    def train(self) -> dict:
+        cfg = self.cfg
+        self.train_model.train()
+        while self.step < self.total:
+            t0 = time.perf_counter()
+            epoch, position = divmod(self.step, self.steps_per_epoch)
+            batch = self.batch_plan(epoch)[position]
+            # forward backward update
+            sums, norm = self.train_step(batch)
+            self.step += 1
+            # logging: the loss sums stay on device until a log step
+            self.metrics.add(self.step, batch, sums, norm, t0=t0, epoch=epoch, lr=self.scheduler.get_last_lr()[0],
+                             write=self.step % cfg.log_every == 0 or self.step == self.total)
+            # evaluation, checkpoint, preemption
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total:
+                self.metrics.write({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluate().items()}})
+            stop = agree_to_stop(self.rt)
+            if (cfg.save_every and self.step % cfg.save_every == 0) or stop:
+                self.save_checkpoint()
+            if stop:
+                self.stop()
+        self.pbar.close()
+        return self.finish()
 
-    pbar = tqdm(total=total, initial=step, disable=not rt.is_main, desc="train")
-    window = torch.zeros(2, device=rt.device)  # (ce sum, correct) since the last log line, summed on device
-    window_labeled, window_tokens, window_time, total_tokens, processed_tokens, train_time = 0, 0, 0.0, 0, 0, 0.0
-    plan_epoch, plan = None, None
-    pin = rt.device.type == "cuda"  # page-locked host memory makes the non_blocking copies truly asynchronous
-    model.train()
-    while step < total:
-        t0 = time.perf_counter()
-        epoch, position = divmod(step, steps_per_epoch)
-        if epoch != plan_epoch:  # reseeded every epoch; a pure function of (seed, epoch): resume needs no state
-            plan_epoch, plan = epoch, global_batches(lengths, global_batch, cfg.seed, epoch, cfg.group_by_length)
-        batch = plan[position]
-        labeled = sum(n_labeled[i] for i in batch)  # all ranks know the whole global batch: no collective needed
-        tokens = sum(lengths[i] for i in batch)
-        micro = micro_batches(batch, lengths, rt.world_size, rt.rank, cfg.grad_accum)
-        processed_tokens += sum(len(m) * max(lengths[i] for i in m) for r in range(rt.world_size)  # padded, all ranks
-                                for m in micro_batches(batch, lengths, rt.world_size, r, cfg.grad_accum))
+    def batch_plan(self, epoch: int) -> list:
+        if epoch != self.plan_epoch:  # reshuffled every epoch; a pure function of (seed, epoch): resume needs no state
+            self.plan_epoch = epoch
+            self.plan = global_batches(self.lengths, self.global_batch, self.cfg.seed, epoch, self.cfg.group_by_length)
+        return self.plan
+
+    def train_step(self, batch: list):
+        """One optimizer step on one global batch: forward and backward on this rank's micro-batches, then clip
+        and update. Returns this rank's (cross-entropy sum, correct) on device, and the gradient norm."""
+        cfg, rt = self.cfg, self.rt
+        n_labels = sum(self.n_labels[i] for i in batch)  # every rank knows the whole global batch: no collective
+        micro = micro_batches(batch, self.lengths, rt.world_size, rt.rank, cfg.grad_accum)
+        sums = torch.zeros(2, device=rt.device)
         for a, idx in enumerate(micro):
-            mb = collate(_rows(train_ds, idx), pad_id)
-            mb = {k: v.pin_memory() for k, v in mb.items()} if pin else mb
-            ids, mask = (mb[k].to(rt.device, non_blocking=True) for k in ("input_ids", "attention_mask"))
-            labels = mb["labels"].to(rt.device, non_blocking=True)
+            ids, mask, labels = self.to_device(collate(self.rows(idx), self.pad_id))
+            # DDP all-reduces gradients in every backward; the last micro-batch's all-reduce covers them all
             last = a == len(micro) - 1
-            sync = model.no_sync() if rt.distributed and not last else contextlib.nullcontext()
-            with sync:
-                with amp():
-                    logits = model(ids, mask)  # (B, T, 2)
-                loss, ce_sum, n_correct = step_loss(logits, labels, labeled)
+            with self.train_model.no_sync() if rt.distributed and not last else contextlib.nullcontext():
+                with self.autocast():
+                    logits = self.train_model(ids, mask)  # (B, T, 2)
+                # divided by the labels of the whole global batch, so accumulation and ranks weight every label equally
+                loss, ce_sum, n_correct = step_loss(logits, labels, n_labels)
                 # DDP averages gradients over ranks; scaling by world size turns that back into the global sum
-                scaler.scale(loss * rt.world_size).backward()
-            window += torch.stack([ce_sum, n_correct.float()])
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm or float("inf"))
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        step += 1
-        window_labeled += labeled
-        window_tokens += tokens
-        total_tokens += tokens
-        pbar.update(1)
+                self.scaler.scale(loss * rt.world_size).backward()
+            sums += torch.stack([ce_sum, n_correct.float()])
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return sums, norm
 
-        if step % cfg.log_every == 0 or step == total:
-            stats = all_reduce_sum(torch.cat([window, norm.detach().float().view(1)]), rt).tolist()  # one sync
-            window_time += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
-            rec = {"step": step, "loss": stats[0] / max(window_labeled, 1), "acc": stats[1] / max(window_labeled, 1),
-                   "lr": scheduler.get_last_lr()[0], "norm": stats[2] / rt.world_size,
-                   "tok_per_s": window_tokens / window_time, "epoch": epoch}
-            log_line(rec, pbar, metrics_file)
-            window.zero_()
-            train_time += window_time
-            window_labeled, window_tokens, window_time = 0, 0, 0.0
-        else:
-            window_time += time.perf_counter() - t0
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-            m = run_eval()
-            log_line({"step": step, **{f"eval_{k}": v for k, v in m.items()}}, pbar, metrics_file)
-        stop = _agree_to_stop(rt)
-        if (cfg.save_every and step % cfg.save_every == 0) or stop:
-            _save(cfg, rt, step, raw_model, optimizer, scheduler, scaler, tokenizer)
-        if stop:
-            name = signal.Signals(PREEMPTED["signal"]).name if PREEMPTED["signal"] else "a signal on another rank"
-            log(f"stopped by {name} after step {step}; checkpoint saved. Continue with --resume auto")
-            pbar.close()
-            raise SystemExit(128 + (PREEMPTED["signal"] or signal.SIGTERM))
-    pbar.close()
+    def rows(self, idx: list) -> list:
+        cols = self.train_ds[idx]
+        return [{"input_ids": i, "labels": y} for i, y in zip(cols["input_ids"], cols["labels"])]
 
-    final = run_eval()
-    final["train_tokens_per_second"] = total_tokens / max(train_time, 1e-9)
-    final["padding_efficiency"] = total_tokens / max(processed_tokens, 1)
-    final["train_data"], final["eval_data"] = train_report, eval_report
-    barrier(rt)
-    if rt.is_main:
-        path = os.path.join(cfg.output_dir, "final")
-        raw_model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        with open(os.path.join(path, "config.train.json"), "w") as f:
-            f.write(cfg.to_json())
-        with open(os.path.join(path, "README.md"), "w") as f:
-            f.write(model_card(cfg, final, command))
-        metrics_file.write(json.dumps({"step": step, "final": final}) + "\n")
-        metrics_file.close()
-    barrier(rt)
-    return final if rt.is_main else None
+    def to_device(self, mb: dict) -> tuple:
+        if self.rt.device.type == "cuda":  # page-locked host memory makes the non_blocking copies truly asynchronous
+            mb = {k: v.pin_memory() for k, v in mb.items()}
+        return tuple(mb[k].to(self.rt.device, non_blocking=True) for k in ("input_ids", "attention_mask", "labels"))
 
+    def autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.rt.device.type, dtype=self.amp_dtype)
 
-def _rows(ds, idx: list) -> list:
-    cols = ds[idx]
-    return [{"input_ids": i, "labels": l} for i, l in zip(cols["input_ids"], cols["labels"])]
+    def evaluate(self) -> dict:
+        """The held-out metrics, by the same route as eval.py (prm.evaluate: predict, then report)."""
+        probs = predict(self.model, self.eval_rows, batch_size=self.cfg.eval_batch_size, pad_id=self.pad_id,
+                        amp_dtype=self.amp_dtype, rt=self.rt)
+        return report(probs, self.eval_rows, self.cfg.threshold, self.processbench)
+
+    def save_checkpoint(self):
+        barrier(self.rt)
+        if self.rt.is_main:
+            save_checkpoint(self.cfg.output_dir, self.step, model=self.model, optimizer=self.optimizer,
+                            scheduler=self.scheduler, scaler=self.scaler, tokenizer=self.tokenizer, cfg=self.cfg)
+        barrier(self.rt)
+
+    def stop(self):
+        name = signal.Signals(PREEMPTED["signal"]).name if PREEMPTED["signal"] else "a signal on another rank"
+        self.say(f"stopped by {name} after step {self.step}; checkpoint saved. Continue with --resume auto")
+        self.pbar.close()
+        raise SystemExit(128 + (PREEMPTED["signal"] or signal.SIGTERM))
+
+    def finish(self) -> dict:
+        """Final evaluation, then final/ (weights, tokenizer, config, model card) and the last metrics record."""
+        final = self.evaluate()
+        final["train_tokens_per_second"], final["padding_efficiency"] = self.metrics.throughput()
+        final["train_data"], final["eval_data"] = self.train_report, self.eval_report
+        barrier(self.rt)
+        if self.rt.is_main:
+            save_final(self.cfg.output_dir, model=self.model, tokenizer=self.tokenizer, cfg=self.cfg,
+                       card=model_card(self.cfg, final, self.command))
+            self.metrics.write({"step": self.step, "final": final}, echo=False)
+            self.metrics.close()
+        barrier(self.rt)
+        return final if self.rt.is_main else None
 
 
-def log_line(rec: dict, pbar, metrics_file):
-    if metrics_file is None:
-        return
-    metrics_file.write(json.dumps(rec) + "\n")
-    metrics_file.flush()
-    if "loss" in rec:
-        msg = (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
-               f"norm {rec['norm']:.2f} | {rec['tok_per_s'] / 1000:.1f}k tok/s")
-    else:
-        msg = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items())
-    pbar.write(msg)
-
-
-def _agree_to_stop(rt: Runtime) -> bool:
+def agree_to_stop(rt: Runtime) -> bool:
     """Under DDP every rank must stop at the same step, even if only one was signalled."""
     flag = float(PREEMPTED["signal"] is not None)
     if not rt.distributed:
@@ -246,9 +254,56 @@ def _agree_to_stop(rt: Runtime) -> bool:
     return all_reduce_sum(torch.tensor([flag], device=rt.device), rt).item() > 0
 
 
-def _save(cfg, rt, step, model, optimizer, scheduler, scaler, tokenizer):
-    barrier(rt)
-    if rt.is_main:
-        save_checkpoint(cfg.output_dir, step, model, optimizer, scheduler, scaler, cfg.to_json(), cfg.keep_last,
-                        tokenizer)
-    barrier(rt)
+class TrainLog:
+    """The log line and metrics.jsonl (rank 0), and the throughput figures.
+
+    Loss and accuracy sums stay on device until a log step; then one all-reduce, the only device sync."""
+
+    def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int):
+        self.rt, self.pbar, self.lengths, self.labels_of, self.n_chunks = rt, pbar, lengths, n_labels, n_chunks
+        self.file = open(path, "a") if path else None
+        self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
+        self.n_labels, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
+        self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
+
+    def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
+        """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm."""
+        tokens = sum(self.lengths[i] for i in batch)  # non-pad tokens of the global batch, every rank's share
+        self.window += sums
+        self.n_labels += sum(self.labels_of[i] for i in batch)
+        self.tokens, self.total_tokens = self.tokens + tokens, self.total_tokens + tokens
+        self.total_padded += padded_tokens(batch, self.lengths, self.n_chunks)
+        self.pbar.update(1)
+        if not write:
+            self.seconds += time.perf_counter() - t0
+            return
+        stats = all_reduce_sum(torch.cat([self.window, norm.detach().float().view(1)]), self.rt).tolist()  # one sync
+        self.seconds += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
+        n = max(self.n_labels, 1)
+        self.write({"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
+                    "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch})
+        self.window.zero_()
+        self.total_seconds += self.seconds
+        self.n_labels, self.tokens, self.seconds = 0, 0, 0.0
+
+    def throughput(self) -> tuple:
+        """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding)."""
+        return self.total_tokens / max(self.total_seconds, 1e-9), self.total_tokens / max(self.total_padded, 1)
+
+    def write(self, rec: dict, echo: bool = True):
+        if self.file is None:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if not echo:
+            return
+        if "loss" in rec:
+            msg = (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
+                   f"norm {rec['norm']:.2f} | {rec['tok_per_s'] / 1000:.1f}k tok/s")
+        else:
+            msg = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items())
+        self.pbar.write(msg)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()

@@ -108,16 +108,16 @@ def test_wrapper_loads_a_foreign_hf_token_classifier(tmp_path):
 
 
 def test_scoring_api_equals_evaluation_probabilities(char_tok):
+    from prm.build import build_model
     from prm.data import pad_token_id, tokenize_example
     from prm.evaluate import predict, score, score_batch
-    from prm.model import build_model
     from prm.synthetic import make_rows
     model = build_model("tiny", char_tok, seed=0)
     rows = make_rows(5, 3)
     tokenized = [tokenize_example(r, char_tok, is_eval=True) for r in rows]
-    seen = predict(model, tokenized, 2, pad_token_id(char_tok), torch.device("cpu"), progress=False)
+    seen = predict(model, tokenized, batch_size=2, pad_id=pad_token_id(char_tok), progress=False)
     scored = score_batch(model, char_tok, [(r["prompt"], r["completions"]) for r in rows])
-    for (probs, _), mine, row in zip(seen, scored, rows):
+    for probs, mine, row in zip(seen, scored, rows):
         assert len(mine) == len(row["completions"])
         assert mine == pytest.approx(probs, abs=1e-6)
     assert score(model, char_tok, rows[0]["prompt"], rows[0]["completions"]) == pytest.approx(scored[0], abs=1e-6)

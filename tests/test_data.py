@@ -125,7 +125,7 @@ def test_completion_cap_reaches_the_dataset_report_and_the_cache_key(char_tok):
     from datasets import Dataset
 
     from prm.config import Config
-    from prm.data import map_fingerprint, tokenize_dataset
+    from prm.ingest import map_fingerprint, tokenize_dataset
     ds = Dataset.from_list([{"prompt": "pp", "completions": ["a", "bbbbbb", "c"], "labels": [True, False, True]},
                             {"prompt": "q", "completions": ["dddddd"], "labels": [True]}])
     tok, report = tokenize_dataset(ds, char_tok, Config(max_completion_length=5), is_eval=False)
@@ -137,8 +137,8 @@ def test_completion_cap_reaches_the_dataset_report_and_the_cache_key(char_tok):
 
 
 def test_scoring_uses_the_completion_cap(char_tok):
+    from prm.build import build_model
     from prm.evaluate import score, score_batch
-    from prm.model import build_model
     model = build_model("tiny", char_tok, seed=0)
     steps = ["1+1=2", "2+1=3", "3+1=4"]
     full = score(model, char_tok, "count:", steps)

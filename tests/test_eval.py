@@ -13,7 +13,7 @@ sys.path.insert(0, ROOT)
 import eval as eval_cli  # noqa: E402
 from prm.evaluate import score, score_batch  # noqa: E402
 from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics  # noqa: E402
-from prm.model import build_model  # noqa: E402
+from prm.build import build_model  # noqa: E402
 from prm.synthetic import char_tokenizer  # noqa: E402
 
 SHARED = os.path.join(ROOT, "..", "shared", "data", "processbench")
@@ -173,7 +173,7 @@ def test_two_ddp_ranks_give_the_same_numbers_as_one_process(model_dir, pb_file, 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     if proc.returncode != 0 and "Signal 6 (SIGABRT)" in proc.stderr:
         # Seen twice in ~8 full-suite runs, never in 30+ runs of this launch alone: a rank aborts with "terminate
-        # called without an active exception" (cause unknown, noted in the README). One relaunch; the numbers
+        # called without an active exception" (cause unknown). One relaunch; the numbers
         # below are still asserted exactly, and a second abort fails the test.
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

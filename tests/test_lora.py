@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 from conftest import final_weights, read_metrics, run_train
 from prm.checkpoint import TRAINABLE
 from prm.data import collate, tokenize_example
-from prm.lora import LoRALinear, apply_lora, count_parameters
-from prm.model import PRM, build_model, step_loss
+from prm.lora import LoRALinear, apply_lora, count_parameters, merged_state_dict
+from prm.build import build_model
+from prm.model import PRM, step_loss
 from prm.synthetic import train_eval_rows
 from prm.trainer import make_optimizer
 
@@ -86,7 +87,7 @@ def test_merged_export_equals_unmerged_logits(char_tok, tmp_path):
     model.eval()
     with torch.no_grad():
         unmerged = model(b["input_ids"], b["attention_mask"])  # (B, T, 2)
-        model.save_pretrained(str(tmp_path))
+        model.save_pretrained(str(tmp_path), merged_state_dict(model.backbone))
         hf = AutoModelForTokenClassification.from_pretrained(str(tmp_path)).eval()
         merged = hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # (B, T, 2)
         ours = PRM.from_pretrained(str(tmp_path)).eval()(b["input_ids"], b["attention_mask"])

@@ -7,7 +7,8 @@ import torch
 from prm.data import collate, tokenize_example
 from prm.metrics import step_metrics
 from prm.lora import apply_lora
-from prm.model import build_model, enable_checkpointing, step_loss
+from prm.build import build_model
+from prm.model import enable_activation_checkpointing, step_loss
 from prm.synthetic import make_rows
 
 
@@ -82,7 +83,7 @@ def test_gradient_checkpointing_gives_same_gradients(char_tok, lora):
                 if "lora_B" in name:  # B = 0 would give the adapters' A no gradient to compare
                     torch.nn.init.normal_(p, std=0.02)
         if gc:
-            enable_checkpointing(model.backbone)
+            enable_activation_checkpointing(model.backbone)
         model.train()
         nbytes = [0]
 

@@ -8,7 +8,8 @@ import pytest
 from conftest import ROOT, read_metrics, run_train
 from prm.config import Config
 from prm.convert import main as convert_main
-from prm.data import IGNORE, tokenize_dataset, tokenize_example
+from prm.data import IGNORE, tokenize_example
+from prm.ingest import tokenize_dataset
 from prm.sources import DataError, load_eval, load_splits, read_rows
 from prm.synthetic import char_tokenizer, train_eval_rows
 

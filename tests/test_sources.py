@@ -10,7 +10,8 @@ from datasets import Dataset
 
 from prm.config import Config
 from prm.convert import main as convert_main
-from prm.data import IGNORE, collate, normalize_label, tokenize_dataset
+from prm.data import IGNORE, collate, normalize_label
+from prm.ingest import tokenize_dataset
 from prm.model import step_loss
 from prm.sources import DataError, load_eval, load_splits, read_rows
 from prm.synthetic import char_tokenizer

@@ -1,0 +1,99 @@
+"""The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
+benchmark all come here. Depends on: torch, transformers, prm.model, prm.lora, prm.data, prm.checkpoint,
+prm.synthetic."""
+import json
+import os
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+from prm.checkpoint import TRAINABLE, load_trainable
+from prm.data import pad_token_id
+from prm.lora import apply_lora
+from prm.model import PRM, new_head
+from prm.synthetic import char_tokenizer
+
+POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names that mean "this step is right"
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
+    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which re-splits the text."""
+    saved = os.path.join(name, "tokenizer_config.json")
+    if os.path.isfile(saved):
+        with open(saved) as f:
+            if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                return PreTrainedTokenizerFast.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_for(cfg):
+    """--tokenizer, else the model's own; the built-in character tokenizer for --model tiny."""
+    if cfg.model == "tiny" and not cfg.tokenizer:
+        return char_tokenizer()
+    return load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
+
+
+def tiny_config(tokenizer):
+    """The offline preset: a 3-layer, 128-wide Qwen2 decoder (about 0.6M parameters plus embeddings)."""
+    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                       tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       attention_dropout=0.0)
+
+
+def hf_config_for(cfg, tokenizer):
+    """The backbone's transformers config, without building any weight (the benchmark counts FLOPs from it)."""
+    if cfg.model == "tiny":
+        return tiny_config(tokenizer)
+    return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+
+
+def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
+    """'tiny' -> random init from tiny_config (seeded); anything else -> PRM.from_pretrained."""
+    torch.manual_seed(seed)
+    if name == "tiny":
+        cfg = tiny_config(tokenizer)
+        return PRM(AutoModel.from_config(cfg, attn_implementation="sdpa"), new_head(cfg))
+    # fp32 master weights whatever the checkpoint's dtype; autocast handles the low-precision compute
+    return PRM.from_pretrained(name, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+                               dtype=torch.float32)
+
+
+def model_for(cfg, tokenizer) -> PRM:
+    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r is set.
+
+    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild a
+    LoRA checkpoint's frozen base with this same function."""
+    model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
+    if cfg.lora_r:
+        apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    return model
+
+
+def load_trained(cfg, tokenizer_given: bool):
+    """(tokenizer, model) of a trained PRM for evaluation: a LoRA checkpoint (its frozen base rebuilt from the run's
+    own config, then adapters and head) or any 2-label token classifier. The tokenizer saved beside the model wins
+    unless --tokenizer is given; a checkpoint whose label 0 means 'correct' gets its head flipped."""
+    if os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
+        run = type(cfg).load(cfg.model)
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+        model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() sets eval mode
+        load_trainable(model, os.path.join(cfg.model, TRAINABLE))
+        return tokenizer, model
+    hf_cfg = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
+        raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
+                         f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+    own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
+    tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
+                               cfg.trust_remote_code)
+    model = PRM.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32)
+    names = {int(i): str(n).lower() for i, n in (hf_cfg.id2label or {}).items()}
+    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
+        with torch.no_grad():
+            model.head.weight.copy_(model.head.weight.flip(0))
+            if model.head.bias is not None:
+                model.head.bias.copy_(model.head.bias.flip(0))
+    return tokenizer, model

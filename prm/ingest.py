@@ -1,0 +1,110 @@
+"""Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read, and the data
+report. Depends on: datasets, pyarrow, prm.data, prm.sources.
+
+A tokenized row: input_ids, labels (the training targets: -100 off labeled step ends), steps_kept, step_ends
+(every kept step's last token), length, n_labeled, step_labels (every step's truth, None = unlabeled, cut steps
+included), and the source's id / first_error / final_answer_correct when it has them."""
+import hashlib
+
+import pyarrow.compute as pc
+from datasets import Features, Sequence, Value
+from datasets.fingerprint import Hasher
+
+from prm.data import IGNORE, assemble, normalize_label, tokenize_batch
+from prm.sources import DataError
+
+META = ("id", "first_error", "final_answer_correct")  # source columns evaluation reports on: kept as they are
+COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
+           "steps_kept": Value("int32"), "step_ends": Sequence(Value("int32")), "length": Value("int32"),
+           "n_labeled": Value("int32"),
+           "step_labels": Sequence(Value("float64"))}
+
+
+def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 1, desc: str = "tokenize",
+                     drop_unlabeled: bool = True):
+    """datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Returns (dataset, report).
+
+    Rows left without a labeled step are dropped (and counted in the report). The evaluation route keeps them
+    (drop_unlabeled=False): prm.evaluate.report counts them, and predictions line up with the source."""
+    features = Features({**COLUMNS, **{k: v for k, v in ds.features.items() if k in META}})
+    if "input_ids" in ds.column_names:  # pre-tokenized: checked here, then the same rows as text gives
+        check_pretokenized(ds, tokenizer, cfg)
+        fn, kwargs, fingerprint = cut_pretokenized, dict(max_length=cfg.max_length, is_eval=is_eval,
+                                                         train_on_last_step_only=cfg.train_on_last_step_only), None
+    else:
+        fn = tokenize_batch
+        kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
+                      max_completion_length=cfg.max_completion_length,
+                      train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
+        fingerprint = map_fingerprint(ds, tokenizer, kwargs)
+    tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
+                 remove_columns=[c for c in ds.column_names if c not in META],
+                 num_proc=num_proc if num_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
+    n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
+    kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
+    return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
+
+
+def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:
+    """datasets would dill-hash fn_kwargs, the whole tokenizer included, on every map, cache on or off (slow for
+    large vocabularies). Same inputs, hashed cheaply: data fingerprint, tokenizer content, settings, and code."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    tok = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend is not None else Hasher.hash(tokenizer)
+    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
+    settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
+    code = [Hasher.hash(f) for f in (tokenize_batch, assemble, normalize_label)]  # a change of rule: a new cache
+    return Hasher.hash([ds._fingerprint, tok, special, settings, code])
+
+
+def check_pretokenized(ds, tokenizer, cfg):
+    """Raise DataError for pre-tokenized rows the run cannot use: ids past the tokenizer's vocabulary (data
+    tokenized with another tokenizer would fail inside the embedding), or a --max-completion-length to apply."""
+    if cfg.max_completion_length:
+        raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows carry no "
+                         "prompt/step boundary to apply it to; set it to 0 and cap them with --max-length"])
+    n_vocab, bad, offset = len(tokenizer), [], 0
+    for chunk in ds.with_format("arrow")["input_ids"].chunks:  # parent indices count from each chunk's start
+        over = pc.filter(pc.list_parent_indices(chunk), pc.greater_equal(pc.list_flatten(chunk), n_vocab))
+        bad += [offset + i for i in pc.unique(over).to_pylist()]
+        offset += len(chunk)
+    if bad:
+        where = ds["where"] if "where" in ds.column_names else [f"row {i}" for i in range(len(ds))]
+        raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is out of the "
+                         f"tokenizer's {n_vocab} tokens: was it tokenized with another tokenizer?" for i in bad])
+
+
+def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
+    """Pre-tokenized rows (labels: -100 or a step's label) cut after max_length tokens, as tokenize_batch returns.
+
+    Their labeled positions are their steps. The model is causal, so cutting the tail never changes what an
+    earlier label means; labels past the cut are lost (and counted). steps_kept counts the labeled positions kept,
+    before train_on_last_step_only hides all but the last."""
+    out = {k: [] for k in COLUMNS}
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        ids, cut = ids[:max_length], labels[:max_length]  # a None max_length keeps everything
+        ends = [i for i, y in enumerate(cut) if y != IGNORE]
+        if train_on_last_step_only and not is_eval:  # the row's last label, wherever the cut leaves it
+            last = max((i for i, y in enumerate(labels) if y != IGNORE), default=-1)
+            cut = [y if i == last else IGNORE for i, y in enumerate(cut)]
+        out["input_ids"].append(ids)
+        out["labels"].append(cut)
+        out["steps_kept"].append(len(ends))
+        out["step_ends"].append(ends)
+        out["length"].append(len(ids))
+        out["n_labeled"].append(len(cut) - cut.count(IGNORE))
+        out["step_labels"].append([y for y in labels if y != IGNORE])
+    return out
+
+
+def dataset_report(tok, n_rows_in: int, n_steps_in: int) -> dict:
+    """Counted in Arrow over the rows kept: no per-token Python loop over the labels."""
+    t = tok.with_format("arrow")
+    lengths, labels = t["length"], pc.list_flatten(t["labels"])
+    labels = pc.filter(labels, pc.not_equal(labels, IGNORE))
+    n = len(labels)
+    total = lambda a: pc.sum(a).as_py() or 0
+    return {"examples": len(tok), "labeled_steps": n,
+            "positive_rate": round(total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
+            "mean_tokens": round(total(lengths) / max(len(lengths), 1), 1),
+            "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
+            "examples_dropped": n_rows_in - len(tok), "steps_truncated": n_steps_in - total(t["steps_kept"])}

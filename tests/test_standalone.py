@@ -1,0 +1,72 @@
+"""The core modules copy into another repo one file at a time: each imports and works alone, in a fresh interpreter,
+from an empty folder with no prm package on the path."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+# module -> a script run beside the lone copy: it must import, work, and pull in nothing it does not need
+CHECKS = {
+    "data": """
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers, Regex
+from transformers import PreTrainedTokenizerFast
+import data
+vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "q", "a", "b", "\\n"])}
+t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+t.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\\s\\S]"), behavior="isolated")
+tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<bos>")
+row = data.tokenize_example({"prompt": "q", "completions": ["ab", "b"], "labels": [True, 0.5]}, tok)
+assert row["input_ids"] == [1, 2, 3, 4, 5, 4, 5] and row["labels"] == [-100] * 4 + [1, -100, 0.5], row
+batch = data.collate([row, {"input_ids": [1], "labels": [-100]}], pad_id=0)
+assert batch["input_ids"].shape == (2, 7) and batch["attention_mask"][1].tolist() == [1] + [0] * 6
+assert "datasets" not in sys.modules and "pyarrow" not in sys.modules, "the data module must not import datasets"
+""",
+    "model": """
+import torch
+from transformers import AutoModel, Qwen2Config
+import model
+cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
+prm = model.PRM(AutoModel.from_config(cfg), model.new_head(cfg))
+logits = prm(torch.randint(0, 32, (2, 5)))
+labels = torch.full((2, 5), -100.0)
+labels[0, 4] = 1.0
+loss, ce_sum, n_correct = model.step_loss(logits, labels, 1)
+loss.backward()
+assert logits.shape == (2, 5, 2) and prm.head.weight.grad is not None
+""",
+    "metrics": """
+import metrics
+m = metrics.step_metrics([0.9, 0.2, 0.6], [1, 0, 0])
+assert m["n_steps"] == 3 and abs(m["step_accuracy"] - 2 / 3) < 1e-12
+assert metrics.processbench_metrics([1, -1], [1, -1])["f1"] == 1.0
+""",
+    "lora": """
+import torch
+import lora
+net = torch.nn.Sequential()
+net.add_module("q_proj", torch.nn.Linear(4, 4))
+net.add_module("out", torch.nn.Linear(4, 2))
+x = torch.randn(3, 4)
+before = net(x)
+assert lora.apply_lora(net, r=2, alpha=4.0, dropout=0.0, targets="q_proj") == ["q_proj"]
+assert torch.equal(net(x), before)  # B starts at zero
+assert {n for n, p in net.named_parameters() if p.requires_grad} == {"q_proj.lora_A", "q_proj.lora_B"}
+""",
+}
+
+
+@pytest.mark.parametrize("module", sorted(CHECKS))
+def test_core_module_works_alone(module, tmp_path):
+    shutil.copy(os.path.join(ROOT, "prm", f"{module}.py"), tmp_path)
+    script = CHECKS[module] + "\nassert not any(m == 'prm' or m.startswith('prm.') for m in sys.modules)\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # -E: no PYTHONPATH; -s: no user site; `-c` puts the current folder (the lone copy) first on sys.path
+    proc = subprocess.run([sys.executable, "-E", "-s", "-c", "import sys\n" + script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
