@@ -5,7 +5,7 @@ import os
 import sys
 
 from prm.build import load_trained
-from prm.config import FILE, Config, build_parser
+from prm.config import FILE, Config, build_parser, exit_on_problems, writable
 from prm.data import pad_token_id
 from prm.evaluate import predict, report, true_first_error
 from prm.ingest import tokenize_dataset
@@ -39,9 +39,13 @@ def parse_args(argv=None):
     opts = {k: args.pop(k) for k in EXTRA}
     opts["datasets"] = args.pop("dataset", [])
     base = Config.load(args["model"]) if os.path.isfile(os.path.join(args["model"], FILE)) else Config()
+    base.trust_remote_code = False  # only the user's own command line may allow a model's code, never a file
     if opts["datasets"] and "format" not in args:  # the run's training format says nothing about new files
         args["format"] = "auto"
-    return Config.from_dict({**base.__dict__, **args}).resolve(), opts, set(args)
+    cfg = Config.from_dict({**base.__dict__, **args})
+    bad_out = opts["predictions"] and not writable(opts["predictions"])
+    exit_on_problems(cfg.problems() + ([f"--predictions {opts['predictions']}: not writable"] if bad_out else []))
+    return cfg.resolve(), opts, set(args)
 
 
 def load_sets(cfg: Config, sources: list, tokenizer, rt) -> dict:
@@ -61,7 +65,10 @@ def tuned_threshold(cfg: Config, path: str, tokenizer, rt, score) -> dict:
     """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported)."""
     dev = load_sets(cfg, [path], tokenizer, rt).popitem()[1]
     kept = [(ps, r) for ps, r in zip(score(dev), dev) if ps]
-    t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
+    try:
+        t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
+    except ValueError as e:  # e.g. a dev set without a single wrong solution
+        exit_on_problems([f"--tune-threshold {path}: {e}"])
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1}
 
 

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 from prm.checkpoint import TRAINABLE, load_trainable
+from prm.config import exit_on_problems
 from prm.data import pad_token_id
 from prm.lora import apply_lora
 from prm.model import PRM, new_head
@@ -16,7 +17,18 @@ from prm.synthetic import char_tokenizer
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names that mean "this step is right"
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False):
+def loading(flag: str, name: str, load, **kw):
+    """load(name, **kw), with a one-line message and exit status 2 instead of a library traceback when the
+    model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
+    if flag == "--model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        exit_on_problems([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
+    try:
+        return load(name, **kw)
+    except (OSError, ValueError) as e:
+        exit_on_problems([f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}"])
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
     """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
     transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which re-splits the text."""
     saved = os.path.join(name, "tokenizer_config.json")
@@ -24,14 +36,15 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
         with open(saved) as f:
             if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                 return PreTrainedTokenizerFast.from_pretrained(name)
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return loading(flag, name, AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code)
 
 
 def tokenizer_for(cfg):
     """--tokenizer, else the model's own; the built-in character tokenizer for --model tiny."""
     if cfg.model == "tiny" and not cfg.tokenizer:
         return char_tokenizer()
-    return load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
+    flag = "--tokenizer" if cfg.tokenizer else "--model"
+    return load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code, flag)
 
 
 def tiny_config(tokenizer):
@@ -57,8 +70,8 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
         cfg = tiny_config(tokenizer)
         return PRM(AutoModel.from_config(cfg, attn_implementation="sdpa"), new_head(cfg))
     # fp32 master weights whatever the checkpoint's dtype; autocast handles the low-precision compute
-    return PRM.from_pretrained(name, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
-                               dtype=torch.float32)
+    return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code,
+                   attn_implementation="sdpa", dtype=torch.float32)
 
 
 def model_for(cfg, tokenizer) -> PRM:
@@ -78,18 +91,20 @@ def load_trained(cfg, tokenizer_given: bool):
     unless --tokenizer is given; a checkpoint whose label 0 means 'correct' gets its head flipped."""
     if os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
+        run.trust_remote_code = cfg.trust_remote_code  # the user's choice, never the file's
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
         model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() sets eval mode
         load_trainable(model, os.path.join(cfg.model, TRAINABLE))
         return tokenizer, model
-    hf_cfg = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained, trust_remote_code=cfg.trust_remote_code)
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
         raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
                          f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
                                cfg.trust_remote_code)
-    model = PRM.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32)
+    model = loading("--model", cfg.model, PRM.from_pretrained, trust_remote_code=cfg.trust_remote_code,
+                    dtype=torch.float32)
     names = {int(i): str(n).lower() for i, n in (hf_cfg.id2label or {}).items()}
     if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
         with torch.no_grad():

@@ -1,19 +1,26 @@
-"""Training checkpoints (atomic, exact resume), the final export, and finding the newest complete checkpoint.
-Depends on: torch, safetensors, prm.model, prm.lora."""
+"""Training checkpoints (atomic, checksummed, exact resume), the final export, finding the newest good checkpoint,
+and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors, prm.model, prm.lora,
+prm.config."""
+import contextlib
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import sys
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from prm.config import exit_on_problems
 from prm.lora import has_lora, merged_state_dict, trainable_state_dict
 from prm.model import load_weights
 
-MARKER = "complete.json"  # written last: a directory without it is a crashed save and is never resumed
+MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, never resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
+LOCK = ".lock"  # pid@host of the run that is using an output directory
 
 
 def rng_state() -> dict:
@@ -43,33 +50,72 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
     cfg.save(path)
 
 
-def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, scaler, tokenizer, cfg) -> str:
-    """Writes into a temporary directory, then renames it into place: a crash never leaves a whole-looking one.
-
-    Holds everything resume needs (weights, optimizer, scheduler, scaler, RNG) and what eval.py reads."""
-    final = os.path.join(output_dir, f"checkpoint-{step}")
-    tmp = final + ".tmp"
+@contextlib.contextmanager
+def written_in_place(path: str):
+    """Yields a temporary directory that replaces `path` once the block succeeds: a crash or a full disk never
+    leaves a half-written `path`, and a failed write keeps the previous one. OSError ends the run with its cause."""
+    tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_model_dir(tmp, model, tokenizer, cfg, trainable_only=has_lora(model))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(), "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-    with open(os.path.join(tmp, MARKER), "w") as f:
-        json.dump({"step": step}, f)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    try:
+        yield tmp
+        if os.path.isdir(path):  # set aside only now that the new one is complete
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"error: could not write {path}: {e.strerror or e}") from e
+
+
+def file_digests(path: str) -> dict:
+    """sha256 of every file under a directory, by relative path."""
+    out = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            h = hashlib.sha256()
+            with open(os.path.join(root, name), "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            out[os.path.relpath(os.path.join(root, name), path)] = h.hexdigest()
+    return out
+
+
+def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, scaler, tokenizer, cfg,
+                    world_size: int) -> str:
+    """Everything resume needs (weights, optimizer, scheduler, scaler, RNG) and what eval.py reads, assembled in
+    a temporary directory and renamed into place; the marker, written last, holds every file's checksum."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    with written_in_place(final) as tmp:
+        write_model_dir(tmp, model, tokenizer, cfg, trainable_only=has_lora(model))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict(), "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+        marker = {"step": step, "world_size": world_size, "sha256": file_digests(tmp)}
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(marker, f)
     if cfg.keep_last > 0:
         for old in complete_checkpoints(output_dir)[:-cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def save_final(output_dir: str, *, model, tokenizer, cfg, card: str) -> str:
-    """<output_dir>/final: a plain HF token classifier (adapters merged), its tokenizer, config and model card."""
+def save_final(output_dir: str, *, model, tokenizer, cfg) -> str:
+    """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged), tokenizer, config."""
     path = os.path.join(output_dir, "final")
-    write_model_dir(path, model, tokenizer, cfg)
-    with open(os.path.join(path, "README.md"), "w") as f:
-        f.write(card)
+    with written_in_place(path) as tmp:
+        write_model_dir(tmp, model, tokenizer, cfg)
     return path
+
+
+def write_card(path: str, card: str):
+    """The model card, <path>/README.md, written to a temporary name and renamed: never half a file."""
+    tmp = os.path.join(path, "README.md.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(card)
+        os.replace(tmp, os.path.join(path, "README.md"))
+    except OSError as e:
+        raise SystemExit(f"error: could not write {tmp}: {e.strerror or e}") from e
 
 
 def complete_checkpoints(output_dir: str) -> list:
@@ -84,13 +130,75 @@ def complete_checkpoints(output_dir: str) -> list:
     return [path for _, path in sorted(found)]
 
 
+def damaged_files(path: str) -> list:
+    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included)."""
+    with open(os.path.join(path, MARKER)) as f:
+        expected = json.load(f).get("sha256", {})  # checkpoints written before checksums: nothing to compare
+    found = file_digests(path)
+    return sorted(name for name, digest in expected.items() if found.get(name) != digest)
+
+
 def resolve_resume(resume: str, output_dir: str):
+    """The checkpoint to resume: `resume` itself, or with 'auto' the newest complete one whose files pass their
+    checksums (a damaged one is skipped with a warning); None when there is none."""
     if resume != "auto":
         if not os.path.isfile(os.path.join(resume, MARKER)):
-            raise SystemExit(f"--resume {resume}: not a complete checkpoint (no {MARKER})")
+            exit_on_problems([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
+        damaged = damaged_files(resume)
+        if damaged:
+            exit_on_problems([f"--resume {resume}: damaged checkpoint (checksum mismatch): {', '.join(damaged)}"])
         return resume
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
+    for path in reversed(complete_checkpoints(output_dir)):
+        damaged = damaged_files(path)
+        if not damaged:
+            return path
+        print(f"warning: skipping damaged checkpoint {path} (checksum mismatch: {', '.join(damaged)})",
+              file=sys.stderr, flush=True)
+    return None
+
+
+def saved_world_size(path: str) -> int:
+    with open(os.path.join(path, MARKER)) as f:
+        return json.load(f).get("world_size", 1)
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: str):
+    """Holds <output_dir>/.lock for the life of a run, so a second trainer on the same directory stops at once
+    (exit status 2). A lock left by a dead process of this host is taken over, with a warning."""
+    os.makedirs(output_dir, exist_ok=True)
+    path, me = os.path.join(output_dir, LOCK), f"{os.getpid()}@{socket.gethostname()}"
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: exactly one process creates it
+            break
+        except FileExistsError:
+            with open(path) as f:
+                owner = f.read().strip()
+            if _alive(owner):
+                exit_on_problems([f"{output_dir} is in use by another run ({owner}); if none is, delete {path}"])
+            print(f"warning: taking over the stale lock of {owner} in {output_dir}", file=sys.stderr, flush=True)
+            os.remove(path)
+    with os.fdopen(fd, "w") as f:
+        f.write(me)
+    try:
+        yield
+    finally:
+        os.remove(path)
+
+
+def _alive(owner: str) -> bool:
+    """Whether the pid@host that wrote a lock still runs; a process of another host is assumed alive."""
+    pid, _, host = owner.partition("@")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)  # signal 0: no signal sent, only the existence check
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
 
 
 def load_trainable(model, path: str):

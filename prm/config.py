@@ -2,11 +2,18 @@
 import argparse
 import dataclasses
 import json
+import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 
 
 FILE = "config.train.json"
+# settings a resumed run may change (they define neither the model nor the data nor its order); every other one must
+# equal the checkpoint's. The batch split may change too, as long as the global batch stays the same.
+MAY_CHANGE = {"max_steps", "epochs", "eval_every", "save_every", "log_every", "keep_last", "resume", "output_dir",
+              "num_proc", "eval_batch_size", "threshold", "compile", "gradient_checkpointing", "trust_remote_code",
+              "max_grad_norm", "batch_size", "grad_accum"}
 
 
 def unescape(text: str) -> str:
@@ -86,6 +93,39 @@ class Config:
         self.eval_batch_size = self.eval_batch_size or 2 * self.batch_size
         return self
 
+    def problems(self) -> list:
+        """Every setting that cannot work, one line each: checked before any data or weight loads."""
+        out = []
+
+        def need(ok: bool, name: str, what: str):
+            if not ok:
+                out.append(f"--{name.replace('_', '-')} {getattr(self, name)!r}: {what}")
+
+        for name in ("batch_size", "eval_batch_size", "max_completion_length", "warmup_steps", "eval_every",
+                     "save_every", "keep_last", "lora_r"):
+            need(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("grad_accum", "max_length", "log_every", "num_proc", "synthetic_size"):
+            need(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in ("lr", "weight_decay", "max_grad_norm", "lora_alpha"):  # NaN fails every comparison
+            need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "must be finite and >= 0")
+        need(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "must be -1 (train --epochs) or >= 1")
+        need(math.isfinite(self.epochs) and self.epochs > 0, "epochs", "must be finite and > 0")
+        need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+        need(0 <= self.threshold <= 1, "threshold", "must be in [0, 1]")
+        need(0 < self.eval_fraction < 1, "eval_fraction", "must be in (0, 1)")
+        need(self.step_separator != "", "step_separator", "must not be empty: its last token carries the label")
+        return out
+
+    def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:
+        """(settings that must equal the checkpoint's but differ, harmless changes), as '--flag new (was old)'."""
+        fmt = lambda name: f"--{name.replace('_', '-')} {getattr(self, name)!r} (was {getattr(saved, name)!r})"
+        differ = [f.name for f in fields(self) if getattr(self, f.name) != getattr(saved, f.name)]
+        bad = [fmt(n) for n in differ if n not in MAY_CHANGE]
+        if self.batch_size * self.grad_accum * world != saved.batch_size * saved.grad_accum * saved_world:
+            bad.append(f"global batch {self.batch_size} x {self.grad_accum} x {world} ranks (was "
+                       f"{saved.batch_size} x {saved.grad_accum} x {saved_world})")
+        return bad, [fmt(n) for n in differ if n in MAY_CHANGE and n not in ("resume", "output_dir")]
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
@@ -120,5 +160,37 @@ def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
     return p
 
 
+def writable(path: str) -> bool:
+    """Whether a file or folder can be written at path: it, or the nearest part of it that exists, is writable,
+    and no file sits where a folder has to be."""
+    target = part = os.path.abspath(path)
+    while not os.path.exists(part):
+        part = os.path.dirname(part)
+    if part != target and not os.path.isdir(part):
+        return False
+    return os.access(part, os.W_OK)
+
+
+class UsageError(SystemExit):
+    """Exit status 2, with the message kept on the exception for callers that catch it (tests, notebooks)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+def exit_on_problems(problems: list):
+    """Bad settings or inputs end the program with exit status 2 and a one-line message, not a traceback."""
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr, flush=True)
+        raise UsageError("; ".join(problems))
+
+
 def parse_config(argv=None) -> Config:
-    return Config(**vars(build_parser(description="Train a process reward model.").parse_args(argv)))
+    cfg = Config(**vars(build_parser(description="Train a process reward model.").parse_args(argv)))
+    out_ok = writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
+    exit_on_problems(cfg.problems() + ([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"]))
+    return cfg

@@ -9,7 +9,10 @@ def _ratio(a, b):
 
 
 def auroc(scores: list, positives: list):
-    """P(score of a random positive > score of a random negative), ties counted half; None if a class is empty."""
+    """P(score of a random positive > score of a random negative), ties counted half; None if a class is empty
+    or a score is NaN (a diverged model: no ranking to measure)."""
+    if any(s != s for s in scores):  # NaN is the one value unequal to itself; it would also stall the walk below
+        return None
     pairs = sorted(zip(scores, positives))
     n_pos = sum(1 for _, y in pairs if y)
     n_neg = len(pairs) - n_pos

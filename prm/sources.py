@@ -58,8 +58,14 @@ def read_records(path: str):
         except Exception as e:  # pyarrow's own error says what is wrong with the file
             raise DataError([f"{path}: cannot read this parquet file: {e}"]) from None
         return [(f"row {i}", r, None) for i, r in enumerate(ds)]
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")  # -sig: a byte-order mark some editors write first is dropped, not refused
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise DataError([f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+                         "convert the file to UTF-8"]) from None
     if path.endswith(".json"):
         try:
             data = json.loads(text)

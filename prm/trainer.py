@@ -9,6 +9,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 
 import torch
@@ -17,8 +18,9 @@ from tqdm import tqdm
 
 from prm.build import model_for, tokenizer_for
 from prm.card import config_command, model_card
-from prm.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
-from prm.config import Config
+from prm.checkpoint import (load_checkpoint, resolve_resume, run_lock, save_checkpoint, save_final, saved_world_size,
+                            write_card)
+from prm.config import Config, exit_on_problems
 from prm.data import collate, global_batches, micro_batches, pad_token_id, padded_tokens
 from prm.evaluate import predict, report
 from prm.ingest import tokenize_dataset
@@ -34,18 +36,32 @@ def train(cfg: Config, command: str = "") -> dict:
     """Runs one training; returns the final held-out metrics on rank 0, None on the other ranks.
 
     command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
-    PREEMPTED["signal"] = None
+    if cfg.problems():
+        raise ValueError("; ".join(cfg.problems()))
     rt = setup()
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return Trainer(cfg, rt, command or config_command(cfg)).train()
+    try:  # rank 0 holds the output directory's lock: a second trainer there stops at once
+        with run_lock(cfg.output_dir) if rt.is_main else contextlib.nullcontext():
+            return Trainer(cfg, rt, command or config_command(cfg)).train()
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         teardown(rt)
 
 
+@contextlib.contextmanager
+def preemptible():
+    """In the loop, SIGTERM/SIGINT finish the optimizer step, save a checkpoint and exit with 128 + signal; a second
+    signal exits at once. Outside it (set-up, final evaluation) they keep their usual effect: a prompt stop."""
+    PREEMPTED["signal"] = None
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def _on_signal(signum, frame):
+    if PREEMPTED["signal"] is not None:  # asked twice: stop now, without a checkpoint
+        raise SystemExit(128 + signum)
     PREEMPTED["signal"] = signum
 
 
@@ -120,6 +136,7 @@ class Trainer:
         self.step = 0
         resume = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
         if resume:  # before compile and DDP: they wrap the weights loaded here
+            self.check_resume(resume)
             self.step = load_checkpoint(resume, self.model, self.optimizer, self.scheduler, self.scaler)
             self.say(f"resumed from {resume} at step {self.step}")
         self.train_model = self.model  # what the forward runs; self.model stays the plain PRM
@@ -128,13 +145,26 @@ class Trainer:
         if rt.distributed:
             self.train_model = DDP(self.train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
+    def check_resume(self, path: str):
+        """Settings that define the model, the data or its order (or live in the optimizer state, like --lr) must
+        equal the checkpoint's; length and cadence settings may change, and are logged."""
+        bad, changed = self.cfg.resume_conflicts(Config.load(path), saved_world_size(path), self.rt.world_size)
+        if bad:
+            exit_on_problems([f"--resume {path}: the checkpoint does not fit this model and data; these settings "
+                              f"differ: {'; '.join(bad)}. Use the checkpoint's, or start a new run"])
+        if changed:
+            self.say(f"resuming with changed settings: {'; '.join(changed)}")
+
     def _setup_output(self):
         cfg, rt = self.cfg, self.rt
         if rt.is_main:
             cfg.save(cfg.output_dir)
         self.pbar = tqdm(total=self.total, initial=self.step, disable=not rt.is_main, desc="train")
         self.metrics = TrainLog(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, rt, self.pbar,
-                                lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum)
+                                lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum,
+                                check_norm=not self.scaler.is_enabled(), resumed_at=self.step,
+                                hint=f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps"
+                                + ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""))
         trainable, n_params = count_parameters(self.model)
         self.say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
                  f"({100 * trainable / n_params:.2f}%) | {len(self.train_ds)} train examples | global batch "
@@ -144,24 +174,25 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.train_model.train()
-        while self.step < self.total:
-            t0 = time.perf_counter()
-            epoch, position = divmod(self.step, self.steps_per_epoch)
-            batch = self.batch_plan(epoch)[position]
-            # forward backward update
-            sums, norm = self.train_step(batch)
-            self.step += 1
-            # logging: the loss sums stay on device until a log step
-            self.metrics.add(self.step, batch, sums, norm, t0=t0, epoch=epoch, lr=self.scheduler.get_last_lr()[0],
-                             write=self.step % cfg.log_every == 0 or self.step == self.total)
-            # evaluation, checkpoint, preemption
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total:
-                self.metrics.write({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluate().items()}})
-            stop = agree_to_stop(self.rt)
-            if (cfg.save_every and self.step % cfg.save_every == 0) or stop:
-                self.save_checkpoint()
-            if stop:
-                self.stop()
+        with preemptible():
+            while self.step < self.total:
+                t0 = time.perf_counter()
+                epoch, position = divmod(self.step, self.steps_per_epoch)
+                batch = self.batch_plan(epoch)[position]
+                # forward backward update
+                sums, norm = self.train_step(batch)
+                self.step += 1
+                # logging: the loss sums stay on device until a log step, which also reads the divergence flag
+                self.metrics.add(self.step, batch, sums, norm, t0=t0, epoch=epoch, lr=self.scheduler.get_last_lr()[0],
+                                 write=self.step % cfg.log_every == 0 or self.step == self.total)
+                # evaluation, checkpoint, preemption
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total:
+                    self.metrics.write({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluate().items()}})
+                stop = agree_to_stop(self.rt)
+                if (cfg.save_every and self.step % cfg.save_every == 0) or stop:
+                    self.save_checkpoint()
+                if stop:
+                    self.stop()
         self.pbar.close()
         return self.finish()
 
@@ -219,10 +250,12 @@ class Trainer:
         return report(probs, self.eval_rows, self.cfg.threshold, self.processbench)
 
     def save_checkpoint(self):
+        self.metrics.stop_if_diverged()  # never save non-finite weights
         barrier(self.rt)
         if self.rt.is_main:
             save_checkpoint(self.cfg.output_dir, self.step, model=self.model, optimizer=self.optimizer,
-                            scheduler=self.scheduler, scaler=self.scaler, tokenizer=self.tokenizer, cfg=self.cfg)
+                            scheduler=self.scheduler, scaler=self.scaler, tokenizer=self.tokenizer, cfg=self.cfg,
+                            world_size=self.rt.world_size)
         barrier(self.rt)
 
     def stop(self):
@@ -232,14 +265,18 @@ class Trainer:
         raise SystemExit(128 + (PREEMPTED["signal"] or signal.SIGTERM))
 
     def finish(self) -> dict:
-        """Final evaluation, then final/ (weights, tokenizer, config, model card) and the last metrics record."""
+        """final/ first (a failed evaluation never costs the weights), then the final evaluation, the model card
+        and the last metrics record."""
+        self.metrics.stop_if_diverged()
+        barrier(self.rt)
+        path = save_final(self.cfg.output_dir, model=self.model, tokenizer=self.tokenizer, cfg=self.cfg) \
+            if self.rt.is_main else None
+        barrier(self.rt)
         final = self.evaluate()
         final["train_tokens_per_second"], final["padding_efficiency"] = self.metrics.throughput()
         final["train_data"], final["eval_data"] = self.train_report, self.eval_report
-        barrier(self.rt)
         if self.rt.is_main:
-            save_final(self.cfg.output_dir, model=self.model, tokenizer=self.tokenizer, cfg=self.cfg,
-                       card=model_card(self.cfg, final, self.command))
+            write_card(path, model_card(self.cfg, final, self.command))
             self.metrics.write({"step": self.step, "final": final}, echo=False)
             self.metrics.close()
         barrier(self.rt)
@@ -255,20 +292,29 @@ def agree_to_stop(rt: Runtime) -> bool:
 
 
 class TrainLog:
-    """The log line and metrics.jsonl (rank 0), and the throughput figures.
+    """The log line and metrics.jsonl (rank 0), the throughput figures, and the divergence check.
 
-    Loss and accuracy sums stay on device until a log step; then one all-reduce, the only device sync."""
+    Loss and accuracy sums and the first non-finite step stay on device until a log step; then one all-reduce, the
+    only device sync. A divergence is also read before every save, so non-finite weights are never written."""
 
-    def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int):
+    def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int, check_norm: bool,
+                 resumed_at: int, hint: str):
         self.rt, self.pbar, self.lengths, self.labels_of, self.n_chunks = rt, pbar, lengths, n_labels, n_chunks
+        self.check_norm, self.hint = check_norm, hint  # fp16: an inf norm is the GradScaler's skipped step, not news
+        if path and resumed_at:
+            keep_records_until(path, resumed_at)  # the records a stopped run wrote past its checkpoint
         self.file = open(path, "a") if path else None
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
+        self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # first non-finite step, 0: none
+        self.last_finite = None  # (step, loss) of the last log line with a finite loss
         self.n_labels, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
         """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm."""
         tokens = sum(self.lengths[i] for i in batch)  # non-pad tokens of the global batch, every rank's share
+        bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.check_norm else False)
+        self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)  # on device: no sync
         self.window += sums
         self.n_labels += sum(self.labels_of[i] for i in batch)
         self.tokens, self.total_tokens = self.tokens + tokens, self.total_tokens + tokens
@@ -277,14 +323,32 @@ class TrainLog:
         if not write:
             self.seconds += time.perf_counter() - t0
             return
-        stats = all_reduce_sum(torch.cat([self.window, norm.detach().float().view(1)]), self.rt).tolist()  # one sync
+        flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
+        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()  # the one sync of a log step
         self.seconds += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
         n = max(self.n_labels, 1)
         self.write({"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
                     "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch})
+        if math.isfinite(stats[0] / n):
+            self.last_finite = (step, stats[0] / n)
+        if stats[3] > 0:
+            self.diverged()
         self.window.zero_()
         self.total_seconds += self.seconds
         self.n_labels, self.tokens, self.seconds = 0, 0, 0.0
+
+    def stop_if_diverged(self):
+        """Reads the divergence flag now (a device sync: before saves only), agreed by every rank."""
+        if all_reduce_sum((self.bad_step > 0).float().view(1), self.rt).item() > 0:
+            self.diverged()
+
+    def diverged(self):
+        step = int(self.bad_step)
+        last = f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" if self.last_finite \
+            else "no finite loss logged before it"
+        print(f"error: the loss or gradient norm is not finite at step {step or '? (on another rank)'} ({last}); "
+              f"no checkpoint was written from then on. {self.hint}", file=sys.stderr, flush=True)
+        raise SystemExit(3)
 
     def throughput(self) -> tuple:
         """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding)."""
@@ -293,7 +357,7 @@ class TrainLog:
     def write(self, rec: dict, echo: bool = True):
         if self.file is None:
             return
-        self.file.write(json.dumps(rec) + "\n")
+        self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")
         self.file.flush()
         if not echo:
             return
@@ -307,3 +371,29 @@ class TrainLog:
     def close(self):
         if self.file is not None:
             self.file.close()
+
+
+def strict_json(x):
+    """NaN and infinity become null, so metrics.jsonl stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    return [strict_json(v) for v in x] if isinstance(x, list) else x
+
+
+def keep_records_until(path: str, step: int):
+    """Drops the records past `step` (and final ones) from metrics.jsonl: after a resume, each step appears once."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the crash that made this run resume
+                continue
+            if rec.get("step", 0) <= step and "final" not in rec:
+                kept.append(line)
+    with open(path, "w") as f:
+        f.writelines(kept)

@@ -1,0 +1,224 @@
+"""Faults and hostile input: divergence, code the user did not allow, resume mismatches, damaged checkpoints, a
+failed final write, two runs on one directory, duplicated records, bad flags and encodings."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, read_metrics, run_train, small_config
+
+
+def strict_records(out_dir):
+    """metrics.jsonl parsed strictly: a bare NaN or Infinity fails."""
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def test_divergence_stops_with_status_3_and_saves_no_non_finite_weights(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path, synthetic_size=400, batch_size=32, lr=1e3, max_steps=20, save_every=1, keep_last=1,
+                  log_every=10)
+    assert e.value.code == 3
+    err = capsys.readouterr().err
+    assert "not finite at step" in err and "Lower --lr (now 1000)" in err
+    bad = int(err.split("not finite at step ")[1].split()[0])
+    saved = [d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]
+    assert all(int(d.split("-")[1]) < bad for d in saved)  # nothing saved from the first non-finite step on
+    for d in saved:
+        assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / d / "model.safetensors")).values())
+    assert not os.path.exists(tmp_path / "final")
+    strict_records(tmp_path)  # the NaN loss was written as null
+
+
+def test_auroc_returns_on_nan_scores():
+    from prm.metrics import auroc
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(v=auroc([0.1, float("nan"), 0.7], [False, True, True])),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and out["v"] is None
+
+
+def test_signals_keep_their_usual_effect_during_the_final_evaluation(tmp_path, monkeypatch):
+    from prm import trainer
+    seen = []
+    real = trainer.Trainer.evaluate
+    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
+                        or real(self))
+    run_train(tmp_path, max_steps=2)
+    assert seen == [signal.SIG_DFL]  # the trainer's flag-only handler is gone: SIGTERM stops the process at once
+    trainer.PREEMPTED["signal"] = signal.SIGTERM  # a second signal in the loop exits at once
+    with pytest.raises(SystemExit) as e:
+        trainer._on_signal(signal.SIGTERM, None)
+    assert e.value.code == 128 + signal.SIGTERM
+
+
+def test_a_model_directory_cannot_allow_its_own_code(tmp_path):
+    import eval as eval_cli
+    from prm.build import build_model
+    from prm.config import Config
+    from prm.synthetic import char_tokenizer
+    model_dir, marker = tmp_path / "model", tmp_path / "ran"
+    tok = char_tokenizer()
+    build_model("tiny", tok, seed=0).save_pretrained(str(model_dir))
+    tok.save_pretrained(str(model_dir))
+    Config(trust_remote_code=True, synthetic_size=64).save(str(model_dir))  # the file says: allow the code
+    (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
+                                       "from transformers import Qwen2Config\nclass EvilConfig(Qwen2Config):\n"
+                                       "    model_type = 'evil'\n")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "evil.EvilConfig"}
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    eval_cli.main(["--model", str(model_dir), "--dtype", "fp32"])  # evaluates with the stock Qwen2 classes
+    assert not marker.exists()
+
+
+def test_resume_refuses_other_data_settings_and_accepts_a_longer_run(tmp_path):
+    run_train(tmp_path, max_steps=2, save_every=2)
+    for change, named in (({"seed": 1}, "--seed 1 (was 0)"), ({"lr": 5e-2}, "--lr 0.05 (was 0.001)"),
+                          ({"batch_size": 8}, "global batch 8 x 1 x 1 ranks (was 4 x 1 x 1)")):
+        with pytest.raises(SystemExit, match="does not fit this model and data") as e:
+            run_train(tmp_path, max_steps=4, resume="auto", **change)
+        assert e.value.code == 2 and named in str(e.value)
+    run_train(tmp_path, max_steps=4, resume="auto", batch_size=2, grad_accum=2)  # same global batch: allowed
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
+    from prm.checkpoint import resolve_resume
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
+    weights = tmp_path / "checkpoint-4" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside the tensors
+    weights.write_bytes(bytes(data))
+    assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert "skipping damaged checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="model.safetensors"):
+        resolve_resume(str(tmp_path / "checkpoint-4"), str(tmp_path))
+    run_train(tmp_path, max_steps=4, resume="auto")
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeypatch):
+    from prm import checkpoint, trainer
+    from prm.model import PRM
+    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: 1 / 0)  # the final evaluation fails
+    with pytest.raises(ZeroDivisionError):
+        run_train(tmp_path / "a", max_steps=2)
+    PRM.from_pretrained(str(tmp_path / "a" / "final"))  # the weights were not lost with it
+    monkeypatch.undo()
+    run_train(tmp_path / "b", max_steps=2, save_every=2)
+    before = (tmp_path / "b" / "final" / "model.safetensors").read_bytes()
+    real = checkpoint.write_model_dir
+
+    def disk_full(path, *a, **kw):  # half a directory written, then no space
+        real(path, *a, **kw)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "write_model_dir", disk_full)
+    with pytest.raises(SystemExit, match="No space left on device"):
+        run_train(tmp_path / "b", max_steps=3, resume="auto")
+    assert (tmp_path / "b" / "final" / "model.safetensors").read_bytes() == before  # the old final/ intact
+    assert not os.path.exists(tmp_path / "b" / "final.tmp")
+
+
+def test_a_locked_output_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    import socket
+    tmp_path.mkdir(exist_ok=True)
+    lock = tmp_path / ".lock"
+    lock.write_text(f"{os.getpid()}@{socket.gethostname()}")  # a live process holds it
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path, max_steps=1)
+    assert e.value.code == 2 and "in use by another run" in str(e.value)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # refused before anything was written
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(f"{dead.pid}@{socket.gethostname()}")
+    run_train(tmp_path, max_steps=1)
+    assert "stale lock" in capsys.readouterr().err and not lock.exists()  # released at the end
+
+
+def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
+    run_train(tmp_path, max_steps=4, resume=str(tmp_path / "checkpoint-2"))
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert sum("final" in r for r in records) == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--step-separator", ""], "--step-separator '': must not be empty"),
+    (["--batch-size", "-1"], "--batch-size -1: must be >= 0"),
+    (["--lr", "nan"], "--lr nan: must be finite"),
+    (["--lr", "-1"], "--lr -1.0: must be finite and >= 0"),
+    (["--max-steps", "0"], "--max-steps 0: must be -1"),
+    (["--threshold", "1.5"], "--threshold 1.5: must be in [0, 1]"),
+    (["--max-length", "-5"], "--max-length -5: must be >= 1"),
+    (["--eval-fraction", "1.0"], "--eval-fraction 1.0: must be in (0, 1)"),
+    (["--eval-fraction", "0"], "--eval-fraction 0.0: must be in (0, 1)"),
+])
+def test_bad_flags_exit_2_at_start_up(flags, message, capsys):
+    from prm.config import parse_config
+    with pytest.raises(SystemExit) as e:
+        parse_config(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_bad_paths_exit_2_with_a_message(tmp_path, capsys):
+    from prm.config import parse_config
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--output-dir", str(tmp_path / "file" / "out")])
+    assert e.value.code == 2 and "not a writable folder" in capsys.readouterr().err
+    (tmp_path / "no_config").mkdir()
+    for kw, text in (({"tokenizer": str(tmp_path / "missing")}, "--tokenizer"),
+                     ({"model": str(tmp_path / "no_config")}, "no config.json")):
+        with pytest.raises(SystemExit) as e:
+            run_train(tmp_path / "out", max_steps=1, **kw)
+        assert e.value.code == 2 and text in str(e.value)
+    r = subprocess.run([sys.executable, "train.py", "--lr", "nan", "--output-dir", str(tmp_path / "o")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--lr nan" in r.stderr
+
+
+def test_eval_checks_its_paths_and_dev_set_before_working(tmp_path):
+    import eval as eval_cli
+    out = tmp_path / "run"
+    run_train(out, max_steps=1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        eval_cli.main(["--model", str(out / "final"), "--predictions", str(tmp_path / "file" / "p.jsonl")])
+    assert e.value.code == 2 and "--predictions" in str(e.value)
+    dev = tmp_path / "all_right.jsonl"
+    dev.write_text(json.dumps({"prompt": "p", "completions": ["1+1=2"], "labels": [True]}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        eval_cli.main(["--model", str(out / "final"), "--tune-threshold", str(dev)])
+    assert e.value.code == 2 and "both with and without an error" in str(e.value)
+
+
+def test_encodings_are_named_and_a_bom_is_accepted(tmp_path):
+    from prm.config import Config
+    from prm.sources import DataError, read_rows
+    row = {"prompt": "p", "completions": ["a"], "labels": [True]}
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\n")
+    assert read_rows(str(tmp_path / "bom.jsonl"), "train", Config()) == [row]
+    latin1 = json.dumps({**row, "prompt": "caf\u00e9"}, ensure_ascii=False).encode("latin-1")  # \xe9, not UTF-8
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(row).encode() + b"\n" + latin1 + b"\n")
+    with pytest.raises(DataError, match=r"latin1.jsonl line 2: not UTF-8 text"):
+        read_rows(str(tmp_path / "latin1.jsonl"), "train", Config())
+
+
+def test_metrics_writer_turns_non_finite_numbers_into_null():
+    from prm.trainer import strict_json
+    assert strict_json({"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}}) == \
+        {"a": None, "b": [None, 1.0], "c": {"d": None}}
