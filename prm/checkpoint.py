@@ -1,6 +1,6 @@
 """Training checkpoints (atomic, checksummed, exact resume), the final export, finding the newest good checkpoint,
 and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors, prm.model, prm.lora,
-prm.config."""
+prm.sharding, prm.config."""
 import contextlib
 import hashlib
 import json
@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from prm.config import exit_on_problems
 from prm.lora import has_lora, merged_state_dict, trainable_state_dict
 from prm.model import load_weights
+from prm.sharding import SHARDS, load_shards
 
 MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, never resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
@@ -51,11 +52,13 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
 
 
 @contextlib.contextmanager
-def written_in_place(path: str):
+def written_in_place(path: str, fresh: bool = True):
     """Yields a temporary directory that replaces `path` once the block succeeds: a crash or a full disk never
-    leaves a half-written `path`, and a failed write keeps the previous one. OSError ends the run with its cause."""
+    leaves a half-written `path`, and a failed write keeps the previous one. OSError ends the run with its cause.
+    fresh=False keeps what is already in the temporary directory (the shards every rank wrote there)."""
     tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if fresh:
+        shutil.rmtree(tmp, ignore_errors=True)
     try:
         yield tmp
         if os.path.isdir(path):  # set aside only now that the new one is complete
@@ -81,15 +84,26 @@ def file_digests(path: str) -> dict:
     return out
 
 
+def checkpoint_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
 def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, scaler, tokenizer, cfg,
-                    world_size: int) -> str:
+                    world_size: int, sharded: bool = False) -> str:
     """Everything resume needs (weights, optimizer, scheduler, scaler, RNG) and what eval.py reads, assembled in
-    a temporary directory and renamed into place; the marker, written last, holds every file's checksum."""
-    final = os.path.join(output_dir, f"checkpoint-{step}")
-    with written_in_place(final) as tmp:
-        write_model_dir(tmp, model, tokenizer, cfg, trainable_only=has_lora(model))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(), "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+    a temporary directory and renamed into place; the marker, written last, holds every file's checksum.
+
+    sharded: weights and optimizer state are already in <tmp>/shards, written by every rank (prm.sharding)."""
+    final = checkpoint_dir(output_dir, step)
+    with written_in_place(final, fresh=not sharded) as tmp:
+        state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state()}
+        if sharded:
+            tokenizer.save_pretrained(tmp)
+            cfg.save(tmp)
+        else:
+            write_model_dir(tmp, model, tokenizer, cfg, trainable_only=has_lora(model))
+            state["optimizer"] = optimizer.state_dict()
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         marker = {"step": step, "world_size": world_size, "sha256": file_digests(tmp)}
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f)
@@ -99,11 +113,19 @@ def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, 
     return final
 
 
-def save_final(output_dir: str, *, model, tokenizer, cfg) -> str:
-    """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged), tokenizer, config."""
+def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None) -> str:
+    """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged), tokenizer, config.
+
+    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own."""
     path = os.path.join(output_dir, "final")
     with written_in_place(path) as tmp:
-        write_model_dir(tmp, model, tokenizer, cfg)
+        if state is None:
+            write_model_dir(tmp, model, tokenizer, cfg)
+        else:
+            part = lambda prefix: {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            model.save_pretrained(tmp, merged_state_dict(model.backbone, part("backbone.")), part("head."))
+            tokenizer.save_pretrained(tmp)
+            cfg.save(tmp)
     return path
 
 
@@ -212,13 +234,18 @@ def load_trainable(model, path: str):
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
-    """Restores everything save_checkpoint wrote; returns the optimizer step to continue from."""
-    if os.path.isfile(os.path.join(path, TRAINABLE)):
+    """Restores everything save_checkpoint wrote; returns the optimizer step to continue from.
+
+    A sharded checkpoint is read by every rank together (a collective), into a model sharded the same way."""
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    if os.path.isdir(os.path.join(path, SHARDS)):
+        load_shards(path, model, optimizer, trainable_only=has_lora(model))
+    elif os.path.isfile(os.path.join(path, TRAINABLE)):
         load_trainable(model, os.path.join(path, TRAINABLE))
     else:
         load_weights(model, path)
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])

@@ -64,6 +64,8 @@ class Config:
     dtype: str = _opt("auto", "autocast dtype; auto = bf16 where supported (CUDA, CPU), master weights stay fp32",
                       choices=["auto", "fp32", "bf16", "fp16"])
     gradient_checkpointing: bool = _opt(False, "recompute backbone activations in backward to save memory")
+    fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks (FSDP2) "
+                      "instead of copying them to every rank (DDP): for models whose training state fills a device")
     group_by_length: bool = _opt(True, "batch similar lengths together (less padding); deterministic from the seed")
     compile: bool = _opt(False, "torch.compile the model")
     # LoRA: low-rank adapters on the backbone's linear layers; the head stays fully trainable
@@ -114,6 +116,8 @@ class Config:
         need(0 <= self.threshold <= 1, "threshold", "must be in [0, 1]")
         need(0 < self.eval_fraction < 1, "eval_fraction", "must be in (0, 1)")
         need(self.step_separator != "", "step_separator", "must not be empty: its last token carries the label")
+        need(not (self.fsdp and self.dtype == "fp16"), "dtype", "fp16 loss scaling is not supported with --fsdp: "
+             "use bf16")
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:

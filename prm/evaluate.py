@@ -12,25 +12,30 @@ from prm.runtime import Runtime, gather_objects
 
 @torch.inference_mode()
 def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Runtime = Runtime(),
-            progress: bool = True) -> list:
+            progress: bool = True, lockstep: bool = False) -> list:
     """P(correct) at every step end (`step_ends`, labeled or not) of each tokenized row, in the input order.
 
     Length-sorted batches are dealt to ranks and the per-rank results gathered once, so the output is the same
-    whatever the world size. A row with no step end left is not run and gets []."""
+    whatever the world size. A row with no step end left is not run and gets []. lockstep: every rank runs the
+    same number of forwards (a sharded model all-gathers its weights in each: a rank that stopped would hang it)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     todo = [i for i, r in enumerate(rows) if r["step_ends"]]
-    batches = eval_batches([len(rows[i]["input_ids"]) for i in todo], batch_size, rt.world_size, rt.rank)
+    lengths = [len(rows[i]["input_ids"]) for i in todo]
+    batches = eval_batches(lengths, batch_size, rt.world_size, rt.rank)
+    if lockstep and todo:  # the spare forwards rerun the first batch, and their output is dropped
+        spare = -(-len(eval_batches(lengths, batch_size)) // rt.world_size) - len(batches)
+        batches += [None] * spare
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     local = {}
     for batch in tqdm(batches, desc="eval", disable=not (progress and rt.is_main), leave=False):
-        idx = [todo[j] for j in batch]
+        idx = [todo[j] for j in (batch or eval_batches(lengths, batch_size)[0])]
         mb = collate([rows[i] for i in idx], pad_id)
         with amp:
             logits = model(mb["input_ids"].to(device), mb["attention_mask"].to(device))  # (B, T, 2)
         probs = torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, T)
-        for b, i in enumerate(idx):
+        for b, i in enumerate(idx if batch else []):
             local[i] = probs[b][rows[i]["step_ends"]].tolist()
     merged = {}
     for part in gather_objects(local, rt):

@@ -32,9 +32,8 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + self.scale * update
 
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B A, computed in fp32 whatever the parameters' dtype."""
-        delta = self.lora_B.float() @ self.lora_A.float()  # (out, in)
-        return (self.weight.float() + self.scale * delta).to(self.weight.dtype)
+        """W + scale * B A, in W's dtype: the plain layer this one is equivalent to."""
+        return merge(self.weight, self.lora_A, self.lora_B, self.scale)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, r={self.lora_A.shape[0]}, scale={self.scale:g}"
@@ -67,14 +66,21 @@ def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, target
     return [n for n, _ in chosen]
 
 
-def merged_state_dict(module: nn.Module) -> dict:
-    """The module's state dict with every adapter folded into its weight and the lora_* entries removed."""
-    state = module.state_dict()
+def merge(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
+    """W + scale * B A, computed in fp32 whatever the parameters' dtype."""
+    delta = lora_B.float() @ lora_A.float()  # (out, in)
+    return (weight.float() + scale * delta).to(weight.dtype)
+
+
+def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
+    """The module's state dict (or `state`, the same keys gathered elsewhere, e.g. from sharded weights) with every
+    adapter folded into its weight and the lora_* entries removed."""
+    state = dict(module.state_dict() if state is None else state)
     for name, m in module.named_modules():
         if isinstance(m, LoRALinear):
             prefix = f"{name}." if name else ""
-            state[prefix + "weight"] = m.merged_weight().detach()
-            del state[prefix + "lora_A"], state[prefix + "lora_B"]
+            a, b = state.pop(prefix + "lora_A"), state.pop(prefix + "lora_B")
+            state[prefix + "weight"] = merge(state[prefix + "weight"], a, b, m.scale).detach()
     return state
 
 

@@ -25,11 +25,12 @@ class PRM(nn.Module):
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, H)
         return self.head(h)  # (B, T, 2)
 
-    def save_pretrained(self, path: str, backbone_state: dict = None):
+    def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
         """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is.
 
-        backbone_state: the backbone weights to write (default: its state_dict). A model with adapters passes
-        them folded in (prm.lora.merged_state_dict), so the file is a plain token classifier."""
+        backbone_state / head_state: the weights to write (default: the modules' state dicts). A model with
+        adapters passes them folded in (prm.lora.merged_state_dict), so the file is a plain token classifier;
+        a sharded model passes its gathered weights."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
         if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them and load the base model
             raise ValueError("the backbone has unmerged adapters: pass backbone_state=merged_state_dict(backbone)")
@@ -39,7 +40,7 @@ class PRM(nn.Module):
         arch, prefix, head_name = hf_names(cfg)
         cfg.architectures = [arch]
         out = {f"{prefix}.{k}": v for k, v in state.items()}
-        out.update({f"{head_name}.{k}": v for k, v in self.head.state_dict().items()})
+        out.update({f"{head_name}.{k}": v for k, v in (head_state or self.head.state_dict()).items()})
         save_file({k: v.detach().contiguous().cpu() for k, v in out.items()},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         cfg.save_pretrained(path)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -18,15 +19,16 @@ from tqdm import tqdm
 
 from prm.build import model_for, tokenizer_for
 from prm.card import config_command, model_card
-from prm.checkpoint import (load_checkpoint, resolve_resume, run_lock, save_checkpoint, save_final, saved_world_size,
-                            write_card)
+from prm.checkpoint import (checkpoint_dir, load_checkpoint, resolve_resume, run_lock, save_checkpoint, save_final,
+                            saved_world_size, write_card)
 from prm.config import Config, exit_on_problems
 from prm.data import collate, global_batches, micro_batches, pad_token_id, padded_tokens
 from prm.evaluate import predict, report
 from prm.ingest import tokenize_dataset
-from prm.lora import count_parameters
+from prm.lora import count_parameters, has_lora
 from prm.model import enable_activation_checkpointing, step_loss
 from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, setup, teardown
+from prm.sharding import full_state, full_tensor, save_shards, shard
 from prm.sources import load_splits
 
 PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
@@ -123,10 +125,15 @@ class Trainer:
         self.plan_epoch, self.plan = None, None
 
     def _setup_model(self):
-        self.model = model_for(self.cfg, self.tokenizer).to(self.rt.device)
-        if self.cfg.gradient_checkpointing:
+        cfg, rt = self.cfg, self.rt
+        self.model = model_for(cfg, self.tokenizer).to(rt.device)
+        if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
-        self.amp_dtype = autocast_dtype(self.cfg.dtype, self.rt.device)
+        self.amp_dtype = autocast_dtype(cfg.dtype, rt.device)
+        if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
+            if not rt.distributed:
+                exit_on_problems(["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2 or more"])
+            shard(self.model, self.amp_dtype)
 
     def _setup_optimizer(self):
         cfg, rt = self.cfg, self.rt
@@ -142,7 +149,7 @@ class Trainer:
         self.train_model = self.model  # what the forward runs; self.model stays the plain PRM
         if cfg.compile:  # batch widths vary: one symbolic-shape graph at once, not a static one and then a recompile
             self.train_model = torch.compile(self.train_model, dynamic=True)
-        if rt.distributed:
+        if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
             self.train_model = DDP(self.train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
     def check_resume(self, path: str):
@@ -211,9 +218,7 @@ class Trainer:
         sums = torch.zeros(2, device=rt.device)
         for a, idx in enumerate(micro):
             ids, mask, labels = self.to_device(collate(self.rows(idx), self.pad_id))
-            # DDP all-reduces gradients in every backward; the last micro-batch's all-reduce covers them all
-            last = a == len(micro) - 1
-            with self.train_model.no_sync() if rt.distributed and not last else contextlib.nullcontext():
+            with self.grad_sync(last=a == len(micro) - 1):
                 with self.autocast():
                     logits = self.train_model(ids, mask)  # (B, T, 2)
                 # divided by the labels of the whole global batch, so accumulation and ranks weight every label equally
@@ -222,12 +227,20 @@ class Trainer:
                 self.scaler.scale(loss * rt.world_size).backward()
             sums += torch.stack([ce_sum, n_correct.float()])
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float("inf"))
+        # the norm over all shards' gradients: clipping by the global norm, as DDP does
+        norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm or float("inf")))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return sums, norm
+
+    def grad_sync(self, last: bool):
+        """Gradients are reduced over ranks in the last micro-batch's backward only: it carries the sum of all."""
+        if self.cfg.fsdp:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return self.train_model.no_sync() if self.rt.distributed and not last else contextlib.nullcontext()
 
     def rows(self, idx: list) -> list:
         cols = self.train_ds[idx]
@@ -246,16 +259,23 @@ class Trainer:
     def evaluate(self) -> dict:
         """The held-out metrics, by the same route as eval.py (prm.evaluate: predict, then report)."""
         probs = predict(self.model, self.eval_rows, batch_size=self.cfg.eval_batch_size, pad_id=self.pad_id,
-                        amp_dtype=self.amp_dtype, rt=self.rt)
+                        amp_dtype=self.amp_dtype, rt=self.rt, lockstep=self.cfg.fsdp)
         return report(probs, self.eval_rows, self.cfg.threshold, self.processbench)
 
     def save_checkpoint(self):
         self.metrics.stop_if_diverged()  # never save non-finite weights
         barrier(self.rt)
+        if self.cfg.fsdp:  # every rank writes its shards into the temporary directory rank 0 then completes
+            tmp = checkpoint_dir(self.cfg.output_dir, self.step) + ".tmp"
+            if self.rt.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier(self.rt)
+            save_shards(tmp, self.model, self.optimizer, trainable_only=has_lora(self.model))
+            barrier(self.rt)
         if self.rt.is_main:
             save_checkpoint(self.cfg.output_dir, self.step, model=self.model, optimizer=self.optimizer,
                             scheduler=self.scheduler, scaler=self.scaler, tokenizer=self.tokenizer, cfg=self.cfg,
-                            world_size=self.rt.world_size)
+                            world_size=self.rt.world_size, sharded=self.cfg.fsdp)
         barrier(self.rt)
 
     def stop(self):
@@ -269,8 +289,9 @@ class Trainer:
         and the last metrics record."""
         self.metrics.stop_if_diverged()
         barrier(self.rt)
-        path = save_final(self.cfg.output_dir, model=self.model, tokenizer=self.tokenizer, cfg=self.cfg) \
-            if self.rt.is_main else None
+        state = full_state(self.model) if self.cfg.fsdp else None  # a collective: every rank sends its shards
+        path = save_final(self.cfg.output_dir, model=self.model, tokenizer=self.tokenizer, cfg=self.cfg,
+                          state=state) if self.rt.is_main else None
         barrier(self.rt)
         final = self.evaluate()
         final["train_tokens_per_second"], final["padding_efficiency"] = self.metrics.throughput()

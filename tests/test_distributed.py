@@ -52,3 +52,35 @@ def test_uneven_dataset_does_not_hang(tmp_path):
     final = launch(tmp_path, 2, "--batch-size", "5", "--max-steps", "-1", "--epochs", "2")
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == 14  # 2 epochs x ceil(64 / 10)
     assert final["n_examples"] == 7
+
+
+@pytest.mark.parametrize("accum,lora", [(1, False), (2, False), (2, True)])
+def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
+    extra = ["--lora-r", "4"] if lora else []
+    one = launch(tmp_path / "one", 1, "--batch-size", str(6 * accum), *extra)
+    two = launch(tmp_path / "two", 2, "--batch-size", "3", "--grad-accum", str(accum), "--fsdp", *extra)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert one["n_examples"] == two["n_examples"] == 7  # 7 rows, batch 4: the ranks run 1 and 2 batches, in lockstep
+
+
+def test_fsdp_sharded_checkpoint_resumes_exactly_and_final_loads_in_transformers(tmp_path):
+    import torch
+    from transformers import AutoModelForTokenClassification
+    from prm.checkpoint import SHARDS, resolve_resume
+    from prm.model import PRM
+    fsdp = ["--batch-size", "3", "--fsdp"]
+    launch(tmp_path / "full", 2, *fsdp, "--save-every", "3", "--keep-last", "0")
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    assert (ckpt / SHARDS).is_dir() and not (ckpt / "model.safetensors").exists()
+    (tmp_path / "full" / "checkpoint-4").mkdir()  # a crashed save: no completion marker
+    assert resolve_resume("auto", str(tmp_path / "full")) == str(ckpt)
+    launch(tmp_path / "resumed", 2, *fsdp, "--resume", str(ckpt))
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
+    losses = lambda recs: {r["step"]: r["loss"] for r in recs if "loss" in r}
+    assert sorted(losses(resumed)) == [4, 5] and all(losses(full)[s] == losses(resumed)[s] for s in (4, 5))
+    assert max_weight_diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")) == 0.0
+    final = str(tmp_path / "full" / "final")
+    ids = torch.randint(4, 80, (2, 11))
+    with torch.no_grad():
+        hf = AutoModelForTokenClassification.from_pretrained(final).eval()(input_ids=ids).logits
+        assert (hf - PRM.from_pretrained(final).eval()(ids)).abs().max() <= 1e-5

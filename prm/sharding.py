@@ -1,0 +1,66 @@
+"""FSDP2 for models too big for DDP: shard a PRM's weights, gradients and optimizer state over the ranks, and save or
+load them sharded with torch.distributed.checkpoint. Depends on: torch.
+
+DDP keeps a full copy of weights, gradients and AdamW state on every rank (16 bytes per trained parameter);
+fully_shard keeps 1/world_size of each and all-gathers one decoder layer at a time for its forward and backward."""
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a checkpoint
+
+
+def decoder_layers(backbone: nn.Module) -> nn.ModuleList:
+    """The backbone's stack of decoder layers: its longest nn.ModuleList (`layers` in Llama/Qwen2, `h` in GPT-2)."""
+    stacks = [m for m in backbone.modules() if isinstance(m, nn.ModuleList)]
+    if not stacks:
+        raise ValueError(f"{type(backbone).__name__} has no nn.ModuleList of layers to shard")
+    return max(stacks, key=len)
+
+
+def shard(model: nn.Module, amp_dtype=None) -> nn.Module:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, head), in place.
+
+    With autocast on, layers compute in amp_dtype (all-gathers move half the bytes) and gradients are reduced in
+    fp32, the counterpart of autocast with fp32 master weights; the sharded master weights stay fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32 if amp_dtype else None)
+    for layer in decoder_layers(model.backbone):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a DTensor (the gradient norm of sharded parameters, say) gathered whole."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _options(trainable_only: bool, **kw) -> StateDictOptions:
+    # LoRA: the frozen base is rebuilt from --model on resume, so only adapters and head are stored
+    return StateDictOptions(ignore_frozen_params=trainable_only, **kw)
+
+
+def save_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
+    """Every rank writes its shard of the weights and the optimizer state into <path>/shards (a collective)."""
+    weights, optim = get_state_dict(model, optimizer, options=_options(trainable_only))
+    dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=os.path.join(path, SHARDS))
+
+
+def load_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
+    """The inverse of save_shards, resharded to the current world size if it changed (a collective)."""
+    weights, optim = get_state_dict(model, optimizer, options=_options(trainable_only))
+    state = {"model": weights, "optimizer": optim}
+    dcp.load(state, checkpoint_id=os.path.join(path, SHARDS))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_options(trainable_only, strict=not trainable_only))
+
+
+def full_state(model: nn.Module) -> dict:
+    """The whole model's state dict as plain CPU tensors on rank 0 (empty elsewhere): for the final export."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
