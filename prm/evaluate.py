@@ -1,12 +1,12 @@
 """The one evaluation route (predict, then report), used by the trainer's held-out metrics and by eval.py, and the
-scoring API. Depends on: torch, tqdm, prm.data, prm.metrics, prm.runtime."""
+scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.runtime."""
 import contextlib
 
 import torch
 from tqdm import tqdm
 
 from prm.data import collate, eval_batches, pad_token_id, tokenize_batch
-from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics
+from prm.metrics import best_of_n, first_error, outcome_metrics, prmbench_metrics, processbench_metrics, step_metrics
 from prm.runtime import Runtime, gather_objects
 
 
@@ -65,7 +65,32 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
     outcomes = [row.get("final_answer_correct") for _, row in kept]
     if any(y is not None for y in outcomes):
         out.update(outcome_metrics([ps for ps, _ in kept], outcomes))
+    if any(row.get("category") is not None for _, row in kept):  # PRMBench: every step labeled on its own
+        out["prmbench"] = prmbench_metrics([ps for ps, _ in kept], [[y >= 0.5 for y in row["step_labels"]]
+                                                                      for _, row in kept],
+                                           [row.get("category") for _, row in kept], threshold)
     return out
+
+
+def candidate_groups(step_probs: list, rows: list) -> list:
+    """Rows -> one list of best-of-N candidates per problem (`group`), problems and candidates in input order.
+
+    Every row is a candidate, scored or not (one with no scored step ranks last), and must know its outcome."""
+    groups = {}
+    for i, (ps, row) in enumerate(zip(step_probs, rows)):
+        if row.get("final_answer_correct") is None:
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or a candidate's "
+                             "'label') for every solution")
+        groups.setdefault(row["group"], []).append({"step_probs": ps, "correct": row["final_answer_correct"],
+                                                    "answer": row.get("response_answer")})
+    return list(groups.values())
+
+
+def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> dict:
+    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ...} for rows carrying group and final_answer_correct."""
+    groups = candidate_groups(step_probs, rows)
+    return {"best_of_n": best_of_n(groups, draws=draws, seed=seed), "n_problems": len(groups),
+            "candidates_per_problem": sorted({len(g) for g in groups})}
 
 
 @torch.inference_mode()
