@@ -53,7 +53,7 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
     final_answer_correct. Unlabeled steps are scored (ProcessBench needs them) but stay out of the step metrics.
     n_examples counts the rows with a scored step; a row with none is left out of every metric and counted in
     examples_dropped; a truncated row (some steps unscored) is kept and its first error looked for among its
-    scored steps only."""
+    scored steps only. Rows with a PRMBench `category` add a `prmbench` block (PRMScore overall and per category)."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
     out = {"n_examples": len(kept), **step_metrics([p for p, _ in pairs], [y for _, y in pairs], threshold),

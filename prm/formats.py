@@ -267,8 +267,9 @@ def row_problems(row: dict) -> list:
         out.append(f"field 'labels': label {bad[0][0]}: {bad[0][1]}{more}")
     if isinstance(steps, list) and steps and len(labels) != len(steps):
         out.append(f"field 'labels': {len(labels)} labels for {len(steps)} steps")
-    elif labels and not bad and all(y is None for y in labels) and "group" not in row:  # a best-of-N candidate
-        out.append("field 'labels': no step is labeled")  # is judged by its final answer, so it may have none
+    # a best-of-N candidate (it has a group) is judged by its final answer: its steps may all be unlabeled
+    elif labels and not bad and all(y is None for y in labels) and "group" not in row:
+        out.append("field 'labels': no step is labeled")
     return out
 
 
