@@ -81,6 +81,9 @@ def candidate_groups(step_probs: list, rows: list) -> list:
         if row.get("final_answer_correct") is None:
             raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or a candidate's "
                              "'label') for every solution")
+        if row.get("group") is None:  # pre-tokenized rows carry no prompt to group by
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each solution (a prompt, or "
+                             "the candidates format's question)")
         groups.setdefault(row["group"], []).append({"step_probs": ps, "correct": row["final_answer_correct"],
                                                     "answer": row.get("response_answer")})
     return list(groups.values())

@@ -12,6 +12,7 @@ sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
 from prm.build import build_model  # noqa: E402
+from prm.evaluate import candidate_groups  # noqa: E402
 from prm.metrics import BEST_OF_N_METHODS, best_of_n, pick_accuracy  # noqa: E402
 from prm.synthetic import char_tokenizer  # noqa: E402
 
@@ -153,6 +154,14 @@ def test_best_of_n_without_outcomes_stops_with_a_message(model_dir, tmp_path):
         f.write(json.dumps({"prompt": "p", "completions": ["1+1=2"], "labels": [True]}) + "\n")
     with pytest.raises(SystemExit, match="best-of-N needs final_answer_correct"):
         run(model_dir, "--dataset", path, "--best-of-n")
+
+
+def test_candidates_without_a_problem_are_refused():
+    with pytest.raises(ValueError, match="row x: best-of-N needs the problem"):
+        candidate_groups([[0.5]], [{"id": "x", "final_answer_correct": True}])  # e.g. pre-tokenized: no prompt
+    assert candidate_groups([[0.5], []], [{"group": "g", "final_answer_correct": True, "response_answer": "1"},
+                                          {"group": "g", "final_answer_correct": False}]) == \
+        [[cand([0.5], True, "1"), cand([], False)]]  # an unscored candidate stays in its group
 
 
 @pytest.mark.skipif(not os.path.isdir(BIRM), reason="needs ../shared")
