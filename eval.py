@@ -1,4 +1,5 @@
-"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC, as one JSON object. Depends on: prm."""
+"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC, PRMBench's
+PRMScore, best-of-N, as one JSON object. Depends on: prm."""
 import argparse
 import json
 import os
@@ -7,13 +8,13 @@ import sys
 from prm.build import load_trained
 from prm.config import FILE, Config, build_parser, exit_on_problems, writable
 from prm.data import pad_token_id
-from prm.evaluate import predict, report, true_first_error
+from prm.evaluate import best_of_n_report, predict, report, true_first_error
 from prm.ingest import tokenize_dataset
 from prm.metrics import first_error, tune_threshold
 from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import exit_on_data_error, load_eval
 
-EXTRA = ("predictions", "processbench", "tune_threshold")
+EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_n_draws")
 
 
 def parse_args(argv=None):
@@ -33,6 +34,11 @@ def parse_args(argv=None):
                    help="ProcessBench metrics even when the data has no first_error column (taken from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
                    help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere")
+    p.add_argument("--best-of-n", action="store_true",
+                   help="best-of-N accuracy per method and N; candidates of one problem share its 'group' (the "
+                        "candidates format) or, in flat rows, their prompt; correctness from final_answer_correct")
+    p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
+                   help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
     args = vars(p.parse_args(argv))
     if "model" not in args:
         p.error("--model is required: a directory written by train.py or any 2-label token-classification model")
@@ -51,14 +57,22 @@ def parse_args(argv=None):
 def load_sets(cfg: Config, sources: list, tokenizer, rt) -> dict:
     """{subset name: tokenized rows}, read, checked and tokenized as training does (prm.ingest), every row kept.
 
-    Rank 0 goes first, so the other ranks read the datasets cache it filled."""
+    Rows without a best-of-N `group` get their prompt as one. Rank 0 goes first, so the other ranks read the
+    datasets cache it filled."""
     names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
     names = names if len(set(names)) == len(names) else sources
     with exit_on_data_error(), main_first(rt):
         raw = {name: load_eval(cfg, s) for name, s in zip(names, sources)} if sources else \
             {"held-out": load_eval(cfg)}
-        return {name: tokenize_dataset(ds, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc, desc=f"tokenize {name}",
-                                       drop_unlabeled=False)[0].to_list() for name, ds in raw.items()}
+        sets = {}
+        for name, ds in raw.items():
+            rows = tokenize_dataset(ds, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc, desc=f"tokenize {name}",
+                                    drop_unlabeled=False)[0].to_list()
+            if "prompt" in ds.column_names:  # flat rows: the candidates of a problem are the rows with its prompt
+                for row, prompt in zip(rows, ds["prompt"]):
+                    row["group"] = row.get("group") or (prompt if isinstance(prompt, str) else json.dumps(prompt))
+            sets[name] = rows
+        return sets
 
 
 def tuned_threshold(cfg: Config, path: str, tokenizer, rt, score) -> dict:
@@ -72,7 +86,8 @@ def tuned_threshold(cfg: Config, path: str, tokenizer, rt, score) -> dict:
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1}
 
 
-def prediction_lines(name: str, rows: list, probs: list, threshold: float, processbench: bool) -> list:
+def prediction_lines(name: str, rows: list, probs: list, threshold: float, processbench: bool,
+                     best_of_n: bool = False) -> list:
     """One line per row for --predictions: enough to recompute every reported number."""
     lines = []
     for i, (ps, row) in enumerate(zip(probs, rows)):
@@ -81,8 +96,21 @@ def prediction_lines(name: str, rows: list, probs: list, threshold: float, proce
             line.update(first_error_pred=first_error(ps, threshold), first_error=true_first_error(row))
         if row.get("final_answer_correct") is not None:
             line["final_answer_correct"] = row["final_answer_correct"]
+        if best_of_n:
+            line.update(group=row["group"], correct=row.get("final_answer_correct"),
+                        response_answer=row.get("response_answer"))
+        if row.get("category") is not None:
+            line["category"] = row["category"]
         lines.append(line)
     return lines
+
+
+def bon_block(name: str, probs: list, rows: list, cfg: Config, draws: int) -> dict:
+    """best_of_n_report for one subset; rows without a known outcome end the run with a message, not a traceback."""
+    try:
+        return best_of_n_report(probs, rows, draws=draws, seed=cfg.seed)
+    except ValueError as e:
+        raise SystemExit(f"error: {name}: {e}") from None
 
 
 def warn_cuts(out: dict, cfg: Config):
@@ -109,7 +137,9 @@ def main(argv=None):
             pb = opts["processbench"] or cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
             probs = score(rows)
             blocks[name] = report(probs, rows, head["threshold"], pb)
-            lines += prediction_lines(name, rows, probs, head["threshold"], pb)
+            if opts["best_of_n"]:
+                blocks[name].update(bon_block(name, probs, rows, cfg, opts["best_of_n_draws"]))
+            lines += prediction_lines(name, rows, probs, head["threshold"], pb, opts["best_of_n"])
         if len(blocks) == 1:
             out = {**head, **blocks.popitem()[1]}
         else:

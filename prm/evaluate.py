@@ -1,12 +1,12 @@
 """The one evaluation route (predict, then report), used by the trainer's held-out metrics and by eval.py, and the
-scoring API. Depends on: torch, tqdm, prm.data, prm.metrics, prm.runtime."""
+scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.runtime."""
 import contextlib
 
 import torch
 from tqdm import tqdm
 
 from prm.data import collate, eval_batches, pad_token_id, tokenize_batch
-from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics
+from prm.metrics import best_of_n, first_error, outcome_metrics, prmbench_metrics, processbench_metrics, step_metrics
 from prm.runtime import Runtime, gather_objects
 
 
@@ -58,7 +58,7 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
     final_answer_correct. Unlabeled steps are scored (ProcessBench needs them) but stay out of the step metrics.
     n_examples counts the rows with a scored step; a row with none is left out of every metric and counted in
     examples_dropped; a truncated row (some steps unscored) is kept and its first error looked for among its
-    scored steps only."""
+    scored steps only. Rows with a PRMBench `category` add a `prmbench` block (PRMScore overall and per category)."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
     out = {"n_examples": len(kept), **step_metrics([p for p, _ in pairs], [y for _, y in pairs], threshold),
@@ -70,7 +70,35 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
     outcomes = [row.get("final_answer_correct") for _, row in kept]
     if any(y is not None for y in outcomes):
         out.update(outcome_metrics([ps for ps, _ in kept], outcomes))
+    if any(row.get("category") is not None for _, row in kept):  # PRMBench: every step labeled on its own
+        out["prmbench"] = prmbench_metrics([ps for ps, _ in kept], [[y >= 0.5 for y in row["step_labels"]]
+                                                                      for _, row in kept],
+                                           [row.get("category") for _, row in kept], threshold)
     return out
+
+
+def candidate_groups(step_probs: list, rows: list) -> list:
+    """Rows -> one list of best-of-N candidates per problem (`group`), problems and candidates in input order.
+
+    Every row is a candidate, scored or not (one with no scored step ranks last), and must know its outcome."""
+    groups = {}
+    for i, (ps, row) in enumerate(zip(step_probs, rows)):
+        if row.get("final_answer_correct") is None:
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or a candidate's "
+                             "'label') for every solution")
+        if row.get("group") is None:  # pre-tokenized rows carry no prompt to group by
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each solution (a prompt, or "
+                             "the candidates format's question)")
+        groups.setdefault(row["group"], []).append({"step_probs": ps, "correct": row["final_answer_correct"],
+                                                    "answer": row.get("response_answer")})
+    return list(groups.values())
+
+
+def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> dict:
+    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ...} for rows carrying group and final_answer_correct."""
+    groups = candidate_groups(step_probs, rows)
+    return {"best_of_n": best_of_n(groups, draws=draws, seed=seed), "n_problems": len(groups),
+            "candidates_per_problem": sorted({len(g) for g in groups})}
 
 
 @torch.inference_mode()

@@ -10,6 +10,8 @@ FORMATS = {
     "processbench": ("problem", "steps", "label"),
     "prm800k": ("question", "label"),  # label is a dict: {"steps": [...], "finish_reason": ...}
     "math_shepherd": ("input", "label"),  # label is text: `input` with +/- in place of each step tag
+    "candidates": ("question", "outputs"),  # best-of-N: one problem, its sampled solutions (BiRM's files)
+    "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
 }
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
@@ -41,13 +43,16 @@ def format_help(record: dict) -> str:
             + (f" Misnamed? {', '.join(near)}." if near else "") + " Or force one with --format.")
 
 
-def _need(record: dict, key: str, kind=None, what: str = ""):
+def _need(record: dict, key: str, kind=None, what: str = "", where: str = ""):
+    """record[key], checked; `where` prefixes the field name of a nested record ("outputs[3].")."""
+    if not isinstance(record, dict):
+        raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
     if key not in record:
         near = difflib.get_close_matches(key, [str(k) for k in record], 1, 0.6)
-        raise BadField(key, "missing" + (f" (found '{near[0]}': misnamed?)" if near else ""))
+        raise BadField(where + key, "missing" + (f" (found '{near[0]}': misnamed?)" if near else ""))
     value = record[key]
     if kind is not None and not isinstance(value, kind):
-        raise BadField(key, f"expected {what}, got {_kind(value)}")
+        raise BadField(where + key, f"expected {what}, got {_kind(value)}")
     return value
 
 
@@ -60,6 +65,10 @@ def from_stepwise(r: dict, neutral: str) -> list:
     if "first_error" in r:  # a converted ProcessBench file read back
         steps = row["completions"]
         row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
+    elif r.get("final_answer_correct") is not None:  # a sampled solution with a known outcome (best-of-N)
+        row["final_answer_correct"] = _need(r, "final_answer_correct", bool, "true/false")
+    if r.get("response_answer") is not None:  # its final answer, for voting
+        row["response_answer"] = _need(r, "response_answer", str, "the final answer as text")
     return [row]
 
 
@@ -155,6 +164,70 @@ def from_processbench(r: dict, neutral: str) -> list:
     return [{"prompt": _need(r, "problem"), "completions": steps, "labels": labels, **extra}]
 
 
+def _tagged_steps(text: str, field: str) -> list:
+    """Steps of a text with a step tag after each step (Math-Shepherd's and BiRM's convention)."""
+    parts = text.split(STEP_TAG)
+    if len(parts) < 2:
+        raise BadField(field, f"no '{STEP_TAG}' step tag")
+    if parts[-1].strip():
+        raise BadField(field, f"text after the last '{STEP_TAG}' step tag: {parts[-1].strip()[:40]!r}")
+    return [s.strip() for s in parts[:-1]]
+
+
+def from_candidates(r: dict, neutral: str) -> list:
+    """One row per sampled solution of a problem: `outputs[].response` with a step tag after each step (or a list
+    `outputs[].steps`), `label` = the final answer is correct, optional `response_answer` (for voting) and
+    `step_labels`. Rows of one problem share `group` (its `idx` or `id`, else the question text); their steps may
+    be unlabeled: a candidate is judged by its final answer."""
+    question = _need(r, "question", str, "text")
+    outputs = _need(r, "outputs", list, "a list of candidate solutions")
+    group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
+    rows = []
+    for j, o in enumerate(outputs):
+        where = f"outputs[{j}]."
+        steps = _need(o, "steps", list, "a list of steps", where) if isinstance(o, dict) and "steps" in o else \
+            _tagged_steps(_need(o, "response", str, "text with step tags", where), where + "response")
+        correct = _need(o, "label", bool, "true/false (is the final answer correct?)", where)
+        answer = o.get("response_answer")
+        if answer is not None and not isinstance(answer, str):
+            raise BadField(where + "response_answer", f"expected the final answer as text, got {_kind(answer)}")
+        labels = o["step_labels"] if o.get("step_labels") is not None else [None] * len(steps)
+        rows.append({"prompt": question, "completions": steps, "labels": labels, "final_answer_correct": correct,
+                     "response_answer": answer, "group": group, "id": f"{group}/{j}"})
+    return rows
+
+
+def _error_steps(r: dict, n_steps: int) -> set:
+    """PRMBench's `error_steps`: 1-based indices into `modified_process`, checked."""
+    errors = _need(r, "error_steps", list, "a list of 1-based step indices")
+    for e in errors:
+        if type(e) is not int or e < 1:  # type(): True is no index
+            raise BadField("error_steps", f"{_kind(e)} is not a 1-based step index")
+        if e > n_steps:
+            raise BadField("error_steps", f"step {e} is past the end of 'modified_process' ({n_steps} steps, "
+                                          "1-based)")
+    return set(errors)
+
+
+def from_prmbench(r: dict, neutral: str) -> list:
+    """The modified solution: its `error_steps` wrong, every other step correct (PRMBench labels each step on its
+    own, not first-error style); first_error is the earliest of them. Rows of the redundancy category also give the
+    error-free original solution, category "correct": PRMBench takes it once per problem, from that category."""
+    steps = _need(r, "modified_process", list, "a list of steps")
+    errors = _error_steps(r, len(steps))
+    category = _need(r, "classification", str, "the error category")
+    key = r.get("idx", "")
+    rows = [{"prompt": _need(r, "modified_question", str, "text"), "completions": steps,
+             "labels": [k + 1 not in errors for k in range(len(steps))], "category": category,
+             "first_error": min(errors) - 1 if errors else -1, "id": f"{category}_{key}"}]
+    if category == "redundency":  # PRMBench's own spelling
+        original = _need(r, "original_process", list, "a list of steps")
+        rows.append({"prompt": _need(r, "original_question", str, "text"), "completions": original,
+                     "labels": [True] * len(original), "category": "correct", "first_error": -1,
+                     "id": f"correct_{key}"})
+    return rows
+
+
 def from_pretokenized(r: dict, neutral: str) -> list:
     row = {"input_ids": _need(r, "input_ids"), "labels": _need(r, "labels")}
     if r.get("attention_mask") is not None:
@@ -163,7 +236,8 @@ def from_pretokenized(r: dict, neutral: str) -> list:
 
 
 CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise, "processbench": from_processbench,
-              "prm800k": from_prm800k, "math_shepherd": from_math_shepherd}
+              "prm800k": from_prm800k, "math_shepherd": from_math_shepherd, "candidates": from_candidates,
+              "prmbench": from_prmbench}
 
 
 def row_problems(row: dict) -> list:
@@ -193,7 +267,8 @@ def row_problems(row: dict) -> list:
         out.append(f"field 'labels': label {bad[0][0]}: {bad[0][1]}{more}")
     if isinstance(steps, list) and steps and len(labels) != len(steps):
         out.append(f"field 'labels': {len(labels)} labels for {len(steps)} steps")
-    elif labels and not bad and all(y is None for y in labels):
+    # a best-of-N candidate (it has a group) is judged by its final answer: its steps may all be unlabeled
+    elif labels and not bad and all(y is None for y in labels) and "group" not in row:
         out.append("field 'labels': no step is labeled")
     return out
 

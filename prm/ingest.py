@@ -3,7 +3,8 @@ report. Depends on: datasets, pyarrow, prm.data, prm.sources.
 
 A tokenized row: input_ids, labels (the training targets: -100 off labeled step ends), steps_kept, step_ends
 (every kept step's last token), length, n_labeled, step_labels (every step's truth, None = unlabeled, cut steps
-included), and the source's id / first_error / final_answer_correct when it has them."""
+included), and the source's id / first_error / final_answer_correct / group / response_answer / category when it
+has them."""
 import hashlib
 
 import pyarrow.compute as pc
@@ -13,7 +14,8 @@ from datasets.fingerprint import Hasher
 from prm.data import IGNORE, assemble, normalize_label, tokenize_batch
 from prm.sources import DataError
 
-META = ("id", "first_error", "final_answer_correct")  # source columns evaluation reports on: kept as they are
+# source columns evaluation reports on, kept as they are: ProcessBench, best-of-N, PRMBench
+META = ("id", "first_error", "final_answer_correct", "group", "response_answer", "category")
 COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
            "steps_kept": Value("int32"), "step_ends": Sequence(Value("int32")), "length": Value("int32"),
            "n_labeled": Value("int32"),

@@ -1,6 +1,9 @@
-"""Metrics PRM papers report (step classes, AUROC, ProcessBench first error, outcome ranking), counted over the whole set. Depends on: stdlib only."""
+"""Metrics PRM papers report (step classes, AUROC, ProcessBench first error, outcome ranking, best-of-N, PRMBench's
+PRMScore), counted over the whole set. Depends on: stdlib only."""
 import bisect
 import math
+import random
+from collections import defaultdict
 
 
 def _ratio(a, b):
@@ -129,3 +132,116 @@ def tune_threshold(step_probs: list, truth: list):
         if best is None or (f1, -abs(t - 0.5)) > (best[1], -abs(best[0] - 0.5)):
             best = (t, f1)
     return best if best else (0.5, 0.0)
+
+
+def solution_score(step_probs: list, how: str) -> float:
+    """One number per solution from its step scores; a solution with no scored step (all cut) ranks last."""
+    return AGGREGATES[how](step_probs) if step_probs else -math.inf
+
+
+def _expected_hit(values: list, correct: list) -> float:
+    """Accuracy of taking the candidate with the highest value, ties broken uniformly at random (their expectation)."""
+    top = max(values)
+    tied = [c for v, c in zip(values, correct) if v == top]
+    return sum(tied) / len(tied)
+
+
+VOTE_AGGREGATE = "min"  # what weighted voting sums per answer: each candidate's min step score
+
+
+def pick_accuracy(cands: list, method: str) -> float:
+    """How often `method` picks a correct candidate from one subset: 0, 1, or an expectation where it breaks ties.
+
+    cands: [{"step_probs", "correct", "answer"}]. min/prod/last/mean: the best aggregated score; weighted_vote: the
+    answer whose candidates' scores sum highest; majority_vote: the most frequent answer (candidates without an
+    answer do not vote; a subset where none has one counts as wrong); oracle: any correct; random: the mean."""
+    correct = [bool(c["correct"]) for c in cands]
+    if method in AGGREGATES:
+        return _expected_hit([solution_score(c["step_probs"], method) for c in cands], correct)
+    if method == "oracle":
+        return float(any(correct))
+    if method == "random":
+        return sum(correct) / len(correct)
+    votes, right = defaultdict(float), defaultdict(list)  # answer -> vote total, correctness of its candidates
+    for c, ok in zip(cands, correct):
+        if c.get("answer") is not None:
+            votes[c["answer"]] += solution_score(c["step_probs"], VOTE_AGGREGATE) if method == "weighted_vote" else 1
+            right[c["answer"]].append(ok)
+    if not votes:
+        return 0.0
+    answers = list(votes)
+    return _expected_hit([votes[a] for a in answers], [sum(right[a]) / len(right[a]) for a in answers])
+
+
+def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
+    """Index lists of `size` candidates: each draw shuffles all n and cuts them into disjoint subsets (a remainder
+    sits that draw out), so every candidate is used equally often and N = 1 sees each exactly once per draw."""
+    if size >= n:
+        return [list(range(n))]  # the whole group; its order never matters (ties count as expectations)
+    out = []
+    for _ in range(draws):
+        order = list(range(n))
+        rng.shuffle(order)
+        out += [order[i:i + size] for i in range(0, n - size + 1, size)]
+    return out
+
+
+BEST_OF_N_METHODS = ("min", "prod", "last", "mean", "weighted_vote", "majority_vote", "oracle", "random")
+
+
+def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
+    """Best-of-N accuracy: {method: {"1": acc, "2": acc, "4": ..., "all": acc}}, the mean over problems of the mean
+    over that problem's subsets of N candidates (see _subsets; a problem with fewer than N candidates uses them all).
+
+    groups: one list of candidates ({"step_probs", "correct", "answer"}) per problem, in a fixed order; subsets
+    come from random.Random(seed), drawn per N then per group in that order. The voting methods are left out
+    when no candidate has an answer."""
+    if not groups or not all(groups):
+        raise ValueError("best-of-N needs at least one problem, each with at least one candidate")
+    largest = max(len(g) for g in groups)
+    sizes = [2 ** k for k in range(largest.bit_length()) if 2 ** k < largest] + [largest]
+    voting = any(c.get("answer") is not None for g in groups for c in g)
+    methods = [m for m in BEST_OF_N_METHODS if voting or not m.endswith("_vote")]
+    out = {m: {} for m in methods}
+    for size in sizes:
+        rng = random.Random(f"{seed}/{size}")  # each N has its own stream: adding an N changes no other figure
+        picks = [[[g[i] for i in idx] for idx in _subsets(len(g), size, draws, rng)] for g in groups]
+        for m in methods:
+            per_group = [sum(pick_accuracy(s, m) for s in subsets) / len(subsets) for subsets in picks]
+            out[m]["all" if size == largest else str(size)] = sum(per_group) / len(per_group)
+    return out
+
+
+def prmscore_counts(step_probs: list, step_ok: list, threshold: float = 0.5) -> dict:
+    """PRMBench's confusion counts for one solution, the correct step as the positive class: tp (correct step
+    judged correct), fn, fp (erroneous step judged correct), tn. Steps with no score (truncated) are not counted."""
+    n = {"tp": 0, "fp": 0, "fn": 0, "tn": 0}
+    for p, ok in zip(step_probs, step_ok):
+        n[("t" if (p >= threshold) == ok else "f") + ("p" if p >= threshold else "n")] += 1
+    return n
+
+
+def prmscore(n: dict) -> dict:
+    """PRMScore = 0.5 x F1 (correct steps) + 0.5 x F1 (erroneous steps, PRMBench's "negative F1"), from counts.
+
+    F1 as 2tp / (2tp + fp + fn): the harmonic mean of precision and recall wherever both are defined; null
+    when the class is neither present nor predicted. PRMScore is null when either F1 is."""
+    f1 = _ratio(2 * n["tp"], 2 * n["tp"] + n["fp"] + n["fn"])
+    f1_neg = _ratio(2 * n["tn"], 2 * n["tn"] + n["fn"] + n["fp"])
+    score = None if f1 is None or f1_neg is None else 0.5 * f1 + 0.5 * f1_neg
+    return {"prmscore": score, "f1": f1, "f1_neg": f1_neg, "n_steps": sum(n.values())}
+
+
+def prmbench_metrics(step_probs: list, step_ok: list, categories: list, threshold: float = 0.5) -> dict:
+    """PRMScore overall and per error category, counts pooled over the steps of each.
+
+    step_ok: per solution, True for each correct step and False for each erroneous one. Category "correct" (the
+    error-free original solutions) is reported on its own and left out of the overall figure, as PRMBench does."""
+    pooled = defaultdict(lambda: {"tp": 0, "fp": 0, "fn": 0, "tn": 0})
+    for ps, ok, cat in zip(step_probs, step_ok, categories):
+        for k, v in prmscore_counts(ps, ok, threshold).items():
+            pooled[cat][k] += v
+            if cat != "correct":
+                pooled[None][k] += v  # None: the overall pool
+    total = prmscore(pooled.pop(None, {"tp": 0, "fp": 0, "fn": 0, "tn": 0}))
+    return {**total, "categories": {cat: prmscore(n) for cat, n in sorted(pooled.items())}}

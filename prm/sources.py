@@ -158,7 +158,8 @@ def to_dataset(rows: list) -> Dataset:
         features = {"prompt": List({"role": Value("string"), "content": Value("string")})
                     if isinstance(rows[0]["prompt"], list) else Value("string"),
                     "completions": List(Value("string")), "labels": List(Value("float64" if soft else "bool"))}
-    for col, kind in (("id", "string"), ("first_error", "int64"), ("final_answer_correct", "bool")):
+    for col, kind in (("id", "string"), ("first_error", "int64"), ("final_answer_correct", "bool"), ("group", "string"),
+                      ("response_answer", "string"), ("category", "string")):
         if any(col in r for r in rows):
             features[col] = Value(kind)
     digest = hashlib.sha256(json.dumps(list(features)).encode())
@@ -187,7 +188,8 @@ def split_by_prompt(rows: list, fraction: float, seed: int):
 
 def load_splits(cfg):
     """(train, held-out) datasets with columns prompt, completions, labels and, when the data has them, id,
-    first_error and final_answer_correct (ProcessBench)."""
+    first_error and final_answer_correct (ProcessBench), group and response_answer (best-of-N), category
+    (PRMBench)."""
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
         return Dataset.from_list(train), Dataset.from_list(held)

@@ -1,0 +1,125 @@
+"""PRMBench: real rows converted, bad error indices reported, PRMScore by hand from a fixed fake model, and eval.py's
+report recomputed from --predictions. Depends on: pytest, torch, prm, eval.py."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import eval as eval_cli  # noqa: E402
+from prm.build import build_model  # noqa: E402
+from prm.config import Config  # noqa: E402
+from prm.data import pad_token_id  # noqa: E402
+from prm.evaluate import predict, report  # noqa: E402
+from prm.formats import detect_format, to_stepwise  # noqa: E402
+from prm.ingest import tokenize_dataset  # noqa: E402
+from prm.metrics import prmbench_metrics  # noqa: E402
+from prm.sources import DataError, read_rows, to_dataset  # noqa: E402
+from prm.synthetic import char_tokenizer  # noqa: E402
+
+FIX = os.path.join(ROOT, "tests", "fixtures")
+FIXTURE = os.path.join(FIX, "prmbench.jsonl")
+BAD = os.path.join(FIX, "bad", "prmbench_error_past_end.jsonl")
+SHARED = os.path.join(ROOT, "..", "shared", "data", "prmbench")
+
+
+def records():
+    with open(FIXTURE) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_real_rows_convert_with_1_based_error_steps():
+    redundancy, circular = records()
+    assert detect_format(redundancy) == "prmbench" == detect_format(circular)
+    rows, problems = to_stepwise(redundancy, "prmbench")
+    assert problems == [] and len(rows) == 2  # the modified solution, then the error-free original
+    assert rows[0]["labels"] == [True, True, False, True, True, True]  # error_steps [3]
+    assert rows[0]["category"] == "redundency" and rows[0]["first_error"] == 2
+    assert rows[0]["id"] == "redundency_prm_test_p1_49" and rows[0]["prompt"] == redundancy["modified_question"]
+    assert rows[1]["completions"] == redundancy["original_process"] and rows[1]["labels"] == [True] * 5
+    assert rows[1]["category"] == "correct" and rows[1]["first_error"] == -1 and rows[1]["id"] == "correct_prm_test_p1_49"
+    rows, problems = to_stepwise(circular, "prmbench")  # other categories give their modified solution only
+    assert problems == [] and [r["labels"] for r in rows] == [[True, False, False, False, True]]
+
+
+def test_error_steps_past_the_end_are_bad_rows():
+    with pytest.raises(DataError) as e:
+        read_rows(BAD, "test", Config())
+    assert (f"{BAD} line 2: field 'error_steps': step 34 is past the end of 'modified_process' (33 steps, 1-based)"
+            in str(e.value))
+    assert len(read_rows(BAD, "test", Config(skip_invalid=True))) == 1  # line 1 is a good circular row
+    for bad in (0, -1, True, "3"):
+        _, problems = to_stepwise({**records()[1], "error_steps": [bad]}, "prmbench")
+        assert problems == [f"field 'error_steps': {type(bad).__name__} {bad!r} is not a 1-based step index"]
+
+
+class ParityPRM(torch.nn.Module):
+    """A fixed fake PRM: P(correct) = 0.9 at the 1st, 3rd, 5th... separator of a row, 0.2 at the 2nd, 4th..."""
+
+    def __init__(self, sep_id: int):
+        super().__init__()
+        self.sep_id = sep_id
+        self.unused = torch.nn.Parameter(torch.zeros(1))  # predict() reads the device from the parameters
+
+    def forward(self, input_ids, attention_mask=None):
+        n = torch.cumsum(input_ids == self.sep_id, dim=1)  # (B, T): separators so far
+        p = torch.where(n % 2 == 1, 0.9, 0.2)  # (B, T)
+        return torch.stack([torch.log1p(-p), torch.log(p)], dim=-1)  # (B, T, 2): softmax gives back [1 - p, p]
+
+
+def test_prmscore_by_hand_from_a_fixed_fake_model():
+    tok = char_tokenizer()
+    rows = tokenize_dataset(to_dataset(read_rows(FIXTURE, "test", Config())), tok, Config(), is_eval=True,
+                            drop_unlabeled=False)[0].to_list()
+    probs = predict(ParityPRM(tok.convert_tokens_to_ids("\n")), rows, batch_size=2, pad_id=pad_token_id(tok),
+                    progress=False)
+    assert [r["category"] for r in rows] == ["redundency", "correct", "circular"]
+    assert [[round(p, 6) for p in ps] for ps in probs] == [[0.9, 0.2, 0.9, 0.2, 0.9, 0.2], [0.9, 0.2, 0.9, 0.2, 0.9],
+                                                           [0.9, 0.2, 0.9, 0.2, 0.9]]
+    # judged correct: steps 1, 3, 5. redundancy truth T T F T T T: tp 2 (1, 5), fn 3 (2, 4, 6), fp 1 (3), tn 0
+    # circular truth T F F F T: tp 2 (1, 5), tn 2 (2, 4), fp 1 (3), fn 0; correct (all T): tp 3, fn 2
+    # F1 = 2tp / (2tp + fp + fn); negative F1 = 2tn / (2tn + fn + fp); PRMScore = their mean
+    pb = report(probs, rows, threshold=0.5)["prmbench"]
+    by_hand = {"redundency": (4 / 8, 0 / 4), "circular": (4 / 5, 4 / 5), "correct": (6 / 8, 0 / 2)}
+    for cat, (f1, f1_neg) in by_hand.items():
+        got = pb["categories"][cat]
+        assert (got["f1"], got["f1_neg"], got["prmscore"]) == pytest.approx((f1, f1_neg, (f1 + f1_neg) / 2)), cat
+    # overall: redundancy + circular (the error-free originals stay out): tp 4, fn 3, fp 2, tn 2
+    assert (pb["f1"], pb["f1_neg"]) == pytest.approx((8 / 13, 4 / 9))
+    assert pb["prmscore"] == pytest.approx((8 / 13 + 4 / 9) / 2) and pb["n_steps"] == 11
+
+
+def test_undefined_f1_is_null_not_a_sentinel():
+    out = prmbench_metrics([[0.9, 0.8]], [[True, True]], ["multi_solutions"])  # no erroneous step, none predicted
+    assert out["categories"]["multi_solutions"] == {"prmscore": None, "f1": 1.0, "f1_neg": None, "n_steps": 2}
+
+
+def test_eval_reports_prmscore_recomputable_from_predictions(tmp_path):
+    model_dir = str(tmp_path / "model")
+    tokenizer = char_tokenizer()
+    build_model("tiny", tokenizer, seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    pred = str(tmp_path / "pred.jsonl")
+    out = eval_cli.main(["--model", model_dir, "--dtype", "fp32", "--dataset", FIXTURE, "--predictions", pred])
+    with open(pred) as f:
+        lines = [json.loads(line) for line in f]
+    assert [x["category"] for x in lines] == ["redundency", "correct", "circular"]
+    expected = prmbench_metrics([x["step_probs"] for x in lines], [[y >= 0.5 for y in x["labels"]] for x in lines],
+                                [x["category"] for x in lines], out["threshold"])
+    assert out["prmbench"] == expected  # the same floats, through JSON and back: exact
+    assert set(out["prmbench"]["categories"]) == {"redundency", "correct", "circular"}
+    assert "f1" in out and out["n_with_error"] == 2  # ProcessBench's first-error metrics, beside it
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED), reason="needs ../shared")
+def test_every_shared_prmbench_file_reads_with_its_bad_rows_named():
+    with pytest.raises(DataError) as e:
+        read_rows(SHARED, "test", Config())
+    assert "103 invalid rows" in str(e.value) and "field 'error_steps': step" in str(e.value)
+    rows = read_rows(SHARED, "test", Config(skip_invalid=True))
+    cats = {r["category"] for r in rows}
+    assert "correct" in cats and "multi_solutions" in cats and len(cats) == 10

@@ -1,0 +1,132 @@
+"""The PRM as an RL reward: PRMReward equals score() plus the aggregation, reads the run's step separator, takes
+conversational completions and empty ones; the OpenRLHF-protocol server in a subprocess. Depends on: pytest, torch,
+prm."""
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from prm.build import build_model, load_tokenizer  # noqa: E402
+from prm.config import Config  # noqa: E402
+from prm.evaluate import score  # noqa: E402
+from prm.metrics import AGGREGATES  # noqa: E402
+from prm.model import PRM  # noqa: E402
+from prm.reward import EMPTY_REWARD, PRMReward  # noqa: E402
+from prm.synthetic import char_tokenizer  # noqa: E402
+
+PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]
+COMPLETIONS = ["1+1=2\n2+1=3\n3+1=4\n", "7+1=8\n8+1=0", "3+1=5"]
+STEPS = [["1+1=2", "2+1=3", "3+1=4"], ["7+1=8", "8+1=0"], ["3+1=5"]]
+
+
+def save_tiny(path, separator=None):
+    tokenizer = char_tokenizer()
+    build_model("tiny", tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if separator is not None:  # as train.py leaves it beside the weights
+        Config(step_separator=separator).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(str(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return PRM.from_pretrained(model_dir).eval(), load_tokenizer(model_dir)
+
+
+@pytest.mark.parametrize("aggregate", sorted(AGGREGATES))
+def test_reward_is_score_plus_aggregation(model_dir, loaded, aggregate):
+    reward = PRMReward(model_dir, aggregate=aggregate, device="cpu", batch_size=2)
+    got = reward(PROMPTS, COMPLETIONS, answer=["4", "0", "4"])  # extra dataset columns come as kwargs
+    model, tok = loaded
+    expected = [AGGREGATES[aggregate](score(model, tok, p, s)) for p, s in zip(PROMPTS, STEPS)]
+    assert all(isinstance(x, float) for x in got) and got == pytest.approx(expected, abs=1e-6)
+    assert reward.__name__ == f"prm_{aggregate}"  # TRL logs each reward function under its __name__
+
+
+def test_the_runs_own_step_separator_is_used(tmp_path, loaded):
+    reward = PRMReward(save_tiny(str(tmp_path / "m"), separator=" ; "), device="cpu")
+    assert reward.step_separator == " ; "
+    model, tok = loaded  # the same seed-0 weights
+    got = reward(["count from 1:"], ["1+1=2 ; 2+1=3 ; "])
+    assert got == pytest.approx([min(score(model, tok, "count from 1:", ["1+1=2", "2+1=3"], " ; "))], abs=1e-6)
+
+
+def test_conversational_prompts_and_completions(model_dir, loaded):
+    reward = PRMReward(model_dir, device="cpu")
+    chat_prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    chat_completions = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
+    # a tokenizer without a chat template reads the messages' text: the same as the plain prompts
+    assert reward(chat_prompts, chat_completions) == pytest.approx(reward(PROMPTS, COMPLETIONS), abs=1e-6)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    reward.tokenizer.chat_template = template
+    model, tok = loaded
+    tok.chat_template = template
+    expected = [min(score(model, tok, p, s)) for p, s in zip(chat_prompts, STEPS)]  # rendered as in training
+    assert reward(chat_prompts, chat_completions) == pytest.approx(expected, abs=1e-6)
+    reward.tokenizer.chat_template = tok.chat_template = None
+
+
+def test_empty_completions_get_a_defined_reward(model_dir):
+    reward = PRMReward(model_dir, device="cpu")
+    got = reward(["p:", "q:", PROMPTS[0], "r:"], ["", "\n\n", COMPLETIONS[0], [{"role": "assistant", "content": ""}]])
+    assert got[0] == got[1] == got[3] == EMPTY_REWARD
+    assert got[2] == pytest.approx(reward(PROMPTS[:1], COMPLETIONS[:1])[0], abs=1e-6)
+    assert reward([], []) == []
+
+
+def test_bad_arguments_are_refused(model_dir, loaded):
+    with pytest.raises(ValueError, match="aggregate 'max'"):
+        PRMReward(model_dir, aggregate="max")
+    with pytest.raises(ValueError, match="needs its tokenizer"):
+        PRMReward(loaded[0])
+    with pytest.raises(ValueError, match="2 prompts for 1 completions"):
+        PRMReward(model_dir)(PROMPTS[:2], COMPLETIONS[:1])
+
+
+def post(port, body: bytes):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/get_reward", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_answers_the_openrlhf_protocol(model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    with open(tmp_path / "server.log", "w") as log:  # request log lines go to a file, never a full pipe
+        proc = subprocess.Popen([sys.executable, "-m", "prm.serve", "--model", model_dir, "--port", "0",
+                                 "--device", "cpu"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            line = proc.stdout.readline()  # the first line says where it listens (--port 0: a free port)
+            assert "serving" in line, (line, (tmp_path / "server.log").read_text()[-2000:])
+            port = int(line.rsplit(":", 1)[1].split("/")[0])
+            body = {"query": [p + c for p, c in zip(PROMPTS, COMPLETIONS)], "prompts": PROMPTS, "labels": ["4"] * 3}
+            status, out = post(port, json.dumps(body).encode())
+            assert status == 200 and out["rewards"] == out["scores"]
+            batch = out["rewards"]
+            assert batch == pytest.approx(PRMReward(model_dir, device="cpu")(PROMPTS, COMPLETIONS), abs=1e-6)
+            status, out = post(port, b"{not json")
+            assert status == 400 and "not JSON" in out["error"]
+            status, out = post(port, json.dumps({"query": ["a b"], "prompts": ["x"]}).encode())
+            assert status == 400 and "does not start with its prompt" in out["error"]
+            status, out = post(port, json.dumps({"query": "a b", "prompts": ["a"]}).encode())
+            assert status == 400 and "field 'query'" in out["error"]
+            status, out = post(port, json.dumps({**body, "query": body["query"][:1], "prompts": PROMPTS[:1]}).encode())
+            assert status == 200 and out["rewards"] == pytest.approx(batch[:1], abs=1e-6)  # still serving, same model
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
