@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokeniz
 from prm.checkpoint import TRAINABLE, load_trainable
 from prm.data import pad_token_id
 from prm.lora import apply_lora
-from prm.model import PRM, new_head
+from prm.model import PRM, SETTINGS, new_head
 from prm.synthetic import char_tokenizer
 
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names that mean "this step is right"
@@ -69,6 +69,9 @@ def model_for(cfg, tokenizer) -> PRM:
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:
         apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    # travels in config.json, so score(), eval.py and other tools read the input as training did
+    setattr(model.config, SETTINGS, {"step_separator": cfg.step_separator, "max_length": cfg.max_length,
+                                     "max_completion_length": cfg.max_completion_length})
     return model
 
 
