@@ -24,8 +24,10 @@ from prm.evaluate import predict, report
 from prm.ingest import tokenize_dataset
 from prm.lora import count_parameters
 from prm.model import enable_activation_checkpointing, step_loss
+from prm.rundir import prepare_output_dir
 from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, setup, teardown
 from prm.sources import load_splits
+from prm.tracking import Tracker, require
 
 PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
 
@@ -78,6 +80,8 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
+        prepare_output_dir(cfg, rt.is_main)  # first: a refused directory costs no data loading, and is left as it was
+        require(cfg.report_to)  # a missing tracker package stops the run now, not after the data is tokenized
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
         self._setup_optimizer()
@@ -134,7 +138,8 @@ class Trainer:
             cfg.save(cfg.output_dir)
         self.pbar = tqdm(total=self.total, initial=self.step, disable=not rt.is_main, desc="train")
         self.metrics = TrainLog(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, rt, self.pbar,
-                                lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum)
+                                lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum,
+                                tracker=Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None)
         trainable, n_params = count_parameters(self.model)
         self.say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
                  f"({100 * trainable / n_params:.2f}%) | {len(self.train_ds)} train examples | global batch "
@@ -259,8 +264,9 @@ class TrainLog:
 
     Loss and accuracy sums stay on device until a log step; then one all-reduce, the only device sync."""
 
-    def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int):
+    def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int, tracker=None):
         self.rt, self.pbar, self.lengths, self.labels_of, self.n_chunks = rt, pbar, lengths, n_labels, n_chunks
+        self.tracker = tracker  # prm.tracking.Tracker: TensorBoard / W&B get every record written here
         self.file = open(path, "a") if path else None
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
         self.n_labels, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
@@ -295,6 +301,8 @@ class TrainLog:
             return
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
+        if self.tracker is not None:
+            self.tracker.log(rec)
         if not echo:
             return
         if "loss" in rec:
@@ -307,3 +315,5 @@ class TrainLog:
     def close(self):
         if self.file is not None:
             self.file.close()
+        if self.tracker is not None:
+            self.tracker.close()
