@@ -51,7 +51,7 @@ def run_settings(model: str, trust_remote_code: bool) -> Config:
         hf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):  # not loadable: load_trained reports it properly
         return Config()
-    return Config(**input_settings(hf))
+    return Config.from_dict(input_settings(hf))
 
 
 def parse_args(argv=None):
