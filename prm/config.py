@@ -42,7 +42,8 @@ class Config:
     synthetic_size: int = _opt(32000, "rows generated for the synthetic default (10%% of them held out)")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
     overwrite: bool = _opt(False, "replace the run already in --output-dir (its metrics.jsonl, checkpoints, final/); "
-                           "without this or --resume such a directory is refused")
+                           "without this or --resume such a directory is refused. Command line only: a --config "
+                           "file's value is ignored, so rerunning a saved config never deletes a run")
     # tokenization
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
     max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, applied "
@@ -222,4 +223,6 @@ def parse_config(argv=None) -> Config:
     add_fields(p)
     given = given_args(p, argv)
     path = given.pop("config", "")
-    return Config(**{**(read_config_file(path, p) if path else {}), **given})
+    from_file = read_config_file(path, p) if path else {}
+    from_file.pop("overwrite", None)  # destructive: only ever from the command line (a saved run may hold true)
+    return Config(**{**from_file, **given})

@@ -85,3 +85,9 @@ def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
     text = capsys.readouterr().out
     own = [text.index(f"  --{name}") for name in ("model", "dataset", "predictions", "processbench", "tune-threshold")]
     assert max(own) < text.index("run settings") < text.index("  --lr") and "--max-length" in text
+
+
+def test_overwrite_is_never_taken_from_a_file(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({**AS_DICT, "overwrite": True}))
+    assert parse_config(["--config", str(tmp_path / "run.json")]).overwrite is False
+    assert parse_config(["--config", str(tmp_path / "run.json"), "--overwrite"]).overwrite is True

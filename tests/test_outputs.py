@@ -7,7 +7,8 @@ import pytest
 
 import prm.tracking
 import prm.trainer
-from conftest import read_metrics, run_train
+from conftest import read_metrics, run_train, small_config
+from prm.tracking import Tracker
 
 
 def snapshot(directory) -> dict:
@@ -130,3 +131,28 @@ def test_scalars_follow_the_records():
     assert prm.tracking.scalars({"step": 3, "eval_auroc": None, "eval_f1_1": 0.25}) == {"eval/f1_1": 0.25}
     assert prm.tracking.scalars({"step": 4, "final": {"auroc": 0.75, "train_data": {"rows": 3}}}) == {
         "final/auroc": 0.75}
+
+
+def test_wandb_tracker_gets_the_config_and_the_records(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", values, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = type(sys)("fake_wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    monkeypatch.setattr(prm.tracking, "require", lambda kind: fake)
+    monkeypatch.setenv("WANDB_PROJECT", "prm-tests")
+    cfg = small_config(tmp_path / "run7", report_to="wandb").resolve()
+    tracker = Tracker(cfg)
+    tracker.log({"step": 1, "loss": 0.5, "acc": 0.75, "lr": 1e-3, "norm": 1.0, "tok_per_s": 10.0, "epoch": 0})
+    tracker.close()
+    init = calls[0][1]
+    assert (init["project"], init["name"], init["config"]["report_to"]) == ("prm-tests", "run7", "wandb")
+    assert calls[1] == ("log", {"train/loss": 0.5, "train/acc": 0.75, "train/lr": 1e-3, "train/norm": 1.0,
+                                "train/tok_per_s": 10.0, "train/epoch": 0.0}, 1)
+    assert calls[2:] == [("finish",)]
