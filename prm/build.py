@@ -18,7 +18,9 @@ POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
-    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which re-splits the text."""
+    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which rebuilds the pipeline from the
+    vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the file as
+    written also keeps its <unk> for characters outside its vocabulary."""
     saved = os.path.join(name, "tokenizer_config.json")
     if os.path.isfile(saved):
         with open(saved) as f:
