@@ -1,14 +1,17 @@
 """Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC, PRMBench's
-PRMScore, best-of-N, as one JSON object. Depends on: prm."""
+PRMScore, best-of-N, as one JSON object. Depends on: transformers, prm."""
 import argparse
 import json
 import os
 import sys
 
+from transformers import AutoConfig
+
 from prm.build import load_trained
-from prm.config import FILE, Config, build_parser, exit_on_problems, writable
+from prm.config import FILE, Config, HelpFormatter, add_fields, exit_on_problems, writable
 from prm.data import pad_token_id
 from prm.evaluate import best_of_n_report, predict, report, true_first_error
+from prm.model import input_settings
 from prm.ingest import tokenize_dataset
 from prm.metrics import first_error, tune_threshold
 from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown
@@ -17,17 +20,14 @@ from prm.sources import exit_on_data_error, load_eval
 EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_n_draws")
 
 
-def parse_args(argv=None):
-    """Every training flag is accepted; those not given come from the run's saved config beside the model.
-
-    Returns (config, the eval-only options, the names of the config fields given on the command line)."""
-    p = build_parser(Config, description=__doc__)
-    for a in p._actions:  # on the actions, not set_defaults: that would put the SUPPRESS string in the namespace
-        a.default = argparse.SUPPRESS
-        if a.dest == "dataset":
-            a.nargs = "+"
-            a.help = ("one or more sources, each evaluated whole (default: the run's held-out set); several give "
-                      "one block per subset and their mean F1")
+def build_eval_parser() -> argparse.ArgumentParser:
+    """eval.py's own options first; then every training flag, whose value when not given comes from the run."""
+    p = argparse.ArgumentParser(description=__doc__.split(" Depends on:")[0], formatter_class=HelpFormatter)
+    p.add_argument("--model", default=argparse.SUPPRESS, help="a directory written by train.py (final/ or a "
+                   "checkpoint) or any 2-label token-classification model; required")
+    p.add_argument("--dataset", nargs="+", default=[], metavar="SOURCE",
+                   help="one or more sources, each evaluated whole (default: the run's held-out set); several give "
+                        "one block per subset and their mean F1")
     p.add_argument("--predictions", default="", metavar="OUT_JSONL",
                    help="write one JSON line per example: id, per-step P(correct), truth, predicted first error")
     p.add_argument("--processbench", action="store_true",
@@ -39,12 +39,38 @@ def parse_args(argv=None):
                         "candidates format) or, in flat rows, their prompt; correctness from final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
+    run = p.add_argument_group("run settings", "how to read and score the data; each flag not given comes from "
+                               "the run's config.train.json beside --model (else from config.json's 'prm', else "
+                               "the training default)")
+    add_fields(run, Config, skip=("model", "dataset"))
+    for a in run._group_actions:  # on the actions, not set_defaults: that would put SUPPRESS in the namespace
+        a.default = argparse.SUPPRESS
+    return p
+
+
+def run_settings(model: str, trust_remote_code: bool) -> Config:
+    """The run's saved Config beside the model; else the input settings a PRM carries in its config.json (a model
+    exported without config.train.json); else the defaults."""
+    if os.path.isfile(os.path.join(model, FILE)):
+        return Config.load(model)
+    try:
+        hf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # not loadable: load_trained reports it properly
+        return Config()
+    return Config.from_dict(input_settings(hf))
+
+
+def parse_args(argv=None):
+    """Every training flag is accepted; those not given come from the run's saved config beside the model.
+
+    Returns (config, the eval-only options, the names of the config fields given on the command line)."""
+    p = build_eval_parser()
     args = vars(p.parse_args(argv))
     if "model" not in args:
         p.error("--model is required: a directory written by train.py or any 2-label token-classification model")
     opts = {k: args.pop(k) for k in EXTRA}
-    opts["datasets"] = args.pop("dataset", [])
-    base = Config.load(args["model"]) if os.path.isfile(os.path.join(args["model"], FILE)) else Config()
+    opts["datasets"] = args.pop("dataset")
+    base = run_settings(args["model"], args.get("trust_remote_code", False))
     base.trust_remote_code = False  # only the user's own command line may allow a model's code, never a file
     if opts["datasets"] and "format" not in args:  # the run's training format says nothing about new files
         args["format"] = "auto"
@@ -110,7 +136,7 @@ def bon_block(name: str, probs: list, rows: list, cfg: Config, draws: int) -> di
     try:
         return best_of_n_report(probs, rows, draws=draws, seed=cfg.seed)
     except ValueError as e:
-        raise SystemExit(f"error: {name}: {e}") from None
+        exit_on_problems([f"{name}: {e}"])
 
 
 def warn_cuts(out: dict, cfg: Config):

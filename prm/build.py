@@ -11,7 +11,7 @@ from prm.checkpoint import TRAINABLE, load_trainable
 from prm.config import exit_on_problems
 from prm.data import pad_token_id
 from prm.lora import apply_lora
-from prm.model import PRM, new_head
+from prm.model import PRM, SETTINGS, new_head
 from prm.synthetic import char_tokenizer
 
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names that mean "this step is right"
@@ -30,7 +30,9 @@ def loading(flag: str, name: str, load, **kw):
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
     """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
-    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which re-splits the text."""
+    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which rebuilds the pipeline from the
+    vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the file as
+    written also keeps its <unk> for characters outside its vocabulary."""
     saved = os.path.join(name, "tokenizer_config.json")
     if os.path.isfile(saved):
         with open(saved) as f:
@@ -82,6 +84,9 @@ def model_for(cfg, tokenizer) -> PRM:
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:
         apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    # travels in config.json, so score(), eval.py and other tools read the input as training did
+    setattr(model.config, SETTINGS, {"step_separator": cfg.step_separator, "max_length": cfg.max_length,
+                                     "max_completion_length": cfg.max_completion_length})
     return model
 
 

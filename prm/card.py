@@ -1,7 +1,12 @@
-"""The model card (README.md) written into final/: what the model is, how it scores, its metrics and the command. Depends on: prm.sources."""
+"""The model card (README.md) written into final/: what the model is, how it scores (with a snippet that needs only
+transformers), its metrics, license and versions, and the command. Depends on: huggingface_hub, prm.sources."""
 import os
+import re
 import shlex
 import sys
+from importlib.metadata import version
+
+from huggingface_hub import try_to_load_from_cache
 
 from prm.sources import is_local
 
@@ -21,6 +26,33 @@ CITATIONS = """\
   journal = {arXiv preprint arXiv:2305.20050},
   year    = {2023}
 }"""
+
+# the card's usage example: plain transformers + torch, tokenizing as prm.data.tokenize_example does
+SNIPPET = """\
+import torch
+from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+MODEL = "."  # this folder, or its hub id
+tok = AutoTokenizer.from_pretrained(MODEL)
+model = AutoModelForTokenClassification.from_pretrained(MODEL).eval()
+sep = model.config.prm["step_separator"]  # what training appended to every step
+
+
+def score(prompt: str, steps: list) -> list:
+    \"\"\"P(correct) per step. Each piece is tokenized on its own; a step's score is read at its separator's last
+    token. (Training also dropped whole steps past model.config.prm["max_length"] tokens.)\"\"\"
+    piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + piece(prompt)
+    ends = []
+    for step in steps:
+        ids += piece(step) + piece(sep)
+        ends.append(len(ids) - 1)
+    with torch.no_grad():
+        probs = model(torch.tensor([ids])).logits.float().softmax(-1)[0, :, 1]
+    return probs[ends].tolist()
+
+
+print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))"""
 
 NOT_HELD_OUT = ("train_tokens_per_second", "padding_efficiency")  # training figures; the first also varies per run
 
@@ -45,6 +77,27 @@ def config_command(cfg) -> str:
     return "python " + shlex.join(["train.py"] + args)
 
 
+def base_license(model: str) -> str:
+    """The base model's license from the `license:` line of its card (README.md) in a local folder or already in the
+    hub cache; '' when unknown. Never a network call."""
+    if model == "tiny":
+        return ""
+    try:
+        card = os.path.join(model, "README.md") if os.path.isdir(model) else try_to_load_from_cache(model, "README.md")
+    except ValueError:  # not a valid hub id either (huggingface_hub's HFValidationError is a ValueError)
+        return ""
+    if not isinstance(card, str) or not os.path.isfile(card):  # None or a "known missing" marker object
+        return ""
+    with open(card, encoding="utf-8") as f:
+        front = f.read().split("---")  # YAML front matter sits between the first two --- lines
+    found = re.search(r"^license:\s*(\S+)", front[1], re.M) if len(front) > 2 else None
+    return found.group(1).strip("'\"") if found else ""
+
+
+def versions() -> str:
+    return f"torch {version('torch')}, transformers {version('transformers')}"
+
+
 def model_card(cfg, metrics: dict, command: str) -> str:
     """Deterministic markdown: the same run gives the same text byte for byte (no dates, no timings)."""
     base = "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if cfg.model == "tiny" \
@@ -53,6 +106,10 @@ def model_card(cfg, metrics: dict, command: str) -> str:
     header = ["---", "library_name: transformers", "pipeline_tag: token-classification",
               "tags: [process-reward-model, prm]"]
     header += [f"base_model: {cfg.model}"] if cfg.model != "tiny" else []
+    license = base_license(cfg.model)
+    header += [f"license: {license}"] if license else []
+    license_text = license or ("none: no base model (random initialization)" if cfg.model == "tiny" else
+                               "unknown (not in a local or cached card of the base model): see its own card")
     hub = [d for d in datasets if d != "synthetic" and not is_local(d)]  # hub metadata names hub datasets only
     header += (["datasets:"] + [f"- {d}" for d in hub] if hub else []) + ["---"]
     method = (f"LoRA (rank {cfg.lora_r}, alpha {cfg.lora_alpha:g}, dropout {cfg.lora_dropout:g}, targets "
@@ -70,7 +127,7 @@ def model_card(cfg, metrics: dict, command: str) -> str:
         "`AutoModelForTokenClassification`.",
         "- Labels: class 1 = `correct`, class 0 = `incorrect` (`id2label` in `config.json`); "
         "P(correct) = softmax(logits)[..., 1].",
-        f"- Step separator: `{cfg.step_separator!r}`.",
+        f"- Step separator: `{cfg.step_separator!r}`, also in `config.json` under `prm` with the length caps.",
         "- Tokens: the prompt's ids (BOS first only if the tokenizer has one), then for each step ids(step) + "
         "ids(separator), each piece tokenized on its own without special tokens. A step's score is read at the "
         "LAST token of its separator; scores elsewhere mean nothing. Build inputs exactly this way "
@@ -80,8 +137,13 @@ def model_card(cfg, metrics: dict, command: str) -> str:
         f"rate {cfg.lr:g}, seed {cfg.seed}; at most {cfg.max_length} tokens per example"
         + (f" and {cfg.max_completion_length} tokens of steps" if cfg.max_completion_length else "")
         + (", on the last step's label only" if cfg.train_on_last_step_only else "") + ".",
+        "", "## Use with transformers only", "", "```python", SNIPPET, "```", "",
+        "The same with this package: `prm.evaluate.score(model, tokenizer, prompt, steps)`.",
         "", "## Held-out metrics", "",
         f"On {f'`{cfg.eval_dataset}`' if cfg.eval_dataset else 'the held-out part of the training source'}; a step "
         f"counts as predicted correct when P(correct) >= {cfg.threshold:g}; class 0 = incorrect step.", ""] + table + [
+        "", "## License and versions", "",
+        f"- Base model license: {license_text}.",
+        f"- Trained with {versions()}.",
         "", "## Command", "", "```bash", command, "```", "",
         "## Citations", "", "Process supervision was introduced and studied in:", "", "```bibtex", CITATIONS, "```", ""])

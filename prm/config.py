@@ -1,11 +1,15 @@
-"""One dataclass holds every training/eval setting; argparse is generated from it. Depends on: stdlib only."""
+"""One dataclass holds every training/eval setting; argparse is generated from it; a YAML/JSON file can set it too.
+Depends on: stdlib, PyYAML (installed with transformers)."""
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
+
+import yaml
 
 
 FILE = "config.train.json"
@@ -13,7 +17,7 @@ FILE = "config.train.json"
 # equal the checkpoint's. The batch split may change too, as long as the global batch stays the same.
 MAY_CHANGE = {"max_steps", "epochs", "eval_every", "save_every", "log_every", "keep_last", "resume", "output_dir",
               "num_proc", "eval_batch_size", "threshold", "compile", "gradient_checkpointing", "trust_remote_code",
-              "max_grad_norm", "batch_size", "grad_accum"}
+              "max_grad_norm", "batch_size", "grad_accum", "report_to", "run_name", "overwrite"}
 
 
 def unescape(text: str) -> str:
@@ -45,6 +49,9 @@ class Config:
     num_proc: int = _opt(1, "processes for dataset tokenization")
     synthetic_size: int = _opt(32000, "rows generated for the synthetic default (10%% of them held out)")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
+    overwrite: bool = _opt(False, "replace the run already in --output-dir (its metrics.jsonl, checkpoints, final/); "
+                           "without this or --resume such a directory is refused. Command line only: a --config "
+                           "file's value is ignored, so rerunning a saved config never deletes a run")
     # tokenization
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
     max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, applied "
@@ -82,6 +89,10 @@ class Config:
     eval_batch_size: int = _opt(0, "examples per device at evaluation (0: 2 x --batch-size)")
     threshold: float = _opt(0.5, "a step is predicted correct when P(correct) >= threshold")
     log_every: int = _opt(10, "log line and metrics.jsonl record every N optimizer steps")
+    report_to: str = _opt("none", "also send the metrics.jsonl records and the config to TensorBoard "
+                          "(<output-dir>/tensorboard) or Weights & Biases; the package must be installed",
+                          choices=["none", "tensorboard", "wandb"])
+    run_name: str = _opt("", "the run's name in TensorBoard / W&B; default: the output directory's name")
     save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)")
     keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all")
     resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one")
@@ -151,17 +162,34 @@ class Config:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
-    """Every dataclass field becomes --field-name, with its default, type and help."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default holding a newline or tab (or nothing) as an escaped string, '\\n', not as a blank."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        if isinstance(action.default, str) and (not action.default.isprintable() or not action.default):
+            text = text.replace("%(default)s", "%(default)r")
+        return text
+
+
+def add_fields(parser, cls=Config, skip=()):
+    """Every dataclass field (but skip) becomes --field-name on parser (or an argument group), with default, type
+    and help."""
     for f in fields(cls):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
         else:
             meta.setdefault("type", {"int": int, "float": float, "str": str}.get(f.type, f.type))
-            p.add_argument(flag, default=f.default, **meta)
+            parser.add_argument(flag, default=f.default, **meta)
+
+
+def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    add_fields(p, cls)
     return p
 
 
@@ -194,8 +222,84 @@ def exit_on_problems(problems: list):
         raise UsageError("; ".join(problems))
 
 
+# names from TRL's PRMConfig / TrainingArguments: an unknown key that is one of these gets ours suggested
+TRL_NAMES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
+             "gradient_accumulation_steps": "grad_accum", "logging_steps": "log_every", "save_steps": "save_every",
+             "save_total_limit": "keep_last", "eval_steps": "eval_every", "model_name_or_path": "model",
+             "dataset_name": "dataset", "per_device_eval_batch_size": "eval_batch_size", "dataset_num_proc": "num_proc"}
+
+
+def nearest_field(key: str, cls=Config) -> str:
+    """The valid key a mistyped or TRL-named one most likely meant ('' if none is close)."""
+    names = [f.name for f in fields(cls)]
+    if key in TRL_NAMES:
+        return TRL_NAMES[key]
+    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
+    return close[0] if close else ""
+
+
+def checked_value(f, value):
+    """value for field f as read from a file; ValueError saying why when it does not fit."""
+    kind = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, f.type)
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if kind is float and type(value) is int:  # `lr: 1` means 1.0
+        value = float(value)
+    if type(value) is not kind:  # type(), not isinstance: a bool is an int to isinstance
+        raise ValueError(f"'{f.name}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    if f.metadata.get("choices") and value not in f.metadata["choices"]:
+        raise ValueError(f"'{f.name}' must be one of {f.metadata['choices']}, got {value!r}")
+    return value
+
+
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
+    """{field: value} from a YAML or JSON file whose keys are Config's fields (as in config.train.json).
+
+    Values are taken as written (no shell escapes: write a newline separator as "\\n" in YAML/JSON). Any problem
+    (missing file, bad syntax, unknown key, wrong type) stops with parser.error: a message and exit status 2."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError) as e:  # json's decode error is a ValueError
+        parser.error(f"--config {path}: {e}")
+    if data is None:  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+    by_name, out = {f.name: f for f in fields(Config)}, {}
+    for key, value in data.items():
+        if key not in by_name:
+            near = nearest_field(str(key))
+            parser.error(f"--config {path}: unknown key '{key}'" + (f" (did you mean '{near}'?)" if near else ""))
+        try:
+            out[key] = checked_value(by_name[key], value)
+        except ValueError as e:
+            parser.error(f"--config {path}: {e}")
+    return out
+
+
+def given_args(parser: argparse.ArgumentParser, argv=None) -> dict:
+    """Parses argv; returns only the options written on the command line (not the defaults)."""
+    unset = object()  # argparse leaves an attribute already in the namespace alone when its flag is absent
+    ns = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != "help"})
+    parser.parse_args(argv, namespace=ns)
+    return {k: v for k, v in vars(ns).items() if v is not unset}
+
+
 def parse_config(argv=None) -> Config:
-    cfg = Config(**vars(build_parser(description="Train a process reward model.").parse_args(argv)))
+    """train.py's command line: flags given win over --config FILE, which wins over the defaults."""
+    p = argparse.ArgumentParser(description="Train a process reward model.", formatter_class=HelpFormatter)
+    p.add_argument("--config", default="", metavar="FILE",
+                   help="YAML or JSON file of settings, keys as in config.train.json; flags given here override it")
+    add_fields(p)
+    given = given_args(p, argv)
+    path = given.pop("config", "")
+    from_file = read_config_file(path, p) if path else {}
+    from_file.pop("overwrite", None)  # destructive: only ever from the command line (a saved run may hold true)
+    cfg = Config(**{**from_file, **given})
     out_ok = writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
     exit_on_problems(cfg.problems() + ([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"]))
     return cfg

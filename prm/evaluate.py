@@ -1,5 +1,6 @@
 """The one evaluation route (predict, then report), used by the trainer's held-out metrics and by eval.py, and the
-scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.runtime."""
+scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.model,
+prm.runtime."""
 import contextlib
 
 import torch
@@ -7,6 +8,7 @@ from tqdm import tqdm
 
 from prm.data import collate, eval_batches, pad_token_id, tokenize_batch
 from prm.metrics import best_of_n, first_error, outcome_metrics, prmbench_metrics, processbench_metrics, step_metrics
+from prm.model import input_settings
 from prm.runtime import Runtime, gather_objects
 
 
@@ -102,28 +104,39 @@ def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> 
 
 
 @torch.inference_mode()
-def score(model, tokenizer, prompt, steps: list, step_separator: str = "\n", *, max_length=None,
+def score(model, tokenizer, prompt, steps: list, step_separator: str = None, *, max_length=None,
           max_completion_length=None) -> list:
-    """P(correct) for each step of one solution, tokenized exactly as in training."""
+    """P(correct) for each step of one solution, tokenized exactly as in training (see score_batch)."""
     return score_batch(model, tokenizer, [(prompt, steps)], step_separator, max_length=max_length,
                        max_completion_length=max_completion_length)[0]
 
 
+def trained_input(model, step_separator=None, max_length=None, max_completion_length=None) -> tuple:
+    """(separator, max_length, max_completion_length): each argument given wins, else what the model was trained
+    with (config.json's "prm"), else "\n" and no caps. 0 turns a cap off."""
+    saved = input_settings(getattr(model, "config", None))
+    sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
+    length = max_length if max_length is not None else saved.get("max_length")
+    completion = max_completion_length if max_completion_length is not None else saved.get("max_completion_length")
+    return sep, length or None, completion or None  # tokenize_batch reads None as "no cap", 0 would keep nothing
+
+
 @torch.inference_mode()
-def score_batch(model, tokenizer, solutions: list, step_separator: str = "\n", *, max_length=None,
+def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *, max_length=None,
                 max_completion_length=None, batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(),
                 progress: bool = False) -> list:
     """[(prompt, steps), ...] -> [[P(correct) per step], ...], every step scored.
 
-    Truncation keeps whole steps, so each list is a prefix: steps cut by max_completion_length or max_length get
-    no score."""
+    The separator and length caps default to the model's own (saved in config.json by training; else "\n", no
+    caps); pass them to override, 0 for no cap. Truncation keeps whole steps, so each list is a prefix: steps cut by
+    max_completion_length or max_length get no score."""
+    sep, max_length, max_completion_length = trained_input(model, step_separator, max_length, max_completion_length)
     rows = []
     for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
         chunk = solutions[start:start + 256]
         cols = tokenize_batch({"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
                                "labels": [[None] * len(s) for _, s in chunk]},  # no truth: every step end scored
-                              tokenizer, step_separator, max_length, is_eval=True,
-                              max_completion_length=max_completion_length)
+                              tokenizer, sep, max_length, is_eval=True, max_completion_length=max_completion_length)
         rows += [{"input_ids": ids, "labels": y, "step_ends": e}
                  for ids, y, e in zip(cols["input_ids"], cols["labels"], cols["step_ends"])]
     return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer), amp_dtype=amp_dtype, rt=rt,

@@ -1,5 +1,6 @@
 """PRM = a transformers backbone + a linear 2-way head; the per-step loss; save/load as a standard HF token
 classifier. Depends on: torch, transformers (and safetensors, which transformers installs); copy it alone."""
+import json
 import os
 
 import torch
@@ -9,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
 ID2LABEL = {0: "incorrect", 1: "correct"}
+SETTINGS = "prm"  # config.json key: how training read the input (step_separator, max_length, max_completion_length)
 
 
 class PRM(nn.Module):
@@ -44,6 +46,7 @@ class PRM(nn.Module):
         save_file({k: v.detach().contiguous().cpu() for k, v in out.items()},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         cfg.save_pretrained(path)
+        add_legacy_keys(os.path.join(path, "config.json"))
 
     @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
@@ -56,6 +59,29 @@ class PRM(nn.Module):
             return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
         backbone = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
         return cls(backbone, new_head(backbone.config))
+
+
+def input_settings(config) -> dict:
+    """How the model was trained to read its input, as stored in config.json under "prm" ({} if not ours)."""
+    return dict(getattr(config, SETTINGS, None) or {})
+
+
+def add_legacy_keys(config_path: str):
+    """Writes what transformers 4 loaders read beside transformers 5's names: a top-level rope_theta (without it they
+    fall back to their own default, 10000, wrong for Qwen2's 1e6), rope_scaling for non-default RoPE, torch_dtype."""
+    with open(config_path) as f:
+        d = json.load(f)
+    rope = d.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:  # per-layer-type dicts (Gemma 3) have no single theta
+        d.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":  # transformers 4 named the type "type"
+            d.setdefault("rope_scaling", {**{k: v for k, v in rope.items() if k != "rope_theta"},
+                                          "type": rope["rope_type"]})
+    if "dtype" in d:
+        d.setdefault("torch_dtype", d["dtype"])
+    with open(config_path, "w") as f:
+        json.dump(d, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def new_head(config) -> nn.Linear:

@@ -1,19 +1,25 @@
 """The offline default: a character tokenizer built in code and a step-labelled counting task. Depends on: tokenizers, transformers."""
 import random
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:;?!'\n"
 
 
 def char_tokenizer():
-    """One token per character plus <pad>/<bos>/<eos>/<unk>; has a BOS, so it exercises the BOS path."""
+    """One token per character plus <pad>/<bos>/<eos>/<unk>; has a BOS, so it exercises the BOS path.
+
+    Written as a byte-level BPE without merges (space = "Ġ", newline = "Ċ"), the form transformers 5 forces on any
+    saved qwen2 model (AutoTokenizer always rebuilds a Qwen2Tokenizer from the vocab): so AutoTokenizer on an
+    exported tiny model splits text exactly as this tokenizer does. Characters outside CHARS become <unk> here
+    and are dropped by Qwen2Tokenizer: the synthetic task never has them."""
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + list(CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # any char, newline too
-    tok.decoder = decoders.Fuse()
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    names = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]  # "a" -> "a", " " -> "Ġ", "\n" -> "Ċ"
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(specials + names)}, [], unk_token="<unk>"))
+    tok.pre_tokenizer = byte_level  # no merges: every character is its own token whatever the split
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
                                    unk_token="<unk>")
 

@@ -27,9 +27,11 @@ from prm.evaluate import predict, report
 from prm.ingest import tokenize_dataset
 from prm.lora import count_parameters, has_lora
 from prm.model import enable_activation_checkpointing, step_loss
+from prm.rundir import prepare_output_dir
 from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, setup, teardown
 from prm.sharding import full_state, full_tensor, save_shards, shard
 from prm.sources import load_splits
+from prm.tracking import Tracker, require
 
 PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
 
@@ -40,6 +42,7 @@ def train(cfg: Config, command: str = "") -> dict:
     command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
     if cfg.problems():
         raise ValueError("; ".join(cfg.problems()))
+    require(cfg.report_to)  # a missing tracker package stops the run before anything is written
     rt = setup()
     try:  # rank 0 holds the output directory's lock: a second trainer there stops at once
         with run_lock(cfg.output_dir) if rt.is_main else contextlib.nullcontext():
@@ -96,6 +99,7 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
+        prepare_output_dir(cfg, rt.is_main)  # first: a refused directory costs no data loading, and is left as it was
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
         self._setup_optimizer()
@@ -171,7 +175,8 @@ class Trainer:
                                 lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum,
                                 check_norm=not self.scaler.is_enabled(), resumed_at=self.step,
                                 hint=f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps"
-                                + ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""))
+                                + ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""),
+                                tracker=Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None)
         trainable, n_params = count_parameters(self.model)
         self.say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
                  f"({100 * trainable / n_params:.2f}%) | {len(self.train_ds)} train examples | global batch "
@@ -319,9 +324,10 @@ class TrainLog:
     only device sync. A divergence is also read before every save, so non-finite weights are never written."""
 
     def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int, check_norm: bool,
-                 resumed_at: int, hint: str):
+                 resumed_at: int, hint: str, tracker=None):
         self.rt, self.pbar, self.lengths, self.labels_of, self.n_chunks = rt, pbar, lengths, n_labels, n_chunks
         self.check_norm, self.hint = check_norm, hint  # fp16: an inf norm is the GradScaler's skipped step, not news
+        self.tracker = tracker  # prm.tracking.Tracker: TensorBoard / W&B get every record written here
         if path and resumed_at:
             keep_records_until(path, resumed_at)  # the records a stopped run wrote past its checkpoint
         self.file = open(path, "a") if path else None
@@ -380,6 +386,8 @@ class TrainLog:
             return
         self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")
         self.file.flush()
+        if self.tracker is not None:
+            self.tracker.log(rec)
         if not echo:
             return
         if "loss" in rec:
@@ -392,6 +400,8 @@ class TrainLog:
     def close(self):
         if self.file is not None:
             self.file.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def strict_json(x):

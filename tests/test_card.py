@@ -1,4 +1,6 @@
 """The model card: deterministic, names the command that made the run, describes the label convention."""
+from importlib.metadata import version
+
 from conftest import run_train, small_config
 from prm.card import config_command, launch_command, model_card
 
@@ -35,3 +37,18 @@ def test_card_names_base_model_and_hub_dataset(tmp_path):
     card = model_card(cfg, {"step_accuracy": 0.5, "precision_0": None}, "python train.py")
     assert "base_model: Qwen/Qwen2-0.5B" in card and "- trl-lib/prm800k" in card
     assert "LoRA (rank 16, alpha 32" in card and "| precision_0 | n/a |" in card
+
+
+def test_card_has_license_versions_and_a_transformers_only_snippet(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: apache-2.0\ntags: [x]\n---\n# A base model\n")
+    card = model_card(small_config(tmp_path, model=str(base)).resolve(), {"step_accuracy": 0.5}, "python train.py")
+    assert "\nlicense: apache-2.0\n" in card and "Base model license: apache-2.0." in card
+    assert f"torch {version('torch')}, transformers {version('transformers')}" in card
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert "AutoModelForTokenClassification" in snippet and "prm." not in snippet.replace('config.prm[', '')
+    tiny = model_card(small_config(tmp_path).resolve(), {}, "python train.py")
+    assert "license:" not in tiny.split("---")[1] and "random initialization" in tiny
+    hub = model_card(small_config(tmp_path, model="no-such-org/no-such-model").resolve(), {}, "python train.py")
+    assert "Base model license: unknown" in hub  # not cached here, and no network call is made

@@ -75,7 +75,7 @@ def test_prmscore_by_hand_from_a_fixed_fake_model():
     tok = char_tokenizer()
     rows = tokenize_dataset(to_dataset(read_rows(FIXTURE, "test", Config())), tok, Config(), is_eval=True,
                             drop_unlabeled=False)[0].to_list()
-    probs = predict(ParityPRM(tok.convert_tokens_to_ids("\n")), rows, batch_size=2, pad_id=pad_token_id(tok),
+    probs = predict(ParityPRM(tok("\n", add_special_tokens=False)["input_ids"][-1]), rows, batch_size=2, pad_id=pad_token_id(tok),
                     progress=False)
     assert [r["category"] for r in rows] == ["redundency", "correct", "circular"]
     assert [[round(p, 6) for p in ps] for ps in probs] == [[0.9, 0.2, 0.9, 0.2, 0.9, 0.2], [0.9, 0.2, 0.9, 0.2, 0.9],

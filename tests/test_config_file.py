@@ -1,0 +1,93 @@
+"""--config FILE (YAML or JSON) against the equivalent flags, overrides, unknown keys, reproducing a saved run, and
+the --help text of train.py and eval.py."""
+import json
+
+import pytest
+
+from conftest import read_metrics
+from prm.config import Config, parse_config
+from prm.trainer import train
+
+FLAGS = ["--synthetic-size", "64", "--max-steps", "3", "--batch-size", "4", "--log-every", "1", "--dtype", "fp32",
+         "--lr", "1e-3", "--step-separator", "\\n\\n", "--no-group-by-length"]
+YAML = """\
+# the same settings as FLAGS
+synthetic_size: 64
+max_steps: 3
+batch_size: 4
+log_every: 1
+dtype: fp32
+lr: 1e-3            # YAML 1.1 reads this as a string: it must still become the float 0.001
+step_separator: "\\n\\n"
+group_by_length: false
+"""
+AS_DICT = {"synthetic_size": 64, "max_steps": 3, "batch_size": 4, "log_every": 1, "dtype": "fp32", "lr": 0.001,
+           "step_separator": "\n\n", "group_by_length": False}
+
+
+def losses(out) -> list:
+    return [r["loss"] for r in read_metrics(out) if "loss" in r]
+
+
+def test_yaml_and_json_configs_train_like_the_flags(tmp_path):
+    (tmp_path / "run.yaml").write_text(YAML)
+    (tmp_path / "run.json").write_text(json.dumps(AS_DICT))
+    runs = {"flags": FLAGS, "yaml": ["--config", str(tmp_path / "run.yaml")],
+            "json": ["--config", str(tmp_path / "run.json")]}
+    cfgs = {name: parse_config(argv + ["--output-dir", str(tmp_path / name)]) for name, argv in runs.items()}
+    for name, cfg in cfgs.items():
+        assert {k: getattr(cfg, k) for k in AS_DICT} == AS_DICT, name
+        train(cfg)
+    assert len(losses(tmp_path / "flags")) == 3
+    assert losses(tmp_path / "yaml") == losses(tmp_path / "flags") == losses(tmp_path / "json")
+
+
+def test_flags_given_override_the_file_and_the_rest_keeps_its_values(tmp_path):
+    (tmp_path / "run.yaml").write_text(YAML)
+    cfg = parse_config(["--config", str(tmp_path / "run.yaml"), "--max-steps", "7", "--group-by-length",
+                        "--step-separator", "\\n"])
+    assert (cfg.max_steps, cfg.group_by_length, cfg.step_separator) == (7, True, "\n")
+    assert (cfg.batch_size, cfg.lr, cfg.dtype) == (4, 0.001, "fp32")
+    assert cfg.model == Config().model  # neither in the file nor on the command line: the default
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_lenght: 512\n", "unknown key 'max_lenght' (did you mean 'max_length'?)"),
+    ("learning_rate: 1.0e-5\n", "unknown key 'learning_rate' (did you mean 'lr'?)"),  # TRL's name
+    ("max_length: long\n", "'max_length' must be int, got str 'long'"),
+    ("dtype: fp8\n", "'dtype' must be one of"),
+    ("- lr\n", "expected a mapping of settings, got list"),
+])
+def test_bad_config_files_exit_2_naming_the_problem(tmp_path, capsys, text, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--config", str(tmp_path / "bad.yaml")])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_of_a_saved_run_reproduces_its_losses(tmp_path):
+    train(parse_config(FLAGS + ["--output-dir", str(tmp_path / "a"), "--grad-accum", "2", "--warmup-steps", "2"]))
+    again = parse_config(["--config", str(tmp_path / "a" / "config.train.json"), "--output-dir", str(tmp_path / "b")])
+    assert (again.grad_accum, again.warmup_steps, again.step_separator) == (2, 2, "\n\n")
+    train(again)
+    assert len(losses(tmp_path / "a")) == 3 and losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
+    import eval as eval_cli
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: '\\n')" in " ".join(text.split())  # the newline separator, visible
+    with pytest.raises(SystemExit):
+        eval_cli.main(["--help"])
+    text = capsys.readouterr().out
+    own = [text.index(f"  --{name}") for name in ("model", "dataset", "predictions", "processbench", "tune-threshold")]
+    assert max(own) < text.index("run settings") < text.index("  --lr") and "--max-length" in text
+
+
+def test_overwrite_is_never_taken_from_a_file(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({**AS_DICT, "overwrite": True}))
+    assert parse_config(["--config", str(tmp_path / "run.json")]).overwrite is False
+    assert parse_config(["--config", str(tmp_path / "run.json"), "--overwrite"]).overwrite is True
