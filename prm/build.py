@@ -84,6 +84,10 @@ def model_for(cfg, tokenizer) -> PRM:
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:
         apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        if cfg.lora_base_dtype == "bf16":  # the frozen base never updates: it needs no fp32 master copy
+            for p in model.backbone.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
     # travels in config.json, so score(), eval.py and other tools read the input as training did
     setattr(model.config, SETTINGS, {"step_separator": cfg.step_separator, "max_length": cfg.max_length,
                                      "max_completion_length": cfg.max_completion_length})

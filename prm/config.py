@@ -83,6 +83,9 @@ class Config:
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                              "comma-separated glob patterns, matched against a linear layer's full name or its last "
                              "part (the default covers Llama/Qwen2/Mistral attention and MLP projections)")
+    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it needs no fp32 "
+                                "master copy: it never updates) and needs autocast (--dtype bf16 or auto)",
+                                choices=["fp32", "bf16"])
     seed: int = _opt(0, "seed for init, data order and dropout")
     # evaluation, logging, checkpoints
     eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)")
@@ -130,6 +133,8 @@ class Config:
         need(self.step_separator != "", "step_separator", "must not be empty: its last token carries the label")
         need(not (self.fsdp and self.dtype == "fp16"), "dtype", "fp16 loss scaling is not supported with --fsdp: "
              "use bf16")
+        need(self.lora_base_dtype == "fp32" or (self.lora_r > 0 and self.dtype in ("bf16", "auto")),
+             "lora_base_dtype", "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)")
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:

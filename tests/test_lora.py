@@ -159,3 +159,21 @@ def test_eval_py_reads_lora_and_full_checkpoints_like_final(tmp_path):
         assert len(preds["final"]) > 0
         for a, b in zip(preds["checkpoint-4"], preds["final"]):
             assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_a_bf16_frozen_base_halves_its_memory_and_trains(char_tok, tmp_path):
+    from prm.build import model_for
+    from prm.config import Config
+    cfg = Config(lora_r=4, lora_base_dtype="bf16", dtype="bf16").resolve()
+    model = model_for(cfg, char_tok)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)  # adapters and head: fp32
+    fp32 = model_for(Config(lora_r=4).resolve(), char_tok)
+    nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+    assert nbytes(model) * 2 == nbytes(fp32)
+    final = run_train(tmp_path, max_steps=3, dtype="bf16", lora_base_dtype="bf16", **LORA)
+    losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert len(losses) == 3 and all(0 < x < 10 for x in losses) and 0.0 <= final["step_accuracy"] <= 1.0
+    with pytest.raises(ValueError, match="lora-base-dtype"):
+        run_train(tmp_path / "fp32", max_steps=1, dtype="fp32", lora_base_dtype="bf16", **LORA)
