@@ -69,7 +69,8 @@ class Config:
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     warmup_steps: int = _opt(0, "linear warmup steps, then cosine decay to 10%% of --lr")
     max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables")
-    dtype: str = _opt("auto", "autocast dtype; auto = bf16 where supported (CUDA, CPU), master weights stay fp32",
+    dtype: str = _opt("auto", "autocast dtype; auto = bf16 where the device has it natively (CUDA; CPUs with AMX or "
+                      "AVX512-BF16), else fp32; master weights stay fp32",
                       choices=["auto", "fp32", "bf16", "fp16"])
     gradient_checkpointing: bool = _opt(False, "recompute backbone activations in backward to save memory")
     fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks (FSDP2) "

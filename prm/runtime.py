@@ -42,9 +42,10 @@ def teardown(rt: Runtime):
 
 
 def autocast_dtype(name: str, device: torch.device):
-    """None means plain fp32. 'auto' picks bf16 wherever the device runs it (CUDA with bf16, and CPU)."""
+    """None means plain fp32. 'auto' picks bf16 wherever the device runs it natively: CUDA with bf16, and CPUs with
+    AMX or AVX512-BF16 (elsewhere, e.g. AVX2-only CPUs, bf16 matmuls are emulated and far slower than fp32)."""
     if name == "auto":
-        ok = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        ok = cpu_has_bf16() if device.type == "cpu" else device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if ok else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
@@ -77,3 +78,9 @@ def main_first(rt: Runtime):
     yield
     if rt.is_main:
         barrier(rt)
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 matrix units on this CPU (torch.cpu's private probes; missing ones count as no)."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)

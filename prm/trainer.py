@@ -134,6 +134,8 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
         self.amp_dtype = autocast_dtype(cfg.dtype, rt.device)
+        if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:  # bf16 weights need bf16 inputs
+            exit_on_problems([f"--lora-base-dtype bf16: --dtype {cfg.dtype} gives no bf16 autocast on {rt.device}"])
         if cfg.fsdp:  # before the optimizer: it must hold the sharded parameters
             if not rt.distributed:
                 exit_on_problems(["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2 or more"])

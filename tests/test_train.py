@@ -49,3 +49,15 @@ def test_default_pipeline_end_to_end_and_eval_agrees(tmp_path):
     assert ev.returncode == 0, ev.stderr[-3000:]
     again = json.loads(ev.stdout.strip().splitlines()[-1])
     assert again["step_accuracy"] == final["step_accuracy"] and again["n_steps"] == final["n_steps"]
+
+
+def test_auto_dtype_takes_bf16_only_where_the_cpu_runs_it_natively(monkeypatch):
+    import torch
+    from prm.runtime import autocast_dtype
+    cpu = torch.device("cpu")
+    for amx, avx512_bf16, expected in ((False, False, None), (True, False, torch.bfloat16),
+                                       (False, True, torch.bfloat16)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        assert autocast_dtype("auto", cpu) == expected  # emulated bf16 (AVX2 only) is far slower than fp32
+    assert autocast_dtype("bf16", cpu) == torch.bfloat16 and autocast_dtype("fp32", cpu) is None
