@@ -18,17 +18,14 @@ def run_files(output_dir: str) -> list:
     return sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or n.startswith("checkpoint-"))
 
 
-def usage_error(message: str):
-    exit_on_problems([message])
-
-
 def prepare_output_dir(cfg, is_main: bool):
     """Called once at start-up, before any data loads. A directory holding a run is refused (exit status 2, every
     file untouched) unless --resume continues a checkpoint of that same run or --overwrite replaces it; with
     --overwrite, rank 0 deletes what a run writes there, and only that (the directory may hold other files)."""
     out, found = cfg.output_dir, run_files(cfg.output_dir)
+    fail = lambda message: exit_on_problems([message])
     if cfg.overwrite and cfg.resume:
-        usage_error("--overwrite and --resume exclude each other: replace the run, or continue it")
+        fail("--overwrite and --resume exclude each other: replace the run, or continue it")
     if not found:
         return
     shown = [n + "/" if os.path.isdir(os.path.join(out, n)) else n for n in found]
@@ -37,11 +34,11 @@ def prepare_output_dir(cfg, is_main: bool):
         ckpt = resolve_resume(cfg.resume, out)
         if ckpt and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(out):
             return  # continuing this very run: its records go on where the checkpoint left them
-        usage_error(f"{listing}, and --resume {cfg.resume} " + ("finds no complete checkpoint in it to continue from"
+        fail(f"{listing}, and --resume {cfg.resume} " + ("finds no complete checkpoint in it to continue from"
                     if cfg.resume == "auto" else "is a checkpoint of another directory") +
                     "; pass --overwrite (without --resume) to replace it, or choose another --output-dir")
     if not cfg.overwrite:
-        usage_error(f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or choose another "
+        fail(f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or choose another "
                     "--output-dir")
     if is_main:
         for name in found + [n for n in ALSO_WRITTEN if os.path.exists(os.path.join(out, n))]:

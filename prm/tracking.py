@@ -1,9 +1,10 @@
 """Optional experiment trackers: the records of metrics.jsonl, and the config once, sent to TensorBoard or Weights &
-Biases from rank 0. A tracker's package is imported only when --report-to asks for it. Depends on: stdlib (and
+Biases from rank 0. A tracker's package is imported only when --report-to asks for it. Depends on: prm.config (and
 tensorboard or wandb when asked for)."""
 import dataclasses
 import os
-import sys
+
+from prm.config import exit_on_problems
 
 PIP = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report-to value -> the package to install
 
@@ -20,9 +21,7 @@ def require(report_to: str):
         else:
             import wandb as module
     except ImportError:
-        print(f"error: --report-to {report_to} needs the {PIP[report_to]} package: pip install {PIP[report_to]}",
-              file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        exit_on_problems([f"--report-to {report_to} needs the {PIP[report_to]} package: pip install {PIP[report_to]}"])
     return module
 
 

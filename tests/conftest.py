@@ -58,3 +58,15 @@ def final_weights(out_dir):
 def max_weight_diff(a, b):
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A saved tiny PRM (random weights, seed 0) with its character tokenizer: what eval.py reads."""
+    from prm.build import build_model
+    from prm.synthetic import char_tokenizer
+    path = str(tmp_path_factory.mktemp("model"))
+    tokenizer = char_tokenizer()
+    build_model("tiny", tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

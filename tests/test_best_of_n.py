@@ -11,10 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
-from prm.build import build_model  # noqa: E402
 from prm.evaluate import candidate_groups  # noqa: E402
 from prm.metrics import BEST_OF_N_METHODS, best_of_n, pick_accuracy  # noqa: E402
-from prm.synthetic import char_tokenizer  # noqa: E402
 
 BIRM = os.path.join(ROOT, "..", "shared", "data", "birm")
 
@@ -78,15 +76,6 @@ def test_bounds_and_determinism_on_random_sets():
 
 def test_unscored_candidate_ranks_last():
     assert pick_accuracy([cand([], False), cand([0.01], True)], "prod") == 1.0  # prod of nothing would be 1
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model"))
-    tokenizer = char_tokenizer()
-    build_model("tiny", tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def candidates_file(path):

@@ -13,8 +13,6 @@ sys.path.insert(0, ROOT)
 import eval as eval_cli  # noqa: E402
 from prm.evaluate import score, score_batch  # noqa: E402
 from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics  # noqa: E402
-from prm.build import build_model  # noqa: E402
-from prm.synthetic import char_tokenizer  # noqa: E402
 
 SHARED = os.path.join(ROOT, "..", "shared", "data", "processbench")
 
@@ -28,15 +26,6 @@ def processbench_rows(n: int) -> list:
         rows.append({"id": f"pb-{i}", "generator": "test", "problem": f"add up {i}:", "steps": steps,
                      "final_answer_correct": label == -1 or i % 2 == 0, "label": label})
     return rows
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model"))
-    tokenizer = char_tokenizer()
-    build_model("tiny", tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
