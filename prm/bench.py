@@ -19,10 +19,17 @@ evaluation on a 1% held-out share, kept cheap; its time is not in tokens/s) and 
   optimizer_state_mb      measured: bytes of the optimizer's state tensors after the first step (AdamW: 8 B per
                           trainable parameter), the figure LoRA shrinks
   mfu                     CUDA only: flops_per_token x tokens/s / bf16 dense peak (--peak-tflops, else by device
-                          name); flops_per_token = 6 x non-embedding parameters (head included) + 12 x layers x
-                          heads x head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the training rows (causal
-                          masking not discounted; recomputation under gradient checkpointing not counted)
+                          name: H100/H200 SXM 989, PCIe and NVL parts lower); flops_per_token = 6 x non-embedding
+                          parameters (head included; 4 per frozen weight under LoRA) + 12 x layers x heads x
+                          head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the training rows (causal masking
+                          not discounted; recomputation under gradient checkpointing not counted)
   tokenize_rows_per_second  prm.ingest.tokenize_dataset on the training split, datasets cache disabled
+  attention               the attention the forward runs: varlen_attn (packed, CUDA bf16/fp16), sdpa per example
+                          (packed elsewhere), or sdpa with a padding mask (--no-packing, or a backbone without packing)
+  host_syncs_per_step     CUDA only: host syncs torch's sync debug mode reports between two optimizer steps
+
+--variants padded,packed,packed-compiled runs the same flags once per variant, each in fresh processes, and prints
+every variant's figures side by side with the tokens/s ratio to the first.
 
 --repeats N runs N fresh processes (max RSS is process-wide) and prints medians plus every run's values.
 --peer-python PY --peer-script trl_peer.py interleaves a TRL PRMTrainer run (and a timing of its dataset
@@ -39,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import datasets
 import torch
@@ -49,10 +57,16 @@ from prm.build import hf_config_for, tokenizer_for
 from prm.config import Config, build_parser
 from prm.ingest import tokenize_dataset
 from prm.sources import load_splits
+from prm.runtime import autocast_dtype
 from prm.trainer import train
+from prm.varlen import kernel_dtype, supports_packing
 
-BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
-BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script")
+# dense bf16 peaks by device name, the more specific names first: PCIe and NVL parts run lower clocks than SXM
+BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
+                    "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
+            "packed-compiled": ["--packing", "--compile"]}
+BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script", "--variants")
 MEASURED = ("tokens_per_second", "padding_efficiency", "peak_memory_mb", "static_memory_mb", "activation_memory_mb",
             "baseline_memory_mb", "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
 
@@ -64,6 +78,8 @@ def parser():
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device bf16 dense peak for MFU (0: by name)")
     p.add_argument("--peer-python", default="", help="python of a venv with trl==1.13.0 (runs the TRL peer)")
     p.add_argument("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
+    p.add_argument("--variants", default="", help=f"comma-separated, run side by side in fresh processes, each "
+                   f"with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
     p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
     return p
 
@@ -83,9 +99,10 @@ def _peak_memory(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def flops_per_token(model_cfg, lengths: list) -> tuple:
-    """(model FLOPs per trained token, non-embedding parameter count): 6N for the weight matmuls forward and
-    backward, plus 12 x layers x attention width x s_eff for the attention scores and their use."""
+def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
+    """(model FLOPs per trained token, non-embedding parameter count): 6 per weight for the matmuls forward and
+    backward (2 + 4), plus 12 x layers x attention width x s_eff for the attention scores and their use. Under LoRA
+    (lora_trainable = adapter + head parameters) a frozen base weight costs 4: its weight gradient is never computed."""
     with torch.device("meta"):  # counts the real architecture's parameters without allocating them
         backbone = AutoModel.from_config(model_cfg)
     embed = sum(p.numel() for m in backbone.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
@@ -94,23 +111,55 @@ def flops_per_token(model_cfg, lengths: list) -> tuple:
     n = sum(p.numel() for p in backbone.parameters()) - embed + 2 * d + 2  # + the 2-way head
     width = text.num_attention_heads * (getattr(text, "head_dim", None) or d // text.num_attention_heads)
     s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
-    return 6 * n + 12 * text.num_hidden_layers * width * s_eff, n
+    head = 2 * d + 2
+    weights = 6 * n if lora_trainable is None else 4 * (n - head) + 6 * lora_trainable
+    return weights + 12 * text.num_hidden_layers * width * s_eff, n
 
 
 def _device_peak(device, override: float) -> float:
     if override:
         return override * 1e12
     name = torch.cuda.get_device_name(device)
-    for key, tflops in BF16_PEAK_TFLOPS.items():
+    for key, tflops in BF16_PEAK_TFLOPS.items():  # e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe"
         if key in name:
             return tflops * 1e12
     return 0.0
 
 
+def attention_kernel(cfg: Config, model_cfg, device) -> str:
+    """Which attention the run's forward takes: decided by prm.varlen's own test on a query like the model's."""
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(model_cfg)
+    if not (cfg.packing and supports_packing(backbone)):
+        return "sdpa (padded, with a mask)"
+    text = model_cfg.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    amp = autocast_dtype(cfg.dtype, device)
+    with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
+        half = kernel_dtype(torch.empty((1, 1, 1, head_dim), device=device))
+    return f"varlen_attn ({str(half).split('.')[-1]})" if half else "sdpa per example (packed, exact fallback)"
+
+
+@contextlib.contextmanager
+def counting_syncs(device, seen: dict):
+    """CUDA: records the host syncs torch's sync debug mode reports into seen["warnings"]; elsewhere nothing."""
+    if device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen["warnings"] = caught
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def _train_watched(cfg: Config, device) -> tuple:
     """prm.trainer.train with a global optimizer hook (the trainer's code is not touched) that records the memory
     after every optimizer step: (final metrics, what the hook saw, memory before training)."""
-    seen = {"steps": 0, "after_step": [], "params": 0}
+    seen = {"steps": 0, "after_step": [], "params": 0, "syncs": []}
 
     def after_step(optimizer, args, kwargs):
         seen["steps"] += 1
@@ -119,13 +168,14 @@ def _train_watched(cfg: Config, device) -> tuple:
             seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values() for t in st.values()
                                           if torch.is_tensor(t))
         seen["after_step"].append(_memory_now(device))
+        seen["syncs"].append(sum("synchroniz" in str(w.message) for w in seen.get("warnings", [])))
 
     baseline = _memory_now(device)  # before train(): interpreter, libraries, tokenizer, raw and tokenized data
     handle = register_optimizer_step_post_hook(after_step)
     with tempfile.TemporaryDirectory() as tmp:
         run_cfg = Config(**{**vars(cfg), "output_dir": cfg.output_dir or tmp})
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
+            with contextlib.redirect_stdout(sys.stderr), counting_syncs(device, seen):  # stdout: the JSON line only
                 final = train(run_cfg)
         finally:
             handle.remove()
@@ -145,7 +195,6 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     tok_seconds = time.perf_counter() - t0
     lengths = tok_ds["length"]
     model_cfg = hf_config_for(cfg, tokenizer)
-    fpt, n_nonembed = flops_per_token(model_cfg, lengths)
     with torch.device("meta"):  # counts parameters without allocating them
         backbone = AutoModel.from_config(model_cfg)
     n_total = sum(p.numel() for p in backbone.parameters()) + 2 * (model_cfg.get_text_config().hidden_size + 1)
@@ -154,6 +203,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     if final is None:  # not rank 0 under torchrun: rank 0 reports
         return None
     peak = _peak_memory(device)
+    fpt, n_nonembed = flops_per_token(model_cfg, lengths, seen["params"] if cfg.lora_r else None)
     static = min(seen["after_step"]) if seen["after_step"] else 0
     tps = final["train_tokens_per_second"]
     out = {
@@ -167,6 +217,10 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "model_state_mb": round((16 * seen["params"] + 4 * (n_total - seen["params"])) / 2**20, 1),
         "optimizer_state_mb": round(seen["optimizer_bytes"] / 2**20, 1),
         "mfu": None,
+        "attention": attention_kernel(cfg, model_cfg, device),
+        # between the first and the last optimizer step (no log step in between: --log-every is huge here)
+        "host_syncs_per_step": round((seen["syncs"][-1] - seen["syncs"][0]) / (len(seen["syncs"]) - 1), 2)
+        if device.type == "cuda" and len(seen["syncs"]) > 1 else None,
         "flops_per_token": round(fpt),
         "params": n_total, "trainable_params": seen["params"], "params_non_embedding": n_nonembed,
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
@@ -175,7 +229,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"], "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum, "max_length": cfg.max_length, "dtype": cfg.dtype,
         "group_by_length": cfg.group_by_length, "gradient_checkpointing": cfg.gradient_checkpointing,
-        "compile": cfg.compile, "torch": torch.__version__,
+        "compile": cfg.compile, "packing": cfg.packing, "pack_to": cfg.pack_to, "lora_r": cfg.lora_r,
+        "torch": torch.__version__,
     }
     if device.type == "cuda":
         peak_flops = _device_peak(device, peak_tflops)
@@ -266,13 +321,32 @@ def repeated(a, cfg: Config, argv: list) -> dict:
     return out
 
 
+def side_by_side(a, argv: list) -> dict:
+    """Each variant in fresh processes (--repeats each) with the same flags plus its own; tok/s against the first."""
+    names = a.variants.split(",")
+    if not set(names) <= set(VARIANTS):
+        raise SystemExit(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
+    peak = ["--peak-tflops", str(a.peak_tflops)] if a.peak_tflops else []
+    out = {}
+    for name in names:
+        child = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv), *VARIANTS[name], *peak,
+                 "--repeats", str(a.repeats)]
+        out[name] = json.loads(_run(child).strip().splitlines()[-1])
+        print(f"{name}: {out[name]['tokens_per_second']} tok/s", file=sys.stderr, flush=True)
+    base = out[names[0]]["tokens_per_second"]
+    return {"variants": out, f"tokens_per_second_vs_{names[0]}": {n: round(r["tokens_per_second"] / base, 3)
+                                                                   for n, r in out.items()}}
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(argv)
     cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__}).resolve()
     if a.peer_python and not a.peer_script:
         raise SystemExit("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
-    if a.repeats > 1 or a.peer_python:
+    if a.variants:
+        out = side_by_side(a, argv)
+    elif a.repeats > 1 or a.peer_python:
         out = repeated(a, cfg, argv)
     else:
         out = run_once(cfg, a.peak_tflops)

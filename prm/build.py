@@ -1,6 +1,6 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
 benchmark all come here. Depends on: torch, transformers, prm.model, prm.lora, prm.data, prm.checkpoint,
-prm.synthetic."""
+prm.synthetic, prm.varlen."""
 import json
 import os
 
@@ -13,6 +13,7 @@ from prm.data import pad_token_id
 from prm.lora import apply_lora
 from prm.model import PRM, SETTINGS, new_head
 from prm.synthetic import char_tokenizer
+from prm.varlen import supports_packing, use_packed_attention
 
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names that mean "this step is right"
 
@@ -91,6 +92,14 @@ def model_for(cfg, tokenizer) -> PRM:
     # travels in config.json, so score(), eval.py and other tools read the input as training did
     setattr(model.config, SETTINGS, {"step_separator": cfg.step_separator, "max_length": cfg.max_length,
                                      "max_completion_length": cfg.max_completion_length})
+    return set_packing(model, cfg.packing)
+
+
+def set_packing(model: PRM, packing: bool) -> PRM:
+    """With --packing, a backbone that supports it runs prm.varlen's attention: every call is then packed (the
+    trainer, predict and score_batch check prm.varlen.is_packed). Others keep padding."""
+    if packing and supports_packing(model.backbone):
+        use_packed_attention(model.backbone)
     return model
 
 
@@ -120,4 +129,4 @@ def load_trained(cfg, tokenizer_given: bool):
             model.head.weight.copy_(model.head.weight.flip(0))
             if model.head.bias is not None:
                 model.head.bias.copy_(model.head.bias.flip(0))
-    return tokenizer, model
+    return tokenizer, set_packing(model, cfg.packing)

@@ -17,7 +17,8 @@ FILE = "config.train.json"
 # equal the checkpoint's. The batch split may change too, as long as the global batch stays the same.
 MAY_CHANGE = {"max_steps", "epochs", "eval_every", "save_every", "log_every", "keep_last", "resume", "output_dir",
               "num_proc", "eval_batch_size", "threshold", "compile", "gradient_checkpointing", "trust_remote_code",
-              "max_grad_norm", "batch_size", "grad_accum", "report_to", "run_name", "overwrite"}
+              "max_grad_norm", "batch_size", "grad_accum", "report_to", "run_name", "overwrite",
+              "packing", "pack_to"}
 
 
 def unescape(text: str) -> str:
@@ -77,6 +78,11 @@ class Config:
                       "instead of copying them to every rank (DDP): for models whose training state fills a device")
     group_by_length: bool = _opt(True, "batch similar lengths together (less padding); deterministic from the seed")
     compile: bool = _opt(False, "torch.compile the model")
+    packing: bool = _opt(True, "padding-free micro-batches: the examples back to back in one row, each attending to "
+                         "itself only (varlen flash attention on CUDA in bf16/fp16, exact per-example SDPA otherwise); "
+                         "decoders only, other backbones are padded")
+    pack_to: int = _opt(0, "with --packing, pad each micro-batch's row up to a multiple of N tokens so shapes repeat "
+                        "(N >= batch x --max-length: one shape, --compile compiles once); 0: no padding")
     # LoRA: low-rank adapters on the backbone's linear layers; the head stays fully trainable
     lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)")
     lora_alpha: float = _opt(0.0, "LoRA scale numerator (update = alpha / r x B A); 0 = 2 x --lora-r")
@@ -120,7 +126,7 @@ class Config:
                 out.append(f"--{name.replace('_', '-')} {getattr(self, name)!r}: {what}")
 
         for name in ("batch_size", "eval_batch_size", "max_completion_length", "warmup_steps", "eval_every",
-                     "save_every", "keep_last", "lora_r"):
+                     "save_every", "keep_last", "lora_r", "pack_to"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
         for name in ("grad_accum", "max_length", "log_every", "num_proc", "synthetic_size"):
             need(getattr(self, name) >= 1, name, "must be >= 1")

@@ -1,4 +1,4 @@
-"""Step labels on tokens, the padding collator, and the batch plans that let 2 ranks equal 1 process.
+"""Step labels on tokens, the padding collator and the packer, and the batch plans that let 2 ranks equal 1 process.
 
 Depends on: torch and the standard library only; copy this file alone into another repo and it works."""
 import math
@@ -137,6 +137,36 @@ def collate(rows: list, pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
+    """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, labels as they
+    are, and the example boundaries as int32 cumulative lengths (computed here, on the host). No attention mask:
+    prm.varlen's attention keeps every example to itself. Shapes: input_ids/position_ids (1, N) int64, labels (1, N)
+    float32, cu_seq_lens_q/k (n_rows + 1,), max_length_q/k ints (transformers' names for these keyword arguments).
+
+    pack_to > 0 pads the row up to a multiple of pack_to with a tail that is one more example of its own (pad ids,
+    labels -100, so it attends to nothing real): with one tail slot always present, every batch of the same size and
+    bucket has the same shapes, which --compile needs to compile once. For rows [a b c] and [d e]:
+      input_ids    [a b c d e]        with pack_to=4: [a b c d e P P P]
+      position_ids [0 1 2 0 1]                        [0 1 2 0 1 0 1 2]
+      cu_seq_lens  [0 3 5]                            [0 3 5 8]
+    Call the model with every key but labels: model(**{k: v for k, v in packed.items() if k != "labels"})."""
+    lengths = [len(r["input_ids"]) for r in rows]
+    n = sum(lengths)
+    width = -(-n // pack_to) * pack_to if pack_to else n
+    if pack_to:
+        lengths.append(width - n)
+    ids = torch.full((1, width), pad_id, dtype=torch.long)  # (1, N)
+    labels = torch.full((1, width), float(IGNORE), dtype=torch.float32)  # (1, N)
+    pos = torch.cat([torch.arange(k) for k in lengths]).unsqueeze(0)  # (1, N)
+    ids[0, :n] = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
+    labels[0, :n] = torch.as_tensor([y for r in rows for y in r["labels"]], dtype=torch.float32)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # (n_rows + 1,)
+    # an upper bound is all the kernel needs: with pack_to, the row width keeps it the same from batch to batch
+    max_length = width if pack_to else max(lengths)
+    return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": max_length, "max_length_k": max_length}
+
+
 def pad_token_id(tokenizer) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
@@ -178,11 +208,16 @@ def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_a
     return [ordered[(a * world_size + rank) * per:(a * world_size + rank + 1) * per] for a in range(grad_accum)]
 
 
-def padded_tokens(batch: list, lengths: list, n_chunks: int) -> int:
-    """Tokens processed, padding included, by all micro-batches of all ranks (the chunks of micro_batches)."""
+def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> int:
+    """Tokens processed, padding included, by all micro-batches of all ranks (the chunks of micro_batches).
+
+    pack_to None: padded rows, a chunk as wide as its longest row; an int: packed rows (pack), each chunk's tokens
+    rounded up to a multiple of pack_to (0: not rounded)."""
     ordered = sorted(lengths[i] for i in batch)
     per = len(batch) // n_chunks
-    return sum(per * ordered[(c + 1) * per - 1] for c in range(n_chunks))  # a chunk is as wide as its longest row
+    if pack_to is not None:
+        return sum(-(-sum(ordered[c * per:(c + 1) * per]) // (pack_to or 1)) * (pack_to or 1) for c in range(n_chunks))
+    return sum(per * ordered[(c + 1) * per - 1] for c in range(n_chunks))
 
 
 def eval_batches(lengths: list, batch_size: int, world_size: int = 1, rank: int = 0) -> list:

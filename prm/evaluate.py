@@ -1,15 +1,16 @@
 """The one evaluation route (predict, then report), used by the trainer's held-out metrics and by eval.py, and the
 scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.model,
-prm.runtime."""
+prm.runtime, prm.varlen."""
 import contextlib
 
 import torch
 from tqdm import tqdm
 
-from prm.data import collate, eval_batches, pad_token_id, tokenize_batch
+from prm.data import collate, eval_batches, pack, pad_token_id, tokenize_batch
 from prm.metrics import best_of_n, first_error, outcome_metrics, prmbench_metrics, processbench_metrics, step_metrics
 from prm.model import input_settings
 from prm.runtime import Runtime, gather_objects
+from prm.varlen import is_packed
 
 
 @torch.inference_mode()
@@ -33,10 +34,7 @@ def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Ru
     local = {}
     for batch in tqdm(batches, desc="eval", disable=not (progress and rt.is_main), leave=False):
         idx = [todo[j] for j in (batch or eval_batches(lengths, batch_size)[0])]
-        mb = collate([rows[i] for i in idx], pad_id)
-        with amp:
-            logits = model(mb["input_ids"].to(device), mb["attention_mask"].to(device))  # (B, T, 2)
-        probs = torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, T)
+        probs = _forward(model, [rows[i] for i in idx], pad_id, amp, device)
         for b, i in enumerate(idx if batch else []):
             local[i] = probs[b][rows[i]["step_ends"]].tolist()
     merged = {}
@@ -44,6 +42,21 @@ def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Ru
         merged.update(part)
     model.train(was_training)
     return [merged.get(i, []) for i in range(len(rows))]
+
+
+def _forward(model, rows: list, pad_id: int, amp, device) -> list:
+    """P(correct) at every token of each row: one (T_i,) CPU tensor per row, the batch packed or padded."""
+    if is_packed(model):
+        mb = pack(rows, pad_id)
+        with amp:
+            logits = model(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items() if k != "labels"})
+        probs = torch.softmax(logits.float(), dim=-1)[0, :, 1].cpu()  # (N,)
+        cu = mb["cu_seq_lens_q"].tolist()
+        return [probs[s:e] for s, e in zip(cu, cu[1:])]
+    mb = collate(rows, pad_id)
+    with amp:
+        logits = model(mb["input_ids"].to(device), mb["attention_mask"].to(device))  # (B, T, 2)
+    return torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, T)
 
 
 def true_first_error(row: dict) -> int:

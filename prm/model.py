@@ -23,8 +23,10 @@ class PRM(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids, attention_mask=None):
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, H)
+    def forward(self, input_ids, attention_mask=None, **packed):
+        """packed: position_ids and the example boundaries of a packed row (prm.data.pack), passed to the backbone."""
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                          **packed).last_hidden_state  # (B, T, H)
         return self.head(h)  # (B, T, 2)
 
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):

@@ -22,7 +22,7 @@ from prm.card import config_command, model_card
 from prm.checkpoint import (checkpoint_dir, load_checkpoint, resolve_resume, run_lock, save_checkpoint, save_final,
                             saved_world_size, write_card)
 from prm.config import Config, exit_on_problems
-from prm.data import collate, global_batches, micro_batches, pad_token_id, padded_tokens
+from prm.data import collate, global_batches, micro_batches, pack, pad_token_id, padded_tokens
 from prm.evaluate import predict, report
 from prm.ingest import tokenize_dataset
 from prm.lora import count_parameters, has_lora
@@ -32,6 +32,7 @@ from prm.runtime import Runtime, all_reduce_sum, autocast_dtype, barrier, main_f
 from prm.sharding import full_state, full_tensor, save_shards, shard
 from prm.sources import load_splits
 from prm.tracking import Tracker, require
+from prm.varlen import is_packed
 
 PREEMPTED = {"signal": None}  # set by SIGTERM/SIGINT; the loop stops after the current optimizer step
 
@@ -131,6 +132,7 @@ class Trainer:
     def _setup_model(self):
         cfg, rt = self.cfg, self.rt
         self.model = model_for(cfg, self.tokenizer).to(rt.device)
+        self.packed = is_packed(self.model)  # --packing on a backbone that supports it
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
         self.amp_dtype = autocast_dtype(cfg.dtype, rt.device)
@@ -153,8 +155,9 @@ class Trainer:
             self.step = load_checkpoint(resume, self.model, self.optimizer, self.scheduler, self.scaler)
             self.say(f"resumed from {resume} at step {self.step}")
         self.train_model = self.model  # what the forward runs; self.model stays the plain PRM
-        if cfg.compile:  # batch widths vary: one symbolic-shape graph at once, not a static one and then a recompile
-            self.train_model = torch.compile(self.train_model, dynamic=True)
+        if cfg.compile:  # varying widths: one symbolic-shape graph at once, not a static one and then a recompile;
+            # packed rows padded to --pack-to repeat their shapes, so a static graph compiles once and stays
+            self.train_model = torch.compile(self.train_model, dynamic=not (self.packed and cfg.pack_to))
         if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
             self.train_model = DDP(self.train_model, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
@@ -175,6 +178,7 @@ class Trainer:
         self.pbar = tqdm(total=self.total, initial=self.step, disable=not rt.is_main, desc="train")
         self.metrics = TrainLog(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, rt, self.pbar,
                                 lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum,
+                                pack_to=cfg.pack_to if self.packed else None,
                                 check_norm=not self.scaler.is_enabled(), resumed_at=self.step,
                                 hint=f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps"
                                 + ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""),
@@ -197,12 +201,14 @@ class Trainer:
                 sums, norm = self.train_step(batch)
                 self.step += 1
                 # logging: the loss sums stay on device until a log step, which also reads the divergence flag
+                log = self.step % cfg.log_every == 0 or self.step == self.total
                 self.metrics.add(self.step, batch, sums, norm, t0=t0, epoch=epoch, lr=self.scheduler.get_last_lr()[0],
-                                 write=self.step % cfg.log_every == 0 or self.step == self.total)
+                                 write=log)
                 # evaluation, checkpoint, preemption
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total:
                     self.metrics.write({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluate().items()}})
-                stop = agree_to_stop(self.rt)
+                # ranks agree on stopping at log steps only: the agreement is a collective, so a device sync
+                stop = agree_to_stop(self.rt) if log or not self.rt.distributed else False
                 if (cfg.save_every and self.step % cfg.save_every == 0) or stop:
                     self.save_checkpoint()
                 if stop:
@@ -224,10 +230,11 @@ class Trainer:
         micro = micro_batches(batch, self.lengths, rt.world_size, rt.rank, cfg.grad_accum)
         sums = torch.zeros(2, device=rt.device)
         for a, idx in enumerate(micro):
-            ids, mask, labels = self.to_device(collate(self.rows(idx), self.pad_id))
+            inputs = self.micro_batch(idx)
+            labels = inputs.pop("labels")  # (B, T); packed: (1, N)
             with self.grad_sync(last=a == len(micro) - 1):
                 with self.autocast():
-                    logits = self.train_model(ids, mask)  # (B, T, 2)
+                    logits = self.train_model(**inputs)  # (B, T, 2); packed: (1, N, 2)
                 # divided by the labels of the whole global batch, so accumulation and ranks weight every label equally
                 loss, ce_sum, n_correct = step_loss(logits, labels, n_labels)
                 # DDP averages gradients over ranks; scaling by world size turns that back into the global sum
@@ -253,10 +260,14 @@ class Trainer:
         cols = self.train_ds[idx]
         return [{"input_ids": i, "labels": y} for i, y in zip(cols["input_ids"], cols["labels"])]
 
-    def to_device(self, mb: dict) -> tuple:
-        if self.rt.device.type == "cuda":  # page-locked host memory makes the non_blocking copies truly asynchronous
-            mb = {k: v.pin_memory() for k, v in mb.items()}
-        return tuple(mb[k].to(self.rt.device, non_blocking=True) for k in ("input_ids", "attention_mask", "labels"))
+    def micro_batch(self, idx: list) -> dict:
+        """The model's keyword arguments and the labels, on the device: one packed row, or padded rows."""
+        rows = self.rows(idx)
+        mb = pack(rows, self.pad_id, self.cfg.pack_to) if self.packed else collate(rows, self.pad_id)
+        # page-locked host memory makes the non_blocking copies truly asynchronous; max_length stays a host int
+        pin = self.rt.device.type == "cuda"
+        return {k: (v.pin_memory() if pin else v).to(self.rt.device, non_blocking=True) if torch.is_tensor(v) else v
+                for k, v in mb.items()}
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -325,9 +336,10 @@ class TrainLog:
     Loss and accuracy sums and the first non-finite step stay on device until a log step; then one all-reduce, the
     only device sync. A divergence is also read before every save, so non-finite weights are never written."""
 
-    def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int, check_norm: bool,
-                 resumed_at: int, hint: str, tracker=None):
+    def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int, pack_to,
+                 check_norm: bool, resumed_at: int, hint: str, tracker=None):
         self.rt, self.pbar, self.lengths, self.labels_of, self.n_chunks = rt, pbar, lengths, n_labels, n_chunks
+        self.pack_to = pack_to  # None: padded micro-batches
         self.check_norm, self.hint = check_norm, hint  # fp16: an inf norm is the GradScaler's skipped step, not news
         self.tracker = tracker  # prm.tracking.Tracker: TensorBoard / W&B get every record written here
         if path and resumed_at:
@@ -347,7 +359,7 @@ class TrainLog:
         self.window += sums
         self.n_labels += sum(self.labels_of[i] for i in batch)
         self.tokens, self.total_tokens = self.tokens + tokens, self.total_tokens + tokens
-        self.total_padded += padded_tokens(batch, self.lengths, self.n_chunks)
+        self.total_padded += padded_tokens(batch, self.lengths, self.n_chunks, self.pack_to)
         self.pbar.update(1)
         if not write:
             self.seconds += time.perf_counter() - t0

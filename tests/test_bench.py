@@ -1,5 +1,13 @@
 """prm.bench: one tiny in-process run returns every documented key; the FLOPs formula and the flag stripping."""
-from prm.bench import _strip_bench_flags, flops_per_token, parser, run_once
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from prm.bench import BF16_PEAK_TFLOPS, _strip_bench_flags, flops_per_token, parser, run_once
 from prm.config import Config
 
 
@@ -15,6 +23,7 @@ def test_run_once_reports_every_key(tmp_path):
     assert 0 < out["padding_efficiency"] <= 1
     assert out["peak_memory_mb"] >= out["static_memory_mb"] > 0
     assert out["memory_kind"] == "cpu_max_rss" and out["mfu"] is None  # the CPU test machine
+    assert out["attention"] == "sdpa per example (packed, exact fallback)" and out["host_syncs_per_step"] is None
 
 
 def test_flops_per_token_formula():
@@ -29,6 +38,38 @@ def test_flops_per_token_formula():
     assert fpt == 6 * n + 12 * 2 * 64 * (100 + 900) / 40
 
 
+def test_lora_counts_4_flops_per_frozen_weight():
+    from transformers import Qwen2Config
+    c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    full, n = flops_per_token(c, [10, 30])
+    lora, _ = flops_per_token(c, [10, 30], lora_trainable=500 + 130)  # 500 adapter weights + the 130-weight head
+    assert full - lora == 2 * (n - 130) - 6 * 500
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                       ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0)])
+def test_device_peak_by_exact_name(monkeypatch, name, peak):
+    import torch
+    from prm.bench import _device_peak
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert _device_peak(None, 0.0) == peak * 1e12 and "H100 PCIe" in BF16_PEAK_TFLOPS
+
+
+def test_variants_side_by_side(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-m", "prm.bench", "--variants", "padded,packed", "--steps", "3",
+                        "--batch-size", "8", "--synthetic-size", "200", "--dtype", "fp32", "--no-group-by-length"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    padded, packed = out["variants"]["padded"], out["variants"]["packed"]
+    assert padded["attention"] == "sdpa (padded, with a mask)" and not padded["packing"]
+    assert packed["packing"] and packed["padding_efficiency"] == 1.0 > padded["padding_efficiency"]
+    assert out["tokens_per_second_vs_padded"]["padded"] == 1.0 and out["tokens_per_second_vs_padded"]["packed"] > 0
+
+
 def test_strip_bench_flags():
-    argv = ["--model", "m", "--repeats", "3", "--peer-python=/x/py", "--peer-script", "s.py", "--steps", "5"]
+    argv = ["--model", "m", "--repeats", "3", "--peer-python=/x/py", "--peer-script", "s.py", "--steps", "5",
+            "--variants", "padded,packed"]
     assert _strip_bench_flags(argv) == ["--model", "m", "--steps", "5"]

@@ -24,6 +24,8 @@ row = data.tokenize_example({"prompt": "q", "completions": ["ab", "b"], "labels"
 assert row["input_ids"] == [1, 2, 3, 4, 5, 4, 5] and row["labels"] == [-100] * 4 + [1, -100, 0.5], row
 batch = data.collate([row, {"input_ids": [1], "labels": [-100]}], pad_id=0)
 assert batch["input_ids"].shape == (2, 7) and batch["attention_mask"][1].tolist() == [1] + [0] * 6
+packed = data.pack([row, {"input_ids": [1], "labels": [-100]}], pad_id=0)
+assert packed["input_ids"].shape == (1, 8) and packed["cu_seq_lens_q"].tolist() == [0, 7, 8]
 assert "datasets" not in sys.modules and "pyarrow" not in sys.modules, "the data module must not import datasets"
 """,
     "model": """
@@ -39,6 +41,22 @@ labels[0, 4] = 1.0
 loss, ce_sum, n_correct = model.step_loss(logits, labels, 1)
 loss.backward()
 assert logits.shape == (2, 5, 2) and prm.head.weight.grad is not None
+""",
+    "varlen": """
+import torch
+from transformers import AutoModel, Qwen2Config
+import varlen
+cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
+backbone = AutoModel.from_config(cfg, attn_implementation="sdpa")
+ids = torch.randint(0, 32, (1, 7))
+rows = [backbone(input_ids=ids[:, :4]).last_hidden_state, backbone(input_ids=ids[:, 4:]).last_hidden_state]
+assert varlen.supports_packing(backbone)
+varlen.use_packed_attention(backbone)
+cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+packed = backbone(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]]), cu_seq_lens_q=cu,
+                  cu_seq_lens_k=cu, max_length_q=4, max_length_k=4).last_hidden_state
+assert (packed - torch.cat(rows, dim=1)).abs().max() < 1e-5 and varlen.is_packed(backbone)
 """,
     "metrics": """
 import metrics

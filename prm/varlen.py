@@ -1,0 +1,98 @@
+"""Attention over packed rows: several examples back to back in one row, each attending only to itself (causal).
+
+`use_packed_attention(backbone)` switches a stock transformers decoder to it; the backbone is then called with
+prm.data.pack's tensors (position_ids restarting at 0 per example, the boundaries as cu_seq_lens_q/k, no mask).
+On CUDA in bf16/fp16 the kernel is PyTorch's own varlen flash attention; anywhere else an exact fallback runs causal
+SDPA once per example. Registered through transformers' AttentionInterface, so nothing builds an N x N mask and the
+saved config stays a plain one. Depends on: torch, transformers; copy it alone."""
+import inspect
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+KERNEL_DEVICE = "cuda"  # where varlen_attn runs (the tests point it at the CPU, with a reference kernel)
+NAME = "prm_packed"  # the attention implementation's name; not a mask interface name, so transformers builds no mask
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+
+def kernel_dtype(query):
+    """The half dtype the flash kernel would run in, or None where only the fallback can (CPU, fp32, head dim > 256).
+
+    Under autocast, RoPE multiplies bf16 projections by fp32 cos/sin and hands over fp32 queries: the kernel then
+    runs in the autocast dtype, as SDPA would."""
+    if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
+        return None
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    return torch.get_autocast_dtype(KERNEL_DEVICE) if torch.is_autocast_enabled(KERNEL_DEVICE) else None
+
+
+def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
+    """(keyword arguments for causal attention, whether K/V must be repeated) for the installed varlen_attn:
+    torch 2.10 took is_causal, later versions a (left, right) window where (-1, 0) is causal; grouped-query
+    heads are native where enable_gqa exists."""
+    params = inspect.signature(fn).parameters
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    repeat = n_heads != n_kv_heads and "enable_gqa" not in params
+    if n_heads != n_kv_heads and not repeat:
+        kw["enable_gqa"] = True
+    return kw, repeat
+
+
+def per_example_sdpa(q, k, v, cu_seqlens, scale):
+    """Exact fallback: causal SDPA on each example's slice. q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
+    bounds = cu_seqlens.tolist()  # a host copy: free on CPU, one sync on CUDA (the fallback is not the fast path)
+    gqa = q.shape[0] != k.shape[0]
+    out = torch.empty_like(q)  # (H, N, D)
+    for s, e in zip(bounds, bounds[1:]):
+        if e > s:
+            out[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], is_causal=True, scale=scale,
+                                                         enable_gqa=gqa)
+    return out
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (prm.data.pack's output)")
+    if not getattr(module, "is_causal", True) or dropout:
+        raise ValueError("packed attention supports causal attention without attention dropout only")
+    window = kwargs.get("sliding_window")
+    if window is not None and kwargs["max_length_q"] > window:
+        raise ValueError(f"an example of {kwargs['max_length_q']} tokens exceeds the sliding window ({window})")
+    dtype = kernel_dtype(query)
+    if dtype is None:
+        out = per_example_sdpa(query[0], key[0], value[0], cu, scaling)  # (H, N, D)
+        return out.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D)
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, H, D)
+    kw, repeat = kernel_options(varlen_attn, q.shape[1], k.shape[1])
+    if repeat:  # grouped-query heads on a kernel without enable_gqa: each K/V head serves H / Hkv query heads
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    n = kwargs["max_length_q"]
+    out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, **kw)  # (N, H, D)
+    return out.unsqueeze(0), None  # (1, N, H, D)
+
+
+AttentionInterface.register(NAME, packed_attention)
+
+
+def supports_packing(backbone) -> bool:
+    """True for decoders whose attention goes through transformers' AttentionInterface and is causal everywhere."""
+    causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
+    return bool(getattr(backbone, "_supports_attention_backend", False) and causal and all(causal))
+
+
+def is_packed(model) -> bool:
+    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows."""
+    return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+def use_packed_attention(backbone):
+    """Every attention layer of the backbone runs packed_attention from now on (calls must then be packed)."""
+    backbone.set_attn_implementation(NAME)

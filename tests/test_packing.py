@@ -1,0 +1,190 @@
+"""Padding-free packed batches (--packing, the default) against padded ones (--no-packing): same logits, losses,
+weights and evaluation; and the CUDA kernel's argument handling, checked on CPU with a reference kernel.
+
+2 ranks with packing equal 1 process with packing in test_distributed.py, and resume with packing is bit-exact in
+test_checkpoint.py: both run the default, packed (test_default_packs_the_tiny_preset pins that)."""
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, final_weights, max_weight_diff, read_metrics, run_train
+
+# mixed lengths: a 1-token step, a row that is only the prompt plus one step, hard and soft labels
+ROWS = {"prompt": ["Q: 2+2?", "x", "A long question about numbers and their sums?", "Why?"],
+        "completions": [["4", "so the answer is 4", "!"], ["y"], ["a", "bb", "ccc", "dddd", "e"], ["because"]],
+        "labels": [[1.0, 0.0, 1.0], [1.0], [0.9, 0.25, 0.0, 1.0, 0.5], [0.0]]}
+
+
+def tiny_model(tokenizer, packing: bool, lora: bool = False, checkpointing: bool = False):
+    from prm.build import model_for
+    from prm.config import Config
+    from prm.model import enable_activation_checkpointing
+    model = model_for(Config(lora_r=4 if lora else 0, lora_alpha=8.0, packing=packing), tokenizer)
+    if checkpointing:
+        enable_activation_checkpointing(model.backbone)
+    return model
+
+
+def rows(tokenizer):
+    from prm.data import tokenize_batch
+    batch = tokenize_batch(ROWS, tokenizer, "\n", max_length=None, max_completion_length=None,
+                           train_on_last_step_only=False, is_eval=False)
+    return [{"input_ids": i, "labels": y} for i, y in zip(batch["input_ids"], batch["labels"])]
+
+
+def test_pack_layout():
+    from prm.data import IGNORE, pack
+    rs = [{"input_ids": [5, 6, 7], "labels": [IGNORE, IGNORE, 1]}, {"input_ids": [8, 9], "labels": [IGNORE, 0.25]}]
+    p = pack(rs, pad_id=0)
+    assert p["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and p["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert p["labels"].tolist() == [[IGNORE, IGNORE, 1.0, IGNORE, 0.25]]
+    assert p["cu_seq_lens_q"].dtype == torch.int32 and p["cu_seq_lens_q"].tolist() == [0, 3, 5]
+    assert p["max_length_q"] == p["max_length_k"] == 3
+    b = pack(rs, pad_id=0, pack_to=4)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert b["labels"][0, 5:].eq(IGNORE).all() and b["cu_seq_lens_q"].tolist() == [0, 3, 5, 8]
+    assert b["max_length_q"] == 8
+    exact = pack(rs + [{"input_ids": [1, 2, 3], "labels": [IGNORE] * 3}], pad_id=0, pack_to=4)
+    assert exact["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 8]  # the tail slot stays, empty: same shapes every batch
+
+
+@pytest.mark.parametrize("pack_to", [0, 16])
+def test_packed_logits_equal_padded(char_tok, pack_to):
+    from prm.data import collate, pack
+    rs = rows(char_tok)
+    padded_model, packed_model = tiny_model(char_tok, False), tiny_model(char_tok, True)
+    padded_model.load_state_dict(packed_model.state_dict())
+    c = collate(rs, 0)
+    ref = padded_model(c["input_ids"], c["attention_mask"])  # (B, T, 2)
+    p = pack(rs, 0, pack_to)
+    out = packed_model(**{k: v for k, v in p.items() if k != "labels"})  # (1, N, 2)
+    cu = p["cu_seq_lens_q"].tolist()
+    for i, r in enumerate(rs):
+        n = len(r["input_ids"])
+        assert cu[i + 1] - cu[i] == n
+        assert (out[0, cu[i]:cu[i + 1]] - ref[i, :n]).abs().max().item() <= 1e-5
+    assert torch.equal(p["labels"][0, :cu[len(rs)]], torch.cat([c["labels"][i, :len(r["input_ids"])]
+                                                                 for i, r in enumerate(rs)]))
+
+
+@pytest.mark.parametrize("lora,checkpointing", [(False, False), (False, True), (True, False)])
+def test_packed_training_equals_padded(tmp_path, lora, checkpointing):
+    # mixed widths (padding to remove); lr 1e-4: AdamW moves a weight whose gradient is ~0 by up to lr whatever the
+    # gradient's last bits, so at 1e-3 summation-order noise alone shows up as 1e-5 in a few of 0.7M weights
+    extra = {"group_by_length": False, "lr": 1e-4, **({"lora_r": 4} if lora else {})}
+    padded = run_train(tmp_path / "padded", packing=False, max_steps=5, gradient_checkpointing=checkpointing, **extra)
+    packed = run_train(tmp_path / "packed", packing=True, max_steps=5, gradient_checkpointing=checkpointing, **extra)
+    a = [r["loss"] for r in read_metrics(tmp_path / "padded") if "loss" in r]
+    b = [r["loss"] for r in read_metrics(tmp_path / "packed") if "loss" in r]
+    assert len(a) == len(b) == 5 and max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-5
+    assert max_weight_diff(final_weights(tmp_path / "padded"), final_weights(tmp_path / "packed")) <= 1e-5
+    assert packed["padding_efficiency"] == 1.0 > padded["padding_efficiency"]
+
+
+def test_default_packs_the_tiny_preset(tmp_path):
+    from prm.config import Config
+    from prm.varlen import is_packed
+    assert Config().packing
+    run_train(tmp_path, max_steps=1)
+    assert json.loads((tmp_path / "config.train.json").read_text())["packing"] is True
+    assert "prm_packed" not in (tmp_path / "final" / "config.json").read_text()  # a stock, portable config
+    from prm.build import build_model, set_packing
+    from prm.synthetic import char_tokenizer
+    assert is_packed(set_packing(build_model("tiny", char_tokenizer(), 0), True))
+
+
+def test_encoders_are_not_packed(char_tok):
+    from transformers import AutoModel, BertConfig
+    from prm.varlen import supports_packing
+    bert = AutoModel.from_config(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=64))
+    assert not supports_packing(bert)  # bidirectional: packed attention is causal only
+    assert supports_packing(tiny_model(char_tok, False).backbone)
+
+
+def test_eval_packed_equals_padded(tmp_path, model_dir):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completions": c, "labels": [y >= 0.5 for y in ls]}) + "\n"
+                            for p, c, ls in zip(ROWS["prompt"], ROWS["completions"], ROWS["labels"])))
+    probs = {}
+    for flag in ("--packing", "--no-packing"):
+        out = tmp_path / f"{flag}.jsonl"
+        ev = subprocess.run([sys.executable, "eval.py", "--model", model_dir, "--dataset", str(data), flag,
+                             "--predictions", str(out), "--eval-batch-size", "3"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+        assert ev.returncode == 0, ev.stderr[-3000:]
+        probs[flag] = [p for line in out.read_text().splitlines() for p in json.loads(line)["step_probs"]]
+    assert len(probs["--packing"]) == 10
+    assert max(abs(a - b) for a, b in zip(probs["--packing"], probs["--no-packing"])) <= 1e-5
+
+
+def reference_kernel(signature: str, calls: list):
+    """A stand-in for torch.nn.attention.varlen.varlen_attn with the installed-version signature named: it checks
+    the arguments the CUDA branch passes and runs per-example causal SDPA."""
+
+    def check_and_run(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, gqa):
+        assert q.dim() == 3 and q.dtype == k.dtype == v.dtype and cu_q.dtype == torch.int32 and cu_q is cu_k
+        bounds = cu_q.tolist()
+        assert isinstance(max_q, int) and max_q == max_k >= max(e - s for s, e in zip(bounds, bounds[1:]))
+        assert causal and (gqa or k.shape[1] == q.shape[1])
+        calls.append({"dtype": q.dtype, "heads": (q.shape[1], k.shape[1]), "gqa": gqa})
+        out = torch.empty_like(q)  # (N, H, D)
+        for s, e in zip(bounds, bounds[1:]):
+            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
+                                                      v[s:e].transpose(0, 1), is_causal=True, scale=scale,
+                                                      enable_gqa=gqa).transpose(0, 1)
+        return out
+
+    if signature == "2.10":  # is_causal, no grouped-query support
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
+                   scale=None):
+            return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, is_causal, False)
+    else:  # 2.13: a (left, right) window, (-1, 0) is causal; enable_gqa
+        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                   window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+            return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
+                                 tuple(window_size) == (-1, 0), enable_gqa)
+    return kernel
+
+
+@pytest.mark.parametrize("signature", ["2.10", "2.13"])
+def test_kernel_branch_arguments(char_tok, monkeypatch, signature):
+    """The CUDA branch on CPU: causal flag for the signature, grouped-query heads (tiny preset: 4 query, 2 K/V),
+    int32 cumulative lengths, and the autocast dtype for the fp32 queries RoPE hands over under autocast."""
+    from prm import varlen
+    from prm.data import collate, pack
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", reference_kernel(signature, calls))
+    monkeypatch.setattr(varlen, "KERNEL_DEVICE", "cpu")
+    rs = rows(char_tok)
+    padded_model, packed_model = tiny_model(char_tok, False), tiny_model(char_tok, True)
+    padded_model.load_state_dict(packed_model.state_dict())
+    c, p = collate(rs, 0), pack(rs, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = padded_model(c["input_ids"], c["attention_mask"]).float()  # (B, T, 2)
+        out = packed_model(**{k: v for k, v in p.items() if k != "labels"}).float()  # (1, N, 2)
+    assert calls and all(x["dtype"] == torch.bfloat16 for x in calls)
+    assert all(x["heads"] == ((4, 4) if signature == "2.10" else (4, 2)) for x in calls)
+    cu = p["cu_seq_lens_q"].tolist()
+    worst = max((out[0, cu[i]:cu[i + 1]] - ref[i, :cu[i + 1] - cu[i]]).abs().max().item() for i in range(len(rs)))
+    assert worst <= 0.05  # bf16 both ways; fp32 exactness is test_packed_logits_equal_padded's
+    kw, repeat = varlen.kernel_options(reference_kernel(signature, []), 4, 2)
+    assert (kw, repeat) == (({"is_causal": True}, True) if signature == "2.10"
+                            else ({"window_size": (-1, 0), "enable_gqa": True}, False))
+
+
+def test_installed_kernel_signature_is_understood():
+    from prm import varlen
+    if varlen.varlen_attn is None:
+        pytest.skip("torch < 2.10 has no varlen_attn")
+    params = inspect.signature(varlen.varlen_attn).parameters
+    kw, _ = varlen.kernel_options(varlen.varlen_attn, 4, 2)
+    assert set(kw) <= set(params)
