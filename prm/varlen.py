@@ -89,8 +89,9 @@ def supports_packing(backbone) -> bool:
 
 
 def is_packed(model) -> bool:
-    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows."""
-    return getattr(model.config, "_attn_implementation", None) == NAME
+    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows; any
+    other module (no transformers config) is called padded."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 
 def use_packed_attention(backbone):
