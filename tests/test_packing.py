@@ -53,6 +53,10 @@ def test_pack_layout():
     assert b["max_length_q"] == 8
     exact = pack(rs + [{"input_ids": [1, 2, 3], "labels": [IGNORE] * 3}], pad_id=0, pack_to=4)
     assert exact["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 8]  # the tail slot stays, empty: same shapes every batch
+    other = pack([{"input_ids": [1], "labels": [1]}, {"input_ids": [2, 3, 4, 5], "labels": [IGNORE] * 4}], 0, 64)
+    again = pack([{"input_ids": [6] * 30, "labels": [0] * 30}, {"input_ids": [7] * 9, "labels": [1] * 9}], 0, 64)
+    for k, v in other.items():  # what --compile specializes on: tensor shapes and the int max_length
+        assert (v.shape == again[k].shape) if torch.is_tensor(v) else (v == again[k] == 64), k
 
 
 @pytest.mark.parametrize("pack_to", [0, 16])
