@@ -61,7 +61,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if cu is None or query.shape[0] != 1:
         raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (prm.data.pack's output)")
     if not getattr(module, "is_causal", True) or dropout:
-        raise ValueError("packed attention supports causal attention without attention dropout only")
+        raise ValueError("packed attention supports causal attention without attention dropout only: --no-packing")
     window = kwargs.get("sliding_window")
     if window is not None and kwargs["max_length_q"] > window:
         raise ValueError(f"an example of {kwargs['max_length_q']} tokens exceeds the sliding window ({window})")
@@ -83,9 +83,12 @@ AttentionInterface.register(NAME, packed_attention)
 
 
 def supports_packing(backbone) -> bool:
-    """True for decoders whose attention goes through transformers' AttentionInterface and is causal everywhere."""
+    """True for decoders whose attention goes through transformers' AttentionInterface, is causal everywhere and has
+    no attention dropout (GPT-2's default attn_pdrop is 0.1: such models keep padding)."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
-    return bool(getattr(backbone, "_supports_attention_backend", False) and causal and all(causal))
+    dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
+    return bool(getattr(backbone, "_supports_attention_backend", False) and causal and all(causal)
+                and not any(dropout))
 
 
 def is_packed(model) -> bool:

@@ -104,12 +104,16 @@ def test_default_packs_the_tiny_preset(tmp_path):
     assert is_packed(set_packing(build_model("tiny", char_tokenizer(), 0), True))
 
 
-def test_encoders_are_not_packed(char_tok):
-    from transformers import AutoModel, BertConfig
+def test_encoders_and_attention_dropout_are_not_packed(char_tok):
+    from transformers import AutoModel, BertConfig, GPT2Config
     from prm.varlen import supports_packing
     bert = AutoModel.from_config(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                             intermediate_size=64))
     assert not supports_packing(bert)  # bidirectional: packed attention is causal only
+    gpt2 = AutoModel.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
+    assert not supports_packing(gpt2)  # attention dropout 0.1 by default
+    gpt2.config.attn_pdrop = 0.0
+    assert supports_packing(gpt2)
     assert supports_packing(tiny_model(char_tok, False).backbone)
 
 
