@@ -126,10 +126,9 @@ def _device_peak(device, override: float) -> float:
     return 0.0
 
 
-def attention_kernel(cfg: Config, model_cfg, device) -> str:
-    """Which attention the run's forward takes: decided by prm.varlen's own test on a query like the model's."""
-    with torch.device("meta"):
-        backbone = AutoModel.from_config(model_cfg)
+def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
+    """Which attention the run's forward takes: decided by prm.varlen's own test on a query like the model's.
+    backbone: the architecture built on the meta device."""
     if not (cfg.packing and supports_packing(backbone)):
         return "sdpa (padded, with a mask)"
     text = model_cfg.get_text_config()
@@ -217,7 +216,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "model_state_mb": round((16 * seen["params"] + 4 * (n_total - seen["params"])) / 2**20, 1),
         "optimizer_state_mb": round(seen["optimizer_bytes"] / 2**20, 1),
         "mfu": None,
-        "attention": attention_kernel(cfg, model_cfg, device),
+        "attention": attention_kernel(cfg, model_cfg, backbone, device),
         # between the first and the last optimizer step (no log step in between: --log-every is huge here)
         "host_syncs_per_step": round((seen["syncs"][-1] - seen["syncs"][0]) / (len(seen["syncs"]) - 1), 2)
         if device.type == "cuda" and len(seen["syncs"]) > 1 else None,

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 KERNEL_DEVICE = "cuda"  # where varlen_attn runs (the tests point it at the CPU, with a reference kernel)
-NAME = "prm_packed"  # the attention implementation's name; not a mask interface name, so transformers builds no mask
+NAME = "prm_packed"
+_OPTIONS = {}  # (kernel, heads, K/V heads) -> kernel_options(...)  # the attention implementation's name; not a mask interface name, so transformers builds no mask
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
@@ -70,7 +71,10 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = per_example_sdpa(query[0], key[0], value[0], cu, scaling)  # (H, N, D)
         return out.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D)
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, H, D)
-    kw, repeat = kernel_options(varlen_attn, q.shape[1], k.shape[1])
+    key = (varlen_attn, q.shape[1], k.shape[1])
+    if key not in _OPTIONS:  # inspect once, not in every layer of every forward
+        _OPTIONS[key] = kernel_options(*key)
+    kw, repeat = _OPTIONS[key]
     if repeat:  # grouped-query heads on a kernel without enable_gqa: each K/V head serves H / Hkv query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     cu = cu.to(device=q.device, dtype=torch.int32)
