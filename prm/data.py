@@ -216,7 +216,8 @@ def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> in
     ordered = sorted(lengths[i] for i in batch)
     per = len(batch) // n_chunks
     if pack_to is not None:
-        return sum(-(-sum(ordered[c * per:(c + 1) * per]) // (pack_to or 1)) * (pack_to or 1) for c in range(n_chunks))
+        unit = pack_to or 1  # a packed row is rounded up to a multiple of this
+        return sum(-(-sum(ordered[c * per:(c + 1) * per]) // unit) * unit for c in range(n_chunks))
     return sum(per * ordered[(c + 1) * per - 1] for c in range(n_chunks))
 
 
