@@ -60,6 +60,8 @@ class Config:
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last token "
                                "carries the step's label", type=unescape)
     train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label")
+    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step (label false "
+                                       "or 0.0): what follows an error is not judged, as in ProcessBench")
     # optimization
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes")
     epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1")

@@ -8,6 +8,7 @@ import sys
 
 from datasets import Dataset, Features, List, Value, load_dataset
 
+from prm.data import IGNORE
 from prm.formats import FORMATS, detect_format, format_help, to_stepwise
 from prm.synthetic import train_eval_rows
 
@@ -173,6 +174,16 @@ def to_dataset(rows: list) -> Dataset:
     return Dataset.from_generator(generate, features=Features(features), fingerprint=digest.hexdigest()[:32])
 
 
+def cut_after_first_error(row: dict) -> dict:
+    """The row up to and including its first wrong label (False, 0 or 0.0); a row without one is returned as is.
+    Stepwise rows lose the steps after it, pre-tokenized rows the tokens after it (labels align with both)."""
+    wrong = [i for i, y in enumerate(row["labels"]) if y is not None and y != IGNORE and float(y) == 0.0]
+    if not wrong:
+        return row
+    key = "completions" if "completions" in row else "input_ids"
+    return {**row, key: row[key][:wrong[0] + 1], "labels": row["labels"][:wrong[0] + 1]}
+
+
 def split_by_prompt(rows: list, fraction: float, seed: int):
     """Seeded held-out share, split by prompt so one problem never sits on both sides.
 
@@ -192,7 +203,8 @@ def load_splits(cfg):
     (PRMBench)."""
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
-        return Dataset.from_list(train), Dataset.from_list(held)
+        cut = cut_after_first_error if cfg.cut_after_first_error else lambda r: r
+        return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held)
     train = read_rows(cfg.dataset, cfg.train_split, cfg)
     held = None
     if cfg.eval_dataset:
@@ -206,6 +218,8 @@ def load_splits(cfg):
         train, held = split_by_prompt(train, cfg.eval_fraction, cfg.seed)
         _say(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt (--eval-fraction "
              f"{cfg.eval_fraction}, --seed {cfg.seed})")
+    if cfg.cut_after_first_error:  # training rows only: the held-out set is judged on whole solutions
+        train = [cut_after_first_error(r) for r in train]
     return to_dataset(train), to_dataset(held)
 
 

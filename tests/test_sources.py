@@ -13,7 +13,7 @@ from prm.convert import main as convert_main
 from prm.data import IGNORE, collate, normalize_label
 from prm.ingest import tokenize_dataset
 from prm.model import step_loss
-from prm.sources import DataError, load_eval, load_splits, read_rows
+from prm.sources import DataError, cut_after_first_error, load_eval, load_splits, read_rows
 from prm.synthetic import char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,6 +257,30 @@ def test_processbench_steps_after_the_first_error_are_unlabeled():
     assert report["labeled_steps"] == 1 + 5 + 5 + 2 + 4  # first errors at 0, 4, -1, 1, -1 of 4, 7, 5, 4, 4 steps
     labeled = [[y for y in row if y != IGNORE] for row in tok["labels"]]
     assert labeled[0] == [0.0] and labeled[1] == [1.0] * 4 + [0.0]
+
+
+def test_cut_after_first_error_ends_each_solution_at_its_first_wrong_label():
+    row = {"prompt": "p", "completions": ["a", "b", "c", "d"], "labels": [True, None, False, False], "id": "x"}
+    assert cut_after_first_error(row) == {**row, "completions": ["a", "b", "c"], "labels": [True, None, False]}
+    soft = {"prompt": "p", "completions": ["a", "b", "c"], "labels": [0.4, 0.0, 1.0]}  # 0.4 is not known wrong
+    assert cut_after_first_error(soft)["completions"] == ["a", "b"]
+    clean = {"prompt": "p", "completions": ["a", "b"], "labels": [True, 0.5]}
+    assert cut_after_first_error(clean) is clean
+    tokens = {"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE, 1, IGNORE, 0, IGNORE]}
+    assert cut_after_first_error(tokens) == {"input_ids": [5, 6, 7, 8], "labels": [IGNORE, 1, IGNORE, 0]}
+
+
+def test_cut_after_first_error_cuts_training_rows_only():
+    path = os.path.join(FIX, "prmbench.jsonl")
+    whole, _ = load_splits(cfg_for(path, eval_dataset=path, skip_invalid=True))
+    train, held = load_splits(cfg_for(path, eval_dataset=path, skip_invalid=True, cut_after_first_error=True))
+    assert held["completions"] == whole["completions"]  # judged on whole solutions
+    cut = 0
+    for full, row in zip(whole, train):
+        k = full["labels"].index(False) + 1 if False in full["labels"] else len(full["labels"])
+        assert row["completions"] == full["completions"][:k] and row["labels"] == full["labels"][:k]
+        cut += k < len(full["labels"])
+    assert cut > 0
 
 
 def short_records():
