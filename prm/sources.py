@@ -177,11 +177,11 @@ def to_dataset(rows: list) -> Dataset:
 def cut_after_first_error(row: dict) -> dict:
     """The row up to and including its first wrong label (False, 0 or 0.0); a row without one is returned as is.
     Stepwise rows lose the steps after it, pre-tokenized rows the tokens after it (labels align with both)."""
-    wrong = [i for i, y in enumerate(row["labels"]) if y is not None and y != IGNORE and float(y) == 0.0]
-    if not wrong:
+    end = next((i + 1 for i, y in enumerate(row["labels"]) if y is not None and y != IGNORE and float(y) == 0.0), None)
+    if end is None:
         return row
     key = "completions" if "completions" in row else "input_ids"
-    return {**row, key: row[key][:wrong[0] + 1], "labels": row["labels"][:wrong[0] + 1]}
+    return {**row, key: row[key][:end], "labels": row["labels"][:end]}
 
 
 def split_by_prompt(rows: list, fraction: float, seed: int):
