@@ -189,11 +189,9 @@ def test_bad_input_in_a_subprocess_has_no_traceback():
     assert "label_string.jsonl line 2: field 'labels'" in r.stderr and r.stdout == ""
 
 
-@pytest.mark.skipif("exit_on_data_error" not in open(os.path.join(ROOT, "train.py")).read(),
-                    reason="train.py does not wrap train() in prm.sources.exit_on_data_error yet")
-def test_train_py_exits_2_on_bad_data():
-    r = subprocess.run([sys.executable, "train.py", "--dataset", os.path.join(BAD, "length_mismatch.jsonl")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_train_py_exits_2_on_bad_data(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--dataset", os.path.join(BAD, "length_mismatch.jsonl"),
+                        "--output-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "length_mismatch.jsonl line 2" in r.stderr
 
 
