@@ -201,9 +201,10 @@ def load_splits(cfg):
     """(train, held-out) datasets with columns prompt, completions, labels and, when the data has them, id,
     first_error and final_answer_correct (ProcessBench), group and response_answer (best-of-N), category
     (PRMBench)."""
+    # training rows only: the held-out set is judged on whole solutions
+    cut = cut_after_first_error if cfg.cut_after_first_error else lambda r: r
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
-        cut = cut_after_first_error if cfg.cut_after_first_error else lambda r: r
         return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held)
     train = read_rows(cfg.dataset, cfg.train_split, cfg)
     held = None
@@ -218,9 +219,7 @@ def load_splits(cfg):
         train, held = split_by_prompt(train, cfg.eval_fraction, cfg.seed)
         _say(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt (--eval-fraction "
              f"{cfg.eval_fraction}, --seed {cfg.seed})")
-    if cfg.cut_after_first_error:  # training rows only: the held-out set is judged on whole solutions
-        train = [cut_after_first_error(r) for r in train]
-    return to_dataset(train), to_dataset(held)
+    return to_dataset([cut(r) for r in train]), to_dataset(held)
 
 
 def load_eval(cfg, whole: str = ""):

@@ -281,6 +281,14 @@ def test_cut_after_first_error_cuts_training_rows_only():
     assert cut > 0
 
 
+def test_cut_after_first_error_cuts_synthetic_training_rows_only():
+    whole_train, whole_held = load_splits(cfg_for("synthetic", synthetic_size=200))
+    train, held = load_splits(cfg_for("synthetic", synthetic_size=200, cut_after_first_error=True))
+    assert held["completions"] == whole_held["completions"]
+    n_wrong = lambda ds: [sum(not y for y in labels) for labels in ds["labels"]]
+    assert n_wrong(train) == [min(1, n) for n in n_wrong(whole_train)]  # each solution ends at its slip
+    assert sum(map(len, train["labels"])) < sum(map(len, whole_train["labels"]))  # the slips' later steps are gone
+
 def short_records():
     """One short file per format, so a training run over all of them stays fast."""
     return {
