@@ -289,6 +289,7 @@ def test_cut_after_first_error_cuts_synthetic_training_rows_only():
     assert n_wrong(train) == [min(1, n) for n in n_wrong(whole_train)]  # each solution ends at its slip
     assert sum(map(len, train["labels"])) < sum(map(len, whole_train["labels"]))  # the slips' later steps are gone
 
+
 def short_records():
     """One short file per format, so a training run over all of them stays fast."""
     return {
