@@ -21,19 +21,20 @@ def run_files(output_dir: str) -> list:
 def prepare_output_dir(cfg, is_main: bool):
     """Called once at start-up, before any data loads. A directory holding a run is refused (exit status 2, every
     file untouched) unless --resume continues a checkpoint of that same run or --overwrite replaces it; with
-    --overwrite, rank 0 deletes what a run writes there, and only that (the directory may hold other files)."""
+    --overwrite, rank 0 deletes what a run writes there, and only that (the directory may hold other files).
+    Returns the checkpoint to resume (None: a fresh start), checksummed here once."""
     out, found = cfg.output_dir, run_files(cfg.output_dir)
     fail = lambda message: exit_on_problems([message])
     if cfg.overwrite and cfg.resume:
         fail("--overwrite and --resume exclude each other: replace the run, or continue it")
+    ckpt = resolve_resume(cfg.resume, out) if cfg.resume else None
     if not found:
-        return
+        return ckpt
     shown = [n + "/" if os.path.isdir(os.path.join(out, n)) else n for n in found]
     listing = f"{out} already holds a run ({', '.join(shown)})"
     if cfg.resume:
-        ckpt = resolve_resume(cfg.resume, out)
         if ckpt and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(out):
-            return  # continuing this very run: its records go on where the checkpoint left them
+            return ckpt  # continuing this very run: its records go on where the checkpoint left them
         fail(f"{listing}, and --resume {cfg.resume} " + ("finds no complete checkpoint in it to continue from"
                     if cfg.resume == "auto" else "is a checkpoint of another directory") +
                     "; pass --overwrite (without --resume) to replace it, or choose another --output-dir")

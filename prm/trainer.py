@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from prm.build import model_for, tokenizer_for
 from prm.card import config_command, model_card
-from prm.checkpoint import (checkpoint_dir, load_checkpoint, resolve_resume, run_lock, save_checkpoint, save_final,
+from prm.checkpoint import (checkpoint_dir, load_checkpoint, run_lock, save_checkpoint, save_final,
                             saved_world_size, write_card)
 from prm.config import Config, exit_on_problems
 from prm.data import collate, global_batches, micro_batches, pack, pad_token_id, padded_tokens
@@ -100,7 +100,7 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
-        prepare_output_dir(cfg, rt.is_main)  # first: a refused directory costs no data loading, and is left as it was
+        self.resume_from = prepare_output_dir(cfg, rt.is_main)  # first: a refused directory costs no data loading
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
         self._setup_optimizer()
@@ -149,11 +149,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.warmup_steps, self.total))
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
         self.step = 0
-        resume = resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
-        if resume:  # before compile and DDP: they wrap the weights loaded here
-            self.check_resume(resume)
-            self.step = load_checkpoint(resume, self.model, self.optimizer, self.scheduler, self.scaler)
-            self.say(f"resumed from {resume} at step {self.step}")
+        if self.resume_from:  # before compile and DDP: they wrap the weights loaded here
+            self.check_resume(self.resume_from)
+            self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.scaler)
+            self.say(f"resumed from {self.resume_from} at step {self.step}")
         self.train_model = self.model  # what the forward runs; self.model stays the plain PRM
         if cfg.compile:  # varying widths: one symbolic-shape graph at once, not a static one and then a recompile;
             # packed rows padded to --pack-to repeat their shapes, so a static graph compiles once and stays

@@ -106,7 +106,9 @@ def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
     assert "skipping damaged checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="model.safetensors"):
         resolve_resume(str(tmp_path / "checkpoint-4"), str(tmp_path))
+    capsys.readouterr()
     run_train(tmp_path, max_steps=4, resume="auto")
+    assert capsys.readouterr().err.count("skipping damaged checkpoint") == 1  # checksummed once per run
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 
