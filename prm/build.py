@@ -1,6 +1,6 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
 benchmark all come here. Depends on: torch, transformers, prm.model, prm.lora, prm.data, prm.checkpoint,
-prm.synthetic, prm.varlen."""
+prm.sharding, prm.synthetic, prm.varlen."""
 import json
 import os
 
@@ -10,8 +10,9 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokeniz
 from prm.checkpoint import TRAINABLE, load_trainable
 from prm.config import exit_on_problems
 from prm.data import pad_token_id
-from prm.lora import apply_lora
+from prm.lora import apply_lora, has_lora
 from prm.model import PRM, SETTINGS, new_head
+from prm.sharding import SHARDS, load_whole
 from prm.synthetic import char_tokenizer
 from prm.varlen import supports_packing, use_packed_attention
 
@@ -104,15 +105,19 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 
 def load_trained(cfg, tokenizer_given: bool):
-    """(tokenizer, model) of a trained PRM for evaluation: a LoRA checkpoint (its frozen base rebuilt from the run's
-    own config, then adapters and head) or any 2-label token classifier. The tokenizer saved beside the model wins
+    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from the
+    run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier. The tokenizer saved beside the model wins
     unless --tokenizer is given; a checkpoint whose label 0 means 'correct' gets its head flipped."""
-    if os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
+    sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
+    if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
         run.trust_remote_code = cfg.trust_remote_code  # the user's choice, never the file's
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
         model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() sets eval mode
-        load_trainable(model, os.path.join(cfg.model, TRAINABLE))
+        if sharded:
+            load_whole(cfg.model, model, trainable_only=has_lora(model))
+        else:
+            load_trainable(model, os.path.join(cfg.model, TRAINABLE))
         return tokenizer, model
     hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained, trust_remote_code=cfg.trust_remote_code)
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):

@@ -4,12 +4,13 @@ load them sharded with torch.distributed.checkpoint. Depends on: torch.
 DDP keeps a full copy of weights, gradients and AdamW state on every rank (16 bytes per trained parameter);
 fully_shard keeps 1/world_size of each and all-gathers one decoder layer at a time for its forward and backward."""
 import os
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -59,6 +60,15 @@ def load_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
     dcp.load(state, checkpoint_id=os.path.join(path, SHARDS))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_options(trainable_only, strict=not trainable_only))
+
+
+def load_whole(path: str, model: nn.Module, trainable_only: bool):
+    """A sharded checkpoint's weights into a model that is not sharded (eval.py), by each process on its own."""
+    weights = get_model_state_dict(model, options=_options(trainable_only))
+    with warnings.catch_warnings():  # dcp warns that it reads in one process even when no_dist asks for exactly that
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"model": weights}, checkpoint_id=os.path.join(path, SHARDS), no_dist=True)  # weights only
+    set_model_state_dict(model, weights, options=_options(trainable_only, strict=not trainable_only))
 
 
 def full_state(model: nn.Module) -> dict:

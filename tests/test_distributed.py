@@ -63,10 +63,12 @@ def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
     assert one["n_examples"] == two["n_examples"] == 7  # 7 rows, batch 4: the ranks run 1 and 2 batches, in lockstep
 
 
-def test_fsdp_sharded_checkpoint_resumes_exactly_and_final_loads_in_transformers(tmp_path):
+def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_transformers(tmp_path):
     import torch
     from transformers import AutoModelForTokenClassification
+    from prm.build import load_trained
     from prm.checkpoint import SHARDS, resolve_resume
+    from prm.config import Config
     from prm.model import PRM
     fsdp = ["--batch-size", "3", "--fsdp"]
     launch(tmp_path / "full", 2, *fsdp, "--save-every", "3", "--keep-last", "0")
@@ -79,6 +81,9 @@ def test_fsdp_sharded_checkpoint_resumes_exactly_and_final_loads_in_transformers
     losses = lambda recs: {r["step"]: r["loss"] for r in recs if "loss" in r}
     assert sorted(losses(resumed)) == [4, 5] and all(losses(full)[s] == losses(resumed)[s] for s in (4, 5))
     assert max_weight_diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")) == 0.0
+    launch(tmp_path / "one", 1, "--batch-size", "6", "--save-every", "3")  # the same run without FSDP
+    sharded, whole = (load_trained(Config(model=str(tmp_path / d / "checkpoint-3")), False)[1] for d in ("full", "one"))
+    assert max_weight_diff(sharded.state_dict(), whole.state_dict()) <= 1e-5  # eval.py reads the sharded one
     final = str(tmp_path / "full" / "final")
     ids = torch.randint(4, 80, (2, 11))
     with torch.no_grad():
