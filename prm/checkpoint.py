@@ -187,7 +187,9 @@ def saved_world_size(path: str) -> int:
 @contextlib.contextmanager
 def run_lock(output_dir: str):
     """Holds <output_dir>/.lock for the life of a run, so a second trainer on the same directory stops at once
-    (exit status 2). A lock left by a dead process of this host is taken over, with a warning."""
+    (exit status 2). A lock left by a dead process of this host is taken over, with a warning. A directory made
+    here and left empty (the run failed before writing anything, e.g. on bad data) is removed again."""
+    made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     path, me = os.path.join(output_dir, LOCK), f"{os.getpid()}@{socket.gethostname()}"
     while True:
@@ -207,6 +209,8 @@ def run_lock(output_dir: str):
         yield
     finally:
         os.remove(path)
+        if made and not os.listdir(output_dir):
+            os.rmdir(output_dir)
 
 
 def _alive(owner: str) -> bool:

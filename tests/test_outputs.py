@@ -8,6 +8,7 @@ import pytest
 import prm.tracking
 import prm.trainer
 from conftest import read_metrics, run_train, small_config
+from prm.sources import DataError
 from prm.tracking import Tracker
 
 
@@ -39,6 +40,17 @@ def test_second_run_into_a_finished_dir_is_refused_and_touches_nothing(tmp_path,
         run_train(tmp_path / "a", max_steps=3, resume=str(tmp_path / "b" / "checkpoint-2"))
     assert e.value.code == 2 and "is a checkpoint of another directory" in capsys.readouterr().err
     assert snapshot(tmp_path) == before
+
+
+def test_a_run_stopped_by_bad_data_leaves_no_empty_output_dir(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "p", "completions": ["a step"], "labels": ["yes"]}\n')
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "mine", True)):
+        if existed:
+            out.mkdir()
+        with pytest.raises(DataError):
+            run_train(out, dataset=str(bad))
+        assert out.is_dir() == existed and (not existed or not os.listdir(out))  # a directory of the user's stays
 
 
 def test_overwrite_replaces_the_run_and_keeps_other_files(tmp_path):
