@@ -106,8 +106,9 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 def load_trained(cfg, tokenizer_given: bool):
     """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from the
-    run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier. The tokenizer saved beside the model wins
-    unless --tokenizer is given; a checkpoint whose label 0 means 'correct' gets its head flipped."""
+    run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier. The
+    tokenizer saved beside the model wins unless --tokenizer is given; a checkpoint whose label 0 means 'correct'
+    gets its head flipped."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)

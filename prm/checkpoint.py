@@ -210,7 +210,8 @@ def run_lock(output_dir: str):
     finally:
         os.remove(path)
         if made and not os.listdir(output_dir):
-            os.rmdir(output_dir)
+            with contextlib.suppress(OSError):  # filled meanwhile by another process: then it stays
+                os.rmdir(output_dir)
 
 
 def _alive(owner: str) -> bool:
