@@ -209,8 +209,8 @@ def run_lock(output_dir: str):
         yield
     finally:
         os.remove(path)
-        if made and not os.listdir(output_dir):
-            with contextlib.suppress(OSError):  # filled meanwhile by another process: then it stays
+        if made:
+            with contextlib.suppress(OSError):  # rmdir removes an empty directory only: one with files stays
                 os.rmdir(output_dir)
 
 
