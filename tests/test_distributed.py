@@ -56,11 +56,17 @@ def test_uneven_dataset_does_not_hang(tmp_path):
 
 @pytest.mark.parametrize("accum,lora", [(1, False), (2, False), (2, True)])
 def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
-    extra = ["--lora-r", "4"] if lora else []
+    extra = ["--lora-r", "4", "--save-every", "5"] if lora else []
     one = launch(tmp_path / "one", 1, "--batch-size", str(6 * accum), *extra)
     two = launch(tmp_path / "two", 2, "--batch-size", "3", "--grad-accum", str(accum), "--fsdp", *extra)
     assert_same_run(tmp_path / "one", tmp_path / "two")
     assert one["n_examples"] == two["n_examples"] == 7  # 7 rows, batch 4: the ranks run 1 and 2 batches, in lockstep
+    if lora:  # eval.py reads the sharded LoRA checkpoint as it reads the 1-process run's adapters and head
+        from prm.build import load_trained
+        from prm.config import Config
+        sharded, whole = (load_trained(Config(model=str(tmp_path / run / "checkpoint-5")), False)[1]
+                          for run in ("two", "one"))
+        assert max_weight_diff(sharded.state_dict(), whole.state_dict()) <= 1e-5
 
 
 def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_transformers(tmp_path):
