@@ -146,4 +146,5 @@ def model_card(cfg, metrics: dict, command: str) -> str:
         f"- Base model license: {license_text}.",
         f"- Trained with {versions()}.",
         "", "## Command", "", "```bash", command, "```", "",
-        "## Citations", "", "Process supervision was introduced and studied in:", "", "```bibtex", CITATIONS, "```", ""])
+        "## Citations", "", "Process supervision was introduced and studied in:", "",
+        "```bibtex", CITATIONS, "```", ""])

@@ -44,8 +44,8 @@ class Config:
     format: str = _opt("auto", "input format; 'auto' detects it from the columns",
                        choices=["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench",
                                 "candidates", "prmbench"])
-    neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop (step kept as context, unlabeled)",
-                              choices=["positive", "negative", "drop"])
+    neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
+                              "(step kept as context, unlabeled)", choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")
     num_proc: int = _opt(1, "processes for dataset tokenization")
     synthetic_size: int = _opt(32000, "rows generated for the synthetic default (10%% of them held out)")

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 KERNEL_DEVICE = "cuda"  # where varlen_attn runs (the tests point it at the CPU, with a reference kernel)
-NAME = "prm_packed"
-_OPTIONS = {}  # (kernel, heads, K/V heads) -> kernel_options(...)  # the attention implementation's name; not a mask interface name, so transformers builds no mask
+NAME = "prm_packed"  # the attention implementation's name; not a mask interface name, so transformers builds no mask
+_OPTIONS = {}  # (kernel, heads, K/V heads) -> kernel_options(...)
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:

@@ -15,7 +15,8 @@ def test_layout_with_bos_and_multi_token_separator(char_tok):
     out = tokenize_example(row, char_tok, step_separator="\n\n")
     sep = ids(char_tok, "\n\n")
     assert len(sep) == 2
-    expected = [char_tok.bos_token_id] + ids(char_tok, "q?") + ids(char_tok, "1+1=2") + sep + ids(char_tok, "2+1=4") + sep
+    expected = [char_tok.bos_token_id] + ids(char_tok, "q?") + ids(char_tok, "1+1=2") + sep + ids(char_tok, "2+1=4")
+    expected += sep
     assert out["input_ids"] == expected
     labeled = [i for i, y in enumerate(out["labels"]) if y != IGNORE]
     assert labeled == [1 + 2 + 5 + 1, 1 + 2 + 5 + 2 + 5 + 1]  # the LAST separator token of each step

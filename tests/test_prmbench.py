@@ -41,7 +41,8 @@ def test_real_rows_convert_with_1_based_error_steps():
     assert rows[0]["category"] == "redundency" and rows[0]["first_error"] == 2
     assert rows[0]["id"] == "redundency_prm_test_p1_49" and rows[0]["prompt"] == redundancy["modified_question"]
     assert rows[1]["completions"] == redundancy["original_process"] and rows[1]["labels"] == [True] * 5
-    assert rows[1]["category"] == "correct" and rows[1]["first_error"] == -1 and rows[1]["id"] == "correct_prm_test_p1_49"
+    assert rows[1]["category"] == "correct" and rows[1]["first_error"] == -1
+    assert rows[1]["id"] == "correct_prm_test_p1_49"
     rows, problems = to_stepwise(circular, "prmbench")  # other categories give their modified solution only
     assert problems == [] and [r["labels"] for r in rows] == [[True, False, False, False, True]]
 
@@ -75,8 +76,8 @@ def test_prmscore_by_hand_from_a_fixed_fake_model():
     tok = char_tokenizer()
     rows = tokenize_dataset(to_dataset(read_rows(FIXTURE, "test", Config())), tok, Config(), is_eval=True,
                             drop_unlabeled=False)[0].to_list()
-    probs = predict(ParityPRM(tok("\n", add_special_tokens=False)["input_ids"][-1]), rows, batch_size=2, pad_id=pad_token_id(tok),
-                    progress=False)
+    newline = tok("\n", add_special_tokens=False)["input_ids"][-1]
+    probs = predict(ParityPRM(newline), rows, batch_size=2, pad_id=pad_token_id(tok), progress=False)
     assert [r["category"] for r in rows] == ["redundency", "correct", "circular"]
     assert [[round(p, 6) for p in ps] for ps in probs] == [[0.9, 0.2, 0.9, 0.2, 0.9, 0.2], [0.9, 0.2, 0.9, 0.2, 0.9],
                                                            [0.9, 0.2, 0.9, 0.2, 0.9]]

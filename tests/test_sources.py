@@ -302,7 +302,8 @@ def short_records():
         "d_prm800k.jsonl": [{"question": {"problem": f"What is {i}-1?"}, "label": {"finish_reason": "solution",
                              "steps": [{"completions": [{"text": f"{i}-1={i - 1}", "rating": 1},
                                                         {"text": f"{i}-1={i}", "rating": -1}], "chosen_completion": 0},
-                                       {"completions": [{"text": f"so {i - 1}", "rating": 0}], "chosen_completion": 0}]}}
+                                       {"completions": [{"text": f"so {i - 1}", "rating": 0}],
+                                        "chosen_completion": 0}]}}
                             for i in range(4)],
         **({"e_processbench.json": [{"id": f"pb-{i}", "problem": f"What is {i}*3?", "steps": [f"{i}*3={3 * i + 1}",
             "so it is"], "label": 0, "final_answer_correct": False} for i in range(4)]}
