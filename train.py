@@ -1,4 +1,5 @@
-"""Train a process reward model: `python train.py` (offline default) or `torchrun ... train.py --model ...`. Depends on: prm."""
+"""Train a process reward model: `python train.py` (offline default) or `torchrun ... train.py --model ...`.
+Depends on: prm."""
 import json
 
 from prm.card import launch_command

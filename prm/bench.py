@@ -1,4 +1,5 @@
-"""Benchmark the real training loop for a fixed number of steps and print one JSON line. Depends on: torch, datasets, transformers, prm.*.
+"""Benchmark the real training loop for a fixed number of steps and print one JSON line.
+Depends on: torch, datasets, transformers, prm.*.
 
     python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512 --dtype fp32
 

@@ -1,4 +1,5 @@
-"""Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels), or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.data (the label rules)."""
+"""Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels), or pre-tokenized
+ones (input_ids, labels), and check them. Depends on: prm.data (the label rules)."""
 import difflib
 
 from prm.data import IGNORE, label_problem

@@ -1,4 +1,5 @@
-"""LoRA in plain PyTorch: low-rank adapters on chosen nn.Linear layers, and merging them back for export. Depends on: torch."""
+"""LoRA in plain PyTorch: low-rank adapters on chosen nn.Linear layers, and merging them back for export.
+Depends on: torch."""
 import fnmatch
 import math
 

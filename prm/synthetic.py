@@ -1,4 +1,5 @@
-"""The offline default: a character tokenizer built in code and a step-labelled counting task. Depends on: tokenizers, transformers."""
+"""The offline default: a character tokenizer built in code and a step-labelled counting task.
+Depends on: tokenizers, transformers."""
 import random
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -1,4 +1,5 @@
-"""eval.py end to end on a tiny saved model: every number recomputable from --predictions, subsets, tuning, DDP. Depends on: pytest, torch, prm, eval.py."""
+"""eval.py end to end on a tiny saved model: every number recomputable from --predictions, subsets, tuning, DDP.
+Depends on: pytest, torch, prm, eval.py."""
 import json
 import os
 import subprocess

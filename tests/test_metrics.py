@@ -1,4 +1,5 @@
-"""Metrics against hand-computed values, brute-force counts and a direct ProcessBench implementation. Depends on: pytest, prm.metrics."""
+"""Metrics against hand-computed values, brute-force counts and a direct ProcessBench implementation.
+Depends on: pytest, prm.metrics."""
 import random
 
 import pytest

@@ -1,4 +1,4 @@
-"""Loading local files and directories, the bad-input matrix (exit status 2, row named), soft and chat data, training."""
+"""Local files and directories, the bad-input matrix (exit status 2, row named), soft and chat data, training."""
 import json
 import os
 import subprocess

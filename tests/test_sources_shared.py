@@ -1,4 +1,4 @@
-"""Optional checks on the larger real data in ../shared/data (PRMBench, BiRM, ProcessBench); skipped when it is absent."""
+"""Optional checks on the larger real data in ../shared/data (PRMBench, BiRM, ProcessBench), skipped when absent."""
 import glob
 import json
 import os
