@@ -81,6 +81,9 @@ def main_first(rt: Runtime):
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matrix units on this CPU (torch.cpu's private probes; missing ones count as no)."""
+    """Native bf16 matrix units on this CPU (torch.cpu's private probes; missing ones count as no). PRM_CPU_BF16=1
+    or 0 overrides the probe (the tests run both ways on any CPU: bf16 autocast works everywhere, emulated slowly)."""
+    if os.environ.get("PRM_CPU_BF16") in ("0", "1"):
+        return os.environ["PRM_CPU_BF16"] == "1"
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)

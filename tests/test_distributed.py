@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, final_weights, max_weight_diff, read_metrics
+from conftest import ROOT, assert_same_run, assert_same_weights, final_weights, max_weight_diff, read_metrics
 
 # 71 rows: 64 train (+7 held out, an odd eval set); with the flags below, 64 is not a multiple of every batch
 COMMON = ["--synthetic-size", "71", "--max-steps", "5", "--log-every", "1", "--dtype", "fp32", "--lr", "1e-3",
@@ -22,27 +22,21 @@ def launch(out, nproc, *flags):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def assert_same_run(a, b):
-    losses_a = [r["loss"] for r in read_metrics(a) if "loss" in r]
-    losses_b = [r["loss"] for r in read_metrics(b) if "loss" in r]
-    assert len(losses_a) == len(losses_b) == 5
-    worst = max(abs(x - y) / abs(x) for x, y in zip(losses_a, losses_b))
-    diff = max_weight_diff(final_weights(a), final_weights(b))
-    print(f"max relative loss difference {worst:.2e}, max abs weight difference {diff:.2e}")
-    assert worst <= 1e-5 and diff <= 1e-5
-
-
-@pytest.mark.parametrize("accum,lora", [(1, False), (2, False), (2, True)])
-def test_two_ranks_match_one_process(tmp_path, accum, lora):
+@pytest.mark.parametrize("accum,lora,precision", [(1, False, "fp32"), (2, False, "fp32"), (2, True, "fp32"),
+                                                  (2, False, "bf16")])
+def test_two_ranks_match_one_process(tmp_path, accum, lora, precision):
     extra = ["--lora-r", "4"] if lora else []
+    extra += ["--dtype", precision]  # after COMMON's fp32: the last one given wins
     one = launch(tmp_path / "one", 1, "--batch-size", str(6 * accum), "--grad-accum", "1", *extra)
     two = launch(tmp_path / "two", 2, "--batch-size", "3", "--grad-accum", str(accum), *extra)
-    assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert_same_run(tmp_path / "one", tmp_path / "two", lr=1e-3, steps=5, precision=precision)
     card = (tmp_path / "two" / "final" / "README.md").read_text()
     assert "torchrun --nproc_per_node 2 train.py --synthetic-size 71" in card
     assert ("LoRA (rank 4" in card) == lora
-    # evaluation sharded over 2 ranks on 7 held-out rows equals the single-process figures exactly
-    for key in ("step_accuracy", "n_steps", "n_examples", "auroc", "f1_0"):
+    # evaluation sharded over 2 ranks on 7 held-out rows equals the single-process figures exactly in fp32; in bf16
+    # the weights themselves differ within SAME_RUN, so only the counts must be equal (a ranking may flip)
+    exact = ("step_accuracy", "n_steps", "n_examples", "auroc", "f1_0") if precision == "fp32" else ("n_steps",)
+    for key in exact:
         assert one[key] == two[key], key
     assert two["n_examples"] == 7
 
@@ -59,14 +53,14 @@ def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
     extra = ["--lora-r", "4", "--save-every", "5"] if lora else []
     one = launch(tmp_path / "one", 1, "--batch-size", str(6 * accum), *extra)
     two = launch(tmp_path / "two", 2, "--batch-size", "3", "--grad-accum", str(accum), "--fsdp", *extra)
-    assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert_same_run(tmp_path / "one", tmp_path / "two", lr=1e-3, steps=5)
     assert one["n_examples"] == two["n_examples"] == 7  # 7 rows, batch 4: the ranks run 1 and 2 batches, in lockstep
     if lora:  # eval.py reads the sharded LoRA checkpoint as it reads the 1-process run's adapters and head
         from prm.build import load_trained
         from prm.config import Config
         sharded, whole = (load_trained(Config(model=str(tmp_path / run / "checkpoint-5")), False)[1]
                           for run in ("two", "one"))
-        assert max_weight_diff(sharded.state_dict(), whole.state_dict()) <= 1e-5
+        assert_same_weights(sharded.state_dict(), whole.state_dict(), lr=1e-3, steps=5)
 
 
 def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_transformers(tmp_path):
@@ -89,7 +83,7 @@ def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_tr
     assert max_weight_diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")) == 0.0
     launch(tmp_path / "one", 1, "--batch-size", "6", "--save-every", "3")  # the same run without FSDP
     sharded, whole = (load_trained(Config(model=str(tmp_path / d / "checkpoint-3")), False)[1] for d in ("full", "one"))
-    assert max_weight_diff(sharded.state_dict(), whole.state_dict()) <= 1e-5  # eval.py reads the sharded one
+    assert_same_weights(sharded.state_dict(), whole.state_dict(), lr=1e-3, steps=3)  # eval.py reads the sharded one
     final = str(tmp_path / "full" / "final")
     ids = torch.randint(4, 80, (2, 11))
     with torch.no_grad():

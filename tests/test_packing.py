@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, final_weights, max_weight_diff, read_metrics, run_train
+from conftest import ROOT, assert_same_run, run_train
 
 # mixed lengths: a 1-token step, a row that is only the prompt plus one step, hard and soft labels
 ROWS = {"prompt": ["Q: 2+2?", "x", "A long question about numbers and their sums?", "Why?"],
@@ -78,17 +78,15 @@ def test_packed_logits_equal_padded(char_tok, pack_to):
                                                                  for i, r in enumerate(rs)]))
 
 
-@pytest.mark.parametrize("lora,checkpointing", [(False, False), (False, True), (True, False)])
-def test_packed_training_equals_padded(tmp_path, lora, checkpointing):
-    # mixed widths (padding to remove); lr 1e-4: AdamW moves a weight whose gradient is ~0 by up to lr whatever the
-    # gradient's last bits, so at 1e-3 summation-order noise alone shows up as 1e-5 in a few of 0.7M weights
-    extra = {"group_by_length": False, "lr": 1e-4, **({"lora_r": 4} if lora else {})}
-    padded = run_train(tmp_path / "padded", packing=False, max_steps=5, gradient_checkpointing=checkpointing, **extra)
-    packed = run_train(tmp_path / "packed", packing=True, max_steps=5, gradient_checkpointing=checkpointing, **extra)
-    a = [r["loss"] for r in read_metrics(tmp_path / "padded") if "loss" in r]
-    b = [r["loss"] for r in read_metrics(tmp_path / "packed") if "loss" in r]
-    assert len(a) == len(b) == 5 and max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-5
-    assert max_weight_diff(final_weights(tmp_path / "padded"), final_weights(tmp_path / "packed")) <= 1e-5
+@pytest.mark.parametrize("lora,checkpointing,precision", [(False, False, "fp32"), (False, True, "fp32"),
+                                                          (True, False, "fp32"), (False, False, "bf16")])
+def test_packed_training_equals_padded(tmp_path, lora, checkpointing, precision):
+    # mixed widths (padding to remove); the tolerance is conftest's SAME_RUN for the precision pinned here
+    extra = {"group_by_length": False, "dtype": precision, "max_steps": 5, "gradient_checkpointing": checkpointing,
+             **({"lora_r": 4} if lora else {})}
+    padded = run_train(tmp_path / "padded", packing=False, **extra)
+    packed = run_train(tmp_path / "packed", packing=True, **extra)
+    assert_same_run(tmp_path / "padded", tmp_path / "packed", lr=1e-3, steps=5, precision=precision)
     assert packed["padding_efficiency"] == 1.0 > padded["padding_efficiency"]
 
 
@@ -117,7 +115,13 @@ def test_encoders_and_attention_dropout_are_not_packed(char_tok):
     assert supports_packing(tiny_model(char_tok, False).backbone)
 
 
-def test_eval_packed_equals_padded(tmp_path, model_dir):
+# eval.py's probabilities, packed against padded, on the same weights (no training to amplify a difference): fp32
+# rounds each logit to ~1e-7 relative (measured 3e-8). bf16 autocast rounds every matmul output to 8 bits (u = 2^-8)
+# and the two layouts round differently; P = sigmoid(logit gap) moves by at most a quarter of the gap's change, which
+# stays within a few u of the tiny model's gaps (|gap| < 1): bound u (measured 4.9e-4; 8.9e-4 on an AVX512-BF16 CPU).
+# Examples that see each other in the packed row move P by 6.0e-2 (fp32) and 6.1e-2 (bf16).
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 2 ** -8)])
+def test_eval_packed_equals_padded(tmp_path, model_dir, precision, tol):
     env = {**os.environ, "PYTHONPATH": ROOT}
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "completions": c, "labels": [y >= 0.5 for y in ls]}) + "\n"
@@ -126,12 +130,14 @@ def test_eval_packed_equals_padded(tmp_path, model_dir):
     for flag in ("--packing", "--no-packing"):
         out = tmp_path / f"{flag}.jsonl"
         ev = subprocess.run([sys.executable, "eval.py", "--model", model_dir, "--dataset", str(data), flag,
-                             "--predictions", str(out), "--eval-batch-size", "3"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
+                             "--predictions", str(out), "--eval-batch-size", "3", "--dtype", precision], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
         assert ev.returncode == 0, ev.stderr[-3000:]
         probs[flag] = [p for line in out.read_text().splitlines() for p in json.loads(line)["step_probs"]]
     assert len(probs["--packing"]) == 10
-    assert max(abs(a - b) for a, b in zip(probs["--packing"], probs["--no-packing"])) <= 1e-5
+    worst = max(abs(a - b) for a, b in zip(probs["--packing"], probs["--no-packing"]))
+    print(f"{precision}: packed and padded P(correct) differ by at most {worst:.2e}")
+    assert worst <= tol
 
 
 def reference_kernel(signature: str, calls: list):

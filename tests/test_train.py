@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, final_weights, max_weight_diff, read_metrics, run_train
 
 
@@ -21,6 +23,16 @@ def test_bf16_autocast_step_runs_on_cpu(tmp_path):
     losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
     assert 0.0 <= final["step_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eval_py_reproduces_the_trainers_held_out_metrics(tmp_path, precision):
+    """The same weights, batches and kernels in both: equal figures, in either precision (no tolerance needed)."""
+    import eval as eval_cli
+    final = run_train(tmp_path, dtype=precision, max_steps=3)
+    again = eval_cli.main(["--model", str(tmp_path / "final")])  # the run's held-out set, batch size and dtype
+    for key in ("step_accuracy", "auroc", "f1_0", "n_steps", "n_examples"):
+        assert again[key] == final[key], key
 
 
 def test_seeded_runs_are_deterministic(tmp_path):
@@ -55,9 +67,13 @@ def test_auto_dtype_takes_bf16_only_where_the_cpu_runs_it_natively(monkeypatch):
     import torch
     from prm.runtime import autocast_dtype
     cpu = torch.device("cpu")
+    monkeypatch.delenv("PRM_CPU_BF16", raising=False)  # the probes' answer, not the suite's --cpu-bf16 choice
     for amx, avx512_bf16, expected in ((False, False, None), (True, False, torch.bfloat16),
                                        (False, True, torch.bfloat16)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         assert autocast_dtype("auto", cpu) == expected  # emulated bf16 (AVX2 only) is far slower than fp32
     assert autocast_dtype("bf16", cpu) == torch.bfloat16 and autocast_dtype("fp32", cpu) is None
+    for forced, expected in (("1", torch.bfloat16), ("0", None)):  # PRM_CPU_BF16 overrides the probes (last: AVX512)
+        monkeypatch.setenv("PRM_CPU_BF16", forced)
+        assert autocast_dtype("auto", cpu) == expected
