@@ -95,7 +95,7 @@ def load_sets(cfg: Config, sources: list, tokenizer, rt) -> dict:
             rows = tokenize_dataset(ds, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc, desc=f"tokenize {name}",
                                     drop_unlabeled=False)[0].to_list()
             if "prompt" in ds.column_names:  # flat rows: the candidates of a problem are the rows with its prompt
-                for row, prompt in zip(rows, ds["prompt"]):
+                for row, prompt in zip(rows, ds["prompt"][:]):
                     row["group"] = row.get("group") or (prompt if isinstance(prompt, str) else json.dumps(prompt))
             sets[name] = rows
         return sets

@@ -193,7 +193,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t0 = time.perf_counter()
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
-    lengths = tok_ds["length"]
+    lengths = tok_ds["length"][:]  # a list, not datasets 5's lazy Column
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):  # counts parameters without allocating them
         backbone = AutoModel.from_config(model_cfg)

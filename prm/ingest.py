@@ -70,7 +70,7 @@ def check_pretokenized(ds, tokenizer, cfg):
         bad += [offset + i for i in pc.unique(over).to_pylist()]
         offset += len(chunk)
     if bad:
-        where = ds["where"] if "where" in ds.column_names else [f"row {i}" for i in range(len(ds))]
+        where = ds["where"][:] if "where" in ds.column_names else [f"row {i}" for i in range(len(ds))]
         raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is out of the "
                          f"tokenizer's {n_vocab} tokens: was it tokenized with another tokenizer?" for i in bad])
 

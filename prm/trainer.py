@@ -120,7 +120,8 @@ class Trainer:
         if len(train_ds) == 0:
             raise SystemExit(f"no training example has a labeled step left (--max-length {cfg.max_length}, "
                              f"--max-completion-length {cfg.max_completion_length}): see the report")
-        self.lengths, self.n_labels = train_ds["length"], train_ds["n_labeled"]  # host lists: no device sync
+        # host lists: no device sync; [:] because datasets 5 returns a lazy Column, whose every [i] slices Arrow
+        self.lengths, self.n_labels = train_ds["length"][:], train_ds["n_labeled"][:]
         self.train_ds = train_ds.select_columns(["input_ids", "labels"])
         self.eval_rows = eval_ds.to_list()
         self.processbench = "first_error" in eval_ds.column_names
