@@ -71,8 +71,11 @@ def main(argv=None):
     p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the model directory's own Python files run (off: whatever its config files say)")
     args = p.parse_args(argv)
-    reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size)
+    reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
+                       trust_remote_code=args.trust_remote_code)
     # one request at a time: the model is not shared between threads
     server = HTTPServer((args.host, args.port), make_handler(reward))
     print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
