@@ -36,7 +36,7 @@ class PRMReward:
     separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
 
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
-    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever its files say."""
+    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it says."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
                  step_separator: str = None, max_length: int = None, trust_remote_code: bool = False):
@@ -82,5 +82,9 @@ class PRMReward:
         """One float per completion; TRL's extra columns (kwargs) are accepted and not used."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+        return self.aggregated(self.step_probs(prompts, completions))
+
+    def aggregated(self, step_probs: list) -> list:
+        """One float per step_probs list: the aggregate of its steps, EMPTY_REWARD for one with none."""
         agg = AGGREGATES[self.aggregate]
-        return [float(agg(ps)) if ps else EMPTY_REWARD for ps in self.step_probs(prompts, completions)]
+        return [float(agg(ps)) if ps else EMPTY_REWARD for ps in step_probs]
