@@ -2,8 +2,13 @@
 standard library's HTTP server, so `--remote_rm_url http://HOST:P/get_reward` uses it unchanged.
 
 POST /get_reward with {"query": [full text, ...], "prompts": [prompt, ...]} (other fields, e.g. "labels", are
-ignored) answers {"rewards": [...], "scores": [...]}: the reward of a query is PRMReward on (its prompt, the rest of
-its text). GET /health answers {"status": "ok", ...}.
+ignored) answers {"rewards": [...], "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: the
+reward of a query is PRMReward on (its prompt, the rest of its text); steps counts the steps of each completion,
+steps_scored those that fit in the model's max length. Queries and prompts first lose the tokenizer's padding and
+EOS at both ends and its BOS at the start, as OpenRLHF's own server does (the prompt's tokenization adds BOS back).
+Without "prompts", a query's prompt is all up to the last assistant turn's start in the tokenizer's chat template
+(e.g. "<|im_start|>assistant\\n"); with no template or no such marker in it, the text before the first step
+separator (a query without one is all prompt: reward 0.0). GET /health answers {"status": "ok", ...}.
 
 One client never stops the server for the others: each connection has its own thread (the model runs one request
 at a time); a client silent for --timeout seconds is dropped; a body over --max-body-bytes gets a 413 unread; a
@@ -73,17 +78,39 @@ def texts(data: dict, key: str) -> list:
     return value
 
 
-def parse_body(data) -> tuple:
-    """(prompts, completions) from a /get_reward body: each query must start with its prompt."""
-    if not isinstance(data, dict):
-        raise BadRequest("expected a JSON object with 'query' and 'prompts'")
-    queries, prompts = texts(data, "query"), texts(data, "prompts")
-    if len(queries) != len(prompts):
-        raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
-    bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
-    if bad:  # the split point between prompt and solution would be a guess
-        raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
-    return prompts, [q[len(p):] for q, p in zip(queries, prompts)]
+def strip_tokens(text: str, left: list, right: list) -> str:
+    """text without any run of the `left` tokens at its start and of the `right` ones at its end (linear time:
+    indices move, the text is cut once)."""
+    start, end = 0, len(text)
+    while tok := next((t for t in left if text.startswith(t, start, end)), ""):
+        start += len(tok)
+    while tok := next((t for t in right if text.endswith(t, start, end)), ""):
+        end -= len(tok)
+    return text[start:end]
+
+
+def assistant_marker(tokenizer) -> str:
+    """What the chat template writes to open the assistant's turn ("<|im_start|>assistant\\n" in Qwen's); "" when
+    there is no template or it writes nothing there."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    turn = [{"role": "user", "content": "q"}]
+    try:
+        closed, opened = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g)
+                          for g in (False, True))
+    except Exception:  # a template that refuses a lone user message (it raises through Jinja): no marker
+        return ""
+    return opened[len(closed):] if opened.startswith(closed) else ""
+
+
+def split_query(query: str, marker: str, separator: str) -> tuple:
+    """(prompt, completion) of a query sent without its prompt: the prompt ends with the last assistant-turn
+    marker, or without one before the first step separator (the whole query, with no separator: no steps)."""
+    if marker and marker in query:
+        cut = query.rindex(marker) + len(marker)
+    else:
+        cut = query.find(separator) if separator in query else len(query)
+    return query[:cut], query[cut:]
 
 
 class Scorer:
@@ -92,13 +119,39 @@ class Scorer:
 
     def __init__(self, reward: PRMReward):
         self.reward, self.lock = reward, threading.Lock()
+        tok = reward.tokenizer
+        self.marker = assistant_marker(tok)
+        # decoded rollouts keep their left padding and their EOS and right padding: OpenRLHF's own server strips
+        # both; a BOS goes too, since the prompt's tokenization puts the tokenizer's own back (prm.data.with_bos)
+        self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
+        self.left = self.right + [t for t in (tok.bos_token,) if t]
+
+    def split(self, data) -> tuple:
+        """(prompts, completions) of a /get_reward body, every text stripped of padding, EOS and BOS."""
+        if not isinstance(data, dict):
+            raise BadRequest("expected a JSON object with 'query' (and 'prompts')")
+        queries = [strip_tokens(q, self.left, self.right) for q in texts(data, "query")]
+        if data.get("prompts") is None:  # OpenRLHF always sends them; other clients may not
+            pairs = [split_query(q, self.marker, self.reward.step_separator) for q in queries]
+            return [p for p, _ in pairs], [c for _, c in pairs]
+        prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
+        if len(queries) != len(prompts):
+            raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
+        bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
+        if bad:  # the split point between prompt and solution would be a guess
+            raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
+        return prompts, [q[len(p):] for q, p in zip(queries, prompts)]
 
     def __call__(self, data) -> dict:
-        prompts, completions = parse_body(data)
+        prompts, completions = self.split(data)
         with self.lock:
-            rewards = self.reward(prompts, completions)
-        # OpenRLHF's own serve_rm answers both keys; clients read "rewards" (the default score key)
-        return {"rewards": rewards, "scores": rewards}
+            probs = self.reward.step_probs(prompts, completions)
+        rewards = self.reward.aggregated(probs)
+        # OpenRLHF's own serve_rm answers these keys; clients read "rewards" (the default score key) and log each
+        # extra_logs list (one value per query): the steps of each completion, and those that fit and were scored
+        return {"rewards": rewards, "scores": rewards,
+                "extra_logs": {"steps": [len(self.reward.steps(c)) for c in completions],
+                               "steps_scored": [len(ps) for ps in probs]}}
 
 
 def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
@@ -168,8 +221,10 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config files say)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a client may stay silent (idle, or sending its request) before it is dropped")
-    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY, help="larger request bodies get a 413")
+                   help="seconds a client may stay silent (idle, or sending its request) before it is dropped "
+                        "(default: %(default)s)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
+                   help="larger request bodies get a 413 (default: %(default)s, 8 MiB)")
     args = p.parse_args(argv)
     if not (math.isfinite(args.timeout) and args.timeout > 0) or args.max_body_bytes < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes at least 1")

@@ -1,6 +1,6 @@
-"""prm.serve under bad clients: idle and slow ones held open while 8 others are answered, every malformed request
-a JSON 4xx, a scoring failure a 500, each followed by a good answer. In-process servers on free ports.
-Depends on: pytest, prm."""
+"""prm.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries, no prompts); under bad clients:
+idle and slow ones held open while 8 others are answered, every malformed request a JSON 4xx, a scoring failure a
+500, each followed by a good answer. In-process servers on free ports. Depends on: pytest, prm."""
 import contextlib
 import http.client
 import json
@@ -12,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from prm import serve
-from prm.reward import PRMReward
+from prm.reward import EMPTY_REWARD, PRMReward
 
 PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]
 COMPLETIONS = ["1+1=2\n2+1=3\n3+1=4\n", "7+1=8\n8+1=0", "3+1=5"]
 GOOD = {"query": [p + c for p, c in zip(PROMPTS, COMPLETIONS)], "prompts": PROMPTS, "labels": ["4", "0", "4"]}
 LIMIT = 1 << 20  # the test servers' --max-body-bytes: room for the deeply nested body
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # Qwen's, in short
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +149,7 @@ def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expect
     ({**GOOD, "prompts": [1, 2, 3]}, "field 'prompts'"),
     ([GOOD], "expected a JSON object"),
     ({**GOOD, "prompts": PROMPTS[:2]}, "3 queries for 2 prompts"),
+    ({**GOOD, "prompts": ["x:"] * 3}, "query 0 does not start with its prompt (3 such queries)"),
 ])
 def test_wrong_fields_get_a_400(port, body, message):
     status, out = request(port, body=body)  # json.dumps writes the surrogate as the escape "\ud800"
@@ -177,3 +180,38 @@ def test_a_failure_while_scoring_is_a_500_and_the_next_request_is_served(port, r
     assert "Traceback" in capsys.readouterr().err  # the server's log says where
     monkeypatch.undo()
     assert_served(port, expected)
+
+
+def test_openrlhf_requests_and_answers(port, expected):
+    # what OpenRLHF's remote_rm_fn posts: decoded rollouts (left padding, BOS, EOS, right padding), prompts, labels
+    body = {"query": ["<pad><pad><bos>" + q + "<eos><pad>" for q in GOOD["query"]],
+            "prompts": ["<bos>" + p for p in PROMPTS], "labels": GOOD["labels"]}
+    status, out = request(port, body=body)
+    assert status == 200 and set(out) == {"rewards", "scores", "extra_logs"}
+    assert out["rewards"] == out["scores"] == pytest.approx(expected, abs=1e-6)  # scored as the bare texts
+    assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [3, 2, 1]}
+    # a query alone, with no chat template: its prompt is its text before the first step separator
+    queries = [p + "\n" + c for p, c in zip(PROMPTS, COMPLETIONS)] + ["count from 5:"]
+    status, out = request(port, body={"query": queries})
+    assert status == 200 and out["rewards"] == pytest.approx(expected + [EMPTY_REWARD], abs=1e-6)
+    assert out["extra_logs"]["steps"] == [3, 2, 1, 0]  # no separator: all prompt, no step
+
+
+def test_a_query_alone_splits_after_the_chat_templates_last_assistant_turn(model_dir):
+    reward = PRMReward(model_dir, device="cpu")
+    reward.tokenizer.chat_template = TEMPLATE
+    scorer = serve.Scorer(reward)
+    assert scorer.marker == "<|im_start|>assistant\n"
+    chat = [{"role": "user", "content": "count from 1:"}, {"role": "assistant", "content": "1+1=3"},
+            {"role": "user", "content": "again"}]  # an earlier assistant turn belongs to the prompt
+    prompt = reward.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    query = "<pad>" + prompt + "1+1=2\n2+1=3\n<eos>"
+    assert scorer.split({"query": [query]}) == ([prompt], ["1+1=2\n2+1=3\n"])
+    out = scorer({"query": [query], "labels": ["3"]})
+    assert out["rewards"] == pytest.approx(reward([prompt], ["1+1=2\n2+1=3\n"]), abs=1e-6)
+
+
+def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):
+    # 14 prompt tokens (BOS + 13 characters) + 6 per step: one step fits in 25 tokens
+    out = serve.Scorer(PRMReward(model_dir, device="cpu", max_length=25))(GOOD)
+    assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [1, 1, 1]}
