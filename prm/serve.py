@@ -68,13 +68,16 @@ def read_json(body: bytes):
 def texts(data: dict, key: str) -> list:
     """data[key], checked to be a list of strings a tokenizer can read."""
     value = data.get(key)
-    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+    if not isinstance(value, list):
         raise BadRequest(f"field '{key}': expected a list of strings, got {type(value).__name__}")
     for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise BadRequest(f"field '{key}': item {i} is {type(text).__name__}, not a string")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate: not text, tokenizers fail
-            raise BadRequest(f"{key}[{i}]: a lone surrogate {text[e.start]!r} at character {e.start}") from None
+            raise BadRequest(f"field '{key}': item {i} holds a lone surrogate {text[e.start]!r} at character "
+                             f"{e.start}") from None
     return value
 
 

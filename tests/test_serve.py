@@ -144,9 +144,10 @@ def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expect
 
 
 @pytest.mark.parametrize("body, message", [
-    ({**GOOD, "query": ["count from 1:\ud800"], "prompts": ["count from 1:"]}, "lone surrogate '\\ud800'"),
+    ({**GOOD, "query": ["count from 1:\ud800"], "prompts": ["count from 1:"]},
+     "field 'query': item 0 holds a lone surrogate '\\ud800' at character 13"),
     ({**GOOD, "query": "count from 1:"}, "field 'query'"),
-    ({**GOOD, "prompts": [1, 2, 3]}, "field 'prompts'"),
+    ({**GOOD, "prompts": ["count from 1:", 2, 3]}, "field 'prompts': item 1 is int, not a string"),
     ([GOOD], "expected a JSON object"),
     ({**GOOD, "prompts": PROMPTS[:2]}, "3 queries for 2 prompts"),
     ({**GOOD, "prompts": ["x:"] * 3}, "query 0 does not start with its prompt (3 such queries)"),
