@@ -108,7 +108,8 @@ class Config:
     save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)")
     keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all")
     resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one")
-    trust_remote_code: bool = _opt(False, "allow hub models that run their own code (off: safer)")
+    trust_remote_code: bool = _opt(False, "allow hub models that run their own code (off: safer). Command line "
+                                   "only: never taken from a file (--config, a model's config.train.json)")
 
     def resolve(self) -> "Config":
         """Fill the 0 = auto fields, so the saved config says what was actually used."""
@@ -312,7 +313,10 @@ def parse_config(argv=None) -> Config:
     given = given_args(p, argv)
     path = given.pop("config", "")
     from_file = read_config_file(path, p) if path else {}
-    from_file.pop("overwrite", None)  # destructive: only ever from the command line (a saved run may hold true)
+    for key in ("overwrite", "trust_remote_code"):  # deletes a run / runs a model's code: command line only
+        if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold true
+            print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
+                  "sets it", file=sys.stderr)
     cfg = Config(**{**from_file, **given})
     out_ok = writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
     exit_on_problems(cfg.problems() + ([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"]))

@@ -12,12 +12,14 @@ from prm.metrics import AGGREGATES
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
-def load_reward_model(path: str):
+def load_reward_model(path: str, trust_remote_code: bool = False):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, like eval.py loads it.
 
-    The run's config.train.json, when present, gives the step separator and max length it was trained with."""
+    The run's config.train.json, when present, gives the step separator and max length it was trained with; never
+    whether the directory's own Python files may run: that is the caller's trust_remote_code alone."""
     cfg = Config.load(path) if os.path.isfile(os.path.join(path, FILE)) else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
+    cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a downloaded model ships it)
     tokenizer, model = load_trained(cfg, tokenizer_given=False)
     return tokenizer, model, cfg
 
@@ -33,14 +35,17 @@ class PRMReward:
     """reward(prompts, completions, **kwargs) -> [float]: the completion split into steps at the model's step
     separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
 
-    model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`."""
+    model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
+    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it says."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
-                 step_separator: str = None, max_length: int = None):
+                 step_separator: str = None, max_length: int = None, trust_remote_code: bool = False):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
+        if not isinstance(trust_remote_code, bool):  # the string "false" would be true
+            raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
         if isinstance(model, str):
-            tokenizer, model, cfg = load_reward_model(model)
+            tokenizer, model, cfg = load_reward_model(model, trust_remote_code)
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
@@ -77,5 +82,9 @@ class PRMReward:
         """One float per completion; TRL's extra columns (kwargs) are accepted and not used."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+        return self.aggregated(self.step_probs(prompts, completions))
+
+    def aggregated(self, step_probs: list) -> list:
+        """One float per step_probs list: the aggregate of its steps, EMPTY_REWARD for one with none."""
         agg = AGGREGATES[self.aggregate]
-        return [float(agg(ps)) if ps else EMPTY_REWARD for ps in self.step_probs(prompts, completions)]
+        return [float(agg(ps)) if ps else EMPTY_REWARD for ps in step_probs]

@@ -87,7 +87,10 @@ def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
     assert max(own) < text.index("run settings") < text.index("  --lr") and "--max-length" in text
 
 
-def test_overwrite_is_never_taken_from_a_file(tmp_path):
-    (tmp_path / "run.json").write_text(json.dumps({**AS_DICT, "overwrite": True}))
-    assert parse_config(["--config", str(tmp_path / "run.json")]).overwrite is False
-    assert parse_config(["--config", str(tmp_path / "run.json"), "--overwrite"]).overwrite is True
+@pytest.mark.parametrize("key", ["overwrite", "trust_remote_code"])  # deletes a run / runs a model's own code
+def test_a_dangerous_setting_is_never_taken_from_a_file(tmp_path, capsys, key):
+    (tmp_path / "run.json").write_text(json.dumps({**AS_DICT, key: True}))
+    assert getattr(parse_config(["--config", str(tmp_path / "run.json")]), key) is False
+    assert f"{key} ignored" in capsys.readouterr().err  # said, so a user who wrote it knows why it had no effect
+    flag = "--" + key.replace("_", "-")
+    assert getattr(parse_config(["--config", str(tmp_path / "run.json"), flag]), key) is True

@@ -1,5 +1,5 @@
-"""Faults and hostile input: divergence, code the user did not allow, resume mismatches, damaged checkpoints, a
-failed final write, two runs on one directory, duplicated records, bad flags and encodings."""
+"""Faults and hostile input: divergence, resume mismatches, damaged checkpoints, a failed final write, two runs on
+one directory, duplicated records, bad flags and encodings (a model's own code: test_trust.py)."""
 import json
 import math
 import os
@@ -62,26 +62,6 @@ def test_signals_keep_their_usual_effect_during_the_final_evaluation(tmp_path, m
     with pytest.raises(SystemExit) as e:
         trainer._on_signal(signal.SIGTERM, None)
     assert e.value.code == 128 + signal.SIGTERM
-
-
-def test_a_model_directory_cannot_allow_its_own_code(tmp_path):
-    import eval as eval_cli
-    from prm.build import build_model
-    from prm.config import Config
-    from prm.synthetic import char_tokenizer
-    model_dir, marker = tmp_path / "model", tmp_path / "ran"
-    tok = char_tokenizer()
-    build_model("tiny", tok, seed=0).save_pretrained(str(model_dir))
-    tok.save_pretrained(str(model_dir))
-    Config(trust_remote_code=True, synthetic_size=64).save(str(model_dir))  # the file says: allow the code
-    (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
-                                       "from transformers import Qwen2Config\nclass EvilConfig(Qwen2Config):\n"
-                                       "    model_type = 'evil'\n")
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["auto_map"] = {"AutoConfig": "evil.EvilConfig"}
-    (model_dir / "config.json").write_text(json.dumps(cfg))
-    eval_cli.main(["--model", str(model_dir), "--dtype", "fp32"])  # evaluates with the stock Qwen2 classes
-    assert not marker.exists()
 
 
 def test_resume_refuses_other_data_settings_and_accepts_a_longer_run(tmp_path):

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 
 import pytest
@@ -98,11 +97,8 @@ def test_bad_arguments_are_refused(model_dir, loaded):
 def post(port, body: bytes):
     req = urllib.request.Request(f"http://127.0.0.1:{port}/get_reward", data=body,
                                  headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    with urllib.request.urlopen(req, timeout=60) as r:  # an error status raises, with the server's message
+        return r.status, json.loads(r.read())
 
 
 def test_server_answers_the_openrlhf_protocol(model_dir, tmp_path):
@@ -117,16 +113,9 @@ def test_server_answers_the_openrlhf_protocol(model_dir, tmp_path):
             body = {"query": [p + c for p, c in zip(PROMPTS, COMPLETIONS)], "prompts": PROMPTS, "labels": ["4"] * 3}
             status, out = post(port, json.dumps(body).encode())
             assert status == 200 and out["rewards"] == out["scores"]
-            batch = out["rewards"]
-            assert batch == pytest.approx(PRMReward(model_dir, device="cpu")(PROMPTS, COMPLETIONS), abs=1e-6)
-            status, out = post(port, b"{not json")
-            assert status == 400 and "not JSON" in out["error"]
-            status, out = post(port, json.dumps({"query": ["a b"], "prompts": ["x"]}).encode())
-            assert status == 400 and "does not start with its prompt" in out["error"]
-            status, out = post(port, json.dumps({"query": "a b", "prompts": ["a"]}).encode())
-            assert status == 400 and "field 'query'" in out["error"]
-            status, out = post(port, json.dumps({**body, "query": body["query"][:1], "prompts": PROMPTS[:1]}).encode())
-            assert status == 200 and out["rewards"] == pytest.approx(batch[:1], abs=1e-6)  # still serving, same model
+            assert out["rewards"] == pytest.approx(PRMReward(model_dir, device="cpu")(PROMPTS, COMPLETIONS), abs=1e-6)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60) as r:
+                assert json.loads(r.read())["model"] == model_dir  # bad clients and requests: tests/test_serve.py
         finally:
             proc.terminate()
             proc.wait(timeout=30)

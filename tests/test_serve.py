@@ -1,0 +1,218 @@
+"""prm.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries, no prompts); under bad clients:
+idle and slow ones held open while 8 others are answered, every malformed request a JSON 4xx, a scoring failure a
+500, each followed by a good answer. In-process servers on free ports. Depends on: pytest, prm."""
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from prm import serve
+from prm.reward import EMPTY_REWARD, PRMReward
+
+PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]
+COMPLETIONS = ["1+1=2\n2+1=3\n3+1=4\n", "7+1=8\n8+1=0", "3+1=5"]
+GOOD = {"query": [p + c for p, c in zip(PROMPTS, COMPLETIONS)], "prompts": PROMPTS, "labels": ["4", "0", "4"]}
+LIMIT = 1 << 20  # the test servers' --max-body-bytes: room for the deeply nested body
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # Qwen's, in short
+
+
+@pytest.fixture(scope="module")
+def reward(model_dir):
+    return PRMReward(model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def expected(reward):
+    return reward(PROMPTS, COMPLETIONS)
+
+
+@contextlib.contextmanager
+def running(reward, timeout: float):
+    server = serve.make_server(reward, name="tiny", timeout=timeout, max_body=LIMIT)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def port(reward):
+    with running(reward, timeout=2.0) as p:  # short: a client the server drops costs the suite 2 s
+        yield p
+
+
+def request(port, method: str = "POST", path: str = serve.PATH, body=None) -> tuple:
+    """(status, JSON answer) of a well-formed request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body).encode())
+        r = conn.getresponse()
+        assert r.getheader("Content-Type") == "application/json"  # errors too: never the stdlib's HTML page
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def raw(port, length, body: bytes = b"", close_early: bool = False) -> tuple:
+    """(status, JSON answer) of a hand-written POST: Content-Length as given (None: none), then body."""
+    head = f"POST {serve.PATH} HTTP/1.1\r\nHost: x\r\n" + (f"Content-Length: {length}\r\n" if length is not None
+                                                            else "")
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(head.encode() + b"\r\n" + body)
+        if close_early:  # the client says it is done before Content-Length bytes came
+            s.shutdown(socket.SHUT_WR)
+        return parse_reply(read_all(s))
+
+
+def read_all(s) -> bytes:
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
+def parse_reply(data: bytes) -> tuple:
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
+def assert_served(port, expected):
+    status, out = request(port, body=GOOD)
+    assert status == 200 and out["rewards"] == out["scores"] == pytest.approx(expected, abs=1e-6), out
+
+
+def waiting(s) -> bool:
+    """Whether the server still holds this connection open without having answered it."""
+    s.setblocking(False)
+    try:
+        return s.recv(1, socket.MSG_PEEK) is None  # b"": closed; a byte: answered
+    except BlockingIOError:
+        return True
+    finally:
+        s.setblocking(True)
+
+
+def test_idle_and_slow_clients_do_not_stop_the_others(reward, expected):
+    with running(reward, timeout=4.0) as port:  # the 8 take ~0.2 s: 4 s leaves a loaded machine room
+        idle = socket.create_connection(("127.0.0.1", port))  # connects, sends nothing
+        slow = socket.create_connection(("127.0.0.1", port))  # says 1000 bytes, sends 10
+        slow.sendall(f"POST {serve.PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n".encode() + b"[" * 10)
+        try:
+            time.sleep(0.3)  # both accepted and read from: a one-at-a-time server would be stuck on the first
+            start = time.monotonic()
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(lambda _: request(port, body=GOOD), range(8)))
+            took = time.monotonic() - start
+            assert waiting(idle) and waiting(slow)  # answered while those two were still connected
+            assert took < 20 and all(status == 200 for status, _ in answers), (took, answers)
+            assert all(out["rewards"] == pytest.approx(expected, abs=1e-6) for _, out in answers)
+            idle.settimeout(15)
+            slow.settimeout(15)
+            assert read_all(idle) == b""  # dropped after --timeout without a word: it never asked anything
+            status, out = parse_reply(read_all(slow))
+            assert status == 408 and "--timeout" in out["error"]
+        finally:
+            idle.close()
+            slow.close()
+
+
+@pytest.mark.parametrize("length, body, status, message", [
+    (None, b"", 411, "Content-Length is required"),
+    ("abc", b"", 400, "expected a number of bytes"),
+    ("-5", b"", 400, "expected a number of bytes"),
+    (str(2 * LIMIT), b"", 413, "--max-body-bytes"),  # refused from the header: the body is never sent
+    ("9" * 5000, b"", 413, "over the limit"),  # too many digits for int() to read
+    (9, b"{not json", 400, "not JSON"),
+    (2, b"\xff\xfe", 400, "not UTF-8"),
+    (100000, b"[" * 100000, 400, "nests too deeply"),
+    (5001, b"1" * 5001, 400, "number too long"),
+])
+def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expected, length, body, status, message):
+    got, out = raw(port, length, body)
+    assert got == status and message in out["error"], out
+    assert_served(port, expected)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({**GOOD, "query": ["count from 1:\ud800"], "prompts": ["count from 1:"]},
+     "field 'query': item 0 holds a lone surrogate '\\ud800' at character 13"),
+    ({**GOOD, "query": "count from 1:"}, "field 'query'"),
+    ({**GOOD, "prompts": ["count from 1:", 2, 3]}, "field 'prompts': item 1 is int, not a string"),
+    ([GOOD], "expected a JSON object"),
+    ({**GOOD, "prompts": PROMPTS[:2]}, "3 queries for 2 prompts"),
+    ({**GOOD, "prompts": ["x:"] * 3}, "query 0 does not start with its prompt (3 such queries)"),
+])
+def test_wrong_fields_get_a_400(port, body, message):
+    status, out = request(port, body=body)  # json.dumps writes the surrogate as the escape "\ud800"
+    assert status == 400 and message in out["error"], out
+
+
+def test_a_body_shorter_than_its_length_is_refused(port):
+    assert raw(port, 1000, b"[" * 10, close_early=True) == (400, {"error": "the body ended after 10 of its 1000 "
+                                                                           "bytes (Content-Length)"})
+
+
+def test_health_other_paths_and_methods_answer_json(port, model_dir):
+    assert request(port, "GET", "/health") == (200, {"status": "ok", "model": "tiny", "aggregate": "min"})
+    status, out = request(port, "GET", "/")
+    assert status == 404 and "GET /health" in out["error"]
+    status, out = request(port, "POST", "/other", GOOD)
+    assert status == 404 and "POST to /get_reward" in out["error"]
+    status, out = request(port, "PUT")
+    assert status == 501 and "PUT" in out["error"]
+
+
+def test_a_failure_while_scoring_is_a_500_and_the_next_request_is_served(port, reward, expected, monkeypatch,
+                                                                          capsys):
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(reward, "step_probs", broken)
+    assert request(port, body=GOOD) == (500, {"error": "scoring failed: RuntimeError: CUDA out of memory"})
+    assert "Traceback" in capsys.readouterr().err  # the server's log says where
+    monkeypatch.undo()
+    assert_served(port, expected)
+
+
+def test_openrlhf_requests_and_answers(port, expected):
+    # what OpenRLHF's remote_rm_fn posts: decoded rollouts (left padding, BOS, EOS, right padding), prompts, labels
+    body = {"query": ["<pad><pad><bos>" + q + "<eos><pad>" for q in GOOD["query"]],
+            "prompts": ["<bos>" + p for p in PROMPTS], "labels": GOOD["labels"]}
+    status, out = request(port, body=body)
+    assert status == 200 and set(out) == {"rewards", "scores", "extra_logs"}
+    assert out["rewards"] == out["scores"] == pytest.approx(expected, abs=1e-6)  # scored as the bare texts
+    assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [3, 2, 1]}
+    # a query alone, with no chat template: its prompt is its text before the first step separator
+    queries = [p + "\n" + c for p, c in zip(PROMPTS, COMPLETIONS)] + ["count from 5:"]
+    status, out = request(port, body={"query": queries})
+    assert status == 200 and out["rewards"] == pytest.approx(expected + [EMPTY_REWARD], abs=1e-6)
+    assert out["extra_logs"]["steps"] == [3, 2, 1, 0]  # no separator: all prompt, no step
+
+
+def test_a_query_alone_splits_after_the_chat_templates_last_assistant_turn(model_dir):
+    reward = PRMReward(model_dir, device="cpu")
+    reward.tokenizer.chat_template = TEMPLATE
+    scorer = serve.Scorer(reward)
+    assert scorer.marker == "<|im_start|>assistant\n"
+    chat = [{"role": "user", "content": "count from 1:"}, {"role": "assistant", "content": "1+1=3"},
+            {"role": "user", "content": "again"}]  # an earlier assistant turn belongs to the prompt
+    prompt = reward.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    query = "<pad>" + prompt + "1+1=2\n2+1=3\n<eos>"
+    assert scorer.split({"query": [query]}) == ([prompt], ["1+1=2\n2+1=3\n"])
+    out = scorer({"query": [query], "labels": ["3"]})
+    assert out["rewards"] == pytest.approx(reward([prompt], ["1+1=2\n2+1=3\n"]), abs=1e-6)
+
+
+def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):
+    # 14 prompt tokens (BOS + 13 characters) + 6 per step: one step fits in 25 tokens
+    out = serve.Scorer(PRMReward(model_dir, device="cpu", max_length=25))(GOOD)
+    assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [1, 1, 1]}
