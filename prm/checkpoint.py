@@ -2,6 +2,7 @@
 and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors, prm.model, prm.lora,
 prm.sharding, prm.config."""
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -187,31 +188,50 @@ def saved_world_size(path: str) -> int:
 @contextlib.contextmanager
 def run_lock(output_dir: str):
     """Holds <output_dir>/.lock for the life of a run, so a second trainer on the same directory stops at once
-    (exit status 2). A lock left by a dead process of this host is taken over, with a warning. A directory made
-    here and left empty (the run failed before writing anything, e.g. on bad data) is removed again."""
+    (exit status 2). The file names its owner (pid@host) and is held with flock: the kernel lets exactly one process
+    hold it, and drops the hold when that process dies, so two runs that take over one stale lock at once cannot
+    both proceed. A lock left by a dead process of this host is taken over, with a warning. A directory made here
+    and left empty (the run failed before writing anything, e.g. on bad data) is removed again."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    path, me = os.path.join(output_dir, LOCK), f"{os.getpid()}@{socket.gethostname()}"
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: exactly one process creates it
-            break
-        except FileExistsError:
-            with open(path) as f:
-                owner = f.read().strip()
-            if _alive(owner):
-                exit_on_problems([f"{output_dir} is in use by another run ({owner}); if none is, delete {path}"])
-            print(f"warning: taking over the stale lock of {owner} in {output_dir}", file=sys.stderr, flush=True)
-            os.remove(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(me)
+    path = os.path.join(output_dir, LOCK)
+    fd = _hold(path, output_dir)
     try:
         yield
     finally:
-        os.remove(path)
+        os.remove(path)  # before the hold ends: a process that opened the file meanwhile sees it is gone (_hold)
+        os.close(fd)
         if made:
             with contextlib.suppress(OSError):  # rmdir removes an empty directory only: one with files stays
                 os.rmdir(output_dir)
+
+
+def _hold(path: str, output_dir: str) -> int:
+    """An open descriptor of `path` holding its flock, the file naming this process; exit status 2 if another
+    run holds it."""
+    busy = lambda owner: exit_on_problems([f"{output_dir} is in use by another run ({owner or 'starting'}); if none "
+                                           f"is, delete {path}"])
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 256).decode(errors="replace").strip()
+            os.close(fd)
+            busy(owner)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)  # the holder removed the file as we opened it: that hold is on a file nobody else sees
+    owner = os.read(fd, 256).decode(errors="replace").strip()
+    if owner and _alive(owner):  # another host's run (flock may not reach across hosts), or one without flock
+        os.close(fd)
+        busy(owner)
+    if owner:
+        print(f"warning: taking over the stale lock of {owner} in {output_dir}", file=sys.stderr, flush=True)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}".encode(), 0)
+    return fd
 
 
 def _alive(owner: str) -> bool:
