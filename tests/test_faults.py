@@ -141,7 +141,7 @@ def test_two_runs_taking_over_one_stale_lock_at_once_cannot_both_proceed(tmp_pat
     proceeded, second, real = [], contextlib.ExitStack(), checkpoint._alive
 
     def second_run_cuts_in(owner):
-        monkeypatch.setattr(checkpoint, "_alive", real)  # the second run checks for itself, and holds the lock if it gets it
+        monkeypatch.setattr(checkpoint, "_alive", real)  # the second run checks for itself, holding the lock if it can
         with contextlib.suppress(SystemExit):
             second.enter_context(checkpoint.run_lock(str(tmp_path)))
             proceeded.append("second")
