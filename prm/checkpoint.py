@@ -13,6 +13,7 @@ import socket
 import sys
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from prm.config import exit_on_problems
@@ -52,24 +53,86 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
     cfg.save(path)
 
 
+class WriteFailed(SystemExit):
+    """A write that failed (a full disk, a read-only folder, an I/O error): exit status 1 and one line naming the
+    path and the cause. Status 1, not 2: the machine failed, not the user's input or flags."""
+
+    def __init__(self, path: str, error: BaseException):
+        lines = str(error).strip().splitlines()
+        self.cause = (error.strerror if isinstance(error, OSError) else None) or (lines[0] if lines else
+                                                                                  type(error).__name__)
+        if not isinstance(error, OSError):  # torch.save's "unexpected pos 103296 vs 103188" never says "disk full"
+            self.cause += f" ({_free_mib(path)} MiB free there)"
+        super().__init__(f"error: could not write {path}: {self.cause}")
+
+
+def _free_mib(path: str) -> str:
+    """Free space on the disk of `path` (or of its nearest existing parent), in MiB; '?' when unknown."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return f"{shutil.disk_usage(path or '.').free / 2 ** 20:.1f}"
+    except OSError:
+        return "?"
+
+
+# what a failed write raises: OSError from open/write/rename, RuntimeError from torch.save ("file write failed"),
+# SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)")
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+@contextlib.contextmanager
+def reported(path: str):
+    """A write failure inside the block ends the run with WriteFailed naming `path`."""
+    try:
+        yield
+    except WRITE_ERRORS as e:
+        raise WriteFailed(path, e) from e
+
+
 @contextlib.contextmanager
 def written_in_place(path: str, fresh: bool = True):
     """Yields a temporary directory that replaces `path` once the block succeeds: a crash or a full disk never
-    leaves a half-written `path`, and a failed write keeps the previous one. OSError ends the run with its cause.
-    fresh=False keeps what is already in the temporary directory (the shards every rank wrote there)."""
+    leaves a half-written `path`, and a failed write keeps the previous one and leaves no temporary directory.
+    A write failure ends the run with WriteFailed. fresh=False keeps what is already in the temporary directory
+    (the shards every rank wrote there)."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        yield tmp
-        if os.path.isdir(path):  # set aside only now that the new one is complete
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+        with reported(path):
+            yield tmp
+            if os.path.isdir(path):  # set aside only now that the new one is complete
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+            os.replace(tmp, path)
+    except BaseException:  # whatever stopped the write (an interrupt too): no half-written directory stays
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"error: could not write {path}: {e.strerror or e}") from e
+        if os.path.isdir(old) and not os.path.isdir(path):  # failed between the two renames: the previous one back
+            os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class AppendFile:
+    """A text file opened for appending (metrics.jsonl) whose failed writes end the run with WriteFailed."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with reported(path):
+            self.file = open(path, "a")
+
+    def write(self, text: str):
+        with reported(self.path):
+            self.file.write(text)
+
+    def flush(self):
+        with reported(self.path):
+            self.file.flush()
+
+    def close(self):
+        with reported(self.path):
+            self.file.close()
 
 
 def file_digests(path: str) -> dict:
@@ -114,31 +177,55 @@ def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, 
     return final
 
 
-def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None) -> str:
+def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, step: int = None, keep=None) -> str:
     """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged), tokenizer, config.
 
-    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own."""
+    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own.
+    step, keep: if final/ cannot be written, the weights trained must not be lost with it: keep() writes
+    checkpoint-<step> unless a complete one exists, and the message says where the weights are, or that they
+    are lost (keep None, or a checkpoint that failed too)."""
     path = os.path.join(output_dir, "final")
-    with written_in_place(path) as tmp:
-        if state is None:
-            write_model_dir(tmp, model, tokenizer, cfg)
-        else:
-            part = lambda prefix: {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            model.save_pretrained(tmp, merged_state_dict(model.backbone, part("backbone.")), part("head."))
-            tokenizer.save_pretrained(tmp)
-            cfg.save(tmp)
+    try:
+        with written_in_place(path) as tmp:
+            if state is None:
+                write_model_dir(tmp, model, tokenizer, cfg)
+            else:
+                part = lambda prefix: {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                model.save_pretrained(tmp, merged_state_dict(model.backbone, part("backbone.")), part("head."))
+                tokenizer.save_pretrained(tmp)
+                cfg.save(tmp)
+    except WriteFailed as e:
+        if step is None:
+            raise
+        raise SystemExit(f"{e.code}; {_kept_instead(output_dir, step, keep)}") from e.__cause__
     return path
+
+
+def _kept_instead(output_dir: str, step: int, keep) -> str:
+    """Where the weights of `step` are when final/ could not be written: in a complete checkpoint, made now if need
+    be, or lost."""
+    ckpt = checkpoint_dir(output_dir, step)
+    if not os.path.isfile(os.path.join(ckpt, MARKER)):
+        if keep is None:
+            return f"the weights of step {step} are lost: no checkpoint holds them"
+        try:
+            keep()
+        except WriteFailed as e:
+            return f"{ckpt} could not be written either ({e.cause}): the weights of step {step} are lost"
+    return f"the weights of step {step} are kept in {ckpt}: free space, then export final/ with --resume auto"
 
 
 def write_card(path: str, card: str):
     """The model card, <path>/README.md, written to a temporary name and renamed: never half a file."""
     tmp = os.path.join(path, "README.md.tmp")
     try:
-        with open(tmp, "w") as f:
+        with reported(tmp), open(tmp, "w") as f:
             f.write(card)
-        os.replace(tmp, os.path.join(path, "README.md"))
-    except OSError as e:
-        raise SystemExit(f"error: could not write {tmp}: {e.strerror or e}") from e
+    except WriteFailed:
+        with contextlib.suppress(OSError):  # half a card: gone, so the folder holds only what is whole
+            os.remove(tmp)
+        raise
+    os.replace(tmp, os.path.join(path, "README.md"))
 
 
 def complete_checkpoints(output_dir: str) -> list:
