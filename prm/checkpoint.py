@@ -10,6 +10,7 @@ import random
 import re
 import shutil
 import socket
+import stat
 import sys
 
 import torch
@@ -24,6 +25,7 @@ from prm.sharding import SHARDS, load_shards
 MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, never resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
 LOCK = ".lock"  # pid@host of the run that is using an output directory
+NOT_REGULAR = "not a regular file"  # file_digests' entry for a symlink, FIFO or device
 
 
 def rng_state() -> dict:
@@ -136,10 +138,14 @@ class AppendFile:
 
 
 def file_digests(path: str) -> dict:
-    """sha256 of every file under a directory, by relative path."""
+    """sha256 of every file under a directory, by relative path; a symlink, FIFO or device gets NOT_REGULAR instead
+    (reading /dev/zero or a FIFO would never end), so a checkpoint holding one fails its checksums."""
     out = {}
     for root, _, names in os.walk(path):
         for name in names:
+            if not stat.S_ISREG(os.lstat(os.path.join(root, name)).st_mode):  # lstat: a symlink is not followed
+                out[os.path.relpath(os.path.join(root, name), path)] = NOT_REGULAR
+                continue
             h = hashlib.sha256()
             with open(os.path.join(root, name), "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
@@ -241,11 +247,14 @@ def complete_checkpoints(output_dir: str) -> list:
 
 
 def damaged_files(path: str) -> list:
-    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included)."""
+    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included), then its
+    symlinks, FIFOs and devices."""
     with open(os.path.join(path, MARKER)) as f:
         expected = json.load(f).get("sha256", {})  # checkpoints written before checksums: nothing to compare
     found = file_digests(path)
-    return sorted(name for name, digest in expected.items() if found.get(name) != digest)
+    strange = {name for name, digest in found.items() if digest == NOT_REGULAR}  # listed in the marker or not
+    return sorted({name for name, digest in expected.items() if found.get(name) != digest} - strange) + \
+        [f"{name} ({NOT_REGULAR})" for name in sorted(strange)]
 
 
 def resolve_resume(resume: str, output_dir: str):

@@ -231,3 +231,16 @@ def test_metrics_writer_turns_non_finite_numbers_into_null():
     from prm.trainer import strict_json
     assert strict_json({"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}}) == \
         {"a": None, "b": [None, 1.0], "c": {"d": None}}
+
+
+def test_a_checkpoint_holding_a_symlink_to_dev_zero_or_a_fifo_is_damaged_not_a_hang(tmp_path):
+    run_train(tmp_path, max_steps=3, save_every=1, keep_last=0)
+    weights = tmp_path / "checkpoint-2" / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to("/dev/zero")  # read for its checksum, it never ends
+    os.mkfifo(tmp_path / "checkpoint-3" / "extra")  # nor does a FIFO that nobody writes
+    r = subprocess.run([sys.executable, "-c", f"from prm.checkpoint import resolve_resume; "
+                        f"print(resolve_resume('auto', {str(tmp_path)!r}))"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    assert r.stdout.strip() == str(tmp_path / "checkpoint-1")
+    assert "model.safetensors (not a regular file)" in r.stderr and "extra (not a regular file)" in r.stderr
