@@ -1,6 +1,7 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
 benchmark all come here. Depends on: torch, transformers, prm.model, prm.lora, prm.data, prm.checkpoint,
 prm.sharding, prm.synthetic, prm.varlen."""
+import glob
 import json
 import os
 
@@ -24,10 +25,30 @@ def loading(flag: str, name: str, load, **kw):
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
     if flag == "--model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         exit_on_problems([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
+    if flag == "--model" and os.path.isdir(name):
+        exit_on_problems(outside_weights(name))
     try:
         return load(name, **kw)
     except (OSError, ValueError) as e:
         exit_on_problems([f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}"])
+
+
+def outside_weights(path: str) -> list:
+    """Problems with the weight files a sharded model's index names: each must be a regular file inside `path`
+    ("../../outside.safetensors" would load weights from elsewhere)."""
+    problems, root = [], os.path.realpath(path)
+    for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # garbage: not an index at all
+            problems.append(f"{index}: not a sharded-weights index with a weight_map ({type(e).__name__}: {e})")
+            continue
+        for name in files:
+            where = os.path.realpath(os.path.join(path, str(name)))  # realpath: a symlink points where it leads
+            if os.path.commonpath([root, where]) != root or not os.path.isfile(where):
+                problems.append(f"{index}: weight_map names {name!r}, not a file inside {path}")
+    return problems
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
