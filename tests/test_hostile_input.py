@@ -56,3 +56,12 @@ def test_surrogate_pairs_and_repeated_keys_in_separate_objects_are_read(tmp_path
     path.write_text(stepwise(["~ud83d~ude00 fine"]) + "\n" + stepwise(["a"], meta=[{"k": 1}, {"k": 2}]) + "\n")
     rows = read_rows(str(path), "train", Config())
     assert [r["completions"] for r in rows] == [["\U0001F600 fine"], ["a"]]
+
+
+@pytest.mark.parametrize("output, cause", [(".", "Is a directory"), ("missing/out.jsonl", "No such file or directory")])
+def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output, cause, capsys):
+    from prm.convert import main
+    (tmp_path / "in.jsonl").write_text(ROW + "\n")
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "in.jsonl"), str(tmp_path / output)])
+    assert e.value.code == 2 and f"{tmp_path / output}: cannot write it: {cause}" in capsys.readouterr().err
