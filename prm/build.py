@@ -4,8 +4,10 @@ prm.sharding, prm.synthetic, prm.varlen."""
 import glob
 import json
 import os
+import pickle
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 from prm.checkpoint import TRAINABLE, load_trainable
@@ -29,7 +31,8 @@ def loading(flag: str, name: str, load, **kw):
         exit_on_problems(outside_weights(name))
     try:
         return load(name, **kw)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # Safetensor: a truncated file;
+        # Unpickling: a pickled .bin that weights_only refuses
         exit_on_problems([f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}"])
 
 
@@ -145,6 +148,8 @@ def load_trained(cfg, tokenizer_given: bool):
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
         raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
                          f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+    if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
+        exit_on_problems([f"--model {cfg.model}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}"])
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
                                cfg.trust_remote_code)
