@@ -1,5 +1,5 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
-benchmark all come here. Depends on: torch, transformers, prm.model, prm.lora, prm.data, prm.checkpoint,
+benchmark all come here. Depends on: torch, transformers, safetensors, prm.model, prm.lora, prm.data, prm.checkpoint,
 prm.sharding, prm.synthetic, prm.varlen."""
 import glob
 import json
