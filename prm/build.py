@@ -1,10 +1,13 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
-benchmark all come here. Depends on: torch, transformers, prm.model, prm.lora, prm.data, prm.checkpoint,
+benchmark all come here. Depends on: torch, transformers, safetensors, prm.model, prm.lora, prm.data, prm.checkpoint,
 prm.sharding, prm.synthetic, prm.varlen."""
+import glob
 import json
 import os
+import pickle
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 from prm.checkpoint import TRAINABLE, load_trainable
@@ -24,10 +27,31 @@ def loading(flag: str, name: str, load, **kw):
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
     if flag == "--model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         exit_on_problems([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
+    if flag == "--model" and os.path.isdir(name):
+        exit_on_problems(outside_weights(name))
     try:
         return load(name, **kw)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # Safetensor: a truncated file;
+        # Unpickling: a pickled .bin that weights_only refuses
         exit_on_problems([f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}"])
+
+
+def outside_weights(path: str) -> list:
+    """Problems with the weight files a sharded model's index names: each must be a regular file inside `path`
+    ("../../outside.safetensors" would load weights from elsewhere)."""
+    problems, root = [], os.path.realpath(path)
+    for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # garbage: not an index at all
+            problems.append(f"{index}: not a sharded-weights index with a weight_map ({type(e).__name__}: {e})")
+            continue
+        for name in files:
+            where = os.path.realpath(os.path.join(path, str(name)))  # realpath: a symlink points where it leads
+            if os.path.commonpath([root, where]) != root or not os.path.isfile(where):
+                problems.append(f"{index}: weight_map names {name!r}, not a file inside {path}")
+    return problems
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
@@ -124,6 +148,8 @@ def load_trained(cfg, tokenizer_given: bool):
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
         raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
                          f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+    if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
+        exit_on_problems([f"--model {cfg.model}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}"])
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
                                cfg.trust_remote_code)

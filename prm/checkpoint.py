@@ -2,6 +2,7 @@
 and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors, prm.model, prm.lora,
 prm.sharding, prm.config."""
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -9,9 +10,11 @@ import random
 import re
 import shutil
 import socket
+import stat
 import sys
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from prm.config import exit_on_problems
@@ -22,6 +25,7 @@ from prm.sharding import SHARDS, load_shards
 MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, never resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
 LOCK = ".lock"  # pid@host of the run that is using an output directory
+NOT_REGULAR = "not a regular file"  # file_digests' entry for a symlink, FIFO or device
 
 
 def rng_state() -> dict:
@@ -51,31 +55,97 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
     cfg.save(path)
 
 
+class WriteFailed(SystemExit):
+    """A write that failed (a full disk, a read-only folder, an I/O error): exit status 1 and one line naming the
+    path and the cause. Status 1, not 2: the machine failed, not the user's input or flags."""
+
+    def __init__(self, path: str, error: BaseException):
+        lines = str(error).strip().splitlines()
+        self.cause = (error.strerror if isinstance(error, OSError) else None) or (lines[0] if lines else
+                                                                                  type(error).__name__)
+        if not isinstance(error, OSError):  # torch.save's "unexpected pos 103296 vs 103188" never says "disk full"
+            self.cause += f" ({_free_mib(path)} MiB free there)"
+        super().__init__(f"error: could not write {path}: {self.cause}")
+
+
+def _free_mib(path: str) -> str:
+    """Free space on the disk of `path` (or of its nearest existing parent), in MiB; '?' when unknown."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return f"{shutil.disk_usage(path or '.').free / 2 ** 20:.1f}"
+    except OSError:
+        return "?"
+
+
+# what a failed write raises: OSError from open/write/rename, RuntimeError from torch.save ("file write failed"),
+# SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)")
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+@contextlib.contextmanager
+def reported(path: str):
+    """A write failure inside the block ends the run with WriteFailed naming `path`."""
+    try:
+        yield
+    except WRITE_ERRORS as e:
+        raise WriteFailed(path, e) from e
+
+
 @contextlib.contextmanager
 def written_in_place(path: str, fresh: bool = True):
     """Yields a temporary directory that replaces `path` once the block succeeds: a crash or a full disk never
-    leaves a half-written `path`, and a failed write keeps the previous one. OSError ends the run with its cause.
-    fresh=False keeps what is already in the temporary directory (the shards every rank wrote there)."""
+    leaves a half-written `path`, and a failed write keeps the previous one and leaves no temporary directory.
+    A write failure ends the run with WriteFailed. fresh=False keeps what is already in the temporary directory
+    (the shards every rank wrote there)."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        yield tmp
-        if os.path.isdir(path):  # set aside only now that the new one is complete
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+        with reported(path):
+            yield tmp
+            if os.path.isdir(path):  # set aside only now that the new one is complete
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+            os.replace(tmp, path)
+    except BaseException:  # whatever stopped the write (an interrupt too): no half-written directory stays
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"error: could not write {path}: {e.strerror or e}") from e
+        if os.path.isdir(old) and not os.path.isdir(path):  # failed between the two renames: the previous one back
+            os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class AppendFile:
+    """A text file opened for appending (metrics.jsonl) whose failed writes end the run with WriteFailed."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with reported(path):
+            self.file = open(path, "a")
+
+    def write(self, text: str):
+        with reported(self.path):
+            self.file.write(text)
+
+    def flush(self):
+        with reported(self.path):
+            self.file.flush()
+
+    def close(self):
+        with reported(self.path):
+            self.file.close()
 
 
 def file_digests(path: str) -> dict:
-    """sha256 of every file under a directory, by relative path."""
+    """sha256 of every file under a directory, by relative path; a symlink, FIFO or device gets NOT_REGULAR instead
+    (reading /dev/zero or a FIFO would never end), so a checkpoint holding one fails its checksums."""
     out = {}
     for root, _, names in os.walk(path):
         for name in names:
+            if not stat.S_ISREG(os.lstat(os.path.join(root, name)).st_mode):  # lstat: a symlink is not followed
+                out[os.path.relpath(os.path.join(root, name), path)] = NOT_REGULAR
+                continue
             h = hashlib.sha256()
             with open(os.path.join(root, name), "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
@@ -113,31 +183,55 @@ def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, 
     return final
 
 
-def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None) -> str:
+def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, step: int = None, keep=None) -> str:
     """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged), tokenizer, config.
 
-    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own."""
+    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own.
+    step, keep: if final/ cannot be written, the weights trained must not be lost with it: keep() writes
+    checkpoint-<step> unless a complete one exists, and the message says where the weights are, or that they
+    are lost (keep None, or a checkpoint that failed too)."""
     path = os.path.join(output_dir, "final")
-    with written_in_place(path) as tmp:
-        if state is None:
-            write_model_dir(tmp, model, tokenizer, cfg)
-        else:
-            part = lambda prefix: {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            model.save_pretrained(tmp, merged_state_dict(model.backbone, part("backbone.")), part("head."))
-            tokenizer.save_pretrained(tmp)
-            cfg.save(tmp)
+    try:
+        with written_in_place(path) as tmp:
+            if state is None:
+                write_model_dir(tmp, model, tokenizer, cfg)
+            else:
+                part = lambda prefix: {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                model.save_pretrained(tmp, merged_state_dict(model.backbone, part("backbone.")), part("head."))
+                tokenizer.save_pretrained(tmp)
+                cfg.save(tmp)
+    except WriteFailed as e:
+        if step is None:
+            raise
+        raise SystemExit(f"{e.code}; {_kept_instead(output_dir, step, keep)}") from e.__cause__
     return path
+
+
+def _kept_instead(output_dir: str, step: int, keep) -> str:
+    """Where the weights of `step` are when final/ could not be written: in a complete checkpoint, made now if need
+    be, or lost."""
+    ckpt = checkpoint_dir(output_dir, step)
+    if not os.path.isfile(os.path.join(ckpt, MARKER)):
+        if keep is None:
+            return f"the weights of step {step} are lost: no checkpoint holds them"
+        try:
+            keep()
+        except WriteFailed as e:
+            return f"{ckpt} could not be written either ({e.cause}): the weights of step {step} are lost"
+    return f"the weights of step {step} are kept in {ckpt}: free space, then export final/ with --resume auto"
 
 
 def write_card(path: str, card: str):
     """The model card, <path>/README.md, written to a temporary name and renamed: never half a file."""
     tmp = os.path.join(path, "README.md.tmp")
     try:
-        with open(tmp, "w") as f:
+        with reported(tmp), open(tmp, "w") as f:
             f.write(card)
-        os.replace(tmp, os.path.join(path, "README.md"))
-    except OSError as e:
-        raise SystemExit(f"error: could not write {tmp}: {e.strerror or e}") from e
+    except WriteFailed:
+        with contextlib.suppress(OSError):  # half a card: gone, so the folder holds only what is whole
+            os.remove(tmp)
+        raise
+    os.replace(tmp, os.path.join(path, "README.md"))
 
 
 def complete_checkpoints(output_dir: str) -> list:
@@ -153,11 +247,14 @@ def complete_checkpoints(output_dir: str) -> list:
 
 
 def damaged_files(path: str) -> list:
-    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included)."""
+    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included), then its
+    symlinks, FIFOs and devices."""
     with open(os.path.join(path, MARKER)) as f:
         expected = json.load(f).get("sha256", {})  # checkpoints written before checksums: nothing to compare
     found = file_digests(path)
-    return sorted(name for name, digest in expected.items() if found.get(name) != digest)
+    strange = {name for name, digest in found.items() if digest == NOT_REGULAR}  # listed in the marker or not
+    return sorted({name for name, digest in expected.items() if found.get(name) != digest} - strange) + \
+        [f"{name} ({NOT_REGULAR})" for name in sorted(strange)]
 
 
 def resolve_resume(resume: str, output_dir: str):
@@ -187,31 +284,50 @@ def saved_world_size(path: str) -> int:
 @contextlib.contextmanager
 def run_lock(output_dir: str):
     """Holds <output_dir>/.lock for the life of a run, so a second trainer on the same directory stops at once
-    (exit status 2). A lock left by a dead process of this host is taken over, with a warning. A directory made
-    here and left empty (the run failed before writing anything, e.g. on bad data) is removed again."""
+    (exit status 2). The file names its owner (pid@host) and is held with flock: the kernel lets exactly one process
+    hold it, and drops the hold when that process dies, so two runs that take over one stale lock at once cannot
+    both proceed. A lock left by a dead process of this host is taken over, with a warning. A directory made here
+    and left empty (the run failed before writing anything, e.g. on bad data) is removed again."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    path, me = os.path.join(output_dir, LOCK), f"{os.getpid()}@{socket.gethostname()}"
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: exactly one process creates it
-            break
-        except FileExistsError:
-            with open(path) as f:
-                owner = f.read().strip()
-            if _alive(owner):
-                exit_on_problems([f"{output_dir} is in use by another run ({owner}); if none is, delete {path}"])
-            print(f"warning: taking over the stale lock of {owner} in {output_dir}", file=sys.stderr, flush=True)
-            os.remove(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(me)
+    path = os.path.join(output_dir, LOCK)
+    fd = _hold(path, output_dir)
     try:
         yield
     finally:
-        os.remove(path)
+        os.remove(path)  # before the hold ends: a process that opened the file meanwhile sees it is gone (_hold)
+        os.close(fd)
         if made:
             with contextlib.suppress(OSError):  # rmdir removes an empty directory only: one with files stays
                 os.rmdir(output_dir)
+
+
+def _hold(path: str, output_dir: str) -> int:
+    """An open descriptor of `path` holding its flock, the file naming this process; exit status 2 if another
+    run holds it."""
+    busy = lambda owner: exit_on_problems([f"{output_dir} is in use by another run ({owner or 'starting'}); if none "
+                                           f"is, delete {path}"])
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 256).decode(errors="replace").strip()
+            os.close(fd)
+            busy(owner)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)  # the holder removed the file as we opened it: that hold is on a file nobody else sees
+    owner = os.read(fd, 256).decode(errors="replace").strip()
+    if owner and _alive(owner):  # another host's run (flock may not reach across hosts), or one without flock
+        os.close(fd)
+        busy(owner)
+    if owner:
+        print(f"warning: taking over the stale lock of {owner} in {output_dir}", file=sys.stderr, flush=True)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}".encode(), 0)
+    return fd
 
 
 def _alive(owner: str) -> bool:

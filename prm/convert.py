@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from prm.config import Config
+from prm.config import Config, exit_on_problems
 from prm.sources import exit_on_data_error, read_rows
 
 
@@ -38,6 +38,8 @@ def main(argv=None):
     except BrokenPipeError:  # `| head` closed stdout early: that is fine, and Python must not complain at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
+    except OSError as e:  # a folder, a missing folder, a full disk: one line, exit status 2
+        exit_on_problems([f"{a.output}: cannot write it: {e.strerror or e}"])
     if a.output != "-":
         print(f"wrote {len(rows)} rows to {a.output}", file=sys.stderr)
 

@@ -299,11 +299,12 @@ def token_problems(row: dict) -> list:
     if not isinstance(ids, list) or not ids:
         out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
     else:
-        bad = [(i, x) for i, x in enumerate(ids) if type(x) is not int or x < 0]  # type(): True is no token id
+        # type(): True is no token id; 2^63 and up do not fit the int64 column they are stored in
+        bad = [(i, x) for i, x in enumerate(ids) if type(x) is not int or not 0 <= x < 2 ** 63]
         if bad:
             more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
-            out.append(f"field 'input_ids': position {bad[0][0]}: {_kind(bad[0][1])} is not a token id (an int >= 0)"
-                       + more)
+            out.append(f"field 'input_ids': position {bad[0][0]}: {_kind(bad[0][1])} is not a token id (an int "
+                       ">= 0)" + more)
     if not isinstance(labels, list):
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
     bad = [(i, p) for i, y in enumerate(labels) for p in [token_label_problem(y)] if p]

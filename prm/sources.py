@@ -69,24 +69,75 @@ def read_records(path: str):
         raise DataError([f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
                          "convert the file to UTF-8"]) from None
     if path.endswith(".json"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            if text.lstrip().startswith("["):  # a broken array: nothing in it can be trusted
-                raise DataError([f"{path} line {e.lineno}: malformed JSON: {e.msg} (column {e.colno})"]) from None
-            data = None  # often JSON Lines under a .json name: read it line by line below
+        before = _REPEATS[0]
+        data, problem, line = _loads(text)
+        if problem and (text.lstrip().startswith("[") or line is None):  # a broken array: nothing in it is trusted
+            raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"]) from None
         if isinstance(data, list):
-            return [(f"row {i}", r, None) for i, r in enumerate(data)]
+            look = _REPEATS[0] > before or _SURROGATE in text.lower()  # the deep look only where it can find one
+            return [(f"row {i}", r, _field_problem(r) if look else None) for i, r in enumerate(data)]
         if isinstance(data, dict) and "\n" in text.strip():
             raise DataError([f"{path}: one JSON object; expected an array of records or JSON Lines"])
     out = []
     for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit raw inside a JSON string
         if line.strip():
-            try:
-                out.append((f"line {n}", json.loads(line), None))
-            except json.JSONDecodeError as e:
-                out.append((f"line {n}", None, f"malformed JSON: {e.msg} (column {e.colno})"))
+            before = _REPEATS[0]
+            record, problem, _ = _loads(line)
+            if problem is None and (_REPEATS[0] > before or _SURROGATE in line.lower()):
+                problem = _field_problem(record)
+            out.append((f"line {n}", record, problem))
     return out
+
+
+_SURROGATE = "\\ud"  # how a UTF-16 surrogate is escaped in JSON (\ud800-\udfff); lowercased text is searched
+_REPEATS = [0]  # objects with a repeated key that json.loads has built (_object counts them): rows to look into
+
+
+class _Repeated(dict):
+    """A JSON object that gave one key twice (json keeps the last value without a word); `key` names it."""
+    key = None
+
+
+def _object(pairs: list) -> dict:
+    """json's object_pairs_hook: a dict, or a _Repeated one when a key repeats."""
+    d = dict(pairs)
+    if len(d) == len(pairs):
+        return d
+    seen, _REPEATS[0] = set(), _REPEATS[0] + 1
+    d = _Repeated(d)
+    d.key = next(k for k, _ in pairs if k in seen or seen.add(k))
+    return d
+
+
+def _loads(text: str):
+    """(value, problem, line) of one JSON text: a failure is a problem, not a traceback (line None: none known)."""
+    try:
+        return json.loads(text, object_pairs_hook=_object), None, None
+    except json.JSONDecodeError as e:
+        return None, f"malformed JSON: {e.msg} (column {e.colno})", e.lineno
+    except RecursionError:  # [[[[... : json recurses once per level
+        return None, "malformed JSON: nested too deeply", None
+    except ValueError as e:  # a number of over 4300 digits (Python's int conversion limit)
+        return None, f"unreadable JSON: {str(e).split(';')[0]}", None
+
+
+def _field_problem(value, field: str = ""):
+    """"field 'x': ..." for the first key given twice or string holding a lone surrogate (\ud800 without its
+    pair: no character, and no UTF-8 encoding) inside value, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} (position {e.start}) is not text"
+        return None
+    if isinstance(value, _Repeated):
+        return f"field '{field + '.' if field else ''}{value.key}': given twice in one object (which value is meant?)"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _field_problem(v, f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k))
+        if found:
+            return found
+    return None
 
 
 def _sources(spec: str, split: str, cfg):
@@ -95,6 +146,9 @@ def _sources(spec: str, split: str, cfg):
         files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(LOCAL_EXT))
         if not files:
             raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this directory"])
+        folders = [f for f in files if not os.path.isfile(f)]
+        if folders:  # data is read from the files of one folder, never from the folders inside it
+            raise DataError([f"{f}: a folder named like a data file; move it out of {spec}" for f in folders])
         return [(f, read_records(f)) for f in files]
     if is_local(spec):
         if not os.path.isfile(spec):

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from prm.build import model_for, tokenizer_for
 from prm.card import config_command, model_card
-from prm.checkpoint import (checkpoint_dir, load_checkpoint, run_lock, save_checkpoint, save_final,
+from prm.checkpoint import (AppendFile, checkpoint_dir, load_checkpoint, run_lock, save_checkpoint, save_final,
                             saved_world_size, write_card)
 from prm.config import Config, exit_on_problems
 from prm.data import collate, global_batches, micro_batches, pack, pad_token_id, padded_tokens
@@ -291,10 +291,14 @@ class Trainer:
             save_shards(tmp, self.model, self.optimizer, trainable_only=has_lora(self.model))
             barrier(self.rt)
         if self.rt.is_main:
-            save_checkpoint(self.cfg.output_dir, self.step, model=self.model, optimizer=self.optimizer,
-                            scheduler=self.scheduler, scaler=self.scaler, tokenizer=self.tokenizer, cfg=self.cfg,
-                            world_size=self.rt.world_size, sharded=self.cfg.fsdp)
+            self.write_checkpoint()
         barrier(self.rt)
+
+    def write_checkpoint(self):
+        """Rank 0's part of a checkpoint; all of it unless --fsdp (then every rank wrote its shards first)."""
+        save_checkpoint(self.cfg.output_dir, self.step, model=self.model, optimizer=self.optimizer,
+                        scheduler=self.scheduler, scaler=self.scaler, tokenizer=self.tokenizer, cfg=self.cfg,
+                        world_size=self.rt.world_size, sharded=self.cfg.fsdp)
 
     def stop(self):
         name = signal.Signals(PREEMPTED["signal"]).name if PREEMPTED["signal"] else "a signal on another rank"
@@ -308,8 +312,9 @@ class Trainer:
         self.metrics.stop_if_diverged()
         barrier(self.rt)
         state = full_state(self.model) if self.cfg.fsdp else None  # a collective: every rank sends its shards
-        path = save_final(self.cfg.output_dir, model=self.model, tokenizer=self.tokenizer, cfg=self.cfg,
-                          state=state) if self.rt.is_main else None
+        keep = None if self.cfg.fsdp else self.write_checkpoint  # rank 0 alone cannot write a sharded checkpoint
+        path = save_final(self.cfg.output_dir, model=self.model, tokenizer=self.tokenizer, cfg=self.cfg, state=state,
+                          step=self.step, keep=keep) if self.rt.is_main else None
         barrier(self.rt)
         final = self.evaluate()
         final["train_tokens_per_second"], final["padding_efficiency"] = self.metrics.throughput()
@@ -344,7 +349,7 @@ class TrainLog:
         self.tracker = tracker  # prm.tracking.Tracker: TensorBoard / W&B get every record written here
         if path and resumed_at:
             keep_records_until(path, resumed_at)  # the records a stopped run wrote past its checkpoint
-        self.file = open(path, "a") if path else None
+        self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, not a traceback
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # first non-finite step, 0: none
         self.last_finite = None  # (step, loss) of the last log line with a finite loss

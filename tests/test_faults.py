@@ -130,6 +130,32 @@ def test_a_locked_output_directory_is_refused_and_a_stale_lock_taken_over(tmp_pa
     assert "stale lock" in capsys.readouterr().err and not lock.exists()  # released at the end
 
 
+def test_two_runs_taking_over_one_stale_lock_at_once_cannot_both_proceed(tmp_path, monkeypatch):
+    """The race, made deterministic: a second run takes the lock over while the first is deciding the lock is stale."""
+    import contextlib
+    import socket
+    from prm import checkpoint
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".lock").write_text(f"{dead.pid}@{socket.gethostname()}")
+    proceeded, second, real = [], contextlib.ExitStack(), checkpoint._alive
+
+    def second_run_cuts_in(owner):
+        monkeypatch.setattr(checkpoint, "_alive", real)  # the second run checks for itself, holding the lock if it can
+        with contextlib.suppress(SystemExit):
+            second.enter_context(checkpoint.run_lock(str(tmp_path)))
+            proceeded.append("second")
+        return real(owner)
+    monkeypatch.setattr(checkpoint, "_alive", second_run_cuts_in)
+    try:
+        with contextlib.suppress(SystemExit), checkpoint.run_lock(str(tmp_path)):
+            proceeded.append("first")
+    finally:
+        with contextlib.suppress(OSError):  # the unfixed lock: both runs remove "their" file
+            second.close()
+    assert len(proceeded) == 1
+
+
 def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
     run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
     run_train(tmp_path, max_steps=4, resume=str(tmp_path / "checkpoint-2"))
@@ -205,3 +231,16 @@ def test_metrics_writer_turns_non_finite_numbers_into_null():
     from prm.trainer import strict_json
     assert strict_json({"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}}) == \
         {"a": None, "b": [None, 1.0], "c": {"d": None}}
+
+
+def test_a_checkpoint_holding_a_symlink_to_dev_zero_or_a_fifo_is_damaged_not_a_hang(tmp_path):
+    run_train(tmp_path, max_steps=3, save_every=1, keep_last=0)
+    weights = tmp_path / "checkpoint-2" / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to("/dev/zero")  # read for its checksum, it never ends
+    os.mkfifo(tmp_path / "checkpoint-3" / "extra")  # nor does a FIFO that nobody writes
+    r = subprocess.run([sys.executable, "-c", f"from prm.checkpoint import resolve_resume; "
+                        f"print(resolve_resume('auto', {str(tmp_path)!r}))"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    assert r.stdout.strip() == str(tmp_path / "checkpoint-1")
+    assert "model.safetensors (not a regular file)" in r.stderr and "extra (not a regular file)" in r.stderr

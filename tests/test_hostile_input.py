@@ -1,0 +1,67 @@
+"""Hostile data files: each is refused with exit status 2 and a message naming the file, the line (or row) and the
+field, or read correctly; never a traceback, never a silently kept value."""
+import json
+import os
+
+import pytest
+
+from prm.config import Config
+from prm.sources import DataError, exit_on_data_error, read_rows
+
+ROW = json.dumps({"prompt": "p", "completions": ["a"], "labels": [True]})
+
+
+def stepwise(steps, **extra):
+    """A stepwise row; ~ in a step stands for a backslash written raw (json.dumps would escape it)."""
+    return json.dumps({"prompt": "p", "completions": steps, "labels": [True] * len(steps), **extra}).replace("~", "\\")
+
+
+CASES = {  # name: (file contents, what the message names after the file)
+    "nested.jsonl": (ROW + "\n" + "[" * 100000, "line 2: malformed JSON: nested too deeply"),
+    "nested.json": ("[" * 100000, ": malformed JSON: nested too deeply"),
+    "digits.jsonl": (ROW + "\n" + ROW[:-1] + ', "id": 1' + "0" * 5000 + "}", "line 2: unreadable JSON: Exceeds the "
+                     "limit (4300 digits)"),
+    "surrogate.jsonl": (stepwise(["a", "~ud800"]), "line 1: field 'completions[1]': a lone UTF-16 surrogate"),
+    "surrogate.json": ("[" + ROW + ", " + stepwise(["a", "b~udfff"]) + "]",
+                       "row 1: field 'completions[1]': a lone UTF-16 surrogate '\\udfff' (position 1)"),
+    "big_id.jsonl": (json.dumps({"input_ids": [1, 2 ** 63], "labels": [-100, 1]}),
+                     "line 1: field 'input_ids': position 1: int 9223372036854775808 is not a token id"),
+    "duplicate.jsonl": (ROW + "\n" + ROW[:-1] + ', "labels": [false]}', "line 2: field 'labels': given twice"),
+    "duplicate.json": ("[" + ROW + ", " + json.dumps({"prompt": [{"role": "user", "content": "c"}],
+                                                      "completions": ["a"], "labels": [True]}).replace(
+                           '"role": "user"', '"role": "user", "role": "system"') + "]",
+                       "row 1: field 'prompt[0].role': given twice"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_hostile_data_file_exits_2_naming_file_line_and_field(tmp_path, name, capsys):
+    text, named = CASES[name]
+    (tmp_path / name).write_text(text, encoding="utf-8")
+    with pytest.raises(SystemExit) as e, exit_on_data_error():
+        read_rows(str(tmp_path / name), "train", Config())
+    assert e.value.code == 2 and f"{tmp_path / name}{'' if named.startswith(':') else ' '}{named}" in \
+        capsys.readouterr().err
+
+
+def test_a_folder_named_like_a_data_file_is_named(tmp_path):
+    (tmp_path / "a.jsonl").write_text(ROW + "\n")
+    (tmp_path / "b.jsonl").mkdir()
+    with pytest.raises(DataError, match=f"{tmp_path / 'b.jsonl'}: a folder named like a data file"):
+        read_rows(str(tmp_path), "train", Config())
+
+
+def test_surrogate_pairs_and_repeated_keys_in_separate_objects_are_read(tmp_path):
+    path = tmp_path / "fine.jsonl"
+    path.write_text(stepwise(["~ud83d~ude00 fine"]) + "\n" + stepwise(["a"], meta=[{"k": 1}, {"k": 2}]) + "\n")
+    rows = read_rows(str(path), "train", Config())
+    assert [r["completions"] for r in rows] == [["\U0001F600 fine"], ["a"]]
+
+
+@pytest.mark.parametrize("output, cause", [(".", "Is a directory"), ("missing/out.jsonl", "No such file or directory")])
+def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output, cause, capsys):
+    from prm.convert import main
+    (tmp_path / "in.jsonl").write_text(ROW + "\n")
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "in.jsonl"), str(tmp_path / output)])
+    assert e.value.code == 2 and f"{tmp_path / output}: cannot write it: {cause}" in capsys.readouterr().err

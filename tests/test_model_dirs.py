@@ -1,0 +1,47 @@
+"""Hostile model directories: each is refused with exit status 2 and one line naming the path and the cause."""
+import json
+import os
+import shutil
+
+import pytest
+
+from prm.build import build_model
+
+
+def test_a_sharded_index_naming_weights_outside_the_directory_is_refused(model_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    os.replace(model / "model.safetensors", tmp_path / "outside.safetensors")
+    from safetensors.torch import load_file
+    keys = list(load_file(str(tmp_path / "outside.safetensors")))
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "../outside.safetensors" for k in keys}}))
+    with pytest.raises(SystemExit) as e:
+        build_model(str(model), None, seed=0)
+    assert e.value.code == 2 and "weight_map names '../outside.safetensors', not a file inside" in str(e.value)
+
+
+def broken_copy(model_dir, tmp_path, kind: str) -> str:
+    """A copy of the saved tiny PRM with one kind of damage."""
+    path = tmp_path / kind
+    shutil.copytree(model_dir, path)
+    if kind == "truncated":
+        weights = path / "model.safetensors"
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    elif kind == "three_labels":
+        config = json.loads((path / "config.json").read_text())
+        config["id2label"], config["label2id"] = {"0": "a", "1": "b", "2": "c"}, {"a": 0, "b": 1, "c": 2}
+        (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind, message", [("truncated", "cannot load it: Error while deserializing header"),
+                                           ("three_labels", "a PRM needs 2 labels, this checkpoint has 3")])
+def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_path, kind, message):
+    from prm.build import load_trained
+    from prm.config import Config
+    path = broken_copy(model_dir, tmp_path, kind)
+    with pytest.raises(SystemExit) as e:
+        load_trained(Config(model=path), tokenizer_given=False)
+    assert e.value.code == 2 and f"--model {path}: {message}" in str(e.value)

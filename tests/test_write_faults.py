@@ -1,0 +1,101 @@
+"""A full disk, a read-only folder, an I/O error: every failed write ends the run with exit status 1 and one line
+naming the path and the cause, leaves no .tmp directory, and never loses the weights trained."""
+import errno
+import os
+import subprocess
+
+import pytest
+from safetensors import SafetensorError
+
+from conftest import run_train
+
+NO_SPACE = os.strerror(errno.ENOSPC)
+FAULTS = {  # what each writer raises on a full disk
+    "open/write": OSError(errno.ENOSPC, NO_SPACE),
+    "torch.save": RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 214\n(more lines)"),
+    "save_file": SafetensorError(f'Error while serializing: IoError(Os {{ code: 28, kind: StorageFull, message: '
+                                 f'"{NO_SPACE}" }})'),
+}
+
+
+def leftovers(root) -> list:
+    return [os.path.join(d, n) for d, dirs, _ in os.walk(root) for n in dirs if n.endswith((".tmp", ".old"))]
+
+
+def one_line(e, *needles):
+    """The exit: status 1 (a message, not a number), one line, holding each needle."""
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
+    for needle in needles:
+        assert needle in e.value.code, e.value.code
+
+
+def fail(monkeypatch, target: str, error: Exception, only=""):
+    """target (module.attr) raises `error` when its path argument holds `only`."""
+    module, name = target.rsplit(".", 1)
+    real = getattr(__import__(module, fromlist=[name]), name)
+
+    def broken(obj, path, *a, **kw):
+        if only in str(path):
+            raise error
+        return real(obj, path, *a, **kw)
+    monkeypatch.setattr(f"{module}.{name}", broken)
+
+
+@pytest.mark.parametrize("target, kind", [("torch.save", "torch.save"), ("torch.save", "open/write"),
+                                          ("prm.model.save_file", "save_file")])
+def test_a_checkpoint_that_cannot_be_written_exits_with_one_line(tmp_path, monkeypatch, target, kind):
+    fail(monkeypatch, target, FAULTS[kind])
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path, max_steps=2, save_every=1)
+    one_line(e, f"could not write {tmp_path / 'checkpoint-1'}: ", str(FAULTS[kind]).splitlines()[0]
+             if kind != "open/write" else NO_SPACE)
+    assert leftovers(tmp_path) == []
+
+
+def test_a_failed_final_export_keeps_the_weights_in_a_checkpoint(tmp_path, monkeypatch):
+    fail(monkeypatch, "prm.model.save_file", FAULTS["save_file"], only="final.tmp")
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path, max_steps=2)  # no --save-every: without the rescue, the export was the only copy
+    one_line(e, f"could not write {tmp_path / 'final'}", f"kept in {tmp_path / 'checkpoint-2'}", "--resume auto")
+    assert leftovers(tmp_path) == [] and not os.path.exists(tmp_path / "final")
+    monkeypatch.undo()
+    run_train(tmp_path, max_steps=2, resume="auto")  # nothing left to train: the export alone
+    assert os.path.isfile(tmp_path / "final" / "model.safetensors")
+
+
+def test_a_failed_final_export_says_when_the_weights_are_lost(tmp_path, monkeypatch):
+    fail(monkeypatch, "prm.model.save_file", FAULTS["save_file"])  # the rescue checkpoint fails too
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path, max_steps=2)
+    one_line(e, f"could not write {tmp_path / 'final'}", "could not be written either", "weights of step 2 are lost")
+    assert leftovers(tmp_path) == []
+
+
+def test_a_full_disk_while_appending_metrics_exits_with_one_line(tmp_path, monkeypatch):
+    from prm import checkpoint
+
+    class Full:  # metrics.jsonl on a disk that has just filled up
+        def write(self, text):
+            raise OSError(errno.ENOSPC, NO_SPACE)
+        flush = close = lambda self: None
+    real = open
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode="r", *a, **kw: Full() if mode == "a"
+                        else real(path, mode, *a, **kw), raising=False)
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path, max_steps=2)
+    one_line(e, f"could not write {tmp_path / 'metrics.jsonl'}: {NO_SPACE}")
+
+
+def test_a_real_full_disk(tmp_path):
+    """A 3 MiB tmpfs (root only: skipped where mount is not permitted) takes final/'s weights but not more."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(SystemExit) as e:
+            run_train(disk / "run", max_steps=2, save_every=1)
+        one_line(e, f"could not write {disk / 'run' / 'checkpoint-1'}")
+        assert leftovers(disk) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])  # -l: the failed run may still hold metrics.jsonl open
