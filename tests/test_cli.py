@@ -1,0 +1,72 @@
+"""The command lines: TRL / HF flag names and underscore spellings, the nearest flag for an unknown one, --help by
+section and before torch loads, eval.py's own settings and its table, one format per data source, the log line."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_train
+from prm.config import Config, parse_config, sections
+
+FIX = os.path.join(ROOT, "tests", "fixtures")
+DASHED = ["--lr", "1e-4", "--batch-size", "2", "--grad-accum", "3", "--epochs", "2", "--model", "tiny",
+          "--dataset", "synthetic", "--max-length", "64", "--gradient-checkpointing", "--no-packing",
+          "--eval-every", "5", "--compile"]
+ALIASES = ["--learning_rate", "1e-4", "--per_device_train_batch_size", "2", "--gradient-accumulation-steps", "3",
+           "--num_train_epochs", "2", "--model_name_or_path", "tiny", "--dataset_name", "synthetic", "--max_length",
+           "64", "--gradient_checkpointing", "--no-packing", "--eval_steps", "5", "--torch_compile"]
+
+
+def test_trl_names_and_underscore_spellings_parse_to_the_same_config(tmp_path):
+    out = ["--output-dir", str(tmp_path)]
+    assert parse_config(DASHED + out) == parse_config(ALIASES + out) != parse_config(out)
+
+
+@pytest.mark.parametrize("argv, hint", [(["--learnin_rate", "1"], "(did you mean --lr / --learning-rate?)"),
+                                        (["--max-len", "64"], "(did you mean --max-length?)")])  # no abbreviations
+def test_an_unknown_flag_exits_2_naming_the_nearest(capsys, argv, hint):
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and hint in err, err  # one line, no usage dump
+
+
+def test_help_has_a_section_per_group_of_fields_and_each_field_once(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    for title, group in sections():
+        assert f"\n{title}:\n" in text
+        for f in group:  # its invocation line: the dashed name, then a TRL name, a --no- form or the metavar
+            flag = "--" + f.name.replace("_", "-")
+            assert sum(bool(re.match(f"  {flag}([ ,]|$)", line)) for line in lines) == 1, flag  # 2 spaces in
+    assert "--learning-rate" in text and "--gradient-accumulation-steps" in text  # TRL's names, dashed
+    assert "--eval_every" not in text and "--gradient_accumulation_steps" not in text  # no underscore spellings
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py"])
+def test_help_answers_before_torch_loads(script):
+    probe = ("import runpy, sys, time\nt = time.perf_counter()\nsys.argv = [sys.argv[1], '--help']\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('seconds', time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    *_, seconds, torch_loaded, transformers_loaded = proc.stdout.split()
+    print(script, "--help:", seconds, "s")
+    assert "usage:" in proc.stdout and (torch_loaded, transformers_loaded) == ("False", "False")
+
+
+def test_eval_takes_the_settings_that_read_and_score_data_only(capsys):
+    import eval as eval_cli
+    text = eval_cli.build_eval_parser().format_help()
+    assert "--max-length" in text and "--step-separator" in text and "--threshold" in text
+    for flag in ("--save-every", "--overwrite", "--lora-r", "--lr", "--warmup-steps", "--output-dir"):
+        assert flag not in text, flag
+    with pytest.raises(SystemExit) as e:
+        eval_cli.parse_args(["--model", "x", "--save-every", "3"])
+    assert e.value.code == 2 and "--save-every" in capsys.readouterr().err
