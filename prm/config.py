@@ -47,6 +47,8 @@ class Config:
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it")
     eval_fraction: float = _opt(0.05, "share held out (split by prompt) when there is no eval split")
     format: str = _opt("auto", "input format; 'auto' detects it from the columns", choices=FORMAT_CHOICES)
+    eval_format: str = _opt("auto", "input format of --eval-dataset, on its own (--format is --dataset's)",
+                            choices=FORMAT_CHOICES)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
                               "(step kept as context, unlabeled)", choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")

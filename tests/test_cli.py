@@ -70,3 +70,10 @@ def test_eval_takes_the_settings_that_read_and_score_data_only(capsys):
     with pytest.raises(SystemExit) as e:
         eval_cli.parse_args(["--model", "x", "--save-every", "3"])
     assert e.value.code == 2 and "--save-every" in capsys.readouterr().err
+
+
+def test_each_data_source_keeps_its_own_format(tmp_path):
+    """PRM800K training rows (--format prm800k) beside a ProcessBench dev set, detected on its own."""
+    final = run_train(tmp_path, dataset=os.path.join(FIX, "prm800k.jsonl"), format="prm800k", max_steps=2,
+                      eval_dataset=os.path.join(FIX, "processbench.json"), max_length=384)
+    assert final["eval_data"]["examples"] > 0 and "f1" in final  # read as ProcessBench: first-error metrics
