@@ -13,6 +13,8 @@ EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_
 SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
            "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
            "threshold", "seed", "trust_remote_code")
+PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc")  # the table on stderr, when every subset has them
+STEP_COLUMNS = ("step_accuracy", "f1_0", "auroc", "n_steps")  # else
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -158,6 +160,24 @@ def warn_cuts(out: dict, cfg: Config):
                   f"{cfg.max_completion_length})" if cfg.max_completion_length else ""), file=sys.stderr)
 
 
+def mean_f1(blocks: dict):
+    """ProcessBench's headline over subsets."""
+    f1s = [b.get("f1") for b in blocks.values()]
+    return sum(f1s) / len(f1s) if None not in f1s else None  # undefined in one subset: undefined on average
+
+
+def table(blocks: dict) -> str:
+    """The headline figures of each subset, one row each: ProcessBench's when every subset has them, else the
+    step metrics; 'n/a' where a figure is undefined (e.g. AUROC with one class only)."""
+    cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
+    cell = lambda v: "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+    width = max(len("subset"), *map(len, blocks))
+    rows = [["subset", *cols]] + [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
+    if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:  # the JSON's mean_f1, under the F1 column
+        rows.append(["mean", cell(mean_f1(blocks)), "", "", ""])
+    return "\n".join(f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows)
+
+
 def main(argv=None):
     cfg, opts, given = parse_args(argv)
     rt = setup()
@@ -176,13 +196,12 @@ def main(argv=None):
             if opts["best_of_n"]:
                 blocks[name].update(bon_block(name, probs, rows, cfg, opts["best_of_n_draws"]))
             lines += prediction_lines(name, rows, probs, head["threshold"], pb, opts["best_of_n"])
-        if len(blocks) == 1:
-            out = {**head, **blocks.popitem()[1]}
-        else:
-            f1s = [b.get("f1") for b in blocks.values()]
-            out = {**head, "subsets": blocks, "mean_f1": sum(f1s) / len(f1s) if None not in f1s else None}
+        shown = table(blocks)
+        out = {**head, **blocks.popitem()[1]} if len(blocks) == 1 else \
+            {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
         if rt.is_main:
             warn_cuts(out, cfg)
+            print(shown, file=sys.stderr)  # for people; stdout's last line stays the one JSON object
             if opts["predictions"]:
                 with open(opts["predictions"], "w") as f:
                     f.writelines(json.dumps(line) + "\n" for line in lines)

@@ -72,6 +72,28 @@ def test_eval_takes_the_settings_that_read_and_score_data_only(capsys):
     assert e.value.code == 2 and "--save-every" in capsys.readouterr().err
 
 
+def test_eval_prints_a_table_on_stderr_and_the_json_last_on_stdout(model_dir, capsys):
+    import eval as eval_cli
+    out = eval_cli.main(["--model", model_dir, "--dtype", "fp32", "--dataset", os.path.join(FIX, "processbench.json"),
+                         os.path.join(FIX, "stepwise_test.jsonl"), "--max-length", "4096"])
+    stdout, stderr = capsys.readouterr()
+    assert json.loads(stdout.strip().splitlines()[-1]) == json.loads(json.dumps(out))
+    table = stderr[stderr.index("subset "):].splitlines()
+    assert table[0].split() == ["subset", "step_accuracy", "f1_0", "auroc", "n_steps"]  # one subset lacks f1
+    assert table[1].split()[0] == "processbench" and table[2].split()[0] == "stepwise_test"
+    n_steps = out["subsets"]["stepwise_test"]["n_steps"]
+    assert table[2].split()[-1] == str(n_steps)
+
+
+def test_eval_table_shows_processbench_columns_and_n_a():
+    import eval as eval_cli
+    blocks = {"gsm8k": {"f1": 0.5, "acc_error": 0.25, "acc_correct": 1.0, "auroc": None},
+              "math": {"f1": 0.3, "acc_error": 0.2, "acc_correct": 0.6, "auroc": 0.7}}
+    rows = [line.split() for line in eval_cli.table(blocks).splitlines()]
+    assert rows == [["subset", "f1", "acc_error", "acc_correct", "auroc"], ["gsm8k", "0.500", "0.250", "1.000", "n/a"],
+                    ["math", "0.300", "0.200", "0.600", "0.700"], ["mean", "0.400"]]
+
+
 def test_each_data_source_keeps_its_own_format(tmp_path):
     """PRM800K training rows (--format prm800k) beside a ProcessBench dev set, detected on its own."""
     final = run_train(tmp_path, dataset=os.path.join(FIX, "prm800k.jsonl"), format="prm800k", max_steps=2,
