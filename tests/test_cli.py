@@ -94,8 +94,32 @@ def test_eval_table_shows_processbench_columns_and_n_a():
                     ["math", "0.300", "0.200", "0.600", "0.700"], ["mean", "0.400"]]
 
 
-def test_each_data_source_keeps_its_own_format(tmp_path):
-    """PRM800K training rows (--format prm800k) beside a ProcessBench dev set, detected on its own."""
+def test_each_data_source_keeps_its_own_format(tmp_path, capsys):
+    """PRM800K training rows (--format prm800k) beside a ProcessBench dev set, detected on its own; the log says
+    the run's steps and tokens before the first step."""
     final = run_train(tmp_path, dataset=os.path.join(FIX, "prm800k.jsonl"), format="prm800k", max_steps=2,
                       eval_dataset=os.path.join(FIX, "processbench.json"), max_length=384)
     assert final["eval_data"]["examples"] > 0 and "f1" in final  # read as ProcessBench: first-error metrics
+    assert re.search(r"\| 2 steps, ~[0-9.]+k tokens \|", capsys.readouterr().out)
+
+
+def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
+    from prm.trainer import count, log_line
+    rec = {"step": 1, "loss": 0.5, "acc": 0.5, "lr": 1e-3, "norm": 1.0, "epoch": 0}
+    assert log_line({**rec, "tok_per_s": 950.4}).endswith("| 950 tok/s")
+    assert log_line({**rec, "tok_per_s": 18234.0}).endswith("| 18.2k tok/s")
+    assert log_line({"step": 4, "eval_precision_0": None, "eval_f1_1": 0.5}) == \
+        "step 4 | eval_precision_0 n/a | eval_f1_1 0.5000"
+    assert (count(0), count(3.8e3), count(1.25e6)) == ("0", "3.8k", "1.2M")
+
+
+def test_time_left_is_said_once_from_the_host_clock(monkeypatch):
+    from prm import trainer
+    from prm.runtime import Runtime
+    said, clock = [], iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
+    log = trainer.TrainLog(None, Runtime(), type("Bar", (), {"write": lambda self, s: said.append(s)})(), lengths=[],
+                           n_labels=[], n_chunks=1, pack_to=None, check_norm=True, resumed_at=0, total=10, hint="")
+    for step in range(1, 7):  # step 1 pays the one-time costs: the clock starts when it ends
+        log.estimate(step)
+    assert said == ["about 0:00:06 left (1.00 s per step)"]  # after step 4: 3 steps timed, 6 to go
