@@ -5,24 +5,21 @@ import json
 import os
 import sys
 
-from transformers import AutoConfig
-
-from prm.build import load_trained
-from prm.config import FILE, Config, HelpFormatter, add_fields, exit_on_problems, writable
-from prm.data import pad_token_id
-from prm.evaluate import best_of_n_report, predict, report, true_first_error
-from prm.model import input_settings
-from prm.ingest import tokenize_dataset
-from prm.metrics import first_error, tune_threshold
-from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown
-from prm.sources import exit_on_data_error, load_eval
+from prm.config import FILE, Config, Parser, add_field, exit_on_problems, writable
 
 EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_n_draws")
+# the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA, checkpoints,
+# the held-out split) belongs to the run and comes from it
+SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
+           "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
+           "threshold", "seed", "trust_remote_code")
+PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc")  # the table on stderr, when every subset has them
+STEP_COLUMNS = ("step_accuracy", "f1_0", "auroc", "n_steps")  # else
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
-    """eval.py's own options first; then every training flag, whose value when not given comes from the run."""
-    p = argparse.ArgumentParser(description=__doc__.split(" Depends on:")[0], formatter_class=HelpFormatter)
+    """eval.py's own options first; then the run settings it takes, whose value when not given comes from the run."""
+    p = Parser(usage="%(prog)s --model DIR [options]", description=__doc__.split(" Depends on:")[0])
     p.add_argument("--model", default=argparse.SUPPRESS, help="a directory written by train.py (final/ or a "
                    "checkpoint) or any 2-label token-classification model; required")
     p.add_argument("--dataset", nargs="+", default=[], metavar="SOURCE",
@@ -42,10 +39,25 @@ def build_eval_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("run settings", "how to read and score the data; each flag not given comes from "
                                "the run's config.train.json beside --model (else from config.json's 'prm', else "
                                "the training default)")
-    add_fields(run, Config, skip=("model", "dataset"))
-    for a in run._group_actions:  # on the actions, not set_defaults: that would put SUPPRESS in the namespace
-        a.default = argparse.SUPPRESS
+    for name in SCORING:
+        add_field(run, Config.__dataclass_fields__[name], suppress=True)
     return p
+
+
+if __name__ == "__main__":  # --help and a bad flag answer before torch and transformers load (seconds)
+    build_eval_parser().parse_args()
+
+# the heavy imports, after the early parse above
+from transformers import AutoConfig  # noqa: E402
+
+from prm.build import load_trained  # noqa: E402
+from prm.data import pad_token_id  # noqa: E402
+from prm.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
+from prm.ingest import tokenize_dataset  # noqa: E402
+from prm.metrics import first_error, tune_threshold  # noqa: E402
+from prm.model import input_settings  # noqa: E402
+from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
+from prm.sources import exit_on_data_error, load_eval  # noqa: E402
 
 
 def run_settings(model: str, trust_remote_code: bool) -> Config:
@@ -61,7 +73,7 @@ def run_settings(model: str, trust_remote_code: bool) -> Config:
 
 
 def parse_args(argv=None):
-    """Every training flag is accepted; those not given come from the run's saved config beside the model.
+    """The run settings in SCORING are accepted; those not given come from the run's saved config beside the model.
 
     Returns (config, the eval-only options, the names of the config fields given on the command line)."""
     p = build_eval_parser()
@@ -148,6 +160,24 @@ def warn_cuts(out: dict, cfg: Config):
                   f"{cfg.max_completion_length})" if cfg.max_completion_length else ""), file=sys.stderr)
 
 
+def mean_f1(blocks: dict):
+    """ProcessBench's headline over subsets."""
+    f1s = [b.get("f1") for b in blocks.values()]
+    return sum(f1s) / len(f1s) if None not in f1s else None  # undefined in one subset: undefined on average
+
+
+def table(blocks: dict) -> str:
+    """The headline figures of each subset, one row each: ProcessBench's when every subset has them, else the
+    step metrics; 'n/a' where a figure is undefined (e.g. AUROC with one class only)."""
+    cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
+    cell = lambda v: "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+    width = max(len("subset"), *map(len, blocks))
+    rows = [["subset", *cols]] + [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
+    if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:  # the JSON's mean_f1, under the F1 column
+        rows.append(["mean", cell(mean_f1(blocks)), "", "", ""])
+    return "\n".join(f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows)
+
+
 def main(argv=None):
     cfg, opts, given = parse_args(argv)
     rt = setup()
@@ -166,13 +196,12 @@ def main(argv=None):
             if opts["best_of_n"]:
                 blocks[name].update(bon_block(name, probs, rows, cfg, opts["best_of_n_draws"]))
             lines += prediction_lines(name, rows, probs, head["threshold"], pb, opts["best_of_n"])
-        if len(blocks) == 1:
-            out = {**head, **blocks.popitem()[1]}
-        else:
-            f1s = [b.get("f1") for b in blocks.values()]
-            out = {**head, "subsets": blocks, "mean_f1": sum(f1s) / len(f1s) if None not in f1s else None}
+        shown = table(blocks)
+        out = {**head, **blocks.popitem()[1]} if len(blocks) == 1 else \
+            {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
         if rt.is_main:
             warn_cuts(out, cfg)
+            print(shown, file=sys.stderr)  # for people; stdout's last line stays the one JSON object
             if opts["predictions"]:
                 with open(opts["predictions"], "w") as f:
                     f.writelines(json.dumps(line) + "\n" for line in lines)

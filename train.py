@@ -2,13 +2,13 @@
 Depends on: prm."""
 import json
 
-from prm.card import launch_command
 from prm.config import parse_config
-from prm.sources import exit_on_data_error
-from prm.trainer import train
 
 if __name__ == "__main__":
-    cfg = parse_config()
+    cfg = parse_config()  # before torch, datasets and transformers load: --help and a bad flag answer in a blink
+    from prm.card import launch_command
+    from prm.sources import exit_on_data_error
+    from prm.trainer import train
     with exit_on_data_error():  # bad rows: exit status 2 with a one-screen message, no traceback
         final = train(cfg, launch_command())
     if final is not None:

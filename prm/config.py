@@ -26,14 +26,19 @@ def unescape(text: str) -> str:
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
+FORMAT_CHOICES = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench", "candidates",
+                  "prmbench"]
+
+
 def _opt(default, help, **kw):
+    """A field with its --help text; section="title" on a field starts a --help section (argument group) there."""
     return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class Config:
-    # model and data
-    model: str = _opt("tiny", "hub id, local dir, or 'tiny' (a small random decoder built from a config, offline)")
+    model: str = _opt("tiny", "hub id, local dir, or 'tiny' (a small random decoder built from a config, offline)",
+                      section="model and data")
     tokenizer: str = _opt("", "tokenizer path/id; default: the model's own (the built-in char tokenizer for 'tiny')")
     dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a directory")
     eval_dataset: str = _opt("", "held-out data; default: the dataset's eval split or an --eval-fraction share")
@@ -41,9 +46,9 @@ class Config:
     train_split: str = _opt("train", "split used for training")
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it")
     eval_fraction: float = _opt(0.05, "share held out (split by prompt) when there is no eval split")
-    format: str = _opt("auto", "input format; 'auto' detects it from the columns",
-                       choices=["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench",
-                                "candidates", "prmbench"])
+    format: str = _opt("auto", "input format; 'auto' detects it from the columns", choices=FORMAT_CHOICES)
+    eval_format: str = _opt("auto", "input format of --eval-dataset, on its own (--format is --dataset's)",
+                            choices=FORMAT_CHOICES)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
                               "(step kept as context, unlabeled)", choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")
@@ -53,8 +58,7 @@ class Config:
     overwrite: bool = _opt(False, "replace the run already in --output-dir (its metrics.jsonl, checkpoints, final/); "
                            "without this or --resume such a directory is refused. Command line only: a --config "
                            "file's value is ignored, so rerunning a saved config never deletes a run")
-    # tokenization
-    max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only")
+    max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only", section="tokenization")
     max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, applied "
                                       "before --max-length; 0: no separate cap")
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last token "
@@ -62,8 +66,7 @@ class Config:
     train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label")
     cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step (label false "
                                        "or 0.0): what follows an error is not judged, as in ProcessBench")
-    # optimization
-    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes")
+    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", section="optimization")
     epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1")
     batch_size: int = _opt(0, "examples per device per micro-batch; 0 = 32 for the 'tiny' preset, else 8")
     grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)")
@@ -85,8 +88,9 @@ class Config:
                          "decoders only, other backbones are padded")
     pack_to: int = _opt(0, "with --packing, pad each micro-batch's row up to a multiple of N tokens so shapes repeat "
                         "(N >= batch x --max-length: one shape, --compile compiles once); 0: no padding")
-    # LoRA: low-rank adapters on the backbone's linear layers; the head stays fully trainable
-    lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)")
+    seed: int = _opt(0, "seed for init, data order and dropout")
+    lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)",
+                       section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully")
     lora_alpha: float = _opt(0.0, "LoRA scale numerator (update = alpha / r x B A); 0 = 2 x --lora-r")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input")
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -95,9 +99,8 @@ class Config:
     lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it needs no fp32 "
                                 "master copy: it never updates) and needs autocast (--dtype bf16 or auto)",
                                 choices=["fp32", "bf16"])
-    seed: int = _opt(0, "seed for init, data order and dropout")
-    # evaluation, logging, checkpoints
-    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)")
+    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)",
+                           section="evaluation, logging, checkpoints")
     eval_batch_size: int = _opt(0, "examples per device at evaluation (0: 2 x --batch-size)")
     threshold: float = _opt(0.5, "a step is predicted correct when P(correct) >= threshold")
     log_every: int = _opt(10, "log line and metrics.jsonl record every N optimizer steps")
@@ -178,7 +181,8 @@ class Config:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default holding a newline or tab (or nothing) as an escaped string, '\\n', not as a blank."""
+    """Shows a default holding a newline or tab (or nothing) as an escaped string, '\\n', not as a blank; lists a
+    field's dashed names only (its `shown`), not the underscore spellings it also answers to."""
 
     def _get_help_string(self, action):
         text = super()._get_help_string(action)
@@ -186,25 +190,67 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             text = text.replace("%(default)s", "%(default)r")
         return text
 
+    def _format_action_invocation(self, action):
+        shown = getattr(action, "shown", None)
+        if shown is None:
+            return super()._format_action_invocation(action)
+        metavar = "" if action.nargs == 0 else " " + self._format_args(action, action.dest.upper())
+        return ", ".join(shown) + metavar
 
-def add_fields(parser, cls=Config, skip=()):
-    """Every dataclass field (but skip) becomes --field-name on parser (or an argument group), with default, type
-    and help."""
+
+class Parser(argparse.ArgumentParser):
+    """Bad flags end with one line and exit status 2 (not a usage dump of every flag), an unknown one naming the
+    nearest valid flag. No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
+
+    def __init__(self, usage: str = "%(prog)s [options]", **kw):
+        super().__init__(usage=usage, formatter_class=HelpFormatter, allow_abbrev=False, **kw)
+
+    def error(self, message: str):
+        unknown = [a for a in message.split()[2:] if a.startswith("-")] if message.startswith("unrecognized") else []
+        if unknown:
+            near = difflib.get_close_matches(unknown[0].split("=")[0], list(self._option_string_actions), n=1)
+            action = self._option_string_actions[near[0]] if near else None
+            names = getattr(action, "shown", None) or (action.option_strings if action else [])
+            message += f" (did you mean {' / '.join(names)}?)" if names else ""
+        exit_on_problems([message])
+
+
+def add_field(container, f, suppress: bool = False):
+    """Field f as --its-name on container (a parser or an argument group), also answering to its underscore
+    spelling and to TRL's / HF's name for it (TRL_NAMES); --help shows the dashed names. suppress: an absent flag
+    leaves no attribute (eval.py takes it from the run instead)."""
+    names = [f.name] + [trl for trl, ours in TRL_NAMES.items() if ours == f.name]
+    dashed = ["--" + n.replace("_", "-") for n in names]
+    spellings = list(dict.fromkeys(dashed + ["--" + n for n in names]))  # --lr has one spelling only
+    default = argparse.SUPPRESS if suppress else f.default
+    meta = {k: v for k, v in f.metadata.items() if k != "section"}
+    if f.type in (bool, "bool"):
+        action = container.add_argument(*spellings, dest=f.name, action=argparse.BooleanOptionalAction,
+                                        default=default, help=meta["help"])
+        action.shown = [dashed[0], "--no-" + dashed[0][2:]] + dashed[1:]  # every --no- spelling still works
+    else:
+        meta.setdefault("type", {"int": int, "float": float, "str": str}.get(f.type, f.type))
+        action = container.add_argument(*spellings, dest=f.name, default=default, **meta)
+        action.shown = dashed
+
+
+def sections(cls=Config) -> list:
+    """[(title, [fields])] in declaration order: a field whose metadata has a section starts one."""
+    out = []
     for f in fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
-        if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
-        else:
-            meta.setdefault("type", {"int": int, "float": float, "str": str}.get(f.type, f.type))
-            parser.add_argument(flag, default=f.default, **meta)
+        if "section" in f.metadata:
+            out.append((f.metadata["section"], []))
+        out[-1][1].append(f)
+    return out
 
 
 def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
-    add_fields(p, cls)
+    """Every field of cls as a flag, in an argument group per section."""
+    p = Parser(description=description)
+    for title, group in sections(cls):
+        target = p.add_argument_group(title)
+        for f in group:
+            add_field(target, f)
     return p
 
 
@@ -237,20 +283,28 @@ def exit_on_problems(problems: list):
         raise UsageError("; ".join(problems))
 
 
-# names from TRL's PRMConfig / TrainingArguments: an unknown key that is one of these gets ours suggested
+# names TRL's PRMConfig / ScriptArguments and HF's TrainingArguments give our fields (same meaning, same values);
+# each one also sets its field on the command line (--learning_rate, --learning-rate) and in a --config file.
+# Names the two share (max_length, gradient_checkpointing, output_dir, ...) need no entry.
 TRL_NAMES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
              "gradient_accumulation_steps": "grad_accum", "logging_steps": "log_every", "save_steps": "save_every",
              "save_total_limit": "keep_last", "eval_steps": "eval_every", "model_name_or_path": "model",
-             "dataset_name": "dataset", "per_device_eval_batch_size": "eval_batch_size", "dataset_num_proc": "num_proc"}
+             "dataset_name": "dataset", "per_device_eval_batch_size": "eval_batch_size", "dataset_num_proc": "num_proc",
+             "dataset_train_split": "train_split", "dataset_test_split": "eval_split", "torch_compile": "compile",
+             "resume_from_checkpoint": "resume"}
+
+
+def canonical(key: str) -> str:
+    """Our field name for a key in any accepted spelling: max-length, max_length, TRL's learning_rate."""
+    key = key.replace("-", "_")
+    return TRL_NAMES.get(key, key)
 
 
 def nearest_field(key: str, cls=Config) -> str:
-    """The valid key a mistyped or TRL-named one most likely meant ('' if none is close)."""
-    names = [f.name for f in fields(cls)]
-    if key in TRL_NAMES:
-        return TRL_NAMES[key]
+    """The field a mistyped key most likely meant, TRL's names included ('' if none is close)."""
+    names = [f.name for f in fields(cls)] + list(TRL_NAMES)
     close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
-    return close[0] if close else ""
+    return canonical(close[0]) if close else ""
 
 
 def checked_value(f, value):
@@ -271,7 +325,8 @@ def checked_value(f, value):
 
 
 def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
-    """{field: value} from a YAML or JSON file whose keys are Config's fields (as in config.train.json).
+    """{field: value} from a YAML or JSON file whose keys are Config's fields (as in config.train.json), or any
+    spelling the command line takes (TRL's names too).
 
     Values are taken as written (no shell escapes: write a newline separator as "\\n" in YAML/JSON). Any problem
     (missing file, bad syntax, unknown key, wrong type) stops with parser.error: a message and exit status 2."""
@@ -286,11 +341,14 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
         parser.error(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
     by_name, out = {f.name: f for f in fields(Config)}, {}
     for key, value in data.items():
-        if key not in by_name:
+        name = canonical(str(key))
+        if name not in by_name:
             near = nearest_field(str(key))
             parser.error(f"--config {path}: unknown key '{key}'" + (f" (did you mean '{near}'?)" if near else ""))
+        if name in out:  # lr and learning_rate both given: neither may silently win
+            parser.error(f"--config {path}: '{key}' sets '{name}' a second time")
         try:
-            out[key] = checked_value(by_name[key], value)
+            out[name] = checked_value(by_name[name], value)
         except ValueError as e:
             parser.error(f"--config {path}: {e}")
     return out
@@ -306,10 +364,10 @@ def given_args(parser: argparse.ArgumentParser, argv=None) -> dict:
 
 def parse_config(argv=None) -> Config:
     """train.py's command line: flags given win over --config FILE, which wins over the defaults."""
-    p = argparse.ArgumentParser(description="Train a process reward model.", formatter_class=HelpFormatter)
+    p = build_parser(description="Train a process reward model. Every flag also takes its underscore spelling "
+                     "(--max_length) and, where it has one, TRL's name (--learning_rate).")
     p.add_argument("--config", default="", metavar="FILE",
                    help="YAML or JSON file of settings, keys as in config.train.json; flags given here override it")
-    add_fields(p)
     given = given_args(p, argv)
     path = given.pop("config", "")
     from_file = read_config_file(path, p) if path else {}

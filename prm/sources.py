@@ -164,13 +164,15 @@ def _sources(spec: str, split: str, cfg):
     return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
 
 
-def read_rows(spec: str, split: str, cfg) -> list:
-    """Every record of a source as validated stepwise rows. Raises DataError listing each bad row, or with
-    cfg.skip_invalid drops those records and says how many."""
+def read_rows(spec: str, split: str, cfg, format_key: str = "format") -> list:
+    """Every record of a source as validated stepwise rows, in the format cfg.<format_key> names (--format, or
+    --eval-format for --eval-dataset). Raises DataError listing each bad row, or with cfg.skip_invalid drops those
+    records and says how many."""
     rows, problems, bad, n_records, empty = [], [], 0, 0, 0
-    formats = {cfg.format: "forced by --format"} if cfg.format != "auto" else {}
+    forced = getattr(cfg, format_key)
+    formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
     for name, records in _sources(spec, split, cfg):
-        fmt = cfg.format if cfg.format != "auto" else None
+        fmt = forced if forced != "auto" else None
         for where, record, problem in records:
             n_records += 1
             if fmt is None and problem is None:  # each file's format comes from its first readable record
@@ -264,7 +266,7 @@ def load_splits(cfg):
     train = read_rows(cfg.dataset, cfg.train_split, cfg)
     held = None
     if cfg.eval_dataset:
-        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg)
+        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format")  # its own format, not --dataset's
     elif not is_local(cfg.dataset):
         try:
             held = read_rows(cfg.dataset, cfg.eval_split, cfg)

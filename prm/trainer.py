@@ -4,6 +4,7 @@ behind one call each. Depends on: torch, tqdm, prm.*.
 Here "step" always means an optimizer step (--max-steps, checkpoint-<step>); the reasoning steps of a solution
 are the "labels" of the batch."""
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -179,15 +180,17 @@ class Trainer:
         self.metrics = TrainLog(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, rt, self.pbar,
                                 lengths=self.lengths, n_labels=self.n_labels, n_chunks=rt.world_size * cfg.grad_accum,
                                 pack_to=cfg.pack_to if self.packed else None,
-                                check_norm=not self.scaler.is_enabled(), resumed_at=self.step,
+                                check_norm=not self.scaler.is_enabled(), resumed_at=self.step, total=self.total,
                                 hint=f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps"
                                 + ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""),
                                 tracker=Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None)
         trainable, n_params = count_parameters(self.model)
+        # every epoch passes over every example once: its non-pad tokens, scaled to the steps this run takes
+        tokens = sum(self.lengths) * (self.total - self.step) / self.steps_per_epoch
         self.say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
                  f"({100 * trainable / n_params:.2f}%) | {len(self.train_ds)} train examples | global batch "
-                 f"{self.global_batch} | {self.total} steps | autocast {self.amp_dtype or 'off'} | "
-                 f"world {rt.world_size}")
+                 f"{self.global_batch} | {self.total - self.step} steps, ~{count(tokens)} tokens | autocast "
+                 f"{self.amp_dtype or 'off'} | world {rt.world_size}")
 
     def train(self) -> dict:
         cfg = self.cfg
@@ -342,7 +345,7 @@ class TrainLog:
     only device sync. A divergence is also read before every save, so non-finite weights are never written."""
 
     def __init__(self, path, rt: Runtime, pbar, *, lengths: list, n_labels: list, n_chunks: int, pack_to,
-                 check_norm: bool, resumed_at: int, hint: str, tracker=None):
+                 check_norm: bool, resumed_at: int, total: int, hint: str, tracker=None):
         self.rt, self.pbar, self.lengths, self.labels_of, self.n_chunks = rt, pbar, lengths, n_labels, n_chunks
         self.pack_to = pack_to  # None: padded micro-batches
         self.check_norm, self.hint = check_norm, hint  # fp16: an inf norm is the GradScaler's skipped step, not news
@@ -355,6 +358,7 @@ class TrainLog:
         self.last_finite = None  # (step, loss) of the last log line with a finite loss
         self.n_labels, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
+        self.total, self.timed_from, self.estimated = total, None, False  # timed_from: (step, host time)
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
         """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm."""
@@ -366,6 +370,7 @@ class TrainLog:
         self.tokens, self.total_tokens = self.tokens + tokens, self.total_tokens + tokens
         self.total_padded += padded_tokens(batch, self.lengths, self.n_chunks, self.pack_to)
         self.pbar.update(1)
+        self.estimate(step)
         if not write:
             self.seconds += time.perf_counter() - t0
             return
@@ -382,6 +387,18 @@ class TrainLog:
         self.window.zero_()
         self.total_seconds += self.seconds
         self.n_labels, self.tokens, self.seconds = 0, 0, 0.0
+
+    def estimate(self, step: int):
+        """The remaining time, said once, from host wall-clock since this run's first step ended (it pays one-time
+        costs: compilation, allocator warm-up), after 3 more steps or 10 s. No device sync: it reads the clock only,
+        so device work still queued may be missed."""
+        now = time.perf_counter()
+        self.timed_from = self.timed_from or (step, now)
+        done, seconds = step - self.timed_from[0], now - self.timed_from[1]
+        if not self.estimated and (done >= 3 or (done and seconds >= 10)) and step < self.total:
+            left = datetime.timedelta(seconds=round(seconds / done * (self.total - step)))
+            self.pbar.write(f"about {left} left ({seconds / done:.2f} s per step)")
+            self.estimated = True
 
     def stop_if_diverged(self):
         """Reads the divergence flag now (a device sync: before saves only), agreed by every rank."""
@@ -407,20 +424,31 @@ class TrainLog:
         self.file.flush()
         if self.tracker is not None:
             self.tracker.log(rec)
-        if not echo:
-            return
-        if "loss" in rec:
-            msg = (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
-                   f"norm {rec['norm']:.2f} | {rec['tok_per_s'] / 1000:.1f}k tok/s")
-        else:
-            msg = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items())
-        self.pbar.write(msg)
+        if echo:
+            self.pbar.write(log_line(rec))
 
     def close(self):
         if self.file is not None:
             self.file.close()
         if self.tracker is not None:
             self.tracker.close()
+
+
+def count(n: float) -> str:
+    """A count as people read it: 950, 18.2k, 1.3M, 3.4G (a small one in full, never 0.0k)."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def log_line(rec: dict) -> str:
+    """A metrics.jsonl record as the log shows it; an undefined metric (None) reads 'n/a'."""
+    if "loss" in rec:
+        return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
+                f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s")
+    shown = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
+    return " | ".join(f"{k} {shown(v)}" for k, v in rec.items())
 
 
 def strict_json(x):

@@ -1,5 +1,5 @@
-"""--config FILE (YAML or JSON) against the equivalent flags, overrides, unknown keys, reproducing a saved run, and
-the --help text of train.py and eval.py."""
+"""--config FILE (YAML or JSON) against the equivalent flags, overrides, unknown keys, TRL's names, reproducing a saved
+run, and the --help text of train.py and eval.py."""
 import json
 
 import pytest
@@ -53,7 +53,8 @@ def test_flags_given_override_the_file_and_the_rest_keeps_its_values(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("max_lenght: 512\n", "unknown key 'max_lenght' (did you mean 'max_length'?)"),
-    ("learning_rate: 1.0e-5\n", "unknown key 'learning_rate' (did you mean 'lr'?)"),  # TRL's name
+    ("learnin_rate: 1.0e-5\n", "unknown key 'learnin_rate' (did you mean 'lr'?)"),  # TRL's name, mistyped
+    ("lr: 1.0e-5\nlearning_rate: 1.0e-5\n", "'learning_rate' sets 'lr' a second time"),
     ("max_length: long\n", "'max_length' must be int, got str 'long'"),
     ("dtype: fp8\n", "'dtype' must be one of"),
     ("- lr\n", "expected a mapping of settings, got list"),
@@ -84,7 +85,15 @@ def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
         eval_cli.main(["--help"])
     text = capsys.readouterr().out
     own = [text.index(f"  --{name}") for name in ("model", "dataset", "predictions", "processbench", "tune-threshold")]
-    assert max(own) < text.index("run settings") < text.index("  --lr") and "--max-length" in text
+    assert max(own) < text.index("run settings") < text.index("  --max-length")
+
+
+def test_trl_names_in_a_file_set_our_fields(tmp_path):
+    """As on the command line: a TRL config's keys (and dashed spellings) read as ours."""
+    (tmp_path / "trl.yaml").write_text("learning_rate: 1.0e-3\nper_device_train_batch_size: 4\nmax-steps: 3\n")
+    (tmp_path / "ours.yaml").write_text("lr: 1.0e-3\nbatch_size: 4\nmax_steps: 3\n")
+    trl, ours = (parse_config(["--config", str(tmp_path / name)]) for name in ("trl.yaml", "ours.yaml"))
+    assert trl == ours and (trl.lr, trl.batch_size, trl.max_steps) == (0.001, 4, 3)
 
 
 @pytest.mark.parametrize("key", ["overwrite", "trust_remote_code"])  # deletes a run / runs a model's own code

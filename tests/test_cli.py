@@ -1,0 +1,125 @@
+"""The command lines: TRL / HF flag names and underscore spellings, the nearest flag for an unknown one, --help by
+section and before torch loads, eval.py's own settings and its table, one format per data source, the log line."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_train
+from prm.config import Config, parse_config, sections
+
+FIX = os.path.join(ROOT, "tests", "fixtures")
+DASHED = ["--lr", "1e-4", "--batch-size", "2", "--grad-accum", "3", "--epochs", "2", "--model", "tiny",
+          "--dataset", "synthetic", "--max-length", "64", "--gradient-checkpointing", "--no-packing",
+          "--eval-every", "5", "--compile"]
+ALIASES = ["--learning_rate", "1e-4", "--per_device_train_batch_size", "2", "--gradient-accumulation-steps", "3",
+           "--num_train_epochs", "2", "--model_name_or_path", "tiny", "--dataset_name", "synthetic", "--max_length",
+           "64", "--gradient_checkpointing", "--no-packing", "--eval_steps", "5", "--torch_compile"]
+
+
+def test_trl_names_and_underscore_spellings_parse_to_the_same_config(tmp_path):
+    out = ["--output-dir", str(tmp_path)]
+    assert parse_config(DASHED + out) == parse_config(ALIASES + out) != parse_config(out)
+
+
+@pytest.mark.parametrize("argv, hint", [(["--learnin_rate", "1"], "(did you mean --lr / --learning-rate?)"),
+                                        (["--max-len", "64"], "(did you mean --max-length?)")])  # no abbreviations
+def test_an_unknown_flag_exits_2_naming_the_nearest(capsys, argv, hint):
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and hint in err, err  # one line, no usage dump
+
+
+def test_help_has_a_section_per_group_of_fields_and_each_field_once(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    for title, group in sections():
+        assert f"\n{title}:\n" in text
+        for f in group:  # its invocation line: the dashed name, then a TRL name, a --no- form or the metavar
+            flag = "--" + f.name.replace("_", "-")
+            assert sum(bool(re.match(f"  {flag}([ ,]|$)", line)) for line in lines) == 1, flag  # 2 spaces in
+    assert "--learning-rate" in text and "--gradient-accumulation-steps" in text  # TRL's names, dashed
+    assert "--eval_every" not in text and "--gradient_accumulation_steps" not in text  # no underscore spellings
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py"])
+def test_help_answers_before_torch_loads(script):
+    probe = ("import runpy, sys, time\nt = time.perf_counter()\nsys.argv = [sys.argv[1], '--help']\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('seconds', time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe, script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    *_, seconds, torch_loaded, transformers_loaded = proc.stdout.split()
+    print(script, "--help:", seconds, "s")
+    assert "usage:" in proc.stdout and (torch_loaded, transformers_loaded) == ("False", "False")
+
+
+def test_eval_takes_the_settings_that_read_and_score_data_only(capsys):
+    import eval as eval_cli
+    text = eval_cli.build_eval_parser().format_help()
+    assert "--max-length" in text and "--step-separator" in text and "--threshold" in text
+    for flag in ("--save-every", "--overwrite", "--lora-r", "--lr", "--warmup-steps", "--output-dir"):
+        assert flag not in text, flag
+    with pytest.raises(SystemExit) as e:
+        eval_cli.parse_args(["--model", "x", "--save-every", "3"])
+    assert e.value.code == 2 and "--save-every" in capsys.readouterr().err
+
+
+def test_eval_prints_a_table_on_stderr_and_the_json_last_on_stdout(model_dir, capsys):
+    import eval as eval_cli
+    out = eval_cli.main(["--model", model_dir, "--dtype", "fp32", "--dataset", os.path.join(FIX, "processbench.json"),
+                         os.path.join(FIX, "stepwise_test.jsonl"), "--max-length", "4096"])
+    stdout, stderr = capsys.readouterr()
+    assert json.loads(stdout.strip().splitlines()[-1]) == json.loads(json.dumps(out))
+    table = stderr[stderr.index("subset "):].splitlines()
+    assert table[0].split() == ["subset", "step_accuracy", "f1_0", "auroc", "n_steps"]  # one subset lacks f1
+    assert table[1].split()[0] == "processbench" and table[2].split()[0] == "stepwise_test"
+    n_steps = out["subsets"]["stepwise_test"]["n_steps"]
+    assert table[2].split()[-1] == str(n_steps)
+
+
+def test_eval_table_shows_processbench_columns_and_n_a():
+    import eval as eval_cli
+    blocks = {"gsm8k": {"f1": 0.5, "acc_error": 0.25, "acc_correct": 1.0, "auroc": None},
+              "math": {"f1": 0.3, "acc_error": 0.2, "acc_correct": 0.6, "auroc": 0.7}}
+    rows = [line.split() for line in eval_cli.table(blocks).splitlines()]
+    assert rows == [["subset", "f1", "acc_error", "acc_correct", "auroc"], ["gsm8k", "0.500", "0.250", "1.000", "n/a"],
+                    ["math", "0.300", "0.200", "0.600", "0.700"], ["mean", "0.400"]]
+
+
+def test_each_data_source_keeps_its_own_format(tmp_path, capsys):
+    """PRM800K training rows (--format prm800k) beside a ProcessBench dev set, detected on its own; the log says
+    the run's steps and tokens before the first step."""
+    final = run_train(tmp_path, dataset=os.path.join(FIX, "prm800k.jsonl"), format="prm800k", max_steps=2,
+                      eval_dataset=os.path.join(FIX, "processbench.json"), max_length=384)
+    assert final["eval_data"]["examples"] > 0 and "f1" in final  # read as ProcessBench: first-error metrics
+    assert re.search(r"\| 2 steps, ~[0-9.]+k tokens \|", capsys.readouterr().out)
+
+
+def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
+    from prm.trainer import count, log_line
+    rec = {"step": 1, "loss": 0.5, "acc": 0.5, "lr": 1e-3, "norm": 1.0, "epoch": 0}
+    assert log_line({**rec, "tok_per_s": 950.4}).endswith("| 950 tok/s")
+    assert log_line({**rec, "tok_per_s": 18234.0}).endswith("| 18.2k tok/s")
+    assert log_line({"step": 4, "eval_precision_0": None, "eval_f1_1": 0.5}) == \
+        "step 4 | eval_precision_0 n/a | eval_f1_1 0.5000"
+    assert (count(0), count(3.8e3), count(1.25e6)) == ("0", "3.8k", "1.2M")
+
+
+def test_time_left_is_said_once_from_the_host_clock(monkeypatch):
+    from prm import trainer
+    from prm.runtime import Runtime
+    said, clock = [], iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
+    log = trainer.TrainLog(None, Runtime(), type("Bar", (), {"write": lambda self, s: said.append(s)})(), lengths=[],
+                           n_labels=[], n_chunks=1, pack_to=None, check_norm=True, resumed_at=0, total=10, hint="")
+    for step in range(1, 7):  # step 1 pays the one-time costs: the clock starts when it ends
+        log.estimate(step)
+    assert said == ["about 0:00:06 left (1.00 s per step)"]  # after step 4: 3 steps timed, 6 to go
