@@ -87,6 +87,9 @@ def parser():
     p.add_argument("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
     p.add_argument("--variants", default="", help=f"comma-separated, run side by side in fresh processes, each "
                    f"with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
+    p.add_argument("--gpu-check", action="store_true", help="the CUDA tests, then padded, packed and packed-compiled "
+                   "on a random Qwen2-0.5B-shaped model (prm.gpucheck; other flags ignored); exit 2 without CUDA")
+    p.add_argument("--dry-run", action="store_true", help="with --gpu-check: all of it on the CPU at a tiny shape")
     p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
     return p
 
@@ -367,7 +370,10 @@ def main(argv=None):
     cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__}).resolve()
     if a.peer_python and not a.peer_script:
         raise SystemExit("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
-    if a.variants:
+    if a.gpu_check:
+        from prm.gpucheck import gpu_check  # on demand: the benchmark alone needs none of it
+        out = gpu_check(a.dry_run)
+    elif a.variants:
         out = side_by_side(a, argv)
     elif a.repeats > 1 or a.peer_python:
         out = repeated(a, cfg, argv)
@@ -375,6 +381,8 @@ def main(argv=None):
         out = run_once(cfg, a.peak_tflops)
     if out is not None:
         print(json.dumps(out), flush=True)
+    if out and out.get("failed"):  # --gpu-check: a failed test fails the command, after the figures are printed
+        raise SystemExit(1)
     return out
 
 

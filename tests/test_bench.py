@@ -101,3 +101,25 @@ def test_flops_count_the_rows_the_steps_trained():
     got = trained_batches(cfg, lengths, 5)
     first, second = global_batches(lengths, 4, 3, 0, True), global_batches(lengths, 4, 3, 1, True)
     assert got == first + second[:2] and all(len(b) == 4 for b in got)  # epoch 1 reshuffled, as the trainer does
+
+
+def test_gpu_check_dry_run_on_cpu():
+    """--gpu-check builds its config, tokenizer and data, then stops with exit 2 on a machine without CUDA; --dry-run
+    runs the whole check on the CPU at a tiny shape: the gpu-marked tests (skipped here, with their reason), then the
+    variants, one JSON object."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --gpu-check would run for real")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    bare = subprocess.run([sys.executable, "-m", "prm.bench", "--gpu-check"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert bare.returncode == 2 and "needs CUDA" in bare.stderr and "rows" in bare.stderr, bare.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "prm.bench", "--gpu-check", "--dry-run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["tests"]["returncode"] == 0 and "skipped" in out["tests"]["summary"]
+    assert any("needs CUDA" in s for s in out["tests"]["skipped"])
+    assert set(out["variants"]) == {"padded", "packed"} and out["device"].startswith("cpu")
+    assert out["variants"]["packed"]["attention"] == "sdpa per example (packed, exact fallback)"
+    assert all(v["steady_tokens_per_second"] > 0 for v in out["variants"].values())

@@ -15,9 +15,15 @@ import torch
 
 from conftest import ROOT, SAME_RUN, assert_same_run, small_config
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+# the gpu marker (conftest) selects what --gpu-check runs: pytest -m gpu
+needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_2_gpus = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=needs_cuda, id="cuda")]
+
+
+def marked(marks: list):
+    """A decorator applying every mark of the list."""
+    return lambda f: functools.reduce(lambda g, m: m(g), marks, f)
 U = 2 ** -8  # bf16 keeps 8 significant bits: each rounding is off by at most u = 2^-8 relative
 LAYERS = 3
 # Packed and padded differ only in the attention kernel (varlen flash or the reference kernel against masked SDPA),
@@ -134,7 +140,7 @@ def test_compile_with_pack_to_compiles_once(tmp_path, monkeypatch, device):
     assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"]
 
 
-@needs_cuda
+@marked(needs_cuda)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_no_host_sync_in_a_training_step(tmp_path, compiled):
     """After a warm-up step, one Trainer.train_step (packed, bf16) makes no host sync: prm.bench's sync counting
@@ -175,7 +181,7 @@ def test_eval_bf16_matches_cpu_fp32(tmp_path, model_dir, device):
     assert worst <= 2 * U
 
 
-@needs_cuda
+@marked(needs_cuda)
 def test_reward_on_cuda_matches_cpu(model_dir):
     """PRMReward runs without autocast: fp32 on both, so within test_packing's fp32 bound (1e-5)."""
     from prm.reward import PRMReward
@@ -185,7 +191,7 @@ def test_reward_on_cuda_matches_cpu(model_dir):
     assert max(abs(a - b) for a, b in zip(cpu, cuda)) <= 1e-5
 
 
-@needs_2_gpus
+@marked(needs_2_gpus)
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_two_gpus_match_one(tmp_path, fsdp):
     """torchrun over NCCL, fp32 (test_distributed's COMMON): 2 ranks x batch 3 equal 1 process x batch 6."""
