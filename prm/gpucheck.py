@@ -1,4 +1,4 @@
-"""python -m prm.bench --gpu-check: everything a GPU machine must show (issue 31) in one offline command: the [cuda]
+"""python -m prm.bench --gpu-check: everything a GPU machine must show (issue 31) in one offline command: the CUDA
 tests of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.bench --variants) on a random-init
 Qwen2-0.5B-shaped backbone, batch 8 x 2048, bf16, as one JSON object. Without CUDA it builds the config, tokenizer
 and data, then exits 2; --dry-run does it all on the CPU at a tiny shape (padded and packed: inductor's CPU build of
@@ -70,7 +70,7 @@ def write_weights(model_dir: str, device: str):
 
 
 def run_tests() -> dict:
-    """tests/test_gpu.py's CUDA cases (marked gpu) in a subprocess (the checkout's; an installed package has no tests)."""
+    """tests/test_gpu.py's gpu-marked cases in a subprocess (the checkout's: an installed package has none)."""
     path = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.isfile(path):
         return {"returncode": None, "summary": "tests/test_gpu.py absent: run from a checkout"}
