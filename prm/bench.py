@@ -22,8 +22,11 @@ evaluation on a 1% held-out share, kept cheap; its time is not in tokens/s) and 
   mfu                     CUDA only: flops_per_token x tokens/s / bf16 dense peak (--peak-tflops, else by device
                           name: H100/H200 SXM 989, PCIe and NVL parts lower); flops_per_token = 6 x non-embedding
                           parameters (head included; 4 per frozen weight under LoRA) + 12 x layers x heads x
-                          head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the training rows (causal masking
-                          not discounted; recomputation under gradient checkpointing not counted)
+                          head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the examples the timed steps trained
+                          (each example's own length, packed or not; causal masking not discounted; recomputation
+                          under gradient checkpointing not counted)
+  steady_tokens_per_second  the same tokens/s from the second optimizer step on (host clock between optimizer-step
+                          hooks, so the first step's compilation and warm-up are out; steady_mfu likewise)
   tokenize_rows_per_second  prm.ingest.tokenize_dataset on the training split, datasets cache disabled
   attention               the attention the forward runs: varlen_attn (packed, CUDA bf16/fp16), sdpa per example
                           (packed elsewhere), or sdpa with a padding mask (--no-packing, or a backbone without packing)
@@ -39,6 +42,7 @@ the ratios.
 """
 import contextlib
 import json
+import math
 import os
 import re
 import resource
@@ -56,6 +60,7 @@ from transformers import AutoModel
 
 from prm.build import hf_config_for, tokenizer_for
 from prm.config import Config, build_parser
+from prm.data import global_batches
 from prm.ingest import tokenize_dataset
 from prm.sources import load_splits
 from prm.runtime import autocast_dtype
@@ -68,8 +73,9 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
 BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script", "--variants")
-MEASURED = ("tokens_per_second", "padding_efficiency", "peak_memory_mb", "static_memory_mb", "activation_memory_mb",
-            "baseline_memory_mb", "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
+MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency", "peak_memory_mb",
+            "static_memory_mb", "activation_memory_mb", "baseline_memory_mb", "optimizer_state_mb", "mfu",
+            "tokenize_rows_per_second", "tokenize_tokens_per_second")
 
 
 def parser():
@@ -81,6 +87,9 @@ def parser():
     p.add_argument("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
     p.add_argument("--variants", default="", help=f"comma-separated, run side by side in fresh processes, each "
                    f"with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
+    p.add_argument("--gpu-check", action="store_true", help="the CUDA tests, then padded, packed and packed-compiled "
+                   "on a random Qwen2-0.5B-shaped model (prm.gpucheck; other flags ignored); exit 2 without CUDA")
+    p.add_argument("--dry-run", action="store_true", help="with --gpu-check: all of it on the CPU at a tiny shape")
     p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
     return p
 
@@ -115,6 +124,16 @@ def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tup
     head = 2 * d + 2
     weights = 6 * n if lora_trainable is None else 4 * (n - head) + 6 * lora_trainable
     return weights + 12 * text.num_hidden_layers * width * s_eff, n
+
+
+def trained_batches(cfg: Config, lengths: list, steps: int) -> list:
+    """The dataset indices of each of the first `steps` optimizer steps, from the trainer's own batch plan (a pure
+    function of seed and epoch): what the FLOPs and the steady rate count, not the whole dataset's rows."""
+    per_step = cfg.batch_size * cfg.grad_accum * int(os.environ.get("WORLD_SIZE", 1))  # the global batch
+    per_epoch = math.ceil(len(lengths) / per_step)
+    epochs = range(-(-steps // per_epoch))
+    plans = [global_batches(lengths, per_step, cfg.seed, e, cfg.group_by_length) for e in epochs]
+    return [plans[s // per_epoch][s % per_epoch] for s in range(steps)]
 
 
 def _device_peak(device, override: float) -> float:
@@ -159,7 +178,7 @@ def counting_syncs(device, seen: dict):
 def _train_watched(cfg: Config, device) -> tuple:
     """prm.trainer.train with a global optimizer hook (the trainer's code is not touched) that records the memory
     after every optimizer step: (final metrics, what the hook saw, memory before training)."""
-    seen = {"steps": 0, "after_step": [], "params": 0, "syncs": []}
+    seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
         seen["steps"] += 1
@@ -168,6 +187,7 @@ def _train_watched(cfg: Config, device) -> tuple:
             seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values() for t in st.values()
                                           if torch.is_tensor(t))
         seen["after_step"].append(_memory_now(device))
+        seen["times"].append(time.perf_counter())  # no sync: kernels still queued are counted by the next step's time
         seen["syncs"].append(sum("synchroniz" in str(w.message) for w in seen.get("warnings", [])))
 
     baseline = _memory_now(device)  # before train(): interpreter, libraries, tokenizer, raw and tokenized data
@@ -203,11 +223,16 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     if final is None:  # not rank 0 under torchrun: rank 0 reports
         return None
     peak = _peak_memory(device)
-    fpt, n_nonembed = flops_per_token(model_cfg, lengths, seen["params"] if cfg.lora_r else None)
+    batches = trained_batches(cfg, lengths, seen["steps"])
+    fpt, n_nonembed = flops_per_token(model_cfg, [lengths[i] for b in batches for i in b],
+                                      seen["params"] if cfg.lora_r else None)
     static = min(seen["after_step"]) if seen["after_step"] else 0
     tps = final["train_tokens_per_second"]
+    t = seen["times"]  # steps 2..N: their tokens over the time from the first step's hook to the last one's
+    steady = sum(lengths[i] for b in batches[1:] for i in b) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1),
+        "steady_tokens_per_second": steady and round(steady, 1),
         "padding_efficiency": round(final["padding_efficiency"], 4),
         "peak_memory_mb": round(peak / 2**20, 1),
         "memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
@@ -235,6 +260,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     if device.type == "cuda":
         peak_flops = _device_peak(device, peak_tflops)
         out["mfu"] = round(fpt * tps / peak_flops, 4) if peak_flops else None
+        out["steady_mfu"] = round(fpt * steady / peak_flops, 4) if peak_flops and steady else None
         out["peak_tflops"] = peak_flops / 1e12 or None
     return out
 
@@ -344,7 +370,10 @@ def main(argv=None):
     cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__}).resolve()
     if a.peer_python and not a.peer_script:
         raise SystemExit("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
-    if a.variants:
+    if a.gpu_check:
+        from prm.gpucheck import gpu_check  # on demand: the benchmark alone needs none of it
+        out = gpu_check(a.dry_run)
+    elif a.variants:
         out = side_by_side(a, argv)
     elif a.repeats > 1 or a.peer_python:
         out = repeated(a, cfg, argv)
@@ -352,6 +381,8 @@ def main(argv=None):
         out = run_once(cfg, a.peak_tflops)
     if out is not None:
         print(json.dumps(out), flush=True)
+    if out and out.get("failed"):  # --gpu-check: a failed test fails the command, after the figures are printed
+        raise SystemExit(1)
     return out
 
 

@@ -17,6 +17,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it); run by python -m prm.bench --gpu-check")
     answer = config.getoption("--cpu-bf16")
     if answer != "probe":  # an environment variable, so that train.py / eval.py subprocesses see it too
         os.environ["PRM_CPU_BF16"] = "1" if answer == "yes" else "0"

@@ -73,3 +73,53 @@ def test_strip_bench_flags():
     argv = ["--model", "m", "--repeats", "3", "--peer-python=/x/py", "--peer-script", "s.py", "--steps", "5",
             "--variants", "padded,packed"]
     assert _strip_bench_flags(argv) == ["--model", "m", "--steps", "5"]
+
+
+def test_flops_by_hand_for_one_layer():
+    """Each weight counted by hand (Qwen2: q/k/v with biases, o and the MLP without, two norms per layer and a final
+    one; the 2-way head): 6 FLOPs per weight per token, 4 per frozen one under LoRA. Attention: 12 x width per pair
+    of positions an example attends over, so packed examples of 3 and 5 tokens cost (9 + 25) / 8 per token, not the
+    8-token row's 64 / 8."""
+    from transformers import Qwen2Config
+    d, inner, heads, kv, hd = 64, 128, 4, 2, 16
+    c = Qwen2Config(vocab_size=100, hidden_size=d, intermediate_size=inner, num_hidden_layers=1,
+                    num_attention_heads=heads, num_key_value_heads=kv)
+    attn = (d * heads * hd + heads * hd) + 2 * (d * kv * hd + kv * hd) + heads * hd * d  # q, k, v (+ biases), o
+    n = attn + 3 * d * inner + 2 * d + d + (2 * d + 2)  # MLP (gate, up, down), 2 layer norms + final, head
+    fpt, counted = flops_per_token(c, [3, 5])
+    assert counted == n == 37314
+    assert fpt == 6 * n + 12 * 1 * heads * hd * (9 + 25) / 8
+    lora, _ = flops_per_token(c, [3, 5], lora_trainable=1000 + 130)  # 1000 adapter weights and the head
+    assert lora == 4 * (n - 130) + 6 * 1130 + 12 * heads * hd * (9 + 25) / 8
+
+
+def test_flops_count_the_rows_the_steps_trained():
+    from prm.bench import trained_batches
+    from prm.data import global_batches
+    cfg = Config(batch_size=2, grad_accum=2, seed=3, group_by_length=True)
+    lengths = [10 * (i + 1) for i in range(10)]  # 10 rows, global batch 4: 3 steps per epoch
+    got = trained_batches(cfg, lengths, 5)
+    first, second = global_batches(lengths, 4, 3, 0, True), global_batches(lengths, 4, 3, 1, True)
+    assert got == first + second[:2] and all(len(b) == 4 for b in got)  # epoch 1 reshuffled, as the trainer does
+
+
+def test_gpu_check_dry_run_on_cpu():
+    """--gpu-check builds its config, tokenizer and data, then stops with exit 2 on a machine without CUDA; --dry-run
+    runs the whole check on the CPU at a tiny shape: the gpu-marked tests (skipped here, with their reason), then the
+    variants, one JSON object."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --gpu-check would run for real")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    bare = subprocess.run([sys.executable, "-m", "prm.bench", "--gpu-check"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert bare.returncode == 2 and "needs CUDA" in bare.stderr and "rows" in bare.stderr, bare.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "prm.bench", "--gpu-check", "--dry-run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["tests"]["returncode"] == 0 and "skipped" in out["tests"]["summary"]
+    assert any("needs CUDA" in s for s in out["tests"]["skipped"])
+    assert set(out["variants"]) == {"padded", "packed"} and out["device"].startswith("cpu")
+    assert out["variants"]["packed"]["attention"] == "sdpa per example (packed, exact fallback)"
+    assert all(v["steady_tokens_per_second"] > 0 for v in out["variants"].values())

@@ -1,0 +1,106 @@
+"""python -m prm.bench --gpu-check: everything a GPU machine must show (issue 31) in one offline command: the CUDA
+tests of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.bench --variants) on a random-init
+Qwen2-0.5B-shaped backbone, batch 8 x 2048, bf16, as one JSON object. Without CUDA it builds the config, tokenizer
+and data, then exits 2; --dry-run does it all on the CPU at a tiny shape (padded and packed: inductor's CPU build of
+the compiled variant takes minutes). Depends on: torch, transformers, prm.*."""
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import torch
+from transformers import AutoModel, Qwen2Config
+
+from prm.build import load_tokenizer
+from prm.data import pad_token_id
+from prm.synthetic import CHARS, char_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN2_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "tokenizers", "qwen2")
+# Qwen/Qwen2-0.5B's config.json, by hand (no hub): 24 layers of 896, 14 query heads and 2 K/V heads of 64
+SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+             intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+             max_position_embeddings=32768)
+TINY = dict(SHAPE, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=256, vocab_size=0)  # vocabulary: the tokenizer's
+# batch 8 x 2048 fills an 80-140 GB GPU with a 0.5B model; --pack-to 8 x 2048: every packed step one shape
+FLAGS = {"gpu": ["--steps", "30", "--batch-size", "8", "--max-length", "2048", "--pack-to", "16384", "--dtype", "bf16"],
+         "dry": ["--steps", "3", "--batch-size", "2", "--max-length", "128", "--pack-to", "256", "--dtype", "fp32"]}
+REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu", "steady_mfu", "peak_memory_mb",
+            "host_syncs_per_step", "padding_efficiency")
+
+
+def rows(n: int, max_length: int, seed: int = 0) -> list:
+    """Synthetic rows of realistic lengths (an eighth of max_length to all of it, in characters), 2-12 steps each."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        size, k = rng.randint(max_length // 8, max_length), rng.randint(2, 12)
+        steps = [f"step {j}: " + "".join(rng.choice(CHARS[:-1]) for _ in range(size // (k + 1)))  # no "\n"
+                 for j in range(k)]
+        out.append({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:] or ["done"],
+                    "labels": [rng.random() < 0.7 for _ in steps[1:] or [0]]})
+    return out
+
+
+def write_inputs(path: str, dry: bool) -> tuple:
+    """(model directory: config + tokenizer, weights later; the data file; the bench flags) under path."""
+    tokenizer = load_tokenizer(QWEN2_TOKENIZER) if os.path.isdir(QWEN2_TOKENIZER) else char_tokenizer()
+    shape = TINY if dry else SHAPE
+    cfg = Qwen2Config(**{**shape, "vocab_size": max(shape["vocab_size"], len(tokenizer))},
+                      pad_token_id=pad_token_id(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, attention_dropout=0.0)
+    model_dir, data = os.path.join(path, "model"), os.path.join(path, "rows.jsonl")
+    cfg.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    flags = FLAGS["dry" if dry else "gpu"]
+    steps, batch, max_length = (int(flags[flags.index(f) + 1]) for f in ("--steps", "--batch-size", "--max-length"))
+    with open(data, "w") as f:  # 1% held out, and a margin: every timed step gets a full batch of fresh rows
+        f.writelines(json.dumps(r) + "\n" for r in rows(int(steps * batch * 1.25) + 8, max_length))
+    return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]
+
+
+def write_weights(model_dir: str, device: str):
+    """Random init (seed 0) on the device, saved beside the config: prm.build then loads it as any local model."""
+    torch.manual_seed(0)
+    with torch.device(device):  # initializing 0.5B weights on a GPU takes a second, not a minute
+        AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
+
+
+def run_tests() -> dict:
+    """tests/test_gpu.py's gpu-marked cases in a subprocess (the checkout's: an installed package has none)."""
+    path = os.path.join(ROOT, "tests", "test_gpu.py")
+    if not os.path.isfile(path):
+        return {"returncode": None, "summary": "tests/test_gpu.py absent: run from a checkout"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", path], cwd=ROOT,
+                       capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    print(r.stdout[-6000:], file=sys.stderr, flush=True)
+    return {"returncode": r.returncode, "summary": lines[-1] if lines else r.stderr[-500:],
+            "skipped": [x for x in lines if x.startswith("SKIPPED")]}
+
+
+def gpu_check(dry: bool) -> dict:
+    """The whole check; SystemExit(2) without CUDA (unless dry), after building what needs no GPU."""
+    from prm.bench import parser, side_by_side
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data, argv = write_inputs(tmp, dry)
+        if not dry and not torch.cuda.is_available():
+            with open(data) as f:  # what was built, so the message shows the CPU part worked
+                n = sum(1 for _ in f)
+            print(f"--gpu-check needs CUDA (built the Qwen2-0.5B-shaped config, its tokenizer and {n} rows; "
+                  f"--dry-run runs it all on the CPU)", file=sys.stderr)
+            raise SystemExit(2)
+        write_weights(model_dir, "cpu" if dry else "cuda")
+        tests = run_tests()
+        argv += ["--variants", "padded,packed" if dry else "padded,packed,packed-compiled"]
+        bench = side_by_side(parser().parse_args(argv), argv)
+    out = {"tests": tests, "shape": TINY if dry else SHAPE, "flags": argv[4:],
+           "variants": {n: {k: r.get(k) for k in REPORTED} for n, r in bench["variants"].items()},
+           "tokens_per_second_vs_padded": bench["tokens_per_second_vs_padded"],
+           "device": next(iter(bench["variants"].values()))["device"], "torch": torch.__version__}
+    if tests["returncode"] not in (0, None):
+        out["failed"] = "tests/test_gpu.py"
+    return out
