@@ -258,11 +258,14 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "torch": torch.__version__,
     }
     if device.type == "cuda":
-        peak_flops = _device_peak(device, peak_tflops)
-        out["mfu"] = round(fpt * tps / peak_flops, 4) if peak_flops else None
-        out["steady_mfu"] = round(fpt * steady / peak_flops, 4) if peak_flops and steady else None
-        out["peak_tflops"] = peak_flops / 1e12 or None
+        out.update(_mfu(fpt, tps, steady, _device_peak(device, peak_tflops)))
     return out
+
+
+def _mfu(flops_per_token: float, tps: float, steady, peak_flops: float) -> dict:
+    """Model FLOPs utilization over the whole run and from the second step on (None without a known peak)."""
+    mfu = lambda rate: round(flops_per_token * rate / peak_flops, 4) if peak_flops and rate else None
+    return {"mfu": mfu(tps), "steady_mfu": mfu(steady), "peak_tflops": peak_flops / 1e12 or None}
 
 
 PEER_TOKENIZE = r"""

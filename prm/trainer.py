@@ -395,7 +395,7 @@ class TrainLog:
         now = time.perf_counter()
         self.timed_from = self.timed_from or (step, now)
         done, seconds = step - self.timed_from[0], now - self.timed_from[1]
-        if not self.estimated and (done >= 3 or (done and seconds >= 10)) and step < self.total:
+        if self.rt.is_main and not self.estimated and (done >= 3 or (done and seconds >= 10)) and step < self.total:
             left = datetime.timedelta(seconds=round(seconds / done * (self.total - step)))
             self.pbar.write(f"about {left} left ({seconds / done:.2f} s per step)")
             self.estimated = True
