@@ -6,6 +6,7 @@ A tokenized row: input_ids, labels (the training targets: -100 off labeled step 
 included), and the source's id / first_error / final_answer_correct / group / response_answer / category when it
 has them."""
 import hashlib
+import os
 
 import pyarrow.compute as pc
 from datasets import Features, Sequence, Value
@@ -22,7 +23,19 @@ COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("floa
            "step_labels": Sequence(Value("float64"))}
 
 
-def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 1, desc: str = "tokenize",
+AUTO_PROC_ROWS = 20_000  # --num-proc 0 starts several processes from this many rows on
+
+
+def processes(num_proc: int, n_rows: int) -> int:
+    """--num-proc, or for 0 one process per usable core (at most 8) once there are rows enough to pay for their
+    start-up (each loads the tokenizer: seconds); a tokenizing process keeps one core busy."""
+    if num_proc or n_rows < AUTO_PROC_ROWS:
+        return num_proc or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, 8)
+
+
+def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, desc: str = "tokenize",
                      drop_unlabeled: bool = True):
     """datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Returns (dataset, report).
 
@@ -39,9 +52,10 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 1, de
                       max_completion_length=cfg.max_completion_length,
                       train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
         fingerprint = map_fingerprint(ds, tokenizer, kwargs)
+    n_proc = processes(num_proc, len(ds))
     tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
                  remove_columns=[c for c in ds.column_names if c not in META],
-                 num_proc=num_proc if num_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
+                 num_proc=n_proc if n_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
     n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)

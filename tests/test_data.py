@@ -189,3 +189,29 @@ def test_eval_batches_cover_every_example_once():
 def test_none_label_keeps_the_step_unscored(char_tok):
     out = tokenize_example({"prompt": "p", "completions": ["a", "b"], "labels": [True, None]}, char_tok)
     assert [y for y in out["labels"] if y != IGNORE] == [1] and out["steps_kept"] == 2
+
+
+def test_auto_processes_start_only_for_large_datasets_and_give_the_same_rows(char_tok, monkeypatch):
+    from datasets import Dataset
+
+    import prm.ingest as ingest
+    from prm.config import Config
+    monkeypatch.setattr(ingest.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert ingest.processes(0, ingest.AUTO_PROC_ROWS - 1) == 1  # start-up would cost more than it saves
+    assert ingest.processes(0, ingest.AUTO_PROC_ROWS) == 3 and ingest.processes(5, 10) == 5  # given: as given
+    monkeypatch.setattr(ingest, "AUTO_PROC_ROWS", 8)  # 40 rows: auto starts 2 processes here
+    ds = Dataset.from_list([{"prompt": f"p{i}", "completions": ["a" * (i % 5 + 1), "b"], "labels": [True, i % 2 == 0]}
+                            for i in range(40)])
+    monkeypatch.setattr(ingest.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    two, _ = tokenize_dataset_uncached(ingest, ds, char_tok, Config())
+    one, _ = tokenize_dataset_uncached(ingest, ds, char_tok, Config(num_proc=1))
+    assert two.to_list() == one.to_list()
+
+
+def tokenize_dataset_uncached(ingest, ds, tok, cfg):
+    from datasets import disable_caching, enable_caching
+    disable_caching()  # a second map with the same fingerprint would read the first one's cache
+    try:
+        return ingest.tokenize_dataset(ds, tok, cfg, is_eval=False, num_proc=cfg.num_proc)
+    finally:
+        enable_caching()
