@@ -2,11 +2,14 @@
 every row. Depends on: datasets, prm.data, prm.formats, prm.synthetic."""
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import random
+import shutil
 import sys
 
+import datasets
 from datasets import Dataset, Features, List, Value, load_dataset
 
 from prm.data import IGNORE
@@ -43,7 +46,11 @@ def exit_on_data_error():
         raise SystemExit(2)
 
 
+SAID = []  # every data message of this process: load_splits keeps a read's messages with its cached rows
+
+
 def _say(msg: str):
+    SAID.append(msg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank loads the data: say it once
         print(msg, file=sys.stderr, flush=True)
 
@@ -254,7 +261,7 @@ def split_by_prompt(rows: list, fraction: float, seed: int):
     return [r for r in rows if key(r) not in held], [r for r in rows if key(r) in held]
 
 
-def load_splits(cfg):
+def read_splits(cfg):
     """(train, held-out) datasets with columns prompt, completions, labels and, when the data has them, id,
     first_error and final_answer_correct (ProcessBench), group and response_answer (best-of-N), category
     (PRMBench)."""
@@ -277,6 +284,61 @@ def load_splits(cfg):
         _say(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt (--eval-fraction "
              f"{cfg.eval_fraction}, --seed {cfg.seed})")
     return to_dataset([cut(r) for r in train]), to_dataset(held)
+
+
+SHAPING = ("dataset", "eval_dataset", "train_split", "eval_split", "format", "eval_format", "neutral_label",
+           "skip_invalid", "eval_fraction", "seed", "cut_after_first_error")  # the settings read_splits reads
+
+
+def rows_cache(cfg):
+    """Where load_splits keeps the validated splits of local files, keyed by the files' contents, the settings that
+    shape the rows and this reading code: a rerun on unchanged files skips parsing and checking every row again
+    (about 30 s for 400k rows; hashing them takes about 1 s). None for hub or synthetic data, or caching off."""
+    specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
+    if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
+        return None
+    digest = hashlib.sha256(json.dumps([[getattr(cfg, k) for k in SHAPING], [inspect.getsource(m) for m in (
+        sys.modules[__name__], sys.modules[to_stepwise.__module__])]]).encode())
+    for spec in specs:
+        for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
+            path = os.path.join(spec, name) if name else spec
+            digest.update(path.encode() + b"\0")
+            if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(block)
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", digest.hexdigest()[:32])
+
+
+def load_splits(cfg):
+    """read_splits, or its result read back from rows_cache when the files and settings are unchanged."""
+    path = rows_cache(cfg)
+    if path and os.path.isfile(os.path.join(path, SAID_FILE)):  # written last: a complete cache
+        with open(os.path.join(path, SAID_FILE)) as f:
+            for msg in json.load(f):  # what the read said (formats, skipped rows, the held-out share), said again
+                _say(msg)
+        _say(f"(rows read back from {path}: files and settings unchanged)")
+        return _read_back(path)
+    start = len(SAID)
+    train, held = read_splits(cfg)
+    if not path:
+        return train, held
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        datasets.DatasetDict(train=train, held=held).save_to_disk(path)
+        with open(os.path.join(path, SAID_FILE), "w") as f:
+            json.dump(SAID[start:], f)
+    except OSError:  # a cache that cannot be written (a full disk) costs only the next read
+        return train, held
+    return _read_back(path)  # this run too: the fingerprints its tokenization is cached under are the reruns'
+
+
+def _read_back(path: str) -> tuple:
+    splits = datasets.load_from_disk(path)  # memory-mapped, with the same fingerprints every time it is read
+    return splits["train"], splits["held"]
+
+
+SAID_FILE = "said.json"
 
 
 def load_eval(cfg, whole: str = ""):

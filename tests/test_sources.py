@@ -337,3 +337,28 @@ def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
                  max_length=128, output_dir=str(tmp_path / "out"), dtype="fp32")
     final = train(cfg)
     assert final["train_data"]["examples"] == 8 and final["eval_data"]["labeled_steps"] == 8
+
+
+def test_validated_rows_are_read_back_while_files_and_settings_are_unchanged(tmp_path, monkeypatch, capsys):
+    import prm.sources
+    rows = [{"prompt": f"q{i}", "completions": ["a", "b"], "labels": [True, i % 2 == 0]} for i in range(30)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    first_train, first_held = load_splits(cfg_for(data))
+    ours = lambda err: [line for line in err.splitlines() if line.startswith((data, "held out"))]
+    said = ours(capsys.readouterr().err)
+    assert len(said) == 2 and "format stepwise" in said[0]
+    real = prm.sources.read_records
+    monkeypatch.setattr(prm.sources, "read_records", lambda path: pytest.fail("read again"))
+    train, held = load_splits(cfg_for(data))
+    again = capsys.readouterr().err
+    assert ours(again) == said and "rows read back" in again  # the read's messages said again, and where from
+    assert train.to_list() == first_train.to_list() and held.to_list() == first_held.to_list()
+    assert train._fingerprint == first_train._fingerprint  # so tokenization reads its own cache too
+    monkeypatch.setattr(prm.sources, "read_records", real)
+    calls = []
+    monkeypatch.setattr(prm.sources, "read_records", lambda path: calls.append(path) or real(path))
+    load_splits(cfg_for(data, seed=1))  # another held-out draw
+    write_jsonl(tmp_path / "d.jsonl", rows[:-1] + [{**rows[-1], "labels": [False, False]}])  # same size, new labels
+    changed, _ = load_splits(cfg_for(data))
+    assert calls == [data, data]
+    assert {r["prompt"]: r["labels"] for r in changed}.get("q29", [False, False]) == [False, False]
