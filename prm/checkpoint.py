@@ -18,12 +18,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from prm.config import exit_on_problems
-from prm.lora import has_lora, merged_state_dict, trainable_state_dict
-from prm.model import load_weights
+from prm.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
+from prm.model import hf_names, load_weights
 from prm.sharding import SHARDS, load_shards
 
 MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, never resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
+# LoRA runs: the adapter in peft's format, in a folder of its own: beside config.json, transformers (with peft
+# installed) would load the merged weights and then add the adapter on top of them, applying it twice
+ADAPTER = "adapter"
 LOCK = ".lock"  # pid@host of the run that is using an output directory
 NOT_REGULAR = "not a regular file"  # file_digests' entry for a symlink, FIFO or device
 
@@ -42,17 +45,50 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False):
+def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False, state: dict = None):
     """What eval.py and transformers read: weights (LoRA folded in, or with trainable_only the adapters and head
-    alone), the tokenizer and the run's config."""
+    alone), a LoRA run's adapter in PEFT's format (write_adapter), the tokenizer and the run's config.
+
+    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own."""
     if trainable_only:  # the frozen base is rebuilt from --model on resume: store only what trains
         os.makedirs(path, exist_ok=True)
         save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},
                   os.path.join(path, TRAINABLE), metadata={"format": "pt"})
     else:
-        model.save_pretrained(path, merged_state_dict(model.backbone))
+        part = lambda prefix: None if state is None else {k[len(prefix):]: v for k, v in state.items()
+                                                          if k.startswith(prefix)}
+        model.save_pretrained(path, merged_state_dict(model.backbone, part("backbone.")), part("head."))
+    if has_lora(model):
+        write_adapter(os.path.join(path, ADAPTER), model, cfg, state)
     tokenizer.save_pretrained(path)
     cfg.save(path)
+
+
+def write_adapter(path: str, model, cfg, state: dict = None):
+    """The adapters and head as peft's save_pretrained writes them (adapter_config.json, adapter_model.safetensors),
+    for PeftModel.from_pretrained(AutoModelForTokenClassification.from_pretrained(--model), path); peft itself is
+    not needed. Our lora_A (r, in), lora_B (out, r) and scale alpha / r are peft's (use_rslora false), so the
+    tensors only change names: backbone.<layer>.lora_A -> base_model.model.<prefix>.<layer>.lora_A.weight, and the
+    head, which trains whole (modules_to_save), head.weight -> base_model.model.<head name>.weight.
+
+    state: as in write_model_dir; default: the trained tensors of the model itself."""
+    _, prefix, head_name = hf_names(model.config)
+    tensors = {}
+    for key, value in (trainable_state_dict(model) if state is None else state).items():
+        if key.startswith("head."):
+            tensors[f"base_model.model.{head_name}.{key[len('head.'):]}"] = value
+        elif key.endswith((".lora_A", ".lora_B")):
+            tensors[f"base_model.model.{prefix}.{key[len('backbone.'):]}.weight"] = value
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "TOKEN_CLS", "base_model_name_or_path": cfg.model,
+              "r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+              "target_modules": peft_targets(model.backbone), "modules_to_save": [head_name], "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+              "inference_mode": True}  # the fields peft leaves out take its defaults
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 class WriteFailed(SystemExit):
@@ -184,7 +220,8 @@ def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, 
 
 
 def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, step: int = None, keep=None) -> str:
-    """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged), tokenizer, config.
+    """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged; a LoRA run's adapter
+    in final/adapter too), tokenizer, config.
 
     state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own.
     step, keep: if final/ cannot be written, the weights trained must not be lost with it: keep() writes
@@ -193,13 +230,7 @@ def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, st
     path = os.path.join(output_dir, "final")
     try:
         with written_in_place(path) as tmp:
-            if state is None:
-                write_model_dir(tmp, model, tokenizer, cfg)
-            else:
-                part = lambda prefix: {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-                model.save_pretrained(tmp, merged_state_dict(model.backbone, part("backbone.")), part("head."))
-                tokenizer.save_pretrained(tmp)
-                cfg.save(tmp)
+            write_model_dir(tmp, model, tokenizer, cfg, state=state)
     except WriteFailed as e:
         if step is None:
             raise

@@ -85,6 +85,15 @@ def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
     return state
 
 
+def peft_targets(module: nn.Module) -> list:
+    """PEFT's target_modules for exactly the adapted layers (PEFT matches a name or a dotted suffix of one): their last
+    parts (`q_proj`) when those name no other module, else the full names (`layers.0.self_attn.q_proj`)."""
+    chosen = {n for n, m in module.named_modules() if isinstance(m, LoRALinear)}
+    short = {n.rsplit(".", 1)[-1] for n in chosen}
+    same_short = {n for n, _ in module.named_modules() if n.rsplit(".", 1)[-1] in short}
+    return sorted(short if same_short == chosen else chosen)
+
+
 def trainable_state_dict(model: nn.Module) -> dict:
     """Only the parameters that train (adapters and head): what a LoRA checkpoint needs to resume."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
