@@ -59,3 +59,17 @@ def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_fiel
     with pytest.raises(SystemExit) as e:
         load_reward_model(str(path))  # the PRMReward route; eval.py and --resume read it with the same Config.load
     assert e.value.code == 2 and f"{path / 'config.train.json'}" in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("name, text, cause", [("tokenizer.json", "{garbage", "Expecting property name"),
+                                               ("tokenizer.json", "{}", "KeyError: 'added_tokens'"),
+                                               ("tokenizer_config.json", "{garbage", "JSONDecodeError"),
+                                               ("tokenizer_config.json", "[1]", "AttributeError")])
+def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir, tmp_path, name, text, cause):
+    from prm.build import load_tokenizer
+    path = tmp_path / "model"
+    shutil.copytree(model_dir, path)
+    (path / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        load_tokenizer(str(path))
+    assert e.value.code == 2 and f"--tokenizer {path}: " in str(e.value) and cause in str(e.value)
