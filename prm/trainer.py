@@ -102,6 +102,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
         self.resume_from = prepare_output_dir(cfg, rt.is_main)  # first: a refused directory costs no data loading
+        if self.resume_from:  # so does a refused resume: its settings need only the config and the world size
+            self.check_resume(self.resume_from)
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
         self._setup_optimizer()
@@ -152,7 +154,6 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
         self.step = 0
         if self.resume_from:  # before compile and DDP: they wrap the weights loaded here
-            self.check_resume(self.resume_from)
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.scaler)
             self.say(f"resumed from {self.resume_from} at step {self.step}")
         self.train_model = self.model  # what the forward runs; self.model stays the plain PRM

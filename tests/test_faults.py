@@ -244,3 +244,14 @@ def test_a_checkpoint_holding_a_symlink_to_dev_zero_or_a_fifo_is_damaged_not_a_h
                        text=True, timeout=30)
     assert r.stdout.strip() == str(tmp_path / "checkpoint-1")
     assert "model.safetensors (not a regular file)" in r.stderr and "extra (not a regular file)" in r.stderr
+
+
+def test_a_conflicting_resume_is_refused_before_any_data_loads(tmp_path, monkeypatch):
+    run_train(tmp_path, max_steps=2, save_every=2)
+
+    def no_data(cfg):
+        raise AssertionError("the data loaded before the resume's settings were compared")
+    monkeypatch.setattr("prm.trainer.load_splits", no_data)
+    with pytest.raises(SystemExit, match="--seed 1 \\(was 0\\)") as e:
+        run_train(tmp_path, max_steps=4, resume="auto", seed=1)
+    assert e.value.code == 2
