@@ -415,7 +415,10 @@ class TrainLog:
         raise SystemExit(3)
 
     def throughput(self) -> tuple:
-        """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding)."""
+        """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding); None, None
+        (null in metrics.jsonl) when this process trained no step, as when resuming a run whose steps were all done."""
+        if not self.total_tokens:
+            return None, None
         return self.total_tokens / max(self.total_seconds, 1e-9), self.total_tokens / max(self.total_padded, 1)
 
     def write(self, rec: dict, echo: bool = True):

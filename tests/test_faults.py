@@ -255,3 +255,10 @@ def test_a_conflicting_resume_is_refused_before_any_data_loads(tmp_path, monkeyp
     with pytest.raises(SystemExit, match="--seed 1 \\(was 0\\)") as e:
         run_train(tmp_path, max_steps=4, resume="auto", seed=1)
     assert e.value.code == 2
+
+
+def test_resuming_a_finished_run_reports_no_throughput_rather_than_zero(tmp_path):
+    run_train(tmp_path, max_steps=2, save_every=2)
+    final = run_train(tmp_path, max_steps=2, resume="auto")  # every step already done: nothing trained here
+    assert final["train_tokens_per_second"] is None and final["padding_efficiency"] is None
+    assert read_metrics(tmp_path)[-1]["final"]["padding_efficiency"] is None  # null in metrics.jsonl
