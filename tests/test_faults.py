@@ -262,3 +262,11 @@ def test_resuming_a_finished_run_reports_no_throughput_rather_than_zero(tmp_path
     final = run_train(tmp_path, max_steps=2, resume="auto")  # every step already done: nothing trained here
     assert final["train_tokens_per_second"] is None and final["padding_efficiency"] is None
     assert read_metrics(tmp_path)[-1]["final"]["padding_efficiency"] is None  # null in metrics.jsonl
+
+
+def test_a_kill_between_a_save_and_its_pruning_leaves_no_surplus_checkpoint(tmp_path):
+    import shutil
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
+    shutil.rmtree(tmp_path / "final")  # as a --keep-last 1 run killed after checkpoint-4's rename, before pruning
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=1, resume="auto")  # all steps done: no save follows
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
