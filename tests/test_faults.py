@@ -270,3 +270,12 @@ def test_a_kill_between_a_save_and_its_pruning_leaves_no_surplus_checkpoint(tmp_
     shutil.rmtree(tmp_path / "final")  # as a --keep-last 1 run killed after checkpoint-4's rename, before pruning
     run_train(tmp_path, max_steps=4, save_every=2, keep_last=1, resume="auto")  # all steps done: no save follows
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+def test_the_first_record_after_a_resume_says_it_averages_the_steps_since_the_resume(tmp_path, capsys):
+    run_train(tmp_path, max_steps=3, save_every=3, log_every=4)
+    run_train(tmp_path, max_steps=8, log_every=4, resume="auto")  # step 4's window: step 4 alone, not steps 1-4
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [(r["step"], r.get("since_resume")) for r in records] == [(3, None), (4, True), (8, None)]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.startswith("step 4 | ") for line in lines if line.endswith(" | since resume")] == [True]
