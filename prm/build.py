@@ -60,11 +60,16 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
     vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the file as
     written also keeps its <unk> for characters outside its vocabulary."""
     saved = os.path.join(name, "tokenizer_config.json")
-    if os.path.isfile(saved):
-        with open(saved) as f:
-            if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-                return PreTrainedTokenizerFast.from_pretrained(name)
-    return loading(flag, name, AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code)
+    load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
+    try:
+        if os.path.isfile(saved):
+            with open(saved) as f:
+                if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                    load, kw = PreTrainedTokenizerFast.from_pretrained, {}
+        return loading(flag, name, load, **kw)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # files that are JSON, not a tokenizer's
+        # ({} lacks 'added_tokens'; a list has no .get); ValueError: tokenizer_config.json is not JSON
+        exit_on_problems([f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}"])
 
 
 def tokenizer_for(cfg):

@@ -213,10 +213,16 @@ def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, 
         marker = {"step": step, "world_size": world_size, "sha256": file_digests(tmp)}
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f)
-    if cfg.keep_last > 0:
-        for old in complete_checkpoints(output_dir)[:-cfg.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    prune(output_dir, cfg.keep_last)
     return final
+
+
+def prune(output_dir: str, keep_last: int):
+    """Removes the complete checkpoints older than the newest keep_last (0: keeps all): after every save, and once
+    final/ is written, since a kill between a save's rename and its pruning leaves one too many."""
+    if keep_last > 0:
+        for old in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, step: int = None, keep=None) -> str:
@@ -235,6 +241,7 @@ def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, st
         if step is None:
             raise
         raise SystemExit(f"{e.code}; {_kept_instead(output_dir, step, keep)}") from e.__cause__
+    prune(output_dir, cfg.keep_last)  # a resumed run that saves no checkpoint would otherwise keep the surplus
     return path
 
 

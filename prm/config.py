@@ -172,8 +172,24 @@ class Config:
 
     @classmethod
     def load(cls, directory: str) -> "Config":
-        with open(os.path.join(directory, FILE)) as f:
-            return cls.from_dict(json.load(f))
+        """A saved run's settings (eval.py, PRMReward, --resume); exit 2 naming the file and the field for a file
+        that is not JSON or a value of the wrong type, which would otherwise fail far away in a traceback."""
+        path = os.path.join(directory, FILE)
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:  # json's decode error (and a non-UTF-8 file) is a ValueError
+            exit_on_problems([f"{path}: cannot read it: {e}"])
+        if not isinstance(saved, dict):
+            exit_on_problems([f"{path}: expected a JSON object of settings, got {type(saved).__name__}"])
+        problems, by_name = [], {f.name: f for f in fields(cls)}
+        for key, value in saved.items():
+            try:
+                saved[key] = checked_value(by_name[key], value) if key in by_name else value
+            except ValueError as e:
+                problems.append(f"{path}: {e}")
+        exit_on_problems(problems)
+        return cls.from_dict(saved)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":

@@ -47,6 +47,7 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
         fn, kwargs, fingerprint = cut_pretokenized, dict(max_length=cfg.max_length, is_eval=is_eval,
                                                          train_on_last_step_only=cfg.train_on_last_step_only), None
     else:
+        check_chat_template(ds, tokenizer)
         fn = tokenize_batch
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
                       max_completion_length=cfg.max_completion_length,
@@ -59,6 +60,19 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
     n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
+
+
+def check_chat_template(ds, tokenizer):
+    """Raise DataError when chat prompts meet a tokenizer with no chat template, or one that raises: else a
+    traceback from inside datasets.map. An Arrow column holds one type, so the first row stands for all."""
+    if len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
+        return
+    try:
+        tokenizer.apply_chat_template(ds[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # ValueError (no template), jinja2's TemplateError (raise_exception), KeyError, ...
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DataError([f"field 'prompt': a chat prompt (list of role/content) needs the tokenizer's chat template; "
+                         f"tokenizer {name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"])
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:

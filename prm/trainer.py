@@ -102,6 +102,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
         self.resume_from = prepare_output_dir(cfg, rt.is_main)  # first: a refused directory costs no data loading
+        if self.resume_from:  # so does a refused resume: its settings need only the config and the world size
+            self.check_resume(self.resume_from)
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
         self._setup_optimizer()
@@ -152,7 +154,6 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
         self.step = 0
         if self.resume_from:  # before compile and DDP: they wrap the weights loaded here
-            self.check_resume(self.resume_from)
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.scaler)
             self.say(f"resumed from {self.resume_from} at step {self.step}")
         self.train_model = self.model  # what the forward runs; self.model stays the plain PRM
@@ -359,6 +360,7 @@ class TrainLog:
         self.n_labels, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
         self.total, self.timed_from, self.estimated = total, None, False  # timed_from: (step, host time)
+        self.since_resume = bool(resumed_at)  # the first record after a resume averages the steps since it only
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
         """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm."""
@@ -378,8 +380,11 @@ class TrainLog:
         stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()  # the one sync of a log step
         self.seconds += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
         n = max(self.n_labels, 1)
-        self.write({"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
-                    "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch})
+        rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
+               "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch}
+        if self.since_resume:  # said, not hidden: its loss is not the whole window's an uninterrupted run logs
+            rec["since_resume"], self.since_resume = True, False
+        self.write(rec)
         if math.isfinite(stats[0] / n):
             self.last_finite = (step, stats[0] / n)
         if stats[3] > 0:
@@ -414,7 +419,10 @@ class TrainLog:
         raise SystemExit(3)
 
     def throughput(self) -> tuple:
-        """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding)."""
+        """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding); None, None
+        (null in metrics.jsonl) when this process trained no step, as when resuming a run whose steps were all done."""
+        if not self.total_tokens:
+            return None, None
         return self.total_tokens / max(self.total_seconds, 1e-9), self.total_tokens / max(self.total_padded, 1)
 
     def write(self, rec: dict, echo: bool = True):
@@ -445,8 +453,9 @@ def count(n: float) -> str:
 def log_line(rec: dict) -> str:
     """A metrics.jsonl record as the log shows it; an undefined metric (None) reads 'n/a'."""
     if "loss" in rec:
+        since = " | since resume" if rec.get("since_resume") else ""  # a window cut short by the resume
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
-                f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s")
+                f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s{since}")
     shown = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
     return " | ".join(f"{k} {shown(v)}" for k, v in rec.items())
 

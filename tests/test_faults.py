@@ -244,3 +244,38 @@ def test_a_checkpoint_holding_a_symlink_to_dev_zero_or_a_fifo_is_damaged_not_a_h
                        text=True, timeout=30)
     assert r.stdout.strip() == str(tmp_path / "checkpoint-1")
     assert "model.safetensors (not a regular file)" in r.stderr and "extra (not a regular file)" in r.stderr
+
+
+def test_a_conflicting_resume_is_refused_before_any_data_loads(tmp_path, monkeypatch):
+    run_train(tmp_path, max_steps=2, save_every=2)
+
+    def no_data(cfg):
+        raise AssertionError("the data loaded before the resume's settings were compared")
+    monkeypatch.setattr("prm.trainer.load_splits", no_data)
+    with pytest.raises(SystemExit, match="--seed 1 \\(was 0\\)") as e:
+        run_train(tmp_path, max_steps=4, resume="auto", seed=1)
+    assert e.value.code == 2
+
+
+def test_resuming_a_finished_run_reports_no_throughput_rather_than_zero(tmp_path):
+    run_train(tmp_path, max_steps=2, save_every=2)
+    final = run_train(tmp_path, max_steps=2, resume="auto")  # every step already done: nothing trained here
+    assert final["train_tokens_per_second"] is None and final["padding_efficiency"] is None
+    assert read_metrics(tmp_path)[-1]["final"]["padding_efficiency"] is None  # null in metrics.jsonl
+
+
+def test_a_kill_between_a_save_and_its_pruning_leaves_no_surplus_checkpoint(tmp_path):
+    import shutil
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
+    shutil.rmtree(tmp_path / "final")  # as a --keep-last 1 run killed after checkpoint-4's rename, before pruning
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=1, resume="auto")  # all steps done: no save follows
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+def test_the_first_record_after_a_resume_says_it_averages_the_steps_since_the_resume(tmp_path, capsys):
+    run_train(tmp_path, max_steps=3, save_every=3, log_every=4)
+    run_train(tmp_path, max_steps=8, log_every=4, resume="auto")  # step 4's window: step 4 alone, not steps 1-4
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [(r["step"], r.get("since_resume")) for r in records] == [(3, None), (4, True), (8, None)]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.startswith("step 4 | ") for line in lines if line.endswith(" | since resume")] == [True]

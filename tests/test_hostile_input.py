@@ -65,3 +65,19 @@ def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output,
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "in.jsonl"), str(tmp_path / output)])
     assert e.value.code == 2 and f"{tmp_path / output}: cannot write it: {cause}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("template, cause", [(None, "ValueError: Cannot use chat template"),
+                                             ("{{ raise_exception('no system role') }}", "no system role")])
+def test_a_chat_prompt_without_a_working_chat_template_exits_2_naming_prompt_and_cause(template, cause, capsys):
+    from datasets import Dataset
+
+    from prm.ingest import tokenize_dataset
+    from prm.synthetic import char_tokenizer
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = template
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "c"}], "completions": ["a"], "labels": [True]}])
+    with pytest.raises(SystemExit) as e, exit_on_data_error():
+        tokenize_dataset(ds, tokenizer, Config(), is_eval=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "field 'prompt': a chat prompt" in err and cause in err and "Traceback" not in err

@@ -45,3 +45,31 @@ def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_pa
     with pytest.raises(SystemExit) as e:
         load_trained(Config(model=path), tokenizer_given=False)
     assert e.value.code == 2 and f"--model {path}: {message}" in str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "config.train.json: cannot read it: Expecting property"),
+                                           ('{"lr": "abc"}', "config.train.json: 'lr' must be float, got str 'abc'"),
+                                           ('{"max_length": [1]}', "'max_length' must be int, got list [1]"),
+                                           ("[1]", "expected a JSON object of settings, got list")])
+def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_field(model_dir, tmp_path, text, message):
+    from prm.reward import load_reward_model
+    path = tmp_path / "run"
+    shutil.copytree(model_dir, path)
+    (path / "config.train.json").write_text(text)
+    with pytest.raises(SystemExit) as e:
+        load_reward_model(str(path))  # the PRMReward route; eval.py and --resume read it with the same Config.load
+    assert e.value.code == 2 and f"{path / 'config.train.json'}" in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("name, text, cause", [("tokenizer.json", "{garbage", "Expecting property name"),
+                                               ("tokenizer.json", "{}", "KeyError: 'added_tokens'"),
+                                               ("tokenizer_config.json", "{garbage", "JSONDecodeError"),
+                                               ("tokenizer_config.json", "[1]", "AttributeError")])
+def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir, tmp_path, name, text, cause):
+    from prm.build import load_tokenizer
+    path = tmp_path / "model"
+    shutil.copytree(model_dir, path)
+    (path / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        load_tokenizer(str(path))
+    assert e.value.code == 2 and f"--tokenizer {path}: " in str(e.value) and cause in str(e.value)
