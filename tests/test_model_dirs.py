@@ -21,6 +21,10 @@ def test_a_sharded_index_naming_weights_outside_the_directory_is_refused(model_d
     assert e.value.code == 2 and "weight_map names '../outside.safetensors', not a file inside" in str(e.value)
 
 
+class Payload:
+    """Stands for code a pickled checkpoint would run when loaded without weights_only."""
+
+
 def broken_copy(model_dir, tmp_path, kind: str) -> str:
     """A copy of the saved tiny PRM with one kind of damage."""
     path = tmp_path / kind
@@ -29,6 +33,12 @@ def broken_copy(model_dir, tmp_path, kind: str) -> str:
         weights = path / "model.safetensors"
         with open(weights, "r+b") as f:
             f.truncate(os.path.getsize(weights) // 2)
+    elif kind == "pickled":  # a .bin whose pickle names a class torch.load(weights_only=True) refuses to build
+        import torch
+        from safetensors.torch import load_file
+        weights = dict(load_file(str(path / "model.safetensors")), payload=Payload())
+        os.remove(path / "model.safetensors")
+        torch.save(weights, path / "pytorch_model.bin")
     elif kind == "three_labels":
         config = json.loads((path / "config.json").read_text())
         config["id2label"], config["label2id"] = {"0": "a", "1": "b", "2": "c"}, {"a": 0, "b": 1, "c": 2}
@@ -37,6 +47,7 @@ def broken_copy(model_dir, tmp_path, kind: str) -> str:
 
 
 @pytest.mark.parametrize("kind, message", [("truncated", "cannot load it: Error while deserializing header"),
+                                           ("pickled", "cannot load it: Weights only load failed"),
                                            ("three_labels", "a PRM needs 2 labels, this checkpoint has 3")])
 def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_path, kind, message):
     from prm.build import load_trained
