@@ -27,7 +27,7 @@ def unescape(text: str) -> str:
 
 
 FORMAT_CHOICES = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench", "candidates",
-                  "prmbench"]
+                  "prmbench", "mrben"]
 
 
 def _opt(default, help, **kw):

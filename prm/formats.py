@@ -1,6 +1,7 @@
 """Detect the format of a raw record, convert it to stepwise rows (prompt, completions, labels), or pre-tokenized
 ones (input_ids, labels), and check them. Depends on: prm.data (the label rules)."""
 import difflib
+import re
 
 from prm.data import IGNORE, label_problem
 
@@ -13,6 +14,7 @@ FORMATS = {
     "math_shepherd": ("input", "label"),  # label is text: `input` with +/- in place of each step tag
     "candidates": ("question", "outputs"),  # best-of-N: one problem, its sampled solutions (BiRM's files)
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
+    "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
@@ -165,6 +167,28 @@ def from_processbench(r: dict, neutral: str) -> list:
     return [{"prompt": _need(r, "problem"), "completions": steps, "labels": labels, **extra}]
 
 
+def from_mrben(r: dict, neutral: str) -> list:
+    """Mr-Ben (github.com/dvlab-research/Mr-Ben, data/<subject>.json) read as ProcessBench: the question with its
+    options as the prompt, the steps without their "Step k: " prefix, `Model_Solution_First_Error_Step` (1-based text,
+    "N/A" for a right solution) as the first error. Its files group the solutions under question ids: the reader
+    flattens such an object of arrays."""
+    steps = _need(r, "Model_Solution_Steps", list, "a list of steps")
+    steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s for s in steps]
+    first = _need(r, "Model_Solution_First_Error_Step")
+    if first != "N/A" and not (type(first) in (str, int) and str(first).isdigit() and 1 <= int(first) <= len(steps)):
+        raise BadField("Model_Solution_First_Error_Step", f"{_kind(first)} is not a step number (1 to {len(steps)}) "
+                                                          "or 'N/A'")
+    options = r.get("Options") or ""
+    if not isinstance(options, str):
+        raise BadField("Options", f"expected text, got {_kind(options)}")
+    prompt = _need(r, "Question", str, "text") + ("\n" + options.strip() if options.strip() else "")
+    label = -1 if first == "N/A" else int(first) - 1
+    correct = r.get("Model_Solution_Correctness") == "correct"
+    rows = from_processbench({"problem": prompt, "steps": steps, "label": label, "final_answer_correct": correct},
+                             neutral)
+    return [{**row, "id": f"mrben-{r.get('Question_UUID')}-{r.get('Sampled_Model')}"} for row in rows]
+
+
 def _tagged_steps(text: str, field: str) -> list:
     """Steps of a text with a step tag after each step (Math-Shepherd's and BiRM's convention)."""
     parts = text.split(STEP_TAG)
@@ -238,7 +262,7 @@ def from_pretokenized(r: dict, neutral: str) -> list:
 
 CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise, "processbench": from_processbench,
               "prm800k": from_prm800k, "math_shepherd": from_math_shepherd, "candidates": from_candidates,
-              "prmbench": from_prmbench}
+              "prmbench": from_prmbench, "mrben": from_mrben}
 
 
 def row_problems(row: dict) -> list:

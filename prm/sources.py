@@ -83,8 +83,13 @@ def read_records(path: str):
         if isinstance(data, list):
             look = _REPEATS[0] > before or _SURROGATE in text.lower()  # the deep look only where it can find one
             return [(f"row {i}", r, _field_problem(r) if look else None) for i, r in enumerate(data)]
+        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+            # records grouped under keys, as Mr-Ben groups the solutions of a question under its id
+            look = _REPEATS[0] > before or _SURROGATE in text.lower()
+            return [(f"{k}[{i}]", r, _field_problem(r) if look else None) for k, v in data.items()
+                    for i, r in enumerate(v)]
         if isinstance(data, dict) and "\n" in text.strip():
-            raise DataError([f"{path}: one JSON object; expected an array of records or JSON Lines"])
+            raise DataError([f"{path}: one JSON object; expected an array of records, an object of such arrays, or JSON Lines"])
     out = []
     for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit raw inside a JSON string
         if line.strip():

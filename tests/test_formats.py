@@ -110,6 +110,32 @@ def test_processbench_rows():
     assert rows[2]["labels"] == [True] * 5  # gsm8k-222: label -1, all correct
 
 
+def test_mrben_rows_read_as_processbench(tmp_path):
+    """Mr-Ben's own file (an object of arrays: question id -> its solutions) gives ProcessBench rows: the options
+    appended to the question, "Step k: " dropped, the 1-based first error step (or "N/A") as a 0-based index."""
+    from prm.config import Config
+    from prm.sources import DataError, read_rows
+    rows = read_rows(os.path.join(FIX, "mrben.json"), "train", Config())
+    assert [r["id"] for r in rows] == ["mrben-855fe031-17d9-482d-b10f-a2646a14786f-Claude2",
+                                       "mrben-855fe031-17d9-482d-b10f-a2646a14786f-GPT3.5",
+                                       "mrben-1b2038d9-ea05-4e45-9a11-7d73463cdd20-GPT3.5"]
+    question = "The shortest distance from the curve xy = 8 to the origin is"
+    assert rows[0]["prompt"] == question + "\nA: 4 \nB: 8 \nC: 16 \nD: 2sqrt(2)"  # the last trailing space dropped
+    step = "The point where this perpendicular line x = 0 intersects the hyperbola xy = 8 is (0, 8)."
+    assert rows[0]["completions"][3] == step  # "Step 4: " and the trailing space dropped
+    assert rows[0]["completions"][-1] == "Solution: Choice_B"  # a final line without "Step k:" stays as it is
+    assert [r["first_error"] for r in rows] == [0, 4, -1]
+    assert [r["final_answer_correct"] for r in rows] == [False, False, True]
+    assert rows[1]["labels"] == [True] * 4 + [False] + [None] * 6 and rows[2]["labels"] == [True] * 10
+    bad = records("mrben.json")
+    bad["855fe031-17d9-482d-b10f-a2646a14786f"][1]["Model_Solution_First_Error_Step"] = "12"  # 11 steps
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(DataError) as e:
+        read_rows(str(tmp_path / "bad.json"), "train", Config())
+    assert "855fe031-17d9-482d-b10f-a2646a14786f[1]: field 'Model_Solution_First_Error_Step'" in str(e.value)
+    assert "'12' is not a step number (1 to 11)" in str(e.value)
+
+
 @pytest.mark.parametrize("y", [True, False, 0, 1, 0.0, 0.5, 1.0, None])
 def test_valid_labels(y):
     assert label_problem(y) is None

@@ -81,3 +81,15 @@ def test_all_shared_samples_load():
     for name in ("prm800k_real_samples.jsonl", "samples_prm800k.jsonl", "samples_math-shepherd.jsonl",
                  "standard_stepwise_supervision_train.jsonl"):
         assert read_rows(os.path.join(SHARED, "samples", name), "train", Config())
+
+
+def test_mrben_reader_reproduces_the_shared_conversion():
+    """The rows read from Mr-Ben's own schema (3 solutions of data/math.json in tests/fixtures) equal those of the
+    ProcessBench-format copy in ../shared/data/natural: the dev set the README's threshold comes from."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "mrben.json")
+    with open(os.path.join(SHARED, "natural", "mrben_math.json"), encoding="utf-8") as f:
+        shared = {r["id"]: r for r in json.load(f)}
+    for row in read_rows(fixture, "train", Config()):
+        s = shared[row["id"]]
+        assert (row["prompt"], row["completions"], row["first_error"], row["final_answer_correct"]) == \
+            (s["problem"], s["steps"], s["label"], s["final_answer_correct"])
