@@ -80,14 +80,13 @@ def read_records(path: str):
         data, problem, line = _loads(text)
         if problem and (text.lstrip().startswith("[") or line is None):  # a broken array: nothing in it is trusted
             raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"]) from None
-        if isinstance(data, list):
-            look = _REPEATS[0] > before or _SURROGATE in text.lower()  # the deep look only where it can find one
-            return [(f"row {i}", r, _field_problem(r) if look else None) for i, r in enumerate(data)]
+        pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
         if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
             # records grouped under keys, as Mr-Ben groups the solutions of a question under its id
-            look = _REPEATS[0] > before or _SURROGATE in text.lower()
-            return [(f"{k}[{i}]", r, _field_problem(r) if look else None) for k, v in data.items()
-                    for i, r in enumerate(v)]
+            pairs = [(f"{k}[{i}]", r) for k, v in data.items() for i, r in enumerate(v)]
+        if pairs is not None:
+            look = _REPEATS[0] > before or _SURROGATE in text.lower()  # the deep look only where it can find one
+            return [(where, r, _field_problem(r) if look else None) for where, r in pairs]
         if isinstance(data, dict) and "\n" in text.strip():
             raise DataError([f"{path}: one JSON object; expected an array of records, an object of such arrays, or JSON Lines"])
     out = []
