@@ -13,8 +13,9 @@ EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_
 SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
            "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
            "threshold", "seed", "trust_remote_code")
-PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc")  # the table on stderr, when every subset has them
-STEP_COLUMNS = ("step_accuracy", "f1_0", "auroc", "n_steps")  # else
+# the table on stderr: ProcessBench's columns when every subset has them (chance_f1: F1 of random flags), else the step's
+PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
+STEP_COLUMNS = ("step_accuracy", "f1_0", "auroc", "n_steps")
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -174,7 +175,7 @@ def table(blocks: dict) -> str:
     width = max(len("subset"), *map(len, blocks))
     rows = [["subset", *cols]] + [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
     if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:  # the JSON's mean_f1, under the F1 column
-        rows.append(["mean", cell(mean_f1(blocks)), "", "", ""])
+        rows.append(["mean", cell(mean_f1(blocks))] + [""] * (len(cols) - 1))
     return "\n".join(f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows)
 
 

@@ -7,7 +7,8 @@ import torch
 from tqdm import tqdm
 
 from prm.data import collate, eval_batches, pack, pad_token_id, tokenize_batch
-from prm.metrics import best_of_n, first_error, outcome_metrics, prmbench_metrics, processbench_metrics, step_metrics
+from prm.metrics import (best_of_n, chance_f1, first_error, outcome_metrics, prmbench_metrics, processbench_metrics,
+                         step_metrics)
 from prm.model import input_settings
 from prm.runtime import Runtime, gather_objects
 from prm.varlen import is_packed
@@ -80,8 +81,9 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
            "examples_dropped": len(rows) - len(kept),
            "examples_truncated": sum(len(ps) < len(row["step_labels"]) for ps, row in kept)}
     if processbench:
-        out.update(processbench_metrics([first_error(ps, threshold) for ps, _ in kept],
-                                        [true_first_error(row) for _, row in kept]))
+        truth = [true_first_error(row) for _, row in kept]
+        out.update(processbench_metrics([first_error(ps, threshold) for ps, _ in kept], truth),
+                   chance_f1=chance_f1(truth, [len(ps) for ps, _ in kept]))
     outcomes = [row.get("final_answer_correct") for _, row in kept]
     if any(y is not None for y in outcomes):
         out.update(outcome_metrics([ps for ps, _ in kept], outcomes))

@@ -75,6 +75,21 @@ def processbench_metrics(predicted: list, truth: list) -> dict:
             "n_with_error": len(hits_error), "n_without_error": len(hits_correct)}
 
 
+def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
+    """ProcessBench F1 of a scorer that knows nothing: it calls each step wrong at random with one probability q,
+    the best q on a grid of 1/grid. A solution's first error t is then hit with probability (1-q)^t q, a solution
+    with n steps and no error passes with (1-q)^n; F1 is taken of those expected accuracies. An F1 near this one
+    comes from the threshold (how many steps are flagged), not from the ranking of steps."""
+    errors = [t for t in truth if t >= 0]
+    passes = [n for t, n in zip(truth, n_steps) if t < 0]
+    if not errors or not passes:
+        return None
+    def f1(q):  # a first error past the scored steps (truncated) is never hit
+        hit = sum((1 - q) ** t * q for t, n in zip(truth, n_steps) if 0 <= t < n) / len(errors)
+        return harmonic_mean(hit, sum((1 - q) ** n for n in passes) / len(passes))
+    return max(f1(k / grid) for k in range(1, grid))
+
+
 AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1], "mean": lambda ps: sum(ps) / len(ps)}
 
 

@@ -87,11 +87,12 @@ def test_eval_prints_a_table_on_stderr_and_the_json_last_on_stdout(model_dir, ca
 
 def test_eval_table_shows_processbench_columns_and_n_a():
     import eval as eval_cli
-    blocks = {"gsm8k": {"f1": 0.5, "acc_error": 0.25, "acc_correct": 1.0, "auroc": None},
-              "math": {"f1": 0.3, "acc_error": 0.2, "acc_correct": 0.6, "auroc": 0.7}}
+    blocks = {"gsm8k": {"f1": 0.5, "acc_error": 0.25, "acc_correct": 1.0, "auroc": None, "chance_f1": 0.2},
+              "math": {"f1": 0.3, "acc_error": 0.2, "acc_correct": 0.6, "auroc": 0.7, "chance_f1": 0.25}}
     rows = [line.split() for line in eval_cli.table(blocks).splitlines()]
-    assert rows == [["subset", "f1", "acc_error", "acc_correct", "auroc"], ["gsm8k", "0.500", "0.250", "1.000", "n/a"],
-                    ["math", "0.300", "0.200", "0.600", "0.700"], ["mean", "0.400"]]
+    assert rows == [["subset", "f1", "acc_error", "acc_correct", "auroc", "chance_f1"],
+                    ["gsm8k", "0.500", "0.250", "1.000", "n/a", "0.200"],
+                    ["math", "0.300", "0.200", "0.600", "0.700", "0.250"], ["mean", "0.400"]]
 
 
 def test_each_data_source_keeps_its_own_format(tmp_path, capsys):

@@ -120,6 +120,8 @@ def test_stepwise_data_and_forced_processbench(model_dir, tmp_path):
     assert plain["n_steps"] == 4 and "f1" not in plain and "outcome_auroc_min" not in plain
     forced = run(model_dir, "--dataset", path, "--processbench")  # first error taken from the labels: 1 and -1
     assert forced["n_with_error"] == 1 and forced["n_without_error"] == 1 and "f1" in forced
+    # random flags at rate q: hit step 1 of 3 with (1-q) q, pass the 1-step one with 1-q; best at q = sqrt 2 - 1
+    assert forced["chance_f1"] == pytest.approx(6 - 4 * 2 ** 0.5, abs=1e-5)
 
 
 def test_a_checkpoint_with_correct_as_label_0_is_read_the_right_way(model_dir, pb_file, tmp_path):

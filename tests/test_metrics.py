@@ -1,11 +1,13 @@
 """Metrics against hand-computed values, brute-force counts and a direct ProcessBench implementation.
 Depends on: pytest, prm.metrics."""
+import itertools
+import math
 import random
 
 import pytest
 
-from prm.metrics import (auroc, first_error, harmonic_mean, outcome_metrics, processbench_metrics, step_metrics,
-                         tune_threshold)
+from prm.metrics import (auroc, chance_f1, first_error, harmonic_mean, outcome_metrics, processbench_metrics,
+                         step_metrics, tune_threshold)
 
 approx = pytest.approx
 
@@ -123,6 +125,20 @@ def test_processbench_against_the_direct_formula():
     m = processbench_metrics([first_error(p) for p in probs], truth)
     assert (m["acc_error"], m["acc_correct"]) == approx((2 / 4, 2 / 3)) and m["f1"] == approx(4 / 7)
     assert (m["n_with_error"], m["n_without_error"]) == (4, 3)
+
+
+def test_chance_f1_is_the_best_f1_of_random_flags():
+    """Against every flag pattern of every solution, weighted by its probability, at each grid rate."""
+    truth, n_steps = [0, 2, 1, 3, -1, -1, 4], [2, 3, 2, 4, 1, 3, 3]  # the last error lies past its 3 scored steps
+    def expected_f1(q):
+        hit, ok = [], []
+        for t, n in zip(truth, n_steps):
+            p = {f: math.prod(q if x else 1 - q for x in f) for f in itertools.product((0, 1), repeat=n)}
+            pred = {f: f.index(1) if 1 in f else -1 for f in p}
+            (hit if t >= 0 else ok).append(sum(p[f] for f in p if pred[f] == t))
+        return harmonic_mean(sum(hit) / len(hit), sum(ok) / len(ok))
+    assert chance_f1(truth, n_steps, grid=50) == approx(max(expected_f1(k / 50) for k in range(1, 50)))
+    assert chance_f1([0, 1], [2, 2]) is None and chance_f1([-1], [3]) is None  # F1 needs both kinds
 
 
 def test_processbench_edge_cases():
