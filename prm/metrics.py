@@ -3,7 +3,7 @@ PRMScore), counted over the whole set. Depends on: stdlib only."""
 import bisect
 import math
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 
 def _ratio(a, b):
@@ -80,13 +80,15 @@ def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
     the best q on a grid of 1/grid. A solution's first error t is then hit with probability (1-q)^t q, a solution
     with n steps and no error passes with (1-q)^n; F1 is taken of those expected accuracies. An F1 near this one
     comes from the threshold (how many steps are flagged), not from the ranking of steps."""
-    errors = [t for t in truth if t >= 0]
-    passes = [n for t, n in zip(truth, n_steps) if t < 0]
-    if not errors or not passes:
+    n_errors, n_passes = sum(t >= 0 for t in truth), sum(t < 0 for t in truth)
+    if not n_errors or not n_passes:
         return None
-    def f1(q):  # a first error past the scored steps (truncated) is never hit
-        hit = sum((1 - q) ** t * q for t, n in zip(truth, n_steps) if 0 <= t < n) / len(errors)
-        return harmonic_mean(hit, sum((1 - q) ** n for n in passes) / len(passes))
+    # counts of each distinct error index and step count: the grid loop runs over a few values, not every row
+    hittable = Counter(t for t, n in zip(truth, n_steps) if 0 <= t < n)  # past the scored steps: never hit
+    passes = Counter(n for t, n in zip(truth, n_steps) if t < 0)
+    def f1(q):
+        hit = sum(c * (1 - q) ** t * q for t, c in hittable.items()) / n_errors
+        return harmonic_mean(hit, sum(c * (1 - q) ** n for n, c in passes.items()) / n_passes)
     return max(f1(k / grid) for k in range(1, grid))
 
 
