@@ -31,7 +31,8 @@ def build_eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--processbench", action="store_true",
                    help="ProcessBench metrics even when the data has no first_error column (taken from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
-                   help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere")
+                   help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere; the "
+                        "set's own metrics at it are the output's 'dev' block")
     p.add_argument("--best-of-n", action="store_true",
                    help="best-of-N accuracy per method and N; candidates of one problem share its 'group' (the "
                         "candidates format) or, in flat rows, their prompt; correctness from final_answer_correct")
@@ -115,14 +116,16 @@ def load_sets(cfg: Config, sources: list, tokenizer, rt) -> dict:
 
 
 def tuned_threshold(cfg: Config, path: str, tokenizer, rt, score) -> dict:
-    """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported)."""
+    """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported), and the dev set's
+    every metric at it (`dev`: its step AUROC judges a model as much as its F1 does)."""
     dev = load_sets(cfg, [path], tokenizer, rt).popitem()[1]
-    kept = [(ps, r) for ps, r in zip(score(dev), dev) if ps]
+    probs = score(dev)
+    kept = [(ps, r) for ps, r in zip(probs, dev) if ps]
     try:
         t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
     except ValueError as e:  # e.g. a dev set without a single wrong solution
         exit_on_problems([f"--tune-threshold {path}: {e}"])
-    return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1}
+    return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1, "dev": report(probs, dev, t, True)}
 
 
 def prediction_lines(name: str, rows: list, probs: list, threshold: float, processbench: bool,

@@ -106,6 +106,7 @@ def test_several_subsets_and_a_tuned_threshold(model_dir, pb_file, tmp_path):
     assert out["mean_f1"] == pytest.approx((out["subsets"]["bench"]["f1"] + out["subsets"]["other"]["f1"]) / 2)
     assert out["threshold_tuned_on"] == pb_file
     assert out["subsets"]["bench"]["f1"] == pytest.approx(out["dev_f1"])  # same set: the tuned F1 is what it gets
+    assert out["dev"] == out["subsets"]["bench"]  # the dev block: the same set's every metric at that threshold
     alone = run(model_dir, "--dataset", pb_file, "--threshold", str(out["threshold"]))
     assert alone["f1"] == pytest.approx(out["dev_f1"])
 
