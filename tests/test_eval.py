@@ -111,6 +111,15 @@ def test_several_subsets_and_a_tuned_threshold(model_dir, pb_file, tmp_path):
     assert alone["f1"] == pytest.approx(out["dev_f1"])
 
 
+def test_threshold_tuned_on_mr_bens_own_file(model_dir, pb_file):
+    """The README's command: Mr-Ben's data/math.json as it is published (format mrben) for --tune-threshold."""
+    mrben = os.path.join(os.path.dirname(__file__), "fixtures", "mrben.json")
+    out = run(model_dir, "--dataset", pb_file, "--tune-threshold", mrben, "--max-length", "4096")
+    assert (out["dev"]["n_with_error"], out["dev"]["n_without_error"]) == (2, 1)  # first errors 0 and 4, one "N/A"
+    assert out["dev"]["f1"] == pytest.approx(out["dev_f1"])
+    assert {"auroc", "acc_error", "chance_f1"} <= set(out["dev"])
+
+
 def test_stepwise_data_and_forced_processbench(model_dir, tmp_path):
     path = str(tmp_path / "steps.jsonl")
     rows = [{"prompt": "p", "completions": ["1+1=2", "2+1=4", "4+1=5"], "labels": [True, False, False]},
