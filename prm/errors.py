@@ -1,0 +1,51 @@
+"""The errors that end a command, each with its exit status. Library code raises them and never exits; only the
+entry points (train.py, eval.py, `python -m prm.*`) turn one into a one-line message and its status, through
+`exit_status()`. Depends on: the standard library only."""
+import contextlib
+import sys
+
+
+class PRMError(Exception):
+    """Base of prm's errors; `code` is the exit status an entry point ends with."""
+    code = 1
+
+
+class UsageError(PRMError, ValueError):
+    """Bad settings, flags or input data: exit status 2."""
+    code = 2
+
+
+class WriteFailed(PRMError, OSError):
+    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault, not the input's."""
+    code = 1
+
+
+class Diverged(PRMError, ArithmeticError):
+    """The loss or gradient norm stopped being finite: exit status 3."""
+    code = 3
+
+
+class Stopped(PRMError):
+    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal, as a shell reports it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
+def check(problems: list):
+    """Raises UsageError with every problem on one line; returns when there is none."""
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+@contextlib.contextmanager
+def exit_status():
+    """For entry points: a PRMError becomes 'error: <message>' on stderr and its exit status, not a traceback."""
+    try:
+        yield
+    except Stopped as e:  # already said on the log; the status tells a scheduler to requeue
+        sys.exit(e.code)
+    except PRMError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.code)
