@@ -3,14 +3,14 @@ Depends on: prm."""
 import json
 
 from prm.config import parse_config
+from prm.errors import exit_status
 
 if __name__ == "__main__":
-    cfg = parse_config()  # before torch, datasets and transformers load: --help and a bad flag answer in a blink
-    from prm.card import launch_command
-    from prm.sources import exit_on_data_error
-    from prm.trainer import train
-    with exit_on_data_error():  # bad rows: exit status 2 with a one-screen message, no traceback
-        final = train(cfg, launch_command())
-    if final is not None:
-        summary = {k: v for k, v in final.items() if k not in ("train_data", "eval_data")}
+    with exit_status():  # bad flags or rows: one line and exit status 2; a failed write: 1; divergence: 3
+        cfg = parse_config()  # before torch, datasets and transformers load: --help and a bad flag answer at once
+        from prm.card import launch_command
+        from prm.trainer import train
+        results = train(cfg, launch_command())
+    if results is not None:
+        summary = {k: v for k, v in results.items() if k not in ("train_data", "eval_data")}
         print(json.dumps(summary), flush=True)

@@ -1,6 +1,6 @@
 """Training checkpoints (atomic, checksummed, exact resume), the final export, finding the newest good checkpoint,
 and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors, prm.model, prm.lora,
-prm.sharding, prm.config."""
+prm.sharding, prm.errors."""
 import contextlib
 import fcntl
 import hashlib
@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from prm.config import exit_on_problems
+from prm.errors import UsageError, WriteFailed, check
 from prm.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
 from prm.model import hf_names, load_weights
 from prm.sharding import SHARDS, load_shards
@@ -91,17 +91,15 @@ def write_adapter(path: str, model, cfg, state: dict = None):
         json.dump(config, f, indent=2)
 
 
-class WriteFailed(SystemExit):
-    """A write that failed (a full disk, a read-only folder, an I/O error): exit status 1 and one line naming the
-    path and the cause. Status 1, not 2: the machine failed, not the user's input or flags."""
-
-    def __init__(self, path: str, error: BaseException):
-        lines = str(error).strip().splitlines()
-        self.cause = (error.strerror if isinstance(error, OSError) else None) or (lines[0] if lines else
-                                                                                  type(error).__name__)
-        if not isinstance(error, OSError):  # torch.save's "unexpected pos 103296 vs 103188" never says "disk full"
-            self.cause += f" ({_free_mib(path)} MiB free there)"
-        super().__init__(f"error: could not write {path}: {self.cause}")
+def write_failed(path: str, error: BaseException) -> WriteFailed:
+    """One line naming the path and the cause (exit status 1: the machine failed, not the user's input)."""
+    lines = str(error).strip().splitlines()
+    cause = (error.strerror if isinstance(error, OSError) else None) or (lines[0] if lines else type(error).__name__)
+    if not isinstance(error, OSError):  # torch.save's "unexpected pos 103296 vs 103188" never says "disk full"
+        cause += f" ({_free_mib(path)} MiB free there)"
+    failed = WriteFailed(f"could not write {path}: {cause}")
+    failed.cause = cause
+    return failed
 
 
 def _free_mib(path: str) -> str:
@@ -125,7 +123,7 @@ def reported(path: str):
     try:
         yield
     except WRITE_ERRORS as e:
-        raise WriteFailed(path, e) from e
+        raise write_failed(path, e) from e
 
 
 @contextlib.contextmanager
@@ -195,13 +193,14 @@ def checkpoint_dir(output_dir: str, step: int) -> str:
 
 
 def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, scaler, tokenizer, cfg,
-                    world_size: int, sharded: bool = False) -> str:
+                    world_size: int, sharded: bool = False, data: dict = None) -> str:
     """Everything resume needs (weights, optimizer, scheduler, scaler, RNG) and what eval.py reads, assembled in
     a temporary directory and renamed into place; the marker, written last, holds every file's checksum.
 
-    sharded: weights and optimizer state are already in <tmp>/shards, written by every rank (prm.sharding)."""
-    final = checkpoint_dir(output_dir, step)
-    with written_in_place(final, fresh=not sharded) as tmp:
+    sharded: weights and optimizer state are already in <tmp>/shards, written by every rank (prm.sharding).
+    data: the training and eval data's content digests, which a resume must match."""
+    path = checkpoint_dir(output_dir, step)
+    with written_in_place(path, fresh=not sharded) as tmp:
         state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state()}
         if sharded:
             tokenizer.save_pretrained(tmp)
@@ -210,11 +209,11 @@ def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, 
             write_model_dir(tmp, model, tokenizer, cfg, trainable_only=has_lora(model))
             state["optimizer"] = optimizer.state_dict()
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        marker = {"step": step, "world_size": world_size, "sha256": file_digests(tmp)}
+        marker = {"step": step, "world_size": world_size, "data": data or {}, "sha256": file_digests(tmp)}
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f)
     prune(output_dir, cfg.keep_last)
-    return final
+    return path
 
 
 def prune(output_dir: str, keep_last: int):
@@ -240,7 +239,7 @@ def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, st
     except WriteFailed as e:
         if step is None:
             raise
-        raise SystemExit(f"{e.code}; {_kept_instead(output_dir, step, keep)}") from e.__cause__
+        raise WriteFailed(f"{e}; {_kept_instead(output_dir, step, keep)}") from e.__cause__
     prune(output_dir, cfg.keep_last)  # a resumed run that saves no checkpoint would otherwise keep the surplus
     return path
 
@@ -300,10 +299,10 @@ def resolve_resume(resume: str, output_dir: str):
     checksums (a damaged one is skipped with a warning); None when there is none."""
     if resume != "auto":
         if not os.path.isfile(os.path.join(resume, MARKER)):
-            exit_on_problems([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
+            check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
         damaged = damaged_files(resume)
         if damaged:
-            exit_on_problems([f"--resume {resume}: damaged checkpoint (checksum mismatch): {', '.join(damaged)}"])
+            check([f"--resume {resume}: damaged checkpoint (checksum mismatch): {', '.join(damaged)}"])
         return resume
     for path in reversed(complete_checkpoints(output_dir)):
         damaged = damaged_files(path)
@@ -314,9 +313,10 @@ def resolve_resume(resume: str, output_dir: str):
     return None
 
 
-def saved_world_size(path: str) -> int:
+def read_marker(path: str) -> dict:
+    """A complete checkpoint's marker: step, world_size, data (content digests), sha256 (of every file)."""
     with open(os.path.join(path, MARKER)) as f:
-        return json.load(f).get("world_size", 1)
+        return json.load(f)
 
 
 @contextlib.contextmanager
@@ -343,7 +343,7 @@ def run_lock(output_dir: str):
 def _hold(path: str, output_dir: str) -> int:
     """An open descriptor of `path` holding its flock, the file naming this process; exit status 2 if another
     run holds it."""
-    busy = lambda owner: exit_on_problems([f"{output_dir} is in use by another run ({owner or 'starting'}); if none "
+    busy = lambda owner: check([f"{output_dir} is in use by another run ({owner or 'starting'}); if none "
                                            f"is, delete {path}"])
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -387,7 +387,7 @@ def load_trainable(model, path: str):
     state, expected = load_file(path), set(trainable_state_dict(model))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise SystemExit(f"{path} does not fit this model (same --model and --lora-* flags as the run?): "
+        raise UsageError(f"{path} does not fit this model (same --model and --lora-* flags as the run?): "
                          f"missing {missing[:3]}, unexpected {extra[:3]}")
     model.load_state_dict(state, strict=False)
 
@@ -408,5 +408,4 @@ def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
-    with open(os.path.join(path, MARKER)) as f:
-        return json.load(f)["step"]
+    return read_marker(path)["step"]

@@ -15,7 +15,7 @@ class UsageError(PRMError, ValueError):
     code = 2
 
 
-class WriteFailed(PRMError, OSError):
+class WriteFailed(PRMError):
     """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault, not the input's."""
     code = 1
 
@@ -44,7 +44,8 @@ def exit_status():
     """For entry points: a PRMError becomes 'error: <message>' on stderr and its exit status, not a traceback."""
     try:
         yield
-    except Stopped as e:  # already said on the log; the status tells a scheduler to requeue
+    except Stopped as e:  # not an error: the status tells a scheduler to requeue the run
+        print(e, file=sys.stderr, flush=True)
         sys.exit(e.code)
     except PRMError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

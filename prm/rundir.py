@@ -1,11 +1,11 @@
 """One run per output directory: a directory that already holds a run is refused at start-up unless that run is
 continued (--resume) or replaced (--overwrite), so no run ever appends to another's records. Depends on:
-prm.checkpoint, prm.config."""
+prm.checkpoint, prm.errors."""
 import os
 import shutil
 
 from prm.checkpoint import resolve_resume
-from prm.config import exit_on_problems
+from prm.errors import check
 
 RUN_FILES = ("metrics.jsonl", "final")  # with checkpoint-*: what makes a directory hold a run
 ALSO_WRITTEN = ("config.train.json", "tensorboard")  # written by a run too; --overwrite removes them with the rest
@@ -24,7 +24,7 @@ def prepare_output_dir(cfg, is_main: bool):
     --overwrite, rank 0 deletes what a run writes there, and only that (the directory may hold other files).
     Returns the checkpoint to resume (None: a fresh start), checksummed here once."""
     out, found = cfg.output_dir, run_files(cfg.output_dir)
-    fail = lambda message: exit_on_problems([message])
+    fail = lambda message: check([message])
     if cfg.overwrite and cfg.resume:
         fail("--overwrite and --resume exclude each other: replace the run, or continue it")
     ckpt = resolve_resume(cfg.resume, out) if cfg.resume else None

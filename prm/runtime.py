@@ -1,6 +1,7 @@
 """Device, autocast dtype and torchrun/DDP plumbing shared by training and evaluation. Depends on: torch."""
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -87,3 +88,13 @@ def cpu_has_bf16() -> bool:
         return os.environ["PRM_CPU_BF16"] == "1"
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def progress_off(disable: bool) -> bool:
+    """Whether progress bars stay off: when asked (--disable-tqdm), or when stderr is no terminal, where a log file
+    would fill with their redraws. datasets' own bars (tokenization) follow."""
+    off = disable or not sys.stderr.isatty()
+    if off:
+        import datasets
+        datasets.disable_progress_bars()
+    return off

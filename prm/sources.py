@@ -13,6 +13,7 @@ import datasets
 from datasets import Dataset, Features, List, Value, load_dataset
 
 from prm.data import IGNORE
+from prm.errors import UsageError
 from prm.formats import FORMATS, detect_format, format_help, to_stepwise
 from prm.synthetic import train_eval_rows
 
@@ -21,7 +22,7 @@ SHOWN = 15  # problems listed before "... and N more": the message must fit one 
 WHERE = "line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a hub split"
 
 
-class DataError(Exception):
+class DataError(UsageError):
     """Problems with the input data, one "<source> <line|row> N: field 'x': ..." line each."""
 
     def __init__(self, problems: list, total_rows: int = 0):
@@ -294,6 +295,21 @@ SHAPING = ("dataset", "eval_dataset", "train_split", "eval_split", "format", "ev
            "skip_invalid", "eval_fraction", "seed", "cut_after_first_error")  # the settings read_splits reads
 
 
+def data_digest(spec: str) -> str:
+    """sha256 of a local data file's or folder's contents (its files' names too); '' for hub or synthetic data."""
+    if not (is_local(spec) and os.path.exists(spec)):
+        return ""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
+        path = os.path.join(spec, name) if name else spec
+        digest.update(path.encode() + b"\0")
+        if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
 def rows_cache(cfg):
     """Where load_splits keeps the validated splits of local files, keyed by the files' contents, the settings that
     shape the rows and this reading code: a rerun on unchanged files skips parsing and checking every row again
@@ -304,13 +320,7 @@ def rows_cache(cfg):
     digest = hashlib.sha256(json.dumps([[getattr(cfg, k) for k in SHAPING], [inspect.getsource(m) for m in (
         sys.modules[__name__], sys.modules[to_stepwise.__module__])]]).encode())
     for spec in specs:
-        for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
-            path = os.path.join(spec, name) if name else spec
-            digest.update(path.encode() + b"\0")
-            if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
+        digest.update(data_digest(spec).encode())
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", digest.hexdigest()[:32])
 
 

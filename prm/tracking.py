@@ -1,10 +1,10 @@
 """Optional experiment trackers: the records of metrics.jsonl, and the config once, sent to TensorBoard or Weights &
-Biases from rank 0. A tracker's package is imported only when --report-to asks for it. Depends on: prm.config (and
+Biases from rank 0. A tracker's package is imported only when --report-to asks for it. Depends on: prm.errors (and
 tensorboard or wandb when asked for)."""
 import dataclasses
 import os
 
-from prm.config import exit_on_problems
+from prm.errors import check
 
 PIP = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report-to value -> the package to install
 
@@ -21,7 +21,7 @@ def require(report_to: str):
         else:
             import wandb as module
     except ImportError:
-        exit_on_problems([f"--report-to {report_to} needs the {PIP[report_to]} package: pip install {PIP[report_to]}"])
+        check([f"--report-to {report_to} needs the {PIP[report_to]} package: pip install {PIP[report_to]}"])
     return module
 
 

@@ -105,7 +105,7 @@ def test_each_data_source_keeps_its_own_format(tmp_path, capsys):
 
 
 def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
-    from prm.trainer import count, log_line
+    from prm.trainlog import count, log_line
     rec = {"step": 1, "loss": 0.5, "acc": 0.5, "lr": 1e-3, "norm": 1.0, "epoch": 0}
     assert log_line({**rec, "tok_per_s": 950.4}).endswith("| 950 tok/s")
     assert log_line({**rec, "tok_per_s": 18234.0}).endswith("| 18.2k tok/s")
@@ -115,12 +115,13 @@ def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
 
 
 def test_time_left_is_said_once_from_the_host_clock(monkeypatch):
-    from prm import trainer
+    from prm import trainlog
     from prm.runtime import Runtime
     said, clock = [], iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
-    monkeypatch.setattr(trainer.time, "perf_counter", lambda: next(clock))
-    log = trainer.TrainLog(None, Runtime(), type("Bar", (), {"write": lambda self, s: said.append(s)})(), lengths=[],
-                           n_labels=[], n_chunks=1, pack_to=None, check_norm=True, resumed_at=0, total=10, hint="")
+    monkeypatch.setattr(trainlog.time, "perf_counter", lambda: next(clock))
+    out = trainlog.MetricsFile(None, type("Bar", (), {"write": lambda self, s: said.append(s)})(), resumed_at=0)
+    log = trainlog.TrainLog(trainlog.LogSettings(total=10, resumed_at=0, n_chunks=1), Runtime(), out, lengths=[],
+                            n_labeled=[])
     for step in range(1, 7):  # step 1 pays the one-time costs: the clock starts when it ends
         log.estimate(step)
     assert said == ["about 0:00:06 left (1.00 s per step)"]  # after step 4: 3 steps timed, 6 to go

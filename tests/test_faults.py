@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from prm.errors import PRMError
 from conftest import ROOT, read_metrics, run_train, small_config
 
 
@@ -24,12 +25,12 @@ def strict_records(out_dir):
 
 
 def test_divergence_stops_with_status_3_and_saves_no_non_finite_weights(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         # 1e10: packed attention stays finite at the 1e3 that made the padded (masked) path overflow
         run_train(tmp_path, synthetic_size=400, batch_size=32, lr=1e10, max_steps=20, save_every=1, keep_last=1,
                   log_every=10)
     assert e.value.code == 3
-    err = capsys.readouterr().err
+    err = str(e.value)
     assert "not finite at step" in err and "Lower --lr (now 1e+10)" in err
     bad = int(err.split("not finite at step ")[1].split()[0])
     saved = [d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]
@@ -53,14 +54,15 @@ def test_auroc_returns_on_nan_scores():
 def test_signals_keep_their_usual_effect_during_the_final_evaluation(tmp_path, monkeypatch):
     from prm import trainer
     seen = []
-    real = trainer.Trainer.evaluate
-    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
+    real = trainer.HeldOut.run
+    monkeypatch.setattr(trainer.HeldOut, "run", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
                         or real(self))
     run_train(tmp_path, max_steps=2)
     assert seen == [signal.SIG_DFL]  # the trainer's flag-only handler is gone: SIGTERM stops the process at once
-    trainer.PREEMPTED["signal"] = signal.SIGTERM  # a second signal in the loop exits at once
-    with pytest.raises(SystemExit) as e:
-        trainer._on_signal(signal.SIGTERM, None)
+    preemption = trainer.Preemption()
+    preemption.signum = signal.SIGTERM  # a second signal in the loop stops at once
+    with pytest.raises(PRMError) as e:
+        preemption.on_signal(signal.SIGTERM, None)
     assert e.value.code == 128 + signal.SIGTERM
 
 
@@ -68,7 +70,7 @@ def test_resume_refuses_other_data_settings_and_accepts_a_longer_run(tmp_path):
     run_train(tmp_path, max_steps=2, save_every=2)
     for change, named in (({"seed": 1}, "--seed 1 (was 0)"), ({"lr": 5e-2}, "--lr 0.05 (was 0.001)"),
                           ({"batch_size": 8}, "global batch 8 x 1 x 1 ranks (was 4 x 1 x 1)")):
-        with pytest.raises(SystemExit, match="does not fit this model and data") as e:
+        with pytest.raises(PRMError, match="does not fit this model and data") as e:
             run_train(tmp_path, max_steps=4, resume="auto", **change)
         assert e.value.code == 2 and named in str(e.value)
     run_train(tmp_path, max_steps=4, resume="auto", batch_size=2, grad_accum=2)  # same global batch: allowed
@@ -84,7 +86,7 @@ def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
     weights.write_bytes(bytes(data))
     assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-2")
     assert "skipping damaged checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="model.safetensors"):
+    with pytest.raises(PRMError, match="model.safetensors"):
         resolve_resume(str(tmp_path / "checkpoint-4"), str(tmp_path))
     capsys.readouterr()
     run_train(tmp_path, max_steps=4, resume="auto")
@@ -95,7 +97,7 @@ def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
 def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeypatch):
     from prm import checkpoint, trainer
     from prm.model import PRM
-    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: 1 / 0)  # the final evaluation fails
+    monkeypatch.setattr(trainer.HeldOut, "run", lambda self: 1 / 0)  # the final evaluation fails
     with pytest.raises(ZeroDivisionError):
         run_train(tmp_path / "a", max_steps=2)
     PRM.from_pretrained(str(tmp_path / "a" / "final"))  # the weights were not lost with it
@@ -108,7 +110,7 @@ def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeyp
         real(path, *a, **kw)
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(checkpoint, "write_model_dir", disk_full)
-    with pytest.raises(SystemExit, match="No space left on device"):
+    with pytest.raises(PRMError, match="No space left on device"):
         run_train(tmp_path / "b", max_steps=3, resume="auto")
     assert (tmp_path / "b" / "final" / "model.safetensors").read_bytes() == before  # the old final/ intact
     assert not os.path.exists(tmp_path / "b" / "final.tmp")
@@ -119,7 +121,7 @@ def test_a_locked_output_directory_is_refused_and_a_stale_lock_taken_over(tmp_pa
     tmp_path.mkdir(exist_ok=True)
     lock = tmp_path / ".lock"
     lock.write_text(f"{os.getpid()}@{socket.gethostname()}")  # a live process holds it
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=1)
     assert e.value.code == 2 and "in use by another run" in str(e.value)
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # refused before anything was written
@@ -142,13 +144,13 @@ def test_two_runs_taking_over_one_stale_lock_at_once_cannot_both_proceed(tmp_pat
 
     def second_run_cuts_in(owner):
         monkeypatch.setattr(checkpoint, "_alive", real)  # the second run checks for itself, holding the lock if it can
-        with contextlib.suppress(SystemExit):
+        with contextlib.suppress(PRMError):
             second.enter_context(checkpoint.run_lock(str(tmp_path)))
             proceeded.append("second")
         return real(owner)
     monkeypatch.setattr(checkpoint, "_alive", second_run_cuts_in)
     try:
-        with contextlib.suppress(SystemExit), checkpoint.run_lock(str(tmp_path)):
+        with contextlib.suppress(PRMError), checkpoint.run_lock(str(tmp_path)):
             proceeded.append("first")
     finally:
         with contextlib.suppress(OSError):  # the unfixed lock: both runs remove "their" file
@@ -177,22 +179,21 @@ def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
 ])
 def test_bad_flags_exit_2_at_start_up(flags, message, capsys):
     from prm.config import parse_config
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         parse_config(flags)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and err.count("\n") == 1
+    assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_bad_paths_exit_2_with_a_message(tmp_path, capsys):
     from prm.config import parse_config
     (tmp_path / "file").write_text("x")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         parse_config(["--output-dir", str(tmp_path / "file" / "out")])
-    assert e.value.code == 2 and "not a writable folder" in capsys.readouterr().err
+    assert e.value.code == 2 and "not a writable folder" in str(e.value)
     (tmp_path / "no_config").mkdir()
     for kw, text in (({"tokenizer": str(tmp_path / "missing")}, "--tokenizer"),
                      ({"model": str(tmp_path / "no_config")}, "no config.json")):
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(PRMError) as e:
             run_train(tmp_path / "out", max_steps=1, **kw)
         assert e.value.code == 2 and text in str(e.value)
     r = subprocess.run([sys.executable, "train.py", "--lr", "nan", "--output-dir", str(tmp_path / "o")], cwd=ROOT,
@@ -228,7 +229,7 @@ def test_encodings_are_named_and_a_bom_is_accepted(tmp_path):
 
 
 def test_metrics_writer_turns_non_finite_numbers_into_null():
-    from prm.trainer import strict_json
+    from prm.trainlog import strict_json
     assert strict_json({"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}}) == \
         {"a": None, "b": [None, 1.0], "c": {"d": None}}
 
@@ -252,7 +253,7 @@ def test_a_conflicting_resume_is_refused_before_any_data_loads(tmp_path, monkeyp
     def no_data(cfg):
         raise AssertionError("the data loaded before the resume's settings were compared")
     monkeypatch.setattr("prm.trainer.load_splits", no_data)
-    with pytest.raises(SystemExit, match="--seed 1 \\(was 0\\)") as e:
+    with pytest.raises(PRMError, match="--seed 1 \\(was 0\\)") as e:
         run_train(tmp_path, max_steps=4, resume="auto", seed=1)
     assert e.value.code == 2
 
@@ -279,3 +280,19 @@ def test_the_first_record_after_a_resume_says_it_averages_the_steps_since_the_re
     assert [(r["step"], r.get("since_resume")) for r in records] == [(3, None), (4, True), (8, None)]
     lines = capsys.readouterr().out.splitlines()
     assert [line.startswith("step 4 | ") for line in lines if line.endswith(" | since resume")] == [True]
+
+
+def test_resume_refuses_a_data_file_whose_contents_changed(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": f"{i} + 1 =", "completions": [f"{i + 1}", "done"], "labels": [True, i % 2 == 0]}
+            for i in range(24)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    run_train(out, dataset=str(data), max_steps=2, save_every=1)
+    data.write_text("".join(json.dumps({**r, "labels": [False, True]}) + "\n" for r in rows[:12]))  # other rows
+    with pytest.raises(PRMError, match="changed since the checkpoint") as e:
+        run_train(out, dataset=str(data), max_steps=4, resume="auto")
+    assert e.value.code == 2 and str(data) in str(e.value)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # the same contents again: resume goes on
+    run_train(out, dataset=str(data), max_steps=4, resume="auto")
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4]

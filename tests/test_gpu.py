@@ -116,7 +116,7 @@ def trainer_on(tmp_path, device: str, **overrides):
     from prm.trainer import Trainer
     cfg = small_config(tmp_path, dtype="bf16", max_length=64, synthetic_size=64, **overrides)
     tr = Trainer(cfg, Runtime(device=torch.device(device)), "")
-    tr.train_model.train()
+    tr.parallel.forward.train()
     return tr, tr.batch_plan(0)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import prm.tracking
 import prm.trainer
+from prm.errors import PRMError
 from conftest import read_metrics, run_train, small_config
 from prm.sources import DataError
 from prm.tracking import Tracker
@@ -31,14 +32,14 @@ def test_second_run_into_a_finished_dir_is_refused_and_touches_nothing(tmp_path,
     run_train(tmp_path / "a", max_steps=2, save_every=2)
     run_train(tmp_path / "b", max_steps=2, save_every=2)
     before = snapshot(tmp_path)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         run_train(tmp_path / "a", max_steps=3)
-    err = capsys.readouterr().err
+    err = str(e.value)
     assert e.value.code == 2 and "--overwrite" in err
     assert f"{tmp_path / 'a'} already holds a run (checkpoint-2/, final/, metrics.jsonl)" in err
-    with pytest.raises(SystemExit) as e:  # continuing b's checkpoint would append to a's records
+    with pytest.raises(PRMError) as e:  # continuing b's checkpoint would append to a's records
         run_train(tmp_path / "a", max_steps=3, resume=str(tmp_path / "b" / "checkpoint-2"))
-    assert e.value.code == 2 and "is a checkpoint of another directory" in capsys.readouterr().err
+    assert e.value.code == 2 and "is a checkpoint of another directory" in str(e.value)
     assert snapshot(tmp_path) == before
 
 
@@ -69,10 +70,10 @@ def test_resume_auto_continues_the_same_run(tmp_path, capsys):
     assert loss_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
     finished = tmp_path / "no_checkpoint"
     run_train(finished, max_steps=2)
-    with pytest.raises(SystemExit) as e:  # nothing to continue from: starting over would append to its records
+    with pytest.raises(PRMError) as e:  # nothing to continue from: starting over would append to its records
         run_train(finished, max_steps=3, resume="auto")
-    assert e.value.code == 2 and "finds no complete checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
+    assert e.value.code == 2 and "finds no complete checkpoint" in str(e.value)
+    with pytest.raises(PRMError) as e:
         run_train(finished, max_steps=3, resume="auto", overwrite=True)
     assert e.value.code == 2 and loss_steps(finished) == [1, 2]
 
@@ -81,10 +82,10 @@ def test_resume_auto_continues_the_same_run(tmp_path, capsys):
 def test_missing_tracker_package_stops_at_start_up_with_one_line(kind, tmp_path, monkeypatch, capsys):
     for name in ("tensorboard", "torch.utils.tensorboard", "wandb"):
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: `import name` raises ImportError
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         run_train(tmp_path / "out", report_to=kind)
     assert e.value.code == 2
-    assert capsys.readouterr().err == f"error: --report-to {kind} needs the {kind} package: pip install {kind}\n"
+    assert str(e.value) == f"--report-to {kind} needs the {kind} package: pip install {kind}"
     assert not (tmp_path / "out").exists()  # stopped before anything was written
 
 

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 from safetensors import SafetensorError
 
+from prm.errors import PRMError
 from conftest import run_train
 
 NO_SPACE = os.strerror(errno.ENOSPC)
@@ -23,10 +24,11 @@ def leftovers(root) -> list:
 
 
 def one_line(e, *needles):
-    """The exit: status 1 (a message, not a number), one line, holding each needle."""
-    assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
+    """The exit: status 1, one line, holding each needle."""
+    message = str(e.value)
+    assert e.value.code == 1 and "\n" not in message, message
     for needle in needles:
-        assert needle in e.value.code, e.value.code
+        assert needle in message, message
 
 
 def fail(monkeypatch, target: str, error: Exception, only=""):
@@ -45,7 +47,7 @@ def fail(monkeypatch, target: str, error: Exception, only=""):
                                           ("prm.model.save_file", "save_file")])
 def test_a_checkpoint_that_cannot_be_written_exits_with_one_line(tmp_path, monkeypatch, target, kind):
     fail(monkeypatch, target, FAULTS[kind])
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=2, save_every=1)
     one_line(e, f"could not write {tmp_path / 'checkpoint-1'}: ", str(FAULTS[kind]).splitlines()[0]
              if kind != "open/write" else NO_SPACE)
@@ -54,7 +56,7 @@ def test_a_checkpoint_that_cannot_be_written_exits_with_one_line(tmp_path, monke
 
 def test_a_failed_final_export_keeps_the_weights_in_a_checkpoint(tmp_path, monkeypatch):
     fail(monkeypatch, "prm.model.save_file", FAULTS["save_file"], only="final.tmp")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=2)  # no --save-every: without the rescue, the export was the only copy
     one_line(e, f"could not write {tmp_path / 'final'}", f"kept in {tmp_path / 'checkpoint-2'}", "--resume auto")
     assert leftovers(tmp_path) == [] and not os.path.exists(tmp_path / "final")
@@ -65,7 +67,7 @@ def test_a_failed_final_export_keeps_the_weights_in_a_checkpoint(tmp_path, monke
 
 def test_a_failed_final_export_says_when_the_weights_are_lost(tmp_path, monkeypatch):
     fail(monkeypatch, "prm.model.save_file", FAULTS["save_file"])  # the rescue checkpoint fails too
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=2)
     one_line(e, f"could not write {tmp_path / 'final'}", "could not be written either", "weights of step 2 are lost")
     assert leftovers(tmp_path) == []
@@ -81,7 +83,7 @@ def test_a_full_disk_while_appending_metrics_exits_with_one_line(tmp_path, monke
     real = open
     monkeypatch.setattr(checkpoint, "open", lambda path, mode="r", *a, **kw: Full() if mode == "a"
                         else real(path, mode, *a, **kw), raising=False)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=2)
     one_line(e, f"could not write {tmp_path / 'metrics.jsonl'}: {NO_SPACE}")
 
@@ -93,7 +95,7 @@ def test_a_real_full_disk(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(PRMError) as e:
             run_train(disk / "run", max_steps=2, save_every=1)
         one_line(e, f"could not write {disk / 'run' / 'checkpoint-1'}")
         assert leftovers(disk) == []

@@ -1,0 +1,180 @@
+"""What a training run reports: the log line and metrics.jsonl (MetricsFile), and the running sums behind them
+with the divergence check, the throughput and the time left (TrainLog). Depends on: torch, prm.checkpoint,
+prm.data, prm.errors, prm.runtime."""
+import datetime
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from prm.checkpoint import AppendFile
+from prm.data import padded_tokens
+from prm.errors import Diverged
+from prm.runtime import Runtime, all_reduce_sum
+
+
+class MetricsFile:
+    """Rank 0's metrics.jsonl, each record also sent to the tracker (TensorBoard / W&B) and shown as a log line.
+
+    On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each step appears
+    once. path None (the other ranks): writes nothing."""
+
+    def __init__(self, path, pbar, *, resumed_at: int, tracker=None):
+        self.pbar, self.tracker = pbar, tracker
+        if path and resumed_at:
+            keep_records_until(path, resumed_at)
+        self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, not a traceback
+
+    def write(self, rec: dict, echo: bool = True):
+        if self.file is None:
+            return
+        self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")
+        self.file.flush()
+        if self.tracker is not None:
+            self.tracker.log(rec)
+        if echo:
+            self.pbar.write(log_line(rec))
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+@dataclass
+class LogSettings:
+    total: int  # the run's last optimizer step
+    resumed_at: int  # the step this process started from (0: a fresh run)
+    n_chunks: int  # micro-batches of one global batch over all ranks: what padding is counted per
+    pack_to: int = None  # the packed row's multiple (0: none); None: padded micro-batches
+    check_norm: bool = True  # False under fp16: an inf norm is the GradScaler's skipped step, not a divergence
+    hint: str = ""  # the advice a divergence message ends with
+
+
+class TrainLog:
+    """The running (cross-entropy sum, correct) of the steps since the last log line, the first non-finite step,
+    throughput and the time left.
+
+    The sums and the divergence flag stay on device until a log step; then one all-reduce, the only device sync. A
+    divergence is also read before every save, so non-finite weights are never written."""
+
+    def __init__(self, settings: LogSettings, rt: Runtime, out: MetricsFile, *, lengths: list, n_labeled: list):
+        self.s, self.rt, self.out, self.pbar = settings, rt, out, out.pbar
+        self.lengths, self.n_labeled = lengths, n_labeled  # per training example: non-pad tokens, labeled steps
+        self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
+        self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # first non-finite step, 0: none
+        self.last_finite = None  # (step, loss) of the last log line with a finite loss
+        self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
+        self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
+        self.timed_from, self.estimated = None, False  # timed_from: (step, host time)
+        self.since_resume = bool(settings.resumed_at)  # the first record after a resume averages the steps since it
+
+    def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
+        """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm."""
+        tokens = sum(self.lengths[i] for i in batch)  # non-pad tokens of the global batch, every rank's share
+        bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.s.check_norm else False)
+        self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)  # on device: no sync
+        self.window += sums
+        self.window_labeled += sum(self.n_labeled[i] for i in batch)
+        self.tokens, self.total_tokens = self.tokens + tokens, self.total_tokens + tokens
+        self.total_padded += padded_tokens(batch, self.lengths, self.s.n_chunks, self.s.pack_to)
+        self.pbar.update(1)
+        self.estimate(step)
+        if not write:
+            self.seconds += time.perf_counter() - t0
+            return
+        flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
+        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()  # the one sync of a log step
+        self.seconds += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
+        n = max(self.window_labeled, 1)
+        rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
+               "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch}
+        if self.since_resume:  # said, not hidden: its loss is not the whole window an uninterrupted run logs
+            rec["since_resume"], self.since_resume = True, False
+        self.out.write(rec)
+        if math.isfinite(stats[0] / n):
+            self.last_finite = (step, stats[0] / n)
+        if stats[3] > 0:
+            self.diverged()
+        self.window.zero_()
+        self.total_seconds += self.seconds
+        self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
+
+    def estimate(self, step: int):
+        """The remaining time, said once, from host wall-clock since this run's first step ended (it pays one-time
+        costs: compilation, allocator warm-up), after 3 more steps or 10 s. No device sync: it reads the clock only,
+        so device work still queued may be missed."""
+        now = time.perf_counter()
+        self.timed_from = self.timed_from or (step, now)
+        done, seconds = step - self.timed_from[0], now - self.timed_from[1]
+        if self.rt.is_main and not self.estimated and (done >= 3 or (done and seconds >= 10)) and step < self.s.total:
+            left = datetime.timedelta(seconds=round(seconds / done * (self.s.total - step)))
+            self.pbar.write(f"about {left} left ({seconds / done:.2f} s per step)")
+            self.estimated = True
+
+    def stop_if_diverged(self):
+        """Reads the divergence flag now (a device sync: before saves only), agreed by every rank."""
+        if all_reduce_sum((self.bad_step > 0).float().view(1), self.rt).item() > 0:
+            self.diverged()
+
+    def diverged(self):
+        step = int(self.bad_step)
+        last = f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" if self.last_finite \
+            else "no finite loss logged before it"
+        raise Diverged(f"the loss or gradient norm is not finite at step {step or '? (on another rank)'} ({last}); "
+                       f"no checkpoint was written from then on. {self.s.hint}")
+
+    def throughput(self) -> tuple:
+        """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding); None, None
+        (null in metrics.jsonl) when this process trained no step, as when resuming a run whose steps were all done."""
+        if not self.total_tokens:
+            return None, None
+        return self.total_tokens / max(self.total_seconds, 1e-9), self.total_tokens / max(self.total_padded, 1)
+
+
+def count(n: float) -> str:
+    """A count as people read it: 950, 18.2k, 1.3M, 3.4G (a small one in full, never 0.0k)."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def log_line(rec: dict) -> str:
+    """A metrics.jsonl record as the log shows it; an undefined metric (None) reads 'n/a'."""
+    if "loss" in rec:
+        since = " | since resume" if rec.get("since_resume") else ""  # a window cut short by the resume
+        return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
+                f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s{since}")
+    shown = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
+    return " | ".join(f"{k} {shown(v)}" for k, v in rec.items())
+
+
+def strict_json(x):
+    """NaN and infinity become null, so metrics.jsonl stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    return [strict_json(v) for v in x] if isinstance(x, list) else x
+
+
+def keep_records_until(path: str, step: int):
+    """Drops the records past `step` (and final ones) from metrics.jsonl: after a resume, each step appears once."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the crash that made this run resume
+                continue
+            if rec.get("step", 0) <= step and "final" not in rec:
+                kept.append(line)
+    with open(path, "w") as f:
+        f.writelines(kept)
