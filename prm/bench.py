@@ -61,6 +61,7 @@ from transformers import AutoModel
 from prm.build import hf_config_for, tokenizer_for
 from prm.config import Config, build_parser
 from prm.data import global_batches
+from prm.gpucheck import gpu_check
 from prm.ingest import tokenize_dataset
 from prm.sources import load_splits
 from prm.runtime import autocast_dtype
@@ -374,8 +375,7 @@ def main(argv=None):
     if a.peer_python and not a.peer_script:
         raise SystemExit("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
     if a.gpu_check:
-        from prm.gpucheck import gpu_check  # on demand: the benchmark alone needs none of it
-        out = gpu_check(a.dry_run)
+        out = gpu_check(lambda args: side_by_side(parser().parse_args(args), args), dry=a.dry_run)
     elif a.variants:
         out = side_by_side(a, argv)
     elif a.repeats > 1 or a.peer_python:

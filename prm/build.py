@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokeniz
 from prm.checkpoint import TRAINABLE, load_trainable
 from prm.config import exit_on_problems
 from prm.data import pad_token_id
+from prm.errors import UsageError
 from prm.lora import apply_lora, has_lora
 from prm.model import PRM, SETTINGS, new_head
 from prm.sharding import SHARDS, load_whole
@@ -114,7 +115,10 @@ def model_for(cfg, tokenizer) -> PRM:
     LoRA checkpoint's frozen base with this same function."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:
-        apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        try:
+            apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        except ValueError as e:  # --lora-targets that match no layer: a bad flag
+            raise UsageError(str(e)) from None
         if cfg.lora_base_dtype == "bf16":  # the frozen base never updates: it needs no fp32 master copy
             for p in model.backbone.parameters():
                 if not p.requires_grad:

@@ -1,8 +1,9 @@
-"""python -m prm.bench --gpu-check: everything a GPU machine must show (issue 31) in one offline command: the CUDA
+"""python -m prm.bench --gpu-check: everything a GPU machine must show in one offline command: the CUDA
 tests of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.bench --variants) on a random-init
 Qwen2-0.5B-shaped backbone, batch 8 x 2048, bf16, as one JSON object. Without CUDA it builds the config, tokenizer
 and data, then exits 2; --dry-run does it all on the CPU at a tiny shape (padded and packed: inductor's CPU build of
-the compiled variant takes minutes). Depends on: torch, transformers, prm.*."""
+the compiled variant takes minutes). Depends on: torch, transformers, prm.build, prm.data, prm.synthetic
+(prm.bench calls it with its side-by-side runner)."""
 import json
 import os
 import random
@@ -82,9 +83,10 @@ def run_tests() -> dict:
             "skipped": [x for x in lines if x.startswith("SKIPPED")]}
 
 
-def gpu_check(dry: bool) -> dict:
-    """The whole check; SystemExit(2) without CUDA (unless dry), after building what needs no GPU."""
-    from prm.bench import parser, side_by_side
+def gpu_check(side_by_side, *, dry: bool) -> dict:
+    """The whole check; SystemExit(2) without CUDA (unless dry), after building what needs no GPU.
+
+    side_by_side(argv) -> prm.bench's {"variants": {name: figures}, "tokens_per_second_vs_padded": ...}."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():
@@ -96,7 +98,7 @@ def gpu_check(dry: bool) -> dict:
         write_weights(model_dir, "cpu" if dry else "cuda")
         tests = run_tests()
         argv += ["--variants", "padded,packed" if dry else "padded,packed,packed-compiled"]
-        bench = side_by_side(parser().parse_args(argv), argv)
+        bench = side_by_side(argv)
     out = {"tests": tests, "shape": TINY if dry else SHAPE, "flags": argv[4:],
            "variants": {n: {k: r.get(k) for k in REPORTED} for n, r in bench["variants"].items()},
            "tokens_per_second_vs_padded": bench["tokens_per_second_vs_padded"],

@@ -58,8 +58,8 @@ def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, target
     chosen = [(n, m) for n, m in linear if matches(n, patterns)]
     if not chosen:
         seen = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
-        raise SystemExit(f"--lora-targets {targets!r} matches no nn.Linear layer of this backbone; its linear "
-                         f"layers end in: {', '.join(seen) or 'none (it uses another layer type)'}")
+        raise ValueError(f"--lora-targets {targets!r} matches no nn.Linear layer of this backbone; its "
+                         f"linear layers end in: {', '.join(seen) or 'none (it uses another layer type)'}")
     for name, module in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = backbone.get_submodule(parent_name) if parent_name else backbone

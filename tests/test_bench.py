@@ -123,3 +123,30 @@ def test_gpu_check_dry_run_on_cpu():
     assert set(out["variants"]) == {"padded", "packed"} and out["device"].startswith("cpu")
     assert out["variants"]["packed"]["attention"] == "sdpa per example (packed, exact fallback)"
     assert all(v["steady_tokens_per_second"] > 0 for v in out["variants"].values())
+
+
+def test_prm_imports_run_one_way():
+    """No import circle among prm's modules (imports inside functions count): prm.bench calls prm.gpucheck, never
+    the other way round."""
+    import ast
+    import glob
+    deps = {}
+    for path in glob.glob(os.path.join(ROOT, "prm", "*.py")):
+        with open(path) as f:
+            nodes = list(ast.walk(ast.parse(f.read())))
+        froms = [n for n in nodes if isinstance(n, ast.ImportFrom)]
+        deps["prm." + os.path.basename(path)[:-3]] = (
+            {n.module for n in froms if (n.module or "").startswith("prm.")}
+            | {"prm." + a.name for n in froms if n.module == "prm" for a in n.names}
+            | {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names if a.name[:4] == "prm."})
+    assert "prm.gpucheck" in deps["prm.bench"]
+
+    def circle(path):  # a path that leads back to its start, else None
+        for d in sorted(deps.get(path[-1], ())):
+            if d == path[0]:
+                return path + [d]
+            found = d not in path and circle(path + [d])
+            if found:
+                return found
+    circles = [c for c in map(circle, [[m] for m in sorted(deps)]) if c]
+    assert not circles, " ; ".join(" -> ".join(c) for c in circles)

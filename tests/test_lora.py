@@ -10,7 +10,9 @@ from conftest import final_weights, read_metrics, run_train
 from prm.checkpoint import TRAINABLE
 from prm.data import collate, tokenize_example
 from prm.lora import LoRALinear, apply_lora, count_parameters, merged_state_dict
-from prm.build import build_model
+from prm.build import build_model, model_for
+from prm.config import Config
+from prm.errors import UsageError
 from prm.model import PRM, step_loss
 from prm.synthetic import train_eval_rows
 from prm.trainer import make_optimizer
@@ -44,8 +46,11 @@ def test_targets_cover_attention_and_mlp_and_freeze_the_rest(char_tok):
 
 def test_targets_that_match_nothing_are_an_error(char_tok):
     model = build_model("tiny", char_tok, seed=0)
-    with pytest.raises(SystemExit, match="matches no nn.Linear layer.*q_proj"):
+    with pytest.raises(ValueError, match="matches no nn.Linear layer.*q_proj"):
         apply_lora(model.backbone, 4, 8.0, 0.0, "c_attn")
+    with pytest.raises(UsageError, match="--lora-targets 'c_attn' matches no nn.Linear layer.*q_proj") as e:
+        model_for(Config(lora_r=4, lora_targets="c_attn").resolve(), char_tok)
+    assert e.value.code == 2
 
 
 def test_fresh_adapters_leave_the_model_unchanged(char_tok):
