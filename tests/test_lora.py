@@ -138,7 +138,7 @@ def test_lora_resume_is_exact(tmp_path):
 
 def test_resume_with_other_lora_flags_is_refused(tmp_path):
     run_train(tmp_path, max_steps=2, save_every=2, **LORA)
-    with pytest.raises(SystemExit, match="does not fit this model"):
+    with pytest.raises(UsageError, match="does not fit this model"):
         run_train(tmp_path, max_steps=4, resume="auto", **{**LORA, "lora_targets": "q_proj"})
 
 
