@@ -72,13 +72,19 @@ def _on_signal(signum, frame):
     PREEMPTED["signal"] = signum
 
 
-def lr_lambda(warmup: int, total: int):
-    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
+DECAY = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+         "cosine_with_min_lr": lambda p: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)),
+         "constant": lambda p: 1.0, "constant_with_warmup": lambda p: 1.0}  # p: progress after warmup, 0 to 1
+
+
+def lr_lambda(cfg: Config, total: int):
+    """Linear warmup to 1 (--warmup-steps, else --warmup-ratio of the steps), then --lr-scheduler-type's decay."""
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
+
     def f(step):
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return DECAY[cfg.lr_scheduler_type](min((step - warmup) / max(1, total - warmup), 1.0))
     return f
 
 
@@ -87,10 +93,11 @@ def make_optimizer(model, cfg: Config, lr: float, device):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    kw = dict(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"))
+        return torch.optim.AdamW(groups, **kw, fused=device.type in ("cuda", "cpu"))
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=True)
+        return torch.optim.AdamW(groups, **kw, foreach=True)
 
 
 class Trainer:
@@ -150,7 +157,7 @@ class Trainer:
     def _setup_optimizer(self):
         cfg, rt = self.cfg, self.rt
         self.optimizer = make_optimizer(self.model, cfg, cfg.lr, rt.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.warmup_steps, self.total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total))
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
         self.step = 0
         if self.resume_from:  # before compile and DDP: they wrap the weights loaded here
