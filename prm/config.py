@@ -387,8 +387,9 @@ class Parser(argparse.ArgumentParser):
             raise UsageError(f"{flag} is not supported: {UNSUPPORTED[flag.lstrip('-').replace('-', '_')]}")
         near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1) if flag else []
         if near:
-            dest = self._option_string_actions[near[0]].dest
-            shown = next(a for a in self._actions if a.dest == dest and a.help != argparse.SUPPRESS)
+            action = self._option_string_actions[near[0]]
+            shown = next((a for a in self._actions if a.dest == action.dest and a.help != argparse.SUPPRESS),
+                         action)
             message += f" (did you mean {' / '.join(shown.option_strings)}?)"
         raise UsageError(message)
 
