@@ -182,7 +182,7 @@ class Config:
                        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
                        "fully")
     use_peft: bool = _opt(False, "LoRA of rank 16 when --lora-r is 0 (TRL's switch; --lora-r alone turns "
-                          "LoRA on too)", rules="")
+                          "LoRA on too)", rules="change")  # the rank it resolves to must match on resume
     lora_alpha: typing.Optional[float] = _opt(None, "LoRA scale numerator (update = alpha / r x B A) "
                                               "(default, or 0: 2 x --lora-r)", rules="")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")

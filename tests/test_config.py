@@ -32,7 +32,7 @@ def test_the_lists_derived_from_the_rules():
         "max_steps", "epochs", "eval_every", "save_every", "log_every", "keep_last", "resume", "output_dir",
         "num_proc", "eval_batch_size", "threshold", "compile", "gradient_checkpointing", "trust_remote_code",
         "max_grad_norm", "batch_size", "grad_accum", "report_to", "run_name", "overwrite", "packing",
-        "pack_to", "eval_strategy", "save_strategy", "disable_tqdm"}
+        "pack_to", "eval_strategy", "save_strategy", "disable_tqdm", "use_peft"}
     assert {k: v[0] for k, v in ALIASES.items() if v[1] is None} == {
         "learning_rate": "lr", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
         "gradient_accumulation_steps": "grad_accum", "logging_steps": "log_every", "save_steps": "save_every",
