@@ -10,9 +10,7 @@ from prm.config import FILE, Config, Parser, add_field, exit_on_problems, writab
 EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_n_draws")
 # the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA, checkpoints,
 # the held-out split) belongs to the run and comes from it
-SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
-           "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
-           "threshold", "seed", "trust_remote_code")
+SCORING = Config.names_with("scoring")
 # the table on stderr: ProcessBench's columns when every subset has them (chance_f1: F1 of random flags), else the step's
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "f1_0", "auroc", "n_steps")

@@ -1,24 +1,29 @@
-"""One dataclass holds every training/eval setting; argparse is generated from it; a YAML/JSON file can set it too.
-Depends on: stdlib, PyYAML (installed with transformers)."""
+"""One dataclass holds every training/eval setting; argparse is generated from it; a YAML/JSON file can set
+it too. Each field carries its rules in its own metadata (see _opt).
+Depends on: stdlib, PyYAML (installed with transformers), prm.errors."""
 import argparse
 import dataclasses
 import difflib
 import json
 import math
 import os
+import reprlib
 import sys
+import typing
 from dataclasses import dataclass, field, fields
 
 import yaml
 
+from prm.errors import UsageError, check
 
 FILE = "config.train.json"
-# settings a resumed run may change (they define neither the model nor the data nor its order); every other one must
-# equal the checkpoint's. The batch split may change too, as long as the global batch stays the same.
-MAY_CHANGE = {"max_steps", "epochs", "eval_every", "save_every", "log_every", "keep_last", "resume", "output_dir",
-              "num_proc", "eval_batch_size", "threshold", "compile", "gradient_checkpointing", "trust_remote_code",
-              "max_grad_norm", "batch_size", "grad_accum", "report_to", "run_name", "overwrite",
-              "packing", "pack_to"}
+FORMAT_CHOICES = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench",
+                  "candidates", "prmbench", "mrben"]
+# the rules a field's `rules` names when they hold for it. change: a resumed run may change it (it defines
+# neither the model nor the data nor its order; the batch split may change too, the global batch not).
+# rows: it shapes the rows read from data files, so it keys their cache (prm.sources). scoring: eval.py
+# takes it
+RULES = {"change", "rows", "scoring"}
 
 
 def unescape(text: str) -> str:
@@ -26,134 +31,262 @@ def unescape(text: str) -> str:
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
-FORMAT_CHOICES = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench", "candidates",
-                  "prmbench", "mrben"]
+def boolean(value) -> bool:
+    """A switch's value as HF's parser takes it (`--bf16`, `--bf16 true`, `--bf16 False`), or a file's."""
+    text = str(value).lower()
+    if text not in ("true", "false", "yes", "no", "1", "0"):
+        raise ValueError(f"expected true or false, got {preview(value)}")
+    return text in ("true", "yes", "1")
 
 
-def _opt(default, help, **kw):
-    """A field with its --help text; section="title" on a field starts a --help section (argument group) there."""
-    return field(default=default, metadata={"help": help, **kw})
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 200, 200
+
+
+def preview(value) -> str:
+    """repr(value) in at most about 200 characters, built without expanding a deeply nested value."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class Conv(typing.NamedTuple):
+    """A TRL/HF name setting a field through a conversion (`--bf16` sets dtype). nargs "?": a switch, convert
+    gets a bool (`--bf16`, `--bf16 false`, `--no-bf16`); "+": it gets the list of values."""
+    name: str
+    convert: typing.Callable
+    nargs: typing.Optional[str] = None
+
+
+def precision(dtype: str) -> Conv:
+    """HF's --bf16 / --fp16: that autocast dtype when true, fp32 when false."""
+    return Conv(dtype, lambda on: dtype if on else "fp32", "?")
+
+
+def torch_dtype(name: str) -> str:
+    """TRL's --torch_dtype as our dtype."""
+    names = {"auto": "auto", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    if name not in names:
+        raise ValueError(f"expected one of {', '.join(names)}, got {preview(name)}")
+    return names[name]
+
+
+def target_list(value) -> str:
+    """TRL's lora_target_modules (a list, or PEFT's 'all-linear') as our comma-separated patterns."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"expected a list of module names, got {preview(value)}")
+    return "*" if names == ["all-linear"] else ",".join(names)
+
+
+def _opt(default, help, *, rules: str, trl=(), **kw):
+    """A field with its --help text and its rules (words of RULES; "" for none: every field states them).
+    trl: the names TRL's PRMConfig / ModelConfig and HF's TrainingArguments give it where they differ from
+    ours, a Conv where the value needs converting. section="title" starts a --help section there."""
+    assert set(rules.split()) <= RULES, rules
+    meta = {"help": help, "rules": frozenset(rules.split()), "trl": trl, **kw}
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class Config:
-    model: str = _opt("tiny", "hub id, local dir, or 'tiny' (a small random decoder built from a config, offline)",
-                      section="model and data")
-    tokenizer: str = _opt("", "tokenizer path/id; default: the model's own (the built-in char tokenizer for 'tiny')")
-    dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a directory")
-    eval_dataset: str = _opt("", "held-out data; default: the dataset's eval split or an --eval-fraction share")
-    dataset_config: str = _opt("", "hub dataset config name")
-    train_split: str = _opt("train", "split used for training")
-    eval_split: str = _opt("test", "split used for evaluation when the dataset has it")
-    eval_fraction: float = _opt(0.05, "share held out (split by prompt) when there is no eval split")
-    format: str = _opt("auto", "input format; 'auto' detects it from the columns", choices=FORMAT_CHOICES)
+    model: str = _opt("tiny", "hub id, local dir, or 'tiny' (a small random decoder built from a config, "
+                      "offline)", rules="", trl=("model_name_or_path",), section="model and data")
+    tokenizer: str = _opt("", "tokenizer path/id; default: the model's own (the built-in char tokenizer for "
+                          "'tiny')", rules="scoring")
+    dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
+                        "directory", rules="rows", trl=("dataset_name",))
+    eval_dataset: str = _opt("", "held-out data; default: the dataset's eval split or an --eval-fraction "
+                             "share", rules="rows")
+    dataset_config: str = _opt("", "hub dataset config name", rules="scoring")
+    train_split: str = _opt("train", "split used for training", rules="rows", trl=("dataset_train_split",))
+    eval_split: str = _opt("test", "split used for evaluation when the dataset has it", rules="rows scoring",
+                           trl=("dataset_test_split",))
+    eval_fraction: float = _opt(0.05, "share held out (split by prompt) when there is no eval split",
+                                rules="rows")
+    format: str = _opt("auto", "input format; 'auto' detects it from the columns", rules="rows scoring",
+                       choices=FORMAT_CHOICES)
     eval_format: str = _opt("auto", "input format of --eval-dataset, on its own (--format is --dataset's)",
-                            choices=FORMAT_CHOICES)
+                            rules="rows", choices=FORMAT_CHOICES)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
-                              "(step kept as context, unlabeled)", choices=["positive", "negative", "drop"])
-    skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit status 2")
-    num_proc: int = _opt(0, "processes for dataset tokenization; 0 = one per CPU core (up to 8) for 20,000 rows "
-                         "or more, else 1 (a process costs seconds to start)")
-    synthetic_size: int = _opt(32000, "rows generated for the synthetic default (10%% of them held out)")
-    output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go")
-    overwrite: bool = _opt(False, "replace the run already in --output-dir (its metrics.jsonl, checkpoints, final/); "
-                           "without this or --resume such a directory is refused. Command line only: a --config "
-                           "file's value is ignored, so rerunning a saved config never deletes a run")
-    max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only", section="tokenization")
-    max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, applied "
-                                      "before --max-length; 0: no separate cap")
-    step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last token "
-                               "carries the step's label", type=unescape)
-    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label")
-    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step (label false "
-                                       "or 0.0): what follows an error is not judged, as in ProcessBench")
-    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", section="optimization")
-    epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1")
-    batch_size: int = _opt(0, "examples per device per micro-batch; 0 = 32 for the 'tiny' preset, else 8")
-    grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)")
-    lr: float = _opt(0.0, "peak AdamW learning rate; 0 = 1e-3 for the random 'tiny' preset, else 1e-4 "
-                       "with LoRA, 1e-5 without")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    warmup_steps: int = _opt(0, "linear warmup steps, then cosine decay to 10%% of --lr")
-    max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables")
-    dtype: str = _opt("auto", "autocast dtype; auto = bf16 where the device has it natively (CUDA; CPUs with AMX or "
-                      "AVX512-BF16), else fp32; master weights stay fp32",
-                      choices=["auto", "fp32", "bf16", "fp16"])
-    gradient_checkpointing: bool = _opt(False, "recompute backbone activations in backward to save memory")
-    fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks (FSDP2) "
-                      "instead of copying them to every rank (DDP): for models whose training state fills a device")
-    group_by_length: bool = _opt(True, "batch similar lengths together (less padding); deterministic from the seed")
-    compile: bool = _opt(False, "torch.compile the model")
-    packing: bool = _opt(True, "padding-free micro-batches: the examples back to back in one row, each attending to "
-                         "itself only (varlen flash attention on CUDA in bf16/fp16, exact per-example SDPA otherwise); "
-                         "decoders only, other backbones are padded")
-    pack_to: int = _opt(0, "with --packing, pad each micro-batch's row up to a multiple of N tokens so shapes repeat "
-                        "(N >= batch x --max-length: one shape, --compile compiles once); 0: no padding")
-    seed: int = _opt(0, "seed for init, data order and dropout")
-    lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)",
-                       section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully")
-    lora_alpha: float = _opt(0.0, "LoRA scale numerator (update = alpha / r x B A); 0 = 2 x --lora-r")
-    lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input")
-    lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                             "comma-separated glob patterns, matched against a linear layer's full name or its last "
-                             "part (the default covers Llama/Qwen2/Mistral attention and MLP projections)")
-    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it needs no fp32 "
-                                "master copy: it never updates) and needs autocast (--dtype bf16 or auto)",
-                                choices=["fp32", "bf16"])
-    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)",
-                           section="evaluation, logging, checkpoints")
-    eval_batch_size: int = _opt(0, "examples per device at evaluation (0: 2 x --batch-size)")
-    threshold: float = _opt(0.5, "a step is predicted correct when P(correct) >= threshold")
-    log_every: int = _opt(10, "log line and metrics.jsonl record every N optimizer steps")
+                              "(step kept as context, unlabeled)", rules="rows scoring",
+                              choices=["positive", "negative", "drop"])
+    skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit "
+                              "status 2", rules="rows scoring")
+    num_proc: int = _opt(0, "processes for dataset tokenization; 0 = one per CPU core (up to 8) for 20,000 "
+                         "rows or more, else 1 (a process costs seconds to start)", rules="change scoring",
+                         trl=("dataset_num_proc",))
+    synthetic_size: int = _opt(32000, "rows generated for the synthetic default (10%% of them held out)",
+                               rules="")
+    output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
+    overwrite: bool = _opt(False, "replace the run already in --output-dir (its metrics.jsonl, checkpoints, "
+                           "final/); without this or --resume such a directory is refused. Command line "
+                           "only: a --config file's value is ignored, so rerunning a saved config never "
+                           "deletes a run", rules="change")
+    max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
+                           section="tokenization")
+    max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, "
+                                      "applied before --max-length; 0: no separate cap", rules="scoring")
+    step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last "
+                               "token carries the step's label", rules="scoring", type=unescape)
+    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label", rules="")
+    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step "
+                                       "(label false or 0.0): what follows an error is not judged, as in "
+                                       "ProcessBench", rules="rows")
+    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",
+                          section="optimization")
+    epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1", rules="change",
+                         trl=("num_train_epochs",))
+    batch_size: typing.Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 "
+                                            "for the 'tiny' preset, else 8)", rules="change",
+                                            trl=("per_device_train_batch_size",))
+    grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)",
+                           rules="change", trl=("gradient_accumulation_steps",))
+    lr: typing.Optional[float] = _opt(None, "peak AdamW learning rate (default, or 0: 1e-3 for the random "
+                                      "'tiny' preset, else 1e-4 with LoRA, 1e-5 without)", rules="",
+                                      trl=("learning_rate",))
+    lr_scheduler_type: str = _opt("cosine_with_min_lr", "the learning rate after warmup, as HF's schedules: "
+                                  "linear or cosine decay to 0, cosine_with_min_lr to 10%% of --lr, constant "
+                                  "(no warmup), constant_with_warmup", rules="",
+                                  choices=["linear", "cosine", "cosine_with_min_lr", "constant",
+                                           "constant_with_warmup"])
+    warmup_steps: int = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay", rules="")
+    warmup_ratio: float = _opt(0.0, "warmup as a share of the optimizer steps (rounded up) when "
+                               "--warmup-steps is 0", rules="")
+    weight_decay: float = _opt(0.0, "AdamW weight decay", rules="")
+    adam_beta1: float = _opt(0.9, "AdamW beta1", rules="")
+    adam_beta2: float = _opt(0.95, "AdamW beta2 (HF's default: 0.999)", rules="")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon", rules="")
+    max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables", rules="change")
+    dtype: str = _opt("auto", "autocast dtype; auto = bf16 where the device has it natively (CUDA; CPUs "
+                      "with AMX or AVX512-BF16), else fp32; master weights stay fp32. TRL's --bf16 / --fp16 "
+                      "[BOOL] (false: fp32) and --torch_dtype {auto,bfloat16,float16,float32} set it too",
+                      rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
+                      trl=(precision("bf16"), precision("fp16"), Conv("torch_dtype", torch_dtype)))
+    gradient_checkpointing: bool = _opt(False, "recompute backbone activations in backward to save memory",
+                                        rules="change")
+    fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks "
+                      "(FSDP2) instead of copying them to every rank (DDP): for models whose training state "
+                      "fills a device", rules="")
+    group_by_length: bool = _opt(True, "batch similar lengths together (less padding); deterministic from "
+                                 "the seed", rules="")
+    compile: bool = _opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
+    packing: bool = _opt(True, "padding-free micro-batches: the examples back to back in one row, each "
+                         "attending to itself only (varlen flash attention on CUDA in bf16/fp16, exact "
+                         "per-example SDPA otherwise); decoders only, other backbones are padded",
+                         rules="change scoring")
+    pack_to: int = _opt(0, "with --packing, pad each micro-batch's row up to a multiple of N tokens so "
+                        "shapes repeat (N >= batch x --max-length: one shape, --compile compiles once); "
+                        "0: no padding", rules="change")
+    seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
+    lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
+                       section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
+                       "fully")
+    use_peft: bool = _opt(False, "LoRA of rank 16 when --lora-r is 0 (TRL's switch; --lora-r alone turns "
+                          "LoRA on too)", rules="change")  # the rank it resolves to must match on resume
+    lora_alpha: typing.Optional[float] = _opt(None, "LoRA scale numerator (update = alpha / r x B A) "
+                                              "(default, or 0: 2 x --lora-r)", rules="")
+    lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")
+    lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated "
+                             "glob patterns, matched against a linear layer's full name or its last part "
+                             "(the default covers Llama/Qwen2/Mistral attention and MLP projections); TRL's "
+                             "--lora_target_modules takes them as a list, all-linear for every one", rules="",
+                             trl=(Conv("lora_target_modules", target_list, "+"),))
+    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it "
+                                "needs no fp32 master copy: it never updates) and needs autocast (--dtype "
+                                "bf16 or auto)", rules="", choices=["fp32", "bf16"])
+    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
+                           trl=("eval_steps",), section="evaluation, logging, checkpoints")
+    eval_strategy: str = _opt("steps", "when to evaluate before the end: steps (every --eval-every), epoch "
+                              "(after each pass over the data) or no", rules="change",
+                              choices=["steps", "epoch", "no"])
+    eval_batch_size: typing.Optional[int] = _opt(None, "examples per device at evaluation (default, or 0: "
+                                                 "2 x --batch-size)", rules="change scoring",
+                                                 trl=("per_device_eval_batch_size",))
+    threshold: float = _opt(0.5, "a step is predicted correct when P(correct) >= threshold",
+                            rules="change scoring")
+    log_every: int = _opt(10, "log line and metrics.jsonl record every N optimizer steps", rules="change",
+                          trl=("logging_steps",))
+    disable_tqdm: bool = _opt(False, "no progress bars", rules="change scoring")
     report_to: str = _opt("none", "also send the metrics.jsonl records and the config to TensorBoard "
                           "(<output-dir>/tensorboard) or Weights & Biases; the package must be installed",
-                          choices=["none", "tensorboard", "wandb"])
-    run_name: str = _opt("", "the run's name in TensorBoard / W&B; default: the output directory's name")
-    save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)")
-    keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all")
-    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one")
-    trust_remote_code: bool = _opt(False, "allow hub models that run their own code (off: safer). Command line "
-                                   "only: never taken from a file (--config, a model's config.train.json)")
+                          rules="change", choices=["none", "tensorboard", "wandb"])
+    run_name: str = _opt("", "the run's name in TensorBoard / W&B; default: the output directory's name",
+                         rules="change")
+    save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)",
+                           rules="change", trl=("save_steps",))
+    save_strategy: str = _opt("steps", "when to write checkpoints: steps (every --save-every), epoch (after "
+                              "each pass over the data) or no", rules="change",
+                              choices=["steps", "epoch", "no"])
+    keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all", rules="change",
+                          trl=("save_total_limit",))
+    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one",
+                       rules="change", trl=("resume_from_checkpoint",))
+    trust_remote_code: bool = _opt(False, "allow hub models that run their own code (off: safer). Command "
+                                   "line only: never taken from a file (--config, a model's "
+                                   "config.train.json)", rules="change scoring")
+
+    def __post_init__(self):
+        for name in AUTO:  # 0 meant "auto" before these fields took None, and still does
+            if getattr(self, name) == 0:
+                setattr(self, name, None)
+
+    @classmethod
+    def names_with(cls, rule: str) -> tuple:
+        """The fields whose metadata names the rule (see RULES), in declaration order."""
+        return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """Fill the 0 = auto fields, so the saved config says what was actually used."""
-        tiny = self.model == "tiny"
-        self.batch_size = self.batch_size or (32 if tiny else 8)
-        self.lr = self.lr or (1e-3 if tiny else 1e-4 if self.lora_r else 1e-5)
-        self.lora_alpha = self.lora_alpha or 2.0 * self.lora_r
-        self.eval_batch_size = self.eval_batch_size or 2 * self.batch_size
-        return self
+        """A copy with the auto (None) fields filled in, so the saved config says what was actually used."""
+        tiny, lora_r = self.model == "tiny", self.lora_r or 16 * self.use_peft
+        batch = self.batch_size or (32 if tiny else 8)
+        lr = self.lr or (1e-3 if tiny else 1e-4 if lora_r else 1e-5)
+        return dataclasses.replace(self, batch_size=batch, lr=lr, lora_r=lora_r,
+                                   lora_alpha=self.lora_alpha or 2.0 * lora_r,
+                                   eval_batch_size=self.eval_batch_size or 2 * batch)
+
+    def every(self, kind: str, steps_per_epoch: int) -> int:
+        """Steps between evaluations (kind "eval") or checkpoints ("save"), 0 for none: --eval-every /
+        --save-every under the strategy steps, an epoch's steps under epoch, 0 under no."""
+        strategy = getattr(self, kind + "_strategy")
+        return {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}[strategy]
 
     def problems(self) -> list:
         """Every setting that cannot work, one line each: checked before any data or weight loads."""
         out = []
 
-        def need(ok: bool, name: str, what: str):
-            if not ok:
-                out.append(f"--{name.replace('_', '-')} {getattr(self, name)!r}: {what}")
+        def need(test, name: str, what: str):
+            value = getattr(self, name)
+            if value is not None and not test(value):  # None: auto
+                out.append(f"--{name.replace('_', '-')} {preview(value)}: {what}")
 
         for name in ("batch_size", "eval_batch_size", "max_completion_length", "warmup_steps", "eval_every",
                      "save_every", "keep_last", "lora_r", "pack_to", "num_proc"):
-            need(getattr(self, name) >= 0, name, "must be >= 0")
+            need(lambda v: v >= 0, name, "must be >= 0")
         for name in ("grad_accum", "max_length", "log_every", "synthetic_size"):
-            need(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("lr", "weight_decay", "max_grad_norm", "lora_alpha"):  # NaN fails every comparison
-            need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "must be finite and >= 0")
-        need(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "must be -1 (train --epochs) or >= 1")
-        need(math.isfinite(self.epochs) and self.epochs > 0, "epochs", "must be finite and > 0")
-        need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
-        need(0 <= self.threshold <= 1, "threshold", "must be in [0, 1]")
-        need(0 < self.eval_fraction < 1, "eval_fraction", "must be in (0, 1)")
-        need(self.step_separator != "", "step_separator", "must not be empty: its last token carries the label")
-        need(not (self.fsdp and self.dtype == "fp16"), "dtype", "fp16 loss scaling is not supported with --fsdp: "
-             "use bf16")
-        need(self.lora_base_dtype == "fp32" or (self.lora_r > 0 and self.dtype in ("bf16", "auto")),
+            need(lambda v: v >= 1, name, "must be >= 1")
+        for name in ("lr", "weight_decay", "max_grad_norm", "lora_alpha", "adam_epsilon"):
+            need(lambda v: math.isfinite(v) and v >= 0, name, "must be finite and >= 0")  # NaN fails all
+        need(lambda v: v == -1 or v >= 1, "max_steps", "must be -1 (train --epochs) or >= 1")
+        need(lambda v: math.isfinite(v) and v > 0, "epochs", "must be finite and > 0")
+        for name in ("lora_dropout", "adam_beta1", "adam_beta2"):
+            need(lambda v: 0 <= v < 1, name, "must be in [0, 1)")
+        for name in ("threshold", "warmup_ratio"):
+            need(lambda v: 0 <= v <= 1, name, "must be in [0, 1]")
+        need(lambda v: 0 < v < 1, "eval_fraction", "must be in (0, 1)")
+        need(lambda v: v != "", "step_separator", "must not be empty: its last token carries the label")
+        need(lambda v: not (self.fsdp and v == "fp16"), "dtype", "fp16 loss scaling is not supported with "
+             "--fsdp: use bf16")
+        need(lambda v: v == "fp32" or (self.lora_r > 0 or self.use_peft) and self.dtype in ("bf16", "auto"),
              "lora_base_dtype", "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)")
+        need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio), "lr_scheduler_type",
+             "takes no warmup: use constant_with_warmup")
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:
-        """(settings that must equal the checkpoint's but differ, harmless changes), as '--flag new (was old)'."""
-        fmt = lambda name: f"--{name.replace('_', '-')} {getattr(self, name)!r} (was {getattr(saved, name)!r})"
+        """(settings that must equal the checkpoint's but differ, harmless changes), each as
+        '--flag new (was old)'."""
+        fmt = lambda name: f"--{name.replace('_', '-')} {preview(getattr(self, name))} " \
+                           f"(was {preview(getattr(saved, name))})"
         differ = [f.name for f in fields(self) if getattr(self, f.name) != getattr(saved, f.name)]
         bad = [fmt(n) for n in differ if n not in MAY_CHANGE]
         if self.batch_size * self.grad_accum * world != saved.batch_size * saved.grad_accum * saved_world:
@@ -172,23 +305,23 @@ class Config:
 
     @classmethod
     def load(cls, directory: str) -> "Config":
-        """A saved run's settings (eval.py, PRMReward, --resume); exit 2 naming the file and the field for a file
-        that is not JSON or a value of the wrong type, which would otherwise fail far away in a traceback."""
+        """A saved run's settings (eval.py, PRMReward, --resume); UsageError naming the file and the field for
+        a file that is not JSON or a value of the wrong type, which would otherwise fail far away."""
         path = os.path.join(directory, FILE)
         try:
             with open(path) as f:
                 saved = json.load(f)
         except (OSError, ValueError) as e:  # json's decode error (and a non-UTF-8 file) is a ValueError
-            exit_on_problems([f"{path}: cannot read it: {e}"])
+            raise UsageError(f"{path}: cannot read it: {e}") from None
         if not isinstance(saved, dict):
-            exit_on_problems([f"{path}: expected a JSON object of settings, got {type(saved).__name__}"])
+            raise UsageError(f"{path}: expected a JSON object of settings, got {type(saved).__name__}")
         problems, by_name = [], {f.name: f for f in fields(cls)}
         for key, value in saved.items():
             try:
                 saved[key] = checked_value(by_name[key], value) if key in by_name else value
             except ValueError as e:
                 problems.append(f"{path}: {e}")
-        exit_on_problems(problems)
+        check(problems)
         return cls.from_dict(saved)
 
     @classmethod
@@ -197,58 +330,98 @@ class Config:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default holding a newline or tab (or nothing) as an escaped string, '\\n', not as a blank; lists a
-    field's dashed names only (its `shown`), not the underscore spellings it also answers to."""
+AUTO = tuple(f.name for f in fields(Config) if f.default is None)
+MAY_CHANGE = Config.names_with("change")
+# every TRL/HF name of a field: {name: (field, its Conv or None)}; a name shared with TRL needs no entry
+ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t) for f in fields(Config)
+           for t in f.metadata["trl"]}
+# TRL / HF flags left out on purpose, with what to do instead
+UNSUPPORTED = {name: why for names, why in [
+    (("push_to_hub", "hub_model_id", "hub_token"), "upload <output-dir>/final yourself (hf upload)"),
+    (("deepspeed", "fsdp_config"), "launch with torchrun: DDP, or --fsdp to shard weights, gradients and "
+                                   "AdamW state (FSDP2)"),
+    (("do_train", "do_eval", "do_predict"), "train.py always trains and evaluates (--eval-every for more "
+                                            "often); eval.py scores a saved model"),
+    (("optim", "lr_scheduler_kwargs"), "the optimizer is AdamW (--adam-beta1, --adam-beta2, --adam-epsilon, "
+                                       "--weight-decay); the schedule is --lr-scheduler-type"),
+    (("load_in_4bit", "load_in_8bit"), "no quantized base: --lora-base-dtype bf16 halves its memory"),
+    (("use_rslora", "use_dora", "lora_modules_to_save"), "LoRA here is plain LoRA; the head trains fully"),
+    (("max_prompt_length",), "prompts are kept whole: --max-length caps the example, "
+                             "--max-completion-length its steps"),
+    (("attn_implementation",), "attention is chosen per device (SDPA; varlen flash with --packing)"),
+] for name in names}
 
-    def _get_help_string(self, action):
-        text = super()._get_help_string(action)
-        if isinstance(action.default, str) and (not action.default.isprintable() or not action.default):
-            text = text.replace("%(default)s", "%(default)r")
-        return text
 
-    def _format_action_invocation(self, action):
-        shown = getattr(action, "shown", None)
-        if shown is None:
-            return super()._format_action_invocation(action)
-        metavar = "" if action.nargs == 0 else " " + self._format_args(action, action.dest.upper())
-        return ", ".join(shown) + metavar
+class Setter(argparse.Action):
+    """Sets its field to convert(value); with nargs "?" a switch as HF's parser takes a bool (`--x`,
+    `--x false`) and `--no-x`, passing convert a bool."""
+
+    def __init__(self, option_strings, dest, *, convert, **kw):
+        if kw.get("nargs") == "?":
+            option_strings = option_strings + ["--no-" + s[2:] for s in option_strings]
+            kw.update(const="true", metavar="BOOL")
+        super().__init__(option_strings, dest, **kw)
+        self.convert = convert
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            on = self.nargs == "?" and boolean(values) != option_string.startswith("--no-")
+            setattr(namespace, self.dest, self.convert(on if self.nargs == "?" else values))
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
 
 
 class Parser(argparse.ArgumentParser):
-    """Bad flags end with one line and exit status 2 (not a usage dump of every flag), an unknown one naming the
-    nearest valid flag. No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
+    """Bad flags raise UsageError with one line, not a usage dump of every flag (the entry point exits 2): an
+    unsupported TRL/HF flag says what to do instead, an unknown one names the nearest flag of any spelling.
+    No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
 
     def __init__(self, usage: str = "%(prog)s [options]", **kw):
-        super().__init__(usage=usage, formatter_class=HelpFormatter, allow_abbrev=False, **kw)
+        super().__init__(usage=usage, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         allow_abbrev=False, **kw)
 
     def error(self, message: str):
-        unknown = [a for a in message.split()[2:] if a.startswith("-")] if message.startswith("unrecognized") else []
-        if unknown:
-            near = difflib.get_close_matches(unknown[0].split("=")[0], list(self._option_string_actions), n=1)
-            action = self._option_string_actions[near[0]] if near else None
-            names = getattr(action, "shown", None) or (action.option_strings if action else [])
-            message += f" (did you mean {' / '.join(names)}?)" if names else ""
-        exit_on_problems([message])
+        unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
+        flag = unknown[0].split("=")[0] if unknown else ""
+        if flag.lstrip("-").replace("-", "_") in UNSUPPORTED:
+            raise UsageError(f"{flag} is not supported: {UNSUPPORTED[flag.lstrip('-').replace('-', '_')]}")
+        near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1) if flag else []
+        if near:
+            action = self._option_string_actions[near[0]]
+            shown = next((a for a in self._actions if a.dest == action.dest and a.help != argparse.SUPPRESS),
+                         action)
+            message += f" (did you mean {' / '.join(shown.option_strings)}?)"
+        raise UsageError(message)
+
+
+def kind(f) -> type:
+    """A field's value type: float for `Optional[float]`."""
+    return ([t for t in typing.get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
 def add_field(container, f, suppress: bool = False):
     """Field f as --its-name on container (a parser or an argument group), also answering to its underscore
-    spelling and to TRL's / HF's name for it (TRL_NAMES); --help shows the dashed names. suppress: an absent flag
-    leaves no attribute (eval.py takes it from the run instead)."""
-    names = [f.name] + [trl for trl, ours in TRL_NAMES.items() if ours == f.name]
-    dashed = ["--" + n.replace("_", "-") for n in names]
-    spellings = list(dict.fromkeys(dashed + ["--" + n for n in names]))  # --lr has one spelling only
-    default = argparse.SUPPRESS if suppress else f.default
-    meta = {k: v for k, v in f.metadata.items() if k != "section"}
-    if f.type in (bool, "bool"):
-        action = container.add_argument(*spellings, dest=f.name, action=argparse.BooleanOptionalAction,
-                                        default=default, help=meta["help"])
-        action.shown = [dashed[0], "--no-" + dashed[0][2:]] + dashed[1:]  # every --no- spelling still works
+    spelling and to TRL's / HF's names for it (its `trl`); --help lists the dashed names of the field and of
+    its plain TRL names. suppress: an absent flag leaves no attribute (eval.py takes it from the run)."""
+    meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
+    default = argparse.SUPPRESS if suppress or f.default is None else f.default  # None: its help says it
+    if isinstance(default, str) and not (default and default.isprintable()):
+        meta["help"] += " (default: %(default)r)"  # '\n', not a line break
+    if kind(f) is bool:
+        meta.update(action=Setter, convert=bool, nargs="?")
     else:
-        meta.setdefault("type", {"int": int, "float": float, "str": str}.get(f.type, f.type))
-        action = container.add_argument(*spellings, dest=f.name, default=default, **meta)
-        action.shown = dashed
+        meta.setdefault("type", kind(f))
+    plain = [f.name] + [t for t in f.metadata["trl"] if isinstance(t, str)]
+    dashed = list(dict.fromkeys("--" + n.replace("_", "-") for n in plain))
+    container.add_argument(*dashed, dest=f.name, default=default, **meta)
+    hidden = [s for s in ("--" + n for n in plain) if s not in dashed]  # the underscore spellings
+    if hidden:
+        container.add_argument(*hidden, dest=f.name, **{**meta, "default": argparse.SUPPRESS,
+                                                        "help": argparse.SUPPRESS})
+    for conv in (t for t in f.metadata["trl"] if not isinstance(t, str)):
+        spellings = dict.fromkeys(["--" + conv.name, "--" + conv.name.replace("_", "-")])
+        container.add_argument(*spellings, dest=f.name, action=Setter, convert=conv.convert, nargs=conv.nargs,
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def sections(cls=Config) -> list:
@@ -272,8 +445,8 @@ def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
 
 
 def writable(path: str) -> bool:
-    """Whether a file or folder can be written at path: it, or the nearest part of it that exists, is writable,
-    and no file sits where a folder has to be."""
+    """Whether a file or folder can be written at path: it, or the nearest part of it that exists, is
+    writable, and no file sits where a folder has to be."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
@@ -282,92 +455,80 @@ def writable(path: str) -> bool:
     return os.access(part, os.W_OK)
 
 
-class UsageError(SystemExit):
-    """Exit status 2, with the message kept on the exception for callers that catch it (tests, notebooks)."""
-
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self):
-        return self.message
-
-
-def exit_on_problems(problems: list):
-    """Bad settings or inputs end the program with exit status 2 and a one-line message, not a traceback."""
-    if problems:
-        print("error: " + "; ".join(problems), file=sys.stderr, flush=True)
-        raise UsageError("; ".join(problems))
-
-
-# names TRL's PRMConfig / ScriptArguments and HF's TrainingArguments give our fields (same meaning, same values);
-# each one also sets its field on the command line (--learning_rate, --learning-rate) and in a --config file.
-# Names the two share (max_length, gradient_checkpointing, output_dir, ...) need no entry.
-TRL_NAMES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
-             "gradient_accumulation_steps": "grad_accum", "logging_steps": "log_every", "save_steps": "save_every",
-             "save_total_limit": "keep_last", "eval_steps": "eval_every", "model_name_or_path": "model",
-             "dataset_name": "dataset", "per_device_eval_batch_size": "eval_batch_size", "dataset_num_proc": "num_proc",
-             "dataset_train_split": "train_split", "dataset_test_split": "eval_split", "torch_compile": "compile",
-             "resume_from_checkpoint": "resume"}
-
-
-def canonical(key: str) -> str:
-    """Our field name for a key in any accepted spelling: max-length, max_length, TRL's learning_rate."""
-    key = key.replace("-", "_")
-    return TRL_NAMES.get(key, key)
+exit_on_problems = check  # for the modules not yet importing prm.errors.check themselves
 
 
 def nearest_field(key: str, cls=Config) -> str:
     """The field a mistyped key most likely meant, TRL's names included ('' if none is close)."""
-    names = [f.name for f in fields(cls)] + list(TRL_NAMES)
-    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1, cutoff=0.6)
-    return canonical(close[0]) if close else ""
+    names = [f.name for f in fields(cls)] + list(ALIASES)
+    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
+    return "" if not close else ALIASES[close[0]][0] if close[0] in ALIASES else close[0]
 
 
 def checked_value(f, value):
     """value for field f as read from a file; ValueError saying why when it does not fit."""
-    kind = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, f.type)
-    if kind is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+    want = kind(f)
+    if value is None and f.default is None:  # auto
+        return value
+    if want is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
         try:
             value = float(value)
         except ValueError:
             pass
-    if kind is float and type(value) is int:  # `lr: 1` means 1.0
+    if want is float and type(value) is int:  # `lr: 1` means 1.0
         value = float(value)
-    if type(value) is not kind:  # type(), not isinstance: a bool is an int to isinstance
-        raise ValueError(f"'{f.name}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    if type(value) is not want:  # type(), not isinstance: a bool is an int to isinstance
+        raise ValueError(f"'{f.name}' must be {want.__name__}, got {type(value).__name__} {preview(value)}")
     if f.metadata.get("choices") and value not in f.metadata["choices"]:
-        raise ValueError(f"'{f.name}' must be one of {f.metadata['choices']}, got {value!r}")
+        raise ValueError(f"'{f.name}' must be one of {f.metadata['choices']}, got {preview(value)}")
     return value
 
 
-def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict:
-    """{field: value} from a YAML or JSON file whose keys are Config's fields (as in config.train.json), or any
-    spelling the command line takes (TRL's names too).
+class BoundedLoader(yaml.SafeLoader):
+    """SafeLoader refusing more than 20 aliases (*name): a settings file needs few, and a chain of them (a
+    'billion laughs' bomb) expands to gigabytes wherever the value is copied or printed."""
+    aliases = 0
 
-    Values are taken as written (no shell escapes: write a newline separator as "\\n" in YAML/JSON). Any problem
-    (missing file, bad syntax, unknown key, wrong type) stops with parser.error: a message and exit status 2."""
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > 20:
+                line = self.peek_event().start_mark.line + 1
+                raise yaml.YAMLError(f"more than 20 aliases (*name), line {line}")
+        return super().compose_node(parent, index)
+
+
+def read_config_file(path: str) -> dict:
+    """{field: value} from a YAML or JSON file whose keys are Config's fields (as in config.train.json), or
+    any spelling the command line takes (TRL's names too).
+
+    Values are taken as written (no shell escapes: write a newline separator as "\\n" in YAML/JSON). Any
+    problem (missing file, bad syntax, unknown key, wrong type) raises UsageError naming the file."""
+    def fail(what: str):
+        raise UsageError(f"--config {path}: {what}")
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
-    except (OSError, ValueError, yaml.YAMLError) as e:  # json's decode error is a ValueError
-        parser.error(f"--config {path}: {e}")
-    if data is None:  # an empty YAML file
-        return {}
+            data = json.load(f) if path.endswith(".json") else yaml.load(f, BoundedLoader)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:  # json's decode error: a ValueError
+        fail(str(e))
     if not isinstance(data, dict):
-        parser.error(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+        return {} if data is None else fail(f"expected a mapping of settings, got {type(data).__name__}")
     by_name, out = {f.name: f for f in fields(Config)}, {}
     for key, value in data.items():
-        name = canonical(str(key))
-        if name not in by_name:
+        name, conv = ALIASES.get(str(key).replace("-", "_"), (str(key).replace("-", "_"), None))
+        if name in UNSUPPORTED and value in (None, False):  # a TRL config's `push_to_hub: false` asks nothing
+            continue
+        if name in UNSUPPORTED or name not in by_name:
             near = nearest_field(str(key))
-            parser.error(f"--config {path}: unknown key '{key}'" + (f" (did you mean '{near}'?)" if near else ""))
+            fail(f"'{key}' is not supported: {UNSUPPORTED[name]}" if name in UNSUPPORTED else
+                 f"unknown key {preview(key)}" + (f" (did you mean '{near}'?)" if near else ""))
         if name in out:  # lr and learning_rate both given: neither may silently win
-            parser.error(f"--config {path}: '{key}' sets '{name}' a second time")
+            fail(f"'{key}' sets '{name}' a second time")
         try:
+            value = conv.convert(boolean(value) if conv.nargs == "?" else value) if conv else value
             out[name] = checked_value(by_name[name], value)
         except ValueError as e:
-            parser.error(f"--config {path}: {e}")
+            fail(f"'{key}': {e}" if conv else str(e))
     return out
 
 
@@ -380,19 +541,20 @@ def given_args(parser: argparse.ArgumentParser, argv=None) -> dict:
 
 
 def parse_config(argv=None) -> Config:
-    """train.py's command line: flags given win over --config FILE, which wins over the defaults."""
-    p = build_parser(description="Train a process reward model. Every flag also takes its underscore spelling "
-                     "(--max_length) and, where it has one, TRL's name (--learning_rate).")
-    p.add_argument("--config", default="", metavar="FILE",
-                   help="YAML or JSON file of settings, keys as in config.train.json; flags given here override it")
+    """train.py's command line: flags given win over --config FILE, which wins over the defaults.
+    UsageError for a bad flag, file or setting."""
+    p = build_parser(description="Train a process reward model. Every flag also takes its underscore "
+                     "spelling (--max_length) and, where it has one, TRL's name (--learning_rate).")
+    p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, keys as in "
+                   "config.train.json; flags given here override it")
     given = given_args(p, argv)
     path = given.pop("config", "")
-    from_file = read_config_file(path, p) if path else {}
+    from_file = read_config_file(path) if path else {}
     for key in ("overwrite", "trust_remote_code"):  # deletes a run / runs a model's code: command line only
-        if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold true
+        if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold it
             print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
                   "sets it", file=sys.stderr)
     cfg = Config(**{**from_file, **given})
     out_ok = writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
-    exit_on_problems(cfg.problems() + ([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"]))
+    check(cfg.problems() + ([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"]))
     return cfg

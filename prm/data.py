@@ -1,5 +1,14 @@
 """Step labels on tokens, the padding collator and the packer, and the batch plans that let 2 ranks equal 1 process.
 
+Words as the whole package uses them:
+- row: one solution as data: `prompt`, `completions` (its reasoning steps, as text), `labels` (one per step).
+- step: in a row, one reasoning step; in training, an optimizer step (--max-steps). A labeled step is a
+  position whose label is not IGNORE: the last token of a step's separator. `n_labeled` counts them.
+- example: a tokenized row (input_ids, labels; `length` tokens). A batch plan lists example indices.
+- micro-batch: the examples one forward pass takes (padded rows, or one packed row); a global batch is all the
+  micro-batches of one optimizer step over every rank.
+- first_error: the 0-based index of a solution's first wrong step, -1 when none (ProcessBench).
+
 Depends on: torch and the standard library only; copy this file alone into another repo and it works."""
 import math
 import random

@@ -98,8 +98,9 @@ def new_head(config) -> nn.Linear:
     return head
 
 
-def step_loss(logits, labels, n_labeled_global):
-    """Sum of per-step cross-entropy against [1-p, p], divided by the labeled steps of the WHOLE optimizer step.
+def step_loss(logits, labels, n_labeled):
+    """Sum of per-step cross-entropy against [1-p, p], divided by n_labeled: the labeled steps of the WHOLE
+    optimizer step (every micro-batch, every rank).
 
     labels: (B, T) float, -100 where unlabeled, 0/1 hard or in-between soft. Returns (loss, ce_sum, n_correct);
     ce_sum and n_correct are detached sums for logging. Zero labeled steps give a loss of exactly 0, never NaN."""
@@ -109,7 +110,7 @@ def step_loss(logits, labels, n_labeled_global):
     ce = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0)  # (B, T)
     ce_sum = ce.sum()
     n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
-    n = n_labeled_global.clamp(min=1) if torch.is_tensor(n_labeled_global) else max(n_labeled_global, 1)
+    n = n_labeled.clamp(min=1) if torch.is_tensor(n_labeled) else max(n_labeled, 1)
     return ce_sum / n, ce_sum.detach(), n_correct
 
 

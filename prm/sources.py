@@ -12,6 +12,7 @@ import sys
 import datasets
 from datasets import Dataset, Features, List, Value, load_dataset
 
+from prm.config import Config
 from prm.data import IGNORE
 from prm.errors import UsageError
 from prm.formats import FORMATS, detect_format, format_help, to_stepwise
@@ -291,8 +292,7 @@ def read_splits(cfg):
     return to_dataset([cut(r) for r in train]), to_dataset(held)
 
 
-SHAPING = ("dataset", "eval_dataset", "train_split", "eval_split", "format", "eval_format", "neutral_label",
-           "skip_invalid", "eval_fraction", "seed", "cut_after_first_error")  # the settings read_splits reads
+SHAPING = Config.names_with("rows")  # the settings read_splits reads
 
 
 def data_digest(spec: str) -> str:

@@ -53,13 +53,19 @@ def train(cfg: Config, command: str = "") -> dict:
         teardown(rt)
 
 
-def lr_lambda(warmup: int, total: int):
-    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
+DECAY = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+         "cosine_with_min_lr": lambda p: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)),
+         "constant": lambda p: 1.0, "constant_with_warmup": lambda p: 1.0}  # p: progress after warmup, 0 to 1
+
+
+def lr_lambda(cfg: Config, total: int):
+    """Linear warmup to 1 (--warmup-steps, else --warmup-ratio of the steps), then --lr-scheduler-type's decay."""
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
+
     def f(step):
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return DECAY[cfg.lr_scheduler_type](min((step - warmup) / max(1, total - warmup), 1.0))
     return f
 
 
@@ -68,10 +74,11 @@ def make_optimizer(model, cfg: Config, lr: float, device):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    kw = dict(lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     try:
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type in ("cuda", "cpu"))
+        return torch.optim.AdamW(groups, **kw, fused=device.type in ("cuda", "cpu"))
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=True)
+        return torch.optim.AdamW(groups, **kw, foreach=True)
 
 
 class Trainer:
@@ -172,7 +179,7 @@ class Trainer:
     def _setup_optimizer(self):
         cfg, rt = self.cfg, self.rt
         self.optimizer = make_optimizer(self.model, cfg, cfg.lr, rt.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.warmup_steps, self.total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total))
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
 
     def _setup_resume(self):
@@ -188,9 +195,10 @@ class Trainer:
         if rt.is_main:
             cfg.save(cfg.output_dir)
         self.held_out = HeldOut(self.model, self.eval_rows, cfg=cfg, rt=rt, pad_id=self.pad_id,
+                                every=cfg.every("eval", self.steps_per_epoch),
                                 amp_dtype=self.amp_dtype, processbench=self.processbench)
         self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
-                         disable=not rt.is_main or progress_off(getattr(cfg, "disable_tqdm", False)))
+                         disable=not rt.is_main or progress_off(cfg.disable_tqdm))
         tracker = Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None
         self.out = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, self.pbar,
                                resumed_at=self.step, tracker=tracker)
@@ -200,7 +208,8 @@ class Trainer:
                                pack_to=cfg.pack_to if self.packed else None, check_norm=not self.scaler.is_enabled(),
                                hint=hint)
         self.log = TrainLog(settings, rt, self.out, lengths=self.lengths, n_labeled=self.n_labeled)
-        self.checkpointer = Checkpointer(cfg, rt, self.parallel, optimizer=self.optimizer, scheduler=self.scheduler,
+        self.checkpointer = Checkpointer(cfg, rt, self.parallel, every=cfg.every("save", self.steps_per_epoch),
+                                         optimizer=self.optimizer, scheduler=self.scheduler,
                                          scaler=self.scaler, tokenizer=self.tokenizer, log=self.log,
                                          digests=self.digests)
         trainable, n_params = count_parameters(self.model)
@@ -304,13 +313,14 @@ class HeldOut:
     """The held-out metrics, by the same route as eval.py (prm.evaluate: predict, then report): every --eval-every
     steps, and at the end."""
 
-    def __init__(self, model, rows: list, *, cfg: Config, rt: Runtime, pad_id: int, amp_dtype, processbench: bool):
-        self.model, self.rows, self.cfg, self.rt = model, rows, cfg, rt
+    def __init__(self, model, rows: list, *, cfg: Config, rt: Runtime, every: int, pad_id: int, amp_dtype,
+                 processbench: bool):
+        self.model, self.rows, self.cfg, self.rt, self.interval = model, rows, cfg, rt, every  # 0: at the end
         self.pad_id, self.amp_dtype, self.processbench = pad_id, amp_dtype, processbench
 
     def every(self, step: int, *, last_step: int):
         """The metrics when --eval-every falls on `step` (before the last: finish() evaluates that one); else None."""
-        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < last_step:
+        if self.interval and step % self.interval == 0 and step < last_step:
             return self.run()
         return None
 
@@ -388,13 +398,14 @@ class Checkpointer:
     """checkpoint-<step>/ when --save-every says so or the run stops early, and final/ at the end; it reads the
     divergence flag first, so non-finite weights are never written."""
 
-    def __init__(self, cfg: Config, rt: Runtime, parallel: Parallel, *, optimizer, scheduler, scaler, tokenizer,
-                 log: TrainLog, digests: dict):
+    def __init__(self, cfg: Config, rt: Runtime, parallel: Parallel, *, every: int, optimizer, scheduler, scaler,
+                 tokenizer, log: TrainLog, digests: dict):
         self.cfg, self.rt, self.parallel, self.log, self.digests = cfg, rt, parallel, log, digests
+        self.interval = every  # steps between checkpoints; 0: none but a stop's
         self.state = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer)
 
     def save(self, step: int, *, stopping: bool = False):
-        if not (stopping or (self.cfg.save_every and step % self.cfg.save_every == 0)):
+        if not (stopping or (self.interval and step % self.interval == 0)):
             return
         self.log.stop_if_diverged()
         barrier(self.rt)

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import read_metrics
 from prm.config import Config, parse_config
+from prm.errors import UsageError
 from prm.trainer import train
 
 FLAGS = ["--synthetic-size", "64", "--max-steps", "3", "--batch-size", "4", "--log-every", "1", "--dtype", "fp32",
@@ -59,12 +60,12 @@ def test_flags_given_override_the_file_and_the_rest_keeps_its_values(tmp_path):
     ("dtype: fp8\n", "'dtype' must be one of"),
     ("- lr\n", "expected a mapping of settings, got list"),
 ])
-def test_bad_config_files_exit_2_naming_the_problem(tmp_path, capsys, text, message):
+def test_bad_config_files_exit_2_naming_the_problem(tmp_path, text, message):
     (tmp_path / "bad.yaml").write_text(text)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         parse_config(["--config", str(tmp_path / "bad.yaml")])
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in str(e.value)
 
 
 def test_config_of_a_saved_run_reproduces_its_losses(tmp_path):

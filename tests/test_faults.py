@@ -177,23 +177,25 @@ def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
     (["--eval-fraction", "1.0"], "--eval-fraction 1.0: must be in (0, 1)"),
     (["--eval-fraction", "0"], "--eval-fraction 0.0: must be in (0, 1)"),
 ])
-def test_bad_flags_exit_2_at_start_up(flags, message, capsys):
+def test_bad_flags_exit_2_at_start_up(flags, message):
     from prm.config import parse_config
-    with pytest.raises(PRMError) as e:
+    from prm.errors import UsageError
+    with pytest.raises(UsageError) as e:
         parse_config(flags)
     assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_bad_paths_exit_2_with_a_message(tmp_path, capsys):
+def test_bad_paths_exit_2_with_a_message(tmp_path):
     from prm.config import parse_config
+    from prm.errors import UsageError
     (tmp_path / "file").write_text("x")
-    with pytest.raises(PRMError) as e:
+    with pytest.raises(UsageError) as e:
         parse_config(["--output-dir", str(tmp_path / "file" / "out")])
     assert e.value.code == 2 and "not a writable folder" in str(e.value)
     (tmp_path / "no_config").mkdir()
     for kw, text in (({"tokenizer": str(tmp_path / "missing")}, "--tokenizer"),
                      ({"model": str(tmp_path / "no_config")}, "no config.json")):
-        with pytest.raises(PRMError) as e:
+        with pytest.raises(UsageError) as e:
             run_train(tmp_path / "out", max_steps=1, **kw)
         assert e.value.code == 2 and text in str(e.value)
     r = subprocess.run([sys.executable, "train.py", "--lr", "nan", "--output-dir", str(tmp_path / "o")], cwd=ROOT,

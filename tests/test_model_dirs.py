@@ -63,11 +63,12 @@ def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_pa
                                            ('{"max_length": [1]}', "'max_length' must be int, got list [1]"),
                                            ("[1]", "expected a JSON object of settings, got list")])
 def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_field(model_dir, tmp_path, text, message):
+    from prm.errors import UsageError
     from prm.reward import load_reward_model
     path = tmp_path / "run"
     shutil.copytree(model_dir, path)
     (path / "config.train.json").write_text(text)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         load_reward_model(str(path))  # the PRMReward route; eval.py and --resume read it with the same Config.load
     assert e.value.code == 2 and f"{path / 'config.train.json'}" in str(e.value) and message in str(e.value)
 

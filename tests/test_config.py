@@ -1,0 +1,191 @@
+"""Config's per-field rules and what is derived from them, the auto (None) fields, TRL's / HF's flags with
+their meaning (and the ones refused on purpose), the learning-rate schedules, a YAML alias bomb refused."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, read_metrics, run_train
+from prm.config import ALIASES, MAY_CHANGE, RULES, Config, parse_config
+from prm.errors import UsageError
+
+
+def test_every_field_states_its_rules():
+    """A field added without saying whether a resume may change it, whether it shapes the cached rows and
+    whether eval.py takes it (and its TRL names, () for none) fails here, not as stale cached rows later."""
+    for f in dataclasses.fields(Config):
+        assert {"help", "rules", "trl"} <= set(f.metadata), f.name
+        assert f.metadata["rules"] <= RULES and isinstance(f.metadata["trl"], tuple), f.name
+
+
+def test_the_lists_derived_from_the_rules():
+    import eval as eval_cli
+    from prm.sources import SHAPING
+    assert set(SHAPING) == {"dataset", "eval_dataset", "train_split", "eval_split", "format", "eval_format",
+                            "neutral_label", "skip_invalid", "eval_fraction", "seed", "cut_after_first_error"}
+    assert set(eval_cli.SCORING) == {
+        "tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
+        "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
+        "threshold", "seed", "trust_remote_code", "disable_tqdm"}
+    assert set(MAY_CHANGE) == {
+        "max_steps", "epochs", "eval_every", "save_every", "log_every", "keep_last", "resume", "output_dir",
+        "num_proc", "eval_batch_size", "threshold", "compile", "gradient_checkpointing", "trust_remote_code",
+        "max_grad_norm", "batch_size", "grad_accum", "report_to", "run_name", "overwrite", "packing",
+        "pack_to", "eval_strategy", "save_strategy", "disable_tqdm", "use_peft"}
+    assert {k: v[0] for k, v in ALIASES.items() if v[1] is None} == {
+        "learning_rate": "lr", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
+        "gradient_accumulation_steps": "grad_accum", "logging_steps": "log_every", "save_steps": "save_every",
+        "save_total_limit": "keep_last", "eval_steps": "eval_every", "model_name_or_path": "model",
+        "dataset_name": "dataset", "per_device_eval_batch_size": "eval_batch_size",
+        "dataset_num_proc": "num_proc", "dataset_train_split": "train_split",
+        "dataset_test_split": "eval_split", "torch_compile": "compile", "resume_from_checkpoint": "resume"}
+
+
+def test_auto_fields_are_none_0_still_means_auto_and_resolve_returns_a_new_config(tmp_path):
+    (tmp_path / "zero.yaml").write_text("lr: 0\nbatch_size: 0\nlora_alpha: 0\neval_batch_size: 0\n")
+    for cfg in (Config(lr=0.0, batch_size=0, lora_alpha=0.0, eval_batch_size=0),
+                parse_config(["--lr", "0", "--batch-size", "0", "--lora-alpha", "0", "--eval-batch-size",
+                              "0"]),
+                parse_config(["--config", str(tmp_path / "zero.yaml")])):
+        assert cfg == Config() and cfg.lr is cfg.batch_size is cfg.lora_alpha is cfg.eval_batch_size is None
+    cfg = Config(model="some/model", use_peft=True)
+    done = cfg.resolve()
+    assert done is not cfg and cfg.lr is None and cfg.lora_r == 0  # the original is left as it was
+    assert (done.lr, done.batch_size, done.eval_batch_size) == (1e-4, 8, 16)
+    assert (done.lora_r, done.lora_alpha) == (16, 32.0)
+    assert Config().resolve().lr == 1e-3 and Config(model="m").resolve().lr == 1e-5
+    assert done.resolve() == done
+
+
+def test_help_says_what_auto_means(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default, or 0: 1e-3 for the random 'tiny' preset" in text and "(default: None)" not in text
+    assert "--gradient-checkpointing [BOOL], --no-gradient-checkpointing [BOOL]" in text
+
+
+ALIAS_BOMB = "lr: [&a [1,1,1,1,1,1,1,1,1], " + ", ".join(
+    f"&{b} [{', '.join(['*' + a] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")) + "]\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
+    (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)  # 9**9 items once expanded
+    with pytest.raises(UsageError) as e:
+        parse_config(["--config", str(tmp_path / "bomb.yaml")])
+    assert "more than 20 aliases" in str(e.value) and len(str(e.value)) < 300
+
+
+def test_a_huge_wrong_value_is_shown_as_a_short_preview(tmp_path):
+    (tmp_path / "few.yaml").write_text("lr: [&a [1,1,1], &b [*a, *a, *a], &c [*b, *b, *b], [*c, *c, *c]]\n")
+    (tmp_path / "big.json").write_text('{"lr": [' + ", ".join(["[1, 2, 3]"] * 100000) + "]}")
+    (tmp_path / "long.yaml").write_text("dtype: " + "x" * 10 ** 6 + "\n")
+    for name in ("few.yaml", "big.json", "long.yaml"):
+        with pytest.raises(UsageError) as e:
+            parse_config(["--config", str(tmp_path / name)])
+        assert "must be" in str(e.value) and len(str(e.value)) < 400, name
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--bf16"], {"dtype": "bf16"}), (["--bf16", "false"], {"dtype": "fp32"}),
+    (["--fp16", "True"], {"dtype": "fp16"}),
+    (["--no-bf16"], {"dtype": "fp32"}), (["--torch_dtype", "bfloat16"], {"dtype": "bf16"}),
+    (["--torch-dtype", "float32"], {"dtype": "fp32"}),
+    (["--use_peft", "--lora_r", "8", "--lora_alpha", "4", "--lora_dropout", "0.05"],
+     {"use_peft": True, "lora_r": 8, "lora_alpha": 4.0, "lora_dropout": 0.05}),
+    (["--lora_target_modules", "q_proj", "v_proj"], {"lora_targets": "q_proj,v_proj"}),
+    (["--lora_target_modules", "all-linear"], {"lora_targets": "*"}),
+    (["--lr_scheduler_type", "linear", "--warmup_ratio", "0.1"],
+     {"lr_scheduler_type": "linear", "warmup_ratio": 0.1}),
+    (["--adam_beta1", "0.8", "--adam_beta2", "0.999", "--adam_epsilon", "1e-6"],
+     {"adam_beta1": 0.8, "adam_beta2": 0.999, "adam_epsilon": 1e-6}),
+    (["--eval_strategy", "epoch", "--eval_steps", "5"], {"eval_strategy": "epoch", "eval_every": 5}),
+    (["--save_strategy", "no", "--save_steps", "3", "--save_total_limit", "1"],
+     {"save_strategy": "no", "save_every": 3, "keep_last": 1}),
+    (["--logging_steps", "5", "--disable_tqdm", "--report_to", "tensorboard"],
+     {"log_every": 5, "disable_tqdm": True, "report_to": "tensorboard"}),
+    (["--gradient_checkpointing", "True", "--packing", "false"],
+     {"gradient_checkpointing": True, "packing": False}),
+])
+def test_trl_and_hf_flags_set_their_meaning(argv, want):
+    cfg = parse_config(argv)
+    assert {k: getattr(cfg, k) for k in want} == want
+
+
+def test_a_trl_config_file_reads_as_its_flags(tmp_path):
+    (tmp_path / "trl.yaml").write_text("bf16: true\nuse_peft: true\nlora_target_modules: [q_proj, v_proj]\n"
+                                       "lr_scheduler_type: linear\nwarmup_ratio: 0.1\npush_to_hub: false\n")
+    flags = ["--bf16", "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--lr_scheduler_type",
+             "linear", "--warmup_ratio", "0.1"]
+    assert parse_config(["--config", str(tmp_path / "trl.yaml")]) == parse_config(flags)
+    (tmp_path / "hub.yaml").write_text("push_to_hub: true\n")
+    with pytest.raises(UsageError, match="'push_to_hub' is not supported: upload"):
+        parse_config(["--config", str(tmp_path / "hub.yaml")])
+    (tmp_path / "dtype.yaml").write_text("torch_dtype: int8\n")
+    with pytest.raises(UsageError, match="'torch_dtype': expected one of auto, bfloat16"):
+        parse_config(["--config", str(tmp_path / "dtype.yaml")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--push_to_hub"], "--push_to_hub is not supported: upload <output-dir>/final yourself"),
+    (["--hub-model-id", "me/prm"], "--hub-model-id is not supported: upload"),
+    (["--deepspeed", "ds.json"], "--deepspeed is not supported: launch with torchrun"),
+    (["--fsdp_config", "f.json"], "--fsdp_config is not supported: launch with torchrun"),
+    (["--do_eval"], "--do_eval is not supported: train.py always trains and evaluates"),
+    (["--optim", "adamw_torch"], "--optim is not supported: the optimizer is AdamW"),
+    (["--adam_eps", "1e-8"], "(did you mean --adam-epsilon?)"),
+    (["--warmup-ratios", "0.1"], "(did you mean --warmup-ratio?)"),
+    (["--lr_scheduler", "linear"], "(did you mean --lr-scheduler-type?)"),
+    (["--logging_step", "5"], "(did you mean --log-every / --logging-steps?)"),
+    (["--torch_dtype", "int8"], "argument --torch_dtype/--torch-dtype: expected one of auto, bfloat16, "
+                                "float16, float32, got 'int8'"),
+    (["--bf16", "maybe"], "argument --bf16/--no-bf16: expected true or false, got 'maybe'"),
+    (["--lr-scheduler-type", "cosine", "--warmup-steps", "2", "--lr-scheduler-type", "constant"],
+     "--lr-scheduler-type 'constant': takes no warmup: use constant_with_warmup"),
+])
+def test_refused_flags_say_why_in_one_line(argv, message):
+    with pytest.raises(UsageError) as e:
+        parse_config(argv)
+    assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_train_py_refuses_a_flag_in_one_line_and_exit_status_2(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--push_to_hub", "--output-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: --push_to_hub is not supported") and \
+        r.stderr.count("\n") == 1, r.stderr
+
+
+def test_strategies_choose_the_evaluation_and_checkpoint_cadence():
+    assert Config(eval_every=5).every("eval", 7) == 5 and Config(save_every=3).every("save", 7) == 3
+    assert Config(eval_every=5, eval_strategy="epoch").every("eval", 7) == 7
+    assert Config(save_every=3, save_strategy="no").every("save", 7) == 0
+
+
+def test_schedules_follow_hf_after_a_warmup():
+    from prm.trainer import DECAY, lr_lambda
+    assert set(DECAY) == set(Config.__dataclass_fields__["lr_scheduler_type"].metadata["choices"])
+    at = lambda step, **kw: lr_lambda(Config(**kw), 10)(step)
+    assert [at(s, lr_scheduler_type="linear") for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert [at(s, lr_scheduler_type="cosine") for s in (0, 10)] == [1.0, 0.0]
+    assert at(10) == pytest.approx(0.1) and at(0) == 1.0  # the default: cosine down to 10% of --lr
+    with_warmup = [at(s, lr_scheduler_type="constant_with_warmup", warmup_steps=4) for s in (0, 3, 9)]
+    assert with_warmup == [0.25, 1.0, 1.0]
+    assert [at(s, lr_scheduler_type="constant", warmup_ratio=0.0) for s in (0, 9)] == [1.0, 1.0]
+    ratio = [at(s, lr_scheduler_type="linear", warmup_ratio=0.15) for s in (0, 1, 2, 3)]
+    assert ratio == [0.5, 1.0, 1.0, 0.875]  # ceil(0.15 x 10) = 2 warmup steps
+
+
+def test_the_optimizer_takes_the_betas_and_epsilon():
+    import torch
+    from prm.trainer import make_optimizer
+    cfg = Config(adam_beta1=0.8, adam_beta2=0.999, adam_epsilon=1e-6)
+    group = make_optimizer(torch.nn.Linear(2, 2), cfg, 1e-3, torch.device("cpu")).param_groups[0]
+    assert (group["betas"], group["eps"]) == ((0.8, 0.999), 1e-6)
+
+
+def test_a_run_follows_the_chosen_schedule(tmp_path):
+    run_train(tmp_path, max_steps=4, lr_scheduler_type="linear")
+    lrs = [r["lr"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert lrs == pytest.approx([0.75e-3, 0.5e-3, 0.25e-3, 0.0])  # each step logs the lr the next one uses
