@@ -5,14 +5,17 @@ import glob
 import json
 import os
 import pickle
+import sys
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from torch import nn
+from transformers import (AutoConfig, AutoModel, AutoModelForTokenClassification, AutoTokenizer,
+                          PreTrainedTokenizerFast, Qwen2Config)
 
 from prm.checkpoint import TRAINABLE, load_trainable
-from prm.config import exit_on_problems
 from prm.data import pad_token_id
+from prm.errors import UsageError, check
 from prm.lora import apply_lora, has_lora
 from prm.model import PRM, SETTINGS, new_head
 from prm.sharding import SHARDS, load_whole
@@ -26,14 +29,14 @@ def loading(flag: str, name: str, load, **kw):
     """load(name, **kw), with a one-line message and exit status 2 instead of a library traceback when the
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
     if flag == "--model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        exit_on_problems([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
+        check([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
     if flag == "--model" and os.path.isdir(name):
-        exit_on_problems(outside_weights(name))
+        check(outside_weights(name))
     try:
         return load(name, **kw)
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # Safetensor: a truncated file;
         # Unpickling: a pickled .bin that weights_only refuses
-        exit_on_problems([f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}"])
+        raise UsageError(f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}") from None
 
 
 def outside_weights(path: str) -> list:
@@ -67,9 +70,11 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
                 if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                     load, kw = PreTrainedTokenizerFast.from_pretrained, {}
         return loading(flag, name, load, **kw)
+    except UsageError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # files that are JSON, not a tokenizer's
         # ({} lacks 'added_tokens'; a list has no .get); ValueError: tokenizer_config.json is not JSON
-        exit_on_problems([f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}"])
+        raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
 
 
 def tokenizer_for(cfg):
@@ -97,14 +102,37 @@ def hf_config_for(cfg, tokenizer):
 
 
 def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
-    """'tiny' -> random init from tiny_config (seeded); anything else -> PRM.from_pretrained."""
+    """'tiny' -> random init from tiny_config (seeded); anything else -> pretrained()."""
     torch.manual_seed(seed)
     if name == "tiny":
         cfg = tiny_config(tokenizer)
         return PRM(AutoModel.from_config(cfg, attn_implementation="sdpa"), new_head(cfg))
     # fp32 master weights whatever the checkpoint's dtype; autocast handles the low-precision compute
-    return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code,
-                   attn_implementation="sdpa", dtype=torch.float32)
+    return pretrained(name, trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
+    """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files: one they lack or hold
+    in another shape is an error naming it (transformers would make it up at random and carry on). Else a backbone
+    with a new head (PRM.from_pretrained): training from a backbone is the one place a head is made; it says so."""
+    hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
+    if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
+        if classifier_only:
+            raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
+                             f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+        print(f"--model {name}: a backbone: the PRM head is new (zero weights, P(correct) = 0.5 at every step)",
+              file=sys.stderr)
+        return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
+    if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
+        raise UsageError(f"--model {name}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}")
+    hf, info = loading("--model", name, AutoModelForTokenClassification.from_pretrained, output_loading_info=True,
+                       trust_remote_code=trust_remote_code, ignore_mismatched_sizes=True, **kw)
+    bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
+                                                for k, saved, want in info["mismatched_keys"])
+    check([f"--model {name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
+           f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random"] if bad else [])
+    head = next(m for m in hf.children() if isinstance(m, nn.Linear) and m.out_features == 2)  # score, classifier
+    return PRM(getattr(hf, hf.base_model_prefix), head)
 
 
 def model_for(cfg, tokenizer) -> PRM:
@@ -149,18 +177,14 @@ def load_trained(cfg, tokenizer_given: bool):
         else:
             load_trainable(model, os.path.join(cfg.model, TRAINABLE))
         return tokenizer, model
-    hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained, trust_remote_code=cfg.trust_remote_code)
-    if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
-        raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
-                         f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
-    if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
-        exit_on_problems([f"--model {cfg.model}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}"])
+    model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
                                cfg.trust_remote_code)
-    model = loading("--model", cfg.model, PRM.from_pretrained, trust_remote_code=cfg.trust_remote_code,
-                    dtype=torch.float32)
-    names = {int(i): str(n).lower() for i, n in (hf_cfg.id2label or {}).items()}
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches need one to pad with
+        raise UsageError(f"--model {cfg.model}: the tokenizer has neither a pad nor an EOS token: set pad_token in "
+                         "its tokenizer_config.json, or pass --tokenizer")
+    names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
     if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
         with torch.no_grad():
             model.head.weight.copy_(model.head.weight.flip(0))

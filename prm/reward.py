@@ -1,11 +1,13 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer calls
 (`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.evaluate, prm.metrics."""
 import os
+import warnings
 
 import torch
 
 from prm.build import load_trained
 from prm.config import FILE, Config
+from prm.errors import UsageError
 from prm.evaluate import score_batch
 from prm.metrics import AGGREGATES
 
@@ -61,21 +63,35 @@ class PRMReward:
         """The completion's steps: split at the separator, blank pieces dropped (a trailing separator, blank lines)."""
         return [s.strip() for s in completion_text(completion).split(self.step_separator) if s.strip()]
 
-    def prompt(self, prompt):
-        """Messages go through the chat template, as in training; a tokenizer without one reads their text."""
-        if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
+    def prompt(self, i: int, prompt):
+        """Messages go through the chat template, as in training: tried here, so a template that fails on this
+        prompt is an error naming completion i. A tokenizer without a template reads the messages' text."""
+        if isinstance(prompt, str):
             return prompt
-        return "\n".join(m["content"] for m in prompt)
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "\n".join(m["content"] for m in prompt)
+        try:
+            self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError (raise_exception), KeyError, TypeError, ...
+            raise UsageError(f"completion {i}: the tokenizer's chat template fails on its prompt: "
+                             f"{type(e).__name__}: {str(e).strip()[:200]}") from e
+        return prompt
 
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; [] for one with no step."""
-        solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]
+        """P(correct) per step of each completion; [] for one with no step. Steps past max_length get no score:
+        a warning says how many completions lost steps."""
+        solutions = [(self.prompt(i, p), self.steps(c)) for i, (p, c) in enumerate(zip(prompts, completions))]
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]  # an empty solution is not run
         probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
                             max_length=self.max_length, batch_size=self.batch_size)
         out = [[] for _ in solutions]
         for i, ps in zip(todo, probs):
             out[i] = ps
+        cut = [ps for i, ps in zip(todo, probs) if len(ps) < len(solutions[i][1])]
+        if cut:
+            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut steps "
+                          f"are unscored), {cut.count([])} with no step that fits (reward {EMPTY_REWARD}); raise "
+                          f"max_length (now {self.max_length})", stacklevel=2)
         return out
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list:

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, read_metrics, run_train, small_config
+from prm.errors import UsageError
 
 
 def strict_records(out_dir):
@@ -205,12 +206,12 @@ def test_eval_checks_its_paths_and_dev_set_before_working(tmp_path):
     out = tmp_path / "run"
     run_train(out, max_steps=1)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         eval_cli.main(["--model", str(out / "final"), "--predictions", str(tmp_path / "file" / "p.jsonl")])
     assert e.value.code == 2 and "--predictions" in str(e.value)
     dev = tmp_path / "all_right.jsonl"
     dev.write_text(json.dumps({"prompt": "p", "completions": ["1+1=2"], "labels": [True]}) + "\n")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         eval_cli.main(["--model", str(out / "final"), "--tune-threshold", str(dev)])
     assert e.value.code == 2 and "both with and without an error" in str(e.value)
 
