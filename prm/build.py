@@ -1,6 +1,6 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
-benchmark all come here. Depends on: torch, transformers, safetensors, prm.model, prm.lora, prm.data, prm.checkpoint,
-prm.sharding, prm.synthetic, prm.varlen."""
+benchmark all come here. Depends on: torch, transformers, safetensors, prm.model, prm.lora, prm.data,
+prm.checkpoint, prm.sharding, prm.synthetic, prm.varlen."""
 import glob
 import json
 import os
@@ -22,7 +22,7 @@ from prm.sharding import SHARDS, load_whole
 from prm.synthetic import char_tokenizer
 from prm.varlen import supports_packing, use_packed_attention
 
-POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names that mean "this step is right"
+POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names meaning "this step is right"
 
 
 def loading(flag: str, name: str, load, **kw):
@@ -34,8 +34,8 @@ def loading(flag: str, name: str, load, **kw):
         check(outside_weights(name))
     try:
         return load(name, **kw)
-    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # Safetensor: a truncated file;
-        # Unpickling: a pickled .bin that weights_only refuses
+    # SafetensorError: a truncated file; UnpicklingError: a pickled .bin that weights_only refuses
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:
         raise UsageError(f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}") from None
 
 
@@ -47,11 +47,12 @@ def outside_weights(path: str) -> list:
         try:
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # garbage: not an index at all
-            problems.append(f"{index}: not a sharded-weights index with a weight_map ({type(e).__name__}: {e})")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # garbage, not an index
+            problems.append(f"{index}: not a sharded-weights index with a weight_map "
+                            f"({type(e).__name__}: {e})")
             continue
         for name in files:
-            where = os.path.realpath(os.path.join(path, str(name)))  # realpath: a symlink points where it leads
+            where = os.path.realpath(os.path.join(path, str(name)))  # a symlink: where it leads
             if os.path.commonpath([root, where]) != root or not os.path.isfile(where):
                 problems.append(f"{index}: weight_map names {name!r}, not a file inside {path}")
     return problems
@@ -59,9 +60,9 @@ def outside_weights(path: str) -> list:
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
     """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
-    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which rebuilds the pipeline from the
-    vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the file as
-    written also keeps its <unk> for characters outside its vocabulary."""
+    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which rebuilds the pipeline from
+    the vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the
+    file as written also keeps its <unk> for characters outside its vocabulary."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
@@ -72,8 +73,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
         return loading(flag, name, load, **kw)
     except UsageError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # files that are JSON, not a tokenizer's
-        # ({} lacks 'added_tokens'; a list has no .get); ValueError: tokenizer_config.json is not JSON
+    # files that are JSON, not a tokenizer's ({} lacks 'added_tokens'; a list has no .get); ValueError:
+    # tokenizer_config.json is not JSON
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
 
 
@@ -95,7 +97,8 @@ def tiny_config(tokenizer):
 
 
 def hf_config_for(cfg, tokenizer):
-    """The backbone's transformers config, without building any weight (the benchmark counts FLOPs from it)."""
+    """The backbone's transformers config, without building any weight (the benchmark counts FLOPs from
+    it)."""
     if cfg.model == "tiny":
         return tiny_config(tokenizer)
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -112,34 +115,37 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files: one they lack or hold
-    in another shape is an error naming it (transformers would make it up at random and carry on). Else a backbone
-    with a new head (PRM.from_pretrained): training from a backbone is the one place a head is made; it says so."""
+    """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files: one they lack or
+    hold in another shape is an error naming it (transformers would make it up at random and carry on). Else a
+    backbone with a new head (PRM.from_pretrained): training from a backbone is the one place a head is made;
+    it says so."""
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
         if classifier_only:
             raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
                              f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
-        print(f"--model {name}: a backbone: the PRM head is new (zero weights, P(correct) = 0.5 at every step)",
-              file=sys.stderr)
+        print(f"--model {name}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 at every "
+              "step)", file=sys.stderr)
         return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
     if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
         raise UsageError(f"--model {name}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}")
-    hf, info = loading("--model", name, AutoModelForTokenClassification.from_pretrained, output_loading_info=True,
-                       trust_remote_code=trust_remote_code, ignore_mismatched_sizes=True, **kw)
+    hf, info = loading("--model", name, AutoModelForTokenClassification.from_pretrained,
+                       trust_remote_code=trust_remote_code, output_loading_info=True,
+                       ignore_mismatched_sizes=True, **kw)
     bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
                                                 for k, saved, want in info["mismatched_keys"])
     check([f"--model {name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
            f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random"] if bad else [])
-    head = next(m for m in hf.children() if isinstance(m, nn.Linear) and m.out_features == 2)  # score, classifier
+    head = next(m for m in hf.children() if isinstance(m, nn.Linear) and m.out_features == 2)  # e.g. score
     return PRM(getattr(hf, hf.base_model_prefix), head)
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r is set.
+    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r
+    is set.
 
-    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild a
-    LoRA checkpoint's frozen base with this same function."""
+    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild
+    a LoRA checkpoint's frozen base with this same function."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:
         apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
@@ -162,10 +168,10 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 
 def load_trained(cfg, tokenizer_given: bool):
-    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from the
-    run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier. The
-    tokenizer saved beside the model wins unless --tokenizer is given; a checkpoint whose label 0 means 'correct'
-    gets its head flipped."""
+    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from
+    the run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier.
+    The tokenizer saved beside the model wins unless --tokenizer is given; a checkpoint whose label 0 means
+    'correct' gets its head flipped."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
@@ -182,8 +188,8 @@ def load_trained(cfg, tokenizer_given: bool):
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
                                cfg.trust_remote_code)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches need one to pad with
-        raise UsageError(f"--model {cfg.model}: the tokenizer has neither a pad nor an EOS token: set pad_token in "
-                         "its tokenizer_config.json, or pass --tokenizer")
+        raise UsageError(f"--model {cfg.model}: the tokenizer has neither a pad nor an EOS token: set "
+                         "pad_token in its tokenizer_config.json, or pass --tokenizer")
     names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
     if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
         with torch.no_grad():

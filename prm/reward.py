@@ -1,5 +1,6 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer calls
-(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.evaluate, prm.metrics."""
+(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.evaluate,
+prm.metrics."""
 import os
 import warnings
 
@@ -15,13 +16,14 @@ EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step c
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False):
-    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, like eval.py loads it.
+    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, like eval.py loads
+    it.
 
-    The run's config.train.json, when present, gives the step separator and max length it was trained with; never
-    whether the directory's own Python files may run: that is the caller's trust_remote_code alone."""
+    The run's config.train.json, when present, gives the step separator and max length it was trained with;
+    never whether the directory's own Python files may run: that is the caller's trust_remote_code alone."""
     cfg = Config.load(path) if os.path.isfile(os.path.join(path, FILE)) else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
-    cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a downloaded model ships it)
+    cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a download ships one)
     tokenizer, model = load_trained(cfg, tokenizer_given=False)
     return tokenizer, model, cfg
 
@@ -38,7 +40,8 @@ class PRMReward:
     separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
 
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
-    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it says."""
+    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it
+    says."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
                  step_separator: str = None, max_length: int = None, trust_remote_code: bool = False):
@@ -60,7 +63,8 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
     def steps(self, completion) -> list:
-        """The completion's steps: split at the separator, blank pieces dropped (a trailing separator, blank lines)."""
+        """The completion's steps: split at the separator, blank pieces dropped (a trailing separator, blank
+        lines)."""
         return [s.strip() for s in completion_text(completion).split(self.step_separator) if s.strip()]
 
     def prompt(self, i: int, prompt):
@@ -78,8 +82,8 @@ class PRMReward:
         return prompt
 
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; [] for one with no step. Steps past max_length get no score:
-        a warning says how many completions lost steps."""
+        """P(correct) per step of each completion; [] for one with no step. Steps past max_length get no
+        score: a warning says how many completions lost steps."""
         solutions = [(self.prompt(i, p), self.steps(c)) for i, (p, c) in enumerate(zip(prompts, completions))]
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]  # an empty solution is not run
         probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
@@ -89,9 +93,9 @@ class PRMReward:
             out[i] = ps
         cut = [ps for i, ps in zip(todo, probs) if len(ps) < len(solutions[i][1])]
         if cut:
-            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut steps "
-                          f"are unscored), {cut.count([])} with no step that fits (reward {EMPTY_REWARD}); raise "
-                          f"max_length (now {self.max_length})", stacklevel=2)
+            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
+                          f"steps are unscored), {cut.count([])} with no step that fits (reward "
+                          f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
         return out
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list:
