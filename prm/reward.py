@@ -1,6 +1,6 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer calls
-(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.evaluate,
-prm.metrics."""
+(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.errors, prm.evaluate,
+prm.metrics, prm.model."""
 import os
 import warnings
 
@@ -11,20 +11,25 @@ from prm.config import FILE, Config
 from prm.errors import UsageError
 from prm.evaluate import score_batch
 from prm.metrics import AGGREGATES
+from prm.model import input_settings
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False):
-    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, like eval.py loads
-    it.
+    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
+    reads it.
 
-    The run's config.train.json, when present, gives the step separator and max length it was trained with;
-    never whether the directory's own Python files may run: that is the caller's trust_remote_code alone."""
-    cfg = Config.load(path) if os.path.isfile(os.path.join(path, FILE)) else Config()
+    The step separator and max length it was trained with come from the run's config.train.json, else from the
+    model's config.json ("prm", an export), as in eval.py; never whether the directory's own Python files may
+    run: that is the caller's trust_remote_code alone."""
+    saved = os.path.isfile(os.path.join(path, FILE))
+    cfg = Config.load(path) if saved else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
     cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a download ships one)
     tokenizer, model = load_trained(cfg, tokenizer_given=False)
+    if not saved:  # an export: how training read the input travels in config.json
+        cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
     return tokenizer, model, cfg
 
 
@@ -40,8 +45,8 @@ class PRMReward:
     separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
 
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
-    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it
-    says."""
+    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
+    say."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
                  step_separator: str = None, max_length: int = None, trust_remote_code: bool = False):
@@ -54,7 +59,7 @@ class PRMReward:
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
-            cfg = Config()  # defaults: "\n" separator, 1024 tokens
+            cfg = Config.from_dict(input_settings(model.config))  # its own, else "\n" and 1024 tokens
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = model.to(self.device).eval(), tokenizer
         self.step_separator = step_separator if step_separator is not None else cfg.step_separator

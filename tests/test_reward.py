@@ -105,9 +105,15 @@ def test_a_chat_template_failing_on_one_prompt_names_its_completion(model_dir):
         reward(prompts, COMPLETIONS[:2])
 
 
-def test_a_model_saved_with_max_length_1_warns_that_no_step_is_scored(tmp_path):
+@pytest.mark.parametrize("where", ["config.train.json", "config.json"])
+def test_a_model_saved_with_max_length_1_warns_that_no_step_is_scored(tmp_path, where):
     path = save_tiny(str(tmp_path / "m"))
-    Config(max_length=1).save(path)  # as train.py --max-length 1 leaves it: BOS alone fills it
+    if where == "config.train.json":  # as train.py --max-length 1 leaves it: BOS alone fills it
+        Config(max_length=1).save(path)
+    else:  # an export without the run's config: config.json's "prm" says how training read the input
+        config = json.loads((tmp_path / "m" / "config.json").read_text())
+        config["prm"] = {"step_separator": "\n", "max_length": 1, "max_completion_length": 0}
+        (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     reward = PRMReward(path, device="cpu")
     with pytest.warns(UserWarning, match=r"0 of 3 completions truncated \(their cut steps are unscored\), 3 with "
                                          r"no step that fits \(reward 0.0\); raise max_length \(now 1\)"):
