@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from prm.config import FILE, Config, Parser, add_field, writable
 from prm.errors import UsageError, check, exit_status
 
-# the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA,
-# checkpoints, the held-out split) belongs to the run and comes from it
+# the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA, checkpoints,
+# the held-out split) belongs to the run and comes from it
 SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
            "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
            "threshold", "seed", "trust_remote_code")
@@ -187,10 +187,13 @@ def prediction_lines(name: str, rows: list, probs: list, threshold: float, proce
         line = {"subset": name, "id": row.get("id", i), "step_probs": ps, "labels": row["step_labels"]}
         if processbench:
             line.update(first_error_pred=first_error(ps, threshold), first_error=true_first_error(row))
-        line.update({k: row[k] for k in ("final_answer_correct", "category") if row.get(k) is not None})
+        if row.get("final_answer_correct") is not None:
+            line["final_answer_correct"] = row["final_answer_correct"]
         if best_of_n:
             line.update(group=row["group"], correct=row.get("final_answer_correct"),
                         response_answer=row.get("response_answer"))
+        if row.get("category") is not None:
+            line["category"] = row["category"]
         lines.append(line)
     return lines
 
