@@ -26,7 +26,7 @@ POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names
 
 
 def loading(flag: str, name: str, load, **kw):
-    """load(name, **kw), with a one-line message and exit status 2 instead of a library traceback when the
+    """load(name, **kw), raising a one-line UsageError (exit status 2) instead of a library traceback when the
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
     if flag == "--model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         check([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
