@@ -1,51 +1,85 @@
-"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC, PRMBench's
-PRMScore, best-of-N, as one JSON object. Depends on: transformers, prm."""
+"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC,
+PRMBench's PRMScore, best-of-N. A table for people goes to stderr; stdout's last line is one JSON object,
+flat for one data set ({"threshold": ..., "n_examples": ..., "step_accuracy": ...}), nested for several
+--dataset sources ({"threshold": ..., "subsets": {name: {"n_examples": ...}}, "mean_f1": ...}).
+Depends on: transformers, prm."""
 import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass, fields
 
-from prm.config import FILE, Config, Parser, add_field, exit_on_problems, writable
+from prm.config import FILE, Config, Parser, add_field, writable
+from prm.errors import UsageError, check, exit_status
 
-EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_n_draws")
 # the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA, checkpoints,
 # the held-out split) belongs to the run and comes from it
+<<<<<<< HEAD
 SCORING = Config.names_with("scoring")
 # the table on stderr: ProcessBench's columns when every subset has them (chance_f1: F1 of random flags), else the step's
+=======
+SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
+           "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
+           "threshold", "seed", "trust_remote_code")
+# the table's columns: ProcessBench's if every subset has them (chance_f1: F1 of random flags), else steps
+>>>>>>> evalpy
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
-STEP_COLUMNS = ("step_accuracy", "f1_0", "auroc", "n_steps")
+STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
+
+
+@dataclass(frozen=True)
+class Options:
+    """eval.py's own options; the run settings it takes make a Config."""
+    datasets: list
+    predictions: str
+    processbench: bool
+    tune_threshold: str
+    best_of_n: bool
+    best_of_n_draws: int
+    tokenizer_given: bool  # --tokenizer on the command line: it wins over the one saved beside the model
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
-    """eval.py's own options first; then the run settings it takes, whose value when not given comes from the run."""
-    p = Parser(usage="%(prog)s --model DIR [options]", description=__doc__.split(" Depends on:")[0])
+    """eval.py's own options first; then the run settings it takes, each not given coming from the run."""
+    p = Parser(usage="%(prog)s --model DIR [options]", description=__doc__.split("\nDepends on:")[0])
     p.add_argument("--model", default=argparse.SUPPRESS, help="a directory written by train.py (final/ or a "
                    "checkpoint) or any 2-label token-classification model; required")
-    p.add_argument("--dataset", nargs="+", default=[], metavar="SOURCE",
-                   help="one or more sources, each evaluated whole (default: the run's held-out set); several give "
-                        "one block per subset and their mean F1")
+    p.add_argument("--dataset", dest="datasets", nargs="+", default=[], metavar="SOURCE",
+                   help="one or more sources, each evaluated whole (default: the run's held-out set); "
+                        "several give one block per subset and their mean F1")
     p.add_argument("--predictions", default="", metavar="OUT_JSONL",
-                   help="write one JSON line per example: id, per-step P(correct), truth, predicted first error")
+                   help="write one JSON line per example: id, per-step P(correct), truth, predicted first "
+                        "error")
     p.add_argument("--processbench", action="store_true",
-                   help="ProcessBench metrics even when the data has no first_error column (taken from the labels)")
+                   help="ProcessBench metrics even when the data has no first_error column (from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
-                   help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere; the "
-                        "set's own metrics at it are the output's 'dev' block")
+                   help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere; "
+                        "the set's own metrics at it are the output's 'dev' block")
     p.add_argument("--best-of-n", action="store_true",
-                   help="best-of-N accuracy per method and N; candidates of one problem share its 'group' (the "
-                        "candidates format) or, in flat rows, their prompt; correctness from final_answer_correct")
+                   help="best-of-N accuracy per method and N; candidates of one problem share its 'group' "
+                        "(the candidates format) or, in flat rows, their prompt; correctness: "
+                        "final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    run = p.add_argument_group("run settings", "how to read and score the data; each flag not given comes from "
-                               "the run's config.train.json beside --model (else from config.json's 'prm', else "
-                               "the training default)")
+    run = p.add_argument_group("run settings", "how to read and score the data; each flag not given "
+                               "comes from the run's config.train.json beside --model (else from "
+                               "config.json's 'prm', else the training default)")
     for name in SCORING:
         add_field(run, Config.__dataclass_fields__[name], suppress=True)
     return p
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked by argparse alone: the run settings not given are absent from it."""
+    p = build_eval_parser()
+    args = p.parse_args(argv)
+    if "model" not in args:
+        p.error("--model is required: a directory written by train.py or any 2-label token classifier")
+    return args
+
+
 if __name__ == "__main__":  # --help and a bad flag answer before torch and transformers load (seconds)
-    build_eval_parser().parse_args()
+    ARGS = parse_args()
 
 # the heavy imports, after the early parse above
 from transformers import AutoConfig  # noqa: E402
@@ -56,74 +90,97 @@ from prm.evaluate import best_of_n_report, predict, report, true_first_error  # 
 from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import first_error, tune_threshold  # noqa: E402
 from prm.model import input_settings  # noqa: E402
-from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
+from prm.runtime import Runtime, autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
 from prm.sources import exit_on_data_error, load_eval  # noqa: E402
 
 
-def run_settings(model: str, trust_remote_code: bool) -> Config:
-    """The run's saved Config beside the model; else the input settings a PRM carries in its config.json (a model
-    exported without config.train.json); else the defaults."""
-    if os.path.isfile(os.path.join(model, FILE)):
-        return Config.load(model)
-    try:
-        hf = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):  # not loadable: load_trained reports it properly
-        return Config()
-    return Config.from_dict(input_settings(hf))
+def settings(args: argparse.Namespace) -> tuple:
+    """(Config, Options). The run settings given on the command line win over the run's: its
+    config.train.json beside --model, else the input settings a PRM carries in its config.json (an export),
+    else the defaults."""
+    given = dict(vars(args))
+    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
+                   tokenizer_given="tokenizer" in given)
+    if os.path.isfile(os.path.join(args.model, FILE)):
+        base = Config.load(args.model).__dict__
+    else:
+        try:
+            base = input_settings(AutoConfig.from_pretrained(args.model, trust_remote_code=given.get(
+                "trust_remote_code", False)))
+        except (OSError, ValueError):  # not loadable: load_trained reports it properly
+            base = {}
+    if opts.datasets and "format" not in given:  # the run's training format says nothing about new files
+        given["format"] = "auto"
+    # only the user's own command line may allow a model's code, never a file
+    cfg = Config.from_dict({**base, "trust_remote_code": False, **given})
+    bad_out = opts.predictions and not writable(opts.predictions)
+    check(cfg.problems() + ([f"--predictions {opts.predictions}: not writable"] if bad_out else []))
+    return cfg.resolve(), opts
 
 
-def parse_args(argv=None):
-    """The run settings in SCORING are accepted; those not given come from the run's saved config beside the model.
+@dataclass
+class Evaluator:
+    """The model under evaluation on this rank: reads data sets and scores their rows as the run did."""
+    cfg: Config
+    rt: Runtime
+    tokenizer: object
+    model: object
 
-    Returns (config, the eval-only options, the names of the config fields given on the command line)."""
-    p = build_eval_parser()
-    args = vars(p.parse_args(argv))
-    if "model" not in args:
-        p.error("--model is required: a directory written by train.py or any 2-label token-classification model")
-    opts = {k: args.pop(k) for k in EXTRA}
-    opts["datasets"] = args.pop("dataset")
-    base = run_settings(args["model"], args.get("trust_remote_code", False))
-    base.trust_remote_code = False  # only the user's own command line may allow a model's code, never a file
-    if opts["datasets"] and "format" not in args:  # the run's training format says nothing about new files
-        args["format"] = "auto"
-    cfg = Config.from_dict({**base.__dict__, **args})
-    bad_out = opts["predictions"] and not writable(opts["predictions"])
-    exit_on_problems(cfg.problems() + ([f"--predictions {opts['predictions']}: not writable"] if bad_out else []))
-    return cfg.resolve(), opts, set(args)
+    def sets(self, sources: list) -> dict:
+        """{subset name: tokenized rows}, read, checked and tokenized as training does (prm.ingest), every
+        row kept. Rows without a best-of-N `group` get their prompt as one. Rank 0 goes first, so the other
+        ranks read the datasets cache it filled."""
+        names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
+        names = names if len(set(names)) == len(names) else sources
+        with exit_on_data_error(), main_first(self.rt):
+            raw = dict(zip(names, (load_eval(self.cfg, s) for s in sources))) if sources else \
+                {"held-out": load_eval(self.cfg)}
+            sets = {}
+            for name, ds in raw.items():
+                rows = tokenize_dataset(ds, self.tokenizer, self.cfg, is_eval=True, desc=f"tokenize {name}",
+                                        num_proc=self.cfg.num_proc, drop_unlabeled=False)[0].to_list()
+                if "prompt" in ds.column_names:  # flat rows: a problem's candidates share its prompt
+                    for row, prompt in zip(rows, ds["prompt"][:]):
+                        row["group"] = row.get("group") or (prompt if isinstance(prompt, str)
+                                                            else json.dumps(prompt))
+                sets[name] = rows
+            return sets
 
-
-def load_sets(cfg: Config, sources: list, tokenizer, rt) -> dict:
-    """{subset name: tokenized rows}, read, checked and tokenized as training does (prm.ingest), every row kept.
-
-    Rows without a best-of-N `group` get their prompt as one. Rank 0 goes first, so the other ranks read the
-    datasets cache it filled."""
-    names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
-    names = names if len(set(names)) == len(names) else sources
-    with exit_on_data_error(), main_first(rt):
-        raw = {name: load_eval(cfg, s) for name, s in zip(names, sources)} if sources else \
-            {"held-out": load_eval(cfg)}
-        sets = {}
-        for name, ds in raw.items():
-            rows = tokenize_dataset(ds, tokenizer, cfg, is_eval=True, num_proc=cfg.num_proc, desc=f"tokenize {name}",
-                                    drop_unlabeled=False)[0].to_list()
-            if "prompt" in ds.column_names:  # flat rows: the candidates of a problem are the rows with its prompt
-                for row, prompt in zip(rows, ds["prompt"][:]):
-                    row["group"] = row.get("group") or (prompt if isinstance(prompt, str) else json.dumps(prompt))
-            sets[name] = rows
-        return sets
+    def probs(self, rows: list) -> list:
+        """P(correct) at every step end of each row (prm.evaluate.predict), every rank's share gathered."""
+        amp = autocast_dtype(self.cfg.dtype, self.rt.device)
+        return predict(self.model, rows, batch_size=self.cfg.eval_batch_size,
+                       pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt)
 
 
-def tuned_threshold(cfg: Config, path: str, tokenizer, rt, score) -> dict:
-    """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported), and the dev set's
-    every metric at it (`dev`: its step AUROC judges a model as much as its F1 does)."""
-    dev = load_sets(cfg, [path], tokenizer, rt).popitem()[1]
-    probs = score(dev)
+def tuned_threshold(ev: Evaluator, path: str) -> dict:
+    """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported), and the dev
+    set's every metric at it (`dev`: its step AUROC judges a model as much as its F1 does)."""
+    dev = next(iter(ev.sets([path]).values()))
+    probs = ev.probs(dev)
     kept = [(ps, r) for ps, r in zip(probs, dev) if ps]
     try:
         t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
     except ValueError as e:  # e.g. a dev set without a single wrong solution
-        exit_on_problems([f"--tune-threshold {path}: {e}"])
+        raise UsageError(f"--tune-threshold {path}: {e}") from None
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1, "dev": report(probs, dev, t, True)}
+
+
+def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
+    """({subset name: its report}, the --predictions lines of every subset)."""
+    blocks, lines = {}, []
+    for name, rows in ev.sets(opts.datasets).items():
+        pb = opts.processbench or ev.cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
+        probs = ev.probs(rows)
+        blocks[name] = report(probs, rows, threshold, pb)
+        if opts.best_of_n:
+            try:
+                blocks[name].update(best_of_n_report(probs, rows, draws=opts.best_of_n_draws,
+                                                     seed=ev.cfg.seed))
+            except ValueError as e:  # rows without a known outcome or problem
+                raise UsageError(f"{name}: {e}") from None
+        lines += prediction_lines(name, rows, probs, threshold, pb, opts.best_of_n)
+    return blocks, lines
 
 
 def prediction_lines(name: str, rows: list, probs: list, threshold: float, processbench: bool,
@@ -145,21 +202,11 @@ def prediction_lines(name: str, rows: list, probs: list, threshold: float, proce
     return lines
 
 
-def bon_block(name: str, probs: list, rows: list, cfg: Config, draws: int) -> dict:
-    """best_of_n_report for one subset; rows without a known outcome end the run with a message, not a traceback."""
-    try:
-        return best_of_n_report(probs, rows, draws=draws, seed=cfg.seed)
-    except ValueError as e:
-        exit_on_problems([f"{name}: {e}"])
-
-
-def warn_cuts(out: dict, cfg: Config):
-    for name, block in ([("", out)] if "subsets" not in out else out["subsets"].items()):
-        if block["examples_truncated"] or block["examples_dropped"]:
-            print(f"warning: {name or 'data'}: {block['examples_truncated']} examples truncated (their cut "
-                  f"steps are unscored), {block['examples_dropped']} dropped (no step fits); raise "
-                  f"--max-length (now {cfg.max_length})" + (f" or --max-completion-length (now "
-                  f"{cfg.max_completion_length})" if cfg.max_completion_length else ""), file=sys.stderr)
+def output(head: dict, blocks: dict) -> dict:
+    """The JSON: the threshold's keys, then the one subset's metrics, or every subset's and their mean F1."""
+    if len(blocks) == 1:
+        return {**head, **next(iter(blocks.values()))}
+    return {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
 
 
 def mean_f1(blocks: dict):
@@ -168,44 +215,81 @@ def mean_f1(blocks: dict):
     return sum(f1s) / len(f1s) if None not in f1s else None  # undefined in one subset: undefined on average
 
 
-def table(blocks: dict) -> str:
+def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
+    """What a reader of the figures must know: steps cut by the length caps, a verdict that never varies."""
+    out, cap = [], f" or --max-completion-length (now {cfg.max_completion_length})"
+    for name, b in blocks.items():
+        if b["examples_truncated"] or b["examples_dropped"]:
+            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (their cut steps are "
+                       f"unscored), {b['examples_dropped']} dropped (no step fits); raise --max-length (now "
+                       f"{cfg.max_length})" + (cap if cfg.max_completion_length else ""))
+        if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):  # a class never predicted
+            verdict = "correct" if b["precision_0"] is None else "wrong"
+            out.append(f"warning: {name}: every labeled step is predicted {verdict} at threshold "
+                       f"{threshold:g}: its step_accuracy is the share of that class")
+    return out
+
+
+def why_undefined(b: dict, column: str) -> str:
+    """Why a figure of one subset's block is undefined (None)."""
+    if column in ("f1", "acc_correct", "chance_f1") and not b.get("n_without_error"):
+        return "no error-free solutions"
+    if column in ("f1", "acc_error", "chance_f1") and not b.get("n_with_error"):
+        return "no solutions with an error"
+    if not b.get("n_steps"):
+        return "no labeled steps"
+    return {"auroc": f"every labeled step is {'correct' if b.get('positive_rate') else 'wrong'}",
+            "f1_0": "no wrong step labeled or predicted"}.get(column, "undefined")
+
+
+def cell(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def table(blocks: dict, *, threshold: float) -> str:
     """The headline figures of each subset, one row each: ProcessBench's when every subset has them, else the
-    step metrics; 'n/a' where a figure is undefined (e.g. AUROC with one class only)."""
+    step metrics; then the threshold, why each 'n/a' is undefined, best-of-N and PRMScore when computed."""
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
-    cell = lambda v: "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
     width = max(len("subset"), *map(len, blocks))
     rows = [["subset", *cols]] + [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
     if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:  # the JSON's mean_f1, under the F1 column
         rows.append(["mean", cell(mean_f1(blocks))] + [""] * (len(cols) - 1))
-    return "\n".join(f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows)
+    lines = [f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows]
+    lines.append(f"threshold {threshold:g}: a step with P(correct) below it is predicted wrong")
+    for name, b in blocks.items():
+        undefined = {}
+        for c in cols:
+            if b.get(c) is None:
+                undefined.setdefault(why_undefined(b, c), []).append(c)
+        lines += [f"{name}: {', '.join(cs)} n/a ({why})" for why, cs in undefined.items()]
+        if "best_of_n" in b:
+            n = "/".join(map(str, b["candidates_per_problem"]))
+            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: "
+                         + ", ".join(f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items()))
+        if "prmbench" in b:
+            pb = b["prmbench"]
+            lines.append(f"{name}: PRMScore {cell(pb['prmscore'])} (f1 {cell(pb['f1'])}, "
+                         f"f1_neg {cell(pb['f1_neg'])})")
+    return "\n".join(lines)
 
 
-def main(argv=None):
-    cfg, opts, given = parse_args(argv)
+def main(args=None) -> dict:
+    """Settings, model, threshold, every set scored and reported: warnings and the table on stderr, the JSON
+    on stdout (rank 0); returns the JSON's object. args: a parsed command line or the strings to parse."""
+    cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
     try:
-        tokenizer, model = load_trained(cfg, "tokenizer" in given)
-        model, amp = model.to(rt.device), autocast_dtype(cfg.dtype, rt.device)
-        score = lambda rows: predict(model, rows, batch_size=cfg.eval_batch_size, pad_id=pad_token_id(tokenizer),
-                                     amp_dtype=amp, rt=rt)
-        head = tuned_threshold(cfg, opts["tune_threshold"], tokenizer, rt, score) if opts["tune_threshold"] \
-            else {"threshold": cfg.threshold}
-        blocks, lines = {}, []
-        for name, rows in load_sets(cfg, opts["datasets"], tokenizer, rt).items():
-            pb = opts["processbench"] or cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
-            probs = score(rows)
-            blocks[name] = report(probs, rows, head["threshold"], pb)
-            if opts["best_of_n"]:
-                blocks[name].update(bon_block(name, probs, rows, cfg, opts["best_of_n_draws"]))
-            lines += prediction_lines(name, rows, probs, head["threshold"], pb, opts["best_of_n"])
-        shown = table(blocks)
-        out = {**head, **blocks.popitem()[1]} if len(blocks) == 1 else \
-            {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
-        if rt.is_main:
-            warn_cuts(out, cfg)
-            print(shown, file=sys.stderr)  # for people; stdout's last line stays the one JSON object
-            if opts["predictions"]:
-                with open(opts["predictions"], "w") as f:
+        tokenizer, model = load_trained(cfg, opts.tokenizer_given)
+        ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device))
+        head = tuned_threshold(ev, opts.tune_threshold) if opts.tune_threshold else \
+            {"threshold": cfg.threshold}
+        t = head["threshold"]
+        blocks, lines = evaluate(ev, opts, t)
+        out = output(head, blocks)
+        if rt.is_main:  # for people on stderr; stdout's last line stays the JSON
+            print("\n".join([*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]), file=sys.stderr)
+            if opts.predictions:
+                with open(opts.predictions, "w") as f:
                     f.writelines(json.dumps(line) + "\n" for line in lines)
             print(json.dumps(out), flush=True)
         barrier(rt)  # no rank tears the process group down while another is still talking to it
@@ -215,4 +299,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with exit_status():
+        main(ARGS)

@@ -1,40 +1,42 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
-benchmark all come here. Depends on: torch, transformers, safetensors, prm.model, prm.lora, prm.data, prm.checkpoint,
-prm.sharding, prm.synthetic, prm.varlen."""
+benchmark all come here. Depends on: torch, transformers, safetensors, prm.model, prm.lora, prm.data,
+prm.checkpoint, prm.sharding, prm.synthetic, prm.varlen."""
 import glob
 import json
 import os
 import pickle
+import sys
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from torch import nn
+from transformers import (AutoConfig, AutoModel, AutoModelForTokenClassification, AutoTokenizer,
+                          PreTrainedTokenizerFast, Qwen2Config)
 
 from prm.checkpoint import TRAINABLE, load_trainable
-from prm.config import exit_on_problems
 from prm.data import pad_token_id
-from prm.errors import UsageError
+from prm.errors import UsageError, check
 from prm.lora import apply_lora, has_lora
 from prm.model import PRM, SETTINGS, new_head
 from prm.sharding import SHARDS, load_whole
 from prm.synthetic import char_tokenizer
 from prm.varlen import supports_packing, use_packed_attention
 
-POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names that mean "this step is right"
+POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names meaning "this step is right"
 
 
 def loading(flag: str, name: str, load, **kw):
-    """load(name, **kw), with a one-line message and exit status 2 instead of a library traceback when the
+    """load(name, **kw), raising a one-line UsageError (exit status 2) instead of a library traceback when the
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
     if flag == "--model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        exit_on_problems([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
+        check([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
     if flag == "--model" and os.path.isdir(name):
-        exit_on_problems(outside_weights(name))
+        check(outside_weights(name))
     try:
         return load(name, **kw)
-    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # Safetensor: a truncated file;
-        # Unpickling: a pickled .bin that weights_only refuses
-        exit_on_problems([f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}"])
+    # SafetensorError: a truncated file; UnpicklingError: a pickled .bin that weights_only refuses
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:
+        raise UsageError(f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}") from None
 
 
 def outside_weights(path: str) -> list:
@@ -45,11 +47,12 @@ def outside_weights(path: str) -> list:
         try:
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # garbage: not an index at all
-            problems.append(f"{index}: not a sharded-weights index with a weight_map ({type(e).__name__}: {e})")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # garbage, not an index
+            problems.append(f"{index}: not a sharded-weights index with a weight_map "
+                            f"({type(e).__name__}: {e})")
             continue
         for name in files:
-            where = os.path.realpath(os.path.join(path, str(name)))  # realpath: a symlink points where it leads
+            where = os.path.realpath(os.path.join(path, str(name)))  # a symlink: where it leads
             if os.path.commonpath([root, where]) != root or not os.path.isfile(where):
                 problems.append(f"{index}: weight_map names {name!r}, not a file inside {path}")
     return problems
@@ -57,9 +60,9 @@ def outside_weights(path: str) -> list:
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
     """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
-    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which rebuilds the pipeline from the
-    vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the file as
-    written also keeps its <unk> for characters outside its vocabulary."""
+    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which rebuilds the pipeline from
+    the vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the
+    file as written also keeps its <unk> for characters outside its vocabulary."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
@@ -68,9 +71,12 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
                 if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                     load, kw = PreTrainedTokenizerFast.from_pretrained, {}
         return loading(flag, name, load, **kw)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # files that are JSON, not a tokenizer's
-        # ({} lacks 'added_tokens'; a list has no .get); ValueError: tokenizer_config.json is not JSON
-        exit_on_problems([f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}"])
+    except UsageError:
+        raise
+    # files that are JSON, not a tokenizer's ({} lacks 'added_tokens'; a list has no .get); ValueError:
+    # tokenizer_config.json is not JSON
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
 
 
 def tokenizer_for(cfg):
@@ -91,28 +97,55 @@ def tiny_config(tokenizer):
 
 
 def hf_config_for(cfg, tokenizer):
-    """The backbone's transformers config, without building any weight (the benchmark counts FLOPs from it)."""
+    """The backbone's transformers config, without building any weight (the benchmark counts FLOPs from
+    it)."""
     if cfg.model == "tiny":
         return tiny_config(tokenizer)
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
 
 
 def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
-    """'tiny' -> random init from tiny_config (seeded); anything else -> PRM.from_pretrained."""
+    """'tiny' -> random init from tiny_config (seeded); anything else -> pretrained()."""
     torch.manual_seed(seed)
     if name == "tiny":
         cfg = tiny_config(tokenizer)
         return PRM(AutoModel.from_config(cfg, attn_implementation="sdpa"), new_head(cfg))
     # fp32 master weights whatever the checkpoint's dtype; autocast handles the low-precision compute
-    return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code,
-                   attn_implementation="sdpa", dtype=torch.float32)
+    return pretrained(name, trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
+    """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files: one they lack or
+    hold in another shape is an error naming it (transformers would make it up at random and carry on). Else a
+    backbone with a new head (PRM.from_pretrained): training from a backbone is the one place a head is made;
+    it says so."""
+    hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
+    if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
+        if classifier_only:
+            raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
+                             f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+        print(f"--model {name}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 at every "
+              "step)", file=sys.stderr)
+        return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
+    if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
+        raise UsageError(f"--model {name}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}")
+    hf, info = loading("--model", name, AutoModelForTokenClassification.from_pretrained,
+                       trust_remote_code=trust_remote_code, output_loading_info=True,
+                       ignore_mismatched_sizes=True, **kw)
+    bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
+                                                for k, saved, want in info["mismatched_keys"])
+    check([f"--model {name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
+           f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random"] if bad else [])
+    head = next(m for m in hf.children() if isinstance(m, nn.Linear) and m.out_features == 2)  # e.g. score
+    return PRM(getattr(hf, hf.base_model_prefix), head)
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r is set.
+    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r
+    is set.
 
-    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild a
-    LoRA checkpoint's frozen base with this same function."""
+    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild
+    a LoRA checkpoint's frozen base with this same function."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:
         try:
@@ -138,10 +171,10 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 
 def load_trained(cfg, tokenizer_given: bool):
-    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from the
-    run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier. The
-    tokenizer saved beside the model wins unless --tokenizer is given; a checkpoint whose label 0 means 'correct'
-    gets its head flipped."""
+    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from
+    the run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier.
+    The tokenizer saved beside the model wins unless --tokenizer is given; a checkpoint whose label 0 means
+    'correct' gets its head flipped."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
@@ -153,18 +186,14 @@ def load_trained(cfg, tokenizer_given: bool):
         else:
             load_trainable(model, os.path.join(cfg.model, TRAINABLE))
         return tokenizer, model
-    hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained, trust_remote_code=cfg.trust_remote_code)
-    if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
-        raise SystemExit(f"{cfg.model}: not a token-classification checkpoint (architectures "
-                         f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
-    if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
-        exit_on_problems([f"--model {cfg.model}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}"])
+    model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
                                cfg.trust_remote_code)
-    model = loading("--model", cfg.model, PRM.from_pretrained, trust_remote_code=cfg.trust_remote_code,
-                    dtype=torch.float32)
-    names = {int(i): str(n).lower() for i, n in (hf_cfg.id2label or {}).items()}
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches need one to pad with
+        raise UsageError(f"--model {cfg.model}: the tokenizer has neither a pad nor an EOS token: set "
+                         "pad_token in its tokenizer_config.json, or pass --tokenizer")
+    names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
     if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
         with torch.no_grad():
             model.head.weight.copy_(model.head.weight.flip(0))

@@ -1,5 +1,5 @@
-"""The one evaluation route (predict, then report), used by the trainer's held-out metrics and by eval.py, and the
-scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.model,
+"""The one evaluation route (predict, then report), used by the trainer's held-out metrics and by eval.py, and
+the scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.model,
 prm.runtime, prm.varlen."""
 import contextlib
 
@@ -7,8 +7,8 @@ import torch
 from tqdm import tqdm
 
 from prm.data import collate, eval_batches, pack, pad_token_id, tokenize_batch
-from prm.metrics import (best_of_n, chance_f1, first_error, outcome_metrics, prmbench_metrics, processbench_metrics,
-                         step_metrics)
+from prm.metrics import (best_of_n, chance_f1, first_error, outcome_metrics, prmbench_metrics,
+                         processbench_metrics, step_metrics)
 from prm.model import input_settings
 from prm.runtime import Runtime, gather_objects
 from prm.varlen import is_packed
@@ -21,7 +21,7 @@ def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Ru
 
     Length-sorted batches are dealt to ranks and the per-rank results gathered once, so the output is the same
     whatever the world size. A row with no step end left is not run and gets []. lockstep: every rank runs the
-    same number of forwards (a sharded model all-gathers its weights in each: a rank that stopped would hang it)."""
+    same number of forwards (a sharded model all-gathers its weights in each: a stopped rank hangs it)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -50,7 +50,8 @@ def _forward(model, rows: list, pad_id: int, amp, device) -> list:
     if is_packed(model):
         mb = pack(rows, pad_id)
         with amp:
-            logits = model(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items() if k != "labels"})
+            logits = model(**{k: v.to(device) if torch.is_tensor(v) else v
+                              for k, v in mb.items() if k != "labels"})  # (1, N, 2)
         probs = torch.softmax(logits.float(), dim=-1)[0, :, 1].cpu()  # (N,)
         cu = mb["cu_seq_lens_q"].tolist()
         return [probs[s:e] for s, e in zip(cu, cu[1:])]
@@ -61,7 +62,7 @@ def _forward(model, rows: list, pad_id: int, amp, device) -> list:
 
 
 def true_first_error(row: dict) -> int:
-    """The row's `first_error` if it has one, else its first step labeled wrong (unlabeled steps skipped), or -1."""
+    """The row's `first_error`, else its first step labeled wrong (unlabeled ones skipped), else -1."""
     if row.get("first_error") is not None:
         return row["first_error"]
     return next((i for i, y in enumerate(row["step_labels"]) if y is not None and y < 0.5), -1)
@@ -71,10 +72,11 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
     """Every metric of one set, from predict's per-step P(correct) and each row's truth.
 
     rows: tokenized rows (prm.ingest) with step_labels (None = unlabeled) and, optionally, first_error and
-    final_answer_correct. Unlabeled steps are scored (ProcessBench needs them) but stay out of the step metrics.
-    n_examples counts the rows with a scored step; a row with none is left out of every metric and counted in
-    examples_dropped; a truncated row (some steps unscored) is kept and its first error looked for among its
-    scored steps only. Rows with a PRMBench `category` add a `prmbench` block (PRMScore overall and per category)."""
+    final_answer_correct. Unlabeled steps are scored (ProcessBench needs them) but stay out of the step
+    metrics. n_examples counts the rows with a scored step; a row with none is left out of every metric and
+    counted in examples_dropped; a truncated row (some steps unscored) is kept and its first error looked for
+    among its scored steps only. Rows with a PRMBench `category` add a `prmbench` block (PRMScore overall and
+    per category)."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
     out = {"n_examples": len(kept), **step_metrics([p for p, _ in pairs], [y for _, y in pairs], threshold),
@@ -97,22 +99,23 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
 def candidate_groups(step_probs: list, rows: list) -> list:
     """Rows -> one list of best-of-N candidates per problem (`group`), problems and candidates in input order.
 
-    Every row is a candidate, scored or not (one with no scored step ranks last), and must know its outcome."""
+    Every row is a candidate, scored or not (with no scored step it ranks last), and must know its outcome."""
     groups = {}
     for i, (ps, row) in enumerate(zip(step_probs, rows)):
         if row.get("final_answer_correct") is None:
-            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or a candidate's "
-                             "'label') for every solution")
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or a "
+                             "candidate's 'label') for every solution")
         if row.get("group") is None:  # pre-tokenized rows carry no prompt to group by
-            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each solution (a prompt, or "
-                             "the candidates format's question)")
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each solution (a "
+                             "prompt, or the candidates format's question)")
         groups.setdefault(row["group"], []).append({"step_probs": ps, "correct": row["final_answer_correct"],
                                                     "answer": row.get("response_answer")})
     return list(groups.values())
 
 
 def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> dict:
-    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ...} for rows carrying group and final_answer_correct."""
+    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ...} for rows carrying group and
+    final_answer_correct."""
     groups = candidate_groups(step_probs, rows)
     return {"best_of_n": best_of_n(groups, draws=draws, seed=seed), "n_problems": len(groups),
             "candidates_per_problem": sorted({len(g) for g in groups})}
@@ -127,13 +130,14 @@ def score(model, tokenizer, prompt, steps: list, step_separator: str = None, *, 
 
 
 def trained_input(model, step_separator=None, max_length=None, max_completion_length=None) -> tuple:
-    """(separator, max_length, max_completion_length): each argument given wins, else what the model was trained
-    with (config.json's "prm"), else "\n" and no caps. 0 turns a cap off."""
+    """(separator, max_length, max_completion_length): each argument given wins, else what the model was
+    trained with (config.json's "prm"), else "\n" and no caps. 0 turns a cap off."""
     saved = input_settings(getattr(model, "config", None))
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
     length = max_length if max_length is not None else saved.get("max_length")
-    completion = max_completion_length if max_completion_length is not None else saved.get("max_completion_length")
-    return sep, length or None, completion or None  # tokenize_batch reads None as "no cap", 0 would keep nothing
+    completion = max_completion_length if max_completion_length is not None else \
+        saved.get("max_completion_length")
+    return sep, length or None, completion or None  # tokenize_batch reads None as "no cap"; 0 keeps nothing
 
 
 @torch.inference_mode()
@@ -143,16 +147,18 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
     """[(prompt, steps), ...] -> [[P(correct) per step], ...], every step scored.
 
     The separator and length caps default to the model's own (saved in config.json by training; else "\n", no
-    caps); pass them to override, 0 for no cap. Truncation keeps whole steps, so each list is a prefix: steps cut by
-    max_completion_length or max_length get no score."""
-    sep, max_length, max_completion_length = trained_input(model, step_separator, max_length, max_completion_length)
+    caps); pass them to override, 0 for no cap. Truncation keeps whole steps, so each list is a prefix: steps
+    cut by max_completion_length or max_length get no score."""
+    sep, max_length, max_completion_length = trained_input(model, step_separator, max_length,
+                                                           max_completion_length)
     rows = []
     for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
         chunk = solutions[start:start + 256]
-        cols = tokenize_batch({"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
-                               "labels": [[None] * len(s) for _, s in chunk]},  # no truth: every step end scored
-                              tokenizer, sep, max_length, is_eval=True, max_completion_length=max_completion_length)
+        batch = {"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
+                 "labels": [[None] * len(s) for _, s in chunk]}  # no truth: every step end scored
+        cols = tokenize_batch(batch, tokenizer, sep, max_length, is_eval=True,
+                              max_completion_length=max_completion_length)
         rows += [{"input_ids": ids, "labels": y, "step_ends": e}
                  for ids, y, e in zip(cols["input_ids"], cols["labels"], cols["step_ends"])]
-    return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer), amp_dtype=amp_dtype, rt=rt,
-                   progress=progress)
+    return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer), amp_dtype=amp_dtype,
+                   rt=rt, progress=progress)

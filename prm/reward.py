@@ -1,26 +1,35 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer calls
-(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.evaluate, prm.metrics."""
+(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.errors, prm.evaluate,
+prm.metrics, prm.model."""
 import os
+import warnings
 
 import torch
 
 from prm.build import load_trained
 from prm.config import FILE, Config
+from prm.errors import UsageError
 from prm.evaluate import score_batch
 from prm.metrics import AGGREGATES
+from prm.model import input_settings
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False):
-    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, like eval.py loads it.
+    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
+    reads it.
 
-    The run's config.train.json, when present, gives the step separator and max length it was trained with; never
-    whether the directory's own Python files may run: that is the caller's trust_remote_code alone."""
-    cfg = Config.load(path) if os.path.isfile(os.path.join(path, FILE)) else Config()
+    The step separator and max length it was trained with come from the run's config.train.json, else from the
+    model's config.json ("prm", an export), as in eval.py; never whether the directory's own Python files may
+    run: that is the caller's trust_remote_code alone."""
+    saved = os.path.isfile(os.path.join(path, FILE))
+    cfg = Config.load(path) if saved else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
-    cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a downloaded model ships it)
+    cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a download ships one)
     tokenizer, model = load_trained(cfg, tokenizer_given=False)
+    if not saved:  # an export: how training read the input travels in config.json
+        cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
     return tokenizer, model, cfg
 
 
@@ -36,7 +45,8 @@ class PRMReward:
     separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
 
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
-    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it says."""
+    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
+    say."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
                  step_separator: str = None, max_length: int = None, trust_remote_code: bool = False):
@@ -49,7 +59,7 @@ class PRMReward:
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
-            cfg = Config()  # defaults: "\n" separator, 1024 tokens
+            cfg = Config.from_dict(input_settings(model.config))  # its own, else "\n" and 1024 tokens
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = model.to(self.device).eval(), tokenizer
         self.step_separator = step_separator if step_separator is not None else cfg.step_separator
@@ -58,24 +68,39 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
     def steps(self, completion) -> list:
-        """The completion's steps: split at the separator, blank pieces dropped (a trailing separator, blank lines)."""
+        """The completion's steps: split at the separator, blank pieces dropped (a trailing separator, blank
+        lines)."""
         return [s.strip() for s in completion_text(completion).split(self.step_separator) if s.strip()]
 
-    def prompt(self, prompt):
-        """Messages go through the chat template, as in training; a tokenizer without one reads their text."""
-        if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
+    def prompt(self, i: int, prompt):
+        """Messages go through the chat template, as in training: tried here, so a template that fails on this
+        prompt is an error naming completion i. A tokenizer without a template reads the messages' text."""
+        if isinstance(prompt, str):
             return prompt
-        return "\n".join(m["content"] for m in prompt)
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "\n".join(m["content"] for m in prompt)
+        try:
+            self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError (raise_exception), KeyError, TypeError, ...
+            raise UsageError(f"completion {i}: the tokenizer's chat template fails on its prompt: "
+                             f"{type(e).__name__}: {str(e).strip()[:200]}") from e
+        return prompt
 
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; [] for one with no step."""
-        solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]
+        """P(correct) per step of each completion; [] for one with no step. Steps past max_length get no
+        score: a warning says how many completions lost steps."""
+        solutions = [(self.prompt(i, p), self.steps(c)) for i, (p, c) in enumerate(zip(prompts, completions))]
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]  # an empty solution is not run
         probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
                             max_length=self.max_length, batch_size=self.batch_size)
         out = [[] for _ in solutions]
         for i, ps in zip(todo, probs):
             out[i] = ps
+        cut = [ps for i, ps in zip(todo, probs) if len(ps) < len(solutions[i][1])]
+        if cut:
+            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
+                          f"steps are unscored), {cut.count([])} with no step that fits (reward "
+                          f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
         return out
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list:

@@ -25,6 +25,7 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prm.errors import exit_status
 from prm.reward import PRMReward
 
 PATH, HEALTH = "/get_reward", "/health"
@@ -245,4 +246,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with exit_status():  # a model directory that cannot be loaded: one line and exit status 2
+        main()

@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
+from prm.errors import UsageError  # noqa: E402
 from prm.evaluate import candidate_groups  # noqa: E402
 from prm.metrics import BEST_OF_N_METHODS, best_of_n, pick_accuracy  # noqa: E402
 
@@ -141,7 +142,7 @@ def test_best_of_n_without_outcomes_stops_with_a_message(model_dir, tmp_path):
     path = str(tmp_path / "plain.jsonl")
     with open(path, "w") as f:
         f.write(json.dumps({"prompt": "p", "completions": ["1+1=2"], "labels": [True]}) + "\n")
-    with pytest.raises(SystemExit, match="best-of-N needs final_answer_correct"):
+    with pytest.raises(UsageError, match="best-of-N needs final_answer_correct"):
         run(model_dir, "--dataset", path, "--best-of-n")
 
 

@@ -79,20 +79,48 @@ def test_eval_prints_a_table_on_stderr_and_the_json_last_on_stdout(model_dir, ca
     stdout, stderr = capsys.readouterr()
     assert json.loads(stdout.strip().splitlines()[-1]) == json.loads(json.dumps(out))
     table = stderr[stderr.index("subset "):].splitlines()
-    assert table[0].split() == ["subset", "step_accuracy", "f1_0", "auroc", "n_steps"]  # one subset lacks f1
+    assert table[0].split() == ["subset", "step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps"]  # a
+    # subset lacks f1; positive_rate beside step_accuracy: the accuracy of always answering "correct"
+    assert f"threshold {out['threshold']:g}: a step with P(correct) below it is predicted wrong" in table
     assert table[1].split()[0] == "processbench" and table[2].split()[0] == "stepwise_test"
     n_steps = out["subsets"]["stepwise_test"]["n_steps"]
     assert table[2].split()[-1] == str(n_steps)
 
 
-def test_eval_table_shows_processbench_columns_and_n_a():
+def test_eval_table_shows_processbench_columns_and_why_a_figure_is_n_a():
     import eval as eval_cli
-    blocks = {"gsm8k": {"f1": 0.5, "acc_error": 0.25, "acc_correct": 1.0, "auroc": None, "chance_f1": 0.2},
+    blocks = {"gsm8k": {"f1": 0.5, "acc_error": 0.25, "acc_correct": 1.0, "auroc": None, "chance_f1": 0.2,
+                        "n_with_error": 4, "n_without_error": 4, "n_steps": 9, "positive_rate": 1.0},
               "math": {"f1": 0.3, "acc_error": 0.2, "acc_correct": 0.6, "auroc": 0.7, "chance_f1": 0.25}}
-    rows = [line.split() for line in eval_cli.table(blocks).splitlines()]
-    assert rows == [["subset", "f1", "acc_error", "acc_correct", "auroc", "chance_f1"],
-                    ["gsm8k", "0.500", "0.250", "1.000", "n/a", "0.200"],
-                    ["math", "0.300", "0.200", "0.600", "0.700", "0.250"], ["mean", "0.400"]]
+    lines = eval_cli.table(blocks, threshold=0.25).splitlines()
+    assert [line.split() for line in lines[:4]] == [["subset", "f1", "acc_error", "acc_correct", "auroc", "chance_f1"],
+                                                    ["gsm8k", "0.500", "0.250", "1.000", "n/a", "0.200"],
+                                                    ["math", "0.300", "0.200", "0.600", "0.700", "0.250"],
+                                                    ["mean", "0.400"]]
+    assert lines[4:] == ["threshold 0.25: a step with P(correct) below it is predicted wrong",
+                         "gsm8k: auroc n/a (every labeled step is correct)"]
+    blocks["gsm8k"].update(f1=None, acc_correct=None, chance_f1=None, n_without_error=0)  # a set with no pass
+    lines = eval_cli.table(blocks, threshold=0.25).splitlines()
+    assert lines[1].split() == ["gsm8k", "n/a", "0.250", "n/a", "n/a", "n/a"] and lines[3].split() == ["mean", "n/a"]
+    assert lines[5:] == ["gsm8k: f1, acc_correct, chance_f1 n/a (no error-free solutions)",
+                         "gsm8k: auroc n/a (every labeled step is correct)"]
+
+
+def test_eval_table_adds_best_of_n_and_prmscore_and_warns_of_a_one_class_verdict():
+    import eval as eval_cli
+    from prm.config import Config
+    block = {"step_accuracy": 0.956, "positive_rate": 0.956, "f1_0": 0.0, "auroc": 0.61, "n_steps": 45,
+             "precision_0": None, "precision_1": 0.956, "examples_truncated": 0, "examples_dropped": 0,
+             "best_of_n": {"min": {"1": 0.5, "all": 0.75}, "oracle": {"1": 0.5, "all": 1.0}},
+             "candidates_per_problem": [4], "prmbench": {"prmscore": 0.52, "f1": 0.9, "f1_neg": 0.14}}
+    lines = eval_cli.table({"bench": block}, threshold=0.5).splitlines()
+    assert lines[1].split() == ["bench", "0.956", "0.956", "0.000", "0.610", "45"]
+    assert lines[3:] == ["bench: best-of-N accuracy with all 4 candidates: min 0.750, oracle 1.000",
+                         "bench: PRMScore 0.520 (f1 0.900, f1_neg 0.140)"]
+    assert eval_cli.warnings_for({"bench": block}, Config(), 0.5) == [
+        "warning: bench: every labeled step is predicted correct at threshold 0.5: its step_accuracy is the share "
+        "of that class"]
+    assert eval_cli.warnings_for({"bench": {**block, "precision_0": 0.5}}, Config(), 0.5) == []
 
 
 def test_each_data_source_keeps_its_own_format(tmp_path, capsys):

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
+from prm.errors import UsageError  # noqa: E402
 from prm.evaluate import score, score_batch  # noqa: E402
 from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics  # noqa: E402
 
@@ -161,8 +162,9 @@ def test_a_model_without_a_token_classification_head_is_refused(model_dir, tmp_p
     cfg["architectures"] = ["Qwen2Model"]
     with open(os.path.join(plain, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(SystemExit, match="token-classification"):
+    with pytest.raises(UsageError, match="token-classification") as e:
         run(plain, "--dataset", "x.json")
+    assert e.value.code == 2
 
 
 def test_two_ddp_ranks_give_the_same_numbers_as_one_process(model_dir, pb_file, tmp_path):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prm.errors import PRMError
 from conftest import ROOT, read_metrics, run_train, small_config
+from prm.errors import PRMError, UsageError
 
 
 def strict_records(out_dir):
@@ -195,7 +195,7 @@ def test_bad_paths_exit_2_with_a_message(tmp_path):
     (tmp_path / "no_config").mkdir()
     for kw, text in (({"tokenizer": str(tmp_path / "missing")}, "--tokenizer"),
                      ({"model": str(tmp_path / "no_config")}, "no config.json")):
-        with pytest.raises(UsageError) as e:
+        with pytest.raises(UsageError) as e:  # from prm.build: train.py's exit_status() makes it exit status 2
             run_train(tmp_path / "out", max_steps=1, **kw)
         assert e.value.code == 2 and text in str(e.value)
     r = subprocess.run([sys.executable, "train.py", "--lr", "nan", "--output-dir", str(tmp_path / "o")], cwd=ROOT,
@@ -208,12 +208,12 @@ def test_eval_checks_its_paths_and_dev_set_before_working(tmp_path):
     out = tmp_path / "run"
     run_train(out, max_steps=1)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         eval_cli.main(["--model", str(out / "final"), "--predictions", str(tmp_path / "file" / "p.jsonl")])
     assert e.value.code == 2 and "--predictions" in str(e.value)
     dev = tmp_path / "all_right.jsonl"
     dev.write_text(json.dumps({"prompt": "p", "completions": ["1+1=2"], "labels": [True]}) + "\n")
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         eval_cli.main(["--model", str(out / "final"), "--tune-threshold", str(dev)])
     assert e.value.code == 2 and "both with and without an error" in str(e.value)
 

@@ -2,10 +2,16 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
+from conftest import ROOT
 from prm.build import build_model
+from prm.errors import UsageError
 
 
 def test_a_sharded_index_naming_weights_outside_the_directory_is_refused(model_dir, tmp_path, capsys):
@@ -16,7 +22,7 @@ def test_a_sharded_index_naming_weights_outside_the_directory_is_refused(model_d
     keys = list(load_file(str(tmp_path / "outside.safetensors")))
     (model / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: "../outside.safetensors" for k in keys}}))
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         build_model(str(model), None, seed=0)
     assert e.value.code == 2 and "weight_map names '../outside.safetensors', not a file inside" in str(e.value)
 
@@ -25,20 +31,31 @@ class Payload:
     """Stands for code a pickled checkpoint would run when loaded without weights_only."""
 
 
+HEADS = {"no_head": {}, "no_mlp": {}, "head_3xH": {"score.weight": torch.zeros(3, 128), "score.bias": torch.zeros(3)},
+         "head_2xH/2": {"score.weight": torch.zeros(2, 64), "score.bias": torch.zeros(2)}}
+MADE_UP = "no saved weight of the model's shape for "
+
+
 def broken_copy(model_dir, tmp_path, kind: str) -> str:
     """A copy of the saved tiny PRM with one kind of damage."""
-    path = tmp_path / kind
+    path = tmp_path / kind.replace("/", "")
     shutil.copytree(model_dir, path)
     if kind == "truncated":
         weights = path / "model.safetensors"
         with open(weights, "r+b") as f:
             f.truncate(os.path.getsize(weights) // 2)
     elif kind == "pickled":  # a .bin whose pickle names a class torch.load(weights_only=True) refuses to build
-        import torch
-        from safetensors.torch import load_file
         weights = dict(load_file(str(path / "model.safetensors")), payload=Payload())
         os.remove(path / "model.safetensors")
         torch.save(weights, path / "pytorch_model.bin")
+    elif kind in HEADS:  # the head's tensors removed or reshaped (128: the tiny model's width), or a layer's MLP
+        state = {k: v for k, v in load_file(str(path / "model.safetensors")).items()
+                 if not k.startswith("score." if kind != "no_mlp" else "model.layers.1.mlp.")}
+        save_file({**state, **HEADS[kind]}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    elif kind == "no_pad_nor_eos":
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                                if k not in ("pad_token", "eos_token")}))
     elif kind == "three_labels":
         config = json.loads((path / "config.json").read_text())
         config["id2label"], config["label2id"] = {"0": "a", "1": "b", "2": "c"}, {"a": 0, "b": 1, "c": 2}
@@ -48,14 +65,32 @@ def broken_copy(model_dir, tmp_path, kind: str) -> str:
 
 @pytest.mark.parametrize("kind, message", [("truncated", "cannot load it: Error while deserializing header"),
                                            ("pickled", "cannot load it: Weights only load failed"),
-                                           ("three_labels", "a PRM needs 2 labels, this checkpoint has 3")])
+                                           ("three_labels", "a PRM needs 2 labels, this checkpoint has 3"),
+                                           ("head_3xH", MADE_UP + "score.bias (saved (3,), expected (2,)), "
+                                                                  "score.weight (saved (3, 128), expected (2, 128))"),
+                                           ("head_2xH/2", MADE_UP + "score.weight (saved (2, 64), expected (2, 128))"),
+                                           ("no_mlp", MADE_UP + "model.layers.1.mlp.down_proj.weight, "
+                                                                "model.layers.1.mlp.gate_proj.weight, ")])
 def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_path, kind, message):
     from prm.build import load_trained
     from prm.config import Config
     path = broken_copy(model_dir, tmp_path, kind)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         load_trained(Config(model=path), tokenizer_given=False)
     assert e.value.code == 2 and f"--model {path}: {message}" in str(e.value)
+
+
+@pytest.mark.parametrize("kind, message", [("no_head", MADE_UP + "score.bias, score.weight: transformers would "
+                                                                   "make them up at random"),
+                                           ("no_pad_nor_eos", "the tokenizer has neither a pad nor an EOS token")])
+def test_eval_py_and_prm_reward_refuse_a_model_they_would_score_at_random(model_dir, tmp_path, kind, message):
+    from prm.reward import PRMReward
+    path = broken_copy(model_dir, tmp_path, kind)
+    r = subprocess.run([sys.executable, "eval.py", "--model", path], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and f"error: --model {path}: {message}" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(UsageError, match=message.split(":")[0]):
+        PRMReward(path, device="cpu")
 
 
 @pytest.mark.parametrize("text, message", [("{not json", "config.train.json: cannot read it: Expecting property"),
@@ -82,6 +117,6 @@ def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir
     path = tmp_path / "model"
     shutil.copytree(model_dir, path)
     (path / name).write_text(text)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UsageError) as e:
         load_tokenizer(str(path))
     assert e.value.code == 2 and f"--tokenizer {path}: " in str(e.value) and cause in str(e.value)

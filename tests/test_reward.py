@@ -14,6 +14,7 @@ sys.path.insert(0, ROOT)
 
 from prm.build import build_model, load_tokenizer  # noqa: E402
 from prm.config import Config  # noqa: E402
+from prm.errors import UsageError  # noqa: E402
 from prm.evaluate import score  # noqa: E402
 from prm.metrics import AGGREGATES  # noqa: E402
 from prm.model import PRM  # noqa: E402
@@ -92,6 +93,31 @@ def test_bad_arguments_are_refused(model_dir, loaded):
         PRMReward(loaded[0])
     with pytest.raises(ValueError, match="2 prompts for 1 completions"):
         PRMReward(model_dir)(PROMPTS[:2], COMPLETIONS[:1])
+
+
+def test_a_chat_template_failing_on_one_prompt_names_its_completion(model_dir):
+    reward = PRMReward(model_dir, device="cpu")
+    reward.tokenizer.chat_template = ("{% for m in messages %}{% if m['content'] == 'bad' %}"
+                                      "{{ raise_exception('no bad prompts') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    prompts = [[{"role": "user", "content": c}] for c in ("count from 1:", "bad")]
+    with pytest.raises(UsageError, match="completion 1: the tokenizer's chat template fails on its prompt: "
+                                         "TemplateError: no bad prompts"):
+        reward(prompts, COMPLETIONS[:2])
+
+
+@pytest.mark.parametrize("where", ["config.train.json", "config.json"])
+def test_a_model_saved_with_max_length_1_warns_that_no_step_is_scored(tmp_path, where):
+    path = save_tiny(str(tmp_path / "m"))
+    if where == "config.train.json":  # as train.py --max-length 1 leaves it: BOS alone fills it
+        Config(max_length=1).save(path)
+    else:  # an export without the run's config: config.json's "prm" says how training read the input
+        config = json.loads((tmp_path / "m" / "config.json").read_text())
+        config["prm"] = {"step_separator": "\n", "max_length": 1, "max_completion_length": 0}
+        (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    reward = PRMReward(path, device="cpu")
+    with pytest.warns(UserWarning, match=r"0 of 3 completions truncated \(their cut steps are unscored\), 3 with "
+                                         r"no step that fits \(reward 0.0\); raise max_length \(now 1\)"):
+        assert reward(PROMPTS, COMPLETIONS) == [EMPTY_REWARD] * 3
 
 
 def post(port, body: bytes):
