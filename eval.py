@@ -14,15 +14,8 @@ from prm.errors import UsageError, check, exit_status
 
 # the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA, checkpoints,
 # the held-out split) belongs to the run and comes from it
-<<<<<<< HEAD
 SCORING = Config.names_with("scoring")
-# the table on stderr: ProcessBench's columns when every subset has them (chance_f1: F1 of random flags), else the step's
-=======
-SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
-           "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",
-           "threshold", "seed", "trust_remote_code")
 # the table's columns: ProcessBench's if every subset has them (chance_f1: F1 of random flags), else steps
->>>>>>> evalpy
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
 
