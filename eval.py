@@ -7,7 +7,8 @@ import sys
 
 from prm.config import FILE, Config, Parser, add_field, exit_on_problems, writable
 
-EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_n_draws")
+SCORER = ("scorer", "step_tag", "good_token", "bad_token")  # how a published PRM is read (prm.scorers)
+EXTRA = ("predictions", "processbench", "tune_threshold", "best_of_n", "best_of_n_draws") + SCORER
 # the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA, checkpoints,
 # the held-out split) belongs to the run and comes from it
 SCORING = ("tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
@@ -38,6 +39,14 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "candidates format) or, in flat rows, their prompt; correctness from final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
+    p.add_argument("--scorer", choices=("auto", "classifier", "qwen-prm", "step-tag", "chat-turns"), default="auto",
+                   help="how the model scores steps, as its authors read it: a token-classification head (ours, "
+                        "TRL's); Qwen2.5-Math-PRM's <extra_0> reward head (needs --trust-remote-code); Math-Shepherd's "
+                        "good/bad LM logits at a --step-tag; RLHFlow's at each assistant turn. auto: qwen-prm when a "
+                        "local config.json's architectures name a *ForProcessRewardModel, else classifier")
+    p.add_argument("--step-tag", default="", help="step-tag: the one token ending every step (Math-Shepherd: ки)")
+    p.add_argument("--good-token", default="+", help="step-tag, chat-turns: the one token meaning 'correct'")
+    p.add_argument("--bad-token", default="-", help="step-tag, chat-turns: the one token meaning 'wrong'")
     run = p.add_argument_group("run settings", "how to read and score the data; each flag not given comes from "
                                "the run's config.train.json beside --model (else from config.json's 'prm', else "
                                "the training default)")
@@ -52,8 +61,9 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch and tran
 # the heavy imports, after the early parse above
 from transformers import AutoConfig  # noqa: E402
 
-from prm.build import load_trained  # noqa: E402
+from prm.scorers import load as load_scorer  # noqa: E402
 from prm.data import pad_token_id  # noqa: E402
+from prm.errors import exit_status  # noqa: E402
 from prm.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
 from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import first_error, tune_threshold  # noqa: E402
@@ -186,7 +196,7 @@ def main(argv=None):
     cfg, opts, given = parse_args(argv)
     rt = setup()
     try:
-        tokenizer, model = load_trained(cfg, "tokenizer" in given)
+        tokenizer, model = load_scorer(cfg, "tokenizer" in given, **{k: opts[k] for k in SCORER})
         model, amp = model.to(rt.device), autocast_dtype(cfg.dtype, rt.device)
         score = lambda rows: predict(model, rows, batch_size=cfg.eval_batch_size, pad_id=pad_token_id(tokenizer),
                                      amp_dtype=amp, rt=rt)
@@ -217,4 +227,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with exit_status():
+        main()

@@ -146,10 +146,10 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
     caps); pass them to override, 0 for no cap. Truncation keeps whole steps, so each list is a prefix: steps cut by
     max_completion_length or max_length get no score."""
     sep, max_length, max_completion_length = trained_input(model, step_separator, max_length, max_completion_length)
-    rows = []
+    rows, tokenize_input = [], getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own (prm.scorers)
     for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
         chunk = solutions[start:start + 256]
-        cols = tokenize_batch({"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
+        cols = tokenize_input({"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
                                "labels": [[None] * len(s) for _, s in chunk]},  # no truth: every step end scored
                               tokenizer, sep, max_length, is_eval=True, max_completion_length=max_completion_length)
         rows += [{"input_ids": ids, "labels": y, "step_ends": e}

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from prm.build import load_trained
+from prm.scorers import load
 from prm.config import FILE, Config
 from prm.evaluate import score_batch
 from prm.metrics import AGGREGATES
@@ -12,7 +12,7 @@ from prm.metrics import AGGREGATES
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
-def load_reward_model(path: str, trust_remote_code: bool = False):
+def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, like eval.py loads it.
 
     The run's config.train.json, when present, gives the step separator and max length it was trained with; never
@@ -20,7 +20,7 @@ def load_reward_model(path: str, trust_remote_code: bool = False):
     cfg = Config.load(path) if os.path.isfile(os.path.join(path, FILE)) else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
     cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a downloaded model ships it)
-    tokenizer, model = load_trained(cfg, tokenizer_given=False)
+    tokenizer, model = load(cfg, False, **scorer)  # scorer: prm.scorers.load's family settings
     return tokenizer, model, cfg
 
 
@@ -36,16 +36,19 @@ class PRMReward:
     separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
 
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
-    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it says."""
+    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever it says.
+    scorer, step_tag, good_token, bad_token: how a published PRM is read, as eval.py's flags (prm.scorers)."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
-                 step_separator: str = None, max_length: int = None, trust_remote_code: bool = False):
+                 step_separator: str = None, max_length: int = None, trust_remote_code: bool = False,
+                 scorer: str = "auto", step_tag: str = "", good_token: str = "+", bad_token: str = "-"):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
             raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
         if isinstance(model, str):
-            tokenizer, model, cfg = load_reward_model(model, trust_remote_code)
+            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, scorer=scorer, step_tag=step_tag,
+                                                      good_token=good_token, bad_token=bad_token)
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
