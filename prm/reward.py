@@ -46,6 +46,8 @@ class PRMReward:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
             raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
+        if not isinstance(model, str) and scorer not in ("auto", "classifier"):  # else silently read as a classifier
+            raise ValueError(f"scorer {scorer!r} reads a model directory; prm.scorers.load gives a loaded one")
         if isinstance(model, str):
             tokenizer, model, cfg = load_reward_model(model, trust_remote_code, scorer=scorer, step_tag=step_tag,
                                                       good_token=good_token, bad_token=bad_token)

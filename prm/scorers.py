@@ -13,6 +13,7 @@ The builder travels with the tokenizer (its `prm_rows` attribute), which prm.ing
 call instead of tokenize_batch. Depends on: torch, transformers, prm.build, prm.data, prm.errors, prm.varlen."""
 import bisect
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -30,10 +31,13 @@ FAMILIES = ("classifier", "qwen-prm", "step-tag", "chat-turns")
 ROWS = "prm_rows"  # the tokenizer attribute holding a family's row builder
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
+with open(__file__, "rb") as _f:
+    CODE = hashlib.sha256(_f.read()).hexdigest()  # in every Family: a change of this file is a new datasets cache
 
 
 def detect(model: str, scorer) -> str:
-    """--scorer as given; for auto (or None) qwen-prm when a local config.json names a *ForProcessRewardModel, else classifier."""
+    """--scorer as given; for auto: qwen-prm when a local config.json names a *ForProcessRewardModel, else
+    classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:
@@ -61,6 +65,7 @@ class Family:
     tag_id: int = -1
     good_id: int = -1
     bad_id: int = -1
+    code: str = CODE
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", max_length=None,
                        train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:

@@ -214,6 +214,19 @@ def test_a_missing_flag_ends_eval_py_with_status_2(dirs, pb_file):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --scorer step-tag needs --step-tag")
 
 
+def test_two_ddp_ranks_and_best_of_n_with_a_step_tag_model(dirs, pb_file, tmp_path):
+    flags = ["--model", dirs["step-tag"], "--dataset", pb_file, "--dtype", "fp32", "--eval-batch-size", "2",
+             "--scorer", "step-tag", "--step-tag", TAG, "--best-of-n"]
+    expected = eval_cli.main(flags)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "eval.py"), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected  # exact: the same batches
+    assert expected["best_of_n"] and expected["outcome_auroc_min"] is not None
+
+
 PROMPTS = [ROWS[0]["problem"], ROWS[1]["problem"]]
 COMPLETIONS = ["\n".join(ROWS[0]["steps"][:2]), "\n".join(ROWS[1]["steps"][:3])]
 
@@ -222,6 +235,8 @@ def test_prm_reward_and_the_server_with_a_step_tag_model(dirs, tmp_path):
     reward = PRMReward(dirs["step-tag"], "min", "cpu", scorer="step-tag", step_tag=TAG)
     want = [min(math_shepherd(dirs["step-tag"], p, reward.steps(c))) for p, c in zip(PROMPTS, COMPLETIONS)]
     assert reward(PROMPTS, COMPLETIONS) == pytest.approx(want, abs=1e-6)
+    with pytest.raises(ValueError, match="reads a model directory"):
+        PRMReward(reward.model, tokenizer=reward.tokenizer, scorer="step-tag")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     with open(tmp_path / "server.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "prm.serve", "--model", dirs["step-tag"], "--port", "0",
