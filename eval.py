@@ -39,12 +39,12 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "candidates format) or, in flat rows, their prompt; correctness from final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    p.add_argument("--scorer", choices=("auto", "classifier", "qwen-prm", "step-tag", "chat-turns"), default="auto",
-                   help="how the model scores steps, as its authors read it: a token-classification head (ours, "
-                        "TRL's); Qwen2.5-Math-PRM's <extra_0> reward head (needs --trust-remote-code); Math-Shepherd's "
-                        "good/bad LM logits at a --step-tag; RLHFlow's at each assistant turn. auto: qwen-prm when a "
-                        "local config.json's architectures name a *ForProcessRewardModel, else classifier")
-    p.add_argument("--step-tag", default="", help="step-tag: the one token ending every step (Math-Shepherd: ки)")
+    p.add_argument("--scorer", default="auto", choices=("auto", "classifier", "qwen-prm", "step-tag", "chat-turns"),
+                   help="how the model scores steps, as its authors do: a token-classification head (ours, TRL's); "
+                        "Qwen2.5-Math-PRM's <extra_0> head (needs --trust-remote-code); Math-Shepherd's good/bad "
+                        "LM logits at a --step-tag; RLHFlow's at each assistant turn. auto: qwen-prm when a local "
+                        "config.json's architectures name a *ForProcessRewardModel, else classifier")
+    p.add_argument("--step-tag", default="", help="step-tag: the one token ending each step (Math-Shepherd: ки)")
     p.add_argument("--good-token", default="+", help="step-tag, chat-turns: the one token meaning 'correct'")
     p.add_argument("--bad-token", default="-", help="step-tag, chat-turns: the one token meaning 'wrong'")
     run = p.add_argument_group("run settings", "how to read and score the data; each flag not given comes from "
@@ -61,7 +61,6 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch and tran
 # the heavy imports, after the early parse above
 from transformers import AutoConfig  # noqa: E402
 
-from prm.scorers import load as load_scorer  # noqa: E402
 from prm.data import pad_token_id  # noqa: E402
 from prm.errors import exit_status  # noqa: E402
 from prm.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
@@ -69,6 +68,7 @@ from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import first_error, tune_threshold  # noqa: E402
 from prm.model import input_settings  # noqa: E402
 from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
+from prm.scorers import load as load_scorer  # noqa: E402
 from prm.sources import exit_on_data_error, load_eval  # noqa: E402
 
 

@@ -4,10 +4,10 @@ import os
 
 import torch
 
-from prm.scorers import load
 from prm.config import FILE, Config
 from prm.evaluate import score_batch
 from prm.metrics import AGGREGATES
+from prm.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 

@@ -1,19 +1,18 @@
 """Published PRMs read exactly as their authors read them, so evaluation and rewards need no branch of their own.
 
-Per family, a row builder (text -> input_ids and the positions whose scores are the steps', as prm.data's
-tokenize_batch returns them) and a wrapper turning the model's output into (B, T, 2) logits ([bad, good]):
-  classifier  a token-classification head (ours, TRL's): prm.build.load_trained, prm.data.tokenize_batch
-  qwen-prm    Qwen2.5-Math-PRM: chat template (system, user = problem, assistant = steps each ended by <extra_0>),
-              its own model code whose first output is the logits, read at each <extra_0>
-  step-tag    Math-Shepherd: problem + " " + the steps, each ended by " " + a tag, joined by "\\n", tokenized as one
-              text; the LM-head logits of the bad and good tokens at each tag
-  chat-turns  RLHFlow: user turns problem + " " + step 1, then one step each, every assistant turn the good token,
-              rendered once by the chat template; the bad/good logits at the position predicting each assistant token
-The builder travels with the tokenizer (its `prm_rows` attribute), which prm.ingest and prm.evaluate.score_batch
-call instead of tokenize_batch. Depends on: torch, transformers, prm.build, prm.data, prm.errors, prm.varlen."""
+Per family a row builder (input_ids, and the positions read as the steps' scores) and a wrapper giving (B, T, 2)
+logits, [bad, good]. classifier: a token-classification head (prm.build.load_trained, prm.data.tokenize_batch).
+qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, user = problem, assistant = every step ended by
+<extra_0>; its own model code, whose first output is read at each <extra_0>. step-tag (Math-Shepherd): problem +
+" " + the steps each ended by " " + a tag, joined by "\n", tokenized once; LM-head logits of the bad and good
+tokens at each tag. chat-turns (RLHFlow): user turns (problem + " " + step 1, then a step each), each assistant
+turn the good token, rendered once; the bad/good logits where each assistant token is predicted. The builder
+travels as the tokenizer's `prm_rows`, which prm.ingest and prm.evaluate.score_batch call instead of
+tokenize_batch. Depends on: torch, transformers, prm.build, prm.data, prm.errors, prm.varlen."""
 import bisect
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 
@@ -28,7 +27,6 @@ from prm.errors import UsageError
 from prm.varlen import supports_packing, use_packed_attention
 
 FAMILIES = ("classifier", "qwen-prm", "step-tag", "chat-turns")
-ROWS = "prm_rows"  # the tokenizer attribute holding a family's row builder
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
 with open(__file__, "rb") as _f:
@@ -85,9 +83,9 @@ class Family:
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
     """The family's settings, checked: each token one token of the tokenizer, no flag the family does not read."""
     lm = name in ("step-tag", "chat-turns")
-    unread = [f for f, given, reads in (("--step-tag", bool(step_tag), name == "step-tag"),
-                                        ("--good-token", good_token != "+", lm), ("--bad-token", bad_token != "-", lm))
-              if given and not reads]
+    given = (("--step-tag", step_tag != "", name == "step-tag"), ("--good-token", good_token != "+", lm),
+             ("--bad-token", bad_token != "-", lm))
+    unread = [flag for flag, set_, read in given if set_ and not read]
     if unread:
         raise UsageError(f"{', '.join(unread)}: not read by --scorer {name} (only step-tag reads --step-tag; "
                          "step-tag and chat-turns read --good-token and --bad-token)")
@@ -139,10 +137,7 @@ def qwen_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     if at < 0:
         raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text, so its {fam.tag} "
                          "step ends cannot be found")
-    ends, pos = [], at
-    for s in steps:
-        pos += len(s) + len(fam.tag)
-        ends.append(pos)
+    ends = list(itertools.accumulate((len(s) + len(fam.tag) for s in steps), initial=at))[1:]
     return locate(tokenizer, text, ends, fam.tag_id, "qwen-prm's step separator", fam.tag, first_char=at)
 
 
@@ -189,44 +184,30 @@ def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_c
             "n_labeled": len(out) - out.count(IGNORE)}
 
 
-class LMColumns(nn.Module):
-    """A causal LM read as a 2-label PRM: the LM-head logits of its bad and good tokens (only those two rows of
-    the head are multiplied: the full vocabulary's logits are never built)."""
+class Logits(nn.Module):
+    """(B, T, 2) logits of a causal LM's head rows `cols` ([bad, good]: only those two rows are multiplied, the
+    vocabulary's logits are never built), or with cols None the first output of a model with its own code."""
 
-    def __init__(self, lm, bad_id: int, good_id: int):
+    def __init__(self, model, cols=None):
         super().__init__()
-        self.lm = lm
-        self.register_buffer("cols", torch.tensor([bad_id, good_id]), persistent=False)
-
-    @property
-    def config(self):
-        return self.lm.config
-
-    def forward(self, input_ids, attention_mask=None, **packed):
-        h = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                               **packed).last_hidden_state  # (B, T, H)
-        head = self.lm.get_output_embeddings()
-        bias = None if head.bias is None else head.bias[self.cols]
-        return F.linear(h, head.weight[self.cols], bias)  # (B, T, 2)
-
-
-class FirstOutput(nn.Module):
-    """A model with its own code whose first output is (B, T, 2) logits (Qwen2.5-Math-PRM's)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
+        self.model, self.cols = model, cols
 
     @property
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids, attention_mask=None):
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
-        if logits.dim() != 3 or logits.shape[-1] != 2:
-            raise UsageError(f"--scorer qwen-prm: the model's first output has shape {tuple(logits.shape)}, not "
-                             "(batch, tokens, 2): is it a Qwen2.5-Math-PRM-style model?")
-        return logits
+    def forward(self, input_ids, attention_mask=None, **packed):
+        if self.cols is None:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
+            if logits.dim() != 3 or logits.shape[-1] != 2:
+                raise UsageError(f"--scorer qwen-prm: the model's first output has shape {tuple(logits.shape)}, "
+                                 "not (batch, tokens, 2): is it a Qwen2.5-Math-PRM-style model?")
+            return logits
+        h = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                  **packed).last_hidden_state  # (B, T, H)
+        head = self.model.get_output_embeddings()
+        bias = None if head.bias is None else head.bias[self.cols]
+        return F.linear(h, head.weight[self.cols], bias)  # (B, T, 2)
 
 
 def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="+", bad_token="-") -> tuple:
@@ -243,14 +224,10 @@ def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code, flag)
     fam = family(tokenizer, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
-    if name == "qwen-prm":
-        model = FirstOutput(loading("--model", cfg.model, AutoModel.from_pretrained, trust_remote_code=True,
-                                    dtype=torch.float32))
-    else:
-        model = LMColumns(loading("--model", cfg.model, AutoModelForCausalLM.from_pretrained,
-                                  trust_remote_code=cfg.trust_remote_code, dtype=torch.float32),
-                          fam.bad_id, fam.good_id)
-        if cfg.packing and supports_packing(model.lm.base_model):  # the others keep padding
-            use_packed_attention(model.lm.base_model)
-    setattr(tokenizer, ROWS, fam.tokenize_batch)
+    cls = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
+    model = Logits(loading("--model", cfg.model, cls.from_pretrained, trust_remote_code=cfg.trust_remote_code,
+                           dtype=torch.float32), None if name == "qwen-prm" else [fam.bad_id, fam.good_id])
+    if name != "qwen-prm" and cfg.packing and supports_packing(model.model.base_model):  # else padding
+        use_packed_attention(model.model.base_model)
+    tokenizer.prm_rows = fam.tokenize_batch
     return tokenizer, model.eval()

@@ -196,6 +196,25 @@ def test_tokens_that_are_not_one_token_and_missing_or_unread_flags(dirs, qwen2_t
         fam.tokenize_batch({"prompt": ["q"], "completions": [["a step"]], "labels": [[True]]}, qwen2_tok)
 
 
+def test_truncation_keeps_whole_steps_within_both_caps(qwen2_tok):
+    import copy
+    from prm.scorers import family
+    tok = copy.deepcopy(qwen2_tok)
+    tok.add_tokens([TAG])
+    batch = {"prompt": ["What is 1+1?"], "completions": [["1+1=2", "so 2", "done"]], "labels": [[True, False, None]]}
+    fam = family(tok, "step-tag", step_tag=TAG)
+    full = fam.tokenize_batch(batch, tok)
+    ends = full["step_ends"][0]
+    assert [full["input_ids"][0][p] for p in ends] == [tok.convert_tokens_to_ids(TAG)] * 3
+    assert [full["labels"][0][p] for p in ends] == [1, 0, -100] and full["n_labeled"] == [2]
+    first = tok("What is 1+1? ", add_special_tokens=False)["input_ids"].__len__()  # the steps' first token
+    for cap, kept in ((ends[1] - first, 1), (ends[1] - first + 1, 2)):  # tokens of steps, the tag included
+        assert fam.tokenize_batch(batch, tok, max_completion_length=cap)["step_ends"] == [ends[:kept]]
+    cut = fam.tokenize_batch(batch, tok, max_length=ends[1] + 1)
+    assert cut["step_ends"] == [ends[:2]] and cut["input_ids"] == [full["input_ids"][0][:ends[1] + 1]]
+    assert cut["steps_kept"] == [2] and cut["step_labels"] == [[1.0, 0.0, None]]
+
+
 def test_a_template_that_drops_turns_cannot_hold_step_boundaries(dirs, qwen2_tok):
     import copy
     from prm.scorers import family
