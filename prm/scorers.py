@@ -34,8 +34,7 @@ with open(__file__, "rb") as _f:
 
 
 def detect(model: str, scorer) -> str:
-    """--scorer as given; for auto: qwen-prm when a local config.json names a *ForProcessRewardModel, else
-    classifier."""
+    """scorer, or for auto: qwen-prm if a local config.json names a *ForProcessRewardModel, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:
@@ -72,9 +71,10 @@ class Family:
         out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
                                "step_labels")}
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
-            ids, reads, first = BUILDERS[self.name](self, tokenizer, problem_text(prompt), list(steps))
+            problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat prompt: its user turns' text
+                m["content"] for m in prompt if m.get("role", "user") == "user")
+            ids, reads, first = BUILDERS[self.name](self, tokenizer, problem, list(steps))
             row = cut(ids, reads, first, labels, max_length, max_completion_length)
-            row["step_labels"] = [None if y is None else float(y) for y in labels]
             for k in out:
                 out[k].append(row[k])
         return out
@@ -100,13 +100,6 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
         raise UsageError("--scorer chat-turns needs the tokenizer's chat template: this tokenizer has none")
     return Family(name, step_tag, good_token, one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1,
                   one_token(tokenizer, "--good-token", good_token), one_token(tokenizer, "--bad-token", bad_token))
-
-
-def problem_text(prompt) -> str:
-    """The problem as text: a conversational prompt's user contents, joined."""
-    if isinstance(prompt, str):
-        return prompt
-    return "\n".join(m["content"] for m in prompt if m.get("role", "user") == "user")
 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *, first_char: int,
@@ -181,7 +174,8 @@ def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_c
     for p, y in zip(kept, labels):
         out[p] = normalize_label(y)
     return {"input_ids": ids, "labels": out, "steps_kept": len(kept), "step_ends": kept, "length": len(ids),
-            "n_labeled": len(out) - out.count(IGNORE)}
+            "n_labeled": len(out) - out.count(IGNORE),
+            "step_labels": [None if y is None else float(y) for y in labels]}  # every step's truth, cut ones too
 
 
 class Logits(nn.Module):
