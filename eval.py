@@ -29,6 +29,10 @@ class Options:
     tune_threshold: str
     best_of_n: bool
     best_of_n_draws: int
+    scorer: str  # how a published PRM is read, with the next three (prm.scorers)
+    step_tag: str
+    good_token: str
+    bad_token: str
     tokenizer_given: bool  # --tokenizer on the command line: it wins over the one saved beside the model
 
 
@@ -54,6 +58,15 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
+    p.add_argument("--scorer", default="auto", choices=("auto", "classifier", "qwen-prm", "step-tag",
+                                                        "chat-turns"),
+                   help="how the model scores steps, as its authors do: a token-classification head (ours, "
+                        "TRL's); Qwen2.5-Math-PRM's <extra_0> head (needs --trust-remote-code); Math-Shepherd's "
+                        "good/bad LM logits at a --step-tag; RLHFlow's at each assistant turn. auto: qwen-prm "
+                        "when a local config.json's architectures name a *ForProcessRewardModel, else classifier")
+    p.add_argument("--step-tag", default="", help="step-tag: the one token ending each step (Math-Shepherd: ки)")
+    p.add_argument("--good-token", default="+", help="step-tag, chat-turns: the one token meaning 'correct'")
+    p.add_argument("--bad-token", default="-", help="step-tag, chat-turns: the one token meaning 'wrong'")
     run = p.add_argument_group("run settings", "how to read and score the data; each flag not given "
                                "comes from the run's config.train.json beside --model (else from "
                                "config.json's 'prm', else the training default)")
@@ -77,13 +90,14 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch and tran
 # the heavy imports, after the early parse above
 from transformers import AutoConfig  # noqa: E402
 
-from prm.build import load_trained  # noqa: E402
 from prm.data import pad_token_id  # noqa: E402
+from prm.errors import exit_status  # noqa: E402
 from prm.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
 from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import first_error, tune_threshold  # noqa: E402
 from prm.model import input_settings  # noqa: E402
 from prm.runtime import Runtime, autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
+from prm.scorers import load as load_scorer  # noqa: E402
 from prm.sources import exit_on_data_error, load_eval  # noqa: E402
 
 
@@ -272,7 +286,8 @@ def main(args=None) -> dict:
     cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
     try:
-        tokenizer, model = load_trained(cfg, opts.tokenizer_given)
+        tokenizer, model = load_scorer(cfg, opts.tokenizer_given, scorer=opts.scorer, step_tag=opts.step_tag,
+                                       good_token=opts.good_token, bad_token=opts.bad_token)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device))
         head = tuned_threshold(ev, opts.tune_threshold) if opts.tune_threshold else \
             {"threshold": cfg.threshold}

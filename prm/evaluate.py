@@ -151,12 +151,12 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
     cut by max_completion_length or max_length get no score."""
     sep, max_length, max_completion_length = trained_input(model, step_separator, max_length,
                                                            max_completion_length)
-    rows = []
+    rows, tokenize_input = [], getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own (prm.scorers)
     for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
         chunk = solutions[start:start + 256]
         batch = {"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
                  "labels": [[None] * len(s) for _, s in chunk]}  # no truth: every step end scored
-        cols = tokenize_batch(batch, tokenizer, sep, max_length, is_eval=True,
+        cols = tokenize_input(batch, tokenizer, sep, max_length, is_eval=True,
                               max_completion_length=max_completion_length)
         rows += [{"input_ids": ids, "labels": y, "step_ends": e}
                  for ids, y, e in zip(cols["input_ids"], cols["labels"], cols["step_ends"])]

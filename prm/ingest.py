@@ -48,7 +48,7 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
                                                          train_on_last_step_only=cfg.train_on_last_step_only), None
     else:
         check_chat_template(ds, tokenizer)
-        fn = tokenize_batch
+        fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder (prm.scorers)
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
                       max_completion_length=cfg.max_completion_length,
                       train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
@@ -80,7 +80,7 @@ def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:
     large vocabularies). Same inputs, hashed cheaply: data fingerprint, tokenizer content, settings, and code."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     tok = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend is not None else Hasher.hash(tokenizer)
-    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
+    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None), getattr(tokenizer, "prm_rows", 0))
     settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
     code = [Hasher.hash(f) for f in (tokenize_batch, assemble, normalize_label)]  # a change of rule: a new cache
     return Hasher.hash([ds._fingerprint, tok, special, settings, code])

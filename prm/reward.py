@@ -6,19 +6,19 @@ import warnings
 
 import torch
 
-from prm.build import load_trained
 from prm.config import FILE, Config
 from prm.errors import UsageError
 from prm.evaluate import score_batch
 from prm.metrics import AGGREGATES
 from prm.model import input_settings
+from prm.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
-def load_reward_model(path: str, trust_remote_code: bool = False):
+def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it.
+    reads it; scorer: prm.scorers.load's family settings.
 
     The step separator and max length it was trained with come from the run's config.train.json, else from the
     model's config.json ("prm", an export), as in eval.py; never whether the directory's own Python files may
@@ -27,7 +27,7 @@ def load_reward_model(path: str, trust_remote_code: bool = False):
     cfg = Config.load(path) if saved else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
     cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a download ships one)
-    tokenizer, model = load_trained(cfg, tokenizer_given=False)
+    tokenizer, model = load(cfg, False, **scorer)
     if not saved:  # an export: how training read the input travels in config.json
         cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
     return tokenizer, model, cfg
@@ -46,16 +46,21 @@ class PRMReward:
 
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
     trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
-    say."""
+    say. scorer, step_tag, good_token, bad_token: how a published PRM is read, as eval.py's flags
+    (prm.scorers)."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
-                 step_separator: str = None, max_length: int = None, trust_remote_code: bool = False):
+                 step_separator: str = None, max_length: int = None, trust_remote_code: bool = False,
+                 scorer: str = "auto", step_tag: str = "", good_token: str = "+", bad_token: str = "-"):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
             raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
+        if not isinstance(model, str) and scorer not in ("auto", "classifier"):  # else silently read as a classifier
+            raise ValueError(f"scorer {scorer!r} reads a model directory; prm.scorers.load gives a loaded one")
         if isinstance(model, str):
-            tokenizer, model, cfg = load_reward_model(model, trust_remote_code)
+            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, scorer=scorer, step_tag=step_tag,
+                                                      good_token=good_token, bad_token=bad_token)
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:

@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prm.errors import exit_status
 from prm.reward import PRMReward
+from prm.scorers import FAMILIES
 
 PATH, HEALTH = "/get_reward", "/health"
 MAX_BODY = 8 << 20  # bytes: thousands of long rollouts; --max-body-bytes raises it
@@ -229,11 +230,17 @@ def main(argv=None):
                         "(default: %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
                    help="larger request bodies get a 413 (default: %(default)s, 8 MiB)")
+    p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto",
+                   help="how the model scores steps (eval.py --help); --step-tag, --good-token, --bad-token too")
+    for flag, default in (("--step-tag", ""), ("--good-token", "+"), ("--bad-token", "-")):
+        p.add_argument(flag, default=default, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not (math.isfinite(args.timeout) and args.timeout > 0) or args.max_body_bytes < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes at least 1")
-    reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
-                       trust_remote_code=args.trust_remote_code)
+    with exit_status():  # a bad scorer setting: one line and exit status 2
+        reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
+                           trust_remote_code=args.trust_remote_code, scorer=args.scorer,
+                           step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token)
     server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
                          max_body=args.max_body_bytes)
     print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
