@@ -59,7 +59,8 @@ from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import first_error, tune_threshold  # noqa: E402
 from prm.model import input_settings  # noqa: E402
 from prm.runtime import autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
-from prm.sources import exit_on_data_error, load_eval  # noqa: E402
+from prm.errors import exit_status  # noqa: E402
+from prm.sources import load_eval  # noqa: E402
 
 
 def run_settings(model: str, trust_remote_code: bool) -> Config:
@@ -101,7 +102,7 @@ def load_sets(cfg: Config, sources: list, tokenizer, rt) -> dict:
     datasets cache it filled."""
     names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
     names = names if len(set(names)) == len(names) else sources
-    with exit_on_data_error(), main_first(rt):
+    with exit_status(), main_first(rt):
         raw = {name: load_eval(cfg, s) for name, s in zip(names, sources)} if sources else \
             {"held-out": load_eval(cfg)}
         sets = {}

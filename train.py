@@ -7,9 +7,9 @@ from prm.config import parse_config
 if __name__ == "__main__":
     cfg = parse_config()  # before torch, datasets and transformers load: --help and a bad flag answer in a blink
     from prm.card import launch_command
-    from prm.sources import exit_on_data_error
+    from prm.errors import exit_status
     from prm.trainer import train
-    with exit_on_data_error():  # bad rows: exit status 2 with a one-screen message, no traceback
+    with exit_status():  # bad rows (2), a failed write (1): a one-screen message, no traceback
         final = train(cfg, launch_command())
     if final is not None:
         summary = {k: v for k, v in final.items() if k not in ("train_data", "eval_data")}

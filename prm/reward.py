@@ -7,6 +7,7 @@ import torch
 from prm.build import load_trained
 from prm.config import FILE, Config
 from prm.evaluate import score_batch
+from prm.formats import split_steps
 from prm.metrics import AGGREGATES
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
@@ -58,8 +59,9 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
     def steps(self, completion) -> list:
-        """The completion's steps: split at the separator, blank pieces dropped (a trailing separator, blank lines)."""
-        return [s.strip() for s in completion_text(completion).split(self.step_separator) if s.strip()]
+        """The completion's steps as training cuts them (prm.formats.split_steps): split at the separator, blank
+        pieces (a trailing separator, blank lines, zero-width characters) dropped."""
+        return split_steps(completion_text(completion), self.step_separator)
 
     def prompt(self, prompt):
         """Messages go through the chat template, as in training; a tokenizer without one reads their text."""

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from prm.config import Config
-from prm.sources import DataError, exit_on_data_error, read_rows
+from prm.errors import exit_status
+from prm.sources import DataError, read_rows
 
 ROW = json.dumps({"prompt": "p", "completions": ["a"], "labels": [True]})
 
@@ -38,7 +39,7 @@ CASES = {  # name: (file contents, what the message names after the file)
 def test_a_hostile_data_file_exits_2_naming_file_line_and_field(tmp_path, name, capsys):
     text, named = CASES[name]
     (tmp_path / name).write_text(text, encoding="utf-8")
-    with pytest.raises(SystemExit) as e, exit_on_data_error():
+    with pytest.raises(SystemExit) as e, exit_status():
         read_rows(str(tmp_path / name), "train", Config())
     assert e.value.code == 2 and f"{tmp_path / name}{'' if named.startswith(':') else ' '}{named}" in \
         capsys.readouterr().err
@@ -77,7 +78,7 @@ def test_a_chat_prompt_without_a_working_chat_template_exits_2_naming_prompt_and
     tokenizer = char_tokenizer()
     tokenizer.chat_template = template
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "c"}], "completions": ["a"], "labels": [True]}])
-    with pytest.raises(SystemExit) as e, exit_on_data_error():
+    with pytest.raises(SystemExit) as e, exit_status():
         tokenize_dataset(ds, tokenizer, Config(), is_eval=False)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "field 'prompt': a chat prompt" in err and cause in err and "Traceback" not in err
