@@ -227,13 +227,14 @@ SHAPING = ("dataset", "eval_dataset", "train_split", "eval_split", "format", "ev
 
 
 def data_digest(spec: str, digest=None) -> str:
-    """sha256 of a local file's or folder's data files (names and contents); '' for hub or synthetic data."""
+    """sha256 of a local file's contents, or of a folder's file names and contents (wherever it lies); '' for hub
+    or synthetic data. `digest`: a hashlib object to feed instead."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = digest or hashlib.sha256()
     for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
         path = os.path.join(spec, name) if name else spec
-        digest.update(path.encode() + b"\0")
+        digest.update(name.encode() + b"\0")
         if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
