@@ -32,10 +32,8 @@ def decode(data: bytes) -> tuple:
 
 
 def read_json(text: str) -> tuple:
-    """(value, problem, line) of one JSON text; problem None when it reads cleanly, line None when none is known.
-    The problems: malformed, nested too deeply, a number past Python's digit limit, a key given twice in one
-    object (json would keep the last value without a word), a lone UTF-16 surrogate ("\\ud800": no character, no
-    UTF-8). With one of the last two, value is still the whole value: field_problem(part) finds it in a part."""
+    """(value, problem, line) of one JSON text (line None: unknown): malformed, too deep, a number past Python's
+    digit limit, or, value read, a key given twice or a lone surrogate (field_problem finds it in a part of value)."""
     repeated = []
 
     def pairs_hook(pairs: list) -> dict:
@@ -57,8 +55,7 @@ def read_json(text: str) -> tuple:
     return value, field_problem(value) if look else None, None
 
 
-class _Repeated(dict):
-    """A JSON object that gave one key twice; `key` names it."""
+class _Repeated(dict):  # a JSON object that gave one key twice (json keeps the last value without a word)
     key = None
 
 
@@ -102,10 +99,9 @@ def split_steps(text: str, separator: str) -> list:
 
 
 def at_separator(row: dict, separator: str) -> dict:
-    """The row with each step that contains the separator cut there (split_steps): the step's label on its last
-    piece, the pieces before it unlabeled context (None), so training labels the steps a scorer will see. Real
-    steps hold the separator often (1.3% of PRM800K's, 33% of ProcessBench MATH's, with "\\n"): refusing them
-    would refuse those rows. Pre-tokenized rows are returned as they are."""
+    """The row with each step that contains the separator cut there (split_steps), the step's label on its last
+    piece and None (context) on the others: training labels the steps a scorer sees. Refusing such steps would
+    refuse many real rows (with "\\n": 8% of PRM800K's, 42% of ProcessBench MATH's)."""
     if "completions" not in row or not any(separator in s for s in row["completions"]):
         return row
     steps, labels = [], []
@@ -176,12 +172,9 @@ def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
 def from_math_shepherd(r: dict, neutral: str) -> list:
     """`input` = question + "Step 1: ... ки\\nStep 2: ... ки"; `label` = the same text with + or - for each tag
     (or a list of per-step labels, e.g. soft Monte-Carlo values)."""
-    parts = _need(r, "input", str, "text with step tags").split(STEP_TAG)
-    label = _need(r, "label")
-    if len(parts) < 2:
-        raise BadField("input", f"no '{STEP_TAG}' step tag")
-    if parts[-1].strip():
-        raise BadField("input", f"text after the last '{STEP_TAG}' step tag: {parts[-1].strip()[:40]!r}")
+    text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
+    _tagged_steps(text, "input")
+    parts = text.split(STEP_TAG)
     if isinstance(label, str):
         labels, pos = [], 0
         for k, part in enumerate(parts[:-1]):  # the text must match exactly, so a + or - inside a step is no mark

@@ -41,15 +41,13 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
     """datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Returns (dataset, report).
 
     Rows left without a labeled step are dropped (and counted in the report). The evaluation route keeps them
-    (drop_unlabeled=False): prm.evaluate.report counts them, and predictions line up with the source. A row whose
-    chat prompt the tokenizer's template cannot render is a DataError naming it, or with --skip-invalid dropped."""
+    (drop_unlabeled=False): prm.evaluate.report counts them, and predictions line up with the source."""
     features = Features({**COLUMNS, **{k: v for k, v in ds.features.items() if k in META}})
     if "input_ids" in ds.column_names:  # pre-tokenized: checked here, then the same rows as text gives
         check_pretokenized(ds, tokenizer, cfg)
         fn, kwargs, fingerprint = cut_pretokenized, dict(max_length=cfg.max_length, is_eval=is_eval,
                                                          train_on_last_step_only=cfg.train_on_last_step_only), None
     else:
-        check_chat_template(ds, tokenizer)
         fn = tokenize_batch
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
                       max_completion_length=cfg.max_completion_length,
@@ -66,29 +64,20 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
         bad = template_problems(ds, tokenizer, "held-out" if is_eval else "training") if fn is tokenize_batch else []
         if not bad:
             raise
-        if not cfg.skip_invalid:
+        if not (cfg.skip_invalid and drop_unlabeled) or len(bad) == len(ds):  # eval.py's rows line up with the source
             raise DataError([p for _, p in bad], total_rows=len(bad)) from None
-        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid), the first: "
-            f"{bad[0][1]}")
+        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): {bad[0][1]}")
         drop = {i for i, _ in bad}
         return tokenize_dataset(ds.select([i for i in range(len(ds)) if i not in drop]), tokenizer, cfg,
-                                is_eval=is_eval, num_proc=num_proc, desc=desc, drop_unlabeled=drop_unlabeled)
+                                is_eval=is_eval, num_proc=num_proc, desc=desc)
     n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
 
 
-def check_chat_template(ds, tokenizer):
-    """Raise DataError when chat prompts meet a tokenizer with no chat template, or one that raises on the first
-    row: else a traceback from inside datasets.map. Later rows are checked when the map fails (template_problems)."""
-    bad = template_problems(ds.select(range(min(len(ds), 1))), tokenizer, "")
-    if bad:
-        raise DataError([bad[0][1].partition(": ")[2]])
-
-
 def template_problems(ds, tokenizer, which: str) -> list:
-    """(index, "<which> row i (id x): field 'prompt': ...") of each row whose chat prompt the tokenizer's chat
-    template cannot render: ValueError (no template), jinja2's TemplateError (raise_exception), KeyError, ..."""
+    """(index, message) of each row whose chat prompt the tokenizer's chat template cannot render (no template,
+    or one that raises); run when tokenization fails, so a traceback from inside datasets.map names its row."""
     if len(ds) == 0 or not isinstance(ds[0]["prompt"], list):  # an Arrow column holds one type
         return []
     name, out = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, []

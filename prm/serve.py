@@ -10,14 +10,11 @@ Without "prompts", a query's prompt is all up to the last assistant turn's start
 (e.g. "<|im_start|>assistant\\n"); with no template or no such marker in it, the text before the first step
 separator (a query without one is all prompt: reward 0.0). GET /health answers {"status": "ok", ...}.
 
-One client never stops the server for the others: each connection has its own thread, up to --max-connections
-(beyond them a 503; the model runs one request at a time); a request not read whole within --timeout seconds of
-its connection gets a 408 (one deadline for the request line, headers and body, however slowly they trickle in);
-a body over --max-body-bytes gets a 413 unread, one of over --max-batch queries a 413; a missing Content-Length a
-411, a malformed one or two different ones a 400; a body the data files' JSON reader refuses (prm.formats.read_json:
-not UTF-8, malformed, nested too deeply, a number too long, a key given twice, a lone surrogate) or a field of the
-wrong type, a 400; a failure while scoring, a 500 (its traceback on stderr). Every error is JSON, {"error": message}.
-Depends on: prm.formats, prm.reward."""
+One client never stops the server for the others: a thread per connection, up to --max-connections (more: 503),
+the model one request at a time; a request not all read within --timeout s of connecting (however slowly it
+trickles in): 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad or
+conflicting one, a body prm.formats.read_json refuses (as in data files), a field of the wrong type: 400; a
+failure while scoring: 500 (traceback on stderr). Every error is JSON, {"error": message}. Depends on: prm.reward."""
 import argparse
 import contextlib
 import json
@@ -33,12 +30,12 @@ from prm.formats import decode, read_json
 from prm.reward import PRMReward
 
 PATH, HEALTH = "/get_reward", "/health"
-MAX_BODY = 8 << 20  # bytes: thousands of long rollouts; --max-body-bytes raises it
-MAX_BATCH = 1024  # queries per request: the model lock is held while they are scored
-MAX_CONNECTIONS = 64
+MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64  # a body of 8 MiB holds thousands of long rollouts
+LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
+          "max_batch": (MAX_BATCH, "more queries in one request get a 413: the model is held while they are scored"),
+          "max_connections": (MAX_CONNECTIONS, "connections served at once; more get a 503")}
 BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
-BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
-    len(BUSY), BUSY)
+BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(BUSY), BUSY)
 
 
 class BadRequest(ValueError):
@@ -55,10 +52,9 @@ def body_size(headers: list, limit: int) -> int:
         raise BadRequest("Content-Length is required", 411)
     if len({h.strip() for h in headers}) > 1:  # which one frames the body?
         raise BadRequest(f"{len(headers)} different Content-Length headers")
-    header = headers[0]
-    digits = header.strip()
+    digits = headers[0].strip()
     if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
-        raise BadRequest(f"Content-Length {header[:40]!r}: expected a number of bytes")
+        raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
     if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets Python's digit limit
         raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
     return int(digits)
@@ -207,11 +203,11 @@ def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
             """The whole request body, within the size limit and the timeout."""
             size = body_size(self.headers.get_all("Content-Length"), max_body)
             try:
-                body, late = self.rfile.read(size), False
+                body = self.rfile.read(size)
             except TimeoutError:
-                body, late = b"", True
+                self.expired, body = True, b""
             self.deadline.cancel()
-            if len(body) < size and (self.expired or late):  # fewer bytes than Content-Length said, too slowly
+            if len(body) < size and self.expired:  # fewer bytes than Content-Length said, too slowly
                 raise BadRequest(f"the request did not arrive within {seconds} s (--timeout)", 408)
             if len(body) < size:  # the client closed its side early
                 raise BadRequest(f"the body ended after {len(body)} of its {size} bytes (Content-Length)")
@@ -247,9 +243,6 @@ class Server(ThreadingHTTPServer):
         if self.slots.acquire(blocking=False):
             return super().process_request(request, client_address)
         with contextlib.suppress(OSError):
-            request.setblocking(False)  # what the client sent so far is read, so closing does not reset
-            with contextlib.suppress(BlockingIOError):
-                request.recv(1 << 16)
             request.settimeout(1)
             request.sendall(BUSY)
         self.shutdown_request(request)
@@ -281,15 +274,10 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole request, however slowly; then a 408 "
                         "(default: %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
-                   help="larger request bodies get a 413 (default: %(default)s, 8 MiB)")
-    p.add_argument("--max-batch", type=int, default=MAX_BATCH, help="more queries in one request get a 413, so one "
-                   "client never holds the model for long (default: %(default)s)")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
-                   help="connections served at once; more get a 503 (default: %(default)s)")
+    for key, (default, text) in LIMITS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=default, help=text + " (default: %(default)s)")
     args = p.parse_args(argv)
-    if not (math.isfinite(args.timeout) and args.timeout > 0) or min(args.max_body_bytes, args.max_batch,
-                                                                      args.max_connections) < 1:
+    if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "
                 "--max-connections at least 1")
     reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,

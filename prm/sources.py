@@ -197,9 +197,8 @@ def split_by_prompt(rows: list, fraction: float, seed: int):
 
 def read_splits(cfg) -> tuple:
     """(train, held-out, notes): datasets with columns prompt, completions, labels and, when the data has them, id,
-    first_error and final_answer_correct (ProcessBench), group and response_answer (best-of-N), category
-    (PRMBench); notes: what the read said. Training rows have their steps cut at the step separator (at_separator)."""
-    # training rows only: the held-out set is judged on whole solutions and on the benchmark's own steps
+    first_error, final_answer_correct, group, response_answer, category; notes: what the read said. Training rows
+    only are cut at the step separator: the held-out set is judged on whole solutions and the benchmark's steps."""
     cut = lambda r: at_separator(cut_after_first_error(r) if cfg.cut_after_first_error else r, cfg.step_separator)
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
@@ -260,14 +259,11 @@ NOTES = "said.json"  # in a cache entry: what the read said, said again when the
 
 
 def load_splits(cfg) -> tuple:
-    """read_splits, or its result read back from rows_cache when the files and settings are unchanged.
-
-    An entry is written under a temporary name and renamed into place whole, so runs started together each write
-    their own and the first rename wins; a damaged entry is read again from the source (and replaced), and one that
-    cannot be written (a full disk) leaves no entry: the run goes on without it."""
+    """read_splits, or its result read back from rows_cache when the files and settings are unchanged. An entry is
+    written under a temporary name and renamed whole (runs started together: the first rename wins); a damaged one
+    is read again from the source and replaced; one that cannot be written (a full disk) is left out."""
     path = rows_cache(cfg)
-    read_back = path and _read_back(path)
-    if read_back:
+    if path and (read_back := _read_back(path)):
         return read_back
     train, held, notes = read_splits(cfg)
     if not path:
