@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import datasets
 import pytest
@@ -74,14 +75,24 @@ def test_a_damaged_entry_is_read_again_from_the_source_with_one_line(data, how, 
     assert splits(data) == first and "rows read back" in capsys.readouterr().err  # replaced by a good entry
 
 
-def test_runs_started_together_on_new_data_all_succeed(data):
-    code = ("import sys, datasets; datasets.config.HF_DATASETS_CACHE = sys.argv[2]; from prm.config import Config; "
-            "from prm.sources import load_splits; t, h = load_splits(Config(dataset=sys.argv[1])); "
-            "print(len(t) + len(h))")
-    runs = [subprocess.Popen([sys.executable, "-c", code, data, datasets.config.HF_DATASETS_CACHE], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+def test_runs_started_together_on_new_data_all_succeed(data, tmp_path):
+    with open(data, "a") as f:  # rows enough that writing the entry takes a while
+        f.writelines(json.dumps({**ROWS[i % 30], "prompt": f"more {i}"}) + "\n" for i in range(20000))
+    code = ("import os, sys, time, datasets; datasets.config.HF_DATASETS_CACHE = sys.argv[2]; "
+            "from prm.config import Config; from prm.sources import load_splits; open(sys.argv[3], 'w').close(); "
+            "[time.sleep(0.05) for _ in range(2400) if not os.path.exists(sys.argv[4])]; "  # all imported: go
+            "t, h = load_splits(Config(dataset=sys.argv[1])); print(len(t) + len(h))")
+    go = str(tmp_path / "go")
+    runs = [subprocess.Popen([sys.executable, "-c", code, data, datasets.config.HF_DATASETS_CACHE,
+                              str(tmp_path / f"ready{i}"), go], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(3)]
+    for _ in range(2400):  # 2 minutes at most
+        if all(os.path.exists(tmp_path / f"ready{i}") for i in range(3)):
+            break
+        time.sleep(0.05)
+    open(go, "w").close()
     outs = [r.communicate(timeout=300) for r in runs]
-    assert [r.returncode for r in runs] == [0, 0, 0] and [o.strip() for o, _ in outs] == ["30"] * 3, outs
+    assert [r.returncode for r in runs] == [0, 0, 0] and [o.strip() for o, _ in outs] == ["20030"] * 3, outs
     entries = os.listdir(os.path.dirname(rows_cache(Config(dataset=data))))
     assert len(entries) == 1 and not entries[0].endswith(".tmp")  # one entry, no leftovers
 
