@@ -35,7 +35,8 @@ def main(argv=None):
 
 def _write(rows: list, output: str):
     try:
-        with (contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8")) as out:
+        stream = contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8")
+        with stream as out:
             for row in rows:
                 row.pop("where", None)  # a pre-tokenized row's source line: the output is a source of its own
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")

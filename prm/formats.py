@@ -1,6 +1,6 @@
-"""Read JSON with its hazards checked, detect the format of a raw record, convert it to stepwise rows (prompt,
-completions, labels), or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.data (the label
-rules)."""
+"""Read JSON with its hazards checked, detect the format of a raw record, convert it to stepwise rows
+(prompt, completions, labels) or pre-tokenized ones (input_ids, labels), and check them.
+Depends on: prm.data (the label rules)."""
 import difflib
 import json
 import re
@@ -24,16 +24,17 @@ NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K 
 
 
 def decode(data: bytes) -> tuple:
-    """(text, problem, line): UTF-8 text (a byte-order mark some editors write first is dropped), or why not."""
+    """(text, problem, line): UTF-8 text (a byte-order mark some editors write first dropped), or why not."""
     try:
         return data.decode("utf-8-sig"), None, None
     except UnicodeDecodeError as e:
-        return None, f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})", data[:e.start].count(b"\n") + 1
+        line = data[:e.start].count(b"\n") + 1
+        return None, f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})", line
 
 
 def read_json(text: str) -> tuple:
-    """(value, problem, line) of one JSON text (line None: unknown): malformed, too deep, a number past Python's
-    digit limit, or, value read, a key given twice or a lone surrogate (field_problem finds it in a part of value)."""
+    """(value, problem, line) of one JSON text (line None: unknown): malformed, too deep, a number past
+    Python's digit limit, or, value read, a key given twice or a lone surrogate (field_problem finds it)."""
     repeated = []
 
     def pairs_hook(pairs: list) -> dict:
@@ -51,7 +52,7 @@ def read_json(text: str) -> tuple:
         return None, "malformed JSON: nested too deeply", None
     except ValueError as e:  # a number of over 4300 digits (Python's int conversion limit)
         return None, f"unreadable JSON: {str(e).split(';')[0]}", None
-    look = repeated or "\\ud" in text.lower()  # how a surrogate (\ud800-\udfff) is escaped: the deep look only then
+    look = repeated or "\\ud" in text.lower()  # how a surrogate (\ud800-\udfff) is escaped
     return value, field_problem(value) if look else None, None
 
 
@@ -60,18 +61,21 @@ class _Repeated(dict):  # a JSON object that gave one key twice (json keeps the 
 
 
 def field_problem(value, field: str = ""):
-    """"field 'x': ..." for the first key given twice or string holding a lone surrogate inside value, else None."""
+    """"field 'x': ..." for the first key given twice or string with a lone surrogate in value, else None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} (position {e.start}) is not text"
+            return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} (position {e.start}) is " \
+                   "not text"
         return None
     if isinstance(value, _Repeated):
-        return f"field '{field + '.' if field else ''}{value.key}': given twice in one object (which value is meant?)"
+        where = f"{field}.{value.key}" if field else value.key
+        return f"field '{where}': given twice in one object (which value is meant?)"
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
-        found = field_problem(v, f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k))
+        part = f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k)
+        found = field_problem(v, part)
         if found:
             return found
     return None
@@ -93,15 +97,15 @@ def is_blank(text: str) -> bool:
 
 
 def split_steps(text: str, separator: str) -> list:
-    """The steps of a text: the pieces between separators, stripped, blank ones dropped. Scoring splits a completion
-    so, and training cuts each step that contains the separator so (at_separator): both see the same steps."""
+    """The steps of a text: the pieces between separators, stripped, blank ones dropped. Scoring splits a
+    completion so, and training each step that holds the separator (at_separator): both see the same steps."""
     return [s.strip() for s in text.split(separator) if not is_blank(s)]
 
 
 def at_separator(row: dict, separator: str) -> dict:
-    """The row with each step that contains the separator cut there (split_steps), the step's label on its last
-    piece and None (context) on the others: training labels the steps a scorer sees. Refusing such steps would
-    refuse many real rows (with "\\n": 8% of PRM800K's, 42% of ProcessBench MATH's)."""
+    """The row with each step that holds the separator cut there (split_steps), the step's label on its last
+    piece and None (context) on the others: training labels the steps a scorer sees. Refusing such steps
+    would refuse many real rows (with "\\n": 8% of PRM800K's, 42% of ProcessBench MATH's)."""
     if "completions" not in row or not any(separator in s for s in row["completions"]):
         return row
     steps, labels = [], []
@@ -444,8 +448,8 @@ def _clean_tokens(row: dict) -> dict:
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) for one raw record in format `fmt`: stepwise rows {prompt, completions, labels, ...}, or for
-    "pretokenized" token-level rows {input_ids, labels}; the rows are valid only when problems is empty."""
+    """(rows, problems) for one raw record in format `fmt`: stepwise rows {prompt, completions, labels, ...},
+    or for "pretokenized" token-level rows {input_ids, labels}; the rows are valid only without problems."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:

@@ -59,14 +59,15 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
                      remove_columns=[c for c in ds.column_names if c not in META],
                      num_proc=n_proc if n_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
     except OSError as e:  # a full disk under the datasets cache
-        raise WriteFailed(f"cannot write the tokenized rows to the datasets cache: {e.strerror or e}") from None
+        raise WriteFailed(f"cannot write tokenized rows to the datasets cache: {e.strerror or e}") from None
     except Exception:
-        bad = template_problems(ds, tokenizer, "held-out" if is_eval else "training") if fn is tokenize_batch else []
+        bad = template_problems(ds, tokenizer, "held-out" if is_eval else "training")
         if not bad:
             raise
-        if not (cfg.skip_invalid and drop_unlabeled) or len(bad) == len(ds):  # eval.py's rows line up with the source
+        if not (cfg.skip_invalid and drop_unlabeled) or len(bad) == len(ds):  # eval.py's match the source
             raise DataError([p for _, p in bad], total_rows=len(bad)) from None
-        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): {bad[0][1]}")
+        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): "
+            f"{bad[0][1]}")
         drop = {i for i, _ in bad}
         return tokenize_dataset(ds.select([i for i in range(len(ds)) if i not in drop]), tokenizer, cfg,
                                 is_eval=is_eval, num_proc=num_proc, desc=desc)
@@ -76,9 +77,9 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
-    """(index, message) of each row whose chat prompt the tokenizer's chat template cannot render (no template,
-    or one that raises); run when tokenization fails, so a traceback from inside datasets.map names its row."""
-    if len(ds) == 0 or not isinstance(ds[0]["prompt"], list):  # an Arrow column holds one type
+    """(index, message) of each row whose chat prompt the tokenizer's chat template cannot render (none, or
+    one that raises); run when tokenization fails, so a traceback from inside datasets.map names its row."""
+    if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
     name, out = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, []
     ids = ds["id"][:] if "id" in ds.column_names else [None] * len(ds)
@@ -86,8 +87,8 @@ def template_problems(ds, tokenizer, which: str) -> list:
         try:
             tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         except Exception as e:
-            out.append((i, f"{which} row {i}{f' (id {id_})' if id_ else ''}: field 'prompt': a chat prompt (list of "
-                           f"role/content) needs the tokenizer's chat template; tokenizer {name}: "
+            out.append((i, f"{which} row {i}{f' (id {id_})' if id_ else ''}: field 'prompt': a chat prompt "
+                           f"(list of role/content) needs the tokenizer's chat template; tokenizer {name}: "
                            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
     return out
 

@@ -59,8 +59,8 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
     def steps(self, completion) -> list:
-        """The completion's steps as training cuts them (prm.formats.split_steps): split at the separator, blank
-        pieces (a trailing separator, blank lines, zero-width characters) dropped."""
+        """The completion's steps as training cuts them (prm.formats.split_steps): split at the separator,
+        blank pieces (a trailing separator, blank lines, zero-width characters) dropped."""
         return split_steps(completion_text(completion), self.step_separator)
 
     def prompt(self, prompt):

@@ -10,11 +10,12 @@ Without "prompts", a query's prompt is all up to the last assistant turn's start
 (e.g. "<|im_start|>assistant\\n"); with no template or no such marker in it, the text before the first step
 separator (a query without one is all prompt: reward 0.0). GET /health answers {"status": "ok", ...}.
 
-One client never stops the server for the others: a thread per connection, up to --max-connections (more: 503),
-the model one request at a time; a request not all read within --timeout s of connecting (however slowly it
-trickles in): 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad or
-conflicting one, a body prm.formats.read_json refuses (as in data files), a field of the wrong type: 400; a
-failure while scoring: 500 (traceback on stderr). Every error is JSON, {"error": message}. Depends on: prm.reward."""
+One client never stops the server for the others: a thread per connection, up to --max-connections (more:
+503), the model one request at a time; a request not all read within --timeout s of connecting (however
+slowly it trickles in): 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length:
+411; a bad or conflicting one, a body prm.formats.read_json refuses (as in data files), a field of the wrong
+type: 400; a failure while scoring: 500 (traceback on stderr). Every error is JSON, {"error": message}.
+Depends on: prm.formats, prm.reward."""
 import argparse
 import contextlib
 import json
@@ -32,10 +33,11 @@ from prm.reward import PRMReward
 PATH, HEALTH = "/get_reward", "/health"
 MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64  # a body of 8 MiB holds thousands of long rollouts
 LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
-          "max_batch": (MAX_BATCH, "more queries in one request get a 413: the model is held while they are scored"),
+          "max_batch": (MAX_BATCH, "more queries in one request get a 413 (the model is held while scoring)"),
           "max_connections": (MAX_CONNECTIONS, "connections served at once; more get a 503")}
 BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
-BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(BUSY), BUSY)
+BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BUSY), BUSY)
 
 
 class BadRequest(ValueError):
@@ -134,8 +136,8 @@ class Scorer:
             raise BadRequest("expected a JSON object with 'query' (and 'prompts')")
         queries = texts(data, "query")
         if len(queries) > self.max_batch:
-            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per request (--max-batch)",
-                             413)
+            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per request "
+                             "(--max-batch)", 413)
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
         if data.get("prompts") is None:  # OpenRLHF always sends them; other clients may not
             pairs = [split_query(q, self.marker, self.reward.step_separator) for q in queries]
@@ -233,7 +235,7 @@ def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
 
 class Server(ThreadingHTTPServer):
     """A thread per connection, up to max_connections at once; one more is answered 503 and closed at once."""
-    request_queue_size = 128  # connections the kernel holds until accepted (5 would make a burst wait on retries)
+    request_queue_size = 128  # connections the kernel holds until accepted (5: a burst waits on retries)
 
     def __init__(self, address, handler, max_connections: int):
         super().__init__(address, handler)
@@ -258,7 +260,8 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
                 max_body: int = MAX_BODY, max_batch: int = MAX_BATCH, max_connections: int = MAX_CONNECTIONS):
     """The server, bound and not yet serving (port 0: a free one, in server.server_port). Its threads are daemons:
     a client still connected never holds up the process's exit."""
-    return Server((host, port), make_handler(Scorer(reward, max_batch), name, timeout, max_body), max_connections)
+    handler = make_handler(Scorer(reward, max_batch), name, timeout, max_body)
+    return Server((host, port), handler, max_connections)
 
 
 def main(argv=None):
@@ -275,7 +278,8 @@ def main(argv=None):
                    help="seconds a client has to send its whole request, however slowly; then a 408 "
                         "(default: %(default)s)")
     for key, (default, text) in LIMITS.items():
-        p.add_argument("--" + key.replace("_", "-"), type=int, default=default, help=text + " (default: %(default)s)")
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
+                       help=text + " (default: %(default)s)")
     args = p.parse_args(argv)
     if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "

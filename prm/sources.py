@@ -15,7 +15,8 @@ from datasets import Dataset, Features, List, Value, load_dataset
 
 from prm.data import IGNORE
 from prm.errors import UsageError, WriteFailed
-from prm.formats import FORMATS, at_separator, decode, detect_format, field_problem, format_help, read_json, to_rows
+from prm.formats import (FORMATS, at_separator, decode, detect_format, field_problem, format_help, read_json,
+                         to_rows)
 from prm.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
@@ -61,7 +62,7 @@ def read_records(path: str):
         raise DataError([f"{path} line {line}: {problem}; convert the file to UTF-8"])
     if path.endswith(".json"):
         data, problem, line = read_json(text)
-        if data is None and problem and (text.lstrip().startswith("[") or line is None):  # nothing in it is trusted
+        if data is None and problem and (text.lstrip().startswith("[") or line is None):  # trust none of it
             raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"])
         pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
         if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
@@ -72,7 +73,7 @@ def read_records(path: str):
         if isinstance(data, dict) and "\n" in text.strip():
             raise DataError([f"{path}: one JSON object; expected an array of records, an object of such arrays, or JSON Lines"])
     # not splitlines(): U+2028 may sit raw inside a JSON string
-    return [(f"line {n}",) + read_json(line)[:2] for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    return [(f"line {n}", *read_json(line)[:2]) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
 def _sources(spec: str, split: str, cfg):
@@ -100,9 +101,9 @@ def _sources(spec: str, split: str, cfg):
 
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None) -> list:
-    """Every record of a source as validated stepwise (or pre-tokenized) rows, in the format cfg.<format_key> names
-    (--format, or --eval-format for --eval-dataset). Raises DataError listing each bad row, or with cfg.skip_invalid
-    drops those records; what it read is said on stderr and appended to `notes` when given."""
+    """Every record of a source as validated stepwise (or pre-tokenized) rows, in the format cfg.<format_key>
+    names (--format, or --eval-format for --eval-dataset). Raises DataError listing each bad row, or with
+    cfg.skip_invalid drops those records; what it read is said on stderr and appended to `notes` if given."""
     rows, problems, bad, n_records, empty = [], [], 0, 0, 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
@@ -166,7 +167,8 @@ def to_dataset(rows: list) -> Dataset:
             yield {k: r.get(k) for k in features}
 
     try:
-        return Dataset.from_generator(generate, features=Features(features), fingerprint=digest.hexdigest()[:32])
+        return Dataset.from_generator(generate, features=Features(features),
+                                      fingerprint=digest.hexdigest()[:32])
     except OSError as e:  # a full disk: the rows could not be written where datasets keeps them
         raise WriteFailed(f"cannot write the rows to the datasets cache {datasets.config.HF_DATASETS_CACHE}: "
                           f"{e.strerror or e}") from None
@@ -196,10 +198,11 @@ def split_by_prompt(rows: list, fraction: float, seed: int):
 
 
 def read_splits(cfg) -> tuple:
-    """(train, held-out, notes): datasets with columns prompt, completions, labels and, when the data has them, id,
-    first_error, final_answer_correct, group, response_answer, category; notes: what the read said. Training rows
-    only are cut at the step separator: the held-out set is judged on whole solutions and the benchmark's steps."""
-    cut = lambda r: at_separator(cut_after_first_error(r) if cfg.cut_after_first_error else r, cfg.step_separator)
+    """(train, held-out, notes): datasets with columns prompt, completions, labels and, when the data has
+    them, id, first_error, final_answer_correct, group, response_answer, category; notes: what the read said.
+    Only training rows are cut (at the separator, after the first error): held-out ones are judged whole."""
+    cut = lambda r: at_separator(cut_after_first_error(r) if cfg.cut_after_first_error else r,
+                                 cfg.step_separator)
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
         return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held), []
@@ -215,19 +218,20 @@ def read_splits(cfg) -> tuple:
             pass
     if held is None:
         train, held = split_by_prompt(train, cfg.eval_fraction, cfg.seed)
-        notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt (--eval-fraction "
-                     f"{cfg.eval_fraction}, --seed {cfg.seed})")
+        notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
+                     f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
     return to_dataset([cut(r) for r in train]), to_dataset(held), notes
 
 
+# the settings read_splits reads: part of the rows cache's key
 SHAPING = ("dataset", "eval_dataset", "train_split", "eval_split", "format", "eval_format", "neutral_label",
-           "skip_invalid", "eval_fraction", "seed", "cut_after_first_error", "step_separator")  # what read_splits reads
+           "skip_invalid", "eval_fraction", "seed", "cut_after_first_error", "step_separator")
 
 
 def data_digest(spec: str, digest=None) -> str:
-    """sha256 of a local file's contents, or of a folder's file names and contents (wherever it lies); '' for hub
-    or synthetic data. `digest`: a hashlib object to feed instead."""
+    """sha256 of a local file's contents, or of a folder's file names and contents (wherever it lies);
+    '' for hub or synthetic data. `digest`: a hashlib object to feed instead."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = digest or hashlib.sha256()
@@ -259,9 +263,9 @@ NOTES = "said.json"  # in a cache entry: what the read said, said again when the
 
 
 def load_splits(cfg) -> tuple:
-    """read_splits, or its result read back from rows_cache when the files and settings are unchanged. An entry is
-    written under a temporary name and renamed whole (runs started together: the first rename wins); a damaged one
-    is read again from the source and replaced; one that cannot be written (a full disk) is left out."""
+    """read_splits, or its result read back from rows_cache when the files and settings are unchanged. An
+    entry is written under a temporary name and renamed whole (runs started together: the first rename wins);
+    a damaged one is read again and replaced; one that cannot be written (a full disk) is left out."""
     path = rows_cache(cfg)
     if path and (read_back := _read_back(path)):
         return read_back
@@ -287,7 +291,7 @@ def load_splits(cfg) -> tuple:
 
 
 def _read_back(path: str, quiet: bool = False):
-    """(train, held) of a complete cache entry, its notes said again; None when there is none or it is damaged."""
+    """(train, held) of a complete cache entry, its notes said again; None when none or a damaged one."""
     if not os.path.isdir(path):
         return None
     try:
@@ -295,10 +299,10 @@ def _read_back(path: str, quiet: bool = False):
             notes = json.load(f)
         if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
             raise ValueError(f"{NOTES} holds no list of messages")
-        splits = datasets.load_from_disk(path)  # memory-mapped, with the same fingerprints every time it is read
+        splits = datasets.load_from_disk(path)  # memory-mapped, with the same fingerprints every time
         train, held = splits["train"], splits["held"]
     except Exception as e:  # a partial or damaged entry: read the source again
-        say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); reading the data again")
+        say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); reading the data")
         return None
     for msg in [] if quiet else notes + [f"(rows read back from {path}: files and settings unchanged)"]:
         say(msg)
