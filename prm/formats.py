@@ -108,11 +108,9 @@ def at_separator(row: dict, separator: str) -> dict:
     would refuse many real rows (with "\\n": 8% of PRM800K's, 42% of ProcessBench MATH's)."""
     if "completions" not in row or not any(separator in s for s in row["completions"]):
         return row
-    steps, labels = [], []
-    for step, label in zip(row["completions"], row["labels"]):
-        pieces = split_steps(step, separator)
-        steps, labels = steps + pieces, labels + [None] * (len(pieces) - 1) + [label]
-    return {**row, "completions": steps, "labels": labels}
+    cut = [(split_steps(step, separator), y) for step, y in zip(row["completions"], row["labels"])]
+    return {**row, "completions": [p for pieces, _ in cut for p in pieces],
+            "labels": [z for pieces, y in cut for z in [None] * (len(pieces) - 1) + [y]]}
 
 
 def detect_format(record: dict):

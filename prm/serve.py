@@ -236,16 +236,12 @@ def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
 class Server(ThreadingHTTPServer):
     """A thread per connection, up to max_connections at once; one more is answered 503 and closed at once."""
     request_queue_size = 128  # connections the kernel holds until accepted (5: a burst waits on retries)
-
-    def __init__(self, address, handler, max_connections: int):
-        super().__init__(address, handler)
-        self.slots = threading.BoundedSemaphore(max_connections)
+    slots: threading.BoundedSemaphore  # one per connection served at once
 
     def process_request(self, request, client_address):
         if self.slots.acquire(blocking=False):
             return super().process_request(request, client_address)
-        with contextlib.suppress(OSError):
-            request.settimeout(1)
+        with contextlib.suppress(OSError):  # a fresh socket's send buffer takes these bytes at once
             request.sendall(BUSY)
         self.shutdown_request(request)
 
@@ -260,8 +256,9 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
                 max_body: int = MAX_BODY, max_batch: int = MAX_BATCH, max_connections: int = MAX_CONNECTIONS):
     """The server, bound and not yet serving (port 0: a free one, in server.server_port). Its threads are daemons:
     a client still connected never holds up the process's exit."""
-    handler = make_handler(Scorer(reward, max_batch), name, timeout, max_body)
-    return Server((host, port), handler, max_connections)
+    server = Server((host, port), make_handler(Scorer(reward, max_batch), name, timeout, max_body))
+    server.slots = threading.BoundedSemaphore(max_connections)
+    return server
 
 
 def main(argv=None):
