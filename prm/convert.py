@@ -1,5 +1,5 @@
 """`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer sees.
-Depends on: prm.config, prm.sources."""
+Depends on: prm.config, prm.errors, prm.sources."""
 import argparse
 import contextlib
 import dataclasses

@@ -1,5 +1,5 @@
 """Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read, and the data
-report. Depends on: datasets, pyarrow, prm.data, prm.sources.
+report. Depends on: datasets, pyarrow, prm.data, prm.errors, prm.sources.
 
 A tokenized row: input_ids, labels (the training targets: -100 off labeled step ends), steps_kept, step_ends
 (every kept step's last token), length, n_labeled, step_labels (every step's truth, None = unlabeled, cut steps

@@ -1,5 +1,6 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer calls
-(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.evaluate, prm.metrics."""
+(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.evaluate, prm.formats,
+prm.metrics."""
 import os
 
 import torch

@@ -1,5 +1,5 @@
 """Read train/held-out data from a hub name, a .jsonl/.json/.parquet file or a directory; convert and validate
-every row. Depends on: datasets, prm.data, prm.formats, prm.synthetic."""
+every row. Depends on: datasets, prm.data, prm.errors, prm.formats, prm.synthetic."""
 import contextlib
 import hashlib
 import inspect
