@@ -68,9 +68,8 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
             raise DataError([p for _, p in bad], total_rows=len(bad)) from None
         say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): "
             f"{bad[0][1]}")
-        drop = {i for i, _ in bad}
-        return tokenize_dataset(ds.select([i for i in range(len(ds)) if i not in drop]), tokenizer, cfg,
-                                is_eval=is_eval, num_proc=num_proc, desc=desc)
+        keep = sorted(set(range(len(ds))) - {i for i, _ in bad})
+        return tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc, desc=desc)
     n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)

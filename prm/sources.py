@@ -297,7 +297,7 @@ def _read_back(path: str, quiet: bool = False):
     try:
         with open(os.path.join(path, NOTES)) as f:
             notes = json.load(f)
-        if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):  # not what we write
             raise ValueError(f"{NOTES} holds no list of messages")
         splits = datasets.load_from_disk(path)  # memory-mapped, with the same fingerprints every time
         train, held = splits["train"], splits["held"]
