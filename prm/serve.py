@@ -162,26 +162,31 @@ class Scorer:
                                "steps_scored": [len(ps) for ps in probs]}}
 
 
+class DeadlineHandler(BaseHTTPRequestHandler):
+    """One deadline, `timeout` seconds after connecting, for the whole request: then the connection's reading
+    side is shut, so a read waiting on a client that trickles bytes in ends, and `expired` says why."""
+    expired = False
+    default_request_version = "HTTP/1.0"  # an error answer to a cut request line has its status line too
+
+    def setup(self):
+        super().setup()  # StreamRequestHandler's: `timeout` on the socket, so no single read or write waits longer
+        self.deadline = threading.Timer(self.timeout, self.expire)
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def expire(self):
+        self.expired = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RD)
+
+    def finish(self):
+        self.deadline.cancel()
+        super().finish()
+
+
 def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
-    class Handler(BaseHTTPRequestHandler):
-        timeout = seconds  # StreamRequestHandler.setup puts it on the socket: no read or write waits longer
-        expired = False
-        default_request_version = "HTTP/1.0"  # an error answer to a cut request line has its status line too
-
-        def setup(self):
-            super().setup()  # the request's one deadline: its reading side shut then, reads see the end
-            self.deadline = threading.Timer(seconds, self.expire)
-            self.deadline.daemon = True
-            self.deadline.start()
-
-        def expire(self):
-            self.expired = True
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_RD)
-
-        def finish(self):
-            self.deadline.cancel()
-            super().finish()
+    class Handler(DeadlineHandler):
+        timeout = seconds
 
         def do_GET(self):
             self.deadline.cancel()
