@@ -98,7 +98,7 @@ from prm.metrics import first_error, tune_threshold  # noqa: E402
 from prm.model import input_settings  # noqa: E402
 from prm.runtime import Runtime, autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
 from prm.scorers import load as load_scorer  # noqa: E402
-from prm.sources import exit_on_data_error, load_eval  # noqa: E402
+from prm.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
@@ -139,7 +139,7 @@ class Evaluator:
         ranks read the datasets cache it filled."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
         names = names if len(set(names)) == len(names) else sources
-        with exit_on_data_error(), main_first(self.rt):
+        with main_first(self.rt):
             raw = dict(zip(names, (load_eval(self.cfg, s) for s in sources))) if sources else \
                 {"held-out": load_eval(self.cfg)}
             sets = {}

@@ -1,5 +1,5 @@
 """`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer sees.
-Depends on: prm.config, prm.sources."""
+Depends on: prm.config, prm.errors, prm.sources."""
 import argparse
 import contextlib
 import dataclasses
@@ -7,8 +7,9 @@ import json
 import os
 import sys
 
-from prm.config import Config, exit_on_problems
-from prm.sources import exit_on_data_error, read_rows
+from prm.config import Config
+from prm.errors import UsageError, exit_status
+from prm.sources import read_rows
 
 
 def main(argv=None):
@@ -28,10 +29,14 @@ def main(argv=None):
     a = p.parse_args(argv)
     cfg = Config(format=a.format, neutral_label=a.neutral_label, skip_invalid=a.skip_invalid,
                  dataset_config=a.dataset_config)
-    with exit_on_data_error():
-        rows = read_rows(a.input, a.split, cfg)
+    with exit_status():
+        _write(read_rows(a.input, a.split, cfg), a.output)
+
+
+def _write(rows: list, output: str):
     try:
-        with (contextlib.nullcontext(sys.stdout) if a.output == "-" else open(a.output, "w", encoding="utf-8")) as out:
+        stream = contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8")
+        with stream as out:
             for row in rows:
                 row.pop("where", None)  # a pre-tokenized row's source line: the output is a source of its own
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -39,9 +44,9 @@ def main(argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     except OSError as e:  # a folder, a missing folder, a full disk: one line, exit status 2
-        exit_on_problems([f"{a.output}: cannot write it: {e.strerror or e}"])
-    if a.output != "-":
-        print(f"wrote {len(rows)} rows to {a.output}", file=sys.stderr)
+        raise UsageError(f"{output}: cannot write it: {e.strerror or e}") from None
+    if output != "-":
+        print(f"wrote {len(rows)} rows to {output}", file=sys.stderr)
 
 
 if __name__ == "__main__":

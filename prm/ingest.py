@@ -1,5 +1,5 @@
 """Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read, and the data
-report. Depends on: datasets, pyarrow, prm.data, prm.sources.
+report. Depends on: datasets, pyarrow, prm.data, prm.errors, prm.sources.
 
 A tokenized row: input_ids, labels (the training targets: -100 off labeled step ends), steps_kept, step_ends
 (every kept step's last token), length, n_labeled, step_labels (every step's truth, None = unlabeled, cut steps
@@ -13,7 +13,8 @@ from datasets import Features, Sequence, Value
 from datasets.fingerprint import Hasher
 
 from prm.data import IGNORE, assemble, normalize_label, tokenize_batch
-from prm.sources import DataError
+from prm.errors import WriteFailed
+from prm.sources import DataError, say
 
 # source columns evaluation reports on, kept as they are: ProcessBench, best-of-N, PRMBench
 META = ("id", "first_error", "final_answer_correct", "group", "response_answer", "category")
@@ -47,32 +48,49 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
         fn, kwargs, fingerprint = cut_pretokenized, dict(max_length=cfg.max_length, is_eval=is_eval,
                                                          train_on_last_step_only=cfg.train_on_last_step_only), None
     else:
-        check_chat_template(ds, tokenizer)
         fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder (prm.scorers)
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
                       max_completion_length=cfg.max_completion_length,
                       train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
         fingerprint = map_fingerprint(ds, tokenizer, kwargs)
     n_proc = processes(num_proc, len(ds))
-    tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
-                 remove_columns=[c for c in ds.column_names if c not in META],
-                 num_proc=n_proc if n_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
+    try:
+        tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
+                     remove_columns=[c for c in ds.column_names if c not in META],
+                     num_proc=n_proc if n_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
+    except OSError as e:  # a full disk under the datasets cache
+        raise WriteFailed(f"cannot write tokenized rows to the datasets cache: {e.strerror or e}") from None
+    except Exception:
+        bad = template_problems(ds, tokenizer, "held-out" if is_eval else "training")
+        if not bad:
+            raise
+        if not (cfg.skip_invalid and drop_unlabeled) or len(bad) == len(ds):  # eval.py's match the source
+            raise DataError([p for _, p in bad], total_rows=len(bad)) from None
+        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): "
+            f"{bad[0][1]}")
+        keep = sorted(set(range(len(ds))) - {i for i, _ in bad})
+        return tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc,
+                                desc=desc)
     n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
 
 
-def check_chat_template(ds, tokenizer):
-    """Raise DataError when chat prompts meet a tokenizer with no chat template, or one that raises: else a
-    traceback from inside datasets.map. An Arrow column holds one type, so the first row stands for all."""
-    if len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
-        return
-    try:
-        tokenizer.apply_chat_template(ds[0]["prompt"], tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # ValueError (no template), jinja2's TemplateError (raise_exception), KeyError, ...
-        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise DataError([f"field 'prompt': a chat prompt (list of role/content) needs the tokenizer's chat template; "
-                         f"tokenizer {name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"])
+def template_problems(ds, tokenizer, which: str) -> list:
+    """(index, message) of each row whose chat prompt the tokenizer's chat template cannot render (none, or
+    one that raises); run when tokenization fails, so a traceback from inside datasets.map names its row."""
+    if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
+        return []
+    name, out = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, []
+    ids = ds["id"][:] if "id" in ds.column_names else [None] * len(ds)
+    for i, (prompt, id_) in enumerate(zip(ds["prompt"][:], ids)):
+        try:
+            tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            out.append((i, f"{which} row {i}{f' (id {id_})' if id_ else ''}: field 'prompt': a chat prompt "
+                           f"(list of role/content) needs the tokenizer's chat template; tokenizer {name}: "
+                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
+    return out
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:

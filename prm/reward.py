@@ -1,6 +1,6 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer calls
-(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.build, prm.config, prm.errors, prm.evaluate,
-prm.metrics, prm.model."""
+(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.config, prm.errors, prm.evaluate, prm.formats,
+prm.metrics, prm.model, prm.scorers."""
 import os
 import warnings
 
@@ -9,6 +9,7 @@ import torch
 from prm.config import FILE, Config
 from prm.errors import UsageError
 from prm.evaluate import score_batch
+from prm.formats import split_steps
 from prm.metrics import AGGREGATES
 from prm.model import input_settings
 from prm.scorers import load
@@ -73,9 +74,9 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
     def steps(self, completion) -> list:
-        """The completion's steps: split at the separator, blank pieces dropped (a trailing separator, blank
-        lines)."""
-        return [s.strip() for s in completion_text(completion).split(self.step_separator) if s.strip()]
+        """The completion's steps as training cuts them (prm.formats.split_steps): split at the separator,
+        blank pieces (a trailing separator, blank lines, zero-width characters) dropped."""
+        return split_steps(completion_text(completion), self.step_separator)
 
     def prompt(self, i: int, prompt):
         """Messages go through the chat template, as in training: tried here, so a template that fails on this

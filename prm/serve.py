@@ -10,15 +10,17 @@ Without "prompts", a query's prompt is all up to the last assistant turn's start
 (e.g. "<|im_start|>assistant\\n"); with no template or no such marker in it, the text before the first step
 separator (a query without one is all prompt: reward 0.0). GET /health answers {"status": "ok", ...}.
 
-One client never stops the server for the others: each connection has its own thread (the model runs one request
-at a time); a client silent for --timeout seconds is dropped; a body over --max-body-bytes gets a 413 unread; a
-missing Content-Length a 411, a malformed one a 400; a body that is not UTF-8 JSON, nests too deeply, holds a number
-too long to read, a lone surrogate ("\\ud800": no tokenizer can read it) or a field of the wrong type, a 400; a
-failure while scoring, a 500 (its traceback on stderr). Every error is JSON, {"error": message}.
-Depends on: prm.reward."""
+One client never stops the server for the others: a thread per connection, up to --max-connections (more:
+503), the model one request at a time; a request not all read within --timeout s of connecting (however
+slowly it trickles in): 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length:
+411; a bad or conflicting one, a body prm.formats.read_json refuses (as in data files), a field of the wrong
+type: 400; a failure while scoring: 500 (traceback on stderr). Every error is JSON, {"error": message}.
+Depends on: prm.formats, prm.reward."""
 import argparse
+import contextlib
 import json
 import math
+import socket
 import sys
 import threading
 import traceback
@@ -26,11 +28,18 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prm.errors import exit_status
+from prm.formats import decode, read_json
 from prm.reward import PRMReward
 from prm.scorers import FAMILIES
 
 PATH, HEALTH = "/get_reward", "/health"
-MAX_BODY = 8 << 20  # bytes: thousands of long rollouts; --max-body-bytes raises it
+MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64  # a body of 8 MiB holds thousands of long rollouts
+LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
+          "max_batch": (MAX_BATCH, "more queries in one request get a 413 (the model is held while scoring)"),
+          "max_connections": (MAX_CONNECTIONS, "connections served at once; more get a 503")}
+BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
+BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BUSY), BUSY)
 
 
 class BadRequest(ValueError):
@@ -41,45 +50,37 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def body_size(header, limit: int) -> int:
+def body_size(headers: list, limit: int) -> int:
     """The Content-Length to read, checked before a byte of the body is."""
-    if header is None:  # chunked bodies are not read: their size is unknown up front
+    if not headers:  # chunked bodies are not read: their size is unknown up front
         raise BadRequest("Content-Length is required", 411)
-    digits = header.strip()
+    if len({h.strip() for h in headers}) > 1:  # which one frames the body?
+        raise BadRequest(f"{len(headers)} different Content-Length headers")
+    digits = headers[0].strip()
     if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
-        raise BadRequest(f"Content-Length {header[:40]!r}: expected a number of bytes")
+        raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
     if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets Python's digit limit
         raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
     return int(digits)
 
 
-def read_json(body: bytes):
-    """The body as JSON; every way it can be unreadable is a BadRequest."""
-    try:
-        return json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"the body is not UTF-8: {e}") from None
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"the body is not JSON: {e}") from None
-    except RecursionError:  # the decoder recurses once per level of [ or {
-        raise BadRequest("the body nests too deeply to read") from None
-    except ValueError as e:  # an integer past Python's digit limit (int-str conversion)
-        raise BadRequest(f"the body holds a number too long to read: {e}") from None
+def parse(body: bytes):
+    """The body as JSON, read as the data files are; every way it can be unreadable is a BadRequest."""
+    text, problem, line = decode(body)
+    value, problem, line = (None, problem, line) if problem else read_json(text)
+    if problem:
+        raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
+    return value
 
 
 def texts(data: dict, key: str) -> list:
-    """data[key], checked to be a list of strings a tokenizer can read."""
+    """data[key], checked to be a list of strings."""
     value = data.get(key)
     if not isinstance(value, list):
         raise BadRequest(f"field '{key}': expected a list of strings, got {type(value).__name__}")
     for i, text in enumerate(value):
         if not isinstance(text, str):
             raise BadRequest(f"field '{key}': item {i} is {type(text).__name__}, not a string")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate: not text, tokenizers fail
-            raise BadRequest(f"field '{key}': item {i} holds a lone surrogate {text[e.start]!r} at character "
-                             f"{e.start}") from None
     return value
 
 
@@ -122,8 +123,8 @@ class Scorer:
     """The /get_reward answer to a parsed body; one request at a time on the model (its tokenizer is not safe to
     share between threads either)."""
 
-    def __init__(self, reward: PRMReward):
-        self.reward, self.lock = reward, threading.Lock()
+    def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
+        self.reward, self.lock, self.max_batch = reward, threading.Lock(), max_batch
         tok = reward.tokenizer
         self.marker = assistant_marker(tok)
         # decoded rollouts keep their left padding and their EOS and right padding: OpenRLHF's own server strips
@@ -135,7 +136,11 @@ class Scorer:
         """(prompts, completions) of a /get_reward body, every text stripped of padding, EOS and BOS."""
         if not isinstance(data, dict):
             raise BadRequest("expected a JSON object with 'query' (and 'prompts')")
-        queries = [strip_tokens(q, self.left, self.right) for q in texts(data, "query")]
+        queries = texts(data, "query")
+        if len(queries) > self.max_batch:
+            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per request "
+                             "(--max-batch)", 413)
+        queries = [strip_tokens(q, self.left, self.right) for q in queries]
         if data.get("prompts") is None:  # OpenRLHF always sends them; other clients may not
             pairs = [split_query(q, self.marker, self.reward.step_separator) for q in queries]
             return [p for p, _ in pairs], [c for _, c in pairs]
@@ -159,12 +164,34 @@ class Scorer:
                                "steps_scored": [len(ps) for ps in probs]}}
 
 
+class DeadlineHandler(BaseHTTPRequestHandler):
+    """One deadline, `timeout` seconds after connecting, for the whole request: then the connection's reading
+    side is shut, so a read waiting on a client that trickles bytes in ends, and `expired` says why."""
+    expired = False
+    default_request_version = "HTTP/1.0"  # an error answer to a cut request line has its status line too
+
+    def setup(self):
+        super().setup()  # StreamRequestHandler's: `timeout` on the socket, so no single read or write waits longer
+        self.deadline = threading.Timer(self.timeout, self.expire)
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def expire(self):
+        self.expired = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RD)
+
+    def finish(self):
+        self.deadline.cancel()
+        super().finish()
+
+
 def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
-    class Handler(BaseHTTPRequestHandler):
-        timeout = seconds  # StreamRequestHandler.setup puts it on the socket: every read or write waits at most
-        # this long, so an idle, slow or short-bodied client is dropped (its own thread only ever waited on it)
+    class Handler(DeadlineHandler):
+        timeout = seconds
 
         def do_GET(self):
+            self.deadline.cancel()
             if self.path.rstrip("/") != HEALTH:
                 return self.reply(404, {"error": f"unknown path {self.path}; GET {HEALTH} or POST {PATH}"})
             self.reply(200, {"status": "ok", "model": name, "aggregate": scorer.reward.aggregate})
@@ -173,7 +200,7 @@ def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
             if self.path.rstrip("/") != PATH:
                 return self.reply(404, {"error": f"unknown path {self.path}; POST to {PATH}"})
             try:
-                payload = scorer(read_json(self.body()))
+                payload = scorer(parse(self.body()))
             except BadRequest as e:
                 return self.reply(e.status, {"error": str(e)})
             except Exception as e:  # a failure in scoring: this request gets a 500, the server serves on
@@ -183,11 +210,14 @@ def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
 
         def body(self) -> bytes:
             """The whole request body, within the size limit and the timeout."""
-            size = body_size(self.headers.get("Content-Length"), max_body)
+            size = body_size(self.headers.get_all("Content-Length"), max_body)
             try:
                 body = self.rfile.read(size)
-            except TimeoutError:  # fewer bytes than Content-Length said, or a client too slow
-                raise BadRequest(f"the body did not arrive within {seconds} s (--timeout)", 408) from None
+            except TimeoutError:
+                self.expired, body = True, b""
+            self.deadline.cancel()
+            if len(body) < size and self.expired:  # fewer bytes than Content-Length said, too slowly
+                raise BadRequest(f"the request did not arrive within {seconds} s (--timeout)", 408)
             if len(body) < size:  # the client closed its side early
                 raise BadRequest(f"the body ended after {len(body)} of its {size} bytes (Content-Length)")
             return body
@@ -195,6 +225,8 @@ def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
         def send_error(self, code, message=None, explain=None):
             """The standard library's own errors (unknown method, bad request line, headers too long) as JSON."""
             self.close_connection = True
+            if self.expired:  # the request line or headers were cut at the deadline
+                code, message = 408, f"the request did not arrive within {seconds} s (--timeout)"
             self.reply(code, {"error": message or HTTPStatus(code).phrase})
 
         def reply(self, status: int, payload: dict):
@@ -208,11 +240,32 @@ def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    """A thread per connection, up to max_connections at once; one more is answered 503 and closed at once."""
+    request_queue_size = 128  # connections the kernel holds until accepted (5: a burst waits on retries)
+    slots: threading.BoundedSemaphore  # one per connection served at once
+
+    def process_request(self, request, client_address):
+        if self.slots.acquire(blocking=False):
+            return super().process_request(request, client_address)
+        with contextlib.suppress(OSError):  # a fresh socket's send buffer takes these bytes at once
+            request.sendall(BUSY)
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "", timeout: float = 30.0,
-                max_body: int = MAX_BODY) -> ThreadingHTTPServer:
+                max_body: int = MAX_BODY, max_batch: int = MAX_BATCH, max_connections: int = MAX_CONNECTIONS):
     """The server, bound and not yet serving (port 0: a free one, in server.server_port). Its threads are daemons:
     a client still connected never holds up the process's exit."""
-    return ThreadingHTTPServer((host, port), make_handler(Scorer(reward), name, timeout, max_body))
+    server = Server((host, port), make_handler(Scorer(reward, max_batch), name, timeout, max_body))
+    server.slots = threading.BoundedSemaphore(max_connections)
+    return server
 
 
 def main(argv=None):
@@ -226,23 +279,26 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config files say)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a client may stay silent (idle, or sending its request) before it is dropped "
+                   help="seconds a client has to send its whole request, however slowly; then a 408 "
                         "(default: %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY,
-                   help="larger request bodies get a 413 (default: %(default)s, 8 MiB)")
+    for key, (default, text) in LIMITS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
+                       help=text + " (default: %(default)s)")
     p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto",
                    help="how the model scores steps (eval.py --help); --step-tag, --good-token, --bad-token too")
     for flag, default in (("--step-tag", ""), ("--good-token", "+"), ("--bad-token", "-")):
         p.add_argument(flag, default=default, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not (math.isfinite(args.timeout) and args.timeout > 0) or args.max_body_bytes < 1:
-        p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes at least 1")
-    with exit_status():  # a bad scorer setting: one line and exit status 2
+    if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
+        p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "
+                "--max-connections at least 1")
+    with exit_status():  # a model that cannot be loaded, a bad scorer setting: one line and exit status 2
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            trust_remote_code=args.trust_remote_code, scorer=args.scorer,
                            step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token)
     server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
-                         max_body=args.max_body_bytes)
+                         max_body=args.max_body_bytes, max_batch=args.max_batch,
+                         max_connections=args.max_connections)
     print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
     try:
         server.serve_forever()

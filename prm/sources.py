@@ -1,5 +1,5 @@
 """Read train/held-out data from a hub name, a .jsonl/.json/.parquet file or a directory; convert and validate
-every row. Depends on: datasets, prm.data, prm.formats, prm.synthetic."""
+every row. Depends on: datasets, prm.data, prm.errors, prm.formats, prm.synthetic."""
 import contextlib
 import hashlib
 import inspect
@@ -8,14 +8,16 @@ import os
 import random
 import shutil
 import sys
+import uuid
 
 import datasets
 from datasets import Dataset, Features, List, Value, load_dataset
 
 from prm.config import Config
 from prm.data import IGNORE
-from prm.errors import UsageError
-from prm.formats import FORMATS, detect_format, format_help, to_stepwise
+from prm.errors import UsageError, WriteFailed
+from prm.formats import (FORMATS, at_separator, decode, detect_format, field_problem, format_help, read_json,
+                         to_rows)
 from prm.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
@@ -24,7 +26,7 @@ WHERE = "line = 1-based line of a .jsonl file; row = 0-based index in a .json ar
 
 
 class DataError(UsageError):
-    """Problems with the input data, one "<source> <line|row> N: field 'x': ..." line each."""
+    """Problems with the input data, one "<source> <line|row> N: field 'x': ..." line each: exit status 2."""
 
     def __init__(self, problems: list, total_rows: int = 0):
         self.problems = problems
@@ -38,21 +40,7 @@ class MissingSplit(DataError):
     """The hub dataset has no such split; for the eval split, load_splits holds out --eval-fraction instead."""
 
 
-@contextlib.contextmanager
-def exit_on_data_error():
-    """Bad data ends the program with exit status 2 and the problem list, not a traceback."""
-    try:
-        yield
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-
-
-SAID = []  # every data message of this process: load_splits keeps a read's messages with its cached rows
-
-
-def _say(msg: str):
-    SAID.append(msg)
+def say(msg: str):
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank loads the data: say it once
         print(msg, file=sys.stderr, flush=True)
 
@@ -70,87 +58,23 @@ def read_records(path: str):
             raise DataError([f"{path}: cannot read this parquet file: {e}"]) from None
         return [(f"row {i}", r, None) for i, r in enumerate(ds)]
     with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8-sig")  # -sig: a byte-order mark some editors write first is dropped, not refused
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise DataError([f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
-                         "convert the file to UTF-8"]) from None
+        text, problem, line = decode(f.read())
+    if problem:
+        raise DataError([f"{path} line {line}: {problem}; convert the file to UTF-8"])
     if path.endswith(".json"):
-        before = _REPEATS[0]
-        data, problem, line = _loads(text)
-        if problem and (text.lstrip().startswith("[") or line is None):  # a broken array: nothing in it is trusted
-            raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"]) from None
+        data, problem, line = read_json(text)
+        if data is None and problem and (text.lstrip().startswith("[") or line is None):  # trust none of it
+            raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"])
         pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
         if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
             # records grouped under keys, as Mr-Ben groups the solutions of a question under its id
             pairs = [(f"{k}[{i}]", r) for k, v in data.items() for i, r in enumerate(v)]
-        if pairs is not None:
-            look = _REPEATS[0] > before or _SURROGATE in text.lower()  # the deep look only where it can find one
-            return [(where, r, _field_problem(r) if look else None) for where, r in pairs]
+        if pairs is not None:  # a problem found in the whole value: each row's own is named
+            return [(where, r, problem and field_problem(r)) for where, r in pairs]
         if isinstance(data, dict) and "\n" in text.strip():
             raise DataError([f"{path}: one JSON object; expected an array of records, an object of such arrays, or JSON Lines"])
-    out = []
-    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit raw inside a JSON string
-        if line.strip():
-            before = _REPEATS[0]
-            record, problem, _ = _loads(line)
-            if problem is None and (_REPEATS[0] > before or _SURROGATE in line.lower()):
-                problem = _field_problem(record)
-            out.append((f"line {n}", record, problem))
-    return out
-
-
-_SURROGATE = "\\ud"  # how a UTF-16 surrogate is escaped in JSON (\ud800-\udfff); lowercased text is searched
-_REPEATS = [0]  # objects with a repeated key that json.loads has built (_object counts them): rows to look into
-
-
-class _Repeated(dict):
-    """A JSON object that gave one key twice (json keeps the last value without a word); `key` names it."""
-    key = None
-
-
-def _object(pairs: list) -> dict:
-    """json's object_pairs_hook: a dict, or a _Repeated one when a key repeats."""
-    d = dict(pairs)
-    if len(d) == len(pairs):
-        return d
-    seen, _REPEATS[0] = set(), _REPEATS[0] + 1
-    d = _Repeated(d)
-    d.key = next(k for k, _ in pairs if k in seen or seen.add(k))
-    return d
-
-
-def _loads(text: str):
-    """(value, problem, line) of one JSON text: a failure is a problem, not a traceback (line None: none known)."""
-    try:
-        return json.loads(text, object_pairs_hook=_object), None, None
-    except json.JSONDecodeError as e:
-        return None, f"malformed JSON: {e.msg} (column {e.colno})", e.lineno
-    except RecursionError:  # [[[[... : json recurses once per level
-        return None, "malformed JSON: nested too deeply", None
-    except ValueError as e:  # a number of over 4300 digits (Python's int conversion limit)
-        return None, f"unreadable JSON: {str(e).split(';')[0]}", None
-
-
-def _field_problem(value, field: str = ""):
-    """"field 'x': ..." for the first key given twice or string holding a lone surrogate (\ud800 without its
-    pair: no character, and no UTF-8 encoding) inside value, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} (position {e.start}) is not text"
-        return None
-    if isinstance(value, _Repeated):
-        return f"field '{field + '.' if field else ''}{value.key}': given twice in one object (which value is meant?)"
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        found = _field_problem(v, f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k))
-        if found:
-            return found
-    return None
+    # not splitlines(): U+2028 may sit raw inside a JSON string
+    return [(f"line {n}", *read_json(line)[:2]) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
 def _sources(spec: str, split: str, cfg):
@@ -177,10 +101,10 @@ def _sources(spec: str, split: str, cfg):
     return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
 
 
-def read_rows(spec: str, split: str, cfg, format_key: str = "format") -> list:
-    """Every record of a source as validated stepwise rows, in the format cfg.<format_key> names (--format, or
-    --eval-format for --eval-dataset). Raises DataError listing each bad row, or with cfg.skip_invalid drops those
-    records and says how many."""
+def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None) -> list:
+    """Every record of a source as validated stepwise (or pre-tokenized) rows, in the format cfg.<format_key>
+    names (--format, or --eval-format for --eval-dataset). Raises DataError listing each bad row, or with
+    cfg.skip_invalid drops those records; what it read is said on stderr and appended to `notes` if given."""
     rows, problems, bad, n_records, empty = [], [], 0, 0, 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
@@ -194,7 +118,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format") -> list:
                     why = format_help(record) if isinstance(record, dict) else "expected a JSON object"
                     raise DataError([f"{name} {where}: {why}"])
                 formats.setdefault(fmt, "detected from columns " + ", ".join(FORMATS[fmt]))
-            found, issues = ([], [problem]) if problem else to_stepwise(record, fmt, cfg.neutral_label)
+            found, issues = ([], [problem]) if problem else to_rows(record, fmt, cfg.neutral_label)
             if found and rows and ("input_ids" in found[0]) != ("input_ids" in rows[0]):
                 issues = ["pre-tokenized and text rows are mixed in one dataset"]
             elif found and rows and "prompt" in rows[0] and \
@@ -213,8 +137,10 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format") -> list:
         raise DataError(problems, total_rows=bad)
     note = f"; {empty} records gave no labeled example" if empty else ""
     skipped = f"; skipped {bad} invalid records (--skip-invalid), the first: {problems[0]}" if bad else ""
-    _say(f"{spec}: format {', '.join(f'{k} ({v})' for k, v in formats.items())}; "
-         f"{n_records} records -> {len(rows)} examples{note}{skipped}")
+    said = (f"{spec}: format {', '.join(f'{k} ({v})' for k, v in formats.items())}; "
+            f"{n_records} records -> {len(rows)} examples{note}{skipped}")
+    say(said)
+    (notes if notes is not None else []).append(said)
     if not rows:
         raise DataError([f"{spec}: no usable rows"])
     return rows
@@ -241,7 +167,12 @@ def to_dataset(rows: list) -> Dataset:
         for r in rows:
             yield {k: r.get(k) for k in features}
 
-    return Dataset.from_generator(generate, features=Features(features), fingerprint=digest.hexdigest()[:32])
+    try:
+        return Dataset.from_generator(generate, features=Features(features),
+                                      fingerprint=digest.hexdigest()[:32])
+    except OSError as e:  # a full disk: the rows could not be written where datasets keeps them
+        raise WriteFailed(f"cannot write the rows to the datasets cache {datasets.config.HF_DATASETS_CACHE}: "
+                          f"{e.strerror or e}") from None
 
 
 def cut_after_first_error(row: dict) -> dict:
@@ -267,42 +198,44 @@ def split_by_prompt(rows: list, fraction: float, seed: int):
     return [r for r in rows if key(r) not in held], [r for r in rows if key(r) in held]
 
 
-def read_splits(cfg):
-    """(train, held-out) datasets with columns prompt, completions, labels and, when the data has them, id,
-    first_error and final_answer_correct (ProcessBench), group and response_answer (best-of-N), category
-    (PRMBench)."""
-    # training rows only: the held-out set is judged on whole solutions
-    cut = cut_after_first_error if cfg.cut_after_first_error else lambda r: r
+def read_splits(cfg) -> tuple:
+    """(train, held-out, notes): datasets with columns prompt, completions, labels and, when the data has
+    them, id, first_error, final_answer_correct, group, response_answer, category; notes: what the read said.
+    Only training rows are cut (at the separator, after the first error): held-out ones are judged whole."""
+    cut = lambda r: at_separator(cut_after_first_error(r) if cfg.cut_after_first_error else r,
+                                 cfg.step_separator)
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
-        return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held)
-    train = read_rows(cfg.dataset, cfg.train_split, cfg)
+        return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held), []
+    notes = []
+    train = read_rows(cfg.dataset, cfg.train_split, cfg, notes=notes)
     held = None
-    if cfg.eval_dataset:
-        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format")  # its own format, not --dataset's
+    if cfg.eval_dataset:  # its own format, not --dataset's
+        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format", notes=notes)
     elif not is_local(cfg.dataset):
         try:
-            held = read_rows(cfg.dataset, cfg.eval_split, cfg)
+            held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes)
         except MissingSplit:  # hold out a share below
             pass
     if held is None:
         train, held = split_by_prompt(train, cfg.eval_fraction, cfg.seed)
-        _say(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt (--eval-fraction "
-             f"{cfg.eval_fraction}, --seed {cfg.seed})")
-    return to_dataset([cut(r) for r in train]), to_dataset(held)
+        notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
+                     f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
+        say(notes[-1])
+    return to_dataset([cut(r) for r in train]), to_dataset(held), notes
 
 
-SHAPING = Config.names_with("rows")  # the settings read_splits reads
+SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
 
-
-def data_digest(spec: str) -> str:
-    """sha256 of a local data file's or folder's contents (its files' names too); '' for hub or synthetic data."""
+def data_digest(spec: str, digest=None) -> str:
+    """sha256 of a local file's contents, or of a folder's file names and contents (wherever it lies);
+    '' for hub or synthetic data. `digest`: a hashlib object to feed instead."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
-    digest = hashlib.sha256()
+    digest = digest or hashlib.sha256()
     for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
         path = os.path.join(spec, name) if name else spec
-        digest.update(path.encode() + b"\0")
+        digest.update(name.encode() + b"\0")
         if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
@@ -318,41 +251,60 @@ def rows_cache(cfg):
     if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
         return None
     digest = hashlib.sha256(json.dumps([[getattr(cfg, k) for k in SHAPING], [inspect.getsource(m) for m in (
-        sys.modules[__name__], sys.modules[to_stepwise.__module__])]]).encode())
+        sys.modules[__name__], sys.modules[to_rows.__module__])]]).encode())
     for spec in specs:
-        digest.update(data_digest(spec).encode())
+        data_digest(spec, digest)
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", digest.hexdigest()[:32])
 
 
-def load_splits(cfg):
-    """read_splits, or its result read back from rows_cache when the files and settings are unchanged."""
+NOTES = "said.json"  # in a cache entry: what the read said, said again when the entry is read back
+
+
+def load_splits(cfg) -> tuple:
+    """read_splits, or its result read back from rows_cache when the files and settings are unchanged. An
+    entry is written under a temporary name and renamed whole (runs started together: the first rename wins);
+    a damaged one is read again and replaced; one that cannot be written (a full disk) is left out."""
     path = rows_cache(cfg)
-    if path and os.path.isfile(os.path.join(path, SAID_FILE)):  # written last: a complete cache
-        with open(os.path.join(path, SAID_FILE)) as f:
-            for msg in json.load(f):  # what the read said (formats, skipped rows, the held-out share), said again
-                _say(msg)
-        _say(f"(rows read back from {path}: files and settings unchanged)")
-        return _read_back(path)
-    start = len(SAID)
-    train, held = read_splits(cfg)
+    if path and (read_back := _read_back(path)):
+        return read_back
+    train, held, notes = read_splits(cfg)
     if not path:
         return train, held
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        shutil.rmtree(path, ignore_errors=True)
-        datasets.DatasetDict(train=train, held=held).save_to_disk(path)
-        with open(os.path.join(path, SAID_FILE), "w") as f:
-            json.dump(SAID[start:], f)
-    except OSError:  # a cache that cannot be written (a full disk) costs only the next read
-        return train, held
-    return _read_back(path)  # this run too: the fingerprints its tokenization is cached under are the reruns'
+        datasets.DatasetDict(train=train, held=held).save_to_disk(tmp)
+        with open(os.path.join(tmp, NOTES), "w") as f:
+            json.dump(notes, f)
+        if os.path.exists(path):  # damaged (a good one would have been read back): out of the way first
+            with contextlib.suppress(OSError):
+                os.rename(path, tmp + ".old")
+        os.rename(tmp, path)  # fails when another run's rename came first: theirs is as good as ours
+    except OSError as e:
+        if not os.path.isdir(path):
+            say(f"{path}: cannot write the rows cache ({e.strerror or e}); going on without it")
+    finally:
+        for leftover in (tmp, tmp + ".old"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return _read_back(path, quiet=True) or (train, held)  # the fingerprints tokenization is cached under
 
 
-def _read_back(path: str) -> tuple:
-    splits = datasets.load_from_disk(path)  # memory-mapped, with the same fingerprints every time it is read
-    return splits["train"], splits["held"]
-
-
-SAID_FILE = "said.json"
+def _read_back(path: str, quiet: bool = False):
+    """(train, held) of a complete cache entry, its notes said again; None when none or a damaged one."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        with open(os.path.join(path, NOTES)) as f:
+            notes = json.load(f)
+        if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):  # not what we write
+            raise ValueError(f"{NOTES} holds no list of messages")
+        splits = datasets.load_from_disk(path)  # memory-mapped, with the same fingerprints every time
+        train, held = splits["train"], splits["held"]
+    except Exception as e:  # a partial or damaged entry: read the source again
+        say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); reading the data")
+        return None
+    for msg in [] if quiet else notes + [f"(rows read back from {path}: files and settings unchanged)"]:
+        say(msg)
+    return train, held
 
 
 def load_eval(cfg, whole: str = ""):

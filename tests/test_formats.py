@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from prm.formats import detect_format, format_help, label_problem, row_problems, to_stepwise, token_problems
+from prm.formats import detect_format, format_help, label_problem, row_problems, to_rows, token_problems
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -16,7 +16,7 @@ def records(name):
 
 
 def convert(record, fmt, neutral="negative"):
-    rows, problems = to_stepwise(record, fmt, neutral)
+    rows, problems = to_rows(record, fmt, neutral)
     assert problems == []
     return rows
 
@@ -166,17 +166,17 @@ def test_hard_labels_become_bools_soft_stay_floats():
 
 
 def test_non_object_record():
-    assert to_stepwise([1, 2], "stepwise")[1] == ["expected a JSON object, got list [1, 2]"]
+    assert to_rows([1, 2], "stepwise")[1] == ["expected a JSON object, got list [1, 2]"]
 
 
 def test_pretokenized_rows_are_checked_and_right_padding_stripped():
     ok = {"input_ids": [1, 5, 6, 7], "labels": [-100, True, -100.0, 0.25]}
     assert token_problems(ok) == []
-    rows, problems = to_stepwise({**ok, "id": 3}, "pretokenized")
+    rows, problems = to_rows({**ok, "id": 3}, "pretokenized")
     assert problems == [] and rows == [{"input_ids": [1, 5, 6, 7], "labels": [-100, 1, -100.0, 0.25], "id": "3"}]
     assert type(rows[0]["labels"][1]) is int  # a bool label becomes 0/1, never True in a float column
     padded = {"input_ids": [1, 5, 0, 0], "labels": [-100, 1, -100, -100], "attention_mask": [1, 1, 0, 0]}
-    assert to_stepwise(padded, "pretokenized")[0] == [{"input_ids": [1, 5], "labels": [-100, 1]}]
+    assert to_rows(padded, "pretokenized")[0] == [{"input_ids": [1, 5], "labels": [-100, 1]}]
     problems = {
         "field 'input_ids': expected a non-empty list": {**ok, "input_ids": [], "labels": []},
         "field 'input_ids': position 1: str '5' is not a token id": {**ok, "input_ids": [1, "5", 6, 7]},
@@ -193,4 +193,4 @@ def test_pretokenized_rows_are_checked_and_right_padding_stripped():
     }
     for message, row in problems.items():
         assert [p for p in token_problems(row) if p.startswith(message)], (message, token_problems(row))
-    assert to_stepwise({"input_ids": [1]}, "pretokenized")[1] == ["field 'labels': missing"]
+    assert to_rows({"input_ids": [1]}, "pretokenized")[1] == ["field 'labels': missing"]

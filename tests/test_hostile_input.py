@@ -6,7 +6,8 @@ import os
 import pytest
 
 from prm.config import Config
-from prm.sources import DataError, exit_on_data_error, read_rows
+from prm.errors import exit_status
+from prm.sources import DataError, read_rows
 
 ROW = json.dumps({"prompt": "p", "completions": ["a"], "labels": [True]})
 
@@ -38,7 +39,7 @@ CASES = {  # name: (file contents, what the message names after the file)
 def test_a_hostile_data_file_exits_2_naming_file_line_and_field(tmp_path, name, capsys):
     text, named = CASES[name]
     (tmp_path / name).write_text(text, encoding="utf-8")
-    with pytest.raises(SystemExit) as e, exit_on_data_error():
+    with pytest.raises(SystemExit) as e, exit_status():
         read_rows(str(tmp_path / name), "train", Config())
     assert e.value.code == 2 and f"{tmp_path / name}{'' if named.startswith(':') else ' '}{named}" in \
         capsys.readouterr().err
@@ -77,7 +78,56 @@ def test_a_chat_prompt_without_a_working_chat_template_exits_2_naming_prompt_and
     tokenizer = char_tokenizer()
     tokenizer.chat_template = template
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "c"}], "completions": ["a"], "labels": [True]}])
-    with pytest.raises(SystemExit) as e, exit_on_data_error():
+    with pytest.raises(SystemExit) as e, exit_status():
         tokenize_dataset(ds, tokenizer, Config(), is_eval=False)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "field 'prompt': a chat prompt" in err and cause in err and "Traceback" not in err
+
+
+TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'bad' %}{{ raise_exception('no bad prompts') }}{% endif %}"
+            "{{ m['content'] }}{% endfor %}")
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_chat_template_that_raises_on_a_later_row_names_it_or_skips_it(skip, capsys):
+    from datasets import Dataset
+
+    from prm.ingest import tokenize_dataset
+    from prm.synthetic import char_tokenizer
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": c}], "completions": ["a"], "labels": [True]}
+                            for c in ["c", "d", "e", "bad", "f"]])
+    if not skip:
+        with pytest.raises(SystemExit) as e, exit_status():
+            tokenize_dataset(ds, tokenizer, Config(), is_eval=False)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "training row 3: field 'prompt': a chat prompt" in err
+        assert "no bad prompts" in err and "Traceback" not in err and "--skip-invalid" in err
+        return
+    tok, report = tokenize_dataset(ds, tokenizer, Config(skip_invalid=True), is_eval=False)
+    assert len(tok) == report["examples"] == 4
+    assert "skipped 1 rows whose chat prompt the template cannot render" in capsys.readouterr().err
+
+
+def test_the_json_reader_keeps_no_process_state_and_serves_data_and_server_alike():
+    import prm.serve
+    import prm.sources
+    from prm.formats import read_json
+    assert not any(hasattr(prm.sources, name) for name in ("SAID", "_REPEATS", "_loads", "exit_on_data_error"))
+    value, problem, _ = read_json('{"a": 1, "a": 2}')
+    assert problem == "field 'a': given twice in one object (which value is meant?)"
+    assert read_json('{"a": 1}') == ({"a": 1}, None, None)  # the earlier repeat left nothing behind
+    with pytest.raises(prm.serve.BadRequest, match="the body: field 'a': given twice in one object"):
+        prm.serve.parse(b'{"a": 1, "a": 2}')
+
+
+def test_bad_data_is_a_usage_error_with_the_same_message(tmp_path, capsys):
+    from prm.errors import UsageError
+    (tmp_path / "d.jsonl").write_text(ROW + "\n" + "{\n")
+    with pytest.raises(UsageError) as e:
+        read_rows(str(tmp_path / "d.jsonl"), "train", Config())
+    assert e.value.code == 2 and str(e.value).splitlines() == [
+        "1 invalid rows (line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file "
+        "or a hub split):", f"  {tmp_path / 'd.jsonl'} line 2: malformed JSON: Expecting property name enclosed in "
+        "double quotes (column 2)", "Fix these rows, or pass --skip-invalid to drop them."]

@@ -15,7 +15,7 @@ from prm.build import build_model  # noqa: E402
 from prm.config import Config  # noqa: E402
 from prm.data import pad_token_id  # noqa: E402
 from prm.evaluate import predict, report  # noqa: E402
-from prm.formats import detect_format, to_stepwise  # noqa: E402
+from prm.formats import detect_format, to_rows  # noqa: E402
 from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import prmbench_metrics  # noqa: E402
 from prm.sources import DataError, read_rows, to_dataset  # noqa: E402
@@ -35,7 +35,7 @@ def records():
 def test_real_rows_convert_with_1_based_error_steps():
     redundancy, circular = records()
     assert detect_format(redundancy) == "prmbench" == detect_format(circular)
-    rows, problems = to_stepwise(redundancy, "prmbench")
+    rows, problems = to_rows(redundancy, "prmbench")
     assert problems == [] and len(rows) == 2  # the modified solution, then the error-free original
     assert rows[0]["labels"] == [True, True, False, True, True, True]  # error_steps [3]
     assert rows[0]["category"] == "redundency" and rows[0]["first_error"] == 2
@@ -43,7 +43,7 @@ def test_real_rows_convert_with_1_based_error_steps():
     assert rows[1]["completions"] == redundancy["original_process"] and rows[1]["labels"] == [True] * 5
     assert rows[1]["category"] == "correct" and rows[1]["first_error"] == -1
     assert rows[1]["id"] == "correct_prm_test_p1_49"
-    rows, problems = to_stepwise(circular, "prmbench")  # other categories give their modified solution only
+    rows, problems = to_rows(circular, "prmbench")  # other categories give their modified solution only
     assert problems == [] and [r["labels"] for r in rows] == [[True, False, False, False, True]]
 
 
@@ -54,7 +54,7 @@ def test_error_steps_past_the_end_are_bad_rows():
             in str(e.value))
     assert len(read_rows(BAD, "test", Config(skip_invalid=True))) == 1  # line 1 is a good circular row
     for bad in (0, -1, True, "3"):
-        _, problems = to_stepwise({**records()[1], "error_steps": [bad]}, "prmbench")
+        _, problems = to_rows({**records()[1], "error_steps": [bad]}, "prmbench")
         assert problems == [f"field 'error_steps': {type(bad).__name__} {bad!r} is not a 1-based step index"]
 
 

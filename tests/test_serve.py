@@ -33,8 +33,8 @@ def expected(reward):
 
 
 @contextlib.contextmanager
-def running(reward, timeout: float):
-    server = serve.make_server(reward, name="tiny", timeout=timeout, max_body=LIMIT)
+def running(reward, timeout: float, **limits):
+    server = serve.make_server(reward, name="tiny", timeout=timeout, max_body=LIMIT, **limits)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
@@ -132,10 +132,11 @@ def test_idle_and_slow_clients_do_not_stop_the_others(reward, expected):
     ("-5", b"", 400, "expected a number of bytes"),
     (str(2 * LIMIT), b"", 413, "--max-body-bytes"),  # refused from the header: the body is never sent
     ("9" * 5000, b"", 413, "over the limit"),  # too many digits for int() to read
-    (9, b"{not json", 400, "not JSON"),
-    (2, b"\xff\xfe", 400, "not UTF-8"),
-    (100000, b"[" * 100000, 400, "nests too deeply"),
-    (5001, b"1" * 5001, 400, "number too long"),
+    (9, b"{not json", 400, "the body line 1: malformed JSON: Expecting property name"),
+    (2, b"\xff\xfe", 400, "the body line 1: not UTF-8 text (byte 0xff at offset 0)"),
+    (100000, b"[" * 100000, 400, "the body: malformed JSON: nested too deeply"),
+    (5001, b"1" * 5001, 400, "the body: unreadable JSON: Exceeds the limit (4300 digits)"),
+    (29, b'{"query": ["a"], "query": []}', 400, "the body: field 'query': given twice in one object"),
 ])
 def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expected, length, body, status, message):
     got, out = raw(port, length, body)
@@ -145,7 +146,7 @@ def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expect
 
 @pytest.mark.parametrize("body, message", [
     ({**GOOD, "query": ["count from 1:\ud800"], "prompts": ["count from 1:"]},
-     "field 'query': item 0 holds a lone surrogate '\\ud800' at character 13"),
+     "the body: field 'query[0]': a lone UTF-16 surrogate '\\ud800' (position 13) is not text"),
     ({**GOOD, "query": "count from 1:"}, "field 'query'"),
     ({**GOOD, "prompts": ["count from 1:", 2, 3]}, "field 'prompts': item 1 is int, not a string"),
     ([GOOD], "expected a JSON object"),
@@ -155,6 +156,49 @@ def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expect
 def test_wrong_fields_get_a_400(port, body, message):
     status, out = request(port, body=body)  # json.dumps writes the surrogate as the escape "\ud800"
     assert status == 400 and message in out["error"], out
+
+
+def test_two_different_content_lengths_get_a_400(port, expected):
+    body = json.dumps(GOOD).encode()
+    got, out = raw(port, f"{len(body)}\r\nContent-Length: {len(body) - 1}", body)
+    assert got == 400 and out["error"] == "2 different Content-Length headers", out
+    assert raw(port, f"{len(body)}\r\nContent-Length: {len(body)}", body)[0] == 200  # the same length twice: fine
+    assert_served(port, expected)
+
+
+def test_more_queries_than_max_batch_get_a_413(reward, expected):
+    with running(reward, timeout=5.0, max_batch=3) as port:
+        status, out = request(port, body={"query": GOOD["query"] * 2, "prompts": PROMPTS * 2})
+        assert status == 413 and "6 queries: over the limit of 3 per request (--max-batch)" in out["error"], out
+        assert_served(port, expected)  # 3 queries: within it
+
+
+def test_slow_clients_get_one_deadline_and_beyond_max_connections_a_503(reward, expected):
+    """20 clients each sending one header byte every 0.5 s (each read well within --timeout 2): 4 are served and
+    cut off at the request's deadline with a 408, the other 16 get a 503 at once; the server's threads stay few."""
+    base = threading.active_count()
+    with running(reward, timeout=2.0, max_connections=4) as port:
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(20)]
+        line, answers, most = f"POST {serve.PATH} HTTP/1.1\r\n".encode() * 10, {}, 0
+        for byte in range(len(line)):  # a client gets 40 chances before it stops by itself: 20 s at most
+            for i, s in enumerate(socks):
+                if i not in answers and not waiting(s):
+                    with contextlib.suppress(ConnectionResetError):  # a byte sent after the cut may reset it
+                        answers[i] = "cut"
+                        answers[i] = parse_reply(read_all(s))[0]
+                elif i not in answers:
+                    with contextlib.suppress(OSError):
+                        s.sendall(line[byte:byte + 1])
+            most = max(most, threading.active_count() - base)
+            if len(answers) == 20 or byte == 40:
+                break
+            time.sleep(0.5)
+        for s in socks:
+            s.close()
+        statuses = list(answers.values())  # all 20 answered before their 40 bytes were sent
+        assert len(statuses) == 20 and statuses.count(503) == 16 and set(statuses) - {503} <= {408, "cut"}, answers
+        assert most <= 1 + 2 * 4  # serve_forever, and a handler and its deadline timer per connection served
+        assert_served(port, expected)
 
 
 def test_a_body_shorter_than_its_length_is_refused(port):

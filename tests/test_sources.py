@@ -362,3 +362,34 @@ def test_validated_rows_are_read_back_while_files_and_settings_are_unchanged(tmp
     changed, _ = load_splits(cfg_for(data))
     assert calls == [data, data]
     assert {r["prompt"]: r["labels"] for r in changed}.get("q29", [False, False]) == [False, False]
+
+
+def scorer_steps(text: str, separator: str = "\n") -> list:
+    """The steps PRMReward (and so prm.serve) scores in a completion."""
+    from prm.reward import PRMReward
+    scorer = PRMReward.__new__(PRMReward)  # no model needed to split a text
+    scorer.step_separator = separator
+    return scorer.steps(text)
+
+
+def test_training_and_scoring_cut_steps_at_the_separator_alike(tmp_path):
+    steps = ["a\nb", "c\n", "  d\n\n e", "f"]
+    rows = [{"prompt": f"p{i}", "completions": steps, "labels": [True, False, True, None]} for i in range(2)]
+    path = write_jsonl(tmp_path / "sep.jsonl", rows)
+    train, held = load_splits(cfg_for(path, eval_dataset=path))
+    assert train[0]["completions"] == ["a", "b", "c", "d", "e", "f"] == scorer_steps("\n".join(steps) + "\n")
+    assert train[0]["labels"] == [None, True, False, None, True, None]  # the label on the step's last piece
+    assert held[0]["completions"] == steps  # evaluation keeps a benchmark's own steps (its first-error indices)
+    assert load_splits(cfg_for(path, eval_dataset=path, step_separator=" "))[0][0]["completions"] == [
+        "a\nb", "c", "d", "e", "f"]  # the separator is part of the cache key
+
+
+@pytest.mark.parametrize("blank", ["", " \t", "\u200b", "\ufeff\u200b \u2060"])
+def test_a_blank_step_is_an_invalid_row_and_no_step_when_scoring(tmp_path, blank):
+    rows = [{"prompt": "p", "completions": ["a"], "labels": [True]},
+            {"prompt": "p", "completions": ["a", blank], "labels": [True, True]}]
+    path = write_jsonl(tmp_path / "blank.jsonl", rows)
+    with pytest.raises(DataError, match=r"blank.jsonl line 2: field 'completions': step 1 is empty"):
+        read_rows(path, "train", Config())
+    assert len(read_rows(path, "train", Config(skip_invalid=True))) == 1
+    assert scorer_steps(f"a\n{blank}\nb\n{blank}") == ["a", "b"]

@@ -1,0 +1,135 @@
+"""The rows cache under damage and contention: a damaged or partial entry is read again from the source with one
+line, runs started together on new data all succeed, a full disk leaves no entry behind (or ends with one line,
+exit status 1); never a poisoned entry. Depends on: pytest, datasets, prm."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import datasets
+import pytest
+
+from prm.config import Config
+from prm.errors import WriteFailed
+from prm.ingest import tokenize_dataset
+from prm.sources import data_digest, load_splits, rows_cache
+from prm.synthetic import char_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = [{"prompt": f"q{i}", "completions": ["a", "b"], "labels": [True, i % 2 == 0]} for i in range(30)]
+
+
+@pytest.fixture
+def data(tmp_path, monkeypatch):
+    """A new data file, and a datasets cache of this test's own, caching on."""
+    was_on = datasets.is_caching_enabled()
+    datasets.enable_caching()
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    yield str(path)
+    if not was_on:
+        datasets.disable_caching()
+
+
+def splits(path) -> tuple:
+    train, held = load_splits(Config(dataset=path))
+    return train.to_list(), held.to_list()
+
+
+def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def damage(entry: str, how: str):
+    said = os.path.join(entry, "said.json")
+    if how == "empty said.json":
+        open(said, "w").close()
+    elif how == "garbage said.json":
+        with open(said, "w") as f:
+            f.write('{"not": "a list of messages"')
+    elif how == "truncated arrow file":
+        arrow = next(os.path.join(entry, "train", f) for f in os.listdir(os.path.join(entry, "train"))
+                     if f.endswith(".arrow"))
+        with open(arrow, "r+b") as f:
+            f.truncate(os.path.getsize(arrow) // 2)
+    elif how == "no state.json":
+        os.remove(os.path.join(entry, "train", "state.json"))
+    else:
+        shutil.rmtree(os.path.join(entry, "held"))
+
+
+@pytest.mark.parametrize("how", ["empty said.json", "garbage said.json", "truncated arrow file", "no state.json",
+                                 "no held/"])
+def test_a_damaged_entry_is_read_again_from_the_source_with_one_line(data, how, capsys):
+    first = splits(data)
+    entry = rows_cache(Config(dataset=data))
+    damage(entry, how)
+    capsys.readouterr()
+    assert splits(data) == first
+    err = capsys.readouterr().err
+    assert err.count("a damaged rows cache entry") == 1 and "Traceback" not in err and "format stepwise" in err
+    assert splits(data) == first and "rows read back" in capsys.readouterr().err  # replaced by a good entry
+
+
+def test_runs_started_together_on_new_data_all_succeed(data, tmp_path):
+    with open(data, "a") as f:  # rows enough that writing the entry takes a while
+        f.writelines(json.dumps({**ROWS[i % 30], "prompt": f"more {i}"}) + "\n" for i in range(20000))
+    code = ("import os, sys, time, datasets; datasets.config.HF_DATASETS_CACHE = sys.argv[2]; "
+            "from prm.config import Config; from prm.sources import load_splits; open(sys.argv[3], 'w').close(); "
+            "[time.sleep(0.05) for _ in range(2400) if not os.path.exists(sys.argv[4])]; "  # all imported: go
+            "t, h = load_splits(Config(dataset=sys.argv[1])); print(len(t) + len(h))")
+    go = str(tmp_path / "go")
+    runs = [subprocess.Popen([sys.executable, "-c", code, data, datasets.config.HF_DATASETS_CACHE,
+                              str(tmp_path / f"ready{i}"), go], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(3)]
+    for _ in range(2400):  # 2 minutes at most
+        if all(os.path.exists(tmp_path / f"ready{i}") for i in range(3)):
+            break
+        time.sleep(0.05)
+    open(go, "w").close()
+    outs = [r.communicate(timeout=300) for r in runs]
+    assert [r.returncode for r in runs] == [0, 0, 0] and [o.strip() for o, _ in outs] == ["20030"] * 3, outs
+    entries = os.listdir(os.path.dirname(rows_cache(Config(dataset=data))))
+    assert len(entries) == 1 and not entries[0].endswith(".tmp")  # one entry, no leftovers
+
+
+def test_a_full_disk_while_caching_goes_on_without_the_cache_and_leaves_no_entry(data, monkeypatch, capsys):
+    real = datasets.DatasetDict.save_to_disk
+
+    def half_written(self, path, **kwargs):  # the disk fills up part way
+        os.makedirs(path)
+        open(os.path.join(path, "said.json"), "w").close()
+        full_disk()
+    monkeypatch.setattr(datasets.DatasetDict, "save_to_disk", half_written)
+    first = splits(data)
+    assert len(first[0]) + len(first[1]) == 30 and "cannot write the rows cache" in capsys.readouterr().err
+    assert os.listdir(os.path.dirname(rows_cache(Config(dataset=data)))) == []  # nothing poisoned, no leftovers
+    monkeypatch.setattr(datasets.DatasetDict, "save_to_disk", real)
+    assert splits(data) == first and splits(data) == first and "rows read back" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["from_generator", "map"])
+def test_a_full_disk_where_rows_must_be_written_ends_with_one_line(data, where, monkeypatch):
+    ds = load_splits(Config(dataset=data))[0]
+    monkeypatch.setattr(datasets.Dataset, where, full_disk)
+    with pytest.raises(WriteFailed, match="datasets cache.*No space left on device") as e:
+        if where == "map":
+            tokenize_dataset(ds, char_tokenizer(), Config(), is_eval=False)
+        else:
+            load_splits(Config(dataset=data, seed=1))
+    assert e.value.code == 1 and "\n" not in str(e.value)
+
+
+def test_data_digest_follows_the_contents_not_the_place(data, tmp_path):
+    digest = data_digest(data)
+    assert len(digest) == 64 and data_digest("synthetic") == data_digest("org/hub-name") == ""
+    os.makedirs(tmp_path / "moved")
+    shutil.copy(data, tmp_path / "moved" / "d.jsonl")
+    assert data_digest(str(tmp_path / "moved" / "d.jsonl")) == digest
+    with open(data, "a") as f:
+        f.write(json.dumps(ROWS[0]) + "\n")
+    assert data_digest(data) != digest and data_digest(str(tmp_path / "moved")) not in ("", digest)
