@@ -455,7 +455,6 @@ def writable(path: str) -> bool:
     return os.access(part, os.W_OK)
 
 
-exit_on_problems = check  # for the modules not yet importing prm.errors.check themselves
 
 
 def nearest_field(key: str, cls=Config) -> str:
