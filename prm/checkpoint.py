@@ -1,6 +1,6 @@
 """Training checkpoints (atomic, checksummed, exact resume), the final export, finding the newest good checkpoint,
 and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors, prm.model, prm.lora,
-prm.sharding, prm.errors."""
+prm.runtime, prm.sharding, prm.errors."""
 import contextlib
 import fcntl
 import hashlib
@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from prm.errors import UsageError, WriteFailed, check
 from prm.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
 from prm.model import hf_names, load_weights
-from prm.sharding import SHARDS, load_shards
+from prm.runtime import barrier
+from prm.sharding import SHARDS, load_shards, save_shards
 
 MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, never resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
@@ -409,3 +410,50 @@ def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
     scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
     return read_marker(path)["step"]
+
+
+class Checkpointer:
+    """The trainer's checkpoints: checkpoint-<step>/ when --save-every says so or the run stops early, and final/
+    at the end; `before_save` first (the divergence check), so non-finite weights are never written.
+    parallel: prm.sharding.Parallel, the model as the loop runs it."""
+
+    def __init__(self, cfg, rt, parallel, *, every: int, optimizer, scheduler, scaler, tokenizer, before_save,
+                 digests: dict):
+        self.cfg, self.rt, self.parallel, self.digests = cfg, rt, parallel, digests
+        self.before_save = before_save  # the divergence check: raises rather than save non-finite weights
+        self.interval = every  # steps between checkpoints; 0: none but a stop's
+        self.state = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer)
+
+    def save(self, step: int, *, stopping: bool = False):
+        if not (stopping or (self.interval and step % self.interval == 0)):
+            return
+        self.before_save()
+        barrier(self.rt)
+        if self.cfg.fsdp:  # every rank writes its shards into the temporary directory rank 0 then completes
+            tmp = checkpoint_dir(self.cfg.output_dir, step) + ".tmp"
+            if self.rt.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier(self.rt)
+            save_shards(tmp, self.parallel.model, self.state["optimizer"], trainable_only=has_lora(self.parallel.model))
+            barrier(self.rt)
+        if self.rt.is_main:
+            self.write(step)
+        barrier(self.rt)
+
+    def write(self, step: int):
+        """Rank 0's part of a checkpoint; all of it unless --fsdp (then every rank wrote its shards first)."""
+        save_checkpoint(self.cfg.output_dir, step, model=self.parallel.model, cfg=self.cfg, sharded=self.cfg.fsdp,
+                        world_size=self.rt.world_size, data=self.digests, **self.state)
+
+    def save_final(self, step: int) -> str:
+        """final/ (rank 0's path; None elsewhere). If it cannot be written, the weights go to checkpoint-<step>."""
+        self.before_save()
+        barrier(self.rt)
+        state = self.parallel.full_state()  # a collective: every rank sends its shards
+        keep = None if self.cfg.fsdp else lambda: self.write(step)  # rank 0 alone cannot write a sharded checkpoint
+        path = None
+        if self.rt.is_main:
+            path = save_final(self.cfg.output_dir, model=self.parallel.model, tokenizer=self.state["tokenizer"],
+                              cfg=self.cfg, state=state, step=step, keep=keep)
+        barrier(self.rt)
+        return path

@@ -1,8 +1,10 @@
-"""FSDP2 for models too big for DDP: shard a PRM's weights, gradients and optimizer state over the ranks, and save or
-load them sharded with torch.distributed.checkpoint. Depends on: torch.
+"""The model as the training loop runs it (Parallel: plain, compiled, DDP or FSDP2), and FSDP2 for models too big
+for DDP: shard a PRM's weights, gradients and optimizer state over the ranks, and save or load them sharded with
+torch.distributed.checkpoint. Depends on: torch, prm.errors.
 
 DDP keeps a full copy of weights, gradients and AdamW state on every rank (16 bytes per trained parameter);
 fully_shard keeps 1/world_size of each and all-gathers one decoder layer at a time for its forward and backward."""
+import contextlib
 import os
 import warnings
 
@@ -13,6 +15,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from prm.errors import check
 
 SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a checkpoint
 
@@ -74,3 +79,35 @@ def load_whole(path: str, model: nn.Module, trainable_only: bool):
 def full_state(model: nn.Module) -> dict:
     """The whole model's state dict as plain CPU tensors on rank 0 (empty elsewhere): for the final export."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class Parallel:
+    """The model as the loop runs it: plain, compiled, wrapped in DDP, or sharded with FSDP2 (--fsdp). The loop
+    calls these methods and never asks which; `model` stays the plain PRM (saving, evaluation)."""
+
+    def __init__(self, model, rt, *, cfg, amp_dtype, packed: bool):
+        self.model, self.rt, self.fsdp = model, rt, cfg.fsdp
+        if cfg.fsdp:  # before the optimizer is made: it must hold the sharded parameters
+            check([] if rt.distributed else ["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2+"])
+            shard(model, amp_dtype)
+        self.forward = model
+        if cfg.compile:  # varying widths: one symbolic-shape graph at once, not a static one and then a recompile;
+            # packed rows padded to --pack-to repeat their shapes, so a static graph compiles once and stays
+            self.forward = torch.compile(model, dynamic=not (packed and cfg.pack_to))
+        if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
+            self.forward = DDP(self.forward, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+
+    def grad_sync(self, last: bool):
+        """Gradients are reduced over ranks in the last micro-batch's backward only: it carries the sum of all."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return self.forward.no_sync() if self.rt.distributed and not last else contextlib.nullcontext()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clips by the norm over every rank's gradients (sharded ones gathered), as DDP does; returns it."""
+        return full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm or float("inf")))
+
+    def full_state(self):
+        """The whole model's weights on rank 0 when sharded (a collective); None: the model's own serve."""
+        return full_state(self.model) if self.fsdp else None

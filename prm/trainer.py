@@ -10,29 +10,26 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import time
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from prm.build import model_for, tokenizer_for
 from prm.card import config_command, model_card
-from prm.checkpoint import (checkpoint_dir, load_checkpoint, read_marker, run_lock, save_checkpoint, save_final,
-                            write_card)
+from prm.checkpoint import Checkpointer, load_checkpoint, read_marker, run_lock, write_card
 from prm.config import Config
 from prm.data import collate, global_batches, micro_batches, pack, pad_token_id
 from prm.errors import Stopped, UsageError, check
 from prm.evaluate import predict, report
 from prm.ingest import tokenize_dataset
-from prm.lora import count_parameters, has_lora
+from prm.lora import count_parameters
 from prm.model import enable_activation_checkpointing, step_loss
 from prm.rundir import prepare_output_dir
 from prm.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, progress_off, setup,
                          teardown)
-from prm.sharding import full_state, full_tensor, save_shards, shard
+from prm.sharding import Parallel
 from prm.sources import data_digest, load_splits
 from prm.tracking import Tracker, require
 from prm.trainlog import LogSettings, MetricsFile, TrainLog, count
@@ -209,8 +206,8 @@ class Trainer:
                                hint=hint)
         self.log = TrainLog(settings, rt, self.out, lengths=self.lengths, n_labeled=self.n_labeled)
         self.checkpointer = Checkpointer(cfg, rt, self.parallel, every=cfg.every("save", self.steps_per_epoch),
-                                         optimizer=self.optimizer, scheduler=self.scheduler,
-                                         scaler=self.scaler, tokenizer=self.tokenizer, log=self.log,
+                                         optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                                         tokenizer=self.tokenizer, before_save=self.log.stop_if_diverged,
                                          digests=self.digests)
         trainable, n_params = count_parameters(self.model)
         # every epoch passes over every example once: its non-pad tokens, scaled to the steps this run takes
@@ -360,80 +357,3 @@ class Preemption:
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
         return Stopped(f"stopped by {name} after step {step}; checkpoint saved. Continue with --resume auto",
                        self.signum or signal.SIGTERM)
-
-
-class Parallel:
-    """The model as the loop runs it: plain, compiled, wrapped in DDP, or sharded with FSDP2 (--fsdp). The loop
-    calls these methods and never asks which; `model` stays the plain PRM (saving, evaluation)."""
-
-    def __init__(self, model, rt: Runtime, *, cfg: Config, amp_dtype, packed: bool):
-        self.model, self.rt, self.fsdp = model, rt, cfg.fsdp
-        if cfg.fsdp:  # before the optimizer is made: it must hold the sharded parameters
-            check([] if rt.distributed else ["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2+"])
-            shard(model, amp_dtype)
-        self.forward = model
-        if cfg.compile:  # varying widths: one symbolic-shape graph at once, not a static one and then a recompile;
-            # packed rows padded to --pack-to repeat their shapes, so a static graph compiles once and stays
-            self.forward = torch.compile(model, dynamic=not (packed and cfg.pack_to))
-        if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
-            self.forward = DDP(self.forward, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
-
-    def grad_sync(self, last: bool):
-        """Gradients are reduced over ranks in the last micro-batch's backward only: it carries the sum of all."""
-        if self.fsdp:
-            self.model.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-        return self.forward.no_sync() if self.rt.distributed and not last else contextlib.nullcontext()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clips by the norm over every rank's gradients (sharded ones gathered), as DDP does; returns it."""
-        return full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm or float("inf")))
-
-    def full_state(self):
-        """The whole model's weights on rank 0 when sharded (a collective); None: the model's own serve."""
-        return full_state(self.model) if self.fsdp else None
-
-
-class Checkpointer:
-    """checkpoint-<step>/ when --save-every says so or the run stops early, and final/ at the end; it reads the
-    divergence flag first, so non-finite weights are never written."""
-
-    def __init__(self, cfg: Config, rt: Runtime, parallel: Parallel, *, every: int, optimizer, scheduler, scaler,
-                 tokenizer, log: TrainLog, digests: dict):
-        self.cfg, self.rt, self.parallel, self.log, self.digests = cfg, rt, parallel, log, digests
-        self.interval = every  # steps between checkpoints; 0: none but a stop's
-        self.state = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer)
-
-    def save(self, step: int, *, stopping: bool = False):
-        if not (stopping or (self.interval and step % self.interval == 0)):
-            return
-        self.log.stop_if_diverged()
-        barrier(self.rt)
-        if self.cfg.fsdp:  # every rank writes its shards into the temporary directory rank 0 then completes
-            tmp = checkpoint_dir(self.cfg.output_dir, step) + ".tmp"
-            if self.rt.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            barrier(self.rt)
-            save_shards(tmp, self.parallel.model, self.state["optimizer"], trainable_only=has_lora(self.parallel.model))
-            barrier(self.rt)
-        if self.rt.is_main:
-            self.write(step)
-        barrier(self.rt)
-
-    def write(self, step: int):
-        """Rank 0's part of a checkpoint; all of it unless --fsdp (then every rank wrote its shards first)."""
-        save_checkpoint(self.cfg.output_dir, step, model=self.parallel.model, cfg=self.cfg, sharded=self.cfg.fsdp,
-                        world_size=self.rt.world_size, data=self.digests, **self.state)
-
-    def save_final(self, step: int) -> str:
-        """final/ (rank 0's path; None elsewhere). If it cannot be written, the weights go to checkpoint-<step>."""
-        self.log.stop_if_diverged()
-        barrier(self.rt)
-        state = self.parallel.full_state()  # a collective: every rank sends its shards
-        keep = None if self.cfg.fsdp else lambda: self.write(step)  # rank 0 alone cannot write a sharded checkpoint
-        path = None
-        if self.rt.is_main:
-            path = save_final(self.cfg.output_dir, model=self.parallel.model, tokenizer=self.state["tokenizer"],
-                              cfg=self.cfg, state=state, step=step, keep=keep)
-        barrier(self.rt)
-        return path
