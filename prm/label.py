@@ -1,9 +1,10 @@
-"""`python -m prm.label --policy MODEL --dataset FILE --output OUT.jsonl`: step labels from Monte-Carlo rollouts of
-a policy: Math-Shepherd's estimate of every step (soft: the share of rollouts from its prefix that reach the
-reference answer; hard: 1 if any does) or OmegaPRM's binary search for the first error. The output is the
-trainer's stepwise rows plus the counts behind each label. The API takes any `complete(prompts, n, seed) ->
-list[list[str]]` (Generator is the transformers one). Nothing in the package imports this module.
-Depends on: torch, transformers, tqdm, prm.build, prm.config, prm.errors, prm.formats, prm.runtime, prm.sources."""
+"""`python -m prm.label --policy MODEL --dataset FILE --output OUT.jsonl`: step labels from Monte-Carlo
+rollouts of a policy, Math-Shepherd's estimate of every step (soft: the share of rollouts from its prefix
+that reach the reference answer; hard: 1 if any does) or OmegaPRM's binary search for the first error,
+written as the trainer's stepwise rows plus the counts behind each label. The API takes any
+`complete(prompts, n, seed) -> list[list[str]]`; Generator is the transformers one. Nothing in the package
+imports this module. Depends on: torch, transformers, tqdm, prm.build, prm.config, prm.errors, prm.formats,
+prm.runtime, prm.sources."""
 import argparse
 import dataclasses
 import datetime
@@ -29,23 +30,23 @@ def _opt(default, help, **kw):
 
 @dataclasses.dataclass
 class Options:
-    """Everything that decides the labels: an output keeps them beside it (OUT.settings), and a rerun into it with
-    others is refused."""
+    """Everything that decides the labels: an output keeps them beside it (OUT.settings); a rerun into it
+    with others is refused."""
     rollouts: int = _opt(8, "continuations rolled out from each step's prefix")
-    label: str = _opt("soft", "soft: the share of rollouts that reach the answer; hard: 1 if any does",
+    label: str = _opt("soft", "soft: the share of rollouts reaching the answer; hard: 1 if any does",
                       choices=["soft", "hard"])
-    search: str = _opt("all", "all: roll out every step's prefix; binary: OmegaPRM's search for the first step no "
-                       "rollout rescues (hard labels: before it 1, it 0, after it null), about log2(steps) "
+    search: str = _opt("all", "all: roll out every step's prefix; binary: OmegaPRM's search for the first "
+                       "step no rollout rescues (1 before it, 0 at it, null after), about log2(steps) "
                        "prefixes per wrong solution, none for a right one", choices=["all", "binary"])
     samples: int = _opt(4, "solutions sampled for a row without 'completions'")
-    step_separator: str = _opt("\n", "what follows each step (escapes like \\n understood); sampled solutions are "
-                               "split on it", type=unescape)
+    step_separator: str = _opt("\n", "what follows each step (escapes like \\n understood); sampled "
+                               "solutions are split on it", type=unescape)
     answer_field: str = _opt("answer", "the column holding the reference final answer")
-    answer_pattern: str = _opt("", "regex whose last match (its group 1 if it has one) is a text's final answer; "
+    answer_pattern: str = _opt("", "regex whose last match (its group 1 if any) is a text's final answer; "
                                "default: the last \\boxed{}, else 'the answer is ...', else the last number")
     checker: str = _opt("exact", "exact: normalized match; math-verify: the math-verify package",
                         choices=["exact", "math-verify"])
-    seed: int = _opt(0, "rows are seeded from it and their index, so results do not depend on ranks or shards")
+    seed: int = _opt(0, "rows are seeded from it and their index: results do not depend on ranks or shards")
     policy: str = _opt("", "the model rolled out (recorded; the API's complete() may be anything)")
     temperature: float = _opt(0.7, "sampling temperature; 0: greedy")
     top_p: float = _opt(1.0, "nucleus sampling share")
@@ -56,29 +57,27 @@ class Options:
 # ---- answers
 
 def extract_answer(text: str, pattern: str = ""):
-    """A text's final answer: the last match of `pattern` (its group 1 if it has groups), else the inside of the
-    last \\boxed{...} (nested braces kept), else what follows the last "answer is", else the last number; None."""
+    """A text's final answer: the last match of `pattern` (its group 1 if it has groups), else the inside of
+    the last \\boxed{...} (nested braces kept), else what follows the last "answer is", else the last
+    number; None when there is none."""
     if pattern:
         found = list(re.finditer(pattern, text))
         return (found[-1].group(1) if found[-1].re.groups else found[-1].group(0)) if found else None
-    start = text.rfind("\\boxed{")
-    depth = 0
+    start, depth = text.rfind("\\boxed{"), 0
     for j in range(start + 6, len(text) if start >= 0 else 0):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[start + 7:j]
     said = re.findall(r"answer is:?\s*(.+?)\.?\s*(?:$|\n|\.\s)", text, re.I)
-    if said:
-        return said[-1]
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return numbers[-1].rstrip(",") if numbers else None
+    return said[-1] if said else numbers[-1].rstrip(",") if numbers else None
 
 
 def normalize(answer: str) -> str:
-    """Spacing, $, \\left/\\right, \\text{}, \\dfrac, a trailing period, "x =" and thousands separators removed."""
+    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, a trailing period, "x =", 1,000's comma."""
     s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("$", ""),
-                     ("\\!", ""), ("\\,", ""), (" ", "")):
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                     ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
         s = s.replace(old, new)
     s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
     return s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
@@ -86,17 +85,14 @@ def normalize(answer: str) -> str:
 
 def _number(s: str):
     """The exact value of an integer, decimal, a/b or \\frac{a}{b}; None for anything else."""
-    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?\d+(?:\.\d+)?)(?:/(\d+))?", s)
-    try:
-        if m and m.group(2) is not None:
-            return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-        return Fraction(m.group(4)) / int(m.group(5) or 1) if m else None
-    except ZeroDivisionError:
-        return None
+    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
+    if m and m.group(2) is not None:
+        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
+    return Fraction(m.group(4)) / int(m.group(5) or 1) if m else None
 
 
 def same_answer(found, reference) -> bool:
-    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer found is never right."""
+    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is never right."""
     if found is None:
         return False
     a, b = normalize(str(found)), normalize(str(reference))
@@ -120,14 +116,14 @@ def judge(reference: str, opts: Options):
 # ---- estimation
 
 def label_solutions(text: str, solutions: list, right, complete, opts: Options, seed: int) -> list:
-    """{labels, rollouts, successes} per solution (a list of steps) of one problem. `text`: the prompt as the policy
-    reads it; right(text) judges a text's final answer. The last step is labeled by the solution's own answer,
-    without rollouts; the others from opts.rollouts continuations of their prefix (steps 1..k)."""
+    """{labels, rollouts, successes} per solution (a list of steps) of one problem. `text`: the prompt as
+    the policy reads it; right(text) judges a text's final answer. The last step is labeled by the
+    solution's own answer, without rollouts; the others from opts.rollouts continuations of their prefix."""
     sep, n, calls = opts.step_separator, opts.rollouts, [0]
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
 
-    def roll(todo):  # [(solution, k)]: n continuations of each prefix, in one call
+    def roll(todo):  # [(solution, k)]: n continuations of each prefix (steps 1..k), in one call
         calls[0] += 1
         prompts = [text + "".join(step + sep for step in solutions[i][:k]) for i, k in todo]
         outs = complete(prompts, n, seed + calls[0])
@@ -136,9 +132,10 @@ def label_solutions(text: str, solutions: list, right, complete, opts: Options, 
         for (i, k), texts in zip(todo, outs):
             tries[i][k - 1], wins[i][k - 1] = n, sum(map(right, texts))
 
-    if opts.search == "binary":
+    if opts.search == "binary":  # every solution's search advances in the same calls
         lo, hi = [1] * len(solutions), [len(s) for s in solutions]  # the first error is a step in lo..hi
-        while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions)) if not final[i] and lo[i] < hi[i]]:
+        while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
+                       if lo[i] < hi[i] and not final[i]]:
             roll(todo)
             for i, k in todo:
                 lo[i], hi[i] = (k + 1, hi[i]) if wins[i][k - 1] else (lo[i], k)
@@ -155,49 +152,41 @@ def label_solutions(text: str, solutions: list, right, complete, opts: Options, 
 
 
 def label_row(row: dict, index: int, complete, render, opts: Options) -> list:
-    """The output lines of one input row: its completions, or opts.samples solutions sampled and split into steps."""
+    """The output lines of one input row: its completions, or opts.samples solutions sampled from the policy
+    and split into steps. Its seed comes from opts.seed and its index alone."""
     text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
-    answer = str(row[opts.answer_field])
-    if row.get("completions") is not None:
-        solutions = [row["completions"]]
-    else:
-        drafts = complete([text], opts.samples, seed)[0]
-        solutions = [steps for d in drafts if (steps := [s.strip() for s in d.split(sep) if s.strip()])]
+    answer, given = str(row[opts.answer_field]), row.get("completions") is not None
+    solutions = [row["completions"]] if given else \
+        [steps for d in complete([text], opts.samples, seed)[0] if (steps := [s.strip() for s in d.split(sep)
+                                                                               if s.strip()])]
     found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
     out = []
     for j, (steps, res) in enumerate(zip(solutions, found)):
         line = {"prompt": row["prompt"], "completions": steps, **res, "answer": answer, "row": index,
                 "lines": len(solutions)}
         if row.get("id") is not None:
-            line["id"] = str(row["id"]) if row.get("completions") is not None else f"{row['id']}/{j}"
+            line["id"] = str(row["id"]) if given else f"{row['id']}/{j}"
         out.append(json.dumps(line, ensure_ascii=False))
     return out
-
-
-def _plain(prompt):
-    if not isinstance(prompt, str):
-        raise UsageError("chat prompts need render=, e.g. a tokenizer's apply_chat_template")
-    return prompt
 
 
 # ---- files
 
 def read_input(spec: str, opts: Options, skip_invalid: bool):
-    """([(index, row)] of the valid rows, a digest of every record); bad rows raise DataError naming file, line
-    and field, or with skip_invalid are left out."""
+    """([(index, row)] of the valid rows, a digest of every record); bad rows raise DataError naming file,
+    line and field, or with skip_invalid are left out."""
     rows, problems, bad, digest, index = [], [], 0, hashlib.sha256(), 0
     for name, records in _sources(spec, "train", SimpleNamespace(dataset_config=None)):
         for where, r, problem in records:
             digest.update(json.dumps(r, sort_keys=True, default=str).encode())
             issues = [problem] if problem else input_problems(r, opts.answer_field)
-            bad += bool(issues)
-            problems += [f"{name} {where}: {p}" for p in issues]
-            rows += [] if issues else [(index, r)]
-            index += 1
+            bad, problems = bad + bool(issues), problems + [f"{name} {where}: {p}" for p in issues]
+            rows, index = rows + ([] if issues else [(index, r)]), index + 1
     if bad and not skip_invalid:
         raise DataError(problems, total_rows=bad)
     if bad:
-        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid), the first: {problems[0]}", file=sys.stderr)
+        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid), the first: {problems[0]}",
+              file=sys.stderr)
     return rows, digest.hexdigest()[:16]
 
 
@@ -205,18 +194,18 @@ def input_problems(r, field: str) -> list:
     if not isinstance(r, dict):
         return ["expected a JSON object"]
     steps = r.get("completions")
-    labels = [True] * (len(steps) if isinstance(steps, list) else 1)
-    out = row_problems({"prompt": r.get("prompt"), "completions": ["-"] if steps is None else steps, "labels": labels})
+    out = row_problems({"prompt": r.get("prompt"), "completions": ["-"] if steps is None else steps,
+                        "labels": [True] * (len(steps) if isinstance(steps, list) else 1)})
     answer = r.get(field)
     if type(answer) not in (str, int, float) or not str(answer).strip():
-        out.append(f"field '{field}': " + ("missing" if field not in r else
-                                           f"expected the reference answer as text or a number, got {answer!r}"[:120]))
+        got = "missing" if field not in r else f"expected the reference answer (text, number), got {answer!r}"
+        out.append(f"field '{field}': {got[:110]}")
     return out
 
 
 def finished(path: str) -> dict:
-    """{input row: its output lines} of every row whose lines are all in the file; a last line cut short (no
-    newline) and the lines of an unfinished row are left out."""
+    """{input row: its output lines} of every row whose lines are all in the file; a last line cut short
+    (no newline) and the lines of an unfinished row are left out."""
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -227,13 +216,21 @@ def finished(path: str) -> dict:
             r = json.loads(line)
             rows.setdefault(r["row"], []).append((line, r["lines"]))
         except (ValueError, KeyError, TypeError):
-            raise UsageError(f"{path} line {n}: not a line prm.label writes (no 'row' or 'lines'); pass another "
-                             "--output") from None
+            raise UsageError(f"{path} line {n}: not a line prm.label writes (no 'row' or 'lines'); pass "
+                             "another --output") from None
     return {k: [line for line, _ in v] for k, v in rows.items() if len(v) == v[0][1]}
 
 
 def parts(output: str) -> list:
     return sorted(p for p in glob.glob(glob.escape(output) + ".part*") if re.search(r"\.part\d+of\d+$", p))
+
+
+def collect(output: str) -> dict:
+    """The finished rows of `output` and its part files."""
+    rows = {}
+    for path in [output] + parts(output):
+        rows.update({k: v for k, v in finished(path).items() if k not in rows})
+    return rows
 
 
 def write_lines(path: str, lines: list):
@@ -247,36 +244,33 @@ def write_lines(path: str, lines: list):
 
 
 def check_settings(output: str, settings: dict):
-    """Records the settings beside a new output; refuses others than those an existing output was labeled with."""
+    """Records the settings beside a new output; refuses others than an existing output's."""
     side = output + ".settings"
     if os.path.isfile(side):
         with open(side, encoding="utf-8") as f:
             old = json.load(f)
         diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
-        check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue it, "
-               "or pass another --output"] if diff else [])
-    elif (os.path.isfile(output) and os.path.getsize(output)) or parts(output):
-        raise UsageError(f"{output} exists without {side}: not a prm.label output; pass another --output")
-    else:
+        check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
+               "it, or pass another --output"] if diff else [])
+    else:  # a file prm.label did not write is refused when read (finished)
         write_lines(side, [json.dumps(settings, indent=1)])
 
 
-def label_file(dataset: str, output: str, complete, opts: Options, *, render=_plain, part=(0, 1),
-               skip_invalid=False, show=True) -> int:
-    """Labels the rows of `dataset` whose index % part[1] == part[0] (all of them by default), one input row's
-    lines written and flushed at a time, into `output` or, for a share, its part file OUTPUT.part<p>of<m>. Rows
-    finished in the output or any part file are skipped. A process that labels every row then merges them all
-    into `output`, in input order. Returns the rollouts spent."""
+def label_file(dataset: str, output: str, complete, opts: Options, *, render=lambda prompt: prompt,
+               part=(0, 1), skip_invalid=False, show=True) -> int:
+    """Labels the rows of `dataset` whose index % part[1] == part[0] (all by default), one input row's lines
+    written and flushed at a time, into `output` or, for a share, its part file OUTPUT.part<p>of<m>. Rows
+    finished in the output or any part file are skipped. A process that labels every row then merges them
+    all into `output`, in input order. render(prompt): the text the policy continues (chat messages need
+    one). Returns the rollouts spent."""
+    from tqdm import tqdm
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
     check_settings(output, {**dataclasses.asdict(opts), "dataset": digest})
-    own, done = output if m == 1 else f"{output}.part{p}of{m}", {}
-    for path in [output] + parts(output):
-        done.update({k: v for k, v in finished(path).items() if k not in done})
-    write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut short
-    todo, spent = [(i, r) for i, r in rows if i % m == p and i not in done], 0
-    from tqdm import tqdm
+    own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", collect(output), 0
+    write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
     try:
+        todo = [(i, r) for i, r in rows if i % m == p and i not in done]
         with open(own, "a", encoding="utf-8") as f, tqdm(todo, desc="labeling rows", disable=not show) as bar:
             for i, row in bar:
                 lines = label_row(row, i, complete, render, opts)
@@ -291,32 +285,28 @@ def label_file(dataset: str, output: str, complete, opts: Options, *, render=_pl
     return spent
 
 
-def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True) -> list:
-    """Writes every finished row of `output` and its part files into `output` in input order, removes the parts
-    and says what the file holds."""
-    files, rows = [output] + parts(output), {}
-    for path in files:
-        rows.update({k: v for k, v in finished(path).items() if k not in rows})
-    lines = [line for k in sorted(rows) for line in rows[k]]
-    write_lines(output, lines)
-    for path in files[1:]:
+def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
+    """Writes the finished rows of `output` and its part files into `output` in input order, removes the
+    parts and says what the file holds."""
+    rows, old = collect(output), parts(output)
+    write_lines(output, [line for k in sorted(rows) for line in rows[k]])
+    for path in old:
         os.remove(path)
+    solutions = [json.loads(line) for k in sorted(rows) for line in rows[k]]
+    labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
     if show:
-        solutions = [json.loads(line) for line in lines]
-        labels = [y for r in solutions for y in r["labels"] if y is not None]
         print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps labeled "
-              f"({sum(float(y) >= 0.5 for y in labels) / max(1, len(labels)):.0%} correct), "
-              f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run {spent} rollouts in "
+              f"({sum(y >= 0.5 for y in labels) / max(1, len(labels)):.0%} at least 0.5), "
+              f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run: {spent} rollouts, "
               f"{seconds:.0f} s", file=sys.stderr, flush=True)
-    return lines
 
 
 # ---- generation and the command line
 
 class Generator:
-    """complete() with a transformers causal LM: the prompts x n in batches of opts.batch_size (left padding, KV
-    cache, bf16 autocast where the device runs it natively). Torch's RNG is seeded per batch from `seed`, so a
-    text depends on its row's seed and the settings, not on the process or what else it labels."""
+    """complete() with a transformers causal LM: the prompts x n in batches of opts.batch_size (left
+    padding, KV cache, bf16 autocast where the device runs it natively). Torch's RNG is seeded per batch from
+    `seed`: a text depends on its row's seed and the settings, not on the process or what else it labels."""
 
     def __init__(self, opts: Options, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
@@ -324,16 +314,14 @@ class Generator:
     def tokenizer(self):
         if self.tok is None:  # loaded at the first row: bad input is refused before any loading
             from prm.build import load_tokenizer
-            self.tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
-            self.tok.padding_side = "left"
-            if self.tok.pad_token is None:
-                self.tok.pad_token = self.tok.eos_token
-            bos = self.tok.bos_token_id
-            self.bos = self.tok.bos_token if bos is not None and self.tok("x")["input_ids"][:1] == [bos] else ""
+            self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
+            tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
+            bos = tok.bos_token_id
+            self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
         return self.tok
 
     def render(self, prompt) -> str:
-        """Text as the tokenizer starts it by default (with its BOS, if it adds one); chat through its template."""
+        """Text as the tokenizer starts it (its BOS if it adds one); chat messages through its template."""
         tok = self.tokenizer()
         if isinstance(prompt, str):
             return self.bos + prompt
@@ -351,12 +339,12 @@ class Generator:
             self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
                                  trust_remote_code=self.trust, dtype=torch.float32).to(self.device).eval()
         o, dtype, tok = self.opts, autocast_dtype("auto", self.device), self.tokenizer()
-        sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0) if o.temperature > 0 \
-            else dict(do_sample=False)
+        sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0) \
+            if o.temperature > 0 else dict(do_sample=False)
         flat, out = [p for p in prompts for _ in range(n)], []
         for c, start in enumerate(range(0, len(flat), o.batch_size)):
             enc = tok(flat[start:start + o.batch_size], return_tensors="pt", padding=True,
-                           add_special_tokens=False).to(self.device)
+                      add_special_tokens=False).to(self.device)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
             with torch.no_grad(), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
                                                  enabled=dtype is not None):
@@ -367,14 +355,15 @@ class Generator:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Label the steps of solutions by Monte-Carlo rollouts of a policy: rows "
-                                "with prompt, answer and optionally completions in; the trainer's stepwise rows out.")
+    p = argparse.ArgumentParser(description="Label the steps of solutions by Monte-Carlo rollouts of a "
+                                "policy: rows with prompt, answer and optionally completions in; the "
+                                "trainer's stepwise rows out.")
     p.add_argument("--policy", required=True, help="the model rolled out (a Hugging Face name or folder)")
     p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
-    p.add_argument("--output", required=True, help="the .jsonl written; a rerun with the same settings continues it")
-    p.add_argument("--shard", default="0/1", help="i/n: label only every n-th row from the i-th (0-based), for n "
+    p.add_argument("--output", required=True, help="the .jsonl written; a rerun with its settings resumes it")
+    p.add_argument("--shard", default="0/1", help="i/n: label every n-th row from the i-th (0-based), for n "
                    "separate jobs; a run without --shard then merges their part files")
-    p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows instead of exit status 2")
+    p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit status 2")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
     for f in dataclasses.fields(Options):
         if f.name != "policy":
@@ -384,7 +373,7 @@ def parse_args(argv=None):
     m = re.fullmatch(r"(\d+)/(\d+)", a.shard)
     if not m or not int(m.group(1)) < int(m.group(2)):
         p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
-    if a.rollouts < 1 or a.samples < 1 or a.batch_size < 1 or a.max_new_tokens < 1:
+    if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
         p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
     opts = Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Options) if f.name != "policy"},
                    policy=a.policy)
@@ -394,21 +383,23 @@ def parse_args(argv=None):
 def main(argv=None):
     a, opts, (shard, shards) = parse_args(argv)
     with exit_status():
+        import torch
         import torch.distributed as dist
         from prm.runtime import setup, teardown
         rt = setup()
         try:
-            # the ranks end at different times: wait for the last one on a group that does not time out first
-            wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7)) if rt.distributed else None
-            gen = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code)
+            # ranks end at different times: the last one is waited for on a group that does not time out first
+            wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7)) if rt.distributed \
+                else None
+            gen, start = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code), time.time()
             part = (shard * rt.world_size + rt.rank, shards * rt.world_size)
-            start = time.time()
             spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, part=part,
                                skip_invalid=a.skip_invalid, show=rt.is_main)
             if rt.distributed:
-                dist.barrier(group=wait)
+                total = torch.tensor([spent])
+                dist.all_reduce(total, group=wait)
                 if rt.is_main and shards == 1:
-                    merge(a.output, spent, time.time() - start)
+                    merge(a.output, int(total), time.time() - start)
         except DataError as e:
             raise UsageError(str(e)) from None
         finally:

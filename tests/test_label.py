@@ -1,5 +1,6 @@
-"""prm.label: answer extraction, the Monte-Carlo estimate and the binary search against scripted policies, resumable
-and sharded output files, the generate path with a tiny random model (torchrun included), train.py on the output."""
+"""prm.label: answer extraction, the Monte-Carlo estimate and the binary search against scripted policies,
+resumable and sharded output files, the generate path with a tiny random model (torchrun included), train.py
+on its output."""
 import json
 import math
 import os
@@ -17,12 +18,13 @@ from prm.sources import DataError
 
 
 def scripted(wins_of):
-    """complete() whose every prompt gets wins_of(prompt, n) right continuations of n; `log` keeps the prompts."""
+    """complete() whose every prompt gets wins_of(prompt, n) right continuations of n; `log` keeps prompts."""
     log = []
 
     def complete(prompts, n, seed):
         log.extend(prompts)
-        return [["so \\boxed{1}"] * w + ["no answer here"] * (n - w) for w in (wins_of(p, n) for p in prompts)]
+        wins = [wins_of(p, n) for p in prompts]
+        return [["so \\boxed{1}"] * w + ["no answer here"] * (n - w) for w in wins]
     return complete, log
 
 
@@ -39,12 +41,13 @@ def test_soft_and_hard_labels_are_the_counted_share_and_any():
         assert soft == [{"labels": [1.0, 0.25, 0.0, 0.75, float(final)], "rollouts": [4, 4, 4, 4, 0],
                          "successes": [4, 1, 0, 3, 0]}]
         assert sorted(map(steps_in, log)) == [1, 2, 3, 4]  # the last step is judged by its own answer
-        hard = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=4, label="hard"), 0)
+        hard = label_solutions("Q\n", [steps], judge("1", Options()), complete,
+                               Options(rollouts=4, label="hard"), 0)
         assert hard[0]["labels"] == [True, True, False, True, final]
 
 
 def first_error_at(prompt: str, n: int) -> int:
-    """Steps are named e<first error>s<k>: every rollout succeeds from a prefix before the error, none after."""
+    """Steps are named e<first error>s<k>: rollouts all succeed before the error, none after."""
     e, k = map(int, re.fullmatch(r"e(\d+)s(\d+)", prompt.splitlines()[-1]).groups())
     return n if k < e else 0
 
@@ -63,7 +66,7 @@ def test_binary_search_finds_every_first_error_within_log2_prefixes():
             assert sum(got["rollouts"]) == 3 * len(log)
             solutions.append(steps)
             expected.append(want)
-        complete, log = scripted(first_error_at)  # all solutions of a problem searched together, a call per round
+        complete, log = scripted(first_error_at)  # all solutions of a problem searched together
         got = label_solutions("Q\n", solutions, judge("1", opts), complete, opts, 0)
         assert [g["labels"] for g in got] == expected
 
@@ -74,7 +77,8 @@ def test_soft_labels_lie_within_binomial_bounds_of_the_success_rate():
     complete, _ = scripted(lambda prompt, n: sum(rng.random() < p[steps_in(prompt)] for _ in range(n)))
     steps = [f"s{k}" for k in range(1, 11)] + ["the answer is 1"]
     n = 400
-    got = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=n), 0)[0]["labels"]
+    got = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=n), 0)
+    got = got[0]["labels"]
     for k in range(1, 11):
         assert abs(got[k - 1] - p[k]) <= 4.5 * math.sqrt(p[k] * (1 - p[k]) / n), (k, got[k - 1], p[k])
     assert got[-1] == 1.0
@@ -94,7 +98,8 @@ def test_extract_answer(text, answer):
 
 def test_answers_match_after_normalization_and_never_without_one():
     for found, ref in (("\\frac{1}{2}", "0.5"), ("\\dfrac{1}{2}", "1/2"), ("-\\frac{3}{4}", "-0.75"),
-                       ("1,000", "1000"), ("42.", "42"), ("$42$", "42"), ("x = 5", "5"), ("10\\text{ cm}", "10cm")):
+                       ("1,000", "1000"), ("42.", "42"), ("$42$", "42"), ("x = 5", "5"),
+                       ("10\\text{ cm}", "10cm")):
         assert same_answer(found, ref), (found, ref)
     for found, ref in (("1,000", "100"), ("\\frac{1}{3}", "0.33"), ("12", "1/2"), (None, "1"), ("1/0", "0")):
         assert not same_answer(found, ref), (found, ref)
@@ -125,7 +130,8 @@ def write_rows(path, rows):
 
 
 ROWS = [{"prompt": f"problem {i}\n", "answer": 1, "id": f"p{i}"} if i % 3 else
-        {"prompt": f"problem {i}\n", "answer": "1", "completions": ["a", "b", "\\boxed{1}"]} for i in range(8)]
+        {"prompt": f"problem {i}\n", "answer": "1", "completions": ["a", "b", "\\boxed{1}"]}
+        for i in range(8)]
 
 
 def read(path):
@@ -150,15 +156,17 @@ def test_a_killed_run_continues_to_the_file_of_an_uninterrupted_one(tmp_path):
         label_file(data, out, dies, opts)
     kept = read(out)
     assert 0 < len(kept) < len(whole) and whole.startswith(kept)
-    with open(out, "a") as f:
-        f.write(whole[len(kept):len(kept) + 30])  # a row cut short by the kill, inside a line
+    rest = whole[len(kept):]
+    assert json.loads(rest.split("\n")[0])["lines"] == 2
+    with open(out, "a") as f:  # a kill inside a row's second line: its first line is there, whole
+        f.write(rest[:rest.index("\n") + 30])
     label_file(data, out, random_policy, opts)
     assert read(out) == whole
     with pytest.raises(UsageError, match="rollouts 3 \\(now 4\\)") as e:
         label_file(data, out, random_policy, Options(rollouts=4, samples=2))
     assert e.value.code == 2
     write_rows(tmp_path / "mine.jsonl", [{"mine": 1}])
-    with pytest.raises(UsageError, match="not a prm.label output"):
+    with pytest.raises(UsageError, match="mine.jsonl line 1: not a line prm.label writes"):
         label_file(data, str(tmp_path / "mine.jsonl"), random_policy, opts)
 
 
@@ -169,7 +177,8 @@ def test_two_shards_merged_are_one_process(tmp_path):
     for i in range(2):
         label_file(data, out, random_policy, opts, part=(i, 2))
     assert sorted(os.listdir(tmp_path)) == sorted(["in.jsonl", "whole.jsonl", "whole.jsonl.settings",
-                                                   "out.jsonl.settings", "out.jsonl.part0of2", "out.jsonl.part1of2"])
+                                                   "out.jsonl.settings", "out.jsonl.part0of2",
+                                                   "out.jsonl.part1of2"])
 
     def nothing_left(prompts, n, seed):
         raise AssertionError("every row was labeled by the shards")
@@ -184,8 +193,8 @@ def test_bad_rows_name_file_line_and_field_or_are_skipped(tmp_path, capsys):
     data = write_rows(tmp_path / "in.jsonl", rows)
     with pytest.raises(DataError) as e:
         label_file(data, str(tmp_path / "out.jsonl"), random_policy, Options())
-    for where in ("line 4: field 'answer': expected", "line 5: field 'prompt'", "line 6: field 'completions': step 1",
-                  "line 7: field 'answer': missing"):
+    for where in ("line 4: field 'answer': expected", "line 5: field 'prompt'",
+                  "line 6: field 'completions': step 1", "line 7: field 'answer': missing"):
         assert f"{data} {where}" in str(e.value)
     with pytest.raises(SystemExit) as e:
         main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "o.jsonl")])
@@ -233,12 +242,14 @@ def test_generate_path_is_seeded_and_trains(policy_dir, one_process, tmp_path):
     main(cli(policy_dir, data, str(tmp_path / "again.jsonl")))
     assert read(tmp_path / "again.jsonl") == first
     rows = [json.loads(line) for line in first.splitlines()]
-    assert {r["row"] for r in rows} >= {0, 2, 4} and all(len(r["labels"]) == len(r["completions"]) for r in rows)
+    assert {r["row"] for r in rows} >= {0, 2, 4}
+    assert all(len(r["labels"]) == len(r["completions"]) for r in rows)
     assert all(r["rollouts"][:-1] == [2] * (len(r["labels"]) - 1) for r in rows)
     main(cli(policy_dir, data, str(tmp_path / "seed1.jsonl")) + ["--seed", "1"])
     assert read(tmp_path / "seed1.jsonl") != first  # each row's seed comes from --seed
     from prm.trainer import train
-    final = train(small_config(tmp_path / "run", dataset=str(tmp_path / "again.jsonl"), max_steps=2, batch_size=2))
+    final = train(small_config(tmp_path / "run", dataset=str(tmp_path / "again.jsonl"), max_steps=2,
+                               batch_size=2))
     assert final is not None and len([m for m in read_metrics(tmp_path / "run") if "loss" in m]) == 2
 
 
