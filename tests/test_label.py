@@ -263,3 +263,15 @@ def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert read(out) == first
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "out.jsonl.settings"]
+
+
+def test_generator_renders_text_and_chat_prompts(policy_dir):
+    import torch
+    from prm.label import Generator
+    gen = Generator(Options(policy=policy_dir), device=torch.device("cpu"))
+    assert gen.render("count:") == "count:"  # the character tokenizer adds no BOS of its own
+    with pytest.raises(UsageError, match="cannot render a chat prompt"):
+        gen.render([{"role": "user", "content": "count:"}])
+    gen.tokenizer().chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}a: "
+    assert gen.render([{"role": "user", "content": "count:"}]) == "user: count:\na: "
+    assert [len(texts) for texts in gen(["count:", "a"], 3, 0)] == [3, 3]
