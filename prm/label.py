@@ -5,7 +5,6 @@ written as the trainer's stepwise rows plus the counts behind each label. The AP
 `complete(prompts, n, seed) -> list[list[str]]`; Generator is the transformers one. Nothing in the package
 imports this module. Depends on: torch, transformers, tqdm, prm.build, prm.config, prm.errors, prm.formats,
 prm.runtime, prm.sources."""
-import argparse
 import dataclasses
 import datetime
 import glob
@@ -18,7 +17,7 @@ import time
 from fractions import Fraction
 from types import SimpleNamespace
 
-from prm.config import unescape
+from prm.config import Parser, unescape
 from prm.errors import UsageError, WriteFailed, check, exit_status
 from prm.formats import row_problems
 from prm.sources import DataError, _sources
@@ -355,9 +354,9 @@ class Generator:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Label the steps of solutions by Monte-Carlo rollouts of a "
-                                "policy: rows with prompt, answer and optionally completions in; the "
-                                "trainer's stepwise rows out.")
+    p = Parser(prog="python -m prm.label", description="Label the steps of solutions by Monte-Carlo "
+               "rollouts of a policy: rows with prompt, answer and optionally completions in; the trainer's "
+               "stepwise rows out.")
     p.add_argument("--policy", required=True, help="the model rolled out (a Hugging Face name or folder)")
     p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
     p.add_argument("--output", required=True, help="the .jsonl written; a rerun with its settings resumes it")
