@@ -281,6 +281,8 @@ def label_file(dataset: str, output: str, complete, opts: Options, *, render=lam
         raise WriteFailed(f"{own}: cannot write it: {e.strerror or e}") from None
     if m == 1:
         merge(output, spent, time.time() - start, show)
+    elif show:
+        print(f"{own}: {len(todo)} rows labeled, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
     return spent
 
 
