@@ -155,9 +155,9 @@ def label_row(row: dict, index: int, complete, render, opts: Options) -> list:
     and split into steps. Its seed comes from opts.seed and its index alone."""
     text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
     answer, given = str(row[opts.answer_field]), row.get("completions") is not None
-    solutions = [row["completions"]] if given else \
-        [steps for d in complete([text], opts.samples, seed)[0] if (steps := [s.strip() for s in d.split(sep)
-                                                                               if s.strip()])]
+    drafts = [] if given else [[s.strip() for s in d.split(sep) if s.strip()]
+                               for d in complete([text], opts.samples, seed)[0]]
+    solutions = [row["completions"]] if given else [steps for steps in drafts if steps]
     found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
     out = []
     for j, (steps, res) in enumerate(zip(solutions, found)):
@@ -179,8 +179,10 @@ def read_input(spec: str, opts: Options, skip_invalid: bool):
         for where, r, problem in records:
             digest.update(json.dumps(r, sort_keys=True, default=str).encode())
             issues = [problem] if problem else input_problems(r, opts.answer_field)
-            bad, problems = bad + bool(issues), problems + [f"{name} {where}: {p}" for p in issues]
-            rows, index = rows + ([] if issues else [(index, r)]), index + 1
+            problems.extend(f"{name} {where}: {p}" for p in issues)
+            bad, index = bad + bool(issues), index + 1
+            if not issues:
+                rows.append((index - 1, r))
     if bad and not skip_invalid:
         raise DataError(problems, total_rows=bad)
     if bad:
@@ -268,21 +270,22 @@ def label_file(dataset: str, output: str, complete, opts: Options, *, render=lam
     check_settings(output, {**dataclasses.asdict(opts), "dataset": digest})
     own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", collect(output), 0
     write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
-    try:
-        todo = [(i, r) for i, r in rows if i % m == p and i not in done]
-        with open(own, "a", encoding="utf-8") as f, tqdm(todo, desc="labeling rows", disable=not show) as bar:
-            for i, row in bar:
-                lines = label_row(row, i, complete, render, opts)
+    todo = [(i, r) for i, r in rows if i % m == p and i not in done]
+    with open(own, "a", encoding="utf-8") as f, tqdm(todo, desc="labeling rows", disable=not show) as bar:
+        for i, row in bar:
+            lines = label_row(row, i, complete, render, opts)
+            try:
                 f.write("".join(line + "\n" for line in lines))
                 f.flush()
-                spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
-                bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
-    except OSError as e:
-        raise WriteFailed(f"{own}: cannot write it: {e.strerror or e}") from None
+            except OSError as e:
+                raise WriteFailed(f"{own}: cannot write it: {e.strerror or e}") from None
+            spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
+            bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
     if m == 1:
         merge(output, spent, time.time() - start, show)
     elif show:
-        print(f"{own}: {len(todo)} rows labeled, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
+        print(f"{own}: {len(todo)} rows labeled, {spent} rollouts, {time.time() - start:.0f} s",
+              file=sys.stderr)
     return spent
 
 
