@@ -275,3 +275,10 @@ def test_generator_renders_text_and_chat_prompts(policy_dir):
     gen.tokenizer().chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}a: "
     assert gen.render([{"role": "user", "content": "count:"}]) == "user: count:\na: "
     assert [len(texts) for texts in gen(["count:", "a"], 3, 0)] == [3, 3]
+
+
+def test_an_output_that_cannot_be_written_is_exit_status_1(tmp_path, capsys):
+    data = write_rows(tmp_path / "in.jsonl", ROWS)
+    with pytest.raises(SystemExit) as e:
+        main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "no" / "out.jsonl")])
+    assert e.value.code == 1 and "out.jsonl.settings: cannot write it" in capsys.readouterr().err
