@@ -1,0 +1,284 @@
+"""prm.label: answer extraction, the Monte-Carlo estimate and the binary search against scripted policies,
+resumable and sharded output files, the generate path with a tiny random model (torchrun included), train.py
+on its output."""
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, read_metrics, small_config
+from prm.errors import PRMError, UsageError
+from prm.label import Options, extract_answer, judge, label_file, label_solutions, main, same_answer
+from prm.sources import DataError
+
+
+def scripted(wins_of):
+    """complete() whose every prompt gets wins_of(prompt, n) right continuations of n; `log` keeps prompts."""
+    log = []
+
+    def complete(prompts, n, seed):
+        log.extend(prompts)
+        wins = [wins_of(p, n) for p in prompts]
+        return [["so \\boxed{1}"] * w + ["no answer here"] * (n - w) for w in wins]
+    return complete, log
+
+
+def steps_in(prompt: str) -> int:
+    return prompt.count("\n") - 1  # "Q\n" then one line per step
+
+
+def test_soft_and_hard_labels_are_the_counted_share_and_any():
+    wins = {1: 4, 2: 1, 3: 0, 4: 3}
+    for last, final in (("the answer is 1.", True), ("the answer is 2.", False)):
+        steps = ["a", "b", "c", "d", last]
+        complete, log = scripted(lambda p, n: wins[steps_in(p)])
+        soft = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=4), 0)
+        assert soft == [{"labels": [1.0, 0.25, 0.0, 0.75, float(final)], "rollouts": [4, 4, 4, 4, 0],
+                         "successes": [4, 1, 0, 3, 0]}]
+        assert sorted(map(steps_in, log)) == [1, 2, 3, 4]  # the last step is judged by its own answer
+        hard = label_solutions("Q\n", [steps], judge("1", Options()), complete,
+                               Options(rollouts=4, label="hard"), 0)
+        assert hard[0]["labels"] == [True, True, False, True, final]
+
+
+def first_error_at(prompt: str, n: int) -> int:
+    """Steps are named e<first error>s<k>: rollouts all succeed before the error, none after."""
+    e, k = map(int, re.fullmatch(r"e(\d+)s(\d+)", prompt.splitlines()[-1]).groups())
+    return n if k < e else 0
+
+
+def test_binary_search_finds_every_first_error_within_log2_prefixes():
+    opts = Options(rollouts=3, search="binary")
+    for n in range(1, 13):
+        solutions, expected = [], []
+        for e in range(1, n + 2):  # e = n + 1: no error, the final answer is right
+            steps = [f"e{e}s{k}" for k in range(1, n)] + ["the answer is " + ("1" if e > n else "2")]
+            complete, log = scripted(first_error_at)
+            got = label_solutions("Q\n", [steps], judge("1", opts), complete, opts, 0)[0]
+            want = [True] * n if e > n else [True] * (e - 1) + [False] + [None] * (n - e)
+            assert got["labels"] == want, (n, e)
+            assert len(log) <= math.ceil(math.log2(n)) + 1 and (e <= n or not log), (n, e, log)
+            assert sum(got["rollouts"]) == 3 * len(log)
+            solutions.append(steps)
+            expected.append(want)
+        complete, log = scripted(first_error_at)  # all solutions of a problem searched together
+        got = label_solutions("Q\n", solutions, judge("1", opts), complete, opts, 0)
+        assert [g["labels"] for g in got] == expected
+
+
+def test_soft_labels_lie_within_binomial_bounds_of_the_success_rate():
+    p = {k: 0.05 + 0.09 * k for k in range(1, 11)}
+    rng = random.Random(0)
+    complete, _ = scripted(lambda prompt, n: sum(rng.random() < p[steps_in(prompt)] for _ in range(n)))
+    steps = [f"s{k}" for k in range(1, 11)] + ["the answer is 1"]
+    n = 400
+    got = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=n), 0)
+    got = got[0]["labels"]
+    for k in range(1, 11):
+        assert abs(got[k - 1] - p[k]) <= 4.5 * math.sqrt(p[k] * (1 - p[k]) / n), (k, got[k - 1], p[k])
+    assert got[-1] == 1.0
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("so \\boxed{\\frac{1}{2}} and done", "\\frac{1}{2}"),  # nested braces
+    ("\\boxed{1} first, then \\boxed{x^{2}+1}", "x^{2}+1"),  # the last one
+    ("The answer is 1,000.", "1,000"),
+    ("The answer is: $42$.\nCheck: fine", "$42$"),
+    ("3 apples and 12 pears", "12"),
+    ("no number at all", None),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_answers_match_after_normalization_and_never_without_one():
+    for found, ref in (("\\frac{1}{2}", "0.5"), ("\\dfrac{1}{2}", "1/2"), ("-\\frac{3}{4}", "-0.75"),
+                       ("1,000", "1000"), ("42.", "42"), ("$42$", "42"), ("x = 5", "5"),
+                       ("10\\text{ cm}", "10cm")):
+        assert same_answer(found, ref), (found, ref)
+    for found, ref in (("1,000", "100"), ("\\frac{1}{3}", "0.33"), ("12", "1/2"), (None, "1"), ("1/0", "0")):
+        assert not same_answer(found, ref), (found, ref)
+    assert extract_answer("#### 72", "####\\s*(\\S+)") == "72" and extract_answer("#### 72", "\\d+") == "72"
+    assert judge("72", Options(answer_pattern="####\\s*(\\S+)"))("so 8 \n#### 72")
+
+
+def test_math_verify_checker_missing_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails as when it is not installed
+    with pytest.raises(UsageError, match="pip install 'math-verify"):
+        judge("1", Options(checker="math-verify"))
+
+
+def random_policy(prompts, n, seed):
+    """A seeded stand-in for a policy: solutions of 1-4 lines, rollouts right or wrong by the seed."""
+    out = []
+    for j, p in enumerate(prompts):
+        rng = random.Random(f"{seed}/{p}")
+        out.append([f"step {rng.random():.3f}\n" * rng.randint(0, 3) + f"\\boxed{{{rng.randint(1, 2)}}}"
+                    for _ in range(n)])
+    return out
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+ROWS = [{"prompt": f"problem {i}\n", "answer": 1, "id": f"p{i}"} if i % 3 else
+        {"prompt": f"problem {i}\n", "answer": "1", "completions": ["a", "b", "\\boxed{1}"]}
+        for i in range(8)]
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def test_a_killed_run_continues_to_the_file_of_an_uninterrupted_one(tmp_path):
+    data, opts = write_rows(tmp_path / "in.jsonl", ROWS), Options(rollouts=3, samples=2)
+    label_file(data, str(tmp_path / "whole.jsonl"), random_policy, opts)
+    whole = read(tmp_path / "whole.jsonl")
+    assert len(whole.splitlines()) > len(ROWS) and '"id": "p1/1"' in whole
+    calls = [0]
+
+    def dies(prompts, n, seed):
+        calls[0] += 1
+        if calls[0] > 7:
+            raise KeyboardInterrupt
+        return random_policy(prompts, n, seed)
+    out = str(tmp_path / "out.jsonl")
+    with pytest.raises(KeyboardInterrupt):
+        label_file(data, out, dies, opts)
+    kept = read(out)
+    assert 0 < len(kept) < len(whole) and whole.startswith(kept)
+    rest = whole[len(kept):]
+    assert json.loads(rest.split("\n")[0])["lines"] == 2
+    with open(out, "a") as f:  # a kill inside a row's second line: its first line is there, whole
+        f.write(rest[:rest.index("\n") + 30])
+    label_file(data, out, random_policy, opts)
+    assert read(out) == whole
+    with pytest.raises(UsageError, match="rollouts 3 \\(now 4\\)") as e:
+        label_file(data, out, random_policy, Options(rollouts=4, samples=2))
+    assert e.value.code == 2
+    write_rows(tmp_path / "mine.jsonl", [{"mine": 1}])
+    with pytest.raises(UsageError, match="mine.jsonl line 1: not a line prm.label writes"):
+        label_file(data, str(tmp_path / "mine.jsonl"), random_policy, opts)
+
+
+def test_two_shards_merged_are_one_process(tmp_path):
+    data, opts = write_rows(tmp_path / "in.jsonl", ROWS), Options(rollouts=2, search="binary")
+    label_file(data, str(tmp_path / "whole.jsonl"), random_policy, opts)
+    out = str(tmp_path / "out.jsonl")
+    for i in range(2):
+        label_file(data, out, random_policy, opts, part=(i, 2))
+    assert sorted(os.listdir(tmp_path)) == sorted(["in.jsonl", "whole.jsonl", "whole.jsonl.settings",
+                                                   "out.jsonl.settings", "out.jsonl.part0of2",
+                                                   "out.jsonl.part1of2"])
+
+    def nothing_left(prompts, n, seed):
+        raise AssertionError("every row was labeled by the shards")
+    label_file(data, out, nothing_left, opts)  # the run without a share merges
+    assert read(out) == read(tmp_path / "whole.jsonl")
+    assert not [f for f in os.listdir(tmp_path) if ".part" in f]
+
+
+def test_bad_rows_name_file_line_and_field_or_are_skipped(tmp_path, capsys):
+    rows = ROWS[:3] + [{"prompt": "p\n", "answer": None}, {"prompt": 3, "answer": "1"},
+                       {"prompt": "p\n", "answer": "1", "completions": ["a", ""]}, {"prompt": "p\n"}]
+    data = write_rows(tmp_path / "in.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        label_file(data, str(tmp_path / "out.jsonl"), random_policy, Options())
+    for where in ("line 4: field 'answer': expected", "line 5: field 'prompt'",
+                  "line 6: field 'completions': step 1", "line 7: field 'answer': missing"):
+        assert f"{data} {where}" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "o.jsonl")])
+    assert e.value.code == 2 and "line 7: field 'answer': missing" in capsys.readouterr().err
+    label_file(data, str(tmp_path / "out.jsonl"), random_policy, Options(), skip_invalid=True)
+    assert {json.loads(line)["row"] for line in read(tmp_path / "out.jsonl").splitlines()} == {0, 1, 2}
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """A tiny random causal LM (the tiny preset's Qwen2 shape) with the character tokenizer."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from prm.build import tiny_config
+    from prm.synthetic import char_tokenizer
+    path = str(tmp_path_factory.mktemp("policy"))
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_config(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def cli(policy, data, out):
+    return ["--policy", policy, "--dataset", data, "--output", out, "--rollouts", "2", "--samples", "2",
+            "--max-new-tokens", "8", "--batch-size", "3", "--temperature", "1.0"]
+
+
+TINY_ROWS = [{"prompt": f"count from {i}:\n", "answer": str(i + 3)} if i % 2 else
+             {"prompt": f"count from {i}:\n", "answer": str(i + 2), "completions": [f"{i}+1={i + 1}",
+                                                                                  f"{i + 1}+1={i + 2}"]}
+             for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def one_process(policy_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one")
+    data = write_rows(tmp / "in.jsonl", TINY_ROWS)
+    main(cli(policy_dir, data, str(tmp / "out.jsonl")))
+    return data, read(tmp / "out.jsonl")
+
+
+def test_generate_path_is_seeded_and_trains(policy_dir, one_process, tmp_path):
+    data, first = one_process
+    main(cli(policy_dir, data, str(tmp_path / "again.jsonl")))
+    assert read(tmp_path / "again.jsonl") == first
+    rows = [json.loads(line) for line in first.splitlines()]
+    assert {r["row"] for r in rows} >= {0, 2, 4}
+    assert all(len(r["labels"]) == len(r["completions"]) for r in rows)
+    assert all(r["rollouts"][:-1] == [2] * (len(r["labels"]) - 1) for r in rows)
+    main(cli(policy_dir, data, str(tmp_path / "seed1.jsonl")) + ["--seed", "1"])
+    assert read(tmp_path / "seed1.jsonl") != first  # each row's seed comes from --seed
+    from prm.trainer import train
+    final = train(small_config(tmp_path / "run", dataset=str(tmp_path / "again.jsonl"), max_steps=2,
+                               batch_size=2))
+    assert final is not None and len([m for m in read_metrics(tmp_path / "run") if "loss" in m]) == 2
+
+
+def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_path):
+    data, first = one_process
+    out = str(tmp_path / "out.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "prm.label"] + cli(policy_dir, data, out)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read(out) == first
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "out.jsonl.settings"]
+
+
+def test_generator_renders_text_and_chat_prompts(policy_dir):
+    import torch
+    from prm.label import Generator
+    gen = Generator(Options(policy=policy_dir), device=torch.device("cpu"))
+    assert gen.render("count:") == "count:"  # the character tokenizer adds no BOS of its own
+    with pytest.raises(UsageError, match="cannot render a chat prompt"):
+        gen.render([{"role": "user", "content": "count:"}])
+    gen.tokenizer().chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}a: "
+    assert gen.render([{"role": "user", "content": "count:"}]) == "user: count:\na: "
+    assert [len(texts) for texts in gen(["count:", "a"], 3, 0)] == [3, 3]
+
+
+def test_an_output_that_cannot_be_written_is_exit_status_1(tmp_path, capsys):
+    data = write_rows(tmp_path / "in.jsonl", ROWS)
+    with pytest.raises(SystemExit) as e:
+        main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "no" / "out.jsonl")])
+    assert e.value.code == 1 and "out.jsonl.settings: cannot write it" in capsys.readouterr().err
