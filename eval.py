@@ -96,7 +96,7 @@ from prm.evaluate import best_of_n_report, predict, report, true_first_error  # 
 from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import first_error, tune_threshold  # noqa: E402
 from prm.model import input_settings  # noqa: E402
-from prm.runtime import Runtime, autocast_dtype, barrier, main_first, setup, teardown  # noqa: E402
+from prm.runtime import Runtime, autocast_dtype, barrier, main_first, progress_off, setup, teardown  # noqa: E402
 from prm.scorers import load as load_scorer  # noqa: E402
 from prm.sources import load_eval  # noqa: E402
 
@@ -157,7 +157,8 @@ class Evaluator:
         """P(correct) at every step end of each row (prm.evaluate.predict), every rank's share gathered."""
         amp = autocast_dtype(self.cfg.dtype, self.rt.device)
         return predict(self.model, rows, batch_size=self.cfg.eval_batch_size,
-                       pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt)
+                       pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt,
+                       progress=not progress_off(self.cfg.disable_tqdm))
 
 
 def tuned_threshold(ev: Evaluator, path: str) -> dict:
@@ -285,6 +286,7 @@ def main(args=None) -> dict:
     on stdout (rank 0); returns the JSON's object. args: a parsed command line or the strings to parse."""
     cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
+    progress_off(cfg.disable_tqdm)  # before loading: the bars of transformers and datasets follow it
     try:
         tokenizer, model = load_scorer(cfg, opts.tokenizer_given, scorer=opts.scorer, step_tag=opts.step_tag,
                                        good_token=opts.good_token, bad_token=opts.bad_token)

@@ -33,7 +33,8 @@ def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Ru
         batches += [None] * spare
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     local = {}
-    for batch in tqdm(batches, desc="eval", disable=not (progress and rt.is_main), leave=False):
+    # disable None: tqdm shows the bar on a terminal only, never as redraws in a log file
+    for batch in tqdm(batches, desc="eval", disable=not (progress and rt.is_main) or None, leave=False):
         idx = [todo[j] for j in (batch or eval_batches(lengths, batch_size)[0])]
         probs = _forward(model, [rows[i] for i in idx], pad_id, amp, device)
         for b, i in enumerate(idx if batch else []):

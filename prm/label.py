@@ -271,7 +271,7 @@ def label_file(dataset: str, output: str, complete, opts: Options, *, render=lam
     own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", collect(output), 0
     write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
     todo = [(i, r) for i, r in rows if i % m == p and i not in done]
-    with open(own, "a", encoding="utf-8") as f, tqdm(todo, desc="labeling rows", disable=not show) as bar:
+    with open(own, "a", encoding="utf-8") as f, tqdm(todo, desc="labeling rows", disable=not show or None) as bar:
         for i, row in bar:
             lines = label_row(row, i, complete, render, opts)
             try:

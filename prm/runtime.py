@@ -92,9 +92,11 @@ def cpu_has_bf16() -> bool:
 
 def progress_off(disable: bool) -> bool:
     """Whether progress bars stay off: when asked (--disable-tqdm), or when stderr is no terminal, where a log file
-    would fill with their redraws. datasets' own bars (tokenization) follow."""
+    would fill with their redraws. The bars of datasets (tokenization) and transformers (loading) follow."""
     off = disable or not sys.stderr.isatty()
     if off:
         import datasets
+        import transformers
         datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     return off

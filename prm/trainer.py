@@ -84,6 +84,7 @@ class Trainer:
     cfg: Config  # resolved: no "auto" left, so the saved config says what was used
     rt: Runtime  # rank, world size, device
     command: str  # what started the run, for the model card
+    quiet: bool  # no progress bars: --disable-tqdm, or stderr is no terminal
     resume_from: str  # the checkpoint to continue from; None: a fresh start
     digests: dict  # {"train": sha256, "eval": sha256} of local data files ('' for hub or synthetic data)
     tokenizer: object
@@ -115,6 +116,7 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
+        self.quiet = progress_off(self.cfg.disable_tqdm)  # before the data: datasets' bars follow it too
         self.resume_from = prepare_output_dir(self.cfg, rt.is_main)  # first: a refused directory loads no data
         self.digests = {"train": data_digest(self.cfg.dataset), "eval": data_digest(self.cfg.eval_dataset)}
         if self.resume_from:  # so does a refused resume: it needs only the config, world size and data digests
@@ -194,8 +196,7 @@ class Trainer:
         self.held_out = HeldOut(self.model, self.eval_rows, cfg=cfg, rt=rt, pad_id=self.pad_id,
                                 every=cfg.every("eval", self.steps_per_epoch),
                                 amp_dtype=self.amp_dtype, processbench=self.processbench)
-        self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
-                         disable=not rt.is_main or progress_off(cfg.disable_tqdm))
+        self.pbar = tqdm(total=self.total, initial=self.step, desc="train", disable=not rt.is_main or self.quiet)
         tracker = Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None
         self.out = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, self.pbar,
                                resumed_at=self.step, tracker=tracker)
@@ -323,7 +324,8 @@ class HeldOut:
 
     def run(self) -> dict:
         probs = predict(self.model, self.rows, batch_size=self.cfg.eval_batch_size, pad_id=self.pad_id,
-                        amp_dtype=self.amp_dtype, rt=self.rt, lockstep=self.cfg.fsdp)
+                        amp_dtype=self.amp_dtype, rt=self.rt, lockstep=self.cfg.fsdp,
+                        progress=not self.cfg.disable_tqdm)
         return report(probs, self.rows, self.cfg.threshold, self.processbench)
 
 

@@ -153,3 +153,19 @@ def test_time_left_is_said_once_from_the_host_clock(monkeypatch):
     for step in range(1, 7):  # step 1 pays the one-time costs: the clock starts when it ends
         log.estimate(step)
     assert said == ["about 0:00:06 left (1.00 s per step)"]  # after step 4: 3 steps timed, 6 to go
+
+
+def test_progress_bars_only_on_a_terminal_and_never_with_disable_tqdm(tmp_path, monkeypatch):
+    from prm.runtime import progress_off
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress_off(False) is False and progress_off(True) is True
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert progress_off(False) is True  # a log file gets no redraws
+    r = subprocess.run([sys.executable, "train.py", "--synthetic-size", "80", "--max-steps", "2", "--output-dir",
+                        str(tmp_path / "run"), "--batch-size", "4", "--dtype", "fp32"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "\r" not in r.stderr and "it/s" not in r.stderr and "examples/s" not in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "eval.py", "--model", str(tmp_path / "run" / "final")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and "\r" not in r.stderr and "it/s" not in r.stderr, r.stderr[-2000:]
