@@ -1,6 +1,6 @@
-"""The errors that end a command, each with its exit status. Library code raises them and never exits; only the
-entry points (train.py, eval.py, `python -m prm.*`) turn one into a one-line message and its status, through
-`exit_status()`. Depends on: the standard library only."""
+"""The errors that end a command, each with its exit status. Library code raises them and never exits; only
+the entry points (train.py, eval.py, `python -m prm.*`) turn one into a one-line message and its status,
+through `exit_status()`. Depends on: the standard library only."""
 import contextlib
 import sys
 
@@ -16,7 +16,8 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault, not the input's."""
+    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault, not the
+    input's."""
     code = 1
 
 
@@ -26,7 +27,8 @@ class Diverged(PRMError, ArithmeticError):
 
 
 class Stopped(PRMError):
-    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal, as a shell reports it."""
+    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal, as a shell reports it.
+    """
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -41,7 +43,8 @@ def check(problems: list):
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError becomes 'error: <message>' on stderr and its exit status, not a traceback."""
+    """For entry points: a PRMError becomes 'error: <message>' on stderr and its exit status, not a traceback.
+    """
     try:
         yield
     except Stopped as e:  # not an error: the status tells a scheduler to requeue the run

@@ -56,7 +56,8 @@ DECAY = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math
 
 
 def lr_lambda(cfg: Config, total: int):
-    """Linear warmup to 1 (--warmup-steps, else --warmup-ratio of the steps), then --lr-scheduler-type's decay."""
+    """Linear warmup to 1 (--warmup-steps, else --warmup-ratio of the steps), then --lr-scheduler-type's
+    decay."""
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
 
     def f(step):
@@ -117,9 +118,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
         self.quiet = progress_off(self.cfg.disable_tqdm)  # before the data: datasets' bars follow it too
-        self.resume_from = prepare_output_dir(self.cfg, rt.is_main)  # first: a refused directory loads no data
+        # first: a refused directory loads no data
+        self.resume_from = prepare_output_dir(self.cfg, rt.is_main)
         self.digests = {"train": data_digest(self.cfg.dataset), "eval": data_digest(self.cfg.eval_dataset)}
-        if self.resume_from:  # so does a refused resume: it needs only the config, world size and data digests
+        # so does a refused resume: it needs only the config, world size and data digests
+        if self.resume_from:
             self.check_resume(self.resume_from)
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
@@ -128,10 +131,12 @@ class Trainer:
         self._setup_output()
 
     def check_resume(self, path: str):
-        """Settings that define the model, the data or its order (or live in the optimizer state, like --lr) must
-        equal the checkpoint's, and so must the data files' contents; cadence settings may change, and are logged."""
+        """Settings that define the model, the data or its order (or live in the optimizer state, like --lr)
+        must equal the checkpoint's, and so must the data files' contents; cadence settings may change, and
+        are logged."""
         marker = read_marker(path)
-        bad, changed = self.cfg.resume_conflicts(Config.load(path), marker.get("world_size", 1), self.rt.world_size)
+        bad, changed = self.cfg.resume_conflicts(Config.load(path), marker.get("world_size", 1),
+                                                 self.rt.world_size)
         for split, spec in (("train", self.cfg.dataset), ("eval", self.cfg.eval_dataset)):
             saved = marker.get("data", {}).get(split)
             if saved and self.digests[split] and saved != self.digests[split]:
@@ -161,7 +166,8 @@ class Trainer:
         self.eval_rows, self.processbench = eval_ds.to_list(), "first_error" in eval_ds.column_names
         self.global_batch = cfg.batch_size * cfg.grad_accum * rt.world_size
         self.steps_per_epoch = math.ceil(len(train_ds) / self.global_batch)
-        self.total = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        epochs_steps = max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        self.total = cfg.max_steps if cfg.max_steps > 0 else epochs_steps
         self.plan_epoch, self.plan = None, None
 
     def _setup_model(self):
@@ -171,8 +177,10 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
         self.amp_dtype = autocast_dtype(cfg.dtype, rt.device)
-        if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:  # bf16 weights need bf16 inputs
-            raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype} gives no bf16 autocast on {rt.device}")
+        # bf16 weights need bf16 inputs
+        if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:
+            raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype} gives no bf16 autocast on "
+                             f"{rt.device}")
         self.parallel = Parallel(self.model, rt, cfg=cfg, amp_dtype=self.amp_dtype, packed=self.packed)
 
     def _setup_optimizer(self):
@@ -182,11 +190,12 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
 
     def _setup_resume(self):
-        """Weights, optimizer, scheduler, scaler and RNG from the checkpoint, loaded in place into the (wrapped)
-        model every rank holds; a fresh run starts at step 0."""
+        """Weights, optimizer, scheduler, scaler and RNG from the checkpoint, loaded in place into the
+        (wrapped) model every rank holds; a fresh run starts at step 0."""
         self.step = 0
         if self.resume_from:
-            self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.scaler)
+            self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler,
+                                        self.scaler)
             self.say(f"resumed from {self.resume_from} at step {self.step}")
 
     def _setup_output(self):
@@ -196,18 +205,24 @@ class Trainer:
         self.held_out = HeldOut(self.model, self.eval_rows, cfg=cfg, rt=rt, pad_id=self.pad_id,
                                 every=cfg.every("eval", self.steps_per_epoch),
                                 amp_dtype=self.amp_dtype, processbench=self.processbench)
-        self.pbar = tqdm(total=self.total, initial=self.step, desc="train", disable=not rt.is_main or self.quiet)
+        self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
+                         disable=not rt.is_main or self.quiet)
         tracker = Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None
-        self.out = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, self.pbar,
+        self.out = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None,
+                               self.pbar,
                                resumed_at=self.step, tracker=tracker)
         hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps" + \
             ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else "")
-        settings = LogSettings(total=self.total, resumed_at=self.step, n_chunks=rt.world_size * cfg.grad_accum,
-                               pack_to=cfg.pack_to if self.packed else None, check_norm=not self.scaler.is_enabled(),
+        settings = LogSettings(total=self.total, resumed_at=self.step,
+                               n_chunks=rt.world_size * cfg.grad_accum,
+                               pack_to=cfg.pack_to if self.packed else None,
+                               check_norm=not self.scaler.is_enabled(),
                                hint=hint)
         self.log = TrainLog(settings, rt, self.out, lengths=self.lengths, n_labeled=self.n_labeled)
-        self.checkpointer = Checkpointer(cfg, rt, self.parallel, every=cfg.every("save", self.steps_per_epoch),
-                                         optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+        self.checkpointer = Checkpointer(cfg, rt, self.parallel,
+                                         every=cfg.every("save", self.steps_per_epoch),
+                                         optimizer=self.optimizer, scheduler=self.scheduler,
+                                         scaler=self.scaler,
                                          tokenizer=self.tokenizer, before_save=self.log.stop_if_diverged,
                                          digests=self.digests)
         trainable, n_params = count_parameters(self.model)
@@ -230,8 +245,8 @@ class Trainer:
                 self.step += 1
                 # logging: the loss sums stay on device until a log step, which also reads the divergence flag
                 log = self.step % self.cfg.log_every == 0 or self.step == self.total
-                self.log.add(self.step, batch, sums, norm, t0=t0, epoch=epoch, lr=self.scheduler.get_last_lr()[0],
-                             write=log)
+                self.log.add(self.step, batch, sums, norm, t0=t0, epoch=epoch,
+                             lr=self.scheduler.get_last_lr()[0], write=log)
                 # evaluation, checkpoint, preemption: each decides whether this step is its turn
                 metrics = self.held_out.every(self.step, last_step=self.total)
                 if metrics:
@@ -246,16 +261,19 @@ class Trainer:
         return self.finish()
 
     def batch_plan(self, epoch: int) -> list:
-        if epoch != self.plan_epoch:  # reshuffled every epoch; a pure function of (seed, epoch): resume needs no state
+        # reshuffled every epoch; a pure function of (seed, epoch): resume needs no state
+        if epoch != self.plan_epoch:
             self.plan_epoch = epoch
-            self.plan = global_batches(self.lengths, self.global_batch, self.cfg.seed, epoch, self.cfg.group_by_length)
+            self.plan = global_batches(self.lengths, self.global_batch, self.cfg.seed, epoch,
+                                       self.cfg.group_by_length)
         return self.plan
 
     def train_step(self, batch: list):
-        """One optimizer step on one global batch: forward and backward on this rank's micro-batches, then clip
-        and update. Returns this rank's (cross-entropy sum, correct) on device, and the gradient norm."""
+        """One optimizer step on one global batch: forward and backward on this rank's micro-batches, then
+        clip and update. Returns this rank's (cross-entropy sum, correct) on device, and the gradient norm."""
         cfg, rt = self.cfg, self.rt
-        n_labeled = sum(self.n_labeled[i] for i in batch)  # every rank knows the whole global batch: no collective
+        # every rank knows the whole global batch: no collective
+        n_labeled = sum(self.n_labeled[i] for i in batch)
         micro = micro_batches(batch, self.lengths, rt.world_size, rt.rank, cfg.grad_accum)
         sums = torch.zeros(2, device=rt.device)
         for a, idx in enumerate(micro):
@@ -264,7 +282,8 @@ class Trainer:
             with self.parallel.grad_sync(last=a == len(micro) - 1):
                 with self.autocast():
                     logits = self.parallel.forward(**inputs)  # (B, T, 2); packed: (1, N, 2)
-                # divided by the labels of the whole global batch, so accumulation and ranks weight every label equally
+                # divided by the labels of the whole global batch: accumulation and ranks weight every label
+                # equally
                 loss, ce_sum, n_correct = step_loss(logits, labels, n_labeled)
                 # DDP averages gradients over ranks; scaling by world size turns that back into the global sum
                 self.scaler.scale(loss * rt.world_size).backward()
@@ -282,10 +301,11 @@ class Trainer:
         cols = self.train_ds[idx]
         rows = [{"input_ids": i, "labels": y} for i, y in zip(cols["input_ids"], cols["labels"])]
         mb = pack(rows, self.pad_id, self.cfg.pack_to) if self.packed else collate(rows, self.pad_id)
-        # page-locked host memory makes the non_blocking copies truly asynchronous; max_length stays a host int
+        # page-locked host memory makes the non_blocking copies truly asynchronous; max_length stays a host
+        # int
         pin = self.rt.device.type == "cuda"
-        return {k: (v.pin_memory() if pin else v).to(self.rt.device, non_blocking=True) if torch.is_tensor(v) else v
-                for k, v in mb.items()}
+        on_device = lambda v: (v.pin_memory() if pin else v).to(self.rt.device, non_blocking=True)
+        return {k: on_device(v) if torch.is_tensor(v) else v for k, v in mb.items()}
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -293,8 +313,8 @@ class Trainer:
         return torch.autocast(self.rt.device.type, dtype=self.amp_dtype)
 
     def finish(self) -> dict:
-        """final/ first (a failed evaluation never costs the weights), then the final evaluation, the model card
-        and the last metrics record."""
+        """final/ first (a failed evaluation never costs the weights), then the final evaluation, the model
+        card and the last metrics record."""
         path = self.checkpointer.save_final(self.step)
         results = self.held_out.run()
         results["train_tokens_per_second"], results["padding_efficiency"] = self.log.throughput()
@@ -308,8 +328,8 @@ class Trainer:
 
 
 class HeldOut:
-    """The held-out metrics, by the same route as eval.py (prm.evaluate: predict, then report): every --eval-every
-    steps, and at the end."""
+    """The held-out metrics, by the same route as eval.py (prm.evaluate: predict, then report): every
+    --eval-every steps, and at the end."""
 
     def __init__(self, model, rows: list, *, cfg: Config, rt: Runtime, every: int, pad_id: int, amp_dtype,
                  processbench: bool):
@@ -317,7 +337,8 @@ class HeldOut:
         self.pad_id, self.amp_dtype, self.processbench = pad_id, amp_dtype, processbench
 
     def every(self, step: int, *, last_step: int):
-        """The metrics when --eval-every falls on `step` (before the last: finish() evaluates that one); else None."""
+        """The metrics when --eval-every falls on `step` (before the last: finish() evaluates that one); else
+        None."""
         if self.interval and step % self.interval == 0 and step < last_step:
             return self.run()
         return None
@@ -330,8 +351,9 @@ class HeldOut:
 
 
 class Preemption:
-    """In the loop, SIGTERM/SIGINT finish the optimizer step, save a checkpoint and stop with 128 + signal; a second
-    signal stops at once. Outside the `with` block (set-up, final evaluation) they keep their usual effect."""
+    """In the loop, SIGTERM/SIGINT finish the optimizer step, save a checkpoint and stop with 128 + signal; a
+    second signal stops at once. Outside the `with` block (set-up, final evaluation) they keep their usual
+    effect."""
     signum: int = None  # the signal received in the loop; None: none
 
     def __enter__(self):
@@ -349,7 +371,8 @@ class Preemption:
         self.signum = signum
 
     def agreed(self, rt: Runtime) -> bool:
-        """Whether to stop now; under DDP every rank stops at the same step, even if only one was signalled."""
+        """Whether to stop now; under DDP every rank stops at the same step, even if only one was signalled.
+        """
         flag = float(self.signum is not None)
         if not rt.distributed:
             return bool(flag)

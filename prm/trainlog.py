@@ -17,16 +17,18 @@ from prm.runtime import Runtime, all_reduce_sum
 
 
 class MetricsFile:
-    """Rank 0's metrics.jsonl, each record also sent to the tracker (TensorBoard / W&B) and shown as a log line.
+    """Rank 0's metrics.jsonl, each record also sent to the tracker (TensorBoard / W&B) and shown as a log
+    line.
 
-    On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each step appears
-    once. path None (the other ranks): writes nothing."""
+    On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each step
+    appears once. path None (the other ranks): writes nothing."""
 
     def __init__(self, path, pbar, *, resumed_at: int, tracker=None):
         self.pbar, self.tracker = pbar, tracker
         if path and resumed_at:
             keep_records_until(path, resumed_at)
-        self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, not a traceback
+        # a full disk ends the run with the path, not a traceback
+        self.file = AppendFile(path) if path else None
 
     def write(self, rec: dict, echo: bool = True):
         if self.file is None:
@@ -51,30 +53,35 @@ class LogSettings:
     resumed_at: int  # the step this process started from (0: a fresh run)
     n_chunks: int  # micro-batches of one global batch over all ranks: what padding is counted per
     pack_to: int = None  # the packed row's multiple (0: none); None: padded micro-batches
-    check_norm: bool = True  # False under fp16: an inf norm is the GradScaler's skipped step, not a divergence
+    # False under fp16: an inf norm is the GradScaler's skipped step, not a divergence
+    check_norm: bool = True
     hint: str = ""  # the advice a divergence message ends with
 
 
 class TrainLog:
-    """The running (cross-entropy sum, correct) of the steps since the last log line, the first non-finite step,
-    throughput and the time left.
+    """The running (cross-entropy sum, correct) of the steps since the last log line, the first non-finite
+    step, throughput and the time left.
 
-    The sums and the divergence flag stay on device until a log step; then one all-reduce, the only device sync. A
-    divergence is also read before every save, so non-finite weights are never written."""
+    The sums and the divergence flag stay on device until a log step; then one all-reduce, the only device
+    sync. A divergence is also read before every save, so non-finite weights are never written."""
 
-    def __init__(self, settings: LogSettings, rt: Runtime, out: MetricsFile, *, lengths: list, n_labeled: list):
+    def __init__(self, settings: LogSettings, rt: Runtime, out: MetricsFile, *, lengths: list,
+                 n_labeled: list):
         self.s, self.rt, self.out, self.pbar = settings, rt, out, out.pbar
-        self.lengths, self.n_labeled = lengths, n_labeled  # per training example: non-pad tokens, labeled steps
+        # per training example: non-pad tokens, labeled steps
+        self.lengths, self.n_labeled = lengths, n_labeled
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # first non-finite step, 0: none
         self.last_finite = None  # (step, loss) of the last log line with a finite loss
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
         self.timed_from, self.estimated = None, False  # timed_from: (step, host time)
-        self.since_resume = bool(settings.resumed_at)  # the first record after a resume averages the steps since it
+        # the first record after a resume averages the steps since it
+        self.since_resume = bool(settings.resumed_at)
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
-        """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm."""
+        """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm.
+        """
         tokens = sum(self.lengths[i] for i in batch)  # non-pad tokens of the global batch, every rank's share
         bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.s.check_norm else False)
         self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)  # on device: no sync
@@ -88,7 +95,8 @@ class TrainLog:
             self.seconds += time.perf_counter() - t0
             return
         flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
-        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()  # the one sync of a log step
+        # the one sync of a log step
+        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()
         self.seconds += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
@@ -105,13 +113,14 @@ class TrainLog:
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
 
     def estimate(self, step: int):
-        """The remaining time, said once, from host wall-clock since this run's first step ended (it pays one-time
-        costs: compilation, allocator warm-up), after 3 more steps or 10 s. No device sync: it reads the clock only,
-        so device work still queued may be missed."""
+        """The remaining time, said once, from host wall-clock since this run's first step ended (it pays
+        one-time costs: compilation, allocator warm-up), after 3 more steps or 10 s. No device sync: it reads
+        the clock only, so device work still queued may be missed."""
         now = time.perf_counter()
         self.timed_from = self.timed_from or (step, now)
         done, seconds = step - self.timed_from[0], now - self.timed_from[1]
-        if self.rt.is_main and not self.estimated and (done >= 3 or (done and seconds >= 10)) and step < self.s.total:
+        due = done >= 3 or (done and seconds >= 10)
+        if self.rt.is_main and not self.estimated and due and step < self.s.total:
             left = datetime.timedelta(seconds=round(seconds / done * (self.s.total - step)))
             self.pbar.write(f"about {left} left ({seconds / done:.2f} s per step)")
             self.estimated = True
@@ -123,17 +132,19 @@ class TrainLog:
 
     def diverged(self):
         step = int(self.bad_step)
-        last = f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" if self.last_finite \
-            else "no finite loss logged before it"
-        raise Diverged(f"the loss or gradient norm is not finite at step {step or '? (on another rank)'} ({last}); "
-                       f"no checkpoint was written from then on. {self.s.hint}")
+        last = f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" \
+            if self.last_finite else "no finite loss logged before it"
+        raise Diverged(f"the loss or gradient norm is not finite at step {step or '? (on another rank)'} "
+                       f"({last}); no checkpoint was written from then on. {self.s.hint}")
 
     def throughput(self) -> tuple:
         """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding); None, None
-        (null in metrics.jsonl) when this process trained no step, as when resuming a run whose steps were all done."""
+        (null in metrics.jsonl) when this process trained no step, as when resuming a run whose steps were all
+        done."""
         if not self.total_tokens:
             return None, None
-        return self.total_tokens / max(self.total_seconds, 1e-9), self.total_tokens / max(self.total_padded, 1)
+        tokens = self.total_tokens
+        return tokens / max(self.total_seconds, 1e-9), tokens / max(self.total_padded, 1)
 
 
 def count(n: float) -> str:
@@ -164,7 +175,8 @@ def strict_json(x):
 
 
 def keep_records_until(path: str, step: int):
-    """Drops the records past `step` (and final ones) from metrics.jsonl: after a resume, each step appears once."""
+    """Drops the records past `step` (and final ones) from metrics.jsonl: after a resume, each step appears
+    once."""
     if not os.path.isfile(path):
         return
     kept = []
