@@ -61,6 +61,7 @@ from transformers import AutoModel
 from prm.build import hf_config_for, tokenizer_for
 from prm.config import Config, build_parser
 from prm.data import global_batches
+from prm.errors import PRMError, UsageError, exit_status
 from prm.gpucheck import gpu_check
 from prm.ingest import tokenize_dataset
 from prm.sources import load_splits
@@ -291,7 +292,7 @@ print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
 def _run(cmd: list) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise PRMError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r.stdout
 
 
@@ -355,7 +356,7 @@ def side_by_side(a, argv: list) -> dict:
     """Each variant in fresh processes (--repeats each) with the same flags plus its own; tok/s against the first."""
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
-        raise SystemExit(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
+        raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
     peak = ["--peak-tflops", str(a.peak_tflops)] if a.peak_tflops else []
     out = {}
     for name in names:
@@ -373,7 +374,7 @@ def main(argv=None):
     a = parser().parse_args(argv)
     cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__}).resolve()
     if a.peer_python and not a.peer_script:
-        raise SystemExit("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
+        raise UsageError("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
     if a.gpu_check:
         out = gpu_check(lambda args: side_by_side(parser().parse_args(args), args), dry=a.dry_run)
     elif a.variants:
@@ -385,9 +386,10 @@ def main(argv=None):
     if out is not None:
         print(json.dumps(out), flush=True)
     if out and out.get("failed"):  # --gpu-check: a failed test fails the command, after the figures are printed
-        raise SystemExit(1)
+        raise PRMError(f"--gpu-check: {out['failed']} failed (its output is above)")
     return out
 
 
 if __name__ == "__main__":
-    main()
+    with exit_status():
+        main()

@@ -16,6 +16,7 @@ from transformers import AutoModel, Qwen2Config
 
 from prm.build import load_tokenizer
 from prm.data import pad_token_id
+from prm.errors import UsageError
 from prm.synthetic import CHARS, char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +85,7 @@ def run_tests() -> dict:
 
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
-    """The whole check; SystemExit(2) without CUDA (unless dry), after building what needs no GPU.
+    """The whole check; UsageError without CUDA (unless dry), after building what needs no GPU.
 
     side_by_side(argv) -> prm.bench's {"variants": {name: figures}, "tokens_per_second_vs_padded": ...}."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,9 +93,8 @@ def gpu_check(side_by_side, *, dry: bool) -> dict:
         if not dry and not torch.cuda.is_available():
             with open(data) as f:  # what was built, so the message shows the CPU part worked
                 n = sum(1 for _ in f)
-            print(f"--gpu-check needs CUDA (built the Qwen2-0.5B-shaped config, its tokenizer and {n} rows; "
-                  f"--dry-run runs it all on the CPU)", file=sys.stderr)
-            raise SystemExit(2)
+            raise UsageError(f"--gpu-check needs CUDA (built the Qwen2-0.5B-shaped config, its tokenizer and "
+                             f"{n} rows; --dry-run runs it all on the CPU)")
         write_weights(model_dir, "cpu" if dry else "cuda")
         tests = run_tests()
         argv += ["--variants", "padded,packed" if dry else "padded,packed,packed-compiled"]
