@@ -62,7 +62,7 @@ class PRM(nn.Module):
         backbone = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
         head = new_head(backbone.config)
         # a pretrained model's hidden states share one large direction, so a random head gives every step the same
-        # confident verdict (SmolLM2-135M: loss 2.7 at step 1); zero weights start every step at P(correct) = 0.5
+        # confident verdict; zero weights start every step at P(correct) = 0.5
         nn.init.zeros_(head.weight)
         return cls(backbone, head)
 

@@ -1,4 +1,4 @@
-"""The CUDA fast path (issue 31): varlen flash attention in bf16 against padded SDPA, --compile --pack-to compiling
+"""The CUDA fast path: varlen flash attention in bf16 against padded SDPA, --compile --pack-to compiling
 once, no host sync in a training step, eval.py / PRMReward on CUDA against the CPU's fp32, 2 GPUs (DDP, FSDP2 over
 NCCL) against 1. The [cuda] cases skip without CUDA (pytest -rs shows why); the [cpu] cases run the same bodies on
 the CPU with prm.varlen's CUDA branch pointed at test_packing's reference kernel, so what the GPU runs is tested
