@@ -28,19 +28,16 @@ def _opt(default, help, **kw):
 class Options:
     """What decides the labels: kept beside an output (OUT.settings); a rerun with others is refused."""
     rollouts: int = _opt(8, "continuations rolled out from each step's prefix")
-    label: str = _opt("soft", "soft: the share of rollouts reaching the answer; hard: 1 if any does",
+    label: str = _opt("soft", "soft: the share of rollouts that reach the answer; hard: 1 if any does",
                       choices=["soft", "hard"])
-    search: str = _opt("all", "all: roll out every step's prefix; binary: search for the first step no "
-                       "rollout rescues (1 before, 0 at, null after it), ~log2(steps) prefixes",
-                       choices=["all", "binary"])
+    search: str = _opt("all", "all: roll out every step's prefix; binary: find the first step no rollout "
+                       "rescues (1 before, 0 at, null after), ~log2(n) prefixes", choices=["all", "binary"])
     samples: int = _opt(4, "solutions sampled for a row without 'completions'")
-    step_separator: str = _opt("\n", "what follows each step (escapes understood); splits sampled solutions",
-                               type=unescape)
+    step_separator: str = _opt("\n", "what ends each step (escapes such as \\n understood)", type=unescape)
     answer_field: str = _opt("answer", "the column holding the reference final answer")
     answer_pattern: str = _opt("", "regex whose last match (its group 1 if any) is a text's final answer; "
                                "default: the last \\boxed{}, else 'the answer is ...', else the last number")
-    checker: str = _opt("exact", "exact: normalized match; math-verify: the math-verify package",
-                        choices=["exact", "math-verify"])
+    checker: str = _opt("exact", "exact: normalized match; or math-verify", choices=["exact", "math-verify"])
     seed: int = _opt(0, "rows are seeded from it and their index: results do not depend on ranks or shards")
     policy: str = _opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
     temperature: float = _opt(0.7, "sampling temperature; 0: greedy")
@@ -50,8 +47,7 @@ class Options:
 
 
 def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its group 1 if any), else the last \\boxed{...}'s inside, else what
-    follows the last "answer is", else the last number; None when there is none."""
+    """The last match of `pattern` (its group 1 if any), else of \\boxed{...}, "answer is ...", a number."""
     if pattern:
         found = list(re.finditer(pattern, text))
         return (found[-1].group(1) if found[-1].re.groups else found[-1].group(0)) if found else None
@@ -152,8 +148,7 @@ def label_row(row: dict, index: int, complete, render, opts: Options) -> list:
 
 
 def read_input(spec: str, opts: Options, skip_invalid: bool):
-    """([(index, row)] of the valid rows, a digest of every record); bad rows raise DataError naming file,
-    line and field, or with skip_invalid are left out."""
+    """([(index, row)] of the valid rows, a digest of all); bad rows raise DataError or are skipped."""
     rows, problems, bad, digest = [], [], 0, hashlib.sha256()
     sources = _sources(spec, "train", SimpleNamespace(dataset_config=None))
     for index, (name, (where, r, problem)) in enumerate((nm, rec) for nm, recs in sources for rec in recs):
@@ -182,8 +177,7 @@ def input_problems(r, field: str) -> list:
 
 
 def finished(*paths: str) -> dict:
-    """{input row: its output lines} of the rows with all their lines in one of the files (the first such);
-    a last line cut short (no newline) and an unfinished row's lines are left out."""
+    """{input row: its output lines} of the rows with all their lines in one of the files, the first such."""
     rows = {}
     for path in filter(os.path.isfile, paths):
         with open(path, encoding="utf-8") as f:
@@ -250,8 +244,7 @@ def label_file(dataset: str, output: str, complete, opts: Options, *, render=lam
 
 
 def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
-    """Writes the finished rows of `output` and its parts into `output` in input order, removes the parts
-    and says what the file holds."""
+    """Writes the finished rows of `output` and its parts into `output` in input order; removes the parts."""
     rows = finished(output, *(old := parts(output)))
     write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
@@ -266,8 +259,7 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
 
 
 class Generator:
-    """complete() with a transformers causal LM: prompts x n in batches of opts.batch_size (left padding,
-    KV cache, bf16 autocast where native). Torch's RNG is seeded per batch from `seed` alone."""
+    """complete() by a transformers causal LM: batched, left-padded, bf16 autocast where native, seeded."""
 
     def __init__(self, opts: Options, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
@@ -301,9 +293,8 @@ class Generator:
         sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0) \
             if o.temperature > 0 else dict(do_sample=False)
         flat, out = [p for p in prompts for _ in range(n)], []
-        for c, start in enumerate(range(0, len(flat), o.batch_size)):
-            enc = tok(flat[start:start + o.batch_size], return_tensors="pt", padding=True,
-                      add_special_tokens=False).to(self.device)
+        for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
             with torch.no_grad(), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
                                                  enabled=dtype is not None):
@@ -314,13 +305,11 @@ class Generator:
 
 
 def main(argv=None):
-    p = Parser(prog="python -m prm.label", description="Label the steps of solutions by Monte-Carlo rollouts "
-               "of a policy: rows with prompt, answer and optionally completions in; the trainer's stepwise "
-               "rows out.")
+    p = Parser(prog="python -m prm.label", description="Label solution steps by Monte-Carlo rollouts of a "
+               "policy: rows with prompt, answer (and completions) in; the trainer's stepwise rows out.")
     p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
-    p.add_argument("--output", required=True, help="the .jsonl written; a rerun with its settings resumes it")
-    p.add_argument("--shard", default="0/1", help="i/n: label every n-th row from the i-th (0-based), for n "
-                   "separate jobs; a run without --shard then merges their part files")
+    p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
+    p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; a run without it merges")
     p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit status 2")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
     for f in dataclasses.fields(Options):
@@ -343,7 +332,8 @@ def main(argv=None):
             wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
             gen, start = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code), time.time()
             spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, skip_invalid=a.skip_invalid,
-                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size), show=rt.is_main)
+                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size),
+                               show=rt.is_main)
             if rt.distributed:
                 dist.all_reduce(total := torch.tensor([spent]), group=wait)
                 if rt.is_main and shards == 1:
