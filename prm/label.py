@@ -1,6 +1,5 @@
-"""`python -m prm.label --policy MODEL --dataset FILE --output OUT.jsonl`: step labels from Monte-Carlo
-rollouts of a policy (Math-Shepherd's soft/hard estimate of every step, or OmegaPRM's binary search for the
-first error), as the trainer's stepwise rows plus the counts behind each label. The API takes any
+"""`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
+OmegaPRM's binary search), as the trainer's stepwise rows plus the counts behind each label. The API takes any
 `complete(prompts, n, seed) -> list[list[str]]`; Generator is transformers'. The package never imports it."""
 import dataclasses
 import datetime
@@ -102,14 +101,13 @@ def judge(reference: str, opts: Options):
 def label_solutions(text: str, solutions: list, right, complete, opts: Options, seed: int) -> list:
     """{labels, rollouts, successes} per solution (a list of steps) of the prompt `text`; the last step is
     labeled by right(the solution), the others from opts.rollouts continuations of their prefix."""
-    sep, n, calls = opts.step_separator, opts.rollouts, [0]
+    sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
 
     def roll(todo):  # [(solution, k)]: n continuations of each prefix (steps 1..k), in one call
-        calls[0] += 1
-        prompts = [text + "".join(step + sep for step in solutions[i][:k]) for i, k in todo]
-        outs = complete(prompts, n, seed + calls[0])
+        calls.append(prompts := [text + "".join(step + sep for step in solutions[i][:k]) for i, k in todo])
+        outs = complete(prompts, n, seed + len(calls))
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
             raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} prompts")
         for (i, k), texts in zip(todo, outs):
@@ -137,9 +135,8 @@ def label_row(row: dict, index: int, complete, render, opts: Options) -> list:
     """The output lines of one row: its completions, or opts.samples sampled solutions split into steps."""
     text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
     answer, given, rid = str(row[opts.answer_field]), row.get("completions") is not None, row.get("id")
-    solutions = [row["completions"]] if given else [
-        steps for d in complete([text], opts.samples, seed)[0] if (steps := [s.strip() for s in d.split(sep)
-                                                                             if s.strip()])]
+    solutions = [row["completions"]] if given else [s for s in ([t.strip() for t in d.split(sep) if t.strip()]
+                                                    for d in complete([text], opts.samples, seed)[0]) if s]
     found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
     ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"} for j in range(len(solutions))]
     return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer, "row": index,
@@ -198,7 +195,6 @@ def parts(output: str) -> list:
 
 
 def write_lines(path: str, lines: list, mode="w"):
-    """Writes (mode "w": replaces the file at once) or appends the lines."""
     tmp = f"{path}.tmp{os.getpid()}" if mode == "w" else path
     try:
         with open(tmp, mode, encoding="utf-8") as f:
@@ -208,26 +204,21 @@ def write_lines(path: str, lines: list, mode="w"):
         raise WriteFailed(f"{path}: cannot write it: {e.strerror or e}") from None
 
 
-def check_settings(output: str, settings: dict):
-    """Records the settings beside a new output; refuses others than an existing output's."""
-    if not os.path.isfile(side := output + ".settings"):
-        return write_lines(side, [json.dumps(settings, indent=1)])
+def label_file(dataset: str, output: str, complete, opts: Options, *, render=lambda prompt: prompt,
+               part=(0, 1), skip_invalid=False, show=True) -> int:
+    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share); a run
+    of every row merges the parts. render(prompt): the text the policy continues. Returns rollouts spent."""
+    from tqdm import tqdm
+    start, (p, m) = time.time(), part
+    rows, digest = read_input(dataset, opts, skip_invalid)
+    settings, side = {**dataclasses.asdict(opts), "dataset": digest}, output + ".settings"
+    if not os.path.isfile(side):  # recorded beside a new output; a rerun with others is refused
+        write_lines(side, [json.dumps(settings, indent=1)])
     with open(side, encoding="utf-8") as f:
         old = json.load(f)
     diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
     check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
            "it, or pass another --output"] if diff else [])
-
-
-def label_file(dataset: str, output: str, complete, opts: Options, *, render=lambda prompt: prompt,
-               part=(0, 1), skip_invalid=False, show=True) -> int:
-    """Labels the rows of `dataset` whose index % part[1] == part[0], a row at a time, into `output` or, for
-    a share, OUTPUT.part<p>of<m>, skipping rows finished in either; a run of every row then merges them all
-    into `output`. render(prompt): the text the policy continues. Returns the rollouts spent."""
-    from tqdm import tqdm
-    start, (p, m) = time.time(), part
-    rows, digest = read_input(dataset, opts, skip_invalid)
-    check_settings(output, {**dataclasses.asdict(opts), "dataset": digest})
     own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", finished(output, *parts(output)), 0
     write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
     todo = [(i, r) for i, r in rows if i % m == p and i not in done]
@@ -267,14 +258,13 @@ class Generator:
     def tokenizer(self):
         """The policy's tokenizer and model, loaded at the first row: bad input is refused before."""
         if self.tok is None:
-            import torch
             from transformers import AutoModelForCausalLM
             from prm.build import load_tokenizer, loading
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
             tok.padding_side, tok.pad_token, bos = "left", tok.pad_token or tok.eos_token, tok.bos_token_id
             self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
             self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
-                                 trust_remote_code=self.trust, dtype=torch.float32).to(self.device).eval()
+                                 trust_remote_code=self.trust, dtype="float32").to(self.device).eval()
         return self.tok
 
     def render(self, prompt) -> str:
@@ -309,7 +299,7 @@ def main(argv=None):
                "policy: rows with prompt, answer (and completions) in; the trainer's stepwise rows out.")
     p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
     p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
-    p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; a run without it merges")
+    p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
     p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit status 2")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
     for f in dataclasses.fields(Options):
@@ -331,9 +321,9 @@ def main(argv=None):
             # ranks end at different times: the last is waited for on a group that does not time out
             wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
             gen, start = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code), time.time()
-            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, skip_invalid=a.skip_invalid,
-                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size),
-                               show=rt.is_main)
+            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
+                               skip_invalid=a.skip_invalid,
+                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size))
             if rt.distributed:
                 dist.all_reduce(total := torch.tensor([spent]), group=wait)
                 if rt.is_main and shards == 1:
