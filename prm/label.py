@@ -27,8 +27,7 @@ def _opt(default, help, **kw):
 class Options:
     """What decides the labels: kept beside an output (OUT.settings); a rerun with others is refused."""
     rollouts: int = _opt(8, "continuations rolled out from each step's prefix")
-    label: str = _opt("soft", "soft: the share of rollouts that reach the answer; hard: 1 if any does",
-                      choices=["soft", "hard"])
+    label: str = _opt("soft", "soft: the share of right rollouts; hard: 1 if any", choices=["soft", "hard"])
     search: str = _opt("all", "all: roll out every step's prefix; binary: find the first step no rollout "
                        "rescues (1 before, 0 at, null after), ~log2(n) prefixes", choices=["all", "binary"])
     samples: int = _opt(4, "solutions sampled for a row without 'completions'")
@@ -279,24 +278,23 @@ class Generator:
     def __call__(self, prompts: list, n: int, seed: int) -> list:
         import torch
         from prm.runtime import autocast_dtype
-        o, dtype, tok = self.opts, autocast_dtype("auto", self.device), self.tokenizer()
-        sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0) \
-            if o.temperature > 0 else dict(do_sample=False)
+        o, d, tok, dtype = self.opts, self.device, self.tokenizer(), autocast_dtype("auto", self.device)
+        sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
+        if o.temperature > 0:
+            sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
         flat, out = [p for p in prompts for _ in range(n)], []
         for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
-            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
-            with torch.no_grad(), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
+            with torch.no_grad(), torch.autocast(d.type, dtype=dtype or torch.bfloat16,
                                                  enabled=dtype is not None):
-                ids = self.model.generate(**enc, **sampling, max_new_tokens=o.max_new_tokens,
-                                          pad_token_id=tok.pad_token_id)  # (B, T + new)
+                ids = self.model.generate(**enc, **sampling)  # (B, T + new)
             out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
 def main(argv=None):
-    p = Parser(prog="python -m prm.label", description="Label solution steps by Monte-Carlo rollouts of a "
-               "policy: rows with prompt, answer (and completions) in; the trainer's stepwise rows out.")
+    p = Parser(prog="python -m prm.label", description="Label solution steps by Monte-Carlo policy rollouts.")
     p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
     p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
     p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
@@ -328,8 +326,6 @@ def main(argv=None):
                 dist.all_reduce(total := torch.tensor([spent]), group=wait)
                 if rt.is_main and shards == 1:
                     merge(a.output, int(total), time.time() - start)
-        except DataError as e:
-            raise UsageError(str(e)) from None
         finally:
             teardown(rt)
 
