@@ -20,7 +20,8 @@ from prm.sources import DataError, _sources
 
 
 def _opt(default, help, **kw):
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+    meta = {"help": help, "default": default, "type": type(default), **kw}  # its flag's add_argument keywords
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass
@@ -33,8 +34,8 @@ class Options:
     samples: int = _opt(4, "solutions sampled for a row without 'completions'")
     step_separator: str = _opt("\n", "what ends each step (escapes such as \\n understood)", type=unescape)
     answer_field: str = _opt("answer", "the column holding the reference final answer")
-    answer_pattern: str = _opt("", "regex whose last match (its group 1 if any) is a text's final answer; "
-                               "default: the last \\boxed{}, else 'the answer is ...', else the last number")
+    answer_pattern: str = _opt("", "regex whose last match (group 1 if any) is the answer; default: the last "
+                               "\\boxed{}, else 'the answer is ...', else the last number")
     checker: str = _opt("exact", "exact: normalized match; or math-verify", choices=["exact", "math-verify"])
     seed: int = _opt(0, "rows are seeded from it and their index: results do not depend on ranks or shards")
     policy: str = _opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
@@ -98,8 +99,7 @@ def judge(reference: str, opts: Options):
 
 
 def label_solutions(text: str, solutions: list, right, complete, opts: Options, seed: int) -> list:
-    """{labels, rollouts, successes} per solution (a list of steps) of the prompt `text`; the last step is
-    labeled by right(the solution), the others from opts.rollouts continuations of their prefix."""
+    """{labels, rollouts, successes} per solution (a list of steps); its last step judged by its answer."""
     sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
@@ -155,8 +155,7 @@ def read_input(spec: str, opts: Options, skip_invalid: bool):
     if bad and not skip_invalid:
         raise DataError(problems, total_rows=bad)
     if bad:
-        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid), the first: {problems[0]}",
-              file=sys.stderr)
+        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}", file=sys.stderr)
     return rows, digest.hexdigest()[:16]
 
 
@@ -301,8 +300,7 @@ def main(argv=None):
     p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit status 2")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
     for f in dataclasses.fields(Options):
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default,
-                       **{"type": type(f.default), **f.metadata})
+        p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
     a = p.parse_args(argv)
     if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or not int(m.group(1)) < int(m.group(2)):
         p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
