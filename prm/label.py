@@ -182,8 +182,7 @@ def finished(*paths: str) -> dict:
                 r = json.loads(line)
                 got.setdefault(r["row"], []).append((line, r["lines"]))
             except (ValueError, KeyError, TypeError):
-                raise UsageError(f"{path} line {n}: not a line prm.label writes (no 'row' or 'lines'); pass "
-                                 "another --output") from None
+                raise UsageError(f"{path} line {n}: not a line prm.label writes; pass another --output") from None
         rows = {**{k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]}, **rows}
     return rows
 
@@ -227,8 +226,7 @@ def label_file(dataset: str, output: str, complete, opts: Options, *, render=lam
     if m == 1:
         merge(output, spent, time.time() - start, show)
     elif show:
-        print(f"{own}: {len(todo)} rows labeled, {spent} rollouts, {time.time() - start:.0f} s",
-              file=sys.stderr)
+        print(f"{own}: {len(todo)} rows, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
     return spent
 
 
