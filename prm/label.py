@@ -1,10 +1,6 @@
-"""`python -m prm.label --policy MODEL --dataset FILE --output OUT.jsonl`: step labels from Monte-Carlo
-rollouts of a policy, Math-Shepherd's estimate of every step (soft: the share of rollouts from its prefix
-that reach the reference answer; hard: 1 if any does) or OmegaPRM's binary search for the first error,
-written as the trainer's stepwise rows plus the counts behind each label. The API takes any
-`complete(prompts, n, seed) -> list[list[str]]`; Generator is the transformers one. Nothing in the package
-imports this module. Depends on: torch, transformers, tqdm, prm.build, prm.config, prm.errors, prm.formats,
-prm.runtime, prm.sources."""
+"""`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
+OmegaPRM's binary search), as the trainer's stepwise rows plus the counts behind each label. The API takes any
+`complete(prompts, n, seed) -> list[list[str]]`; Generator is transformers'. The package never imports it."""
 import dataclasses
 import datetime
 import glob
@@ -24,41 +20,33 @@ from prm.sources import DataError, _sources
 
 
 def _opt(default, help, **kw):
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+    meta = {"help": help, "default": default, "type": type(default), **kw}  # its flag's add_argument keywords
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass
 class Options:
-    """Everything that decides the labels: an output keeps them beside it (OUT.settings); a rerun into it
-    with others is refused."""
+    """What decides the labels: kept beside an output (OUT.settings); a rerun with others is refused."""
     rollouts: int = _opt(8, "continuations rolled out from each step's prefix")
-    label: str = _opt("soft", "soft: the share of rollouts reaching the answer; hard: 1 if any does",
-                      choices=["soft", "hard"])
-    search: str = _opt("all", "all: roll out every step's prefix; binary: OmegaPRM's search for the first "
-                       "step no rollout rescues (1 before it, 0 at it, null after), about log2(steps) "
-                       "prefixes per wrong solution, none for a right one", choices=["all", "binary"])
+    label: str = _opt("soft", "soft: the share of right rollouts; hard: 1 if any", choices=["soft", "hard"])
+    search: str = _opt("all", "all: roll out every step's prefix; binary: find the first step no rollout "
+                       "rescues (1 before, 0 at, null after), ~log2(n) prefixes", choices=["all", "binary"])
     samples: int = _opt(4, "solutions sampled for a row without 'completions'")
-    step_separator: str = _opt("\n", "what follows each step (escapes like \\n understood); sampled "
-                               "solutions are split on it", type=unescape)
+    step_separator: str = _opt("\n", "what ends each step (escapes such as \\n understood)", type=unescape)
     answer_field: str = _opt("answer", "the column holding the reference final answer")
-    answer_pattern: str = _opt("", "regex whose last match (its group 1 if any) is a text's final answer; "
-                               "default: the last \\boxed{}, else 'the answer is ...', else the last number")
-    checker: str = _opt("exact", "exact: normalized match; math-verify: the math-verify package",
-                        choices=["exact", "math-verify"])
+    answer_pattern: str = _opt("", "regex whose last match (group 1 if any) is the answer; default: the last "
+                               "\\boxed{}, else 'the answer is ...', else the last number")
+    checker: str = _opt("exact", "exact: normalized match; or math-verify", choices=["exact", "math-verify"])
     seed: int = _opt(0, "rows are seeded from it and their index: results do not depend on ranks or shards")
-    policy: str = _opt("", "the model rolled out (recorded; the API's complete() may be anything)")
+    policy: str = _opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
     temperature: float = _opt(0.7, "sampling temperature; 0: greedy")
     top_p: float = _opt(1.0, "nucleus sampling share")
     max_new_tokens: int = _opt(512, "tokens per rollout or sampled solution")
     batch_size: int = _opt(16, "sequences per generate call")
 
 
-# ---- answers
-
 def extract_answer(text: str, pattern: str = ""):
-    """A text's final answer: the last match of `pattern` (its group 1 if it has groups), else the inside of
-    the last \\boxed{...} (nested braces kept), else what follows the last "answer is", else the last
-    number; None when there is none."""
+    """The last match of `pattern` (its group 1 if any), else of \\boxed{...}, "answer is ...", a number."""
     if pattern:
         found = list(re.finditer(pattern, text))
         return (found[-1].group(1) if found[-1].re.groups else found[-1].group(0)) if found else None
@@ -92,10 +80,8 @@ def _number(s: str):
 
 def same_answer(found, reference) -> bool:
     """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is never right."""
-    if found is None:
-        return False
     a, b = normalize(str(found)), normalize(str(reference))
-    return a == b or (_number(a) is not None and _number(a) == _number(b))
+    return found is not None and (a == b or (_number(a) is not None and _number(a) == _number(b)))
 
 
 def judge(reference: str, opts: Options):
@@ -112,20 +98,15 @@ def judge(reference: str, opts: Options):
     return lambda text: same_answer(extract_answer(text, opts.answer_pattern), reference)
 
 
-# ---- estimation
-
 def label_solutions(text: str, solutions: list, right, complete, opts: Options, seed: int) -> list:
-    """{labels, rollouts, successes} per solution (a list of steps) of one problem. `text`: the prompt as
-    the policy reads it; right(text) judges a text's final answer. The last step is labeled by the
-    solution's own answer, without rollouts; the others from opts.rollouts continuations of their prefix."""
-    sep, n, calls = opts.step_separator, opts.rollouts, [0]
+    """{labels, rollouts, successes} per solution (a list of steps); its last step judged by its answer."""
+    sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
 
     def roll(todo):  # [(solution, k)]: n continuations of each prefix (steps 1..k), in one call
-        calls[0] += 1
-        prompts = [text + "".join(step + sep for step in solutions[i][:k]) for i, k in todo]
-        outs = complete(prompts, n, seed + calls[0])
+        calls.append(prompts := [text + "".join(step + sep for step in solutions[i][:k]) for i, k in todo])
+        outs = complete(prompts, n, seed + len(calls))
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
             raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} prompts")
         for (i, k), texts in zip(todo, outs):
@@ -141,8 +122,7 @@ def label_solutions(text: str, solutions: list, right, complete, opts: Options, 
         labels = [[True] * len(s) if final[i] else [True] * (hi[i] - 1) + [False] + [None] * (len(s) - hi[i])
                   for i, s in enumerate(solutions)]
     else:
-        todo = [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]
-        if todo:
+        if todo := [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]:
             roll(todo)
         soft = opts.label == "soft"
         labels = [[w / n if soft else w > 0 for w in wins[i][:-1]] + [float(final[i]) if soft else final[i]]
@@ -151,152 +131,113 @@ def label_solutions(text: str, solutions: list, right, complete, opts: Options, 
 
 
 def label_row(row: dict, index: int, complete, render, opts: Options) -> list:
-    """The output lines of one input row: its completions, or opts.samples solutions sampled from the policy
-    and split into steps. Its seed comes from opts.seed and its index alone."""
+    """The output lines of one row: its completions, or opts.samples sampled solutions split into steps."""
     text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
-    answer, given = str(row[opts.answer_field]), row.get("completions") is not None
-    drafts = [] if given else [[s.strip() for s in d.split(sep) if s.strip()]
-                               for d in complete([text], opts.samples, seed)[0]]
-    solutions = [row["completions"]] if given else [steps for steps in drafts if steps]
+    answer, given, rid = str(row[opts.answer_field]), row.get("completions") is not None, row.get("id")
+    solutions = [row["completions"]] if given else [s for s in ([t.strip() for t in d.split(sep) if t.strip()]
+                                                    for d in complete([text], opts.samples, seed)[0]) if s]
     found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
-    out = []
-    for j, (steps, res) in enumerate(zip(solutions, found)):
-        line = {"prompt": row["prompt"], "completions": steps, **res, "answer": answer, "row": index,
-                "lines": len(solutions)}
-        if row.get("id") is not None:
-            line["id"] = str(row["id"]) if given else f"{row['id']}/{j}"
-        out.append(json.dumps(line, ensure_ascii=False))
-    return out
+    ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"} for j in range(len(solutions))]
+    return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer, "row": index,
+                        "lines": len(solutions), **i}, ensure_ascii=False)
+            for steps, res, i in zip(solutions, found, ids)]
 
-
-# ---- files
 
 def read_input(spec: str, opts: Options, skip_invalid: bool):
-    """([(index, row)] of the valid rows, a digest of every record); bad rows raise DataError naming file,
-    line and field, or with skip_invalid are left out."""
-    rows, problems, bad, digest, index = [], [], 0, hashlib.sha256(), 0
-    for name, records in _sources(spec, "train", SimpleNamespace(dataset_config=None)):
-        for where, r, problem in records:
-            digest.update(json.dumps(r, sort_keys=True, default=str).encode())
-            issues = [problem] if problem else input_problems(r, opts.answer_field)
-            problems.extend(f"{name} {where}: {p}" for p in issues)
-            bad, index = bad + bool(issues), index + 1
-            if not issues:
-                rows.append((index - 1, r))
+    """([(index, row)] of the valid rows, a digest of all); bad rows raise DataError or are skipped."""
+    rows, problems, bad, digest = [], [], 0, hashlib.sha256()
+    sources = _sources(spec, "train", SimpleNamespace(dataset_config=None))
+    for index, (name, (where, r, problem)) in enumerate((nm, rec) for nm, recs in sources for rec in recs):
+        digest.update(json.dumps(r, sort_keys=True, default=str).encode())
+        issues = [problem] if problem else input_problems(r, opts.answer_field)
+        problems.extend(f"{name} {where}: {p}" for p in issues)
+        bad, rows = bad + bool(issues), rows + ([] if issues else [(index, r)])
     if bad and not skip_invalid:
         raise DataError(problems, total_rows=bad)
     if bad:
-        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid), the first: {problems[0]}",
-              file=sys.stderr)
+        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}", file=sys.stderr)
     return rows, digest.hexdigest()[:16]
 
 
 def input_problems(r, field: str) -> list:
     if not isinstance(r, dict):
         return ["expected a JSON object"]
-    steps = r.get("completions")
+    steps, answer = r.get("completions"), r.get(field)
     out = row_problems({"prompt": r.get("prompt"), "completions": ["-"] if steps is None else steps,
                         "labels": [True] * (len(steps) if isinstance(steps, list) else 1)})
-    answer = r.get(field)
     if type(answer) not in (str, int, float) or not str(answer).strip():
         got = "missing" if field not in r else f"expected the reference answer (text, number), got {answer!r}"
         out.append(f"field '{field}': {got[:110]}")
     return out
 
 
-def finished(path: str) -> dict:
-    """{input row: its output lines} of every row whose lines are all in the file; a last line cut short
-    (no newline) and the lines of an unfinished row are left out."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")[:-1]  # what follows the last newline is a line cut short
+def finished(*paths: str) -> dict:
+    """{input row: its output lines} of the rows with all their lines in one of the files, the first such."""
     rows = {}
-    for n, line in enumerate(lines, 1):
-        try:
-            r = json.loads(line)
-            rows.setdefault(r["row"], []).append((line, r["lines"]))
-        except (ValueError, KeyError, TypeError):
-            raise UsageError(f"{path} line {n}: not a line prm.label writes (no 'row' or 'lines'); pass "
-                             "another --output") from None
-    return {k: [line for line, _ in v] for k, v in rows.items() if len(v) == v[0][1]}
+    for path in filter(os.path.isfile, paths):
+        with open(path, encoding="utf-8") as f:
+            lines, got = f.read().split("\n")[:-1], {}  # what follows the last newline is a line cut short
+        for n, line in enumerate(lines, 1):
+            try:
+                r = json.loads(line)
+                got.setdefault(r["row"], []).append((line, r["lines"]))
+            except (ValueError, KeyError, TypeError):
+                raise UsageError(f"{path} line {n}: not a line prm.label writes; pass another "
+                                 "--output") from None
+        rows = {**{k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]}, **rows}
+    return rows
 
 
 def parts(output: str) -> list:
     return sorted(p for p in glob.glob(glob.escape(output) + ".part*") if re.search(r"\.part\d+of\d+$", p))
 
 
-def collect(output: str) -> dict:
-    """The finished rows of `output` and its part files."""
-    rows = {}
-    for path in [output] + parts(output):
-        rows.update({k: v for k, v in finished(path).items() if k not in rows})
-    return rows
-
-
-def write_lines(path: str, lines: list):
-    tmp = f"{path}.tmp{os.getpid()}"
+def write_lines(path: str, lines: list, mode="w"):
+    tmp = f"{path}.tmp{os.getpid()}" if mode == "w" else path
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, mode, encoding="utf-8") as f:
             f.writelines(line + "\n" for line in lines)
         os.replace(tmp, path)
     except OSError as e:
         raise WriteFailed(f"{path}: cannot write it: {e.strerror or e}") from None
 
 
-def check_settings(output: str, settings: dict):
-    """Records the settings beside a new output; refuses others than an existing output's."""
-    side = output + ".settings"
-    if os.path.isfile(side):
-        with open(side, encoding="utf-8") as f:
-            old = json.load(f)
-        diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
-        check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
-               "it, or pass another --output"] if diff else [])
-    else:  # a file prm.label did not write is refused when read (finished)
-        write_lines(side, [json.dumps(settings, indent=1)])
-
-
 def label_file(dataset: str, output: str, complete, opts: Options, *, render=lambda prompt: prompt,
                part=(0, 1), skip_invalid=False, show=True) -> int:
-    """Labels the rows of `dataset` whose index % part[1] == part[0] (all by default), one input row's lines
-    written and flushed at a time, into `output` or, for a share, its part file OUTPUT.part<p>of<m>. Rows
-    finished in the output or any part file are skipped. A process that labels every row then merges them
-    all into `output`, in input order. render(prompt): the text the policy continues (chat messages need
-    one). Returns the rollouts spent."""
+    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share); a run
+    of every row merges the parts. render(prompt): the text the policy continues. Returns rollouts spent."""
     from tqdm import tqdm
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
-    check_settings(output, {**dataclasses.asdict(opts), "dataset": digest})
-    own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", collect(output), 0
+    settings, side = {**dataclasses.asdict(opts), "dataset": digest}, output + ".settings"
+    if not os.path.isfile(side):  # recorded beside a new output; a rerun with others is refused
+        write_lines(side, [json.dumps(settings, indent=1)])
+    with open(side, encoding="utf-8") as f:
+        old = json.load(f)
+    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
+    check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
+           "it, or pass another --output"] if diff else [])
+    own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", finished(output, *parts(output)), 0
     write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
     todo = [(i, r) for i, r in rows if i % m == p and i not in done]
-    with open(own, "a", encoding="utf-8") as f, tqdm(todo, desc="labeling rows", disable=not show or None) as bar:
-        for i, row in bar:
-            lines = label_row(row, i, complete, render, opts)
-            try:
-                f.write("".join(line + "\n" for line in lines))
-                f.flush()
-            except OSError as e:
-                raise WriteFailed(f"{own}: cannot write it: {e.strerror or e}") from None
-            spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
-            bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
+    for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
+        write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
+        spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
+        bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
     if m == 1:
         merge(output, spent, time.time() - start, show)
     elif show:
-        print(f"{own}: {len(todo)} rows labeled, {spent} rollouts, {time.time() - start:.0f} s",
-              file=sys.stderr)
+        print(f"{own}: {len(todo)} rows, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
     return spent
 
 
 def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
-    """Writes the finished rows of `output` and its part files into `output` in input order, removes the
-    parts and says what the file holds."""
-    rows, old = collect(output), parts(output)
-    write_lines(output, [line for k in sorted(rows) for line in rows[k]])
+    """Writes the finished rows of `output` and its parts into `output` in input order; removes the parts."""
+    rows = finished(output, *(old := parts(output)))
+    write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
         os.remove(path)
-    solutions = [json.loads(line) for k in sorted(rows) for line in rows[k]]
+    solutions = [json.loads(line) for line in lines]
     labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
     if show:
         print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps labeled "
@@ -305,107 +246,83 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
               f"{seconds:.0f} s", file=sys.stderr, flush=True)
 
 
-# ---- generation and the command line
-
 class Generator:
-    """complete() with a transformers causal LM: the prompts x n in batches of opts.batch_size (left
-    padding, KV cache, bf16 autocast where the device runs it natively). Torch's RNG is seeded per batch from
-    `seed`: a text depends on its row's seed and the settings, not on the process or what else it labels."""
+    """complete() by a transformers causal LM: batched, left-padded, bf16 autocast where native, seeded."""
 
     def __init__(self, opts: Options, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
 
     def tokenizer(self):
-        if self.tok is None:  # loaded at the first row: bad input is refused before any loading
-            from prm.build import load_tokenizer
+        """The policy's tokenizer and model, loaded at the first row: bad input is refused before."""
+        if self.tok is None:
+            from transformers import AutoModelForCausalLM
+            from prm.build import load_tokenizer, loading
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
-            tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
-            bos = tok.bos_token_id
+            tok.padding_side, tok.pad_token, bos = "left", tok.pad_token or tok.eos_token, tok.bos_token_id
             self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
+            self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
+                                 trust_remote_code=self.trust, dtype="float32").to(self.device).eval()
         return self.tok
 
     def render(self, prompt) -> str:
         """Text as the tokenizer starts it (its BOS if it adds one); chat messages through its template."""
         tok = self.tokenizer()
-        if isinstance(prompt, str):
-            return self.bos + prompt
         try:
-            return tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return self.bos + prompt if isinstance(prompt, str) else \
+                tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         except ValueError as e:  # no chat template
             raise UsageError(f"--policy {self.opts.policy}: cannot render a chat prompt: {e}") from None
 
     def __call__(self, prompts: list, n: int, seed: int) -> list:
         import torch
         from prm.runtime import autocast_dtype
-        if self.model is None:
-            from transformers import AutoModelForCausalLM
-            from prm.build import loading
-            self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
-                                 trust_remote_code=self.trust, dtype=torch.float32).to(self.device).eval()
-        o, dtype, tok = self.opts, autocast_dtype("auto", self.device), self.tokenizer()
-        sampling = dict(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0) \
-            if o.temperature > 0 else dict(do_sample=False)
+        o, d, tok, dtype = self.opts, self.device, self.tokenizer(), autocast_dtype("auto", self.device)
+        sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
+        if o.temperature > 0:
+            sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
         flat, out = [p for p in prompts for _ in range(n)], []
-        for c, start in enumerate(range(0, len(flat), o.batch_size)):
-            enc = tok(flat[start:start + o.batch_size], return_tensors="pt", padding=True,
-                      add_special_tokens=False).to(self.device)
+        for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
-            with torch.no_grad(), torch.autocast(self.device.type, dtype=dtype or torch.bfloat16,
+            with torch.no_grad(), torch.autocast(d.type, dtype=dtype or torch.bfloat16,
                                                  enabled=dtype is not None):
-                ids = self.model.generate(**enc, **sampling, max_new_tokens=o.max_new_tokens,
-                                          pad_token_id=tok.pad_token_id)  # (B, T + new)
+                ids = self.model.generate(**enc, **sampling)  # (B, T + new)
             out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
-def parse_args(argv=None):
-    p = Parser(prog="python -m prm.label", description="Label the steps of solutions by Monte-Carlo "
-               "rollouts of a policy: rows with prompt, answer and optionally completions in; the trainer's "
-               "stepwise rows out.")
-    p.add_argument("--policy", required=True, help="the model rolled out (a Hugging Face name or folder)")
+def main(argv=None):
+    p = Parser(prog="python -m prm.label", description="Label solution steps by Monte-Carlo policy rollouts.")
     p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
-    p.add_argument("--output", required=True, help="the .jsonl written; a rerun with its settings resumes it")
-    p.add_argument("--shard", default="0/1", help="i/n: label every n-th row from the i-th (0-based), for n "
-                   "separate jobs; a run without --shard then merges their part files")
+    p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
+    p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
     p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit status 2")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
     for f in dataclasses.fields(Options):
-        if f.name != "policy":
-            p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"],
-                           type=f.metadata.get("type", type(f.default)), choices=f.metadata.get("choices"))
+        p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
     a = p.parse_args(argv)
-    m = re.fullmatch(r"(\d+)/(\d+)", a.shard)
-    if not m or not int(m.group(1)) < int(m.group(2)):
+    if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or not int(m.group(1)) < int(m.group(2)):
         p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
     if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
         p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
-    opts = Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Options) if f.name != "policy"},
-                   policy=a.policy)
-    return a, opts, (int(m.group(1)), int(m.group(2)))
-
-
-def main(argv=None):
-    a, opts, (shard, shards) = parse_args(argv)
+    opts, (shard, shards) = Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Options)}), \
+        map(int, m.groups())
     with exit_status():
         import torch
         import torch.distributed as dist
         from prm.runtime import setup, teardown
         rt = setup()
         try:
-            # ranks end at different times: the last one is waited for on a group that does not time out first
-            wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7)) if rt.distributed \
-                else None
+            # ranks end at different times: the last is waited for on a group that does not time out
+            wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
             gen, start = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code), time.time()
-            part = (shard * rt.world_size + rt.rank, shards * rt.world_size)
-            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, part=part,
-                               skip_invalid=a.skip_invalid, show=rt.is_main)
+            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
+                               skip_invalid=a.skip_invalid,
+                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size))
             if rt.distributed:
-                total = torch.tensor([spent])
-                dist.all_reduce(total, group=wait)
+                dist.all_reduce(total := torch.tensor([spent]), group=wait)
                 if rt.is_main and shards == 1:
                     merge(a.output, int(total), time.time() - start)
-        except DataError as e:
-            raise UsageError(str(e)) from None
         finally:
             teardown(rt)
 
