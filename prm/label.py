@@ -292,22 +292,23 @@ class Generator:
 
 
 def main(argv=None):
-    p = Parser(prog="python -m prm.label", description="Label solution steps by Monte-Carlo policy rollouts.")
-    p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
-    p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
-    p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
-    p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit status 2")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
-    for f in dataclasses.fields(Options):
-        p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
-    a = p.parse_args(argv)
-    if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or not int(m.group(1)) < int(m.group(2)):
-        p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
-    if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
-        p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
-    opts, (shard, shards) = Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Options)}), \
-        map(int, m.groups())
-    with exit_status():
+    with exit_status():  # a bad flag too: one line and exit status 2
+        p = Parser(prog="python -m prm.label",
+                   description="Label solution steps by Monte-Carlo policy rollouts.")
+        p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
+        p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
+        p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
+        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit 2")
+        p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
+        for f in dataclasses.fields(Options):
+            p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
+        a = p.parse_args(argv)
+        if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or not int(m.group(1)) < int(m.group(2)):
+            p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
+        if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
+            p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
+        opts = Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Options)})
+        shard, shards = map(int, m.groups())
         import torch
         import torch.distributed as dist
         from prm.runtime import setup, teardown

@@ -282,3 +282,10 @@ def test_an_output_that_cannot_be_written_is_exit_status_1(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "no" / "out.jsonl")])
     assert e.value.code == 1 and "out.jsonl.settings: cannot write it" in capsys.readouterr().err
+
+
+def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "prm.label", "--policy", "p", "--dataset", "d.jsonl", "--output",
+                        str(tmp_path / "o.jsonl"), "--shard", "3/2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--shard 3/2" in r.stderr, r.stderr[-2000:]
