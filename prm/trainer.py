@@ -56,8 +56,7 @@ DECAY = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math
 
 
 def lr_lambda(cfg: Config, total: int):
-    """Linear warmup to 1 (--warmup-steps, else --warmup-ratio of the steps), then --lr-scheduler-type's
-    decay."""
+    """Linear warmup (--warmup-steps, else --warmup-ratio of the steps), then --lr-scheduler-type's decay."""
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
 
     def f(step):
@@ -118,11 +117,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
         self.quiet = progress_off(self.cfg.disable_tqdm)  # before the data: datasets' bars follow it too
-        # first: a refused directory loads no data
-        self.resume_from = prepare_output_dir(self.cfg, rt.is_main)
+        self.resume_from = prepare_output_dir(self.cfg, rt.is_main)  # first: a refused run loads no data
         self.digests = {"train": data_digest(self.cfg.dataset), "eval": data_digest(self.cfg.eval_dataset)}
-        # so does a refused resume: it needs only the config, world size and data digests
-        if self.resume_from:
+        if self.resume_from:  # nor does a refused resume: it reads the config, world size and digests
             self.check_resume(self.resume_from)
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
@@ -132,8 +129,7 @@ class Trainer:
 
     def check_resume(self, path: str):
         """Settings that define the model, the data or its order (or live in the optimizer state, like --lr)
-        must equal the checkpoint's, and so must the data files' contents; cadence settings may change, and
-        are logged."""
+        and the data files' contents must equal the checkpoint's; cadence settings may change (logged)."""
         marker = read_marker(path)
         bad, changed = self.cfg.resume_conflicts(Config.load(path), marker.get("world_size", 1),
                                                  self.rt.world_size)
@@ -177,8 +173,7 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
         self.amp_dtype = autocast_dtype(cfg.dtype, rt.device)
-        # bf16 weights need bf16 inputs
-        if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:
+        if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:  # bf16 weights, bf16 inputs
             raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype} gives no bf16 autocast on "
                              f"{rt.device}")
         self.parallel = Parallel(self.model, rt, cfg=cfg, amp_dtype=self.amp_dtype, packed=self.packed)
@@ -199,7 +194,7 @@ class Trainer:
             self.say(f"resumed from {self.resume_from} at step {self.step}")
 
     def _setup_output(self):
-        cfg, rt = self.cfg, self.rt
+        cfg, rt, world, steps_per_epoch = self.cfg, self.rt, self.rt.world_size, self.steps_per_epoch
         if rt.is_main:
             cfg.save(cfg.output_dir)
         self.held_out = HeldOut(self.model, self.eval_rows, cfg=cfg, rt=rt, pad_id=self.pad_id,
@@ -208,23 +203,18 @@ class Trainer:
         self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
                          disable=not rt.is_main or self.quiet)
         tracker = Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None
-        self.out = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None,
-                               self.pbar,
-                               resumed_at=self.step, tracker=tracker)
+        path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
+        self.out = MetricsFile(path, self.pbar, resumed_at=self.step, tracker=tracker)
         hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps" + \
             ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else "")
-        settings = LogSettings(total=self.total, resumed_at=self.step,
-                               n_chunks=rt.world_size * cfg.grad_accum,
+        settings = LogSettings(total=self.total, resumed_at=self.step, n_chunks=world * cfg.grad_accum,
                                pack_to=cfg.pack_to if self.packed else None,
-                               check_norm=not self.scaler.is_enabled(),
-                               hint=hint)
+                               check_norm=not self.scaler.is_enabled(), hint=hint)
         self.log = TrainLog(settings, rt, self.out, lengths=self.lengths, n_labeled=self.n_labeled)
-        self.checkpointer = Checkpointer(cfg, rt, self.parallel,
-                                         every=cfg.every("save", self.steps_per_epoch),
+        self.checkpointer = Checkpointer(cfg, rt, self.parallel, every=cfg.every("save", steps_per_epoch),
                                          optimizer=self.optimizer, scheduler=self.scheduler,
-                                         scaler=self.scaler,
-                                         tokenizer=self.tokenizer, before_save=self.log.stop_if_diverged,
-                                         digests=self.digests)
+                                         scaler=self.scaler, tokenizer=self.tokenizer,
+                                         before_save=self.log.stop_if_diverged, digests=self.digests)
         trainable, n_params = count_parameters(self.model)
         # every epoch passes over every example once: its non-pad tokens, scaled to the steps this run takes
         tokens = sum(self.lengths) * (self.total - self.step) / self.steps_per_epoch
@@ -272,8 +262,7 @@ class Trainer:
         """One optimizer step on one global batch: forward and backward on this rank's micro-batches, then
         clip and update. Returns this rank's (cross-entropy sum, correct) on device, and the gradient norm."""
         cfg, rt = self.cfg, self.rt
-        # every rank knows the whole global batch: no collective
-        n_labeled = sum(self.n_labeled[i] for i in batch)
+        n_labeled = sum(self.n_labeled[i] for i in batch)  # every rank knows the global batch: no collective
         micro = micro_batches(batch, self.lengths, rt.world_size, rt.rank, cfg.grad_accum)
         sums = torch.zeros(2, device=rt.device)
         for a, idx in enumerate(micro):
@@ -282,8 +271,7 @@ class Trainer:
             with self.parallel.grad_sync(last=a == len(micro) - 1):
                 with self.autocast():
                     logits = self.parallel.forward(**inputs)  # (B, T, 2); packed: (1, N, 2)
-                # divided by the labels of the whole global batch: accumulation and ranks weight every label
-                # equally
+                # over the labels of the whole global batch: accumulation and ranks weight each label alike
                 loss, ce_sum, n_correct = step_loss(logits, labels, n_labeled)
                 # DDP averages gradients over ranks; scaling by world size turns that back into the global sum
                 self.scaler.scale(loss * rt.world_size).backward()
@@ -301,8 +289,7 @@ class Trainer:
         cols = self.train_ds[idx]
         rows = [{"input_ids": i, "labels": y} for i, y in zip(cols["input_ids"], cols["labels"])]
         mb = pack(rows, self.pad_id, self.cfg.pack_to) if self.packed else collate(rows, self.pad_id)
-        # page-locked host memory makes the non_blocking copies truly asynchronous; max_length stays a host
-        # int
+        # page-locked host memory makes the non_blocking copies asynchronous; max_length stays a host int
         pin = self.rt.device.type == "cuda"
         on_device = lambda v: (v.pin_memory() if pin else v).to(self.rt.device, non_blocking=True)
         return {k: on_device(v) if torch.is_tensor(v) else v for k, v in mb.items()}
@@ -337,8 +324,7 @@ class HeldOut:
         self.pad_id, self.amp_dtype, self.processbench = pad_id, amp_dtype, processbench
 
     def every(self, step: int, *, last_step: int):
-        """The metrics when --eval-every falls on `step` (before the last: finish() evaluates that one); else
-        None."""
+        """The metrics when --eval-every falls on `step` before the last (finish() does that one); or None."""
         if self.interval and step % self.interval == 0 and step < last_step:
             return self.run()
         return None
@@ -371,8 +357,7 @@ class Preemption:
         self.signum = signum
 
     def agreed(self, rt: Runtime) -> bool:
-        """Whether to stop now; under DDP every rank stops at the same step, even if only one was signalled.
-        """
+        """Whether to stop now; under DDP every rank stops at the same step, even if one was signalled."""
         flag = float(self.signum is not None)
         if not rt.distributed:
             return bool(flag)
