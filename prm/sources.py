@@ -227,12 +227,12 @@ def read_splits(cfg) -> tuple:
 
 SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
 
-def data_digest(spec: str, digest=None) -> str:
+def data_digest(spec: str) -> str:
     """sha256 of a local file's contents, or of a folder's file names and contents (wherever it lies);
-    '' for hub or synthetic data. `digest`: a hashlib object to feed instead."""
+    '' for hub or synthetic data."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
-    digest = digest or hashlib.sha256()
+    digest = hashlib.sha256()
     for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
         path = os.path.join(spec, name) if name else spec
         digest.update(name.encode() + b"\0")
@@ -243,28 +243,29 @@ def data_digest(spec: str, digest=None) -> str:
     return digest.hexdigest()
 
 
-def rows_cache(cfg):
+def rows_cache(cfg, digests: dict = None):
     """Where load_splits keeps the validated splits of local files, keyed by the files' contents, the settings that
     shape the rows and this reading code: a rerun on unchanged files skips parsing and checking every row again
-    (about 30 s for 400k rows; hashing them takes about 1 s). None for hub or synthetic data, or caching off."""
+    (about 30 s for 400k rows; hashing them takes about 1 s). None for hub or synthetic data, or caching off.
+    digests: {spec: data_digest(spec)} already computed (the trainer's, for its checkpoints): not hashed again."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
         return None
     digest = hashlib.sha256(json.dumps([[getattr(cfg, k) for k in SHAPING], [inspect.getsource(m) for m in (
         sys.modules[__name__], sys.modules[to_rows.__module__])]]).encode())
     for spec in specs:
-        data_digest(spec, digest)
+        digest.update(((digests or {}).get(spec) or data_digest(spec)).encode())
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", digest.hexdigest()[:32])
 
 
 NOTES = "said.json"  # in a cache entry: what the read said, said again when the entry is read back
 
 
-def load_splits(cfg) -> tuple:
+def load_splits(cfg, digests: dict = None) -> tuple:
     """read_splits, or its result read back from rows_cache when the files and settings are unchanged. An
     entry is written under a temporary name and renamed whole (runs started together: the first rename wins);
     a damaged one is read again and replaced; one that cannot be written (a full disk) is left out."""
-    path = rows_cache(cfg)
+    path = rows_cache(cfg, digests)
     if path and (read_back := _read_back(path)):
         return read_back
     train, held, notes = read_splits(cfg)

@@ -5,7 +5,7 @@ Here "step" always means an optimizer step (--max-steps, checkpoint-<step>); the
 are its labeled positions ("n_labeled" counts them)."""
 from __future__ import annotations
 
-import contextlib
+from contextlib import nullcontext
 import json
 import math
 import os
@@ -44,7 +44,7 @@ def train(cfg: Config, command: str = "") -> dict:
     require(cfg.report_to)  # a missing tracker package stops the run before anything is written
     rt = setup()
     try:  # rank 0 holds the output directory's lock: a second trainer there stops at once
-        with run_lock(cfg.output_dir) if rt.is_main else contextlib.nullcontext():
+        with run_lock(cfg.output_dir) if rt.is_main else nullcontext():
             return Trainer(cfg, rt, command or config_command(cfg)).train()
     finally:
         teardown(rt)
@@ -147,7 +147,8 @@ class Trainer:
         self.tokenizer = tokenizer_for(cfg)
         self.pad_id = pad_token_id(self.tokenizer)
         with main_first(rt):  # rank 0 fills the datasets cache; the other ranks then read it
-            train_raw, eval_raw = load_splits(cfg)
+            digests = {cfg.dataset: self.digests["train"], cfg.eval_dataset: self.digests["eval"]}
+            train_raw, eval_raw = load_splits(cfg, digests)  # files hashed once: cache key and checkpoints
             train_ds, self.train_report = tokenize_dataset(train_raw, self.tokenizer, cfg, is_eval=False,
                                                            num_proc=cfg.num_proc)
             eval_ds, self.eval_report = tokenize_dataset(eval_raw, self.tokenizer, cfg, is_eval=True,
@@ -295,9 +296,7 @@ class Trainer:
         return {k: on_device(v) if torch.is_tensor(v) else v for k, v in mb.items()}
 
     def autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.rt.device.type, dtype=self.amp_dtype)
+        return torch.autocast(self.rt.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
 
     def finish(self) -> dict:
         """final/ first (a failed evaluation never costs the weights), then the final evaluation, the model
