@@ -9,7 +9,6 @@ import sys
 
 import torch
 from safetensors import SafetensorError
-from torch import nn
 from transformers import (AutoConfig, AutoModel, AutoModelForTokenClassification, AutoTokenizer,
                           PreTrainedTokenizerFast, Qwen2Config)
 
@@ -136,8 +135,7 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
                                                 for k, saved, want in info["mismatched_keys"])
     check([f"--model {name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
            f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random"] if bad else [])
-    head = next(m for m in hf.children() if isinstance(m, nn.Linear) and m.out_features == 2)  # e.g. score
-    return PRM(getattr(hf, hf.base_model_prefix), head)
+    return PRM.from_classifier(hf)
 
 
 def model_for(cfg, tokenizer) -> PRM:

@@ -51,6 +51,11 @@ class PRM(nn.Module):
         add_legacy_keys(os.path.join(path, "config.json"))
 
     @classmethod
+    def from_classifier(cls, hf) -> "PRM":
+        """A loaded HF token classifier's backbone and output layer, as a PRM (same modules, no copy)."""
+        return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
+
+    @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
         """Loads a token-classification checkpoint (ours, TRL's, any HF one) or puts a fresh head on a backbone."""
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -58,7 +63,7 @@ class PRM(nn.Module):
             hf = AutoModelForTokenClassification.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
             if hf.config.num_labels != 2:
                 raise ValueError(f"{name}: a PRM needs 2 labels, this checkpoint has {hf.config.num_labels}")
-            return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
+            return cls.from_classifier(hf)
         backbone = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
         head = new_head(backbone.config)
         # a pretrained model's hidden states share one large direction, so a random head gives every step the same
