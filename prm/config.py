@@ -2,6 +2,7 @@
 it too. Each field carries its rules in its own metadata (see _opt).
 Depends on: stdlib, PyYAML (installed with transformers), prm.errors."""
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -9,16 +10,17 @@ import math
 import os
 import reprlib
 import sys
-import typing
 from dataclasses import dataclass, field, fields
+from typing import Callable, NamedTuple, Optional, get_args
 
 import yaml
 
 from prm.errors import UsageError, check
 
 FILE = "config.train.json"
-FORMAT_CHOICES = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench",
-                  "candidates", "prmbench", "mrben"]
+FORMATS = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench", "candidates",
+           "prmbench", "mrben"]
+SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
 # the rules a field's `rules` names when they hold for it. change: a resumed run may change it (it defines
 # neither the model nor the data nor its order; the batch split may change too, the global batch not).
 # rows: it shapes the rows read from data files, so it keys their cache (prm.sources). scoring: eval.py
@@ -49,12 +51,12 @@ def preview(value) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-class Conv(typing.NamedTuple):
+class Conv(NamedTuple):
     """A TRL/HF name setting a field through a conversion (`--bf16` sets dtype). nargs "?": a switch, convert
     gets a bool (`--bf16`, `--bf16 false`, `--no-bf16`); "+": it gets the list of values."""
     name: str
-    convert: typing.Callable
-    nargs: typing.Optional[str] = None
+    convert: Callable
+    nargs: Optional[str] = None
 
 
 def precision(dtype: str) -> Conv:
@@ -95,33 +97,29 @@ class Config:
                           "'tiny')", rules="scoring")
     dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
                         "directory", rules="rows", trl=("dataset_name",))
-    eval_dataset: str = _opt("", "held-out data; default: the dataset's eval split or an --eval-fraction "
-                             "share", rules="rows")
+    eval_dataset: str = _opt("", "held-out data; default: --eval-split or an --eval-fraction share",
+                             rules="rows")
     dataset_config: str = _opt("", "hub dataset config name", rules="scoring")
     train_split: str = _opt("train", "split used for training", rules="rows", trl=("dataset_train_split",))
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it", rules="rows scoring",
                            trl=("dataset_test_split",))
-    eval_fraction: float = _opt(0.05, "share held out (split by prompt) when there is no eval split",
-                                rules="rows")
+    eval_fraction: float = _opt(0.05, "share held out (split by prompt) without an eval split", rules="rows")
     format: str = _opt("auto", "input format; 'auto' detects it from the columns", rules="rows scoring",
-                       choices=FORMAT_CHOICES)
+                       choices=FORMATS)
     eval_format: str = _opt("auto", "input format of --eval-dataset, on its own (--format is --dataset's)",
-                            rules="rows", choices=FORMAT_CHOICES)
+                            rules="rows", choices=FORMATS)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
                               "(step kept as context, unlabeled)", rules="rows scoring",
                               choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit "
                               "status 2", rules="rows scoring")
-    num_proc: int = _opt(0, "processes for dataset tokenization; 0 = one per CPU core (up to 8) for 20,000 "
-                         "rows or more, else 1 (a process costs seconds to start)", rules="change scoring",
-                         trl=("dataset_num_proc",))
-    synthetic_size: int = _opt(32000, "rows generated for the synthetic default (10%% of them held out)",
-                               rules="")
+    num_proc: int = _opt(0, "tokenization processes; 0: one per CPU core (up to 8) from 20,000 rows on, else "
+                         "1 (each takes seconds to start)", rules="change scoring", trl=("dataset_num_proc",))
+    synthetic_size: int = _opt(32000, "rows of the synthetic default (10%% held out)", rules="")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
-    overwrite: bool = _opt(False, "replace the run already in --output-dir (its metrics.jsonl, checkpoints, "
-                           "final/); without this or --resume such a directory is refused. Command line "
-                           "only: a --config file's value is ignored, so rerunning a saved config never "
-                           "deletes a run", rules="change")
+    overwrite: bool = _opt(False, "replace the run in --output-dir (else, without --resume, it is refused). "
+                           "Command line only: rerunning a saved --config never deletes a run",
+                           rules="change")
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
                            section="tokenization")
     max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, "
@@ -129,26 +127,21 @@ class Config:
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last "
                                "token carries the step's label", rules="rows scoring", type=unescape)
     train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label", rules="")
-    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step "
-                                       "(label false or 0.0): what follows an error is not judged, as in "
-                                       "ProcessBench", rules="rows")
+    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step (label "
+                                       "false or 0.0), as ProcessBench judges nothing after it", rules="rows")
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",
                           section="optimization")
     epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1", rules="change",
                          trl=("num_train_epochs",))
-    batch_size: typing.Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 "
-                                            "for the 'tiny' preset, else 8)", rules="change",
-                                            trl=("per_device_train_batch_size",))
+    batch_size: Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 for "
+                                     "'tiny', else 8)", rules="change", trl=("per_device_train_batch_size",))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)",
                            rules="change", trl=("gradient_accumulation_steps",))
-    lr: typing.Optional[float] = _opt(None, "peak AdamW learning rate (default, or 0: 1e-3 for the random "
-                                      "'tiny' preset, else 1e-4 with LoRA, 1e-5 without)", rules="",
-                                      trl=("learning_rate",))
+    lr: Optional[float] = _opt(None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' "
+                               "preset, else 1e-4 with LoRA, 1e-5 without)", rules="", trl=("learning_rate",))
     lr_scheduler_type: str = _opt("cosine_with_min_lr", "the learning rate after warmup, as HF's schedules: "
                                   "linear or cosine decay to 0, cosine_with_min_lr to 10%% of --lr, constant "
-                                  "(no warmup), constant_with_warmup", rules="",
-                                  choices=["linear", "cosine", "cosine_with_min_lr", "constant",
-                                           "constant_with_warmup"])
+                                  "(no warmup)", rules="", choices=SCHEDULES)
     warmup_steps: int = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay", rules="")
     warmup_ratio: float = _opt(0.0, "warmup as a share of the optimizer steps (rounded up) when "
                                "--warmup-steps is 0", rules="")
@@ -167,43 +160,39 @@ class Config:
     fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks "
                       "(FSDP2) instead of copying them to every rank (DDP): for models whose training state "
                       "fills a device", rules="")
-    group_by_length: bool = _opt(True, "batch similar lengths together (less padding); deterministic from "
-                                 "the seed", rules="")
+    group_by_length: bool = _opt(True, "batch similar lengths (less padding); deterministic from the seed",
+                                 rules="")
     compile: bool = _opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
-    packing: bool = _opt(True, "padding-free micro-batches: the examples back to back in one row, each "
-                         "attending to itself only (varlen flash attention on CUDA in bf16/fp16, exact "
-                         "per-example SDPA otherwise); decoders only, other backbones are padded",
-                         rules="change scoring")
-    pack_to: int = _opt(0, "with --packing, pad each micro-batch's row up to a multiple of N tokens so "
-                        "shapes repeat (N >= batch x --max-length: one shape, --compile compiles once); "
-                        "0: no padding", rules="change")
+    packing: bool = _opt(True, "padding-free micro-batches: examples back to back in one row, each attending "
+                         "to itself (varlen flash attention on CUDA in bf16/fp16, else exact per-example "
+                         "SDPA); decoders only, others are padded", rules="change scoring")
+    pack_to: int = _opt(0, "with --packing, pad each row to a multiple of N tokens so shapes repeat (N >= "
+                        "batch x --max-length: one shape, --compile compiles once); 0: no padding",
+                        rules="change")
     seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
     lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
                        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
                        "fully")
     use_peft: bool = _opt(False, "LoRA of rank 16 when --lora-r is 0 (TRL's switch; --lora-r alone turns "
                           "LoRA on too)", rules="change")  # the rank it resolves to must match on resume
-    lora_alpha: typing.Optional[float] = _opt(None, "LoRA scale numerator (update = alpha / r x B A) "
-                                              "(default, or 0: 2 x --lora-r)", rules="")
+    lora_alpha: Optional[float] = _opt(None, "LoRA scale numerator (update = alpha / r x B A) (default, or "
+                                       "0: 2 x --lora-r)", rules="")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated "
-                             "glob patterns, matched against a linear layer's full name or its last part "
-                             "(the default covers Llama/Qwen2/Mistral attention and MLP projections); TRL's "
-                             "--lora_target_modules takes them as a list, all-linear for every one", rules="",
+                             "globs matched against a linear layer's full name or its last part (the default "
+                             "covers Llama/Qwen2/Mistral attention and MLP projections); TRL's "
+                             "--lora_target_modules takes a list, all-linear for every one", rules="",
                              trl=(Conv("lora_target_modules", target_list, "+"),))
-    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it "
-                                "needs no fp32 master copy: it never updates) and needs autocast (--dtype "
-                                "bf16 or auto)", rules="", choices=["fp32", "bf16"])
+    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base; bf16 halves its memory (it never updates: "
+                                "no fp32 master copy) and needs --dtype bf16 or auto", rules="",
+                                choices=["fp32", "bf16"])
     eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
                            trl=("eval_steps",), section="evaluation, logging, checkpoints")
     eval_strategy: str = _opt("steps", "when to evaluate before the end: steps (every --eval-every), epoch "
-                              "(after each pass over the data) or no", rules="change",
-                              choices=["steps", "epoch", "no"])
-    eval_batch_size: typing.Optional[int] = _opt(None, "examples per device at evaluation (default, or 0: "
-                                                 "2 x --batch-size)", rules="change scoring",
-                                                 trl=("per_device_eval_batch_size",))
-    threshold: float = _opt(0.5, "a step is predicted correct when P(correct) >= threshold",
-                            rules="change scoring")
+                              "(each pass) or no", rules="change", choices=["steps", "epoch", "no"])
+    eval_batch_size: Optional[int] = _opt(None, "examples per device (default, or 0: 2 x --batch-size)",
+                                          rules="change scoring", trl=("per_device_eval_batch_size",))
+    threshold: float = _opt(0.5, "predict a step correct when P(correct) >= this", rules="change scoring")
     log_every: int = _opt(10, "log line and metrics.jsonl record every N optimizer steps", rules="change",
                           trl=("logging_steps",))
     disable_tqdm: bool = _opt(False, "no progress bars", rules="change scoring")
@@ -214,16 +203,15 @@ class Config:
                          rules="change")
     save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)",
                            rules="change", trl=("save_steps",))
-    save_strategy: str = _opt("steps", "when to write checkpoints: steps (every --save-every), epoch (after "
-                              "each pass over the data) or no", rules="change",
-                              choices=["steps", "epoch", "no"])
+    save_strategy: str = _opt("steps", "when to write checkpoints: steps (every --save-every), epoch (each "
+                              "pass) or no", rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all", rules="change",
                           trl=("save_total_limit",))
     resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one",
                        rules="change", trl=("resume_from_checkpoint",))
-    trust_remote_code: bool = _opt(False, "allow hub models that run their own code (off: safer). Command "
-                                   "line only: never taken from a file (--config, a model's "
-                                   "config.train.json)", rules="change scoring")
+    trust_remote_code: bool = _opt(False, "allow hub models that run their own code. Command line only: "
+                                   "never taken from a file (--config, a model's config.train.json)",
+                                   rules="change scoring")
 
     def __post_init__(self):
         for name in AUTO:  # 0 meant "auto" before these fields took None, and still does
@@ -245,8 +233,7 @@ class Config:
                                    eval_batch_size=self.eval_batch_size or 2 * batch)
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
-        """Steps between evaluations (kind "eval") or checkpoints ("save"), 0 for none: --eval-every /
-        --save-every under the strategy steps, an epoch's steps under epoch, 0 under no."""
+        """Steps between evaluations (kind "eval") or checkpoints ("save") under their strategy; 0: none."""
         strategy = getattr(self, kind + "_strategy")
         return {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}[strategy]
 
@@ -254,37 +241,33 @@ class Config:
         """Every setting that cannot work, one line each: checked before any data or weight loads."""
         out = []
 
-        def need(test, name: str, what: str):
-            value = getattr(self, name)
-            if value is not None and not test(value):  # None: auto
-                out.append(f"--{name.replace('_', '-')} {preview(value)}: {what}")
+        def need(test, what: str, *names):
+            for name in names:
+                value = getattr(self, name)
+                if value is not None and not test(value):  # None: auto
+                    out.append(f"--{name.replace('_', '-')} {preview(value)}: {what}")
 
-        for name in ("batch_size", "eval_batch_size", "max_completion_length", "warmup_steps", "eval_every",
-                     "save_every", "keep_last", "lora_r", "pack_to", "num_proc"):
-            need(lambda v: v >= 0, name, "must be >= 0")
-        for name in ("grad_accum", "max_length", "log_every", "synthetic_size"):
-            need(lambda v: v >= 1, name, "must be >= 1")
-        for name in ("lr", "weight_decay", "max_grad_norm", "lora_alpha", "adam_epsilon"):
-            need(lambda v: math.isfinite(v) and v >= 0, name, "must be finite and >= 0")  # NaN fails all
-        need(lambda v: v == -1 or v >= 1, "max_steps", "must be -1 (train --epochs) or >= 1")
-        need(lambda v: math.isfinite(v) and v > 0, "epochs", "must be finite and > 0")
-        for name in ("lora_dropout", "adam_beta1", "adam_beta2"):
-            need(lambda v: 0 <= v < 1, name, "must be in [0, 1)")
-        for name in ("threshold", "warmup_ratio"):
-            need(lambda v: 0 <= v <= 1, name, "must be in [0, 1]")
-        need(lambda v: 0 < v < 1, "eval_fraction", "must be in (0, 1)")
-        need(lambda v: v != "", "step_separator", "must not be empty: its last token carries the label")
-        need(lambda v: not (self.fsdp and v == "fp16"), "dtype", "fp16 loss scaling is not supported with "
-             "--fsdp: use bf16")
+        need(lambda v: v >= 0, "must be >= 0", "batch_size", "eval_batch_size", "max_completion_length",
+             "warmup_steps", "eval_every", "save_every", "keep_last", "lora_r", "pack_to", "num_proc")
+        need(lambda v: v >= 1, "must be >= 1", "grad_accum", "max_length", "log_every", "synthetic_size")
+        need(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0", "lr", "weight_decay",
+             "max_grad_norm", "lora_alpha", "adam_epsilon")  # NaN fails every comparison
+        need(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1", "max_steps")
+        need(lambda v: math.isfinite(v) and v > 0, "must be finite and > 0", "epochs")
+        need(lambda v: 0 <= v < 1, "must be in [0, 1)", "lora_dropout", "adam_beta1", "adam_beta2")
+        need(lambda v: 0 <= v <= 1, "must be in [0, 1]", "threshold", "warmup_ratio")
+        need(lambda v: 0 < v < 1, "must be in (0, 1)", "eval_fraction")
+        need(lambda v: v != "", "must not be empty: its last token carries the label", "step_separator")
+        need(lambda v: not (self.fsdp and v == "fp16"), "fp16 loss scaling is not supported with --fsdp: use "
+             "bf16", "dtype")
         need(lambda v: v == "fp32" or (self.lora_r > 0 or self.use_peft) and self.dtype in ("bf16", "auto"),
-             "lora_base_dtype", "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)")
-        need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio), "lr_scheduler_type",
-             "takes no warmup: use constant_with_warmup")
+             "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
+        need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
+             "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:
-        """(settings that must equal the checkpoint's but differ, harmless changes), each as
-        '--flag new (was old)'."""
+        """(refused changes from the checkpoint's settings, harmless ones), each '--flag new (was old)'."""
         fmt = lambda name: f"--{name.replace('_', '-')} {preview(getattr(self, name))} " \
                            f"(was {preview(getattr(saved, name))})"
         differ = [f.name for f in fields(self) if getattr(self, f.name) != getattr(saved, f.name)]
@@ -326,8 +309,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 AUTO = tuple(f.name for f in fields(Config) if f.default is None)
@@ -383,9 +365,10 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
         flag = unknown[0].split("=")[0] if unknown else ""
-        if flag.lstrip("-").replace("-", "_") in UNSUPPORTED:
-            raise UsageError(f"{flag} is not supported: {UNSUPPORTED[flag.lstrip('-').replace('-', '_')]}")
-        near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1) if flag else []
+        why = UNSUPPORTED.get(flag.lstrip("-").replace("-", "_"))
+        if why:
+            raise UsageError(f"{flag} is not supported: {why}")
+        near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
         if near:
             action = self._option_string_actions[near[0]]
             shown = next((a for a in self._actions if a.dest == action.dest and a.help != argparse.SUPPRESS),
@@ -396,7 +379,7 @@ class Parser(argparse.ArgumentParser):
 
 def kind(f) -> type:
     """A field's value type: float for `Optional[float]`."""
-    return ([t for t in typing.get_args(f.type) if t is not type(None)] or [f.type])[0]
+    return ([t for t in get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
 def add_field(container, f, suppress: bool = False):
@@ -450,18 +433,7 @@ def writable(path: str) -> bool:
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
-    if part != target and not os.path.isdir(part):
-        return False
-    return os.access(part, os.W_OK)
-
-
-
-
-def nearest_field(key: str, cls=Config) -> str:
-    """The field a mistyped key most likely meant, TRL's names included ('' if none is close)."""
-    names = [f.name for f in fields(cls)] + list(ALIASES)
-    close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
-    return "" if not close else ALIASES[close[0]][0] if close[0] in ALIASES else close[0]
+    return (part == target or os.path.isdir(part)) and os.access(part, os.W_OK)
 
 
 def checked_value(f, value):
@@ -469,13 +441,9 @@ def checked_value(f, value):
     want = kind(f)
     if value is None and f.default is None:  # auto
         return value
-    if want is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
-        try:
+    if want is float and type(value) in (int, str):  # `lr: 1` means 1.0; YAML 1.1 reads 1e-5 as a string
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
-    if want is float and type(value) is int:  # `lr: 1` means 1.0
-        value = float(value)
     if type(value) is not want:  # type(), not isinstance: a bool is an int to isinstance
         raise ValueError(f"'{f.name}' must be {want.__name__}, got {type(value).__name__} {preview(value)}")
     if f.metadata.get("choices") and value not in f.metadata["choices"]:
@@ -498,11 +466,9 @@ class BoundedLoader(yaml.SafeLoader):
 
 
 def read_config_file(path: str) -> dict:
-    """{field: value} from a YAML or JSON file whose keys are Config's fields (as in config.train.json), or
-    any spelling the command line takes (TRL's names too).
-
-    Values are taken as written (no shell escapes: write a newline separator as "\\n" in YAML/JSON). Any
-    problem (missing file, bad syntax, unknown key, wrong type) raises UsageError naming the file."""
+    """{field: value} from a YAML or JSON file keyed by Config's fields (as in config.train.json) or any
+    spelling the command line takes (TRL's names too). Values are taken as written (no shell escapes: write a
+    newline separator as "\\n" in YAML/JSON). Any problem raises UsageError naming the file."""
     def fail(what: str):
         raise UsageError(f"--config {path}: {what}")
     try:
@@ -517,10 +483,12 @@ def read_config_file(path: str) -> dict:
         name, conv = ALIASES.get(str(key).replace("-", "_"), (str(key).replace("-", "_"), None))
         if name in UNSUPPORTED and value in (None, False):  # a TRL config's `push_to_hub: false` asks nothing
             continue
-        if name in UNSUPPORTED or name not in by_name:
-            near = nearest_field(str(key))
-            fail(f"'{key}' is not supported: {UNSUPPORTED[name]}" if name in UNSUPPORTED else
-                 f"unknown key {preview(key)}" + (f" (did you mean '{near}'?)" if near else ""))
+        if name in UNSUPPORTED:
+            fail(f"'{key}' is not supported: {UNSUPPORTED[name]}")
+        if name not in by_name:  # the nearest field, TRL's names included
+            near = [ALIASES[n][0] if n in ALIASES else n
+                    for n in difflib.get_close_matches(name, list(by_name) + list(ALIASES), n=1)]
+            fail(f"unknown key {preview(key)}" + (f" (did you mean '{near[0]}'?)" if near else ""))
         if name in out:  # lr and learning_rate both given: neither may silently win
             fail(f"'{key}' sets '{name}' a second time")
         try:
@@ -531,14 +499,6 @@ def read_config_file(path: str) -> dict:
     return out
 
 
-def given_args(parser: argparse.ArgumentParser, argv=None) -> dict:
-    """Parses argv; returns only the options written on the command line (not the defaults)."""
-    unset = object()  # argparse leaves an attribute already in the namespace alone when its flag is absent
-    ns = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != "help"})
-    parser.parse_args(argv, namespace=ns)
-    return {k: v for k, v in vars(ns).items() if v is not unset}
-
-
 def parse_config(argv=None) -> Config:
     """train.py's command line: flags given win over --config FILE, which wins over the defaults.
     UsageError for a bad flag, file or setting."""
@@ -546,7 +506,9 @@ def parse_config(argv=None) -> Config:
                      "spelling (--max_length) and, where it has one, TRL's name (--learning_rate).")
     p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, keys as in "
                    "config.train.json; flags given here override it")
-    given = given_args(p, argv)
+    unset = object()  # argparse leaves an attribute already in the namespace alone when its flag is absent
+    ns = p.parse_args(argv, argparse.Namespace(**{a.dest: unset for a in p._actions if a.dest != "help"}))
+    given = {k: v for k, v in vars(ns).items() if v is not unset}  # the flags written, not the defaults
     path = given.pop("config", "")
     from_file = read_config_file(path) if path else {}
     for key in ("overwrite", "trust_remote_code"):  # deletes a run / runs a model's code: command line only
