@@ -22,9 +22,8 @@ FORMATS = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "proc
            "prmbench", "mrben"]
 SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
 # the rules a field's `rules` names when they hold for it. change: a resumed run may change it (it defines
-# neither the model nor the data nor its order; the batch split may change too, the global batch not).
-# rows: it shapes the rows read from data files, so it keys their cache (prm.sources). scoring: eval.py
-# takes it
+# neither the model nor the data nor its order; the batch split may change too, the global batch not). rows:
+# it shapes the rows read from data files, so it keys their cache (prm.sources). scoring: eval.py takes it
 RULES = {"change", "rows", "scoring"}
 
 
@@ -57,11 +56,6 @@ class Conv(NamedTuple):
     name: str
     convert: Callable
     nargs: Optional[str] = None
-
-
-def precision(dtype: str) -> Conv:
-    """HF's --bf16 / --fp16: that autocast dtype when true, fp32 when false."""
-    return Conv(dtype, lambda on: dtype if on else "fp32", "?")
 
 
 def torch_dtype(name: str) -> str:
@@ -97,15 +91,13 @@ class Config:
                           "'tiny')", rules="scoring")
     dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
                         "directory", rules="rows", trl=("dataset_name",))
-    eval_dataset: str = _opt("", "held-out data; default: --eval-split or an --eval-fraction share",
-                             rules="rows")
+    eval_dataset: str = _opt("", "default: --eval-split or an --eval-fraction share", rules="rows")
     dataset_config: str = _opt("", "hub dataset config name", rules="scoring")
     train_split: str = _opt("train", "split used for training", rules="rows", trl=("dataset_train_split",))
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it", rules="rows scoring",
                            trl=("dataset_test_split",))
     eval_fraction: float = _opt(0.05, "share held out (split by prompt) without an eval split", rules="rows")
-    format: str = _opt("auto", "input format; 'auto' detects it from the columns", rules="rows scoring",
-                       choices=FORMATS)
+    format: str = _opt("auto", "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
     eval_format: str = _opt("auto", "input format of --eval-dataset, on its own (--format is --dataset's)",
                             rules="rows", choices=FORMATS)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
@@ -118,8 +110,7 @@ class Config:
     synthetic_size: int = _opt(32000, "rows of the synthetic default (10%% held out)", rules="")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
     overwrite: bool = _opt(False, "replace the run in --output-dir (else, without --resume, it is refused). "
-                           "Command line only: rerunning a saved --config never deletes a run",
-                           rules="change")
+                           "Command line only: rerunning a saved --config deletes no run", rules="change")
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
                            section="tokenization")
     max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, "
@@ -131,8 +122,7 @@ class Config:
                                        "false or 0.0), as ProcessBench judges nothing after it", rules="rows")
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",
                           section="optimization")
-    epochs: float = _opt(1.0, "passes over the training data when --max-steps is -1", rules="change",
-                         trl=("num_train_epochs",))
+    epochs: float = _opt(1.0, "data passes if --max-steps is -1", rules="change", trl=("num_train_epochs",))
     batch_size: Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 for "
                                      "'tiny', else 8)", rules="change", trl=("per_device_train_batch_size",))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)",
@@ -143,8 +133,7 @@ class Config:
                                   "linear or cosine decay to 0, cosine_with_min_lr to 10%% of --lr, constant "
                                   "(no warmup)", rules="", choices=SCHEDULES)
     warmup_steps: int = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay", rules="")
-    warmup_ratio: float = _opt(0.0, "warmup as a share of the optimizer steps (rounded up) when "
-                               "--warmup-steps is 0", rules="")
+    warmup_ratio: float = _opt(0.0, "warmup share of all steps (rounded up) if --warmup-steps is 0", rules="")
     weight_decay: float = _opt(0.0, "AdamW weight decay", rules="")
     adam_beta1: float = _opt(0.9, "AdamW beta1", rules="")
     adam_beta2: float = _opt(0.95, "AdamW beta2 (HF's default: 0.999)", rules="")
@@ -154,21 +143,20 @@ class Config:
                       "with AMX or AVX512-BF16), else fp32; master weights stay fp32. TRL's --bf16 / --fp16 "
                       "[BOOL] (false: fp32) and --torch_dtype {auto,bfloat16,float16,float32} set it too",
                       rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
-                      trl=(precision("bf16"), precision("fp16"), Conv("torch_dtype", torch_dtype)))
-    gradient_checkpointing: bool = _opt(False, "recompute backbone activations in backward to save memory",
-                                        rules="change")
+                      trl=(Conv("bf16", lambda on: "bf16" if on else "fp32", "?"),
+                           Conv("fp16", lambda on: "fp16" if on else "fp32", "?"),
+                           Conv("torch_dtype", torch_dtype)))
+    gradient_checkpointing: bool = _opt(False, "save memory by recomputing activations", rules="change")
     fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks "
                       "(FSDP2) instead of copying them to every rank (DDP): for models whose training state "
                       "fills a device", rules="")
-    group_by_length: bool = _opt(True, "batch similar lengths (less padding); deterministic from the seed",
-                                 rules="")
+    group_by_length: bool = _opt(True, "batch similar lengths (less padding), reproducible by seed", rules="")
     compile: bool = _opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
     packing: bool = _opt(True, "padding-free micro-batches: examples back to back in one row, each attending "
                          "to itself (varlen flash attention on CUDA in bf16/fp16, else exact per-example "
                          "SDPA); decoders only, others are padded", rules="change scoring")
     pack_to: int = _opt(0, "with --packing, pad each row to a multiple of N tokens so shapes repeat (N >= "
-                        "batch x --max-length: one shape, --compile compiles once); 0: no padding",
-                        rules="change")
+                        "batch x --max-length: one shape, --compile compiles once); 0: none", rules="change")
     seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
     lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
                        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
@@ -179,13 +167,13 @@ class Config:
                                        "0: 2 x --lora-r)", rules="")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated "
-                             "globs matched against a linear layer's full name or its last part (the default "
-                             "covers Llama/Qwen2/Mistral attention and MLP projections); TRL's "
-                             "--lora_target_modules takes a list, all-linear for every one", rules="",
+                             "glob patterns, matched against a linear layer's full name or its last part "
+                             "(the default covers Llama/Qwen2/Mistral attention and MLP projections); TRL's "
+                             "--lora_target_modules takes them as a list, all-linear for every one", rules="",
                              trl=(Conv("lora_target_modules", target_list, "+"),))
-    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base; bf16 halves its memory (it never updates: "
-                                "no fp32 master copy) and needs --dtype bf16 or auto", rules="",
-                                choices=["fp32", "bf16"])
+    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it "
+                                "needs no fp32 master copy: it never updates) and needs autocast (--dtype "
+                                "bf16 or auto)", rules="", choices=["fp32", "bf16"])
     eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
                            trl=("eval_steps",), section="evaluation, logging, checkpoints")
     eval_strategy: str = _opt("steps", "when to evaluate before the end: steps (every --eval-every), epoch "
@@ -193,25 +181,21 @@ class Config:
     eval_batch_size: Optional[int] = _opt(None, "examples per device (default, or 0: 2 x --batch-size)",
                                           rules="change scoring", trl=("per_device_eval_batch_size",))
     threshold: float = _opt(0.5, "predict a step correct when P(correct) >= this", rules="change scoring")
-    log_every: int = _opt(10, "log line and metrics.jsonl record every N optimizer steps", rules="change",
-                          trl=("logging_steps",))
+    log_every: int = _opt(10, "log (and metrics.jsonl) every N steps", rules="change", trl=("logging_steps",))
     disable_tqdm: bool = _opt(False, "no progress bars", rules="change scoring")
     report_to: str = _opt("none", "also send the metrics.jsonl records and the config to TensorBoard "
                           "(<output-dir>/tensorboard) or Weights & Biases; the package must be installed",
                           rules="change", choices=["none", "tensorboard", "wandb"])
-    run_name: str = _opt("", "the run's name in TensorBoard / W&B; default: the output directory's name",
-                         rules="change")
+    run_name: str = _opt("", "name in TensorBoard / W&B; default: the output directory's", rules="change")
     save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)",
                            rules="change", trl=("save_steps",))
     save_strategy: str = _opt("steps", "when to write checkpoints: steps (every --save-every), epoch (each "
                               "pass) or no", rules="change", choices=["steps", "epoch", "no"])
-    keep_last: int = _opt(2, "checkpoints kept (older ones are deleted); 0 keeps all", rules="change",
-                          trl=("save_total_limit",))
+    keep_last: int = _opt(2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",))
     resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one",
                        rules="change", trl=("resume_from_checkpoint",))
-    trust_remote_code: bool = _opt(False, "allow hub models that run their own code. Command line only: "
-                                   "never taken from a file (--config, a model's config.train.json)",
-                                   rules="change scoring")
+    trust_remote_code: bool = _opt(False, "allow hub models that run their own code. Command line only: not "
+                                   "from --config or a model's config.train.json", rules="change scoring")
 
     def __post_init__(self):
         for name in AUTO:  # 0 meant "auto" before these fields took None, and still does
