@@ -163,8 +163,7 @@ class Config:
                        "fully")
     use_peft: bool = _opt(False, "LoRA of rank 16 when --lora-r is 0 (TRL's switch; --lora-r alone turns "
                           "LoRA on too)", rules="change")  # the rank it resolves to must match on resume
-    lora_alpha: Optional[float] = _opt(None, "LoRA scale numerator (update = alpha / r x B A) (default, or "
-                                       "0: 2 x --lora-r)", rules="")
+    lora_alpha: Optional[float] = _opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)", rules="")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated "
                              "glob patterns, matched against a linear layer's full name or its last part "
