@@ -107,10 +107,8 @@ def at_separator(row: dict, separator: str) -> dict:
 
 def detect_format(record: dict):
     """The first format whose columns the record has, or None."""
-    for name, cols in FORMATS.items():
-        if all(c in record for c in cols) and (name != "prm800k" or isinstance(record["label"], dict)):
-            return name
-    return None
+    return next((name for name, cols in FORMATS.items() if all(c in record for c in cols)
+                 and (name != "prm800k" or isinstance(record["label"], dict))), None)
 
 
 def format_help(record: dict) -> str:
@@ -193,11 +191,10 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """One row per rated alternative the labeler rejected (the trajectory so far + that step), plus the
-    trajectory itself: chosen completions, or the labeler's own rewrite (labeled correct) where none was
-    chosen. It ends where the labeler stopped (found_error, give_up: `completions` null), and is not emitted
-    when it is only the prefix of the rows just emitted. No row from finish_reason bad_problem (the problem
-    itself is broken) nor from unrated completions (rating null)."""
+    """One row per rated alternative the labeler rejected (the trajectory so far + that step), and the
+    trajectory: chosen completions, else the labeler's rewrite (labeled correct), up to where the labeler
+    stopped (found_error, give_up: `completions` null), unless it only repeats the last row's prefix. No row
+    from a bad_problem (the problem itself is broken) nor from unrated completions (rating null)."""
     problem = _need(_need(r, "question", dict, "an object with 'problem'"), "problem", str, "text")
     label = _need(r, "label", dict, "an object with 'steps'")
     steps = _need(label, "steps", list, "a list")
@@ -242,10 +239,9 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben (github.com/dvlab-research/Mr-Ben, data/<subject>.json) read as ProcessBench: the question with
-    its options as the prompt, the steps without their "Step k: " prefix, `Model_Solution_First_Error_Step`
-    (1-based text, "N/A" for a right solution) as the first error. Its files group the solutions under
-    question ids: the reader flattens such an object of arrays."""
+    """Mr-Ben (github.com/dvlab-research/Mr-Ben, data/<subject>.json) as ProcessBench: question and options
+    as the prompt, steps without "Step k: ", `Model_Solution_First_Error_Step` (1-based text, "N/A" = none) as
+    the first error. Its files group solutions under question ids: read_records flattens such objects."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
     first = _need(r, "Model_Solution_First_Error_Step")
@@ -275,10 +271,10 @@ def _tagged_steps(text: str, field: str) -> list:
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """One row per sampled solution of a problem: `outputs[].response` with a step tag after each step (or
-    a list `outputs[].steps`), `label` = the final answer is correct, optional `response_answer` (for voting)
-    and `step_labels`. Rows of one problem share `group` (its `idx` or `id`, else the question text); their
-    steps may be unlabeled: a candidate is judged by its final answer."""
+    """One row per sampled solution: `outputs[].response` with a step tag after each step (or a list
+    `outputs[].steps`), `label` = the final answer is correct, optional `response_answer` (for voting) and
+    `step_labels`. Rows of one problem share `group` (`idx`, `id` or the question); steps may be unlabeled:
+    a candidate is judged by its final answer."""
     question = _need(r, "question", str, "text")
     outputs = _need(r, "outputs", list, "a list of candidate solutions")
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
@@ -301,10 +297,9 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution: its `error_steps` (1-based) wrong, every other step correct (PRMBench labels
-    each step on its own, not first-error style); first_error is the earliest of them. Rows of the redundancy
-    category also give the error-free original solution, category "correct": PRMBench takes it once per
-    problem, from that category."""
+    """The modified solution: its `error_steps` (1-based) wrong, the others correct (PRMBench labels each
+    step on its own); first_error is the earliest. Rows of the redundancy category also give the error-free
+    original solution, category "correct": PRMBench takes it once per problem, from that category."""
     steps = _need(r, "modified_process", list, "a list of steps")
     errors = _need(r, "error_steps", list, "a list of 1-based step indices")
     for e in errors:

@@ -1,9 +1,7 @@
-"""Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read, and
-the data report. Depends on: datasets, pyarrow, prm.data, prm.errors, prm.sources.
-
-A tokenized row: input_ids, labels (the training targets: -100 off labeled step ends), steps_kept, step_ends
-(every kept step's last token), length, n_labeled, step_labels (every step's truth, None = unlabeled, cut
-steps included), and the source's META columns (id, first_error, ...) when it has them."""
+"""Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read
+(input_ids; labels: training targets, -100 off labeled step ends; steps_kept; step_ends: each kept step's last
+token; length; n_labeled; step_labels: each step's truth, None = unlabeled, cut steps included; META columns
+of the source), and the data report. Depends on: datasets, pyarrow, prm.data, prm.errors, prm.sources."""
 import hashlib
 import os
 
@@ -31,9 +29,8 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, desc: str = "tokenize",
                      drop_unlabeled: bool = True):
-    """datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Returns (dataset, report).
-
-    Rows left without a labeled step are dropped (and counted in the report). The evaluation route keeps them
+    """(dataset, report) by datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Rows
+    without a labeled step are dropped (and counted in the report). The evaluation route keeps them
     (drop_unlabeled=False): prm.evaluate.report counts them, and predictions line up with the source."""
     features = Features({**COLUMNS, **{k: v for k, v in ds.features.items() if k in META}})
     if "input_ids" in ds.column_names:  # pre-tokenized: checked here, then the same rows as text gives
@@ -118,10 +115,9 @@ def check_pretokenized(ds, tokenizer, cfg):
 
 
 def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """Pre-tokenized rows (labels: -100 or a step's label) cut after max_length tokens, as tokenize_batch
-    returns. Their labeled positions are their steps. The model is causal, so cutting the tail never changes
-    what an earlier label means; labels past the cut are lost (and counted). steps_kept counts the labeled
-    positions kept, before train_on_last_step_only hides all but the last."""
+    """Pre-tokenized rows (labels: -100 or a step's label; labeled positions are steps) cut after max_length
+    tokens, as tokenize_batch returns. The model is causal: cutting the tail never changes what an earlier
+    label means; labels past the cut are lost (and counted). steps_kept: before train_on_last_step_only."""
     out = {k: [] for k in COLUMNS}
     for ids, labels in zip(batch["input_ids"], batch["labels"]):
         ids, cut = ids[:max_length], labels[:max_length]  # a None max_length keeps everything

@@ -109,9 +109,8 @@ def _sources(spec: str, split: str, cfg):
 
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None) -> list:
-    """Every record of a source as validated stepwise (or pre-tokenized) rows, in the format cfg.<format_key>
-    names (--format, or --eval-format for --eval-dataset). Raises DataError listing each bad row, or with
-    cfg.skip_invalid drops those records; what it read is said on stderr and appended to `notes` if given."""
+    """Every record of a source as validated rows, in the format cfg.<format_key> names (--format or
+    --eval-format). DataError lists bad rows, or skip_invalid drops them; what it read is said (`notes`)."""
     rows, problems, bad, n_records, empty = [], [], 0, 0, 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
@@ -191,9 +190,8 @@ def cut_after_first_error(row: dict) -> dict:
 
 
 def read_splits(cfg) -> tuple:
-    """(train, held-out, notes): datasets with columns prompt, completions, labels and, when the data has
-    them, id, first_error, final_answer_correct, group, response_answer, category; notes: what the read said.
-    Only training rows are cut (at the separator, after the first error): held-out ones are judged whole."""
+    """(train, held-out, notes): datasets of rows (prompt, completions, labels, the META columns the data has)
+    and what the read said. Only training rows are cut (at the separator, first error): held-out are whole."""
     cut = lambda r: at_separator(cut_after_first_error(r) if cfg.cut_after_first_error else r,
                                  cfg.step_separator)
     if cfg.dataset == "synthetic":
@@ -224,8 +222,7 @@ def read_splits(cfg) -> tuple:
 
 
 def data_digest(spec: str) -> str:
-    """sha256 of a local file's contents, or of a folder's file names and contents (wherever it lies);
-    '' for hub or synthetic data."""
+    """sha256 of a local file, or of a folder's file names and contents (wherever it is); '' for hub data."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = hashlib.sha256()
@@ -240,10 +237,9 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """Where load_splits keeps the validated splits of local files, keyed by the files' contents, the settings
-    that shape the rows and this reading code: a rerun on unchanged files skips parsing and checking every row
-    again (about 30 s for 400k rows; hashing them takes about 1 s). None for hub or synthetic data, or caching
-    off. digests: {spec: data_digest(spec)} already computed (the trainer's, for its checkpoints)."""
+    """Where load_splits keeps the validated splits of local files, keyed by their contents, the settings that
+    shape rows and this code: a rerun skips parsing and checking every row (about 30 s for 400k rows; hashing
+    takes about 1 s). None for hub or synthetic data, or caching off. digests: {spec: data_digest(spec)}."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
         return None
