@@ -253,9 +253,9 @@ def from_mrben(r: dict, neutral: str) -> list:
     if not isinstance(options, str):
         raise BadField("Options", f"expected text, got {_kind(options)}")
     prompt = _need(r, "Question", str, "text") + ("\n" + options.strip() if options.strip() else "")
-    first = -1 if first == "N/A" else int(first) - 1
+    label = -1 if first == "N/A" else int(first) - 1
     correct = r.get("Model_Solution_Correctness") == "correct"
-    record = {"problem": prompt, "steps": steps, "label": first, "final_answer_correct": correct}
+    record = {"problem": prompt, "steps": steps, "label": label, "final_answer_correct": correct}
     return [{**row, "id": f"mrben-{r.get('Question_UUID')}-{r.get('Sampled_Model')}"}
             for row in from_processbench(record, neutral)]
 

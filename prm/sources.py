@@ -158,10 +158,10 @@ def to_dataset(rows: list) -> Dataset:
         features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
                     "where": Value("string")}
     else:
-        kind = "float64" if any(isinstance(y, float) for r in rows for y in r["labels"]) else "bool"
+        label_type = "float64" if any(isinstance(y, float) for r in rows for y in r["labels"]) else "bool"
         features = {"prompt": List({"role": Value("string"), "content": Value("string")})
                     if isinstance(rows[0]["prompt"], list) else Value("string"),
-                    "completions": List(Value("string")), "labels": List(Value(kind))}
+                    "completions": List(Value("string")), "labels": List(Value(label_type))}
     features.update({col: Value(kind) for col, kind in META.items() if any(col in r for r in rows)})
     digest = hashlib.sha256(json.dumps(list(features)).encode())
     for r in rows:
