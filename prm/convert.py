@@ -1,5 +1,5 @@
-"""`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer sees.
-Depends on: prm.config, prm.errors, prm.sources."""
+"""`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer
+sees. Depends on: prm.config, prm.errors, prm.sources."""
 import argparse
 import contextlib
 import dataclasses
@@ -14,11 +14,13 @@ from prm.sources import read_rows
 
 def main(argv=None):
     opts = {f.name: f for f in dataclasses.fields(Config)}
-    p = argparse.ArgumentParser(description="Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, "
-                                            "labels; null = unlabeled step), validating every row. Pre-tokenized rows "
-                                            "(input_ids, labels) pass through validated, right padding stripped.")
+    p = argparse.ArgumentParser(description=(
+        "Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, labels; null = unlabeled "
+        "step), validating every row. Pre-tokenized rows (input_ids, labels) pass through validated, right "
+        "padding stripped."))
     p.add_argument("input", help=opts["dataset"].metadata["help"].replace("'synthetic', ", ""))
-    p.add_argument("output", nargs="?", default="-", help="output .jsonl file; '-' (default) writes to stdout")
+    p.add_argument("output", nargs="?", default="-",
+                   help="output .jsonl file; '-' (default) writes to stdout")
     for name in ("format", "neutral_label"):
         meta = opts[name].metadata
         p.add_argument("--" + name.replace("_", "-"), default=opts[name].default, choices=meta["choices"],
@@ -40,7 +42,7 @@ def _write(rows: list, output: str):
             for row in rows:
                 row.pop("where", None)  # a pre-tokenized row's source line: the output is a source of its own
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    except BrokenPipeError:  # `| head` closed stdout early: that is fine, and Python must not complain at exit
+    except BrokenPipeError:  # `| head` closed stdout early: fine, and Python must not complain at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     except OSError as e:  # a folder, a missing folder, a full disk: one line, exit status 2

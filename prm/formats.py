@@ -1,6 +1,5 @@
-"""Read JSON with its hazards checked, detect the format of a raw record, convert it to stepwise rows
-(prompt, completions, labels) or pre-tokenized ones (input_ids, labels), and check them.
-Depends on: prm.data (the label rules)."""
+"""Read JSON with its hazards checked, detect a raw record's format, convert it to stepwise rows (prompt,
+completions, labels) or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.data."""
 import difflib
 import json
 import re
@@ -20,7 +19,8 @@ FORMATS = {
 }
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
-# A label of None marks a step kept as context but not scored (ProcessBench after the first error, dropped neutrals).
+ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))  # characters that print as nothing
+# A label of None: a step kept as context, not scored (ProcessBench after its first error, dropped neutrals).
 
 
 def decode(data: bytes) -> tuple:
@@ -73,22 +73,14 @@ def field_problem(value, field: str = ""):
         where = f"{field}.{value.key}" if field else value.key
         return f"field '{where}': given twice in one object (which value is meant?)"
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        part = f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k)
-        found = field_problem(v, part)
-        if found:
-            return found
-    return None
+    found = (field_problem(v, f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k))
+             for k, v in items)
+    return next(filter(None, found), None)
 
 
-class BadField(ValueError):
-    """One problem with one record: the field and what is wrong with it."""
-
+class BadField(ValueError):  # one problem with one record: the field and what is wrong with it
     def __init__(self, field: str, problem: str):
         super().__init__(f"field '{field}': {problem}")
-
-
-ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))  # characters that print as nothing
 
 
 def is_blank(text: str) -> bool:
@@ -115,14 +107,12 @@ def at_separator(row: dict, separator: str) -> dict:
 
 def detect_format(record: dict):
     """The first format whose columns the record has, or None."""
-    for name, cols in FORMATS.items():
-        if all(c in record for c in cols) and (name != "prm800k" or isinstance(record["label"], dict)):
-            return name
-    return None
+    return next((name for name, cols in FORMATS.items() if all(c in record for c in cols)
+                 and (name != "prm800k" or isinstance(record["label"], dict))), None)
 
 
 def format_help(record: dict) -> str:
-    """Why no format matched: the columns found, the ones expected, and near misses ('completion' for 'completions')."""
+    """Why no format matched: the columns found and expected, near misses ('completion' for 'completions')."""
     known = sorted({c for cols in FORMATS.values() for c in cols})
     near = [f"'{k}' -> '{m[0]}'" for k in record if k not in known
             for m in [difflib.get_close_matches(str(k), known, 1, 0.75)] if m]
@@ -162,7 +152,7 @@ def from_stepwise(r: dict, neutral: str) -> list:
 
 def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
     """ProcessBench's first-error index (0-based, -1 = none) and final-answer flag, kept for its F1."""
-    first, correct = r[key], r.get("final_answer_correct")
+    first, correct = _need(r, key), r.get("final_answer_correct")
     if type(first) is not int or not -1 <= first < n_steps:
         raise BadField(key, f"first-error index {_kind(first)} is out of range for {n_steps} steps "
                             "(0-based, -1 = no error)")
@@ -172,41 +162,40 @@ def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
-    """`input` = question + "Step 1: ... ки\\nStep 2: ... ки"; `label` = the same text with + or - for each tag
-    (or a list of per-step labels, e.g. soft Monte-Carlo values)."""
+    """`input` = question + "Step 1: ... ки\\nStep 2: ... ки"; `label` = the same text with + or - for
+    each tag (or a list of per-step labels, e.g. soft Monte-Carlo values)."""
     text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
     _tagged_steps(text, "input")
     parts = text.split(STEP_TAG)
     if isinstance(label, str):
         labels, pos = [], 0
-        for k, part in enumerate(parts[:-1]):  # the text must match exactly, so a + or - inside a step is no mark
+        for k, part in enumerate(parts[:-1]):  # the text must match exactly: a + or - in a step is no mark
             mark = label[pos + len(part):pos + len(part) + 1]
             if label[pos:pos + len(part)] != part or mark not in ("+", "-"):
-                raise BadField("label", f"does not match 'input' at step {k + 1}: expected the same text with + or - "
-                                        f"in place of each '{STEP_TAG}'")
+                raise BadField("label", f"does not match 'input' at step {k + 1}: expected the same text "
+                                        f"with + or - in place of each '{STEP_TAG}'")
             labels.append(mark == "+")
             pos += len(part) + 1
     elif isinstance(label, list):
         labels = label
     else:
-        raise BadField("label", f"expected text with +/- step marks or a list of step labels, got {_kind(label)}")
-    # the question and the first step share the text before the first tag; rpartition: a question may quote "Step 1:"
+        raise BadField("label", "expected text with +/- step marks or a list of step labels, got "
+                                + _kind(label))
+    # the question and the first step share the text before the first tag (a question may quote "Step 1:")
     question, marker, first = parts[0].rpartition("Step 1:")
     if not marker:
-        raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the question from the first step")
+        raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the question from the "
+                                "first step")
     return [{"prompt": question.strip(), "completions": [s.strip() for s in [marker + first] + parts[1:-1]],
              "labels": labels}]
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """One row per rated alternative the labeler rejected (the trajectory so far + that step), plus the trajectory
-    itself: chosen completions, or the labeler's own rewrite (labeled correct) where none was chosen.
-
-    The trajectory ends where the labeler stopped (found_error, give_up: `completions` null); it is not emitted again
-    when it is only the prefix of the rows just emitted. finish_reason bad_problem gives no row (the problem itself is
-    broken); unrated completions (rating null) give no row."""
-    question = _need(r, "question", dict, "an object with 'problem'")
-    problem = _need(question, "problem", str, "text")
+    """One row per rated alternative the labeler rejected (the trajectory so far + that step), and the
+    trajectory: chosen completions, else the labeler's rewrite (labeled correct), up to where the labeler
+    stopped (found_error, give_up: `completions` null), unless it only repeats the last row's prefix. No row
+    from a bad_problem (the problem itself is broken) nor from unrated completions (rating null)."""
+    problem = _need(_need(r, "question", dict, "an object with 'problem'"), "problem", str, "text")
     label = _need(r, "label", dict, "an object with 'steps'")
     steps = _need(label, "steps", list, "a list")
     if label.get("finish_reason") == "bad_problem":
@@ -214,19 +203,20 @@ def from_prm800k(r: dict, neutral: str) -> list:
     rate = {1: True, -1: False, 0: NEUTRAL[neutral], None: None}
     rows, texts, labels = [], [], []
     for k, step in enumerate(steps):
+        where = f"label.steps[{k}]"
         if not isinstance(step, dict) or not isinstance(step.get("completions") or [], list):
-            raise BadField(f"label.steps[{k}]", f"expected an object with a list of completions, got {_kind(step)}")
+            raise BadField(where, f"expected an object with a list of completions, got {_kind(step)}")
         options, chosen = step.get("completions") or [], step.get("chosen_completion")  # null after a give_up
         for i, c in enumerate(options):
             rating = c.get("rating") if isinstance(c, dict) else "not an object"
             if type(rating) not in (int, type(None)) or rating not in rate:  # type(): True is no rating
-                raise BadField(f"label.steps[{k}].completions[{i}].rating", f"expected -1, 0, 1 or null in {_kind(c)}")
+                raise BadField(f"{where}.completions[{i}].rating", f"expected -1, 0, 1 or null in {_kind(c)}")
             if i != chosen and rate[rating] is not None:
                 rows.append({"prompt": problem, "completions": texts + [c.get("text")],
                              "labels": labels + [rate[rating]]})
         if chosen is not None:
             if not isinstance(chosen, int) or not 0 <= chosen < len(options):
-                raise BadField(f"label.steps[{k}].chosen_completion", f"{chosen!r} is not an index of its completions")
+                raise BadField(f"{where}.chosen_completion", f"{chosen!r} is not an index of its completions")
             texts.append(options[chosen].get("text"))
             labels.append(rate[options[chosen].get("rating")])
         elif isinstance(step.get("human_completion"), dict):
@@ -240,35 +230,34 @@ def from_prm800k(r: dict, neutral: str) -> list:
 
 
 def from_processbench(r: dict, neutral: str) -> list:
-    """Correct up to the first error, wrong at it, unlabeled (None) after it: nothing is known about later steps."""
+    """Correct up to the first error, wrong at it, unlabeled (None) after it: nothing is known of the rest."""
     steps = _need(r, "steps", list, "a list of steps")
-    _need(r, "label")
     extra = _benchmark_columns(r, "label", len(steps))
-    first = extra["first_error"]
-    labels = [True] * len(steps) if first < 0 else [True] * first + [False] + [None] * (len(steps) - first - 1)
+    n, first = len(steps), extra["first_error"]
+    labels = [True] * n if first < 0 else [True] * first + [False] + [None] * (n - first - 1)
     return [{"prompt": _need(r, "problem"), "completions": steps, "labels": labels, **extra}]
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben (github.com/dvlab-research/Mr-Ben, data/<subject>.json) read as ProcessBench: the question with its
-    options as the prompt, the steps without their "Step k: " prefix, `Model_Solution_First_Error_Step` (1-based text,
-    "N/A" for a right solution) as the first error. Its files group the solutions under question ids: the reader
-    flattens such an object of arrays."""
-    steps = _need(r, "Model_Solution_Steps", list, "a list of steps")
-    steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s for s in steps]
+    """Mr-Ben (github.com/dvlab-research/Mr-Ben, data/<subject>.json) as ProcessBench: question and options
+    as the prompt, steps without "Step k: ", `Model_Solution_First_Error_Step` (1-based text, "N/A" = none) as
+    the first error. Its files group solutions under question ids: read_records flattens such objects."""
+    steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
+             for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
     first = _need(r, "Model_Solution_First_Error_Step")
-    if first != "N/A" and not (type(first) in (str, int) and str(first).isdigit() and 1 <= int(first) <= len(steps)):
-        raise BadField("Model_Solution_First_Error_Step", f"{_kind(first)} is not a step number (1 to {len(steps)}) "
-                                                          "or 'N/A'")
+    number = type(first) in (str, int) and str(first).isdigit() and 1 <= int(first) <= len(steps)
+    if first != "N/A" and not number:
+        raise BadField("Model_Solution_First_Error_Step",
+                       f"{_kind(first)} is not a step number (1 to {len(steps)}) or 'N/A'")
     options = r.get("Options") or ""
     if not isinstance(options, str):
         raise BadField("Options", f"expected text, got {_kind(options)}")
     prompt = _need(r, "Question", str, "text") + ("\n" + options.strip() if options.strip() else "")
     label = -1 if first == "N/A" else int(first) - 1
     correct = r.get("Model_Solution_Correctness") == "correct"
-    rows = from_processbench({"problem": prompt, "steps": steps, "label": label, "final_answer_correct": correct},
-                             neutral)
-    return [{**row, "id": f"mrben-{r.get('Question_UUID')}-{r.get('Sampled_Model')}"} for row in rows]
+    record = {"problem": prompt, "steps": steps, "label": label, "final_answer_correct": correct}
+    return [{**row, "id": f"mrben-{r.get('Question_UUID')}-{r.get('Sampled_Model')}"}
+            for row in from_processbench(record, neutral)]
 
 
 def _tagged_steps(text: str, field: str) -> list:
@@ -282,46 +271,43 @@ def _tagged_steps(text: str, field: str) -> list:
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """One row per sampled solution of a problem: `outputs[].response` with a step tag after each step (or a list
+    """One row per sampled solution: `outputs[].response` with a step tag after each step (or a list
     `outputs[].steps`), `label` = the final answer is correct, optional `response_answer` (for voting) and
-    `step_labels`. Rows of one problem share `group` (its `idx` or `id`, else the question text); their steps may
-    be unlabeled: a candidate is judged by its final answer."""
+    `step_labels`. Rows of one problem share `group` (`idx`, `id` or the question); steps may be unlabeled:
+    a candidate is judged by its final answer."""
     question = _need(r, "question", str, "text")
     outputs = _need(r, "outputs", list, "a list of candidate solutions")
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
     rows = []
     for j, o in enumerate(outputs):
         where = f"outputs[{j}]."
-        steps = _need(o, "steps", list, "a list of steps", where) if isinstance(o, dict) and "steps" in o else \
-            _tagged_steps(_need(o, "response", str, "text with step tags", where), where + "response")
+        if isinstance(o, dict) and "steps" in o:
+            steps = _need(o, "steps", list, "a list of steps", where)
+        else:
+            steps = _tagged_steps(_need(o, "response", str, "text with step tags", where), where + "response")
         correct = _need(o, "label", bool, "true/false (is the final answer correct?)", where)
         answer = o.get("response_answer")
-        if answer is not None and not isinstance(answer, str):
-            raise BadField(where + "response_answer", f"expected the final answer as text, got {_kind(answer)}")
+        if answer is not None:
+            _need(o, "response_answer", str, "the final answer as text", where)
         labels = o["step_labels"] if o.get("step_labels") is not None else [None] * len(steps)
-        rows.append({"prompt": question, "completions": steps, "labels": labels, "final_answer_correct": correct,
-                     "response_answer": answer, "group": group, "id": f"{group}/{j}"})
+        rows.append({"prompt": question, "completions": steps, "labels": labels,
+                     "final_answer_correct": correct, "response_answer": answer, "group": group,
+                     "id": f"{group}/{j}"})
     return rows
 
 
-def _error_steps(r: dict, n_steps: int) -> set:
-    """PRMBench's `error_steps`: 1-based indices into `modified_process`, checked."""
+def from_prmbench(r: dict, neutral: str) -> list:
+    """The modified solution: its `error_steps` (1-based) wrong, the others correct (PRMBench labels each
+    step on its own); first_error is the earliest. Rows of the redundancy category also give the error-free
+    original solution, category "correct": PRMBench takes it once per problem, from that category."""
+    steps = _need(r, "modified_process", list, "a list of steps")
     errors = _need(r, "error_steps", list, "a list of 1-based step indices")
     for e in errors:
         if type(e) is not int or e < 1:  # type(): True is no index
             raise BadField("error_steps", f"{_kind(e)} is not a 1-based step index")
-        if e > n_steps:
-            raise BadField("error_steps", f"step {e} is past the end of 'modified_process' ({n_steps} steps, "
-                                          "1-based)")
-    return set(errors)
-
-
-def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution: its `error_steps` wrong, every other step correct (PRMBench labels each step on its
-    own, not first-error style); first_error is the earliest of them. Rows of the redundancy category also give the
-    error-free original solution, category "correct": PRMBench takes it once per problem, from that category."""
-    steps = _need(r, "modified_process", list, "a list of steps")
-    errors = _error_steps(r, len(steps))
+        if e > len(steps):
+            raise BadField("error_steps", f"step {e} is past the end of 'modified_process' ({len(steps)} "
+                                          "steps, 1-based)")
     category = _need(r, "classification", str, "the error category")
     key = r.get("idx", "")
     rows = [{"prompt": _need(r, "modified_question", str, "text"), "completions": steps,
@@ -342,9 +328,12 @@ def from_pretokenized(r: dict, neutral: str) -> list:
     return [row]
 
 
-CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise, "processbench": from_processbench,
-              "prm800k": from_prm800k, "math_shepherd": from_math_shepherd, "candidates": from_candidates,
-              "prmbench": from_prmbench, "mrben": from_mrben}
+CONVERTERS = {name: globals()["from_" + name] for name in FORMATS}
+
+
+def _first_bad(bad: list, message: str, more: str = " more") -> list:
+    """[message about the first bad (index, what), with how many more there are], or [] when none is bad."""
+    return [message.format(*bad[0]) + (f" ({len(bad) - 1}{more})" if len(bad) > 1 else "")] if bad else []
 
 
 def row_problems(row: dict) -> list:
@@ -354,24 +343,20 @@ def row_problems(row: dict) -> list:
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                  and isinstance(m.get("content"), str) for m in prompt):
-            out.append("field 'prompt': a conversational prompt must be a non-empty list of {role, content} strings")
+            out.append("field 'prompt': a conversational prompt must be a non-empty list of {role, content} "
+                       "strings")
     elif not isinstance(prompt, str):
         out.append(f"field 'prompt': expected text or a list of {{role, content}}, got {_kind(prompt)}")
     if not isinstance(steps, list) or not steps:
         out.append(f"field 'completions': expected a non-empty list of steps, got {_kind(steps)}")
     else:
-        bad = [(i, s) for i, s in enumerate(steps) if not isinstance(s, str) or is_blank(s)]
-        if bad:
-            i, s = bad[0]
-            more = f" ({len(bad) - 1} more like it)" if len(bad) > 1 else ""
-            out.append(f"field 'completions': step {i} is " + ("empty" if isinstance(s, str) else _kind(s)) + more)
+        bad = [(i, "empty" if isinstance(s, str) else _kind(s)) for i, s in enumerate(steps)
+               if not isinstance(s, str) or is_blank(s)]
+        out += _first_bad(bad, "field 'completions': step {} is {}", " more like it")
     if not isinstance(labels, list):
-        out.append(f"field 'labels': expected a list, got {_kind(labels)}")
-        return out
+        return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
     bad = [(i, p) for i, y in enumerate(labels) for p in [label_problem(y)] if p]
-    if bad:
-        more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
-        out.append(f"field 'labels': label {bad[0][0]}: {bad[0][1]}{more}")
+    out += _first_bad(bad, "field 'labels': label {}: {}")
     if isinstance(steps, list) and steps and len(labels) != len(steps):
         out.append(f"field 'labels': {len(labels)} labels for {len(steps)} steps")
     # a best-of-N candidate (it has a group) is judged by its final answer: its steps may all be unlabeled
@@ -380,43 +365,22 @@ def row_problems(row: dict) -> list:
     return out
 
 
-def _clean(row: dict) -> dict:
-    """0/1 labels become bools (hard), floats stay floats (soft); chat messages keep only role and content."""
-    row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in row["labels"]]
-    if isinstance(row["prompt"], list):
-        row["prompt"] = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
-    return row
-
-
-def token_label_problem(y):
-    """Why y is not a pre-tokenized label (-100 = none, bool, 0/1, float in [0, 1]), or None when it is one."""
-    if type(y) in (int, float) and y == IGNORE:
-        return None
-    problem = label_problem(y) if y is not None else "null is not a label"
-    return problem and f"{problem}, nor -100 (no label)"
-
-
 def token_problems(row: dict) -> list:
     """Every problem of one pre-tokenized row, as "field 'x': ..." strings; empty when the row is valid.
-
     Padding (attention_mask 0) may only trail the row, and carries no label."""
     ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
     out = []
     if not isinstance(ids, list) or not ids:
         out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
-    else:
-        # type(): True is no token id; 2^63 and up do not fit the int64 column they are stored in
-        bad = [(i, x) for i, x in enumerate(ids) if type(x) is not int or not 0 <= x < 2 ** 63]
-        if bad:
-            more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
-            out.append(f"field 'input_ids': position {bad[0][0]}: {_kind(bad[0][1])} is not a token id (an int "
-                       ">= 0)" + more)
+    else:  # type(): True is no token id; 2^63 and up do not fit the int64 column they are stored in
+        bad = [(i, _kind(x)) for i, x in enumerate(ids) if type(x) is not int or not 0 <= x < 2 ** 63]
+        out += _first_bad(bad, "field 'input_ids': position {}: {} is not a token id (an int >= 0)")
     if not isinstance(labels, list):
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
-    bad = [(i, p) for i, y in enumerate(labels) for p in [token_label_problem(y)] if p]
-    if bad:
-        more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
-        out.append(f"field 'labels': position {bad[0][0]}: {bad[0][1]}{more}")
+    # a label: -100 (none), or a step label (bool, 0/1, float in [0, 1])
+    bad = [(i, p) for i, y in enumerate(labels) if type(y) not in (int, float) or y != IGNORE
+           for p in [label_problem(y) if y is not None else "null is not a label"] if p]
+    out += _first_bad(bad, "field 'labels': position {}: {}, nor -100 (no label)")
     if isinstance(ids, list) and len(labels) != len(ids):
         return out + [f"field 'labels': {len(labels)} labels for {len(ids)} input_ids"]
     n = len(labels)
@@ -426,23 +390,14 @@ def token_problems(row: dict) -> list:
             return out + [f"field 'attention_mask': expected {n} zeros and ones, got {_kind(mask)}"]
         n = sum(mask)
         if any(mask[n:]):
-            return out + ["field 'attention_mask': expected ones then zeros (right padding); left or inner padding "
-                          "is not supported"]
+            return out + ["field 'attention_mask': expected ones then zeros (right padding); left or inner "
+                          "padding is not supported"]
         padded = [i for i in range(n, len(labels)) if labels[i] != IGNORE]
         if padded and not bad:
             out.append(f"field 'labels': position {padded[0]} is padding (attention_mask 0) but has a label")
     if not bad and all(y == IGNORE for y in labels[:n]):
         out.append("field 'labels': no position is labeled (every label is -100)")
     return out
-
-
-def _clean_tokens(row: dict) -> dict:
-    """Right padding stripped (the mask has nothing else to say); bool labels become 0/1."""
-    mask = row.pop("attention_mask", None)
-    n = sum(mask) if mask is not None else len(row["input_ids"])
-    row["input_ids"], row["labels"] = row["input_ids"][:n], [y if isinstance(y, float) else int(y)
-                                                             for y in row["labels"][:n]]
-    return row
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
@@ -454,11 +409,19 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
         rows = CONVERTERS[fmt](record, neutral)
     except BadField as e:
         return [], [str(e)]
-    check, clean = (token_problems, _clean_tokens) if fmt == "pretokenized" else (row_problems, _clean)
-    problems = [p for row in rows for p in check(row)]
+    problems = [p for row in rows for p in (token_problems if fmt == "pretokenized" else row_problems)(row)]
     if problems:
         return [], sorted(set(problems), key=problems.index)
-    if record.get("id") is not None:  # several rows from one record get "<id>/<n>"
-        for n, row in enumerate(rows):
+    for n, row in enumerate(rows):
+        if record.get("id") is not None:  # several rows from one record get "<id>/<n>"
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
-    return [clean(row) for row in rows], []
+        if fmt == "pretokenized":  # right padding stripped (the mask has nothing else to say); labels 0/1
+            mask = row.pop("attention_mask", None)
+            end = sum(mask) if mask is not None else len(row["input_ids"])
+            row["input_ids"] = row["input_ids"][:end]
+            row["labels"] = [y if isinstance(y, float) else int(y) for y in row["labels"][:end]]
+        else:  # 0/1 labels become bools (hard), floats stay floats (soft); chat messages keep role, content
+            row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in row["labels"]]
+            if isinstance(row["prompt"], list):
+                row["prompt"] = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    return rows, []

@@ -1,10 +1,7 @@
-"""Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read, and the data
-report. Depends on: datasets, pyarrow, prm.data, prm.errors, prm.sources.
-
-A tokenized row: input_ids, labels (the training targets: -100 off labeled step ends), steps_kept, step_ends
-(every kept step's last token), length, n_labeled, step_labels (every step's truth, None = unlabeled, cut steps
-included), and the source's id / first_error / final_answer_correct / group / response_answer / category when it
-has them."""
+"""Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read
+(input_ids; labels: training targets, -100 off labeled step ends; steps_kept; step_ends: each kept step's last
+token; length; n_labeled; step_labels: each step's truth, None = unlabeled, cut steps included; META columns
+of the source), and the data report. Depends on: datasets, pyarrow, prm.data, prm.errors, prm.sources."""
 import hashlib
 import os
 
@@ -14,39 +11,33 @@ from datasets.fingerprint import Hasher
 
 from prm.data import IGNORE, assemble, normalize_label, tokenize_batch
 from prm.errors import WriteFailed
-from prm.sources import DataError, say
+from prm.sources import META, DataError, say
 
-# source columns evaluation reports on, kept as they are: ProcessBench, best-of-N, PRMBench
-META = ("id", "first_error", "final_answer_correct", "group", "response_answer", "category")
 COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
            "steps_kept": Value("int32"), "step_ends": Sequence(Value("int32")), "length": Value("int32"),
-           "n_labeled": Value("int32"),
-           "step_labels": Sequence(Value("float64"))}
-
-
+           "n_labeled": Value("int32"), "step_labels": Sequence(Value("float64"))}
 AUTO_PROC_ROWS = 20_000  # --num-proc 0 starts several processes from this many rows on
 
 
 def processes(num_proc: int, n_rows: int) -> int:
-    """--num-proc, or for 0 one process per usable core (at most 8) once there are rows enough to pay for their
-    start-up (each loads the tokenizer: seconds); a tokenizing process keeps one core busy."""
+    """--num-proc, or for 0 one process per usable core (at most 8) once there are rows enough to pay for
+    their start-up (each loads the tokenizer: seconds); a tokenizing process keeps one core busy."""
     if num_proc or n_rows < AUTO_PROC_ROWS:
         return num_proc or 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(cores, 8)
+    return min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
 
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, desc: str = "tokenize",
                      drop_unlabeled: bool = True):
-    """datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Returns (dataset, report).
-
-    Rows left without a labeled step are dropped (and counted in the report). The evaluation route keeps them
+    """(dataset, report) by datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Rows
+    without a labeled step are dropped (and counted in the report). The evaluation route keeps them
     (drop_unlabeled=False): prm.evaluate.report counts them, and predictions line up with the source."""
     features = Features({**COLUMNS, **{k: v for k, v in ds.features.items() if k in META}})
     if "input_ids" in ds.column_names:  # pre-tokenized: checked here, then the same rows as text gives
         check_pretokenized(ds, tokenizer, cfg)
-        fn, kwargs, fingerprint = cut_pretokenized, dict(max_length=cfg.max_length, is_eval=is_eval,
-                                                         train_on_last_step_only=cfg.train_on_last_step_only), None
+        fn, fingerprint = cut_pretokenized, None
+        kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
+                      train_on_last_step_only=cfg.train_on_last_step_only)
     else:
         fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder (prm.scorers)
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
@@ -94,19 +85,20 @@ def template_problems(ds, tokenizer, which: str) -> list:
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:
-    """datasets would dill-hash fn_kwargs, the whole tokenizer included, on every map, cache on or off (slow for
-    large vocabularies). Same inputs, hashed cheaply: data fingerprint, tokenizer content, settings, and code."""
+    """datasets would dill-hash fn_kwargs, the whole tokenizer included, on every map, cache on or off (slow
+    for large vocabularies). The same inputs, hashed cheaply: data fingerprint, tokenizer, settings, code."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    tok = hashlib.sha256(backend.to_str().encode()).hexdigest() if backend is not None else Hasher.hash(tokenizer)
-    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None), getattr(tokenizer, "prm_rows", 0))
+    tok = Hasher.hash(tokenizer) if backend is None else hashlib.sha256(backend.to_str().encode()).hexdigest()
+    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None),
+               getattr(tokenizer, "prm_rows", 0))
     settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
-    code = [Hasher.hash(f) for f in (tokenize_batch, assemble, normalize_label)]  # a change of rule: a new cache
+    code = [Hasher.hash(f) for f in (tokenize_batch, assemble, normalize_label)]  # new rules: a new cache
     return Hasher.hash([ds._fingerprint, tok, special, settings, code])
 
 
 def check_pretokenized(ds, tokenizer, cfg):
-    """Raise DataError for pre-tokenized rows the run cannot use: ids past the tokenizer's vocabulary (data
-    tokenized with another tokenizer would fail inside the embedding), or a --max-completion-length to apply."""
+    """DataError for pre-tokenized rows the run cannot use: ids past the tokenizer's vocabulary (tokenized
+    with another tokenizer: they would fail inside the embedding), or a --max-completion-length to apply."""
     if cfg.max_completion_length:
         raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows carry no "
                          "prompt/step boundary to apply it to; set it to 0 and cap them with --max-length"])
@@ -118,15 +110,14 @@ def check_pretokenized(ds, tokenizer, cfg):
     if bad:
         where = ds["where"][:] if "where" in ds.column_names else [f"row {i}" for i in range(len(ds))]
         raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is out of the "
-                         f"tokenizer's {n_vocab} tokens: was it tokenized with another tokenizer?" for i in bad])
+                         f"tokenizer's {n_vocab} tokens: was it tokenized with another tokenizer?"
+                         for i in bad])
 
 
 def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """Pre-tokenized rows (labels: -100 or a step's label) cut after max_length tokens, as tokenize_batch returns.
-
-    Their labeled positions are their steps. The model is causal, so cutting the tail never changes what an
-    earlier label means; labels past the cut are lost (and counted). steps_kept counts the labeled positions kept,
-    before train_on_last_step_only hides all but the last."""
+    """Pre-tokenized rows (labels: -100 or a step's label; labeled positions are steps) cut after max_length
+    tokens, as tokenize_batch returns. The model is causal: cutting the tail never changes what an earlier
+    label means; labels past the cut are lost (and counted). steps_kept: before train_on_last_step_only."""
     out = {k: [] for k in COLUMNS}
     for ids, labels in zip(batch["input_ids"], batch["labels"]):
         ids, cut = ids[:max_length], labels[:max_length]  # a None max_length keeps everything
@@ -134,13 +125,10 @@ def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False
         if train_on_last_step_only and not is_eval:  # the row's last label, wherever the cut leaves it
             last = max((i for i, y in enumerate(labels) if y != IGNORE), default=-1)
             cut = [y if i == last else IGNORE for i, y in enumerate(cut)]
-        out["input_ids"].append(ids)
-        out["labels"].append(cut)
-        out["steps_kept"].append(len(ends))
-        out["step_ends"].append(ends)
-        out["length"].append(len(ids))
-        out["n_labeled"].append(len(cut) - cut.count(IGNORE))
-        out["step_labels"].append([y for y in labels if y != IGNORE])
+        row = dict(input_ids=ids, labels=cut, steps_kept=len(ends), step_ends=ends, length=len(ids),
+                   n_labeled=len(cut) - cut.count(IGNORE), step_labels=[y for y in labels if y != IGNORE])
+        for k in COLUMNS:
+            out[k].append(row[k])
     return out
 
 

@@ -22,7 +22,13 @@ from prm.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more": the message must fit one screen
-WHERE = "line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a hub split"
+WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
+         "hub split")
+# source columns kept as they are for evaluation's reports (ProcessBench, best-of-N, PRMBench): their types
+META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
+        "response_answer": "string", "category": "string"}
+SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
+NOTES = "said.json"  # in a rows cache entry: what the read said, said again when the entry is read back
 
 
 class DataError(UsageError):
@@ -37,7 +43,7 @@ class DataError(UsageError):
 
 
 class MissingSplit(DataError):
-    """The hub dataset has no such split; for the eval split, load_splits holds out --eval-fraction instead."""
+    """The hub dataset has no such split; for the eval split, load_splits holds out --eval-fraction."""
 
 
 def say(msg: str):
@@ -50,7 +56,7 @@ def is_local(spec: str) -> bool:
 
 
 def read_records(path: str):
-    """(where, record, problem) for every row of one local file; JSONL is read here so a bad line names its number."""
+    """(where, record, problem) per row of a local file; JSONL is read here so a bad line names its number."""
     if path.endswith(".parquet"):
         try:
             ds = Dataset.from_parquet(path)
@@ -72,7 +78,8 @@ def read_records(path: str):
         if pairs is not None:  # a problem found in the whole value: each row's own is named
             return [(where, r, problem and field_problem(r)) for where, r in pairs]
         if isinstance(data, dict) and "\n" in text.strip():
-            raise DataError([f"{path}: one JSON object; expected an array of records, an object of such arrays, or JSON Lines"])
+            raise DataError([f"{path}: one JSON object; expected an array of records, an object of such "
+                             "arrays, or JSON Lines"])
     # not splitlines(): U+2028 may sit raw inside a JSON string
     return [(f"line {n}", *read_json(line)[:2]) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
 
@@ -94,17 +101,16 @@ def _sources(spec: str, split: str, cfg):
     try:
         ds = load_dataset(spec, cfg.dataset_config or None, split=split)
     except Exception as e:  # offline, no such dataset, a typo in a local path: one line, not a traceback
-        if isinstance(e, ValueError) and "split" in str(e).lower():  # datasets: 'Unknown split' or 'Bad split'
+        if isinstance(e, ValueError) and "split" in str(e).lower():  # 'Unknown split' or 'Bad split'
             raise MissingSplit([f"{spec}: {e}"]) from None
-        raise DataError([f"{spec}: not a local .jsonl/.json/.parquet file or directory, and the hub could not load "
-                         f"it ({type(e).__name__}: {e})"]) from None
+        raise DataError([f"{spec}: not a local .jsonl/.json/.parquet file or directory, and the hub could "
+                         f"not load it ({type(e).__name__}: {e})"]) from None
     return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
 
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None) -> list:
-    """Every record of a source as validated stepwise (or pre-tokenized) rows, in the format cfg.<format_key>
-    names (--format, or --eval-format for --eval-dataset). Raises DataError listing each bad row, or with
-    cfg.skip_invalid drops those records; what it read is said on stderr and appended to `notes` if given."""
+    """Every record of a source as validated rows, in the format cfg.<format_key> names (--format or
+    --eval-format). DataError lists bad rows, or skip_invalid drops them; what it read is said (`notes`)."""
     rows, problems, bad, n_records, empty = [], [], 0, 0, 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
@@ -127,12 +133,12 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
             if issues:
                 bad += 1
                 problems += [f"{name} {where}: {p}" for p in issues]
-            else:
-                if fmt == "pretokenized":  # errors found at tokenization (ids past the vocabulary) name the line
-                    for row in found:
-                        row["where"] = f"{name} {where}"
-                rows += found
-                empty += not found
+                continue
+            if fmt == "pretokenized":  # errors found at tokenization (ids past the vocabulary) name the line
+                for row in found:
+                    row["where"] = f"{name} {where}"
+            rows += found
+            empty += not found
     if bad and not cfg.skip_invalid:
         raise DataError(problems, total_rows=bad)
     note = f"; {empty} records gave no labeled example" if empty else ""
@@ -147,18 +153,16 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
 
 
 def to_dataset(rows: list) -> Dataset:
-    """An arrow-file-backed Dataset (so tokenization by datasets.map is cached), keyed by a hash of the rows."""
+    """An arrow-file-backed Dataset (so datasets.map caches tokenization), keyed by a hash of the rows."""
     if "input_ids" in rows[0]:  # pre-tokenized: one float column holds -100, hard and soft labels
-        features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")), "where": Value("string")}
+        features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
+                    "where": Value("string")}
     else:
-        soft = any(isinstance(y, float) for r in rows for y in r["labels"])
+        label_type = "float64" if any(isinstance(y, float) for r in rows for y in r["labels"]) else "bool"
         features = {"prompt": List({"role": Value("string"), "content": Value("string")})
                     if isinstance(rows[0]["prompt"], list) else Value("string"),
-                    "completions": List(Value("string")), "labels": List(Value("float64" if soft else "bool"))}
-    for col, kind in (("id", "string"), ("first_error", "int64"), ("final_answer_correct", "bool"), ("group", "string"),
-                      ("response_answer", "string"), ("category", "string")):
-        if any(col in r for r in rows):
-            features[col] = Value(kind)
+                    "completions": List(Value("string")), "labels": List(Value(label_type))}
+    features.update({col: Value(kind) for col, kind in META.items() if any(col in r for r in rows)})
     digest = hashlib.sha256(json.dumps(list(features)).encode())
     for r in rows:
         digest.update(json.dumps(r, sort_keys=True).encode())
@@ -166,7 +170,6 @@ def to_dataset(rows: list) -> Dataset:
     def generate():
         for r in rows:
             yield {k: r.get(k) for k in features}
-
     try:
         return Dataset.from_generator(generate, features=Features(features),
                                       fingerprint=digest.hexdigest()[:32])
@@ -176,32 +179,19 @@ def to_dataset(rows: list) -> Dataset:
 
 
 def cut_after_first_error(row: dict) -> dict:
-    """The row up to and including its first wrong label (False, 0 or 0.0); a row without one is returned as is.
-    Stepwise rows lose the steps after it, pre-tokenized rows the tokens after it (labels align with both)."""
-    end = next((i + 1 for i, y in enumerate(row["labels"]) if y is not None and y != IGNORE and float(y) == 0.0), None)
+    """The row up to and including its first wrong label (False, 0 or 0.0), or as it is without one: stepwise
+    rows lose the steps after it, pre-tokenized rows the tokens after it (labels align with both)."""
+    wrong = (i for i, y in enumerate(row["labels"]) if y is not None and y != IGNORE and float(y) == 0.0)
+    end = next(wrong, None)
     if end is None:
         return row
     key = "completions" if "completions" in row else "input_ids"
-    return {**row, key: row[key][:end], "labels": row["labels"][:end]}
-
-
-def split_by_prompt(rows: list, fraction: float, seed: int):
-    """Seeded held-out share, split by prompt so one problem never sits on both sides.
-
-    Pre-tokenized rows carry no prompt: each is held out on its own (pass --eval-dataset to split by problem)."""
-    key = lambda r: json.dumps(r["prompt"] if "prompt" in r else r["input_ids"])
-    prompts = sorted({key(r) for r in rows})
-    if len(prompts) < 2:
-        raise DataError([f"only {len(prompts)} distinct prompt: nothing to hold out; pass --eval-dataset"])
-    random.Random(seed).shuffle(prompts)
-    held = set(prompts[:min(len(prompts) - 1, max(1, round(len(prompts) * fraction)))])
-    return [r for r in rows if key(r) not in held], [r for r in rows if key(r) in held]
+    return {**row, key: row[key][:end + 1], "labels": row["labels"][:end + 1]}
 
 
 def read_splits(cfg) -> tuple:
-    """(train, held-out, notes): datasets with columns prompt, completions, labels and, when the data has
-    them, id, first_error, final_answer_correct, group, response_answer, category; notes: what the read said.
-    Only training rows are cut (at the separator, after the first error): held-out ones are judged whole."""
+    """(train, held-out, notes): datasets of rows (prompt, completions, labels, the META columns the data has)
+    and what the read said. Only training rows are cut (at the separator, first error): held-out are whole."""
     cut = lambda r: at_separator(cut_after_first_error(r) if cfg.cut_after_first_error else r,
                                  cfg.step_separator)
     if cfg.dataset == "synthetic":
@@ -213,23 +203,26 @@ def read_splits(cfg) -> tuple:
     if cfg.eval_dataset:  # its own format, not --dataset's
         held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format", notes=notes)
     elif not is_local(cfg.dataset):
-        try:
+        with contextlib.suppress(MissingSplit):  # no such split: hold out a share below
             held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes)
-        except MissingSplit:  # hold out a share below
-            pass
-    if held is None:
-        train, held = split_by_prompt(train, cfg.eval_fraction, cfg.seed)
+    if held is None:  # split by prompt, so one problem never sits on both sides; pre-tokenized rows carry
+        # no prompt: each is held out on its own (pass --eval-dataset to split them by problem)
+        key = lambda r: json.dumps(r["prompt"] if "prompt" in r else r["input_ids"])
+        prompts = sorted({key(r) for r in train})
+        if len(prompts) < 2:
+            raise DataError([f"only {len(prompts)} distinct prompt: nothing to hold out; pass "
+                             "--eval-dataset"])
+        random.Random(cfg.seed).shuffle(prompts)
+        chosen = set(prompts[:min(len(prompts) - 1, max(1, round(len(prompts) * cfg.eval_fraction)))])
+        train, held = [r for r in train if key(r) not in chosen], [r for r in train if key(r) in chosen]
         notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
                      f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
     return to_dataset([cut(r) for r in train]), to_dataset(held), notes
 
 
-SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
-
 def data_digest(spec: str) -> str:
-    """sha256 of a local file's contents, or of a folder's file names and contents (wherever it lies);
-    '' for hub or synthetic data."""
+    """sha256 of a local file, or of a folder's file names and contents (wherever it is); '' for hub data."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = hashlib.sha256()
@@ -244,10 +237,9 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """Where load_splits keeps the validated splits of local files, keyed by the files' contents, the settings that
-    shape the rows and this reading code: a rerun on unchanged files skips parsing and checking every row again
-    (about 30 s for 400k rows; hashing them takes about 1 s). None for hub or synthetic data, or caching off.
-    digests: {spec: data_digest(spec)} already computed (the trainer's, for its checkpoints): not hashed again."""
+    """Where load_splits keeps the validated splits of local files, keyed by their contents, the settings that
+    shape rows and this code: a rerun skips parsing and checking every row (about 30 s for 400k rows; hashing
+    takes about 1 s). None for hub or synthetic data, or caching off. digests: {spec: data_digest(spec)}."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
         return None
@@ -256,9 +248,6 @@ def rows_cache(cfg, digests: dict = None):
     for spec in specs:
         digest.update(((digests or {}).get(spec) or data_digest(spec)).encode())
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", digest.hexdigest()[:32])
-
-
-NOTES = "said.json"  # in a cache entry: what the read said, said again when the entry is read back
 
 
 def load_splits(cfg, digests: dict = None) -> tuple:
@@ -309,7 +298,7 @@ def _read_back(path: str, quiet: bool = False):
 
 
 def load_eval(cfg, whole: str = ""):
-    """`whole`: evaluate all of that source; otherwise the held-out set a run used, rebuilt from its config."""
+    """`whole`: all of that source; otherwise the held-out set a run used, rebuilt from its config."""
     if whole and whole != "synthetic":
         return to_dataset(read_rows(whole, cfg.eval_split, cfg))
     return load_splits(cfg)[1]
