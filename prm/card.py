@@ -59,8 +59,7 @@ NOT_HELD_OUT = ("train_tokens_per_second", "padding_efficiency")  # training fig
 
 
 def launch_command(argv=None, env=None) -> str:
-    """This process's command line; under torchrun, the torchrun line that started it (rendezvous flags
-    omitted)."""
+    """The command line; under torchrun, the torchrun line that started it (rendezvous flags omitted)."""
     argv, env = list(sys.argv if argv is None else argv), os.environ if env is None else env
     if "LOCAL_WORLD_SIZE" in env:
         local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])

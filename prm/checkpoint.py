@@ -51,12 +51,11 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
 
 
 def write_adapter(path: str, model, cfg, state: dict = None):
-    """The adapters and head as peft's save_pretrained writes them (adapter_config.json,
-    adapter_model.safetensors), for PeftModel.from_pretrained(AutoModelForTokenClassification.from_pretrained(
-    --model), path); peft itself is not needed. Our lora_A (r, in), lora_B (out, r) and scale alpha / r are
-    peft's (use_rslora false), so the tensors only change names: backbone.<layer>.lora_A ->
-    base_model.model.<prefix>.<layer>.lora_A.weight, and the head, which trains whole (modules_to_save),
-    head.weight -> base_model.model.<head name>.weight. state: as in write_model_dir."""
+    """The adapters and head as peft's save_pretrained writes them, for PeftModel.from_pretrained(
+    AutoModelForTokenClassification.from_pretrained(--model), path); peft is not needed. Our lora_A (r, in),
+    lora_B (out, r) and scale alpha / r are peft's (use_rslora false), so only names change:
+    backbone.<layer>.lora_A -> base_model.model.<prefix>.<layer>.lora_A.weight, and head.weight (trains whole:
+    modules_to_save) -> base_model.model.<head name>.weight. state: as in write_model_dir."""
     _, prefix, head_name = hf_names(model.config)
     tensors = {}
     for key, value in (trainable_state_dict(model) if state is None else state).items():
@@ -336,8 +335,7 @@ class Checkpointer:
     def __init__(self, cfg, rt, parallel, *, every: int, optimizer, scheduler, scaler, tokenizer, before_save,
                  digests: dict):
         self.cfg, self.rt, self.parallel, self.digests = cfg, rt, parallel, digests
-        self.before_save = before_save
-        self.interval = every  # steps between checkpoints; 0: none but a stop's
+        self.before_save, self.interval = before_save, every  # every: steps between saves, 0: a stop's only
         self.optimizer, self.scheduler, self.scaler, self.tokenizer = optimizer, scheduler, scaler, tokenizer
 
     def save(self, step: int, *, stopping: bool = False):
