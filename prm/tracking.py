@@ -1,10 +1,11 @@
 """Optional experiment trackers: the records of metrics.jsonl, and the config once, sent to TensorBoard or
-Weights & Biases from rank 0. A tracker's package (named as --report-to names it) is imported only when asked
+Weights & Biases from rank 0. A tracker's package, named as its --report-to value, is imported only when asked
 for. Depends on: prm.errors (and tensorboard or wandb when asked for)."""
 import dataclasses
 import os
 
 from prm.errors import check
+
 
 def require(report_to: str):
     """The tracker's module (None for 'none'); a missing package stops start-up with one line and exit status
