@@ -1,5 +1,6 @@
-"""The model card (README.md) written into final/: what the model is, how it scores (with a snippet that needs only
-transformers), its metrics, license and versions, and the command. Depends on: huggingface_hub, prm.sources."""
+"""The model card (README.md) written into final/: what the model is, how it scores (with a snippet that
+needs only transformers), its metrics, license and versions, and the command. Depends on: huggingface_hub,
+prm.sources."""
 import os
 import re
 import shlex
@@ -28,7 +29,7 @@ CITATIONS = """\
 }"""
 
 # the card's usage example: plain transformers + torch, tokenizing as prm.data.tokenize_example does
-SNIPPET = """\
+SNIPPET = '''\
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
@@ -39,8 +40,8 @@ sep = model.config.prm["step_separator"]  # what training appended to every step
 
 
 def score(prompt: str, steps: list) -> list:
-    \"\"\"P(correct) per step. Each piece is tokenized on its own; a step's score is read at its separator's last
-    token. (Training also dropped whole steps past model.config.prm["max_length"] tokens.)\"\"\"
+    """P(correct) per step. Each piece is tokenized on its own; a step's score is read at its separator's last
+    token. (Training also dropped whole steps past model.config.prm["max_length"] tokens.)"""
     piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + piece(prompt)
     ends = []
@@ -52,13 +53,13 @@ def score(prompt: str, steps: list) -> list:
     return probs[ends].tolist()
 
 
-print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))"""
+print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))'''
 
-NOT_HELD_OUT = ("train_tokens_per_second", "padding_efficiency")  # training figures; the first also varies per run
+NOT_HELD_OUT = ("train_tokens_per_second", "padding_efficiency")  # training figures; the first varies per run
 
 
 def launch_command(argv=None, env=None) -> str:
-    """This process's command line; under torchrun, the torchrun line that started it (rendezvous flags omitted)."""
+    """The command line; under torchrun, the torchrun line that started it (rendezvous flags omitted)."""
     argv, env = list(sys.argv if argv is None else argv), os.environ if env is None else env
     if "LOCAL_WORLD_SIZE" in env:
         local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
@@ -68,7 +69,7 @@ def launch_command(argv=None, env=None) -> str:
 
 
 def config_command(cfg) -> str:
-    """An equivalent `python train.py` line for a run started from Python: every setting that is not the default."""
+    """An equivalent `python train.py` line for a run started from Python: every non-default setting."""
     default, args = type(cfg)(), []
     for name, value in vars(cfg).items():
         if value != getattr(default, name):
@@ -78,12 +79,13 @@ def config_command(cfg) -> str:
 
 
 def base_license(model: str) -> str:
-    """The base model's license from the `license:` line of its card (README.md) in a local folder or already in the
-    hub cache; '' when unknown. Never a network call."""
+    """The base model's license from the `license:` line of its card (README.md) in a local folder or already
+    in the hub cache; '' when unknown. Never a network call."""
     if model == "tiny":
         return ""
     try:
-        card = os.path.join(model, "README.md") if os.path.isdir(model) else try_to_load_from_cache(model, "README.md")
+        card = (os.path.join(model, "README.md") if os.path.isdir(model)
+                else try_to_load_from_cache(model, "README.md"))
     except ValueError:  # not a valid hub id either (huggingface_hub's HFValidationError is a ValueError)
         return ""
     if not isinstance(card, str) or not os.path.isfile(card):  # None or a "known missing" marker object
@@ -94,23 +96,19 @@ def base_license(model: str) -> str:
     return found.group(1).strip("'\"") if found else ""
 
 
-def versions() -> str:
-    return f"torch {version('torch')}, transformers {version('transformers')}"
-
-
 def model_card(cfg, metrics: dict, command: str) -> str:
     """Deterministic markdown: the same run gives the same text byte for byte (no dates, no timings)."""
-    base = "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if cfg.model == "tiny" \
-        else f"`{cfg.model}`"
-    datasets = [d for d in (cfg.dataset, cfg.eval_dataset) if d]
+    tiny = cfg.model == "tiny"
+    base = "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if tiny else \
+        f"`{cfg.model}`"
     header = ["---", "library_name: transformers", "pipeline_tag: token-classification",
-              "tags: [process-reward-model, prm]"]
-    header += [f"base_model: {cfg.model}"] if cfg.model != "tiny" else []
+              "tags: [process-reward-model, prm]"] + ([] if tiny else [f"base_model: {cfg.model}"])
     license = base_license(cfg.model)
     header += [f"license: {license}"] if license else []
-    license_text = license or ("none: no base model (random initialization)" if cfg.model == "tiny" else
+    license_text = license or ("none: no base model (random initialization)" if tiny else
                                "unknown (not in a local or cached card of the base model): see its own card")
-    hub = [d for d in datasets if d != "synthetic" and not is_local(d)]  # hub metadata names hub datasets only
+    # hub metadata names hub datasets only
+    hub = [d for d in (cfg.dataset, cfg.eval_dataset) if d and d != "synthetic" and not is_local(d)]
     header += (["datasets:"] + [f"- {d}" for d in hub] if hub else []) + ["---"]
     method = (f"LoRA (rank {cfg.lora_r}, alpha {cfg.lora_alpha:g}, dropout {cfg.lora_dropout:g}, targets "
               f"`{cfg.lora_targets}`), merged into the weights; the 2-way head fully trained") if cfg.lora_r \
@@ -118,6 +116,7 @@ def model_card(cfg, metrics: dict, command: str) -> str:
     rows = [(k, v) for k, v in metrics.items() if k not in NOT_HELD_OUT and not isinstance(v, (dict, list))]
     table = ["| metric | value |", "|---|---|"] + [
         f"| {k} | {'n/a' if v is None else f'{v:.4f}' if isinstance(v, float) else v} |" for k, v in rows]
+    held_out = f"`{cfg.eval_dataset}`" if cfg.eval_dataset else "the held-out part of the training source"
     return "\n".join(header + [
         "", "# Process reward model", "",
         f"A process reward model (PRM) trained from {base} on `{cfg.dataset}` with `prm`, "
@@ -127,24 +126,25 @@ def model_card(cfg, metrics: dict, command: str) -> str:
         "`AutoModelForTokenClassification`.",
         "- Labels: class 1 = `correct`, class 0 = `incorrect` (`id2label` in `config.json`); "
         "P(correct) = softmax(logits)[..., 1].",
-        f"- Step separator: `{cfg.step_separator!r}`, also in `config.json` under `prm` with the length caps.",
-        "- Tokens: the prompt's ids (BOS first only if the tokenizer has one), then for each step ids(step) + "
-        "ids(separator), each piece tokenized on its own without special tokens. A step's score is read at the "
-        "LAST token of its separator; scores elsewhere mean nothing. Build inputs exactly this way "
-        "(`prm.data.tokenize_example`, `prm.evaluate.score`): joining the text and tokenizing it once gives other "
-        "ids with BPE tokenizers.",
-        f"- Training: {cfg.batch_size} examples per device x {cfg.grad_accum} accumulation steps, peak learning "
-        f"rate {cfg.lr:g}, seed {cfg.seed}; at most {cfg.max_length} tokens per example"
+        f"- Step separator: `{cfg.step_separator!r}`, also in `config.json` under `prm` with the length "
+        "caps.",
+        "- Tokens: the prompt's ids (BOS first only if the tokenizer has one), then for each step ids(step) "
+        "+ ids(separator), each piece tokenized on its own without special tokens. A step's score is read at "
+        "the LAST token of its separator; scores elsewhere mean nothing. Build inputs exactly this way "
+        "(`prm.data.tokenize_example`, `prm.evaluate.score`): joining the text and tokenizing it once gives "
+        "other ids with BPE tokenizers.",
+        f"- Training: {cfg.batch_size} examples per device x {cfg.grad_accum} accumulation steps, peak "
+        f"learning rate {cfg.lr:g}, seed {cfg.seed}; at most {cfg.max_length} tokens per example"
         + (f" and {cfg.max_completion_length} tokens of steps" if cfg.max_completion_length else "")
         + (", on the last step's label only" if cfg.train_on_last_step_only else "") + ".",
         "", "## Use with transformers only", "", "```python", SNIPPET, "```", "",
         "The same with this package: `prm.evaluate.score(model, tokenizer, prompt, steps)`.",
         "", "## Held-out metrics", "",
-        f"On {f'`{cfg.eval_dataset}`' if cfg.eval_dataset else 'the held-out part of the training source'}; a step "
-        f"counts as predicted correct when P(correct) >= {cfg.threshold:g}; class 0 = incorrect step.", ""] + table + [
+        f"On {held_out}; a step counts as predicted correct when P(correct) >= {cfg.threshold:g}; "
+        "class 0 = incorrect step.", ""] + table + [
         "", "## License and versions", "",
         f"- Base model license: {license_text}.",
-        f"- Trained with {versions()}.",
+        f"- Trained with torch {version('torch')}, transformers {version('transformers')}.",
         "", "## Command", "", "```bash", command, "```", "",
         "## Citations", "", "Process supervision was introduced and studied in:", "",
         "```bibtex", CITATIONS, "```", ""])

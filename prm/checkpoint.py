@@ -1,6 +1,6 @@
-"""Training checkpoints (atomic, checksummed, exact resume), the final export, finding the newest good checkpoint,
-and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors, prm.model, prm.lora,
-prm.runtime, prm.sharding, prm.errors."""
+"""Training checkpoints (atomic, checksummed, exact resume), the final export, finding the newest good
+checkpoint, and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors,
+prm.model, prm.lora, prm.runtime, prm.sharding, prm.errors."""
 import contextlib
 import fcntl
 import hashlib
@@ -23,7 +23,7 @@ from prm.model import hf_names, load_weights
 from prm.runtime import barrier
 from prm.sharding import SHARDS, load_shards, save_shards
 
-MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, never resumed
+MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, not resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
 # LoRA runs: the adapter in peft's format, in a folder of its own: beside config.json, transformers (with peft
 # installed) would load the merged weights and then add the adapter on top of them, applying it twice
@@ -32,25 +32,10 @@ LOCK = ".lock"  # pid@host of the run that is using an output directory
 NOT_REGULAR = "not a regular file"  # file_digests' entry for a symlink, FIFO or device
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False, state: dict = None):
-    """What eval.py and transformers read: weights (LoRA folded in, or with trainable_only the adapters and head
-    alone), a LoRA run's adapter in PEFT's format (write_adapter), the tokenizer and the run's config.
-
-    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own."""
+    """What eval.py and transformers read: weights (LoRA folded in, or with trainable_only the adapters and
+    head alone), a LoRA run's adapter in PEFT's format (write_adapter), the tokenizer and the run's config.
+    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's."""
     if trainable_only:  # the frozen base is rebuilt from --model on resume: store only what trains
         os.makedirs(path, exist_ok=True)
         save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},
@@ -66,13 +51,11 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
 
 
 def write_adapter(path: str, model, cfg, state: dict = None):
-    """The adapters and head as peft's save_pretrained writes them (adapter_config.json, adapter_model.safetensors),
-    for PeftModel.from_pretrained(AutoModelForTokenClassification.from_pretrained(--model), path); peft itself is
-    not needed. Our lora_A (r, in), lora_B (out, r) and scale alpha / r are peft's (use_rslora false), so the
-    tensors only change names: backbone.<layer>.lora_A -> base_model.model.<prefix>.<layer>.lora_A.weight, and the
-    head, which trains whole (modules_to_save), head.weight -> base_model.model.<head name>.weight.
-
-    state: as in write_model_dir; default: the trained tensors of the model itself."""
+    """The adapters and head as peft's save_pretrained writes them, for PeftModel.from_pretrained(
+    AutoModelForTokenClassification.from_pretrained(--model), path); peft is not needed. Our lora_A (r, in),
+    lora_B (out, r) and scale alpha / r are peft's (use_rslora false), so only names change:
+    backbone.<layer>.lora_A -> base_model.model.<prefix>.<layer>.lora_A.weight, and head.weight (trains whole:
+    modules_to_save) -> base_model.model.<head name>.weight. state: as in write_model_dir."""
     _, prefix, head_name = hf_names(model.config)
     tensors = {}
     for key, value in (trainable_state_dict(model) if state is None else state).items():
@@ -92,15 +75,25 @@ def write_adapter(path: str, model, cfg, state: dict = None):
         json.dump(config, f, indent=2)
 
 
-def write_failed(path: str, error: BaseException) -> WriteFailed:
-    """One line naming the path and the cause (exit status 1: the machine failed, not the user's input)."""
-    lines = str(error).strip().splitlines()
-    cause = (error.strerror if isinstance(error, OSError) else None) or (lines[0] if lines else type(error).__name__)
-    if not isinstance(error, OSError):  # torch.save's "unexpected pos 103296 vs 103188" never says "disk full"
-        cause += f" ({_free_mib(path)} MiB free there)"
-    failed = WriteFailed(f"could not write {path}: {cause}")
-    failed.cause = cause
-    return failed
+# what a failed write raises: OSError from open/write/rename, RuntimeError from torch.save ("file write
+# failed"), SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)")
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+@contextlib.contextmanager
+def reported(path: str):
+    """A write failure inside the block ends the run with WriteFailed: one line naming `path` and the cause
+    (exit status 1: the machine failed, not the user's input)."""
+    try:
+        yield
+    except WRITE_ERRORS as e:
+        lines = str(e).strip().splitlines()
+        cause = (e.strerror if isinstance(e, OSError) else None) or (lines[0] if lines else type(e).__name__)
+        if not isinstance(e, OSError):  # torch.save's "unexpected pos 320 vs 214" never says "disk full"
+            cause += f" ({_free_mib(path)} MiB free there)"
+        failed = WriteFailed(f"could not write {path}: {cause}")
+        failed.cause = cause
+        raise failed from e
 
 
 def _free_mib(path: str) -> str:
@@ -113,26 +106,11 @@ def _free_mib(path: str) -> str:
         return "?"
 
 
-# what a failed write raises: OSError from open/write/rename, RuntimeError from torch.save ("file write failed"),
-# SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)")
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
-
-
-@contextlib.contextmanager
-def reported(path: str):
-    """A write failure inside the block ends the run with WriteFailed naming `path`."""
-    try:
-        yield
-    except WRITE_ERRORS as e:
-        raise write_failed(path, e) from e
-
-
 @contextlib.contextmanager
 def written_in_place(path: str, fresh: bool = True):
     """Yields a temporary directory that replaces `path` once the block succeeds: a crash or a full disk never
-    leaves a half-written `path`, and a failed write keeps the previous one and leaves no temporary directory.
-    A write failure ends the run with WriteFailed. fresh=False keeps what is already in the temporary directory
-    (the shards every rank wrote there)."""
+    leaves a half-written `path`, and a failed write (WriteFailed) keeps the previous one and no temporary
+    directory. fresh=False keeps what is already in the temporary directory (the shards every rank wrote)."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,7 +123,7 @@ def written_in_place(path: str, fresh: bool = True):
             os.replace(tmp, path)
     except BaseException:  # whatever stopped the write (an interrupt too): no half-written directory stays
         shutil.rmtree(tmp, ignore_errors=True)
-        if os.path.isdir(old) and not os.path.isdir(path):  # failed between the two renames: the previous one back
+        if os.path.isdir(old) and not os.path.isdir(path):  # failed between the renames: put the old one back
             os.replace(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
@@ -160,11 +138,9 @@ class AppendFile:
             self.file = open(path, "a")
 
     def write(self, text: str):
+        """Writes and flushes: what was written is on disk even if the run dies next."""
         with reported(self.path):
             self.file.write(text)
-
-    def flush(self):
-        with reported(self.path):
             self.file.flush()
 
     def close(self):
@@ -173,19 +149,19 @@ class AppendFile:
 
 
 def file_digests(path: str) -> dict:
-    """sha256 of every file under a directory, by relative path; a symlink, FIFO or device gets NOT_REGULAR instead
-    (reading /dev/zero or a FIFO would never end), so a checkpoint holding one fails its checksums."""
+    """sha256 of every file under a directory, by relative path; a symlink, FIFO or device gets NOT_REGULAR
+    instead (reading /dev/zero or a FIFO would never end), so a checkpoint holding one fails its checksums."""
     out = {}
     for root, _, names in os.walk(path):
-        for name in names:
-            if not stat.S_ISREG(os.lstat(os.path.join(root, name)).st_mode):  # lstat: a symlink is not followed
-                out[os.path.relpath(os.path.join(root, name), path)] = NOT_REGULAR
-                continue
-            h = hashlib.sha256()
-            with open(os.path.join(root, name), "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            out[os.path.relpath(os.path.join(root, name), path)] = h.hexdigest()
+        for full in (os.path.join(root, name) for name in names):
+            digest = NOT_REGULAR
+            if stat.S_ISREG(os.lstat(full).st_mode):  # lstat: a symlink is not followed
+                h = hashlib.sha256()
+                with open(full, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+                digest = h.hexdigest()
+            out[os.path.relpath(full, path)] = digest
     return out
 
 
@@ -193,70 +169,12 @@ def checkpoint_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"checkpoint-{step}")
 
 
-def save_checkpoint(output_dir: str, step: int, *, model, optimizer, scheduler, scaler, tokenizer, cfg,
-                    world_size: int, sharded: bool = False, data: dict = None) -> str:
-    """Everything resume needs (weights, optimizer, scheduler, scaler, RNG) and what eval.py reads, assembled in
-    a temporary directory and renamed into place; the marker, written last, holds every file's checksum.
-
-    sharded: weights and optimizer state are already in <tmp>/shards, written by every rank (prm.sharding).
-    data: the training and eval data's content digests, which a resume must match."""
-    path = checkpoint_dir(output_dir, step)
-    with written_in_place(path, fresh=not sharded) as tmp:
-        state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng_state()}
-        if sharded:
-            tokenizer.save_pretrained(tmp)
-            cfg.save(tmp)
-        else:
-            write_model_dir(tmp, model, tokenizer, cfg, trainable_only=has_lora(model))
-            state["optimizer"] = optimizer.state_dict()
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        marker = {"step": step, "world_size": world_size, "data": data or {}, "sha256": file_digests(tmp)}
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump(marker, f)
-    prune(output_dir, cfg.keep_last)
-    return path
-
-
 def prune(output_dir: str, keep_last: int):
-    """Removes the complete checkpoints older than the newest keep_last (0: keeps all): after every save, and once
-    final/ is written, since a kill between a save's rename and its pruning leaves one too many."""
+    """Removes the complete checkpoints older than the newest keep_last (0: keeps all): after every save, and
+    once final/ is written, since a kill between a save's rename and its pruning leaves one too many."""
     if keep_last > 0:
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def save_final(output_dir: str, *, model, tokenizer, cfg, state: dict = None, step: int = None, keep=None) -> str:
-    """<output_dir>/final, written atomically: a plain HF token classifier (adapters merged; a LoRA run's adapter
-    in final/adapter too), tokenizer, config.
-
-    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's own.
-    step, keep: if final/ cannot be written, the weights trained must not be lost with it: keep() writes
-    checkpoint-<step> unless a complete one exists, and the message says where the weights are, or that they
-    are lost (keep None, or a checkpoint that failed too)."""
-    path = os.path.join(output_dir, "final")
-    try:
-        with written_in_place(path) as tmp:
-            write_model_dir(tmp, model, tokenizer, cfg, state=state)
-    except WriteFailed as e:
-        if step is None:
-            raise
-        raise WriteFailed(f"{e}; {_kept_instead(output_dir, step, keep)}") from e.__cause__
-    prune(output_dir, cfg.keep_last)  # a resumed run that saves no checkpoint would otherwise keep the surplus
-    return path
-
-
-def _kept_instead(output_dir: str, step: int, keep) -> str:
-    """Where the weights of `step` are when final/ could not be written: in a complete checkpoint, made now if need
-    be, or lost."""
-    ckpt = checkpoint_dir(output_dir, step)
-    if not os.path.isfile(os.path.join(ckpt, MARKER)):
-        if keep is None:
-            return f"the weights of step {step} are lost: no checkpoint holds them"
-        try:
-            keep()
-        except WriteFailed as e:
-            return f"{ckpt} could not be written either ({e.cause}): the weights of step {step} are lost"
-    return f"the weights of step {step} are kept in {ckpt}: free space, then export final/ with --resume auto"
 
 
 def write_card(path: str, card: str):
@@ -274,44 +192,12 @@ def write_card(path: str, card: str):
 
 def complete_checkpoints(output_dir: str) -> list:
     """checkpoint-<step> directories holding the completion marker, oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
     found = []
-    for name in os.listdir(output_dir):
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
         m = re.fullmatch(r"checkpoint-(\d+)", name)
         if m and os.path.isfile(os.path.join(output_dir, name, MARKER)):
             found.append((int(m.group(1)), os.path.join(output_dir, name)))
     return [path for _, path in sorted(found)]
-
-
-def damaged_files(path: str) -> list:
-    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included), then its
-    symlinks, FIFOs and devices."""
-    with open(os.path.join(path, MARKER)) as f:
-        expected = json.load(f).get("sha256", {})  # checkpoints written before checksums: nothing to compare
-    found = file_digests(path)
-    strange = {name for name, digest in found.items() if digest == NOT_REGULAR}  # listed in the marker or not
-    return sorted({name for name, digest in expected.items() if found.get(name) != digest} - strange) + \
-        [f"{name} ({NOT_REGULAR})" for name in sorted(strange)]
-
-
-def resolve_resume(resume: str, output_dir: str):
-    """The checkpoint to resume: `resume` itself, or with 'auto' the newest complete one whose files pass their
-    checksums (a damaged one is skipped with a warning); None when there is none."""
-    if resume != "auto":
-        if not os.path.isfile(os.path.join(resume, MARKER)):
-            check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
-        damaged = damaged_files(resume)
-        if damaged:
-            check([f"--resume {resume}: damaged checkpoint (checksum mismatch): {', '.join(damaged)}"])
-        return resume
-    for path in reversed(complete_checkpoints(output_dir)):
-        damaged = damaged_files(path)
-        if not damaged:
-            return path
-        print(f"warning: skipping damaged checkpoint {path} (checksum mismatch: {', '.join(damaged)})",
-              file=sys.stderr, flush=True)
-    return None
 
 
 def read_marker(path: str) -> dict:
@@ -320,13 +206,40 @@ def read_marker(path: str) -> dict:
         return json.load(f)
 
 
+def damaged_files(path: str) -> list:
+    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included), then
+    its symlinks, FIFOs and devices."""
+    expected = read_marker(path).get("sha256", {})  # checkpoints written before checksums: nothing to compare
+    found = file_digests(path)
+    strange = {name for name, digest in found.items() if digest == NOT_REGULAR}  # listed in the marker or not
+    return sorted({name for name, digest in expected.items() if found.get(name) != digest} - strange) + \
+        [f"{name} ({NOT_REGULAR})" for name in sorted(strange)]
+
+
+def resolve_resume(resume: str, output_dir: str):
+    """The checkpoint to resume: `resume` itself, or with 'auto' the newest complete one whose files pass
+    their checksums (a damaged one is skipped with a warning); None when there is none."""
+    if resume != "auto":
+        if not os.path.isfile(os.path.join(resume, MARKER)):
+            check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
+        if damaged := damaged_files(resume):
+            check([f"--resume {resume}: damaged checkpoint (checksum mismatch): {', '.join(damaged)}"])
+        return resume
+    for path in reversed(complete_checkpoints(output_dir)):
+        if not (damaged := damaged_files(path)):
+            return path
+        print(f"warning: skipping damaged checkpoint {path} (checksum mismatch: {', '.join(damaged)})",
+              file=sys.stderr, flush=True)
+    return None
+
+
 @contextlib.contextmanager
 def run_lock(output_dir: str):
     """Holds <output_dir>/.lock for the life of a run, so a second trainer on the same directory stops at once
-    (exit status 2). The file names its owner (pid@host) and is held with flock: the kernel lets exactly one process
-    hold it, and drops the hold when that process dies, so two runs that take over one stale lock at once cannot
-    both proceed. A lock left by a dead process of this host is taken over, with a warning. A directory made here
-    and left empty (the run failed before writing anything, e.g. on bad data) is removed again."""
+    (exit status 2). The file names its owner (pid@host) and is held with flock: the kernel lets exactly one
+    process hold it, and drops the hold when that process dies, so two runs that take over one stale lock at
+    once cannot both proceed. A lock left by a dead process of this host is taken over, with a warning. A
+    directory made here and left empty (the run failed before writing anything, e.g. bad data) goes again."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK)
@@ -334,7 +247,7 @@ def run_lock(output_dir: str):
     try:
         yield
     finally:
-        os.remove(path)  # before the hold ends: a process that opened the file meanwhile sees it is gone (_hold)
+        os.remove(path)  # before the hold ends: a process that opened the file meanwhile sees it gone (_hold)
         os.close(fd)
         if made:
             with contextlib.suppress(OSError):  # rmdir removes an empty directory only: one with files stays
@@ -345,7 +258,7 @@ def _hold(path: str, output_dir: str) -> int:
     """An open descriptor of `path` holding its flock, the file naming this process; exit status 2 if another
     run holds it."""
     busy = lambda owner: check([f"{output_dir} is in use by another run ({owner or 'starting'}); if none "
-                                           f"is, delete {path}"])
+                                f"is, delete {path}"])
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -394,9 +307,8 @@ def load_trainable(model, path: str):
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
-    """Restores everything save_checkpoint wrote; returns the optimizer step to continue from.
-
-    A sharded checkpoint is read by every rank together (a collective), into a model sharded the same way."""
+    """Restores everything Checkpointer.write wrote; returns the optimizer step to continue from. A sharded
+    checkpoint is read by every rank together (a collective), into a model sharded the same way."""
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     if os.path.isdir(os.path.join(path, SHARDS)):
         load_shards(path, model, optimizer, trainable_only=has_lora(model))
@@ -408,21 +320,23 @@ def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
-    set_rng_state(state["rng"])
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return read_marker(path)["step"]
 
 
 class Checkpointer:
-    """The trainer's checkpoints: checkpoint-<step>/ when --save-every says so or the run stops early, and final/
-    at the end; `before_save` first (the divergence check), so non-finite weights are never written.
-    parallel: prm.sharding.Parallel, the model as the loop runs it."""
+    """The trainer's checkpoints: checkpoint-<step>/ when --save-every says so or the run stops early, and
+    final/ at the end; `before_save` first (the divergence check: it raises rather than save non-finite
+    weights). parallel: prm.sharding.Parallel, the model as the loop runs it."""
 
     def __init__(self, cfg, rt, parallel, *, every: int, optimizer, scheduler, scaler, tokenizer, before_save,
                  digests: dict):
         self.cfg, self.rt, self.parallel, self.digests = cfg, rt, parallel, digests
-        self.before_save = before_save  # the divergence check: raises rather than save non-finite weights
-        self.interval = every  # steps between checkpoints; 0: none but a stop's
-        self.state = dict(optimizer=optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer)
+        self.before_save, self.interval = before_save, every  # every: steps between saves, 0: a stop's only
+        self.optimizer, self.scheduler, self.scaler, self.tokenizer = optimizer, scheduler, scaler, tokenizer
 
     def save(self, step: int, *, stopping: bool = False):
         if not (stopping or (self.interval and step % self.interval == 0)):
@@ -434,26 +348,65 @@ class Checkpointer:
             if self.rt.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier(self.rt)
-            save_shards(tmp, self.parallel.model, self.state["optimizer"], trainable_only=has_lora(self.parallel.model))
+            model = self.parallel.model
+            save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
             barrier(self.rt)
         if self.rt.is_main:
             self.write(step)
         barrier(self.rt)
 
     def write(self, step: int):
-        """Rank 0's part of a checkpoint; all of it unless --fsdp (then every rank wrote its shards first)."""
-        save_checkpoint(self.cfg.output_dir, step, model=self.parallel.model, cfg=self.cfg, sharded=self.cfg.fsdp,
-                        world_size=self.rt.world_size, data=self.digests, **self.state)
+        """Rank 0's part of checkpoint-<step>: everything resume needs (weights, optimizer, scheduler, scaler,
+        RNG) and what eval.py reads, assembled in a temporary directory and renamed into place. The marker,
+        written last, holds every file's checksum and the data's content digests, which a resume must match.
+        Under --fsdp every rank wrote the weights and optimizer state into <tmp>/shards first."""
+        cfg, model = self.cfg, self.parallel.model
+        with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
+            rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "rng": rng}
+            if cfg.fsdp:
+                self.tokenizer.save_pretrained(tmp)
+                cfg.save(tmp)
+            else:
+                write_model_dir(tmp, model, self.tokenizer, cfg, trainable_only=has_lora(model))
+                state["optimizer"] = self.optimizer.state_dict()
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            marker = {"step": step, "world_size": self.rt.world_size, "data": self.digests or {},
+                      "sha256": file_digests(tmp)}
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                json.dump(marker, f)
+        prune(cfg.output_dir, cfg.keep_last)
 
     def save_final(self, step: int) -> str:
-        """final/ (rank 0's path; None elsewhere). If it cannot be written, the weights go to checkpoint-<step>."""
+        """final/, written atomically: a plain HF token classifier (adapters merged; a LoRA run's adapter in
+        final/adapter too), tokenizer, config. Returns its path on rank 0, None elsewhere. If final/ cannot be
+        written, the weights trained are not lost with it (kept_instead)."""
         self.before_save()
         barrier(self.rt)
         state = self.parallel.full_state()  # a collective: every rank sends its shards
-        keep = None if self.cfg.fsdp else lambda: self.write(step)  # rank 0 alone cannot write a sharded checkpoint
-        path = None
+        path = os.path.join(self.cfg.output_dir, "final")
         if self.rt.is_main:
-            path = save_final(self.cfg.output_dir, model=self.parallel.model, tokenizer=self.state["tokenizer"],
-                              cfg=self.cfg, state=state, step=step, keep=keep)
+            try:
+                with written_in_place(path) as tmp:
+                    write_model_dir(tmp, self.parallel.model, self.tokenizer, self.cfg, state=state)
+            except WriteFailed as e:
+                raise WriteFailed(f"{e}; {self.kept_instead(step)}") from e.__cause__
+            prune(self.cfg.output_dir, self.cfg.keep_last)  # a resumed run may save no checkpoint to prune
         barrier(self.rt)
-        return path
+        return path if self.rt.is_main else None
+
+    def kept_instead(self, step: int) -> str:
+        """Where the weights of `step` are when final/ could not be written: in a complete checkpoint, written
+        now if need be (not under --fsdp: rank 0 alone cannot write a sharded one), or lost."""
+        ckpt = checkpoint_dir(self.cfg.output_dir, step)
+        if not os.path.isfile(os.path.join(ckpt, MARKER)):
+            if self.cfg.fsdp:
+                return f"the weights of step {step} are lost: no checkpoint holds them"
+            try:
+                self.write(step)
+            except WriteFailed as e:
+                return f"{ckpt} could not be written either ({e.cause}): the weights of step {step} are lost"
+        return (f"the weights of step {step} are kept in {ckpt}: free space, then export final/ with "
+                "--resume auto")

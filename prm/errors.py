@@ -16,8 +16,7 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault, not the
-    input's."""
+    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault."""
     code = 1
 
 
@@ -27,8 +26,7 @@ class Diverged(PRMError, ArithmeticError):
 
 
 class Stopped(PRMError):
-    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal, as a shell reports it.
-    """
+    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal, as a shell says."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -43,8 +41,7 @@ def check(problems: list):
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError becomes 'error: <message>' on stderr and its exit status, not a traceback.
-    """
+    """For entry points: a PRMError becomes 'error: <message>' on stderr and its exit status, no traceback."""
     try:
         yield
     except Stopped as e:  # not an error: the status tells a scheduler to requeue the run

@@ -1,5 +1,5 @@
-"""One run per output directory: a directory that already holds a run is refused at start-up unless that run is
-continued (--resume) or replaced (--overwrite), so no run ever appends to another's records. Depends on:
+"""One run per output directory: a directory that already holds a run is refused at start-up unless that run
+is continued (--resume) or replaced (--overwrite), so no run ever appends to another's records. Depends on:
 prm.checkpoint, prm.errors."""
 import os
 import shutil
@@ -8,25 +8,23 @@ from prm.checkpoint import resolve_resume
 from prm.errors import check
 
 RUN_FILES = ("metrics.jsonl", "final")  # with checkpoint-*: what makes a directory hold a run
-ALSO_WRITTEN = ("config.train.json", "tensorboard")  # written by a run too; --overwrite removes them with the rest
+ALSO_WRITTEN = ("config.train.json", "tensorboard")  # a run's too; --overwrite removes them with the rest
 
 
 def run_files(output_dir: str) -> list:
     """The names in output_dir that belong to a run, sorted ([] for a missing or empty directory)."""
-    if not os.path.isdir(output_dir):
-        return []
-    return sorted(n for n in os.listdir(output_dir) if n in RUN_FILES or n.startswith("checkpoint-"))
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted(n for n in names if n in RUN_FILES or n.startswith("checkpoint-"))
 
 
 def prepare_output_dir(cfg, is_main: bool):
-    """Called once at start-up, before any data loads. A directory holding a run is refused (exit status 2, every
-    file untouched) unless --resume continues a checkpoint of that same run or --overwrite replaces it; with
-    --overwrite, rank 0 deletes what a run writes there, and only that (the directory may hold other files).
-    Returns the checkpoint to resume (None: a fresh start), checksummed here once."""
+    """Called once at start-up, before any data loads. A directory holding a run is refused (exit status 2,
+    every file untouched) unless --resume continues a checkpoint of that same run or --overwrite replaces it;
+    with --overwrite, rank 0 deletes what a run writes there, and only that (the directory may hold other
+    files). Returns the checkpoint to resume (None: a fresh start), checksummed here once."""
     out, found = cfg.output_dir, run_files(cfg.output_dir)
-    fail = lambda message: check([message])
     if cfg.overwrite and cfg.resume:
-        fail("--overwrite and --resume exclude each other: replace the run, or continue it")
+        check(["--overwrite and --resume exclude each other: replace the run, or continue it"])
     ckpt = resolve_resume(cfg.resume, out) if cfg.resume else None
     if not found:
         return ckpt
@@ -35,12 +33,13 @@ def prepare_output_dir(cfg, is_main: bool):
     if cfg.resume:
         if ckpt and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(out):
             return ckpt  # continuing this very run: its records go on where the checkpoint left them
-        fail(f"{listing}, and --resume {cfg.resume} " + ("finds no complete checkpoint in it to continue from"
-                    if cfg.resume == "auto" else "is a checkpoint of another directory") +
-                    "; pass --overwrite (without --resume) to replace it, or choose another --output-dir")
+        check([f"{listing}, and --resume {cfg.resume} "
+               + ("finds no complete checkpoint in it to continue from" if cfg.resume == "auto"
+                  else "is a checkpoint of another directory")
+               + "; pass --overwrite (without --resume) to replace it, or choose another --output-dir"])
     if not cfg.overwrite:
-        fail(f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or choose another "
-                    "--output-dir")
+        check([f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or choose another "
+               "--output-dir"])
     if is_main:
         for name in found + [n for n in ALSO_WRITTEN if os.path.exists(os.path.join(out, n))]:
             path = os.path.join(out, name)

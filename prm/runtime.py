@@ -25,11 +25,11 @@ class Runtime:
 
 
 def setup() -> Runtime:
-    """Under torchrun (WORLD_SIZE set): one process per device, nccl on CUDA, gloo on CPU. Otherwise: no dist."""
+    """Under torchrun (WORLD_SIZE set): one process per device, nccl on CUDA, gloo on CPU. Else: no dist."""
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" not in os.environ:
         return Runtime(device=torch.device("cuda" if cuda else "cpu"))
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -43,10 +43,11 @@ def teardown(rt: Runtime):
 
 
 def autocast_dtype(name: str, device: torch.device):
-    """None means plain fp32. 'auto' picks bf16 wherever the device runs it natively: CUDA with bf16, and CPUs with
-    AMX or AVX512-BF16 (elsewhere, e.g. AVX2-only CPUs, bf16 matmuls are emulated and far slower than fp32)."""
+    """None means plain fp32. 'auto' picks bf16 wherever the device runs it natively: CUDA with bf16, and CPUs
+    with AMX or AVX512-BF16 (elsewhere, e.g. AVX2-only CPUs, bf16 matmuls are emulated: slower than fp32)."""
     if name == "auto":
-        ok = cpu_has_bf16() if device.type == "cpu" else device.type == "cuda" and torch.cuda.is_bf16_supported()
+        ok = cpu_has_bf16() if device.type == "cpu" else (device.type == "cuda"
+                                                           and torch.cuda.is_bf16_supported())
         return torch.bfloat16 if ok else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
@@ -73,7 +74,7 @@ def barrier(rt: Runtime):
 
 @contextlib.contextmanager
 def main_first(rt: Runtime):
-    """Rank 0 runs the block first (filling the datasets cache), then the other ranks run it and read the cache."""
+    """Rank 0 runs the block first (filling the datasets cache), then the others run it and read the cache."""
     if not rt.is_main:
         barrier(rt)
     yield
@@ -82,8 +83,8 @@ def main_first(rt: Runtime):
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matrix units on this CPU (torch.cpu's private probes; missing ones count as no). PRM_CPU_BF16=1
-    or 0 overrides the probe (the tests run both ways on any CPU: bf16 autocast works everywhere, emulated slowly)."""
+    """Native bf16 matrix units on this CPU (torch.cpu's private probes; missing ones count as no).
+    PRM_CPU_BF16=1 or 0 overrides them (the tests run both ways on any CPU: bf16 autocast works anywhere)."""
     if os.environ.get("PRM_CPU_BF16") in ("0", "1"):
         return os.environ["PRM_CPU_BF16"] == "1"
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
@@ -91,8 +92,8 @@ def cpu_has_bf16() -> bool:
 
 
 def progress_off(disable: bool) -> bool:
-    """Whether progress bars stay off: when asked (--disable-tqdm), or when stderr is no terminal, where a log file
-    would fill with their redraws. The bars of datasets (tokenization) and transformers (loading) follow."""
+    """Whether progress bars stay off: when asked (--disable-tqdm), or when stderr is no terminal, where a log
+    file would fill with their redraws. The bars of datasets and transformers follow."""
     off = disable or not sys.stderr.isatty()
     if off:
         import datasets

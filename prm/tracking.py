@@ -1,18 +1,15 @@
-"""Optional experiment trackers: the records of metrics.jsonl, and the config once, sent to TensorBoard or Weights &
-Biases from rank 0. A tracker's package is imported only when --report-to asks for it. Depends on: prm.errors (and
-tensorboard or wandb when asked for)."""
+"""Optional experiment trackers: the records of metrics.jsonl, and the config once, sent to TensorBoard or
+Weights & Biases from rank 0. A tracker's package, named as its --report-to value, is imported only when asked
+for. Depends on: prm.errors (and tensorboard or wandb when asked for)."""
 import dataclasses
 import os
 
 from prm.errors import check
 
-PIP = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report-to value -> the package to install
-
 
 def require(report_to: str):
-    """The tracker's module (None for 'none'); a missing package stops start-up with one line and exit status 2.
-
-    Called on every rank, so under torchrun all ranks stop together, not only the one that would log."""
+    """The tracker's module (None for 'none'); a missing package stops start-up with one line and exit status
+    2. Called on every rank, so under torchrun all ranks stop together, not only the one that would log."""
     if report_to == "none":
         return None
     try:
@@ -21,13 +18,13 @@ def require(report_to: str):
         else:
             import wandb as module
     except ImportError:
-        check([f"--report-to {report_to} needs the {PIP[report_to]} package: pip install {PIP[report_to]}"])
+        check([f"--report-to {report_to} needs the {report_to} package: pip install {report_to}"])
     return module
 
 
 def scalars(record: dict) -> dict:
-    """A metrics.jsonl record -> {tag: number}: train/loss, eval/step_accuracy, final/auroc, ... (None, text and
-    nested reports skipped)."""
+    """A metrics.jsonl record -> {tag: number}: train/loss, eval/step_accuracy, final/auroc, ... (None, text
+    and nested reports skipped)."""
     if "final" in record:
         items = {f"final/{k}": v for k, v in record["final"].items()}
     else:

@@ -18,23 +18,19 @@ from prm.runtime import Runtime, all_reduce_sum
 
 class MetricsFile:
     """Rank 0's metrics.jsonl, each record also sent to the tracker (TensorBoard / W&B) and shown as a log
-    line.
-
-    On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each step
-    appears once. path None (the other ranks): writes nothing."""
+    line. On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each
+    step appears once. path None (the other ranks): writes nothing."""
 
     def __init__(self, path, pbar, *, resumed_at: int, tracker=None):
         self.pbar, self.tracker = pbar, tracker
         if path and resumed_at:
             keep_records_until(path, resumed_at)
-        # a full disk ends the run with the path, not a traceback
-        self.file = AppendFile(path) if path else None
+        self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, no traceback
 
     def write(self, rec: dict, echo: bool = True):
         if self.file is None:
             return
-        self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")
-        self.file.flush()
+        self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")  # flushed: on disk at once
         if self.tracker is not None:
             self.tracker.log(rec)
         if echo:
@@ -53,35 +49,30 @@ class LogSettings:
     resumed_at: int  # the step this process started from (0: a fresh run)
     n_chunks: int  # micro-batches of one global batch over all ranks: what padding is counted per
     pack_to: int = None  # the packed row's multiple (0: none); None: padded micro-batches
-    # False under fp16: an inf norm is the GradScaler's skipped step, not a divergence
-    check_norm: bool = True
+    check_norm: bool = True  # False under fp16: an inf norm is a GradScaler's skipped step, not a divergence
     hint: str = ""  # the advice a divergence message ends with
 
 
 class TrainLog:
     """The running (cross-entropy sum, correct) of the steps since the last log line, the first non-finite
-    step, throughput and the time left.
-
-    The sums and the divergence flag stay on device until a log step; then one all-reduce, the only device
-    sync. A divergence is also read before every save, so non-finite weights are never written."""
+    step, throughput and the time left. The sums and the divergence flag stay on device until a log step; then
+    one all-reduce, the only device sync. A divergence is also read before every save: non-finite weights are
+    never written."""
 
     def __init__(self, settings: LogSettings, rt: Runtime, out: MetricsFile, *, lengths: list,
                  n_labeled: list):
         self.s, self.rt, self.out, self.pbar = settings, rt, out, out.pbar
-        # per training example: non-pad tokens, labeled steps
-        self.lengths, self.n_labeled = lengths, n_labeled
+        self.lengths, self.n_labeled = lengths, n_labeled  # per example: non-pad tokens, labeled steps
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # first non-finite step, 0: none
         self.last_finite = None  # (step, loss) of the last log line with a finite loss
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
         self.timed_from, self.estimated = None, False  # timed_from: (step, host time)
-        # the first record after a resume averages the steps since it
-        self.since_resume = bool(settings.resumed_at)
+        self.since_resume = bool(settings.resumed_at)  # the first record's window starts at the resume
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
-        """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = the gradient norm.
-        """
+        """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = gradient norm."""
         tokens = sum(self.lengths[i] for i in batch)  # non-pad tokens of the global batch, every rank's share
         bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.s.check_norm else False)
         self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)  # on device: no sync
@@ -95,8 +86,7 @@ class TrainLog:
             self.seconds += time.perf_counter() - t0
             return
         flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
-        # the one sync of a log step
-        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()
+        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()  # a log step's one sync
         self.seconds += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
@@ -139,8 +129,7 @@ class TrainLog:
 
     def throughput(self) -> tuple:
         """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding); None, None
-        (null in metrics.jsonl) when this process trained no step, as when resuming a run whose steps were all
-        done."""
+        (null in metrics.jsonl) when this process trained no step (a resumed run with all its steps done)."""
         if not self.total_tokens:
             return None, None
         tokens = self.total_tokens
@@ -175,8 +164,7 @@ def strict_json(x):
 
 
 def keep_records_until(path: str, step: int):
-    """Drops the records past `step` (and final ones) from metrics.jsonl: after a resume, each step appears
-    once."""
+    """Drops the records past `step` (and final ones) from metrics.jsonl: after a resume, each step once."""
     if not os.path.isfile(path):
         return
     kept = []
