@@ -2,38 +2,25 @@
 
     python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512
 
-Every train.py flag is accepted (--gradient-checkpointing, --no-group-by-length, --compile, ...). One run
-measures, in this process, the dataset tokenization rate, then prm.trainer.train on the same data (its final
-evaluation, on a 1% held-out share, is not in tokens/s), and prints
-- tokens_per_second: non-pad tokens / summed optimizer-step time, the trainer's own figure (its clock stops
-  after the log-step sync, so queued CUDA kernels are counted); steady_tokens_per_second and steady_mfu: the
-  same from the second optimizer step on (clock between step hooks: the first step's compile and warm-up out)
-- padding_efficiency: non-pad tokens / tokens processed (batch x padded width, summed over micro-batches)
-- peak_memory_mb: CUDA: torch.cuda.max_memory_allocated; CPU: max RSS of this process (ru_maxrss)
-- static_memory_mb: least memory right after an optimizer step (weights, grads, optimizer state, runtime);
-  activation_memory_mb = peak - static: what forward and backward add. On CPU, RSS keeps memory the C
-  allocator freed: static is an upper bound, activation a lower one. baseline_memory_mb: before training;
-  model_state_mb: 16 B per trainable parameter (fp32 weights, grads, AdamW's two moments) + 4 B per frozen one
-- optimizer_state_mb: measured bytes of the optimizer's state tensors after the first step (AdamW: 8 B per
-  trainable parameter), the figure LoRA shrinks
-- mfu (CUDA only): flops_per_token x tokens/s / bf16 dense peak (--peak-tflops, else by device name);
-  flops_per_token = 6 x non-embedding parameters (head included; 4 per frozen weight under LoRA) + 12 x
-  layers x heads x head_dim x s_eff, s_eff = sum(len^2) / sum(len) over the examples the timed steps trained
-  (each its own length, packed or not; causal masking and gradient checkpointing's recomputation not counted)
-- tokenize_rows_per_second: prm.ingest.tokenize_dataset on the training split, datasets cache disabled
-- attention: varlen_attn (packed, CUDA bf16/fp16), sdpa per example (packed elsewhere), or sdpa with a padding
-  mask (--no-packing, or a backbone without packing)
-- host_syncs_per_step (CUDA only): host syncs torch's sync debug mode reports between two optimizer steps
+Takes every train.py flag. One run times, in this process, the dataset's tokenization (datasets cache off),
+then prm.trainer.train on the same data (its final evaluation, on a 1% held-out share, is not timed).
+tokens_per_second: the trainer's own, non-pad tokens / summed optimizer-step time (its clock stops after the
+log-step sync, so queued CUDA kernels count); steady_tokens_per_second and steady_mfu: from the second
+optimizer step on (no compilation, no warm-up). Memory: CUDA's max allocated, else this process's max RSS,
+which keeps what the C allocator freed: static_memory_mb (the least right after an optimizer step) is then an
+upper bound and activation_memory_mb (peak - static) a lower one. model_state_mb: 16 B per trainable parameter
+(fp32 weights, grads, AdamW's two moments) + 4 B per frozen one; optimizer_state_mb: measured after step one.
+mfu (CUDA only): flops_per_token x tokens/s / bf16 dense peak (--peak-tflops, else by device name), the FLOPs
+of the examples the timed steps trained (causal masking and gradient checkpointing's recompute not counted).
+host_syncs_per_step (CUDA only): host syncs torch's sync debug mode reports between two optimizer steps.
 
---variants padded,packed,packed-compiled: the same flags once per variant, in fresh processes, side by side
-with the tokens/s ratio to the first. --repeats N: N fresh processes (max RSS is process-wide), medians and
-every run's values. --peer-python PY --peer-script trl_peer.py: a TRL PRMTrainer run (and a timing of its
-dataset tokenization) alternates with each of ours, same model, data, steps, batch and max length; adds its
-medians and the ratios.
+--variants padded,packed,packed-compiled: each in fresh processes, side by side, tokens/s against the first.
+--repeats N: N fresh processes (max RSS is process-wide), medians and every run's values. --peer-python PY
+--peer-script trl_peer.py: a TRL PRMTrainer run (and its tokenization) alternates with each of ours on the
+same model, data, steps, batch and max length; adds its medians and the ratios.
 """
 import contextlib
 import json
-import math
 import os
 import re
 import resource
@@ -73,25 +60,22 @@ MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padd
 
 def parser():
     p = build_parser(Config, description=__doc__.splitlines()[0])
-    p.add_argument("--steps", dest="max_steps", type=int,
-                   help="optimizer steps to time (same as --max-steps)")
+    p.add_argument("--steps", dest="max_steps", type=int, help="optimizer steps to time (= --max-steps)")
     p.add_argument("--repeats", type=int, default=1, help="fresh processes to run; medians are reported")
-    p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="device bf16 dense peak for MFU (0: by name)")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 dense peak for MFU (0: by name)")
     p.add_argument("--peer-python", default="", help="python of a venv with trl==1.13.0 (runs the TRL peer)")
     p.add_argument("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
     p.add_argument("--variants", default="", help=f"comma-separated, run side by side in fresh processes, "
                    f"each with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
-    p.add_argument("--gpu-check", action="store_true", help="the CUDA tests, then padded, packed and "
-                   "packed-compiled on a random Qwen2-0.5B-shaped model (prm.gpucheck; other flags ignored); "
-                   "exit 2 without CUDA")
-    p.add_argument("--dry-run", action="store_true",
-                   help="with --gpu-check: all of it on the CPU at a tiny shape")
+    p.add_argument("--gpu-check", action="store_true", help="the CUDA tests, then the variants on a random "
+                   "Qwen2-0.5B-shaped model (prm.gpucheck; other flags ignored); exit 2 without CUDA")
+    p.add_argument("--dry-run", action="store_true", help="with --gpu-check: all on the CPU at a tiny shape")
     p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
     return p
 
 
 def _memory_now(device) -> int:
+    """Allocated (CUDA) or resident (CPU) bytes now."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     with open("/proc/self/statm") as f:  # the resident set, in pages
@@ -120,7 +104,7 @@ def trained_batches(cfg: Config, lengths: list, steps: int) -> list:
     """The dataset indices of each of the first `steps` optimizer steps, from the trainer's own batch plan (a
     pure function of seed and epoch): what the FLOPs and the steady rate count, not all the dataset's rows."""
     per_step = cfg.batch_size * cfg.grad_accum * int(os.environ.get("WORLD_SIZE", 1))  # the global batch
-    per_epoch = math.ceil(len(lengths) / per_step)
+    per_epoch = -(-len(lengths) // per_step)
     epochs = range(-(-steps // per_epoch))
     plans = [global_batches(lengths, per_step, cfg.seed, e, cfg.group_by_length) for e in epochs]
     return [plans[s // per_epoch][s % per_epoch] for s in range(steps)]
@@ -134,8 +118,7 @@ def _device_peak(device, override: float) -> float:
 
 
 def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
-    """Which attention the run's forward takes: decided by prm.varlen's own test on a query like the model's.
-    backbone: the architecture built on the meta device."""
+    """Which attention the run's forward takes (backbone: on the meta device), by prm.varlen's own test."""
     if not (cfg.packing and supports_packing(backbone)):
         return "sdpa (padded, with a mask)"
     text = model_cfg.get_text_config()
@@ -143,14 +126,13 @@ def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
     amp = autocast_dtype(cfg.dtype, device)
     with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
         half = kernel_dtype(torch.empty((1, 1, 1, head_dim), device=device))
-    if half:
-        return f"varlen_attn ({str(half).split('.')[-1]})"
-    return "sdpa per example (packed, exact fallback)"
+    kind = str(half).split(".")[-1]  # torch.bfloat16 -> bfloat16
+    return f"varlen_attn ({kind})" if half else "sdpa per example (packed, exact fallback)"
 
 
 @contextlib.contextmanager
 def counting_syncs(device, seen: dict):
-    """CUDA: records the host syncs torch's sync debug mode reports into seen["warnings"]; else nothing."""
+    """CUDA: the host syncs torch's sync debug mode reports, into seen["warnings"]; else nothing."""
     if device.type != "cuda":
         yield
         return
@@ -165,8 +147,7 @@ def counting_syncs(device, seen: dict):
 
 
 def _train_watched(cfg: Config, device) -> tuple:
-    """prm.trainer.train with a global optimizer hook (the trainer's code is not touched) that records the
-    memory after every optimizer step: (final metrics, what the hook saw, memory before training)."""
+    """(final metrics, what a global optimizer-step hook saw, memory before training) of prm.trainer.train."""
     seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
@@ -221,17 +202,14 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t = seen["times"]  # steps 2..N: their tokens over the time from the first step's hook to the last one's
     steady = sum(lengths[i] for b in batches[1:] for i in b) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
-        "tokens_per_second": round(tps, 1),
-        "steady_tokens_per_second": steady and round(steady, 1),
-        "padding_efficiency": round(final["padding_efficiency"], 4),
-        "peak_memory_mb": round(peak / 2**20, 1),
+        "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
+        "padding_efficiency": round(final["padding_efficiency"], 4), "peak_memory_mb": round(peak / 2**20, 1),
         "memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
         "static_memory_mb": round(static / 2**20, 1),
         "activation_memory_mb": round((peak - static) / 2**20, 1),
         "baseline_memory_mb": round(baseline / 2**20, 1),
         "model_state_mb": round((16 * seen["params"] + 4 * (n_total - seen["params"])) / 2**20, 1),
-        "optimizer_state_mb": round(seen["optimizer_bytes"] / 2**20, 1),
-        "mfu": None,
+        "optimizer_state_mb": round(seen["optimizer_bytes"] / 2**20, 1), "mfu": None,
         "attention": attention_kernel(cfg, model_cfg, backbone, device),
         # between the first and the last optimizer step (no log step in between: --log-every is huge here)
         "host_syncs_per_step": round((seen["syncs"][-1] - seen["syncs"][0]) / (len(seen["syncs"]) - 1), 2)
@@ -282,7 +260,7 @@ def _run(cmd: list) -> str:
 
 
 def _child(argv: list, *flags) -> dict:
-    """The JSON line of a fresh `python -m prm.bench` with argv's training flags (no bench flags) + flags."""
+    """The JSON line of a fresh `python -m prm.bench` with argv's training flags, then `flags`."""
     cmd = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv), *flags]
     return json.loads(_run(cmd).strip().splitlines()[-1])
 
@@ -339,8 +317,7 @@ def repeated(a, cfg: Config, argv: list) -> dict:
 
 
 def side_by_side(a, argv: list) -> dict:
-    """Each variant in fresh processes (--repeats each) with the same flags plus its own; tok/s against the
-    first."""
+    """Each variant in fresh processes (--repeats each) with the same flags plus its own."""
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
