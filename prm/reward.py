@@ -33,9 +33,8 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
 
 
 class PRMReward:
-    """reward(prompts, completions, **kwargs) -> [float]: each completion split into steps at the model's step
-    separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
-
+    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps (cut at the model's step
+    separator) scored with the training tokenization, the scores aggregated (min, prod, last, mean).
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
     trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
     say. scorer, step_tag, good_token, bad_token: how a published PRM is read, as eval.py's flags."""
@@ -66,9 +65,8 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
     def steps(self, completion) -> list:
-        """The completion's steps as training cuts them: blank pieces (a trailing separator, blank lines,
-        zero-width characters) dropped. TRL passes text, or for conversational data a list of messages: then
-        the assistant's contents, joined."""
+        """The completion's steps as training cuts them (blank pieces dropped). TRL passes text, or for
+        conversational data a list of messages: then the assistant's contents, joined."""
         if not isinstance(completion, str):
             replies = [m["content"] for m in completion if m.get("role", "assistant") == "assistant"]
             completion = "".join(replies)
@@ -111,5 +109,4 @@ class PRMReward:
 
     def aggregated(self, step_probs: list) -> list:
         """One float per step_probs list: the aggregate of its steps, EMPTY_REWARD for one with none."""
-        agg = AGGREGATES[self.aggregate]
-        return [float(agg(ps)) if ps else EMPTY_REWARD for ps in step_probs]
+        return [float(AGGREGATES[self.aggregate](ps)) if ps else EMPTY_REWARD for ps in step_probs]
