@@ -83,7 +83,7 @@ def texts(data: dict, key: str) -> list:
 
 
 def strip_tokens(text: str, left: list, right: list) -> str:
-    """text without any run of `left` tokens at its start and of `right` ones at its end, cut once."""
+    """text without any run of `left` tokens at its start or `right` ones at its end (linear: cut once)."""
     start, end = 0, len(text)
     while tok := next((t for t in left if text.startswith(t, start, end)), ""):
         start += len(tok)
@@ -121,7 +121,7 @@ class Scorer:
         self.reward, self.lock, self.max_batch = reward, threading.Lock(), max_batch
         tok = reward.tokenizer
         self.marker = assistant_marker(tok)
-        # OpenRLHF strips the padding and EOS decoded rollouts keep; BOS too: prompts get it back (with_bos)
+        # decoded rollouts keep padding and EOS, which OpenRLHF strips; BOS too (with_bos puts it back)
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
 
@@ -268,12 +268,13 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config says)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a client has to send its whole request; then a 408 (default: %(default)s)")
+                   help="seconds a client has to send its whole request, however slowly; then a 408 "
+                        "(default: %(default)s)")
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
-    p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto",
-                   help="how the model scores steps (eval.py --help; also --step-tag, --good-token, ...)")
+    p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto", help="how the model scores "
+                   "steps (eval.py --help); --step-tag, --good-token, --bad-token too")
     for flag, default in (("--step-tag", ""), ("--good-token", "+"), ("--bad-token", "-")):
         p.add_argument(flag, default=default, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
