@@ -1,9 +1,9 @@
-"""python -m prm.bench --gpu-check: everything a GPU machine must show in one offline command: the CUDA
-tests of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.bench --variants) on a random-init
-Qwen2-0.5B-shaped backbone, batch 8 x 2048, bf16, as one JSON object. Without CUDA it builds the config, tokenizer
-and data, then exits 2; --dry-run does it all on the CPU at a tiny shape (padded and packed: inductor's CPU build of
-the compiled variant takes minutes). Depends on: torch, transformers, prm.build, prm.data, prm.synthetic
-(prm.bench calls it with its side-by-side runner)."""
+"""python -m prm.bench --gpu-check: everything a GPU machine must show in one offline command: the CUDA tests
+of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.bench --variants) on a random
+Qwen2-0.5B-shaped backbone, batch 8 x 2048, bf16, as one JSON object. Without CUDA it builds the config,
+tokenizer and data, then exits 2; --dry-run does it all on the CPU at a tiny shape (padded and packed:
+inductor's CPU build of the compiled variant takes minutes). Depends on: torch, transformers, prm.build,
+prm.data, prm.synthetic (prm.bench calls it with its side-by-side runner)."""
 import json
 import os
 import random
@@ -28,22 +28,22 @@ SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_
 TINY = dict(SHAPE, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             intermediate_size=256, vocab_size=0)  # vocabulary: the tokenizer's
 # batch 8 x 2048 fills an 80-140 GB GPU with a 0.5B model; --pack-to 8 x 2048: every packed step one shape
-FLAGS = {"gpu": ["--steps", "30", "--batch-size", "8", "--max-length", "2048", "--pack-to", "16384", "--dtype", "bf16"],
-         "dry": ["--steps", "3", "--batch-size", "2", "--max-length", "128", "--pack-to", "256", "--dtype", "fp32"]}
-REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu", "steady_mfu", "peak_memory_mb",
-            "host_syncs_per_step", "padding_efficiency")
+FLAGS = {"gpu": "--steps 30 --batch-size 8 --max-length 2048 --pack-to 16384 --dtype bf16".split(),
+         "dry": "--steps 3 --batch-size 2 --max-length 128 --pack-to 256 --dtype fp32".split()}
+REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu", "steady_mfu",
+            "peak_memory_mb", "host_syncs_per_step", "padding_efficiency")
 
 
 def rows(n: int, max_length: int, seed: int = 0) -> list:
-    """Synthetic rows of realistic lengths (an eighth of max_length to all of it, in characters), 2-12 steps each."""
+    """Synthetic rows of realistic lengths (max_length / 8 to max_length characters), 2-12 steps each."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         size, k = rng.randint(max_length // 8, max_length), rng.randint(2, 12)
         steps = [f"step {j}: " + "".join(rng.choice(CHARS[:-1]) for _ in range(size // (k + 1)))  # no "\n"
                  for j in range(k)]
-        out.append({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:] or ["done"],
-                    "labels": [rng.random() < 0.7 for _ in steps[1:] or [0]]})
+        out.append({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:],
+                    "labels": [rng.random() < 0.7 for _ in steps[1:]]})
     return out
 
 
@@ -58,21 +58,21 @@ def write_inputs(path: str, dry: bool) -> tuple:
     cfg.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     flags = FLAGS["dry" if dry else "gpu"]
-    steps, batch, max_length = (int(flags[flags.index(f) + 1]) for f in ("--steps", "--batch-size", "--max-length"))
+    steps, batch, max_length = map(int, flags[1:6:2])  # the values of --steps, --batch-size, --max-length
     with open(data, "w") as f:  # 1% held out, and a margin: every timed step gets a full batch of fresh rows
         f.writelines(json.dumps(r) + "\n" for r in rows(int(steps * batch * 1.25) + 8, max_length))
     return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]
 
 
 def write_weights(model_dir: str, device: str):
-    """Random init (seed 0) on the device, saved beside the config: prm.build then loads it as any local model."""
+    """Random init (seed 0) on the device, saved beside the config: prm.build loads it as any local model."""
     torch.manual_seed(0)
     with torch.device(device):  # initializing 0.5B weights on a GPU takes a second, not a minute
         AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
 
 
 def run_tests() -> dict:
-    """tests/test_gpu.py's gpu-marked cases in a subprocess (the checkout's: an installed package has none)."""
+    """The gpu-marked cases of tests/test_gpu.py in a subprocess (the checkout's: a package has none)."""
     path = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.isfile(path):
         return {"returncode": None, "summary": "tests/test_gpu.py absent: run from a checkout"}
@@ -86,7 +86,6 @@ def run_tests() -> dict:
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
     """The whole check; UsageError without CUDA (unless dry), after building what needs no GPU.
-
     side_by_side(argv) -> prm.bench's {"variants": {name: figures}, "tokens_per_second_vs_padded": ...}."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, argv = write_inputs(tmp, dry)

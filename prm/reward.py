@@ -1,6 +1,6 @@
-"""A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer calls
-(`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.config, prm.errors, prm.evaluate, prm.formats,
-prm.metrics, prm.model, prm.scorers."""
+"""A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer
+calls (`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.config, prm.errors, prm.evaluate,
+prm.formats, prm.metrics, prm.model, prm.scorers."""
 import os
 import warnings
 
@@ -19,11 +19,9 @@ EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step c
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it; scorer: prm.scorers.load's family settings.
-
-    The step separator and max length it was trained with come from the run's config.train.json, else from the
-    model's config.json ("prm", an export), as in eval.py; never whether the directory's own Python files may
-    run: that is the caller's trust_remote_code alone."""
+    reads it (scorer: prm.scorers.load's family settings). The step separator and max length it was trained
+    with come from the run's config.train.json, else from config.json's "prm" (an export); never whether the
+    directory's own Python files may run: that is the caller's trust_remote_code alone."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
@@ -34,34 +32,27 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
     return tokenizer, model, cfg
 
 
-def completion_text(completion) -> str:
-    """TRL passes text, or for conversational data a list of messages: the assistant's contents, joined."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(m["content"] for m in completion if m.get("role", "assistant") == "assistant")
-
-
 class PRMReward:
-    """reward(prompts, completions, **kwargs) -> [float]: the completion split into steps at the model's step
-    separator, each step scored with the training tokenization, the scores aggregated (min, prod, last, mean).
-
+    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps (cut at the model's step
+    separator) scored with the training tokenization, the scores aggregated (min, prod, last, mean).
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
     trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
-    say. scorer, step_tag, good_token, bad_token: how a published PRM is read, as eval.py's flags
-    (prm.scorers)."""
+    say. scorer, step_tag, good_token, bad_token: how a published PRM is read, as eval.py's flags."""
 
-    def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *, tokenizer=None,
-                 step_separator: str = None, max_length: int = None, trust_remote_code: bool = False,
-                 scorer: str = "auto", step_tag: str = "", good_token: str = "+", bad_token: str = "-"):
+    def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
+                 tokenizer=None, step_separator: str = None, max_length: int = None,
+                 trust_remote_code: bool = False, scorer: str = "auto", step_tag: str = "",
+                 good_token: str = "+", bad_token: str = "-"):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
             raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
-        if not isinstance(model, str) and scorer not in ("auto", "classifier"):  # else silently read as a classifier
-            raise ValueError(f"scorer {scorer!r} reads a model directory; prm.scorers.load gives a loaded one")
         if isinstance(model, str):
-            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, scorer=scorer, step_tag=step_tag,
-                                                      good_token=good_token, bad_token=bad_token)
+            settings = dict(scorer=scorer, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
+            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **settings)
+        elif scorer not in ("auto", "classifier"):  # a loaded model would silently be read as a classifier
+            raise ValueError(f"scorer {scorer!r} reads a model directory; "
+                             "prm.scorers.load gives a loaded one")
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
@@ -74,9 +65,12 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
     def steps(self, completion) -> list:
-        """The completion's steps as training cuts them (prm.formats.split_steps): split at the separator,
-        blank pieces (a trailing separator, blank lines, zero-width characters) dropped."""
-        return split_steps(completion_text(completion), self.step_separator)
+        """The completion's steps as training cuts them (blank pieces dropped). TRL passes text, or for
+        conversational data a list of messages: then the assistant's contents, joined."""
+        if not isinstance(completion, str):
+            replies = [m["content"] for m in completion if m.get("role", "assistant") == "assistant"]
+            completion = "".join(replies)
+        return split_steps(completion, self.step_separator)
 
     def prompt(self, i: int, prompt):
         """Messages go through the chat template, as in training: tried here, so a template that fails on this
@@ -99,15 +93,13 @@ class PRMReward:
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]  # an empty solution is not run
         probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
                             max_length=self.max_length, batch_size=self.batch_size)
-        out = [[] for _ in solutions]
-        for i, ps in zip(todo, probs):
-            out[i] = ps
-        cut = [ps for i, ps in zip(todo, probs) if len(ps) < len(solutions[i][1])]
+        scored = dict(zip(todo, probs))
+        cut = [ps for i, ps in scored.items() if len(ps) < len(solutions[i][1])]
         if cut:
             warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
                           f"steps are unscored), {cut.count([])} with no step that fits (reward "
                           f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
-        return out
+        return [scored.get(i, []) for i in range(len(solutions))]
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list:
         """One float per completion; TRL's extra columns (kwargs) are accepted and not used."""
@@ -117,5 +109,4 @@ class PRMReward:
 
     def aggregated(self, step_probs: list) -> list:
         """One float per step_probs list: the aggregate of its steps, EMPTY_REWARD for one with none."""
-        agg = AGGREGATES[self.aggregate]
-        return [float(agg(ps)) if ps else EMPTY_REWARD for ps in step_probs]
+        return [float(AGGREGATES[self.aggregate](ps)) if ps else EMPTY_REWARD for ps in step_probs]

@@ -1,21 +1,19 @@
-"""`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward model protocol, on the
-standard library's HTTP server, so `--remote_rm_url http://HOST:P/get_reward` uses it unchanged.
+"""`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward model protocol
+(`--remote_rm_url http://HOST:P/get_reward`), on the standard library's HTTP server.
 
-POST /get_reward with {"query": [full text, ...], "prompts": [prompt, ...]} (other fields, e.g. "labels", are
-ignored) answers {"rewards": [...], "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: the
-reward of a query is PRMReward on (its prompt, the rest of its text); steps counts the steps of each completion,
-steps_scored those that fit in the model's max length. Queries and prompts first lose the tokenizer's padding and
-EOS at both ends and its BOS at the start, as OpenRLHF's own server does (the prompt's tokenization adds BOS back).
-Without "prompts", a query's prompt is all up to the last assistant turn's start in the tokenizer's chat template
-(e.g. "<|im_start|>assistant\\n"); with no template or no such marker in it, the text before the first step
-separator (a query without one is all prompt: reward 0.0). GET /health answers {"status": "ok", ...}.
+POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} (other fields ignored) answers
+{"rewards": [...], "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on
+(prompt, the rest of the query), the steps of each completion and those that fit in the model's max length.
+Texts first lose the tokenizer's padding and EOS at both ends and its BOS at the start, as OpenRLHF's own
+server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn start
+(e.g. "<|im_start|>assistant\\n"), else at the first step separator (none: all prompt, reward 0.0).
+GET /health answers {"status": "ok", ...}.
 
-One client never stops the server for the others: a thread per connection, up to --max-connections (more:
-503), the model one request at a time; a request not all read within --timeout s of connecting (however
-slowly it trickles in): 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length:
-411; a bad or conflicting one, a body prm.formats.read_json refuses (as in data files), a field of the wrong
-type: 400; a failure while scoring: 500 (traceback on stderr). Every error is JSON, {"error": message}.
-Depends on: prm.formats, prm.reward."""
+A thread per connection, up to --max-connections (more: 503), the model one request at a time. Every error is
+JSON, {"error": message}: a request not all read within --timeout s of connecting, however slowly it trickles
+in: 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad or
+conflicting one, a body prm.formats.read_json refuses, a field of the wrong type: 400; a scoring failure: 500
+(traceback on stderr). Depends on: prm.formats, prm.reward."""
 import argparse
 import contextlib
 import json
@@ -59,7 +57,7 @@ def body_size(headers: list, limit: int) -> int:
     digits = headers[0].strip()
     if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
         raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
-    if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets Python's digit limit
+    if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets its digit limit
         raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
     return int(digits)
 
@@ -85,8 +83,7 @@ def texts(data: dict, key: str) -> list:
 
 
 def strip_tokens(text: str, left: list, right: list) -> str:
-    """text without any run of the `left` tokens at its start and of the `right` ones at its end (linear time:
-    indices move, the text is cut once)."""
+    """text without any run of `left` tokens at its start or `right` ones at its end (linear: cut once)."""
     start, end = 0, len(text)
     while tok := next((t for t in left if text.startswith(t, start, end)), ""):
         start += len(tok)
@@ -96,8 +93,7 @@ def strip_tokens(text: str, left: list, right: list) -> str:
 
 
 def assistant_marker(tokenizer) -> str:
-    """What the chat template writes to open the assistant's turn ("<|im_start|>assistant\\n" in Qwen's); "" when
-    there is no template or it writes nothing there."""
+    """What the chat template writes to open the assistant's turn; "" without a template or such text."""
     if not getattr(tokenizer, "chat_template", None):
         return ""
     turn = [{"role": "user", "content": "q"}]
@@ -110,8 +106,7 @@ def assistant_marker(tokenizer) -> str:
 
 
 def split_query(query: str, marker: str, separator: str) -> tuple:
-    """(prompt, completion) of a query sent without its prompt: the prompt ends with the last assistant-turn
-    marker, or without one before the first step separator (the whole query, with no separator: no steps)."""
+    """(prompt, completion) of a query sent without its prompt (the rule in the module's docstring)."""
     if marker and marker in query:
         cut = query.rindex(marker) + len(marker)
     else:
@@ -120,15 +115,13 @@ def split_query(query: str, marker: str, separator: str) -> tuple:
 
 
 class Scorer:
-    """The /get_reward answer to a parsed body; one request at a time on the model (its tokenizer is not safe to
-    share between threads either)."""
+    """The /get_reward answer to a parsed body; one request at a time (nor is the tokenizer thread-safe)."""
 
     def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
         self.reward, self.lock, self.max_batch = reward, threading.Lock(), max_batch
         tok = reward.tokenizer
         self.marker = assistant_marker(tok)
-        # decoded rollouts keep their left padding and their EOS and right padding: OpenRLHF's own server strips
-        # both; a BOS goes too, since the prompt's tokenization puts the tokenizer's own back (prm.data.with_bos)
+        # decoded rollouts keep padding and EOS, which OpenRLHF strips; BOS too (with_bos puts it back)
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
 
@@ -157,21 +150,21 @@ class Scorer:
         with self.lock:
             probs = self.reward.step_probs(prompts, completions)
         rewards = self.reward.aggregated(probs)
-        # OpenRLHF's own serve_rm answers these keys; clients read "rewards" (the default score key) and log each
-        # extra_logs list (one value per query): the steps of each completion, and those that fit and were scored
+        # OpenRLHF's serve_rm keys: clients read "rewards" and log each extra_logs list (a value per query)
         return {"rewards": rewards, "scores": rewards,
                 "extra_logs": {"steps": [len(self.reward.steps(c)) for c in completions],
                                "steps_scored": [len(ps) for ps in probs]}}
 
 
-class DeadlineHandler(BaseHTTPRequestHandler):
-    """One deadline, `timeout` seconds after connecting, for the whole request: then the connection's reading
-    side is shut, so a read waiting on a client that trickles bytes in ends, and `expired` says why."""
+class Handler(BaseHTTPRequestHandler):
+    """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body). One deadline for the
+    whole request, `timeout` s after connecting, shuts the reading side: a read held by a trickling client
+    ends, and `expired` says why."""
     expired = False
     default_request_version = "HTTP/1.0"  # an error answer to a cut request line has its status line too
 
     def setup(self):
-        super().setup()  # StreamRequestHandler's: `timeout` on the socket, so no single read or write waits longer
+        super().setup()  # StreamRequestHandler's: `timeout` on the socket, so no read or write waits longer
         self.deadline = threading.Timer(self.timeout, self.expire)
         self.deadline.daemon = True
         self.deadline.start()
@@ -185,59 +178,52 @@ class DeadlineHandler(BaseHTTPRequestHandler):
         self.deadline.cancel()
         super().finish()
 
+    def do_GET(self):
+        self.deadline.cancel()
+        if self.path.rstrip("/") != HEALTH:
+            return self.reply(404, {"error": f"unknown path {self.path}; GET {HEALTH} or POST {PATH}"})
+        self.reply(200, {"status": "ok", "model": self.model_name, "aggregate": self.scorer.reward.aggregate})
 
-def make_handler(scorer: Scorer, name: str, seconds: float, max_body: int):
-    class Handler(DeadlineHandler):
-        timeout = seconds
+    def do_POST(self):
+        if self.path.rstrip("/") != PATH:
+            return self.reply(404, {"error": f"unknown path {self.path}; POST to {PATH}"})
+        try:
+            payload = self.scorer(parse(self.body()))
+        except BadRequest as e:
+            return self.reply(e.status, {"error": str(e)})
+        except Exception as e:  # a failure in scoring: this request gets a 500, the server serves on
+            traceback.print_exc(file=sys.stderr)
+            return self.reply(500, {"error": f"scoring failed: {type(e).__name__}: {e}"})
+        self.reply(200, payload)
 
-        def do_GET(self):
-            self.deadline.cancel()
-            if self.path.rstrip("/") != HEALTH:
-                return self.reply(404, {"error": f"unknown path {self.path}; GET {HEALTH} or POST {PATH}"})
-            self.reply(200, {"status": "ok", "model": name, "aggregate": scorer.reward.aggregate})
+    def body(self) -> bytes:
+        """The whole request body, within the size limit and the timeout."""
+        size = body_size(self.headers.get_all("Content-Length"), self.max_body)
+        try:
+            body = self.rfile.read(size)
+        except TimeoutError:
+            self.expired, body = True, b""
+        self.deadline.cancel()
+        if len(body) < size and self.expired:  # fewer bytes than Content-Length said, too slowly
+            raise BadRequest(f"the request did not arrive within {self.timeout} s (--timeout)", 408)
+        if len(body) < size:  # the client closed its side early
+            raise BadRequest(f"the body ended after {len(body)} of its {size} bytes (Content-Length)")
+        return body
 
-        def do_POST(self):
-            if self.path.rstrip("/") != PATH:
-                return self.reply(404, {"error": f"unknown path {self.path}; POST to {PATH}"})
-            try:
-                payload = scorer(parse(self.body()))
-            except BadRequest as e:
-                return self.reply(e.status, {"error": str(e)})
-            except Exception as e:  # a failure in scoring: this request gets a 500, the server serves on
-                traceback.print_exc(file=sys.stderr)
-                return self.reply(500, {"error": f"scoring failed: {type(e).__name__}: {e}"})
-            self.reply(200, payload)
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own errors (unknown method, bad request line, long headers) as JSON."""
+        self.close_connection = True
+        if self.expired:  # the request line or headers were cut at the deadline
+            code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
+        self.reply(code, {"error": message or HTTPStatus(code).phrase})
 
-        def body(self) -> bytes:
-            """The whole request body, within the size limit and the timeout."""
-            size = body_size(self.headers.get_all("Content-Length"), max_body)
-            try:
-                body = self.rfile.read(size)
-            except TimeoutError:
-                self.expired, body = True, b""
-            self.deadline.cancel()
-            if len(body) < size and self.expired:  # fewer bytes than Content-Length said, too slowly
-                raise BadRequest(f"the request did not arrive within {seconds} s (--timeout)", 408)
-            if len(body) < size:  # the client closed its side early
-                raise BadRequest(f"the body ended after {len(body)} of its {size} bytes (Content-Length)")
-            return body
-
-        def send_error(self, code, message=None, explain=None):
-            """The standard library's own errors (unknown method, bad request line, headers too long) as JSON."""
-            self.close_connection = True
-            if self.expired:  # the request line or headers were cut at the deadline
-                code, message = 408, f"the request did not arrive within {seconds} s (--timeout)"
-            self.reply(code, {"error": message or HTTPStatus(code).phrase})
-
-        def reply(self, status: int, payload: dict):
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    return Handler
+    def reply(self, status: int, payload: dict):
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 class Server(ThreadingHTTPServer):
@@ -259,33 +245,36 @@ class Server(ThreadingHTTPServer):
             self.slots.release()
 
 
-def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "", timeout: float = 30.0,
-                max_body: int = MAX_BODY, max_batch: int = MAX_BATCH, max_connections: int = MAX_CONNECTIONS):
-    """The server, bound and not yet serving (port 0: a free one, in server.server_port). Its threads are daemons:
-    a client still connected never holds up the process's exit."""
-    server = Server((host, port), make_handler(Scorer(reward, max_batch), name, timeout, max_body))
+def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
+                timeout: float = 30.0, max_body: int = MAX_BODY, max_batch: int = MAX_BATCH,
+                max_connections: int = MAX_CONNECTIONS):
+    """The server, bound and not yet serving (port 0: a free one, in server.server_port). Its threads are
+    daemons: a client still connected never holds up the process's exit."""
+    handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch), "model_name": name,
+                                           "timeout": timeout, "max_body": max_body})
+    server = Server((host, port), handler)
     server.slots = threading.BoundedSemaphore(max_connections)
     return server
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a train.py output directory or any 2-label token classifier")
+    p.add_argument("--model", required=True, help="a train.py output or any 2-label token classifier")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the model directory's own Python files run (off: whatever its config files say)")
+                   help="let the model directory's own Python files run (off: whatever its config says)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a client has to send its whole request, however slowly; then a 408 "
                         "(default: %(default)s)")
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
-    p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto",
-                   help="how the model scores steps (eval.py --help); --step-tag, --good-token, --bad-token too")
+    p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto", help="how the model scores "
+                   "steps (eval.py --help); --step-tag, --good-token, --bad-token too")
     for flag, default in (("--step-tag", ""), ("--good-token", "+"), ("--bad-token", "-")):
         p.add_argument(flag, default=default, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
