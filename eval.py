@@ -7,33 +7,18 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 from prm.config import FILE, Config, Parser, add_field, writable
 from prm.errors import UsageError, check, exit_status
 
-# the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA, checkpoints,
-# the held-out split) belongs to the run and comes from it
+# the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA,
+# checkpoints, the held-out split) belongs to the run and comes from it
 SCORING = Config.names_with("scoring")
 # the table's columns: ProcessBench's if every subset has them (chance_f1: F1 of random flags), else steps
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
-
-
-@dataclass(frozen=True)
-class Options:
-    """eval.py's own options; the run settings it takes make a Config."""
-    datasets: list
-    predictions: str
-    processbench: bool
-    tune_threshold: str
-    best_of_n: bool
-    best_of_n_draws: int
-    scorer: str  # how a published PRM is read, with the next three (prm.scorers)
-    step_tag: str
-    good_token: str
-    bad_token: str
-    tokenizer_given: bool  # --tokenizer on the command line: it wins over the one saved beside the model
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -44,9 +29,8 @@ def build_eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", dest="datasets", nargs="+", default=[], metavar="SOURCE",
                    help="one or more sources, each evaluated whole (default: the run's held-out set); "
                         "several give one block per subset and their mean F1")
-    p.add_argument("--predictions", default="", metavar="OUT_JSONL",
-                   help="write one JSON line per example: id, per-step P(correct), truth, predicted first "
-                        "error")
+    p.add_argument("--predictions", default="", metavar="OUT_JSONL", help="write one JSON line per example: "
+                   "id, per-step P(correct), truth, predicted first error")
     p.add_argument("--processbench", action="store_true",
                    help="ProcessBench metrics even when the data has no first_error column (from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
@@ -58,13 +42,16 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    p.add_argument("--scorer", default="auto", choices=("auto", "classifier", "qwen-prm", "step-tag",
-                                                        "chat-turns"),
-                   help="how the model scores steps, as its authors do: a token-classification head (ours, "
-                        "TRL's); Qwen2.5-Math-PRM's <extra_0> head (needs --trust-remote-code); Math-Shepherd's "
-                        "good/bad LM logits at a --step-tag; RLHFlow's at each assistant turn. auto: qwen-prm "
-                        "when a local config.json's architectures name a *ForProcessRewardModel, else classifier")
-    p.add_argument("--step-tag", default="", help="step-tag: the one token ending each step (Math-Shepherd: ки)")
+    # how a published PRM is read (prm.scorers): --scorer, --step-tag, --good-token, --bad-token
+    p.add_argument("--scorer", default="auto",
+                   choices=("auto", "classifier", "qwen-prm", "step-tag", "chat-turns"),
+                   help="how the model scores steps, as its authors do: a token-classification head "
+                        "(ours, TRL's); Qwen2.5-Math-PRM's <extra_0> head (needs --trust-remote-code); "
+                        "Math-Shepherd's good/bad LM logits at a --step-tag; RLHFlow's at each assistant "
+                        "turn. auto: qwen-prm when a local config.json's architectures name a "
+                        "*ForProcessRewardModel, else classifier")
+    p.add_argument("--step-tag", default="",
+                   help="step-tag: the one token ending each step (Math-Shepherd: ки)")
     p.add_argument("--good-token", default="+", help="step-tag, chat-turns: the one token meaning 'correct'")
     p.add_argument("--bad-token", default="-", help="step-tag, chat-turns: the one token meaning 'wrong'")
     run = p.add_argument_group("run settings", "how to read and score the data; each flag not given "
@@ -91,23 +78,24 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch and tran
 from transformers import AutoConfig  # noqa: E402
 
 from prm.data import pad_token_id  # noqa: E402
-from prm.errors import exit_status  # noqa: E402
 from prm.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
 from prm.ingest import tokenize_dataset  # noqa: E402
 from prm.metrics import first_error, tune_threshold  # noqa: E402
 from prm.model import input_settings  # noqa: E402
-from prm.runtime import Runtime, autocast_dtype, barrier, main_first, progress_off, setup, teardown  # noqa: E402
+from prm.runtime import (Runtime, autocast_dtype, barrier, main_first, progress_off, setup,  # noqa: E402
+                         teardown)
 from prm.scorers import load as load_scorer  # noqa: E402
 from prm.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options). The run settings given on the command line win over the run's: its
-    config.train.json beside --model, else the input settings a PRM carries in its config.json (an export),
-    else the defaults."""
+    """(Config, options): eval.py's own flags (all but --model and the run settings), and tokenizer_given (a
+    --tokenizer on the command line wins over the one saved beside the model). The run settings given win over
+    the run's: its config.train.json beside --model, else the input settings a PRM carries in its config.json
+    (an export), else the defaults."""
     given = dict(vars(args))
-    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
-                   tokenizer_given="tokenizer" in given)
+    opts = SimpleNamespace(**{k: given.pop(k) for k in list(given) if k != "model" and k not in SCORING},
+                           tokenizer_given="tokenizer" in given)
     if os.path.isfile(os.path.join(args.model, FILE)):
         base = Config.load(args.model).__dict__
     else:
@@ -139,19 +127,19 @@ class Evaluator:
         ranks read the datasets cache it filled."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
         names = names if len(set(names)) == len(names) else sources
-        with main_first(self.rt):
-            raw = dict(zip(names, (load_eval(self.cfg, s) for s in sources))) if sources else \
-                {"held-out": load_eval(self.cfg)}
-            sets = {}
+        sets = {}
+        with main_first(self.rt):  # "" for load_eval: the run's held-out set
+            raw = {name: load_eval(self.cfg, s)
+                   for name, s in list(zip(names, sources)) or [("held-out", "")]}
             for name, ds in raw.items():
-                rows = tokenize_dataset(ds, self.tokenizer, self.cfg, is_eval=True, desc=f"tokenize {name}",
-                                        num_proc=self.cfg.num_proc, drop_unlabeled=False)[0].to_list()
+                sets[name] = rows = tokenize_dataset(ds, self.tokenizer, self.cfg, is_eval=True,
+                                                     desc=f"tokenize {name}", num_proc=self.cfg.num_proc,
+                                                     drop_unlabeled=False)[0].to_list()
                 if "prompt" in ds.column_names:  # flat rows: a problem's candidates share its prompt
                     for row, prompt in zip(rows, ds["prompt"][:]):
                         row["group"] = row.get("group") or (prompt if isinstance(prompt, str)
                                                             else json.dumps(prompt))
-                sets[name] = rows
-            return sets
+        return sets
 
     def probs(self, rows: list) -> list:
         """P(correct) at every step end of each row (prm.evaluate.predict), every rank's share gathered."""
@@ -174,8 +162,9 @@ def tuned_threshold(ev: Evaluator, path: str) -> dict:
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1, "dev": report(probs, dev, t, True)}
 
 
-def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
-    """({subset name: its report}, the --predictions lines of every subset)."""
+def evaluate(ev: Evaluator, opts, threshold: float) -> tuple:
+    """({subset name: its report}, the --predictions lines of every subset: one per row, enough to recompute
+    every reported number)."""
     blocks, lines = {}, []
     for name, rows in ev.sets(opts.datasets).items():
         pb = opts.processbench or ev.cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
@@ -187,34 +176,19 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
                                                      seed=ev.cfg.seed))
             except ValueError as e:  # rows without a known outcome or problem
                 raise UsageError(f"{name}: {e}") from None
-        lines += prediction_lines(name, rows, probs, threshold, pb, opts.best_of_n)
+        for i, (ps, row) in enumerate(zip(probs, rows)):
+            line = {"subset": name, "id": row.get("id", i), "step_probs": ps, "labels": row["step_labels"]}
+            if pb:
+                line.update(first_error_pred=first_error(ps, threshold), first_error=true_first_error(row))
+            if row.get("final_answer_correct") is not None:
+                line["final_answer_correct"] = row["final_answer_correct"]
+            if opts.best_of_n:
+                line.update(group=row["group"], correct=row.get("final_answer_correct"),
+                            response_answer=row.get("response_answer"))
+            if row.get("category") is not None:
+                line["category"] = row["category"]
+            lines.append(line)
     return blocks, lines
-
-
-def prediction_lines(name: str, rows: list, probs: list, threshold: float, processbench: bool,
-                     best_of_n: bool = False) -> list:
-    """One line per row for --predictions: enough to recompute every reported number."""
-    lines = []
-    for i, (ps, row) in enumerate(zip(probs, rows)):
-        line = {"subset": name, "id": row.get("id", i), "step_probs": ps, "labels": row["step_labels"]}
-        if processbench:
-            line.update(first_error_pred=first_error(ps, threshold), first_error=true_first_error(row))
-        if row.get("final_answer_correct") is not None:
-            line["final_answer_correct"] = row["final_answer_correct"]
-        if best_of_n:
-            line.update(group=row["group"], correct=row.get("final_answer_correct"),
-                        response_answer=row.get("response_answer"))
-        if row.get("category") is not None:
-            line["category"] = row["category"]
-        lines.append(line)
-    return lines
-
-
-def output(head: dict, blocks: dict) -> dict:
-    """The JSON: the threshold's keys, then the one subset's metrics, or every subset's and their mean F1."""
-    if len(blocks) == 1:
-        return {**head, **next(iter(blocks.values()))}
-    return {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
 
 
 def mean_f1(blocks: dict):
@@ -266,9 +240,8 @@ def table(blocks: dict, *, threshold: float) -> str:
     lines.append(f"threshold {threshold:g}: a step with P(correct) below it is predicted wrong")
     for name, b in blocks.items():
         undefined = {}
-        for c in cols:
-            if b.get(c) is None:
-                undefined.setdefault(why_undefined(b, c), []).append(c)
+        for c in (c for c in cols if b.get(c) is None):
+            undefined.setdefault(why_undefined(b, c), []).append(c)
         lines += [f"{name}: {', '.join(cs)} n/a ({why})" for why, cs in undefined.items()]
         if "best_of_n" in b:
             n = "/".join(map(str, b["candidates_per_problem"]))
@@ -295,7 +268,9 @@ def main(args=None) -> dict:
             {"threshold": cfg.threshold}
         t = head["threshold"]
         blocks, lines = evaluate(ev, opts, t)
-        out = output(head, blocks)
+        # the threshold's keys, then the one subset's metrics, or every subset's and their mean F1
+        out = {**head, **next(iter(blocks.values()))} if len(blocks) == 1 else \
+            {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
         if rt.is_main:  # for people on stderr; stdout's last line stays the JSON
             print("\n".join([*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]), file=sys.stderr)
             if opts.predictions:

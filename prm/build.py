@@ -27,10 +27,9 @@ POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names
 def loading(flag: str, name: str, load, **kw):
     """load(name, **kw), raising a one-line UsageError (exit status 2) instead of a library traceback when the
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
-    if flag == "--model" and os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        check([f"{flag} {name}: no config.json: not a Hugging Face model directory"])
-    if flag == "--model" and os.path.isdir(name):
-        check(outside_weights(name))
+    if flag == "--model" and os.path.isdir(name):  # a folder: its config.json, then the files its index names
+        check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
+              else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
     try:
         return load(name, **kw)
     # SafetensorError: a truncated file; UnpicklingError: a pickled .bin that weights_only refuses
@@ -58,10 +57,9 @@ def outside_weights(path: str) -> list:
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
-    """AutoTokenizer, except for generic tokenizer.json files (the tiny preset's character tokenizer): there
-    transformers 5 would swap in the model type's own class (Qwen2Tokenizer), which rebuilds the pipeline from
-    the vocabulary. The character tokenizer is built to survive that swap (prm.synthetic), but loading the
-    file as written also keeps its <unk> for characters outside its vocabulary."""
+    """AutoTokenizer, except that a generic tokenizer.json (the tiny preset's character tokenizer) loads as
+    written: transformers 5 would rebuild it from the vocabulary as the model type's own class
+    (Qwen2Tokenizer), which the character tokenizer survives (prm.synthetic) but without its <unk>."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
@@ -72,8 +70,8 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
         return loading(flag, name, load, **kw)
     except UsageError:
         raise
-    # files that are JSON, not a tokenizer's ({} lacks 'added_tokens'; a list has no .get); ValueError:
-    # tokenizer_config.json is not JSON
+    # ValueError: tokenizer_config.json is not JSON; the rest: JSON but not a tokenizer's ({} lacks
+    # 'added_tokens'; a list has no .get)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
 
@@ -96,8 +94,7 @@ def tiny_config(tokenizer):
 
 
 def hf_config_for(cfg, tokenizer):
-    """The backbone's transformers config, without building any weight (the benchmark counts FLOPs from
-    it)."""
+    """The backbone's transformers config, without building any weight (the benchmark counts its FLOPs)."""
     if cfg.model == "tiny":
         return tiny_config(tokenizer)
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -114,10 +111,9 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files: one they lack or
-    hold in another shape is an error naming it (transformers would make it up at random and carry on). Else a
-    backbone with a new head (PRM.from_pretrained): training from a backbone is the one place a head is made;
-    it says so."""
+    """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files: one missing or
+    of another shape is an error naming it (transformers would make it up at random). Else a backbone with a
+    new head (PRM.from_pretrained), saying so: training from a backbone is the one place a head is made."""
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
         if classifier_only:
@@ -140,10 +136,8 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
 
 def model_for(cfg, tokenizer) -> PRM:
     """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r
-    is set.
-
-    Adapters go in before .to(device) and DDP, so DDP sees which parameters train; resume and eval.py rebuild
-    a LoRA checkpoint's frozen base with this same function."""
+    is set, before .to(device) and DDP, so DDP sees which parameters train. Resume and eval.py rebuild a LoRA
+    checkpoint's frozen base with this same function."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.lora_r:
         try:
@@ -170,9 +164,8 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 def load_trained(cfg, tokenizer_given: bool):
     """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from
-    the run's own config, then its adapters and head, or its sharded weights) or any 2-label token classifier.
-    The tokenizer saved beside the model wins unless --tokenizer is given; a checkpoint whose label 0 means
-    'correct' gets its head flipped."""
+    the run's config, then its adapters and head, or its sharded weights) or any 2-label token classifier (its
+    head flipped if its label 0 means 'correct'); the tokenizer beside it unless --tokenizer is given."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)

@@ -111,7 +111,6 @@ def label_solutions(text: str, solutions: list, right, complete, opts: Options, 
             raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} prompts")
         for (i, k), texts in zip(todo, outs):
             tries[i][k - 1], wins[i][k - 1] = n, sum(map(right, texts))
-
     if opts.search == "binary":  # every solution's search advances in the same calls
         lo, hi = [1] * len(solutions), [len(s) for s in solutions]  # the first error is a step in lo..hi
         while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
@@ -151,7 +150,8 @@ def read_input(spec: str, opts: Options, skip_invalid: bool):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
         issues = [problem] if problem else input_problems(r, opts.answer_field)
         problems.extend(f"{name} {where}: {p}" for p in issues)
-        bad, rows = bad + bool(issues), rows + ([] if issues else [(index, r)])
+        bad += bool(issues)
+        rows += [] if issues else [(index, r)]
     if bad and not skip_invalid:
         raise DataError(problems, total_rows=bad)
     if bad:

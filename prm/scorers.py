@@ -1,14 +1,15 @@
-"""Published PRMs read exactly as their authors read them, so evaluation and rewards need no branch of their own.
-
-Per family a row builder (input_ids, and the positions read as the steps' scores) and a wrapper giving (B, T, 2)
-logits, [bad, good]. classifier: a token-classification head (prm.build.load_trained, prm.data.tokenize_batch).
-qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, user = problem, assistant = every step ended by
-<extra_0>; its own model code, whose first output is read at each <extra_0>. step-tag (Math-Shepherd): problem +
-" " + the steps each ended by " " + a tag, joined by "\n", tokenized once; LM-head logits of the bad and good
-tokens at each tag. chat-turns (RLHFlow): user turns (problem + " " + step 1, then a step each), each assistant
-turn the good token, rendered once; the bad/good logits where each assistant token is predicted. The builder
-travels as the tokenizer's `prm_rows`, which prm.ingest and prm.evaluate.score_batch call instead of
-tokenize_batch. Depends on: torch, transformers, prm.build, prm.data, prm.errors, prm.varlen."""
+"""Published PRMs read exactly as their authors read them, so evaluation and rewards need no branch of their
+own: per family a row builder (input_ids, and the positions read as the steps' scores), which travels as the
+tokenizer's `prm_rows` (prm.ingest and prm.evaluate.score_batch call it instead of tokenize_batch), and a
+model giving (B, T, 2) logits, [bad, good].
+- classifier: a token-classification head (prm.build.load_trained, prm.data.tokenize_batch).
+- qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, user = problem, assistant = every step ended by
+  <extra_0>; its own model code, whose first output is read at each <extra_0>.
+- step-tag (Math-Shepherd): problem + " " + the steps each ended by " " + a tag, joined by "\n", tokenized
+  once; LM-head logits of the bad and good tokens at each tag.
+- chat-turns (RLHFlow): user turns (problem + " " + step 1, then a step each), each assistant turn the good
+  token, rendered once; the bad/good logits where each assistant token is predicted.
+Depends on: torch, transformers, prm.build, prm.data, prm.errors, prm.varlen."""
 import bisect
 import dataclasses
 import hashlib
@@ -29,12 +30,12 @@ from prm.varlen import supports_packing, use_packed_attention
 FAMILIES = ("classifier", "qwen-prm", "step-tag", "chat-turns")
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
-with open(__file__, "rb") as _f:
-    CODE = hashlib.sha256(_f.read()).hexdigest()  # in every Family: a change of this file is a new datasets cache
+with open(__file__, "rb") as _f:  # CODE is in every Family: a change of this file is a new datasets cache
+    CODE = hashlib.sha256(_f.read()).hexdigest()
 
 
 def detect(model: str, scorer) -> str:
-    """scorer, or for auto: qwen-prm if a local config.json names a *ForProcessRewardModel, else classifier."""
+    """scorer; for auto: qwen-prm if a local config.json names a *ForProcessRewardModel, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:
@@ -66,8 +67,8 @@ class Family:
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", max_length=None,
                        train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
-        """prm.data.tokenize_batch's columns, each row built as the family's authors build it (the separator and
-        train_on_last_step_only are not theirs: unused). Truncation keeps whole steps, as assemble does."""
+        """tokenize_batch's columns (prm.data), each row built as its authors build it (the separator and
+        train_on_last_step_only are not theirs: unused); truncation keeps whole steps, as assemble does."""
         out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
                                "step_labels")}
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
@@ -81,7 +82,7 @@ class Family:
 
 
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
-    """The family's settings, checked: each token one token of the tokenizer, no flag the family does not read."""
+    """The family's settings, checked: each token one token of the tokenizer, no flag it does not read."""
     lm = name in ("step-tag", "chat-turns")
     given = (("--step-tag", step_tag != "", name == "step-tag"), ("--good-token", good_token != "+", lm),
              ("--bad-token", bad_token != "-", lm))
@@ -94,18 +95,19 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
     if name == "qwen-prm":
         return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, "qwen-prm's step separator", QWEN_SEP))
     if name == "step-tag" and not step_tag:
-        raise UsageError("--scorer step-tag needs --step-tag, the token that ends every step (Math-Shepherd's: "
-                         "'ки')")
+        raise UsageError("--scorer step-tag needs --step-tag, the token that ends every step "
+                         "(Math-Shepherd's: 'ки')")
     if name == "chat-turns" and not getattr(tokenizer, "chat_template", None):
         raise UsageError("--scorer chat-turns needs the tokenizer's chat template: this tokenizer has none")
-    return Family(name, step_tag, good_token, one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1,
-                  one_token(tokenizer, "--good-token", good_token), one_token(tokenizer, "--bad-token", bad_token))
+    tag_id = one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1
+    return Family(name, step_tag, good_token, tag_id, one_token(tokenizer, "--good-token", good_token),
+                  one_token(tokenizer, "--bad-token", bad_token))
 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *, first_char: int,
            shift: int = 0, special: bool = True) -> tuple:
     """(input_ids of text tokenized once, for each char index in `ends` the position of the token ending there
-    plus shift, the first step's first token); a mark that is not a token of its own cannot hold a step end."""
+    plus shift, the first step's first token). A mark that is no token of its own cannot hold a step end."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
@@ -114,9 +116,10 @@ def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str
         j = by_end.get(end)
         if j is None or ids[j] != token_id:
             start = end - len(mark) - 1  # the mark and the character before it
-            pieces = [tokenizer.convert_ids_to_tokens(i) for i, (s, e) in zip(ids, spans) if e > start and s < end]
-            raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its own ends the "
-                             f"step: there {text[start:end]!r} tokenizes as {pieces}")
+            pieces = [tokenizer.convert_ids_to_tokens(i) for i, (s, e) in zip(ids, spans)
+                      if e > start and s < end]
+            raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its own ends "
+                             f"the step: there {text[start:end]!r} tokenizes as {pieces}")
         reads.append(j + shift)
     return ids, reads, bisect.bisect_right([e for _, e in spans], first_char)
 
@@ -128,8 +131,8 @@ def qwen_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     at = text.rfind(content)
     if at < 0:
-        raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text, so its {fam.tag} "
-                         "step ends cannot be found")
+        raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text, so its "
+                         f"{fam.tag} step ends cannot be found")
     ends = list(itertools.accumulate((len(s) + len(fam.tag) for s in steps), initial=at))[1:]
     return locate(tokenizer, text, ends, fam.tag_id, "qwen-prm's step separator", fam.tag, first_char=at)
 
@@ -153,8 +156,8 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
         head = tokenizer.apply_chat_template(turns[:2 * k + 1], tokenize=False, add_generation_prompt=True)
         if not text.startswith(head + fam.good):
             raise UsageError(f"--scorer chat-turns: the chat template does not render turn {2 * k + 2} (the "
-                             f"assistant's {fam.good!r} after step {k + 1}) where the conversation up to it ends: "
-                             "it cannot hold a step boundary")
+                             f"assistant's {fam.good!r} after step {k + 1}) where the conversation up to it "
+                             "ends: it cannot hold a step boundary")
         ends.append(len(head) + len(fam.good))
     at = text.find(problem + " " + steps[0]) if steps else -1
     return locate(tokenizer, text, ends, fam.good_id, "--good-token", fam.good, shift=-1, special=False,
@@ -164,9 +167,9 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
 BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_row}
 
 
-def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_completion_length=None) -> dict:
-    """A row keeping the steps whose read position fits in max_length tokens (and max_completion_length tokens
-    from the first step's start), cut after the last kept one: later tokens never change a causal model's reads."""
+def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_completion_length=None):
+    """A row keeping the steps whose read position fits in max_length (and max_completion_length from the
+    first step's start), cut after the last kept one: later tokens never change a causal model's reads."""
     kept = [p for p in reads if (max_length is None or p < max_length)
             and not (max_completion_length and p - first >= max_completion_length)]
     ids = ids[:kept[-1] + 1] if kept else ids[:max_length]
@@ -174,13 +177,13 @@ def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_c
     for p, y in zip(kept, labels):
         out[p] = normalize_label(y)
     return {"input_ids": ids, "labels": out, "steps_kept": len(kept), "step_ends": kept, "length": len(ids),
-            "n_labeled": len(out) - out.count(IGNORE),
-            "step_labels": [None if y is None else float(y) for y in labels]}  # every step's truth, cut ones too
+            "n_labeled": len(out) - out.count(IGNORE),  # then every step's truth, cut ones too
+            "step_labels": [None if y is None else float(y) for y in labels]}
 
 
 class Logits(nn.Module):
-    """(B, T, 2) logits of a causal LM's head rows `cols` ([bad, good]: only those two rows are multiplied, the
-    vocabulary's logits are never built), or with cols None the first output of a model with its own code."""
+    """(B, T, 2) logits of a causal LM's head rows `cols` ([bad, good]: only those two rows are multiplied,
+    never the vocabulary's), or with cols None the first output of a model with its own code."""
 
     def __init__(self, model, cols=None):
         super().__init__()
@@ -194,8 +197,9 @@ class Logits(nn.Module):
         if self.cols is None:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
             if logits.dim() != 3 or logits.shape[-1] != 2:
-                raise UsageError(f"--scorer qwen-prm: the model's first output has shape {tuple(logits.shape)}, "
-                                 "not (batch, tokens, 2): is it a Qwen2.5-Math-PRM-style model?")
+                raise UsageError(f"--scorer qwen-prm: the model's first output has shape "
+                                 f"{tuple(logits.shape)}, not (batch, tokens, 2): is it a "
+                                 "Qwen2.5-Math-PRM-style model?")
             return logits
         h = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                   **packed).last_hidden_state  # (B, T, H)
@@ -210,13 +214,14 @@ def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="
     name = detect(cfg.model, scorer)
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
-    if name == "classifier":
-        family(None, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)  # flags it would ignore
+    if name == "classifier":  # refuses the flags it would ignore
+        family(None, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
         return load_trained(cfg, tokenizer_given)
     if name == "qwen-prm" and not cfg.trust_remote_code:
         raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add --trust-remote-code")
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
-    tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code, flag)
+    tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code,
+                               flag)
     fam = family(tokenizer, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
     cls = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
     model = Logits(loading("--model", cfg.model, cls.from_pretrained, trust_remote_code=cfg.trust_remote_code,

@@ -9,9 +9,8 @@ CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 
 def char_tokenizer():
-    """One token per character plus <pad>/<bos>/<eos>/<unk>; has a BOS, so it exercises the BOS path.
-
-    Written as a byte-level BPE without merges (space = "Ġ", newline = "Ċ"), the form transformers 5 forces on any
+    """One token per character plus <pad>/<bos>/<eos>/<unk>; has a BOS, so it exercises the BOS path. Written
+    as a byte-level BPE without merges (space = "Ġ", newline = "Ċ"), the form transformers 5 forces on any
     saved qwen2 model (AutoTokenizer always rebuilds a Qwen2Tokenizer from the vocab): so AutoTokenizer on an
     exported tiny model splits text exactly as this tokenizer does. Characters outside CHARS become <unk> here
     and are dropped by Qwen2Tokenizer: the synthetic task never has them."""
@@ -21,18 +20,16 @@ def char_tokenizer():
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(specials + names)}, [], unk_token="<unk>"))
     tok.pre_tokenizer = byte_level  # no merges: every character is its own token whatever the split
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
 
 
 def make_rows(n: int, seed: int) -> list:
-    """Chains of one-digit `x+1=y` steps (mod 10), each starting from the previous result.
-
-    Half of the solutions contain one slip (y off by one). Labels follow first-error semantics: the slip and every
-    later step are wrong, even though later steps compute correctly from the wrong value, so the model must read
+    """Chains of one-digit `x+1=y` steps (mod 10), each starting from the previous result. Half of the
+    solutions contain one slip (y off by one). Labels follow first-error semantics: the slip and every later
+    step are wrong, even though later steps compute correctly from the wrong value, so the model must read
     earlier steps, not just check the current one."""
-    rng = random.Random(seed)
-    rows = []
+    rng, rows = random.Random(seed), []
     for i in range(n):
         start, n_steps = rng.randrange(10), rng.randint(3, 6)
         slip = rng.randrange(n_steps) if rng.random() < 0.5 else -1
@@ -48,7 +45,7 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):
-    """Disjoint train/held-out rows; the held-out part depends only on (n, seed), so eval.py can rebuild it."""
+    """Disjoint train/held-out rows; the held-out part depends only on (n, seed): eval.py can rebuild it."""
     rows = make_rows(n, seed)
     n_eval = max(1, int(n * eval_share))
     return rows[n_eval:], rows[:n_eval]
