@@ -3,11 +3,10 @@ Depends on torch and the standard library only: copy this file alone into anothe
 
 Words as the whole package uses them:
 - row: one solution as data: `prompt`, `completions` (its reasoning steps, as text), `labels` (one per step).
-- step: in a row, one reasoning step; in training, an optimizer step (--max-steps). A labeled step is a
-  position whose label is not IGNORE: the last token of a step's separator. `n_labeled` counts them.
+- step: in a row, one reasoning step; in training, an optimizer step. A labeled step: a position whose label
+  is not IGNORE, the last token of a step's separator; `n_labeled` counts them.
 - example: a tokenized row (input_ids, labels; `length` tokens). A batch plan lists example indices.
-- micro-batch: the examples of one forward pass (padded rows, or one packed row); a global batch: all the
-  micro-batches of one optimizer step over every rank.
+- micro-batch: one forward pass's examples; a global batch: one optimizer step's, over every rank.
 - first_error: the 0-based index of a solution's first wrong step, -1 when none (ProcessBench)."""
 import math
 import random
@@ -29,8 +28,7 @@ def label_problem(y):
 def normalize_label(label):
     """bool and 0/1 become int; floats in [0,1] stay floats (soft Monte-Carlo labels); None (a step kept as
     context but not scored, e.g. ProcessBench after the first error) becomes IGNORE."""
-    problem = label_problem(label)
-    if problem:
+    if problem := label_problem(label):
         raise ValueError(f"label {problem}")
     if label is None:
         return IGNORE
@@ -60,7 +58,6 @@ def separator_ids(tokenizer, step_separator: str) -> list:
 def assemble(prompt: list, steps: list, sep: list, labels: list, *, max_length=None,
              max_completion_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
     """Concatenate already-tokenized pieces; the label sits on each step's last separator token.
-
     Truncation drops whole steps from the end, so a label never slides onto another token: first those
     past max_completion_length tokens of steps (0/None: no cap), then those past max_length tokens in all.
     step_ends: every kept step's last token position, labeled or not (where evaluation reads scores)."""
@@ -104,7 +101,6 @@ def tokenize_example(example, tokenizer, step_separator="\n", max_length=None, t
 def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
                    train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
     """Column-batch tokenize_example (for datasets.map): one tokenizer call for all prompts and steps.
-
     Adds per row: length, n_labeled (positions with a label: what the loss divides by) and step_labels (every
     step's label as given, None = unlabeled, steps cut by truncation included: the truth evaluation reads)."""
     sep = separator_ids(tokenizer, step_separator)
@@ -146,10 +142,9 @@ def collate(rows: list, pad_id: int) -> dict:
 
 def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
     """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, labels as
-    they are, and the example boundaries as int32 cumulative lengths (made here, on the host). No attention
-    mask: prm.varlen's attention keeps every example to itself. Shapes: input_ids/position_ids (1, N) int64,
-    labels (1, N) float32, cu_seq_lens_q/k (n_rows + 1,), max_length_q/k ints (transformers' keyword names).
-
+    they are, example boundaries as int32 cumulative lengths (made on the host), no attention mask (prm.varlen
+    keeps each example to itself). input_ids/position_ids (1, N) int64, labels (1, N) float32, cu_seq_lens_q/k
+    (n_rows + 1,), max_length_q/k ints: transformers' keyword names.
     pack_to > 0 pads the row up to a multiple of pack_to with a tail that is one more example of its own (pad
     ids, labels -100, so it attends to nothing real): with one tail slot always present, every batch of the
     same size and bucket has the same shapes, which --compile needs to compile once. For [a b c] and [d e]:
@@ -183,7 +178,6 @@ def pad_token_id(tokenizer) -> int:
 
 def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, group_by_length: bool) -> list:
     """The epoch's optimizer-step batches: lists of exactly `global_batch` dataset indices, any world size.
-
     A pure function of (seed, epoch): resuming at any step rebuilds the same plan, with no loader state saved.
     With grouping, windows of 64 batches are sorted by length before cutting, then the batch order is
     shuffled again, so neighbours in a batch have similar lengths but the order stays random."""
@@ -205,11 +199,10 @@ def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, grou
 
 
 def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_accum: int) -> list:
-    """This rank's `grad_accum` micro-batches of one global batch.
-
-    The batch is sorted by length and cut into world_size x grad_accum equal chunks; micro-step a of rank r
-    takes chunk a x world_size + r. Any (world_size, grad_accum) split of one global batch thus sees the same
-    examples, and ranks at the same micro-step get neighbouring lengths (similar padding and time)."""
+    """This rank's `grad_accum` micro-batches of one global batch: the batch sorted by length, cut into
+    world_size x grad_accum equal chunks; micro-step a of rank r takes chunk a x world_size + r. Any
+    (world_size, grad_accum) split of one global batch thus sees the same examples, and ranks at the same
+    micro-step get neighbouring lengths (similar padding and time)."""
     ordered = sorted(batch, key=lambda i: lengths[i])
     per = len(batch) // (world_size * grad_accum)
     return [ordered[c * per:(c + 1) * per] for c in range(world_size * grad_accum)][rank::world_size]
@@ -217,7 +210,6 @@ def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_a
 
 def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> int:
     """Tokens processed, padding included, by all micro-batches of all ranks (the chunks of micro_batches).
-
     pack_to None: padded rows, a chunk as wide as its longest row; an int: packed rows (pack), each chunk's
     tokens rounded up to a multiple of pack_to (0: not rounded)."""
     ordered = sorted(lengths[i] for i in batch)

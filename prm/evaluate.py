@@ -16,11 +16,10 @@ from prm.varlen import is_packed
 @torch.inference_mode()
 def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Runtime = Runtime(),
             progress: bool = True, lockstep: bool = False) -> list:
-    """P(correct) at every step end (`step_ends`, labeled or not) of each tokenized row, in the input order.
-
-    Length-sorted batches are dealt to ranks and the per-rank results gathered once, so the output is the same
-    whatever the world size. A row with no step end left is not run and gets []. lockstep: every rank runs the
-    same number of forwards (a sharded model all-gathers its weights in each: a stopped rank hangs it)."""
+    """P(correct) at every step end (`step_ends`, labeled or not) of each tokenized row, in the input order,
+    whatever the world size (length-sorted batches dealt to ranks, results gathered once); [] for a row with
+    no step end. lockstep: every rank runs as many forwards (a sharded model all-gathers its weights in
+    each: a stopped rank hangs it)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -44,18 +43,13 @@ def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Ru
 
 def _forward(model, rows: list, pad_id: int, amp, device) -> list:
     """P(correct) at every token of each row: one (T_i,) CPU tensor per row, the batch packed or padded."""
-    if is_packed(model):
-        mb = pack(rows, pad_id)
-        with amp:
-            logits = model(**{k: v.to(device) if torch.is_tensor(v) else v
-                              for k, v in mb.items() if k != "labels"})  # (1, N, 2)
-        probs = torch.softmax(logits.float(), dim=-1)[0, :, 1].cpu()  # (N,)
-        cu = mb["cu_seq_lens_q"].tolist()
-        return [probs[s:e] for s, e in zip(cu, cu[1:])]
-    mb = collate(rows, pad_id)
+    mb = pack(rows, pad_id) if is_packed(model) else collate(rows, pad_id)
     with amp:
-        logits = model(mb["input_ids"].to(device), mb["attention_mask"].to(device))  # (B, T, 2)
-    return torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, T)
+        logits = model(**{k: v.to(device) if torch.is_tensor(v) else v
+                          for k, v in mb.items() if k != "labels"})  # (B, T, 2); packed: (1, N, 2)
+    probs = torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, T); packed: (1, N)
+    cu = mb["cu_seq_lens_q"].tolist() if "cu_seq_lens_q" in mb else None
+    return probs if cu is None else [probs[0, s:e] for s, e in zip(cu, cu[1:])]
 
 
 def true_first_error(row: dict) -> int:
@@ -66,13 +60,10 @@ def true_first_error(row: dict) -> int:
 
 
 def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: bool = False) -> dict:
-    """Every metric of one set, from predict's per-step P(correct) and each row's truth.
-
-    rows: tokenized rows (prm.ingest) with step_labels (None = unlabeled) and, optionally, first_error and
-    final_answer_correct. Unlabeled steps are scored (ProcessBench needs them) but stay out of the step
-    metrics. n_examples counts the rows with a scored step; a row with none is left out of every metric and
-    counted in examples_dropped; a truncated row (some steps unscored) is kept and its first error looked
-    for among its scored steps only. Rows with a PRMBench `category` add a `prmbench` block."""
+    """Every metric of one set from predict's per-step P(correct) and tokenized rows (prm.ingest) with
+    step_labels (None = unlabeled, scored for ProcessBench but kept out of the step metrics) and optionally
+    first_error, final_answer_correct, a PRMBench `category`. A row with no scored step is left out of every
+    metric (examples_dropped); a truncated one is kept, its first error looked for among its scored steps."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
     scores, kept_rows = [ps for ps, _ in kept], [row for _, row in kept]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
@@ -95,7 +86,6 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
 
 def candidate_groups(step_probs: list, rows: list) -> list:
     """Rows -> one list of best-of-N candidates per problem (`group`), problems and candidates in input order.
-
     Every row is a candidate, scored or not (with no scored step it ranks last), and must know its outcome."""
     groups = {}
     for i, (ps, row) in enumerate(zip(step_probs, rows)):
@@ -129,11 +119,9 @@ def score(model, tokenizer, prompt, steps: list, step_separator: str = None, *, 
 def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *, max_length=None,
                 max_completion_length=None, batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(),
                 progress: bool = False) -> list:
-    """[(prompt, steps), ...] -> [[P(correct) per step], ...], every step scored.
-
-    The separator and length caps default to the model's own (saved in config.json by training; else "\n",
-    no caps); pass them to override, 0 for no cap. Truncation keeps whole steps, so each list is a prefix:
-    steps cut by max_completion_length or max_length get no score."""
+    """[(prompt, steps), ...] -> [[P(correct) per step], ...]. The separator and length caps default to the
+    model's own (config.json's, from training; else "\n", no caps); 0: no cap. Truncation keeps whole steps,
+    so each list is a prefix: steps cut by max_completion_length or max_length get no score."""
     saved = input_settings(getattr(model, "config", None))  # what the model was trained with
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
     # tokenize_batch reads None as "no cap" and a max_length of 0 as "keep nothing": here 0 turns a cap off

@@ -16,9 +16,8 @@ class LoRALinear(nn.Linear):
         nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+        for p in self.parameters():  # weight and bias, frozen; the adapters come next
+            p.requires_grad_(False)
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=dev))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=dev))  # (out, r)
@@ -46,7 +45,6 @@ def matches(name: str, patterns: list) -> bool:
 
 def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, targets: str) -> list:
     """Freezes every backbone parameter and swaps matching nn.Linear layers for LoRALinear, in place.
-
     Returns the adapted module names. No match is an error: a LoRA run that trains nothing but the head is the
     silent failure this guards against (GPT-2 style Conv1D layers are not nn.Linear, for instance)."""
     patterns = [p.strip() for p in targets.split(",") if p.strip()]

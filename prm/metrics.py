@@ -1,10 +1,10 @@
 """Metrics PRM papers report (step classes, AUROC, ProcessBench first error, outcome ranking, best-of-N,
 PRMBench's PRMScore), counted over the whole set. Depends on: stdlib only."""
 import bisect
-import itertools
 import math
 import random
 from collections import Counter, defaultdict
+from itertools import groupby
 
 
 def _ratio(a, b):
@@ -22,7 +22,7 @@ def auroc(scores: list, positives: list):
     if n_pos == 0 or n_neg == 0:
         return None
     wins, negs_below = 0.0, 0
-    for _, group in itertools.groupby(sorted(zip(scores, positives)), key=lambda pair: pair[0]):  # a score's
+    for _, group in groupby(sorted(zip(scores, positives)), key=lambda pair: pair[0]):  # equal scores
         labels = [y for _, y in group]
         group_pos = sum(1 for y in labels if y)
         group_neg = len(labels) - group_pos
@@ -33,7 +33,6 @@ def auroc(scores: list, positives: list):
 
 def step_metrics(probs: list, labels: list, threshold: float = 0.5) -> dict:
     """Accuracy, per-class precision/recall/F1 (class 0 = wrong step), positive rate, AUROC.
-
     A step is predicted correct when P(correct) >= threshold; soft labels count as correct when >= 0.5.
     positive_rate is the share of truly correct steps: the accuracy of always answering "correct"."""
     truth = [y >= 0.5 for y in labels]
@@ -92,7 +91,6 @@ AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1], "mean": 
 
 def outcome_metrics(step_probs: list, final_correct: list) -> dict:
     """AUROC of each per-solution aggregate of step scores against final-answer correctness.
-
     Solutions without a scored step or without a known outcome (None) are left out."""
     kept = [(ps, bool(y)) for ps, y in zip(step_probs, final_correct) if ps and y is not None]
     return {f"outcome_auroc_{name}": auroc([agg(ps) for ps, _ in kept], [y for _, y in kept])
@@ -101,7 +99,6 @@ def outcome_metrics(step_probs: list, final_correct: list) -> dict:
 
 def _hit_interval(probs: list, truth: int):
     """The thresholds t (an interval lo < t <= hi) for which first_error(probs, t) == truth; None: none.
-
     No error: every step must stay >= t. Error at k: steps before k stay >= t and step k falls below it. An
     error step that was never scored (truncated) can never be hit."""
     if truth < 0:
@@ -114,7 +111,6 @@ def _hit_interval(probs: list, truth: int):
 
 def tune_threshold(step_probs: list, truth: list):
     """The threshold maximizing ProcessBench F1 on a dev set, found exactly: (threshold, f1).
-
     Each solution is right on one interval of thresholds, so F1 only changes at interval ends; every stretch
     between two ends is tried, and the middle of the best one is returned (ties: the stretch nearest 0.5)."""
     n_error = sum(t >= 0 for t in truth)
@@ -172,15 +168,14 @@ def pick_accuracy(cands: list, method: str) -> float:
     if method == "random":
         return sum(correct) / len(correct)
     votes, right = defaultdict(float), defaultdict(list)  # answer -> vote total, its candidates' correctness
+    weighted = method == "weighted_vote"
     for c, ok in zip(cands, correct):
         if c.get("answer") is not None:
-            weighted = method == "weighted_vote"
             votes[c["answer"]] += solution_score(c["step_probs"], VOTE_AGGREGATE) if weighted else 1
             right[c["answer"]].append(ok)
     if not votes:
         return 0.0
-    answers = list(votes)
-    return _expected_hit([votes[a] for a in answers], [sum(right[a]) / len(right[a]) for a in answers])
+    return _expected_hit(list(votes.values()), [sum(r) / len(r) for r in right.values()])  # same key order
 
 
 def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
@@ -202,7 +197,6 @@ BEST_OF_N_METHODS = ("min", "prod", "last", "mean", "weighted_vote", "majority_v
 def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
     """Best-of-N accuracy: {method: {"1": acc, "2": acc, "4": ..., "all": acc}}, the mean over problems of the
     mean over that problem's subsets of N candidates (_subsets; fewer than N candidates: all of them).
-
     groups: one list of candidates ({"step_probs", "correct", "answer"}) per problem, in a fixed order;
     subsets come from random.Random(seed), drawn per N then per group in that order. The voting methods are
     left out when no candidate has an answer."""
@@ -224,7 +218,6 @@ def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
 
 def prmscore(n: dict) -> dict:
     """PRMScore = 0.5 x F1 (correct steps) + 0.5 x F1 (erroneous steps, PRMBench's "negative F1"), counted.
-
     F1 as 2tp / (2tp + fp + fn): the harmonic mean of precision and recall wherever both are defined; null
     when the class is neither present nor predicted. PRMScore is null when either F1 is."""
     f1 = _ratio(2 * n["tp"], 2 * n["tp"] + n["fp"] + n["fn"])
@@ -236,7 +229,6 @@ def prmscore(n: dict) -> dict:
 def prmbench_metrics(step_probs: list, step_ok: list, categories: list, threshold: float = 0.5) -> dict:
     """PRMScore overall and per error category, confusion counts pooled over the steps of each, the correct
     step as the positive class: tp (correct step judged correct), fn, fp (erroneous step judged correct), tn.
-
     step_ok: per solution, True for each correct step and False for each erroneous one; steps with no score
     (truncated) are not counted. Category "correct" (the error-free original solutions) is reported on its
     own and left out of the overall figure, as PRMBench does."""

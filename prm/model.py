@@ -16,8 +16,7 @@ SETTINGS = "prm"  # config.json key: the input as trained (step_separator, max_l
 class PRM(nn.Module):
     def __init__(self, backbone, head: nn.Linear):
         super().__init__()
-        self.backbone = backbone
-        self.head = head
+        self.backbone, self.head = backbone, head
 
     @property
     def config(self):
@@ -31,7 +30,6 @@ class PRM(nn.Module):
 
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
         """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is.
-
         backbone_state / head_state: the weights to write (default: the modules' own). A LoRA model passes its
         adapters folded in (prm.lora.merged_state_dict), a sharded model its gathered weights."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
@@ -79,9 +77,8 @@ def input_settings(config) -> dict:
 
 
 def add_legacy_keys(config_path: str):
-    """Writes what transformers 4 loaders read beside transformers 5's names: a top-level rope_theta (without
-    it they fall back to their default, 10000, wrong for Qwen2's 1e6), rope_scaling for non-default RoPE,
-    torch_dtype."""
+    """Writes what transformers 4 loaders read beside transformers 5's names: a top-level rope_theta (else
+    they use 10000, wrong for Qwen2's 1e6), rope_scaling for non-default RoPE, torch_dtype."""
     with open(config_path) as f:
         d = json.load(f)
     rope = d.get("rope_parameters")
@@ -107,14 +104,12 @@ def new_head(config) -> nn.Linear:
 def step_loss(logits, labels, n_labeled):
     """Sum of per-step cross-entropy against [1-p, p], divided by n_labeled: the labeled steps of the WHOLE
     optimizer step (every micro-batch, every rank).
-
     labels: (B, T) float, -100 where unlabeled, 0/1 hard, in between soft. Returns (loss, ce_sum, n_correct),
     the last two detached sums for logging. No labeled step gives a loss of exactly 0, never NaN."""
     mask = labels != -100  # (B, T)
     logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, no host sync on CUDA
     p = torch.where(mask, labels, 0.0)  # (B, T)
-    ce = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0)  # (B, T)
-    ce_sum = ce.sum()
+    ce_sum = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0).sum()  # over (B, T)
     n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
     n = n_labeled.clamp(min=1) if torch.is_tensor(n_labeled) else max(n_labeled, 1)
     return ce_sum / n, ce_sum.detach(), n_correct

@@ -36,7 +36,6 @@ from prm.varlen import is_packed
 
 def train(cfg: Config, command: str = "") -> dict:
     """Runs one training; returns the final held-out metrics on rank 0, None on the other ranks.
-
     command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
     check(cfg.problems())
     require(cfg.report_to)  # a missing tracker package stops the run before anything is written
@@ -327,8 +326,7 @@ class HeldOut:
 
 class Preemption:
     """In the loop, SIGTERM/SIGINT finish the optimizer step, save a checkpoint and stop with 128 + signal; a
-    second signal stops at once. Outside the `with` block (set-up, final evaluation) they keep their usual
-    effect."""
+    second signal stops at once. Outside the `with` block (set-up, final evaluation): their usual effect."""
     signum: int = None  # the signal received in the loop; None: none
 
     def __enter__(self):
@@ -347,10 +345,9 @@ class Preemption:
 
     def agreed(self, rt: Runtime) -> bool:
         """Whether to stop now; under DDP every rank stops at the same step, even if one was signalled."""
-        flag = float(self.signum is not None)
         if not rt.distributed:
-            return bool(flag)
-        return all_reduce_sum(torch.tensor([flag], device=rt.device), rt).item() > 0
+            return self.signum is not None
+        return all_reduce_sum(torch.tensor([float(self.signum is not None)], device=rt.device), rt).item() > 0
 
     def stopped(self, step: int) -> Stopped:
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"

@@ -1,5 +1,4 @@
 """Attention over packed rows: several examples back to back in one row, each attending only to itself.
-
 `use_packed_attention(backbone)` switches a stock transformers decoder to it; the backbone is then called with
 prm.data.pack's tensors (position_ids restarting at 0 per example, boundaries as cu_seq_lens_q/k, no mask).
 On CUDA in bf16/fp16 the kernel is PyTorch's varlen flash attention; anywhere else an exact fallback runs
@@ -22,7 +21,6 @@ except ImportError:
 
 def kernel_dtype(query):
     """The flash kernel's half dtype; None where only the fallback can run (CPU, fp32, head dim > 256).
-
     Under autocast, RoPE multiplies bf16 projections by fp32 cos/sin and hands over fp32 queries: the kernel
     then runs in the autocast dtype, as SDPA would."""
     if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
@@ -58,7 +56,7 @@ def per_example_sdpa(q, k, v, cu_seqlens, scale):
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """An AttentionInterface function: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
+    """For AttentionInterface: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
         raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (prm.data.pack's "
