@@ -141,13 +141,13 @@ def collate(rows: list, pad_id: int) -> dict:
 
 
 def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
-    """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, labels as
-    they are, example boundaries as int32 cumulative lengths (made on the host), no attention mask (prm.varlen
-    keeps each example to itself). input_ids/position_ids (1, N) int64, labels (1, N) float32, cu_seq_lens_q/k
-    (n_rows + 1,), max_length_q/k ints: transformers' keyword names.
-    pack_to > 0 pads the row up to a multiple of pack_to with a tail that is one more example of its own (pad
-    ids, labels -100, so it attends to nothing real): with one tail slot always present, every batch of the
-    same size and bucket has the same shapes, which --compile needs to compile once. For [a b c] and [d e]:
+    """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, example
+    boundaries as int32 cumulative lengths (made on the host), no attention mask (prm.varlen keeps each
+    example to itself). input_ids/position_ids (1, N) int64, labels (1, N) float32, cu_seq_lens_q/k
+    (n_rows + 1,), max_length_q/k ints: transformers' keyword names. pack_to > 0 pads the row up to a
+    multiple of pack_to with a tail that is one more example (pad ids, labels -100: it attends to nothing
+    real); with that tail slot always there, same-size batches of one bucket share their shapes, so
+    --compile compiles once. For rows [a b c] and [d e]:
       input_ids    [a b c d e]        with pack_to=4: [a b c d e P P P]
       position_ids [0 1 2 0 1]                        [0 1 2 0 1 0 1 2]
       cu_seq_lens  [0 3 5]                            [0 3 5 8]

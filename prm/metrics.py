@@ -155,11 +155,10 @@ VOTE_AGGREGATE = "min"  # what weighted voting sums per answer: each candidate's
 
 
 def pick_accuracy(cands: list, method: str) -> float:
-    """How often `method` picks a correct candidate from one subset: 0, 1, or an expectation where it breaks
-    ties. cands: [{"step_probs", "correct", "answer"}]. min/prod/last/mean: the best aggregated score;
-    weighted_vote: the answer whose candidates' scores sum highest; majority_vote: the most frequent answer
-    (candidates without an answer do not vote; a subset where none has one counts as wrong); oracle: any
-    correct; random: the mean."""
+    """How often `method` picks a correct candidate of `cands` ({"step_probs", "correct", "answer"}): 0, 1, or
+    an expectation over its ties. min/prod/last/mean: the best aggregated score; weighted_vote: the answer
+    whose candidates' scores sum highest; majority_vote: the most frequent answer (candidates without one do
+    not vote; if none has one: wrong); oracle: any correct; random: the mean."""
     correct = [bool(c["correct"]) for c in cands]
     if method in AGGREGATES:
         return _expected_hit([solution_score(c["step_probs"], method) for c in cands], correct)
@@ -196,10 +195,9 @@ BEST_OF_N_METHODS = ("min", "prod", "last", "mean", "weighted_vote", "majority_v
 
 def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
     """Best-of-N accuracy: {method: {"1": acc, "2": acc, "4": ..., "all": acc}}, the mean over problems of the
-    mean over that problem's subsets of N candidates (_subsets; fewer than N candidates: all of them).
-    groups: one list of candidates ({"step_probs", "correct", "answer"}) per problem, in a fixed order;
-    subsets come from random.Random(seed), drawn per N then per group in that order. The voting methods are
-    left out when no candidate has an answer."""
+    mean over that problem's subsets of N candidates (_subsets; fewer than N candidates: all of them). groups:
+    per problem, in a fixed order, its candidates ({"step_probs", "correct", "answer"}); subsets are drawn
+    from random.Random(seed) per N, then per group. Voting methods need a candidate with an answer."""
     if not groups or not all(groups):
         raise ValueError("best-of-N needs at least one problem, each with at least one candidate")
     largest = max(len(g) for g in groups)
@@ -227,11 +225,10 @@ def prmscore(n: dict) -> dict:
 
 
 def prmbench_metrics(step_probs: list, step_ok: list, categories: list, threshold: float = 0.5) -> dict:
-    """PRMScore overall and per error category, confusion counts pooled over the steps of each, the correct
-    step as the positive class: tp (correct step judged correct), fn, fp (erroneous step judged correct), tn.
-    step_ok: per solution, True for each correct step and False for each erroneous one; steps with no score
-    (truncated) are not counted. Category "correct" (the error-free original solutions) is reported on its
-    own and left out of the overall figure, as PRMBench does."""
+    """PRMScore overall and per error category, from confusion counts pooled over their steps, a correct step
+    the positive class (tp: a correct step judged correct; fp: an erroneous one judged correct). step_ok: per
+    solution, True for each correct step; steps with no score (truncated) are not counted. Category "correct"
+    (the error-free originals) is reported alone and left out of the overall figure, as PRMBench does."""
     pooled = defaultdict(Counter)  # category (None: the overall pool) -> {"tp": count, ...}
     for ps, ok, cat in zip(step_probs, step_ok, categories):
         counts = pooled[cat]  # a category is reported even when none of its steps was scored

@@ -22,9 +22,9 @@ SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a checkpoint
 
 def shard(model: nn.Module, amp_dtype=None) -> nn.Module:
     """fully_shard every decoder layer (the backbone's longest nn.ModuleList: `layers` in Llama/Qwen2, `h` in
-    GPT-2), then the root (embeddings, final norm, head), in place.
-    With autocast on, layers compute in amp_dtype (all-gathers move half the bytes) and gradients are reduced
-    in fp32, the counterpart of autocast with fp32 master weights; the sharded master weights stay fp32."""
+    GPT-2), then the root (embeddings, final norm, head), in place. With autocast on, layers compute in
+    amp_dtype (all-gathers move half the bytes) and gradients are reduced in fp32, the counterpart of autocast
+    with fp32 master weights; the sharded master weights stay fp32."""
     stacks = [m for m in model.backbone.modules() if isinstance(m, nn.ModuleList)]
     if not stacks:
         raise ValueError(f"{type(model.backbone).__name__} has no nn.ModuleList of layers to shard")
