@@ -164,8 +164,8 @@ class Trainer:
         self.plan_epoch, self.plan = None, None
 
     def _setup_model(self):
-        """The model, its parallel wrapping, optimizer, scheduler and scaler; with --resume, their state and
-        the RNG's loaded in place from the checkpoint (into the wrapped model every rank holds)."""
+        """The model, its parallel wrapping, optimizer, scheduler and scaler; with --resume, their states and
+        the RNG's are loaded in place from the checkpoint (into the wrapped model every rank holds)."""
         cfg, rt = self.cfg, self.rt
         self.model = model_for(cfg, self.tokenizer).to(rt.device)
         self.packed = is_packed(self.model)  # --packing on a backbone that supports it
