@@ -1,15 +1,13 @@
-"""Step labels on tokens, the padding collator and the packer, and the batch plans that let 2 ranks equal 1 process.
+"""Step labels on tokens, the padding collator, the packer, and batch plans that let 2 ranks equal 1 process.
+Depends on torch and the standard library only: copy this file alone into another repo and it works.
 
 Words as the whole package uses them:
 - row: one solution as data: `prompt`, `completions` (its reasoning steps, as text), `labels` (one per step).
-- step: in a row, one reasoning step; in training, an optimizer step (--max-steps). A labeled step is a
-  position whose label is not IGNORE: the last token of a step's separator. `n_labeled` counts them.
+- step: in a row, one reasoning step; in training, an optimizer step. A labeled step: a position whose label
+  is not IGNORE, the last token of a step's separator; `n_labeled` counts them.
 - example: a tokenized row (input_ids, labels; `length` tokens). A batch plan lists example indices.
-- micro-batch: the examples one forward pass takes (padded rows, or one packed row); a global batch is all the
-  micro-batches of one optimizer step over every rank.
-- first_error: the 0-based index of a solution's first wrong step, -1 when none (ProcessBench).
-
-Depends on: torch and the standard library only; copy this file alone into another repo and it works."""
+- micro-batch: one forward pass's examples; a global batch: one optimizer step's, over every rank.
+- first_error: the 0-based index of a solution's first wrong step, -1 when none (ProcessBench)."""
 import math
 import random
 
@@ -19,7 +17,7 @@ IGNORE = -100  # the label of every position that ends no step (or ends an unlab
 
 
 def label_problem(y):
-    """Why y is not a step label (bool, 0/1, a float in [0, 1], or None = not scored), or None when it is one."""
+    """Why y is not a step label (bool, 0/1, a float in [0, 1], or None = not scored); None if it is one."""
     if y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1)):
         return None
     if isinstance(y, float) and 0.0 <= y <= 1.0:  # NaN fails both comparisons
@@ -30,8 +28,7 @@ def label_problem(y):
 def normalize_label(label):
     """bool and 0/1 become int; floats in [0,1] stay floats (soft Monte-Carlo labels); None (a step kept as
     context but not scored, e.g. ProcessBench after the first error) becomes IGNORE."""
-    problem = label_problem(label)
-    if problem:
+    if problem := label_problem(label):
         raise ValueError(f"label {problem}")
     if label is None:
         return IGNORE
@@ -43,7 +40,7 @@ def with_bos(ids: list, tokenizer) -> list:
 
 
 def prompt_ids(prompt, tokenizer) -> list:
-    """BOS (only if the tokenizer has one) + prompt ids; a list of {role, content} goes through the chat template."""
+    """BOS (if any) + prompt ids; a list of {role, content} goes through the chat template."""
     if isinstance(prompt, list):  # conversational: the template writes its own special tokens
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -53,17 +50,17 @@ def prompt_ids(prompt, tokenizer) -> list:
 def separator_ids(tokenizer, step_separator: str) -> list:
     ids = tokenizer(step_separator, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise ValueError(f"step separator {step_separator!r} tokenizes to nothing: no token could carry the label")
+        raise ValueError(f"step separator {step_separator!r} tokenizes to nothing: no token could carry the "
+                         "label")
     return ids
 
 
-def assemble(prompt: list, steps: list, sep: list, labels: list, *, max_length=None, max_completion_length=None,
-             train_on_last_step_only=False, is_eval=False) -> dict:
+def assemble(prompt: list, steps: list, sep: list, labels: list, *, max_length=None,
+             max_completion_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
     """Concatenate already-tokenized pieces; the label sits on each step's last separator token.
-
-    Truncation drops whole steps from the end, so a label never slides onto another token: first those past
-    max_completion_length tokens of steps (0/None: no cap), then those past max_length tokens in all.
-    step_ends: the position of every kept step's last token, labeled or not (where evaluation reads scores)."""
+    Truncation drops whole steps from the end, so a label never slides onto another token: first those
+    past max_completion_length tokens of steps (0/None: no cap), then those past max_length tokens in all.
+    step_ends: every kept step's last token position, labeled or not (where evaluation reads scores)."""
     labels = [normalize_label(y) for y in labels]
     if len(steps) != len(labels):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
@@ -101,39 +98,36 @@ def tokenize_example(example, tokenizer, step_separator="\n", max_length=None, t
                     train_on_last_step_only=train_on_last_step_only, is_eval=is_eval)
 
 
-def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
-                   is_eval=False, max_completion_length=None) -> dict:
+def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
+                   train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
     """Column-batch tokenize_example (for datasets.map): one tokenizer call for all prompts and steps.
-
     Adds per row: length, n_labeled (positions with a label: what the loss divides by) and step_labels (every
     step's label as given, None = unlabeled, steps cut by truncation included: the truth evaluation reads)."""
     sep = separator_ids(tokenizer, step_separator)
-    flat = [s for steps in batch["completions"] for s in steps]
     plain = all(isinstance(p, str) for p in batch["prompt"])
-    texts = (list(batch["prompt"]) if plain else []) + flat
-    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts else []
-    if plain:
-        prompts, flat_ids = [with_bos(x, tokenizer) for x in ids[:len(batch["prompt"])]], ids[len(batch["prompt"]):]
-    else:
-        prompts, flat_ids = [prompt_ids(p, tokenizer) for p in batch["prompt"]], ids
-    out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled", "step_labels")}
-    start = 0
+    start = len(batch["prompt"]) if plain else 0  # plain prompts go in the steps' tokenizer call, first
+    texts = list(batch["prompt"])[:start] + [s for steps in batch["completions"] for s in steps]
+    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts \
+        else []
+    prompts = [with_bos(x, tokenizer) for x in ids[:start]] if plain else \
+        [prompt_ids(p, tokenizer) for p in batch["prompt"]]
+    out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
+                           "step_labels")}
     for prompt, steps, labels in zip(prompts, batch["completions"], batch["labels"]):
-        row = assemble(prompt, flat_ids[start:start + len(steps)], sep, labels, max_length=max_length,
+        row = assemble(prompt, ids[start:start + len(steps)], sep, labels, max_length=max_length,
                        max_completion_length=max_completion_length,
                        train_on_last_step_only=train_on_last_step_only, is_eval=is_eval)
         start += len(steps)
-        row["length"], row["n_labeled"] = len(row["input_ids"]), len(row["labels"]) - row["labels"].count(IGNORE)
-        row["step_labels"] = [None if y is None else float(y) for y in labels]
+        row.update(length=len(row["input_ids"]), n_labeled=len(row["labels"]) - row["labels"].count(IGNORE),
+                   step_labels=[None if y is None else float(y) for y in labels])
         for k in out:
             out[k].append(row[k])
     return out
 
 
 def collate(rows: list, pad_id: int) -> dict:
-    """Right padding (causal model: real tokens keep positions 0..n-1); ids/mask int64, labels float32 with -100.
-
-    Float labels carry hard (0/1) and soft targets in one tensor."""
+    """Right padding (a causal model's real tokens keep positions 0..n-1); ids and mask int64, labels float32
+    (hard 0/1 and soft targets in one tensor), -100 where unlabeled."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
     mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
@@ -147,14 +141,13 @@ def collate(rows: list, pad_id: int) -> dict:
 
 
 def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
-    """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, labels as they
-    are, and the example boundaries as int32 cumulative lengths (computed here, on the host). No attention mask:
-    prm.varlen's attention keeps every example to itself. Shapes: input_ids/position_ids (1, N) int64, labels (1, N)
-    float32, cu_seq_lens_q/k (n_rows + 1,), max_length_q/k ints (transformers' names for these keyword arguments).
-
-    pack_to > 0 pads the row up to a multiple of pack_to with a tail that is one more example of its own (pad ids,
-    labels -100, so it attends to nothing real): with one tail slot always present, every batch of the same size and
-    bucket has the same shapes, which --compile needs to compile once. For rows [a b c] and [d e]:
+    """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, example
+    boundaries as int32 cumulative lengths (made on the host), no attention mask (prm.varlen keeps each
+    example to itself). input_ids/position_ids (1, N) int64, labels (1, N) float32, cu_seq_lens_q/k
+    (n_rows + 1,), max_length_q/k ints: transformers' keyword names. pack_to > 0 pads the row up to a
+    multiple of pack_to with a tail that is one more example (pad ids, labels -100: it attends to nothing
+    real); with that tail slot always there, same-size batches of one bucket share their shapes, so
+    --compile compiles once. For rows [a b c] and [d e]:
       input_ids    [a b c d e]        with pack_to=4: [a b c d e P P P]
       position_ids [0 1 2 0 1]                        [0 1 2 0 1 0 1 2]
       cu_seq_lens  [0 3 5]                            [0 3 5 8]
@@ -170,7 +163,7 @@ def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
     ids[0, :n] = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
     labels[0, :n] = torch.as_tensor([y for r in rows for y in r["labels"]], dtype=torch.float32)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # (n_rows + 1,)
-    # an upper bound is all the kernel needs: with pack_to, the row width keeps it the same from batch to batch
+    # an upper bound is all the kernel needs: with pack_to, the row width keeps it the same in every batch
     max_length = width if pack_to else max(lengths)
     return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
             "max_length_q": max_length, "max_length_k": max_length}
@@ -184,17 +177,16 @@ def pad_token_id(tokenizer) -> int:
 
 
 def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, group_by_length: bool) -> list:
-    """The epoch's optimizer-step batches: lists of exactly `global_batch` dataset indices, whatever the world size.
-
-    A pure function of (seed, epoch): resuming at any step rebuilds the same plan, with no data-loader state to save.
-    With grouping, windows of 64 batches are sorted by length before cutting, then the batch order is shuffled
-    again, so neighbours in a batch have similar lengths but the order stays random."""
+    """The epoch's optimizer-step batches: lists of exactly `global_batch` dataset indices, any world size.
+    A pure function of (seed, epoch): resuming at any step rebuilds the same plan, with no loader state saved.
+    With grouping, windows of 64 batches are sorted by length before cutting, then the batch order is
+    shuffled again, so neighbours in a batch have similar lengths but the order stays random."""
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(len(lengths)))
     rng.shuffle(order)
     n_batches = math.ceil(len(order) / global_batch)
-    # wrap around: the last batch is completed with the epoch's first indices, so every batch is full and every
-    # rank runs the same number of micro-batches (a short last batch would leave a rank idle in the all-reduce)
+    # wrap around: the last batch is completed with the epoch's first indices, so every batch is full and
+    # every rank runs as many micro-batches (a short last batch would leave a rank idle in the all-reduce)
     order = (order * math.ceil(n_batches * global_batch / max(len(order), 1)))[: n_batches * global_batch]
     if group_by_length:
         window = 64 * global_batch
@@ -207,21 +199,19 @@ def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, grou
 
 
 def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_accum: int) -> list:
-    """This rank's `grad_accum` micro-batches of one global batch.
-
-    The batch is sorted by length and cut into world_size x grad_accum equal chunks; micro-step a of rank r takes
-    chunk a x world_size + r. Any (world_size, grad_accum) split of the same global batch therefore sees the same
-    examples, and ranks running the same micro-step get neighbouring lengths (similar padding, similar time)."""
+    """This rank's `grad_accum` micro-batches of one global batch: the batch sorted by length, cut into
+    world_size x grad_accum equal chunks; micro-step a of rank r takes chunk a x world_size + r. Any
+    (world_size, grad_accum) split of one global batch thus sees the same examples, and ranks at the same
+    micro-step get neighbouring lengths (similar padding and time)."""
     ordered = sorted(batch, key=lambda i: lengths[i])
     per = len(batch) // (world_size * grad_accum)
-    return [ordered[(a * world_size + rank) * per:(a * world_size + rank + 1) * per] for a in range(grad_accum)]
+    return [ordered[c * per:(c + 1) * per] for c in range(world_size * grad_accum)][rank::world_size]
 
 
 def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> int:
     """Tokens processed, padding included, by all micro-batches of all ranks (the chunks of micro_batches).
-
-    pack_to None: padded rows, a chunk as wide as its longest row; an int: packed rows (pack), each chunk's tokens
-    rounded up to a multiple of pack_to (0: not rounded)."""
+    pack_to None: padded rows, a chunk as wide as its longest row; an int: packed rows (pack), each chunk's
+    tokens rounded up to a multiple of pack_to (0: not rounded)."""
     ordered = sorted(lengths[i] for i in batch)
     per = len(batch) // n_chunks
     if pack_to is not None:

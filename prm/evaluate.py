@@ -1,6 +1,5 @@
-"""The one evaluation route (predict, then report), used by the trainer's held-out metrics and by eval.py, and
-the scoring API; best-of-N and PRMBench reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.model,
-prm.runtime, prm.varlen."""
+"""The one evaluation route (predict, then report) of the trainer's held-out metrics and eval.py; the scoring
+API; best-of-N reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.model, prm.runtime, prm.varlen."""
 import contextlib
 
 import torch
@@ -17,49 +16,40 @@ from prm.varlen import is_packed
 @torch.inference_mode()
 def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Runtime = Runtime(),
             progress: bool = True, lockstep: bool = False) -> list:
-    """P(correct) at every step end (`step_ends`, labeled or not) of each tokenized row, in the input order.
-
-    Length-sorted batches are dealt to ranks and the per-rank results gathered once, so the output is the same
-    whatever the world size. A row with no step end left is not run and gets []. lockstep: every rank runs the
-    same number of forwards (a sharded model all-gathers its weights in each: a stopped rank hangs it)."""
+    """P(correct) at every step end (`step_ends`, labeled or not) of each tokenized row, in the input order,
+    whatever the world size (length-sorted batches dealt to ranks, results gathered once); [] for a row with
+    no step end. lockstep: every rank runs as many forwards (a sharded model all-gathers its weights in
+    each: a stopped rank hangs it)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     todo = [i for i, r in enumerate(rows) if r["step_ends"]]
-    lengths = [len(rows[i]["input_ids"]) for i in todo]
-    batches = eval_batches(lengths, batch_size, rt.world_size, rt.rank)
+    every = eval_batches([len(rows[i]["input_ids"]) for i in todo], batch_size)  # all ranks' batches
+    batches = every[rt.rank::rt.world_size]
     if lockstep and todo:  # the spare forwards rerun the first batch, and their output is dropped
-        spare = -(-len(eval_batches(lengths, batch_size)) // rt.world_size) - len(batches)
-        batches += [None] * spare
+        batches += [None] * (-(-len(every) // rt.world_size) - len(batches))
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     local = {}
     # disable None: tqdm shows the bar on a terminal only, never as redraws in a log file
     for batch in tqdm(batches, desc="eval", disable=not (progress and rt.is_main) or None, leave=False):
-        idx = [todo[j] for j in (batch or eval_batches(lengths, batch_size)[0])]
+        idx = [todo[j] for j in (batch or every[0])]
         probs = _forward(model, [rows[i] for i in idx], pad_id, amp, device)
         for b, i in enumerate(idx if batch else []):
             local[i] = probs[b][rows[i]["step_ends"]].tolist()
-    merged = {}
-    for part in gather_objects(local, rt):
-        merged.update(part)
+    merged = {i: p for part in gather_objects(local, rt) for i, p in part.items()}
     model.train(was_training)
     return [merged.get(i, []) for i in range(len(rows))]
 
 
 def _forward(model, rows: list, pad_id: int, amp, device) -> list:
     """P(correct) at every token of each row: one (T_i,) CPU tensor per row, the batch packed or padded."""
-    if is_packed(model):
-        mb = pack(rows, pad_id)
-        with amp:
-            logits = model(**{k: v.to(device) if torch.is_tensor(v) else v
-                              for k, v in mb.items() if k != "labels"})  # (1, N, 2)
-        probs = torch.softmax(logits.float(), dim=-1)[0, :, 1].cpu()  # (N,)
-        cu = mb["cu_seq_lens_q"].tolist()
-        return [probs[s:e] for s, e in zip(cu, cu[1:])]
-    mb = collate(rows, pad_id)
+    mb = pack(rows, pad_id) if is_packed(model) else collate(rows, pad_id)
     with amp:
-        logits = model(mb["input_ids"].to(device), mb["attention_mask"].to(device))  # (B, T, 2)
-    return torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, T)
+        logits = model(**{k: v.to(device) if torch.is_tensor(v) else v
+                          for k, v in mb.items() if k != "labels"})  # (B, T, 2); packed: (1, N, 2)
+    probs = torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, T); packed: (1, N)
+    cu = mb["cu_seq_lens_q"].tolist() if "cu_seq_lens_q" in mb else None
+    return probs if cu is None else [probs[0, s:e] for s, e in zip(cu, cu[1:])]
 
 
 def true_first_error(row: dict) -> int:
@@ -70,36 +60,32 @@ def true_first_error(row: dict) -> int:
 
 
 def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: bool = False) -> dict:
-    """Every metric of one set, from predict's per-step P(correct) and each row's truth.
-
-    rows: tokenized rows (prm.ingest) with step_labels (None = unlabeled) and, optionally, first_error and
-    final_answer_correct. Unlabeled steps are scored (ProcessBench needs them) but stay out of the step
-    metrics. n_examples counts the rows with a scored step; a row with none is left out of every metric and
-    counted in examples_dropped; a truncated row (some steps unscored) is kept and its first error looked for
-    among its scored steps only. Rows with a PRMBench `category` add a `prmbench` block (PRMScore overall and
-    per category)."""
+    """Every metric of one set from predict's per-step P(correct) and tokenized rows (prm.ingest) with
+    step_labels (None = unlabeled, scored for ProcessBench but kept out of the step metrics) and optionally
+    first_error, final_answer_correct, a PRMBench `category`. A row with no scored step is left out of every
+    metric (examples_dropped); a truncated one is kept, its first error looked for among its scored steps."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
+    scores, kept_rows = [ps for ps, _ in kept], [row for _, row in kept]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
     out = {"n_examples": len(kept), **step_metrics([p for p, _ in pairs], [y for _, y in pairs], threshold),
            "examples_dropped": len(rows) - len(kept),
            "examples_truncated": sum(len(ps) < len(row["step_labels"]) for ps, row in kept)}
     if processbench:
-        truth = [true_first_error(row) for _, row in kept]
-        out.update(processbench_metrics([first_error(ps, threshold) for ps, _ in kept], truth),
-                   chance_f1=chance_f1(truth, [len(ps) for ps, _ in kept]))
-    outcomes = [row.get("final_answer_correct") for _, row in kept]
+        truth = [true_first_error(row) for row in kept_rows]
+        out.update(processbench_metrics([first_error(ps, threshold) for ps in scores], truth),
+                   chance_f1=chance_f1(truth, [len(ps) for ps in scores]))
+    outcomes = [row.get("final_answer_correct") for row in kept_rows]
     if any(y is not None for y in outcomes):
-        out.update(outcome_metrics([ps for ps, _ in kept], outcomes))
-    if any(row.get("category") is not None for _, row in kept):  # PRMBench: every step labeled on its own
-        out["prmbench"] = prmbench_metrics([ps for ps, _ in kept], [[y >= 0.5 for y in row["step_labels"]]
-                                                                      for _, row in kept],
-                                           [row.get("category") for _, row in kept], threshold)
+        out.update(outcome_metrics(scores, outcomes))
+    categories = [row.get("category") for row in kept_rows]
+    if any(c is not None for c in categories):  # PRMBench: every step labeled on its own
+        ok = [[y >= 0.5 for y in row["step_labels"]] for row in kept_rows]
+        out["prmbench"] = prmbench_metrics(scores, ok, categories, threshold)
     return out
 
 
 def candidate_groups(step_probs: list, rows: list) -> list:
     """Rows -> one list of best-of-N candidates per problem (`group`), problems and candidates in input order.
-
     Every row is a candidate, scored or not (with no scored step it ranks last), and must know its outcome."""
     groups = {}
     for i, (ps, row) in enumerate(zip(step_probs, rows)):
@@ -115,8 +101,7 @@ def candidate_groups(step_probs: list, rows: list) -> list:
 
 
 def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> dict:
-    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ...} for rows carrying group and
-    final_answer_correct."""
+    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ...} for rows with group, final_answer_correct."""
     groups = candidate_groups(step_probs, rows)
     return {"best_of_n": best_of_n(groups, draws=draws, seed=seed), "n_problems": len(groups),
             "candidates_per_problem": sorted({len(g) for g in groups})}
@@ -130,29 +115,21 @@ def score(model, tokenizer, prompt, steps: list, step_separator: str = None, *, 
                        max_completion_length=max_completion_length)[0]
 
 
-def trained_input(model, step_separator=None, max_length=None, max_completion_length=None) -> tuple:
-    """(separator, max_length, max_completion_length): each argument given wins, else what the model was
-    trained with (config.json's "prm"), else "\n" and no caps. 0 turns a cap off."""
-    saved = input_settings(getattr(model, "config", None))
-    sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
-    length = max_length if max_length is not None else saved.get("max_length")
-    completion = max_completion_length if max_completion_length is not None else \
-        saved.get("max_completion_length")
-    return sep, length or None, completion or None  # tokenize_batch reads None as "no cap"; 0 keeps nothing
-
-
 @torch.inference_mode()
 def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *, max_length=None,
                 max_completion_length=None, batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(),
                 progress: bool = False) -> list:
-    """[(prompt, steps), ...] -> [[P(correct) per step], ...], every step scored.
-
-    The separator and length caps default to the model's own (saved in config.json by training; else "\n", no
-    caps); pass them to override, 0 for no cap. Truncation keeps whole steps, so each list is a prefix: steps
-    cut by max_completion_length or max_length get no score."""
-    sep, max_length, max_completion_length = trained_input(model, step_separator, max_length,
-                                                           max_completion_length)
-    rows, tokenize_input = [], getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own (prm.scorers)
+    """[(prompt, steps), ...] -> [[P(correct) per step], ...]. The separator and length caps default to the
+    model's own (config.json's, from training; else "\n", no caps); 0: no cap. Truncation keeps whole steps,
+    so each list is a prefix: steps cut by max_completion_length or max_length get no score."""
+    saved = input_settings(getattr(model, "config", None))  # what the model was trained with
+    sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
+    # tokenize_batch reads None as "no cap" and a max_length of 0 as "keep nothing": here 0 turns a cap off
+    max_length = (max_length if max_length is not None else saved.get("max_length")) or None
+    max_completion_length = (max_completion_length if max_completion_length is not None
+                             else saved.get("max_completion_length")) or None
+    tokenize_input = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own (prm.scorers)
+    rows = []
     for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
         chunk = solutions[start:start + 256]
         batch = {"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],

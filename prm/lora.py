@@ -1,5 +1,4 @@
-"""LoRA in plain PyTorch: low-rank adapters on chosen nn.Linear layers, and merging them back for export.
-Depends on: torch."""
+"""LoRA in plain PyTorch: adapters on chosen nn.Linear layers, merged back for export. Depends on: torch."""
 import fnmatch
 import math
 
@@ -9,22 +8,20 @@ import torch.nn.functional as F
 
 
 class LoRALinear(nn.Linear):
-    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W and b frozen.
-
-    A subclass of nn.Linear that keeps the original `weight`/`bias` parameters, so the frozen tensors keep their
-    state-dict names and a merged export is the plain model's layout. B starts at zero: step 0 equals the base model."""
+    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W and b frozen; B starts at zero, so step 0 is
+    the base model. It keeps the nn.Linear's own `weight`/`bias` parameters: the frozen tensors keep their
+    state-dict names, and a merged export has the plain model's layout."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float):
         nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+        for p in self.parameters():  # weight and bias, frozen; the adapters come next
+            p.requires_grad_(False)
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=dev))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=dev))  # (out, r)
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's own init, as in the LoRA paper's code
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as in the LoRA paper's code
         self.scale = alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
@@ -48,13 +45,13 @@ def matches(name: str, patterns: list) -> bool:
 
 def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, targets: str) -> list:
     """Freezes every backbone parameter and swaps matching nn.Linear layers for LoRALinear, in place.
-
     Returns the adapted module names. No match is an error: a LoRA run that trains nothing but the head is the
     silent failure this guards against (GPT-2 style Conv1D layers are not nn.Linear, for instance)."""
     patterns = [p.strip() for p in targets.split(",") if p.strip()]
     for p in backbone.parameters():
         p.requires_grad_(False)
-    linear = [(n, m) for n, m in backbone.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
+    linear = [(n, m) for n, m in backbone.named_modules()
+              if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
     chosen = [(n, m) for n, m in linear if matches(n, patterns)]
     if not chosen:
         seen = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
@@ -74,8 +71,8 @@ def merge(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
 
 
 def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
-    """The module's state dict (or `state`, the same keys gathered elsewhere, e.g. from sharded weights) with every
-    adapter folded into its weight and the lora_* entries removed."""
+    """The module's state dict (or `state`, the same keys gathered elsewhere, e.g. from sharded weights) with
+    every adapter folded into its weight and the lora_* entries removed."""
     state = dict(module.state_dict() if state is None else state)
     for name, m in module.named_modules():
         if isinstance(m, LoRALinear):
@@ -86,8 +83,8 @@ def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
 
 
 def peft_targets(module: nn.Module) -> list:
-    """PEFT's target_modules for exactly the adapted layers (PEFT matches a name or a dotted suffix of one): their last
-    parts (`q_proj`) when those name no other module, else the full names (`layers.0.self_attn.q_proj`)."""
+    """PEFT's target_modules for exactly the adapted layers (PEFT matches a name or a dotted suffix of one):
+    their last parts (`q_proj`) when those name no other module, else the full names."""
     chosen = {n for n, m in module.named_modules() if isinstance(m, LoRALinear)}
     short = {n.rsplit(".", 1)[-1] for n in chosen}
     same_short = {n for n, _ in module.named_modules() if n.rsplit(".", 1)[-1] in short}

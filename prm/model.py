@@ -10,34 +10,32 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
 ID2LABEL = {0: "incorrect", 1: "correct"}
-SETTINGS = "prm"  # config.json key: how training read the input (step_separator, max_length, max_completion_length)
+SETTINGS = "prm"  # config.json key: the input as trained (step_separator, max_length, max_completion_length)
 
 
 class PRM(nn.Module):
     def __init__(self, backbone, head: nn.Linear):
         super().__init__()
-        self.backbone = backbone
-        self.head = head
+        self.backbone, self.head = backbone, head
 
     @property
     def config(self):
         return self.backbone.config
 
     def forward(self, input_ids, attention_mask=None, **packed):
-        """packed: position_ids and the example boundaries of a packed row (prm.data.pack), passed to the backbone."""
+        """packed: a packed row's position_ids and example boundaries (prm.data.pack), for the backbone."""
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **packed).last_hidden_state  # (B, T, H)
         return self.head(h)  # (B, T, 2)
 
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
         """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is.
-
-        backbone_state / head_state: the weights to write (default: the modules' state dicts). A model with
-        adapters passes them folded in (prm.lora.merged_state_dict), so the file is a plain token classifier;
-        a sharded model passes its gathered weights."""
+        backbone_state / head_state: the weights to write (default: the modules' own). A LoRA model passes its
+        adapters folded in (prm.lora.merged_state_dict), a sharded model its gathered weights."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
-        if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them and load the base model
-            raise ValueError("the backbone has unmerged adapters: pass backbone_state=merged_state_dict(backbone)")
+        if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would silently drop them
+            raise ValueError("the backbone has unmerged adapters: pass "
+                             "backbone_state=merged_state_dict(backbone)")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         cfg.num_labels, cfg.id2label, cfg.label2id = 2, dict(ID2LABEL), {v: k for k, v in ID2LABEL.items()}
@@ -57,17 +55,18 @@ class PRM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
-        """Loads a token-classification checkpoint (ours, TRL's, any HF one) or puts a fresh head on a backbone."""
+        """A token-classification checkpoint (ours, TRL's, any HF one), or a backbone with a fresh head."""
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        kw["trust_remote_code"] = trust_remote_code
         if any(a.endswith("ForTokenClassification") for a in (cfg.architectures or [])):
-            hf = AutoModelForTokenClassification.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
+            hf = AutoModelForTokenClassification.from_pretrained(name, **kw)
             if hf.config.num_labels != 2:
                 raise ValueError(f"{name}: a PRM needs 2 labels, this checkpoint has {hf.config.num_labels}")
             return cls.from_classifier(hf)
-        backbone = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code, **kw)
+        backbone = AutoModel.from_pretrained(name, **kw)
         head = new_head(backbone.config)
-        # a pretrained model's hidden states share one large direction, so a random head gives every step the same
-        # confident verdict; zero weights start every step at P(correct) = 0.5
+        # a pretrained model's hidden states share one large direction, so a random head gives every step the
+        # same confident verdict; zero weights start every step at P(correct) = 0.5
         nn.init.zeros_(head.weight)
         return cls(backbone, head)
 
@@ -78,8 +77,8 @@ def input_settings(config) -> dict:
 
 
 def add_legacy_keys(config_path: str):
-    """Writes what transformers 4 loaders read beside transformers 5's names: a top-level rope_theta (without it they
-    fall back to their own default, 10000, wrong for Qwen2's 1e6), rope_scaling for non-default RoPE, torch_dtype."""
+    """Writes what transformers 4 loaders read beside transformers 5's names: a top-level rope_theta (else
+    they use 10000, wrong for Qwen2's 1e6), rope_scaling for non-default RoPE, torch_dtype."""
     with open(config_path) as f:
         d = json.load(f)
     rope = d.get("rope_parameters")
@@ -96,8 +95,7 @@ def add_legacy_keys(config_path: str):
 
 
 def new_head(config) -> nn.Linear:
-    hidden = config.get_text_config().hidden_size
-    head = nn.Linear(hidden, 2)
+    head = nn.Linear(config.get_text_config().hidden_size, 2)
     nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
     nn.init.zeros_(head.bias)
     return head
@@ -106,14 +104,12 @@ def new_head(config) -> nn.Linear:
 def step_loss(logits, labels, n_labeled):
     """Sum of per-step cross-entropy against [1-p, p], divided by n_labeled: the labeled steps of the WHOLE
     optimizer step (every micro-batch, every rank).
-
-    labels: (B, T) float, -100 where unlabeled, 0/1 hard or in-between soft. Returns (loss, ce_sum, n_correct);
-    ce_sum and n_correct are detached sums for logging. Zero labeled steps give a loss of exactly 0, never NaN."""
+    labels: (B, T) float, -100 where unlabeled, 0/1 hard, in between soft. Returns (loss, ce_sum, n_correct),
+    the last two detached sums for logging. No labeled step gives a loss of exactly 0, never NaN."""
     mask = labels != -100  # (B, T)
-    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, so no host sync on CUDA
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, no host sync on CUDA
     p = torch.where(mask, labels, 0.0)  # (B, T)
-    ce = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0)  # (B, T)
-    ce_sum = ce.sum()
+    ce_sum = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0).sum()  # over (B, T)
     n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
     n = n_labeled.clamp(min=1) if torch.is_tensor(n_labeled) else max(n_labeled, 1)
     return ce_sum / n, ce_sum.detach(), n_correct
@@ -146,6 +142,5 @@ def load_weights(model: PRM, path: str):
     """Loads save_pretrained's safetensors back into an existing PRM (exact tensors, no re-init)."""
     state = load_file(os.path.join(path, "model.safetensors"))
     _, prefix, head_name = hf_names(model.config)
-    model.backbone.load_state_dict({k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")})
-    model.head.load_state_dict({k[len(head_name) + 1:]: v for k, v in state.items()
-                                if k.startswith(head_name + ".")})
+    for module, name in ((model.backbone, prefix), (model.head, head_name)):
+        module.load_state_dict({k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")})

@@ -1,9 +1,7 @@
-"""The model as the training loop runs it (Parallel: plain, compiled, DDP or FSDP2), and FSDP2 for models too big
-for DDP: shard a PRM's weights, gradients and optimizer state over the ranks, and save or load them sharded with
-torch.distributed.checkpoint. Depends on: torch, prm.errors.
-
-DDP keeps a full copy of weights, gradients and AdamW state on every rank (16 bytes per trained parameter);
-fully_shard keeps 1/world_size of each and all-gathers one decoder layer at a time for its forward and backward."""
+"""The model as the training loop runs it (Parallel: plain, compiled, DDP or FSDP2), and FSDP2 for models too
+big for DDP (a full copy of weights, gradients and AdamW state per rank, 16 bytes per trained parameter):
+fully_shard keeps 1/world_size of each, gathering one decoder layer at a time; torch.distributed.checkpoint
+saves and loads the shards. Depends on: torch, prm.errors."""
 import contextlib
 import os
 import warnings
@@ -22,29 +20,19 @@ from prm.errors import check
 SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a checkpoint
 
 
-def decoder_layers(backbone: nn.Module) -> nn.ModuleList:
-    """The backbone's stack of decoder layers: its longest nn.ModuleList (`layers` in Llama/Qwen2, `h` in GPT-2)."""
-    stacks = [m for m in backbone.modules() if isinstance(m, nn.ModuleList)]
-    if not stacks:
-        raise ValueError(f"{type(backbone).__name__} has no nn.ModuleList of layers to shard")
-    return max(stacks, key=len)
-
-
 def shard(model: nn.Module, amp_dtype=None) -> nn.Module:
-    """fully_shard every decoder layer, then the root (embeddings, final norm, head), in place.
-
-    With autocast on, layers compute in amp_dtype (all-gathers move half the bytes) and gradients are reduced in
-    fp32, the counterpart of autocast with fp32 master weights; the sharded master weights stay fp32."""
+    """fully_shard every decoder layer (the backbone's longest nn.ModuleList: `layers` in Llama/Qwen2, `h` in
+    GPT-2), then the root (embeddings, final norm, head), in place. With autocast on, layers compute in
+    amp_dtype (all-gathers move half the bytes) and gradients are reduced in fp32, the counterpart of autocast
+    with fp32 master weights; the sharded master weights stay fp32."""
+    stacks = [m for m in model.backbone.modules() if isinstance(m, nn.ModuleList)]
+    if not stacks:
+        raise ValueError(f"{type(model.backbone).__name__} has no nn.ModuleList of layers to shard")
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32 if amp_dtype else None)
-    for layer in decoder_layers(model.backbone):
+    for layer in max(stacks, key=len):
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: a DTensor (the gradient norm of sharded parameters, say) gathered whole."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _options(trainable_only: bool, **kw) -> StateDictOptions:
@@ -53,7 +41,7 @@ def _options(trainable_only: bool, **kw) -> StateDictOptions:
 
 
 def save_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
-    """Every rank writes its shard of the weights and the optimizer state into <path>/shards (a collective)."""
+    """Every rank writes its shard of the weights and optimizer state into <path>/shards (a collective)."""
     weights, optim = get_state_dict(model, optimizer, options=_options(trainable_only))
     dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=os.path.join(path, SHARDS))
 
@@ -68,37 +56,34 @@ def load_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
 
 
 def load_whole(path: str, model: nn.Module, trainable_only: bool):
-    """A sharded checkpoint's weights into a model that is not sharded (eval.py), by each process on its own."""
+    """A sharded checkpoint's weights into a model that is not sharded (eval.py), each process on its own."""
     weights = get_model_state_dict(model, options=_options(trainable_only))
-    with warnings.catch_warnings():  # dcp warns that it reads in one process even when no_dist asks for exactly that
+    with warnings.catch_warnings():  # dcp warns that it reads in one process even when no_dist asks for that
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load({"model": weights}, checkpoint_id=os.path.join(path, SHARDS), no_dist=True)  # weights only
     set_model_state_dict(model, weights, options=_options(trainable_only, strict=not trainable_only))
 
 
-def full_state(model: nn.Module) -> dict:
-    """The whole model's state dict as plain CPU tensors on rank 0 (empty elsewhere): for the final export."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 class Parallel:
-    """The model as the loop runs it: plain, compiled, wrapped in DDP, or sharded with FSDP2 (--fsdp). The loop
-    calls these methods and never asks which; `model` stays the plain PRM (saving, evaluation)."""
+    """The model as the loop runs it: plain, compiled, wrapped in DDP, or sharded with FSDP2 (--fsdp). The
+    loop calls these methods and never asks which; `model` stays the plain PRM (saving, evaluation)."""
 
     def __init__(self, model, rt, *, cfg, amp_dtype, packed: bool):
         self.model, self.rt, self.fsdp = model, rt, cfg.fsdp
         if cfg.fsdp:  # before the optimizer is made: it must hold the sharded parameters
-            check([] if rt.distributed else ["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2+"])
+            check([] if rt.distributed else ["--fsdp shards over ranks: launch with torchrun "
+                                             "--nproc_per_node 2+"])
             shard(model, amp_dtype)
         self.forward = model
-        if cfg.compile:  # varying widths: one symbolic-shape graph at once, not a static one and then a recompile;
-            # packed rows padded to --pack-to repeat their shapes, so a static graph compiles once and stays
+        # --compile: for varying widths, one symbolic-shape graph at once, not a static one and a recompile;
+        # packed rows padded to --pack-to repeat their shapes, so a static graph compiles once and stays
+        if cfg.compile:
             self.forward = torch.compile(model, dynamic=not (packed and cfg.pack_to))
         if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
             self.forward = DDP(self.forward, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
     def grad_sync(self, last: bool):
-        """Gradients are reduced over ranks in the last micro-batch's backward only: it carries the sum of all."""
+        """Gradients are reduced over ranks in the last micro-batch's backward only: it carries the sum."""
         if self.fsdp:
             self.model.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
@@ -106,8 +91,11 @@ class Parallel:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clips by the norm over every rank's gradients (sharded ones gathered), as DDP does; returns it."""
-        return full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm or float("inf")))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm or float("inf"))
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state(self):
-        """The whole model's weights on rank 0 when sharded (a collective); None: the model's own serve."""
-        return full_state(self.model) if self.fsdp else None
+        """Sharded: the whole model's weights as CPU tensors on rank 0 (empty elsewhere; a collective), for
+        the final export. None: the model's own serve."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options) if self.fsdp else None

@@ -1,8 +1,6 @@
 """The hand-written training loop: train() over train_step(), with the model's parallel wrapping, evaluation,
 checkpoints and logging each behind a small component that decides for itself. Depends on: torch, tqdm, prm.*.
-
-Here "step" always means an optimizer step (--max-steps, checkpoint-<step>); the reasoning steps of a solution
-are its labeled positions ("n_labeled" counts them)."""
+"step" here is an optimizer step (--max-steps, checkpoint-<step>); "n_labeled" counts reasoning steps."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -38,7 +36,6 @@ from prm.varlen import is_packed
 
 def train(cfg: Config, command: str = "") -> dict:
     """Runs one training; returns the final held-out metrics on rank 0, None on the other ranks.
-
     command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
     check(cfg.problems())
     require(cfg.report_to)  # a missing tracker package stops the run before anything is written
@@ -79,7 +76,7 @@ def make_optimizer(model, cfg: Config, lr: float, device):
 
 
 class Trainer:
-    """Set-up in __init__, top-down, one _setup_* per concern (data, model, parallelism and optimizer, resume,
+    """Set-up in __init__, top-down, one _setup_* per concern (data; model, parallelism, optimizer and resume;
     output); then train(): a loop over train_step()."""
     cfg: Config  # resolved: no "auto" left, so the saved config says what was used
     rt: Runtime  # rank, world size, device
@@ -123,8 +120,6 @@ class Trainer:
             self.check_resume(self.resume_from)
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
-        self._setup_optimizer()
-        self._setup_resume()
         self._setup_output()
 
     def check_resume(self, path: str):
@@ -147,8 +142,9 @@ class Trainer:
         self.tokenizer = tokenizer_for(cfg)
         self.pad_id = pad_token_id(self.tokenizer)
         with main_first(rt):  # rank 0 fills the datasets cache; the other ranks then read it
-            digests = {cfg.dataset: self.digests["train"], cfg.eval_dataset: self.digests["eval"]}
-            train_raw, eval_raw = load_splits(cfg, digests)  # files hashed once: cache key and checkpoints
+            # files hashed once: the same digests key the rows cache and go in the checkpoints
+            train_raw, eval_raw = load_splits(cfg, {cfg.dataset: self.digests["train"],
+                                                    cfg.eval_dataset: self.digests["eval"]})
             train_ds, self.train_report = tokenize_dataset(train_raw, self.tokenizer, cfg, is_eval=False,
                                                            num_proc=cfg.num_proc)
             eval_ds, self.eval_report = tokenize_dataset(eval_raw, self.tokenizer, cfg, is_eval=True,
@@ -168,6 +164,8 @@ class Trainer:
         self.plan_epoch, self.plan = None, None
 
     def _setup_model(self):
+        """The model, its parallel wrapping, optimizer, scheduler and scaler; with --resume, their states and
+        the RNG's are loaded in place from the checkpoint (into the wrapped model every rank holds)."""
         cfg, rt = self.cfg, self.rt
         self.model = model_for(cfg, self.tokenizer).to(rt.device)
         self.packed = is_packed(self.model)  # --packing on a backbone that supports it
@@ -178,16 +176,9 @@ class Trainer:
             raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype} gives no bf16 autocast on "
                              f"{rt.device}")
         self.parallel = Parallel(self.model, rt, cfg=cfg, amp_dtype=self.amp_dtype, packed=self.packed)
-
-    def _setup_optimizer(self):
-        cfg, rt = self.cfg, self.rt
         self.optimizer = make_optimizer(self.model, cfg, cfg.lr, rt.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total))
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
-
-    def _setup_resume(self):
-        """Weights, optimizer, scheduler, scaler and RNG from the checkpoint, loaded in place into the
-        (wrapped) model every rank holds; a fresh run starts at step 0."""
         self.step = 0
         if self.resume_from:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler,
@@ -199,8 +190,8 @@ class Trainer:
         if rt.is_main:
             cfg.save(cfg.output_dir)
         self.held_out = HeldOut(self.model, self.eval_rows, cfg=cfg, rt=rt, pad_id=self.pad_id,
-                                every=cfg.every("eval", self.steps_per_epoch),
-                                amp_dtype=self.amp_dtype, processbench=self.processbench)
+                                every=cfg.every("eval", steps_per_epoch), amp_dtype=self.amp_dtype,
+                                processbench=self.processbench)
         self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
                          disable=not rt.is_main or self.quiet)
         tracker = Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None
@@ -324,9 +315,7 @@ class HeldOut:
 
     def every(self, step: int, *, last_step: int):
         """The metrics when --eval-every falls on `step` before the last (finish() does that one); or None."""
-        if self.interval and step % self.interval == 0 and step < last_step:
-            return self.run()
-        return None
+        return self.run() if self.interval and step % self.interval == 0 and step < last_step else None
 
     def run(self) -> dict:
         probs = predict(self.model, self.rows, batch_size=self.cfg.eval_batch_size, pad_id=self.pad_id,
@@ -337,8 +326,7 @@ class HeldOut:
 
 class Preemption:
     """In the loop, SIGTERM/SIGINT finish the optimizer step, save a checkpoint and stop with 128 + signal; a
-    second signal stops at once. Outside the `with` block (set-up, final evaluation) they keep their usual
-    effect."""
+    second signal stops at once. Outside the `with` block (set-up, final evaluation): their usual effect."""
     signum: int = None  # the signal received in the loop; None: none
 
     def __enter__(self):
@@ -357,10 +345,9 @@ class Preemption:
 
     def agreed(self, rt: Runtime) -> bool:
         """Whether to stop now; under DDP every rank stops at the same step, even if one was signalled."""
-        flag = float(self.signum is not None)
         if not rt.distributed:
-            return bool(flag)
-        return all_reduce_sum(torch.tensor([flag], device=rt.device), rt).item() > 0
+            return self.signum is not None
+        return all_reduce_sum(torch.tensor([float(self.signum is not None)], device=rt.device), rt).item() > 0
 
     def stopped(self, step: int) -> Stopped:
         name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"

@@ -1,10 +1,10 @@
-"""Attention over packed rows: several examples back to back in one row, each attending only to itself (causal).
-
+"""Attention over packed rows: several examples back to back in one row, each attending only to itself.
 `use_packed_attention(backbone)` switches a stock transformers decoder to it; the backbone is then called with
-prm.data.pack's tensors (position_ids restarting at 0 per example, the boundaries as cu_seq_lens_q/k, no mask).
-On CUDA in bf16/fp16 the kernel is PyTorch's own varlen flash attention; anywhere else an exact fallback runs causal
-SDPA once per example. Registered through transformers' AttentionInterface, so nothing builds an N x N mask and the
-saved config stays a plain one. Depends on: torch, transformers; copy it alone."""
+prm.data.pack's tensors (position_ids restarting at 0 per example, boundaries as cu_seq_lens_q/k, no mask).
+On CUDA in bf16/fp16 the kernel is PyTorch's varlen flash attention; anywhere else an exact fallback runs
+causal SDPA per example. Registered through transformers' AttentionInterface: nothing builds an N x N mask
+and the saved config stays a plain one. Depends on: torch, transformers; copy it alone."""
+import functools
 import inspect
 
 import torch
@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 KERNEL_DEVICE = "cuda"  # where varlen_attn runs (the tests point it at the CPU, with a reference kernel)
-NAME = "prm_packed"  # the attention implementation's name; not a mask interface name, so transformers builds no mask
-_OPTIONS = {}  # (kernel, heads, K/V heads) -> kernel_options(...)
+NAME = "prm_packed"  # the attention implementation; not a mask interface name: transformers builds no mask
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
@@ -21,10 +20,9 @@ except ImportError:
 
 
 def kernel_dtype(query):
-    """The half dtype the flash kernel would run in, or None where only the fallback can (CPU, fp32, head dim > 256).
-
-    Under autocast, RoPE multiplies bf16 projections by fp32 cos/sin and hands over fp32 queries: the kernel then
-    runs in the autocast dtype, as SDPA would."""
+    """The flash kernel's half dtype; None where only the fallback can run (CPU, fp32, head dim > 256).
+    Under autocast, RoPE multiplies bf16 projections by fp32 cos/sin and hands over fp32 queries: the kernel
+    then runs in the autocast dtype, as SDPA would."""
     if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
         return None
     if query.dtype in (torch.bfloat16, torch.float16):
@@ -32,6 +30,7 @@ def kernel_dtype(query):
     return torch.get_autocast_dtype(KERNEL_DEVICE) if torch.is_autocast_enabled(KERNEL_DEVICE) else None
 
 
+@functools.lru_cache  # the signature is inspected once, not in every layer of every forward
 def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
     """(keyword arguments for causal attention, whether K/V must be repeated) for the installed varlen_attn:
     torch 2.10 took is_causal, later versions a (left, right) window where (-1, 0) is causal; grouped-query
@@ -46,35 +45,35 @@ def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
 
 def per_example_sdpa(q, k, v, cu_seqlens, scale):
     """Exact fallback: causal SDPA on each example's slice. q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
-    bounds = cu_seqlens.tolist()  # a host copy: free on CPU, one sync on CUDA (the fallback is not the fast path)
+    bounds = cu_seqlens.tolist()  # free on CPU, one sync on CUDA (the fallback is not the fast path)
     gqa = q.shape[0] != k.shape[0]
     out = torch.empty_like(q)  # (H, N, D)
     for s, e in zip(bounds, bounds[1:]):
-        if e > s:  # 4-D (1, H, n, D): 3-D inputs take the math kernel on CPU (2x slower, an n x n matrix saved)
+        if e > s:  # 4-D (1, H, n, D): 3-D takes the math kernel on CPU (2x slower, an n x n matrix saved)
             out[:, s:e] = F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e],
                                                          is_causal=True, scale=scale, enable_gqa=gqa)[0]
     return out
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention signature: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
+    """For AttentionInterface: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
-        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (prm.data.pack's output)")
+        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (prm.data.pack's "
+                         "output)")
     if not getattr(module, "is_causal", True) or dropout:
-        raise ValueError("packed attention supports causal attention without attention dropout only: --no-packing")
+        raise ValueError("packed attention supports causal attention without attention dropout only: "
+                         "--no-packing")
     window = kwargs.get("sliding_window")
     if window is not None and kwargs["max_length_q"] > window:
-        raise ValueError(f"an example of {kwargs['max_length_q']} tokens exceeds the sliding window ({window})")
+        raise ValueError(f"an example of {kwargs['max_length_q']} tokens exceeds the sliding window "
+                         f"({window})")
     dtype = kernel_dtype(query)
     if dtype is None:
         out = per_example_sdpa(query[0], key[0], value[0], cu, scaling)  # (H, N, D)
         return out.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D)
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, H, D)
-    key = (varlen_attn, q.shape[1], k.shape[1])
-    if key not in _OPTIONS:  # inspect once, not in every layer of every forward
-        _OPTIONS[key] = kernel_options(*key)
-    kw, repeat = _OPTIONS[key]
+    kw, repeat = kernel_options(varlen_attn, q.shape[1], k.shape[1])
     if repeat:  # grouped-query heads on a kernel without enable_gqa: each K/V head serves H / Hkv query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     cu = cu.to(device=q.device, dtype=torch.int32)
@@ -87,8 +86,8 @@ AttentionInterface.register(NAME, packed_attention)
 
 
 def supports_packing(backbone) -> bool:
-    """True for decoders whose attention goes through transformers' AttentionInterface, is causal everywhere and has
-    no attention dropout (GPT-2's default attn_pdrop is 0.1: such models keep padding)."""
+    """True for decoders whose attention goes through transformers' AttentionInterface, is causal everywhere
+    and has no attention dropout (GPT-2's default attn_pdrop is 0.1: such models keep padding)."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
     dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
     return bool(getattr(backbone, "_supports_attention_backend", False) and causal and all(causal)
@@ -96,8 +95,8 @@ def supports_packing(backbone) -> bool:
 
 
 def is_packed(model) -> bool:
-    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows; any
-    other module (no transformers config) is called padded."""
+    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows;
+    any other module (no transformers config) is called padded."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 
