@@ -35,7 +35,7 @@ NOT_REGULAR = "not a regular file"  # file_digests' entry for a symlink, FIFO or
 def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False, state: dict = None):
     """What eval.py and transformers read: weights (LoRA folded in, or with trainable_only the adapters and
     head alone), a LoRA run's adapter in PEFT's format (write_adapter), the tokenizer and the run's config.
-    state: the whole model's weights gathered from shards (prm.sharding.full_state); default: the model's."""
+    state: the whole model's weights gathered from shards (Parallel.full_state); default: the model's."""
     if trainable_only:  # the frozen base is rebuilt from --model on resume: store only what trains
         os.makedirs(path, exist_ok=True)
         save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},

@@ -76,8 +76,8 @@ def make_optimizer(model, cfg: Config, lr: float, device):
 
 
 class Trainer:
-    """Set-up in __init__, top-down, one _setup_* per concern (data; model, parallelism, optimizer and resume;
-    output); then train(): a loop over train_step()."""
+    """Set-up in __init__, top-down, one _setup_* per concern (data, model and parallelism, optimizer,
+    resume, output); then train(): a loop over train_step()."""
     cfg: Config  # resolved: no "auto" left, so the saved config says what was used
     rt: Runtime  # rank, world size, device
     command: str  # what started the run, for the model card
@@ -120,6 +120,8 @@ class Trainer:
             self.check_resume(self.resume_from)
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
+        self._setup_optimizer()
+        self._setup_resume()
         self._setup_output()
 
     def check_resume(self, path: str):
@@ -164,8 +166,6 @@ class Trainer:
         self.plan_epoch, self.plan = None, None
 
     def _setup_model(self):
-        """The model, its parallel wrapping, optimizer, scheduler and scaler; with --resume, their states and
-        the RNG's are loaded in place from the checkpoint (into the wrapped model every rank holds)."""
         cfg, rt = self.cfg, self.rt
         self.model = model_for(cfg, self.tokenizer).to(rt.device)
         self.packed = is_packed(self.model)  # --packing on a backbone that supports it
@@ -176,9 +176,16 @@ class Trainer:
             raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype} gives no bf16 autocast on "
                              f"{rt.device}")
         self.parallel = Parallel(self.model, rt, cfg=cfg, amp_dtype=self.amp_dtype, packed=self.packed)
-        self.optimizer = make_optimizer(self.model, cfg, cfg.lr, rt.device)
+
+    def _setup_optimizer(self):
+        cfg = self.cfg
+        self.optimizer = make_optimizer(self.model, cfg, cfg.lr, self.rt.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total))
-        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype == torch.float16)
+        self.scaler = torch.amp.GradScaler(self.rt.device.type, enabled=self.amp_dtype == torch.float16)
+
+    def _setup_resume(self):
+        """Weights, optimizer, scheduler, scaler and RNG from the checkpoint, loaded in place into the
+        (wrapped) model every rank holds; a fresh run starts at step 0."""
         self.step = 0
         if self.resume_from:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler,
