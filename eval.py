@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":  # --help and a bad flag answer before torch and transformers load (seconds)
-    ARGS = parse_args()
+    with exit_status():
+        ARGS = parse_args()
 
 # the heavy imports, after the early parse above
 from transformers import AutoConfig  # noqa: E402

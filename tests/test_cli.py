@@ -34,6 +34,15 @@ def test_an_unknown_flag_exits_2_naming_the_nearest(argv, hint):
     assert e.value.code == 2 and "\n" not in str(e.value) and hint in str(e.value)  # one line, no usage dump
 
 
+@pytest.mark.parametrize("argv, message", [(["--bogus"], "error: unrecognized arguments: --bogus"),
+                                           (["--dataset", "x.json"], "error: --model is required")])
+def test_eval_py_bad_flags_are_one_line_and_exit_2(argv, message):
+    proc = subprocess.run([sys.executable, "eval.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
 def test_help_has_a_section_per_group_of_fields_and_each_field_once(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--help"])
