@@ -425,7 +425,7 @@ def checked_value(f, value):
     if value is None and f.default is None:  # auto
         return value
     if want is float and type(value) in (int, str):  # `lr: 1` means 1.0; YAML 1.1 reads 1e-5 as a string
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, OverflowError):
             value = float(value)
     if type(value) is not want:  # type(), not isinstance: a bool is an int to isinstance
         raise ValueError(f"'{f.name}' must be {want.__name__}, got {type(value).__name__} {preview(value)}")

@@ -82,7 +82,8 @@ def test_a_huge_wrong_value_is_shown_as_a_short_preview(tmp_path):
     (tmp_path / "few.yaml").write_text("lr: [&a [1,1,1], &b [*a, *a, *a], &c [*b, *b, *b], [*c, *c, *c]]\n")
     (tmp_path / "big.json").write_text('{"lr": [' + ", ".join(["[1, 2, 3]"] * 100000) + "]}")
     (tmp_path / "long.yaml").write_text("dtype: " + "x" * 10 ** 6 + "\n")
-    for name in ("few.yaml", "big.json", "long.yaml"):
+    (tmp_path / "huge.yaml").write_text("lr: 1" + "0" * 400 + "\n")  # an int no float can hold
+    for name in ("few.yaml", "big.json", "long.yaml", "huge.yaml"):
         with pytest.raises(UsageError) as e:
             parse_config(["--config", str(tmp_path / name)])
         assert "must be" in str(e.value) and len(str(e.value)) < 400, name
