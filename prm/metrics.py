@@ -229,13 +229,13 @@ def prmbench_metrics(step_probs: list, step_ok: list, categories: list, threshol
     the positive class (tp: a correct step judged correct; fp: an erroneous one judged correct). step_ok: per
     solution, True for each correct step; steps with no score (truncated) are not counted. Category "correct"
     (the error-free originals) is reported alone and left out of the overall figure, as PRMBench does."""
-    pooled = defaultdict(Counter)  # category (None: the overall pool) -> {"tp": count, ...}
+    overall, pooled = Counter(), defaultdict(Counter)  # {"tp": count, ...}: all errors, per category
     for ps, ok, cat in zip(step_probs, step_ok, categories):
         counts = pooled[cat]  # a category is reported even when none of its steps was scored
         for p, y in zip(ps, ok):
             kind = ("t" if (p >= threshold) == y else "f") + ("p" if p >= threshold else "n")
             counts[kind] += 1
             if cat != "correct":
-                pooled[None][kind] += 1
-    total = prmscore(pooled.pop(None, Counter()))
-    return {**total, "categories": {cat: prmscore(n) for cat, n in sorted(pooled.items())}}
+                overall[kind] += 1
+    pooled.pop(None, None)  # a row of no category counts in the overall figure only
+    return {**prmscore(overall), "categories": {cat: prmscore(n) for cat, n in sorted(pooled.items())}}

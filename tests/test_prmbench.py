@@ -99,6 +99,12 @@ def test_undefined_f1_is_null_not_a_sentinel():
     assert out["categories"]["multi_solutions"] == {"prmscore": None, "f1": 1.0, "f1_neg": None, "n_steps": 2}
 
 
+def test_a_row_of_no_category_counts_once_in_the_overall_figure():
+    out = prmbench_metrics([[0.9, 0.2], [0.8]], [[True, False], [False]], [None, "circular"])
+    assert out["n_steps"] == 3 and list(out["categories"]) == ["circular"]  # tp 1, tn 1, fp 1
+    assert (out["f1"], out["f1_neg"]) == pytest.approx((2 / 3, 2 / 3))
+
+
 def test_eval_reports_prmscore_recomputable_from_predictions(tmp_path):
     model_dir = str(tmp_path / "model")
     tokenizer = char_tokenizer()
