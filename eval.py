@@ -7,8 +7,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass, fields
 
 from prm.config import FILE, Config, Parser, add_field, writable
 from prm.errors import UsageError, check, exit_status
@@ -19,6 +18,22 @@ SCORING = Config.names_with("scoring")
 # the table's columns: ProcessBench's if every subset has them (chance_f1: F1 of random flags), else steps
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
+
+
+@dataclass(frozen=True)
+class Options:
+    """eval.py's own options; the run settings it takes make a Config."""
+    datasets: list
+    predictions: str
+    processbench: bool
+    tune_threshold: str
+    best_of_n: bool
+    best_of_n_draws: int
+    scorer: str  # how a published PRM is read, with the next three (prm.scorers)
+    step_tag: str
+    good_token: str
+    bad_token: str
+    tokenizer_given: bool  # --tokenizer on the command line: it wins over the one saved beside the model
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -90,13 +105,12 @@ from prm.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, options): eval.py's own flags (all but --model and the run settings), and tokenizer_given (a
-    --tokenizer on the command line wins over the one saved beside the model). The run settings given win over
-    the run's: its config.train.json beside --model, else the input settings a PRM carries in its config.json
-    (an export), else the defaults."""
+    """(Config, Options). The run settings given on the command line win over the run's: its
+    config.train.json beside --model, else the input settings a PRM carries in its config.json (an export),
+    else the defaults."""
     given = dict(vars(args))
-    opts = SimpleNamespace(**{k: given.pop(k) for k in list(given) if k != "model" and k not in SCORING},
-                           tokenizer_given="tokenizer" in given)
+    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
+                   tokenizer_given="tokenizer" in given)
     if os.path.isfile(os.path.join(args.model, FILE)):
         base = Config.load(args.model).__dict__
     else:
@@ -163,7 +177,7 @@ def tuned_threshold(ev: Evaluator, path: str) -> dict:
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1, "dev": report(probs, dev, t, True)}
 
 
-def evaluate(ev: Evaluator, opts, threshold: float) -> tuple:
+def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
     """({subset name: its report}, the --predictions lines of every subset: one per row, enough to recompute
     every reported number)."""
     blocks, lines = {}, []

@@ -91,7 +91,8 @@ class Config:
                           "'tiny')", rules="scoring")
     dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
                         "directory", rules="rows", trl=("dataset_name",))
-    eval_dataset: str = _opt("", "default: --eval-split or an --eval-fraction share", rules="rows")
+    eval_dataset: str = _opt("", "held-out data; default: --eval-split or an --eval-fraction share",
+                             rules="rows")
     dataset_config: str = _opt("", "hub dataset config name", rules="scoring")
     train_split: str = _opt("train", "split used for training", rules="rows", trl=("dataset_train_split",))
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it", rules="rows scoring",

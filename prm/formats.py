@@ -328,7 +328,10 @@ def from_pretokenized(r: dict, neutral: str) -> list:
     return [row]
 
 
-CONVERTERS = {name: globals()["from_" + name] for name in FORMATS}
+CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise, "processbench": from_processbench,
+              "prm800k": from_prm800k, "math_shepherd": from_math_shepherd, "candidates": from_candidates,
+              "prmbench": from_prmbench, "mrben": from_mrben}
+assert set(CONVERTERS) == set(FORMATS)
 
 
 def _first_bad(bad: list, message: str, more: str = " more") -> list:
