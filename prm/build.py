@@ -9,14 +9,13 @@ import sys
 
 import torch
 from safetensors import SafetensorError
-from transformers import (AutoConfig, AutoModel, AutoModelForTokenClassification, AutoTokenizer,
-                          PreTrainedTokenizerFast, Qwen2Config)
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 from prm.checkpoint import TRAINABLE, load_trainable
 from prm.data import pad_token_id
 from prm.errors import UsageError, check
 from prm.lora import apply_lora, has_lora
-from prm.model import PRM, SETTINGS, new_head
+from prm.model import PRM, SETTINGS, NotAPRM, new_head
 from prm.sharding import SHARDS, load_whole
 from prm.synthetic import char_tokenizer
 from prm.varlen import supports_packing, use_packed_attention
@@ -32,6 +31,8 @@ def loading(flag: str, name: str, load, **kw):
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
     try:
         return load(name, **kw)
+    except NotAPRM as e:  # its own message: it loads, but cannot score as saved
+        raise UsageError(f"{flag} {e}") from None
     # SafetensorError: a truncated file; UnpicklingError: a pickled .bin that weights_only refuses
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:
         raise UsageError(f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}") from None
@@ -111,9 +112,8 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files: one missing or
-    of another shape is an error naming it (transformers would make it up at random). Else a backbone with a
-    new head (PRM.from_pretrained), saying so: training from a backbone is the one place a head is made."""
+    """PRM.from_pretrained: a 2-label token classifier with every weight from its files, else a backbone with
+    a new head, saying so: training from a backbone is the one place a head is made."""
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
     if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
         if classifier_only:
@@ -121,17 +121,7 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
                              f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
         print(f"--model {name}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 at every "
               "step)", file=sys.stderr)
-        return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
-    if hf_cfg.num_labels != 2:  # else a head-size mismatch deep inside transformers
-        raise UsageError(f"--model {name}: a PRM needs 2 labels, this checkpoint has {hf_cfg.num_labels}")
-    hf, info = loading("--model", name, AutoModelForTokenClassification.from_pretrained,
-                       trust_remote_code=trust_remote_code, output_loading_info=True,
-                       ignore_mismatched_sizes=True, **kw)
-    bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
-                                                for k, saved, want in info["mismatched_keys"])
-    check([f"--model {name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
-           f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random"] if bad else [])
-    return PRM.from_classifier(hf)
+    return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
 
 
 def model_for(cfg, tokenizer) -> PRM:

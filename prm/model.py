@@ -13,6 +13,10 @@ ID2LABEL = {0: "incorrect", 1: "correct"}
 SETTINGS = "prm"  # config.json key: the input as trained (step_separator, max_length, max_completion_length)
 
 
+class NotAPRM(ValueError):
+    """A token classifier that cannot score as saved: not 2 labels, or weights missing from its files."""
+
+
 class PRM(nn.Module):
     def __init__(self, backbone, head: nn.Linear):
         super().__init__()
@@ -55,13 +59,20 @@ class PRM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
-        """A token-classification checkpoint (ours, TRL's, any HF one), or a backbone with a fresh head."""
+        """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files (NotAPRM
+        otherwise), or a backbone with a fresh head."""
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         kw["trust_remote_code"] = trust_remote_code
         if any(a.endswith("ForTokenClassification") for a in (cfg.architectures or [])):
-            hf = AutoModelForTokenClassification.from_pretrained(name, **kw)
-            if hf.config.num_labels != 2:
-                raise ValueError(f"{name}: a PRM needs 2 labels, this checkpoint has {hf.config.num_labels}")
+            if cfg.num_labels != 2:
+                raise NotAPRM(f"{name}: a PRM needs 2 labels, this checkpoint has {cfg.num_labels}")
+            hf, info = AutoModelForTokenClassification.from_pretrained(name, output_loading_info=True,
+                                                                       ignore_mismatched_sizes=True, **kw)
+            bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
+                                                        for k, saved, want in info["mismatched_keys"])
+            if bad:  # transformers fills them at random: a scorer that guesses
+                raise NotAPRM(f"{name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
+                              f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random")
             return cls.from_classifier(hf)
         backbone = AutoModel.from_pretrained(name, **kw)
         head = new_head(backbone.config)

@@ -93,6 +93,17 @@ def test_eval_py_and_prm_reward_refuse_a_model_they_would_score_at_random(model_
         PRMReward(path, device="cpu")
 
 
+@pytest.mark.parametrize("kind", ["no_head", "head_2xH/2", "three_labels"])
+def test_prm_from_pretrained_never_scores_with_made_up_weights(model_dir, tmp_path, kind):
+    from prm.model import PRM, NotAPRM
+    path = broken_copy(model_dir, tmp_path, kind)
+    with pytest.raises(NotAPRM) as e:  # the README's Score snippet loads this way, without prm.build's checks
+        PRM.from_pretrained(path)
+    said = str(e.value)
+    assert said.startswith(f"{path}: ") and ("no saved weight" in said or "2 labels" in said)
+    assert isinstance(PRM.from_pretrained(model_dir), PRM)
+
+
 @pytest.mark.parametrize("text, message", [("{not json", "config.train.json: cannot read it: Expecting property"),
                                            ('{"lr": "abc"}', "config.train.json: 'lr' must be float, got str 'abc'"),
                                            ('{"max_length": [1]}', "'max_length' must be int, got list [1]"),
