@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from prm.config import Parser, unescape
 from prm.errors import UsageError, WriteFailed, check, exit_status
-from prm.formats import row_problems
+from prm.formats import row_problems, split_steps
 from prm.sources import DataError, _sources
 
 
@@ -132,9 +132,13 @@ def label_solutions(text: str, solutions: list, right, complete, opts: Options, 
 def label_row(row: dict, index: int, complete, render, opts: Options) -> list:
     """The output lines of one row: its completions, or opts.samples sampled solutions split into steps."""
     text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
+    if not isinstance(text, str):
+        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render: the policy's "
+                         "chat template)")
+    text += "" if text[-1:].isspace() else sep  # the policy sees the first step begin on a step of its own
     answer, given, rid = str(row[opts.answer_field]), row.get("completions") is not None, row.get("id")
-    solutions = [row["completions"]] if given else [s for s in ([t.strip() for t in d.split(sep) if t.strip()]
-                                                    for d in complete([text], opts.samples, seed)[0]) if s]
+    solutions = [row["completions"]] if given else [s for s in (split_steps(d, sep) for d in
+                                                                complete([text], opts.samples, seed)[0]) if s]
     found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
     ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"} for j in range(len(solutions))]
     return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer, "row": index,
@@ -307,6 +311,8 @@ def main(argv=None):
             p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
         if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
             p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
+        if not (a.temperature >= 0 and 0 < a.top_p <= 1):  # else transformers refuses after the policy loads
+            p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} in (0, 1]")
         opts = Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Options)})
         shard, shards = map(int, m.groups())
         import torch

@@ -289,3 +289,34 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):
                         str(tmp_path / "o.jsonl"), "--shard", "3/2"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--shard 3/2" in r.stderr, r.stderr[-2000:]
+
+
+def test_rollout_prompts_start_each_step_on_its_own_and_drop_blank_sampled_steps():
+    from prm.label import label_row
+    complete, log = scripted(lambda p, n: n)
+    lines = label_row({"prompt": "What is 1+1?", "answer": "1", "completions": ["1+1", "so 1"]}, 0, complete,
+                      lambda prompt: prompt, Options(rollouts=1))
+    assert log == ["What is 1+1?\n1+1\n"] and json.loads(lines[0])["labels"] == [1.0, 1.0]
+
+    def sampled(prompts, n, seed):  # a zero-width piece is no step (formats.split_steps), as train.py sees it
+        return [["a\n\u200b\n \\boxed{1}"] * n] if prompts == ["Q\n"] else [["\\boxed{1}"] * n] * len(prompts)
+    row = json.loads(label_row({"prompt": "Q\n", "answer": "1"}, 0, sampled, lambda prompt: prompt,
+                               Options(rollouts=1, samples=1))[0])
+    assert row["completions"] == ["a", "\\boxed{1}"]
+
+
+def test_a_chat_prompt_without_render_is_a_usage_error_naming_the_row(tmp_path):
+    data = write_rows(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "1?"}], "answer": "1",
+                                                 "completions": ["a", "\\boxed{1}"]}])
+    with pytest.raises(UsageError, match="row 0: a chat prompt needs render="):
+        label_file(data, str(tmp_path / "out.jsonl"), scripted(lambda p, n: n)[0], Options(rollouts=1),
+                   show=False)
+
+
+@pytest.mark.parametrize("flags", [["--top-p", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]])
+def test_sampling_settings_transformers_would_refuse_are_exit_2_before_loading(tmp_path, flags):
+    data = write_rows(tmp_path / "in.jsonl", ROWS)
+    r = subprocess.run([sys.executable, "-m", "prm.label", "--policy", "no/such/policy", "--dataset", data,
+                        "--output", str(tmp_path / "o.jsonl"), *flags], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--top-p" in r.stderr, r.stderr[-2000:]
