@@ -63,7 +63,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
                    help="how the model scores steps, as its authors do: a token-classification head "
                         "(ours, TRL's); Qwen2.5-Math-PRM's <extra_0> head (needs --trust-remote-code); "
                         "Math-Shepherd's good/bad LM logits at a --step-tag; RLHFlow's at each assistant "
-                        "turn. auto: qwen-prm when a local config.json's architectures name a "
+                        "turn. auto: qwen-prm when the model's config (local or hub) names a "
                         "*ForProcessRewardModel, else classifier")
     p.add_argument("--step-tag", default="",
                    help="step-tag: the one token ending each step (Math-Shepherd: ки)")
@@ -117,7 +117,7 @@ def settings(args: argparse.Namespace) -> tuple:
         try:
             base = input_settings(AutoConfig.from_pretrained(args.model, trust_remote_code=given.get(
                 "trust_remote_code", False)))
-        except (OSError, ValueError):  # not loadable: load_trained reports it properly
+        except (OSError, ValueError):  # not loadable: load_scorer reports it properly
             base = {}
     if opts.datasets and "format" not in given:  # the run's training format says nothing about new files
         given["format"] = "auto"

@@ -68,13 +68,17 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
             with open(saved) as f:
                 if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                     load, kw = PreTrainedTokenizerFast.from_pretrained, {}
-        return loading(flag, name, load, **kw)
+        tokenizer = loading(flag, name, load, **kw)
     except UsageError:
         raise
     # ValueError: tokenizer_config.json is not JSON; the rest: JSON but not a tokenizer's ({} lacks
     # 'added_tokens'; a list has no .get)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches need one to pad with
+        raise UsageError(f"{flag} {name}: the tokenizer has neither a pad nor an EOS token: set pad_token in "
+                         f"its tokenizer_config.json{', or pass --tokenizer' if flag == '--model' else ''}")
+    return tokenizer
 
 
 def tokenizer_for(cfg):
@@ -160,7 +164,7 @@ def load_trained(cfg, tokenizer_given: bool):
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
         run.trust_remote_code = cfg.trust_remote_code  # the user's choice, never the file's
-        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model")
         model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() sets eval mode
         if sharded:
             load_whole(cfg.model, model, trainable_only=has_lora(model))
@@ -169,11 +173,9 @@ def load_trained(cfg, tokenizer_given: bool):
         return tokenizer, model
     model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
-    tokenizer = load_tokenizer(cfg.tokenizer if cfg.tokenizer and (tokenizer_given or not own) else cfg.model,
-                               cfg.trust_remote_code)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches need one to pad with
-        raise UsageError(f"--model {cfg.model}: the tokenizer has neither a pad nor an EOS token: set "
-                         "pad_token in its tokenizer_config.json, or pass --tokenizer")
+    given = cfg.tokenizer and (tokenizer_given or not own)
+    tokenizer = load_tokenizer(cfg.tokenizer if given else cfg.model, cfg.trust_remote_code,
+                               "--tokenizer" if given else "--model")
     names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
     if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
         with torch.no_grad():

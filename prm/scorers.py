@@ -14,13 +14,11 @@ import bisect
 import dataclasses
 import hashlib
 import itertools
-import json
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from prm.build import load_tokenizer, load_trained, loading
 from prm.data import IGNORE, normalize_label
@@ -35,13 +33,13 @@ with open(__file__, "rb") as _f:  # CODE is in every Family: a change of this fi
 
 
 def detect(model: str, scorer) -> str:
-    """scorer; for auto: qwen-prm if a local config.json names a *ForProcessRewardModel, else classifier."""
+    """scorer; for auto: qwen-prm if the model's config (local or hub) names a *ForProcessRewardModel, else
+    classifier."""
     if scorer and scorer != "auto":
         return scorer
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError):  # a hub name, or no readable config: load_trained says why
+    try:  # a plain config read: Qwen's PRMs declare a known model type, no code runs
+        archs = AutoConfig.from_pretrained(model).architectures or []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: load_trained says why
         return "classifier"
     return "qwen-prm" if any(str(a).endswith("ForProcessRewardModel") for a in archs) else "classifier"
 

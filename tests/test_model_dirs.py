@@ -131,3 +131,27 @@ def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir
     with pytest.raises(UsageError) as e:
         load_tokenizer(str(path))
     assert e.value.code == 2 and f"--tokenizer {path}: " in str(e.value) and cause in str(e.value)
+
+
+def test_every_tokenizer_load_refuses_one_with_neither_pad_nor_eos(model_dir, tmp_path):
+    from prm.build import load_tokenizer
+    path = broken_copy(model_dir, tmp_path, "no_pad_nor_eos")
+    for flag in ("--tokenizer", "--policy"):  # training, published-PRM scorers and prm.label load through it
+        with pytest.raises(UsageError) as e:
+            load_tokenizer(path, False, flag)
+        assert str(e.value).startswith(f"{flag} {path}: the tokenizer has neither a pad nor an EOS token")
+
+
+def test_scorer_auto_reads_the_config_of_a_hub_name_too(monkeypatch):
+    import prm.scorers as scorers
+
+    class Hub:
+        @staticmethod
+        def from_pretrained(name, **kw):
+            if name != "Qwen/Qwen2.5-Math-PRM-7B":
+                raise OSError(f"{name} is not a local folder nor a hub model")
+            return type("Config", (), {"architectures": ["Qwen2ForProcessRewardModel"]})()
+    monkeypatch.setattr(scorers, "AutoConfig", Hub)
+    assert scorers.detect("Qwen/Qwen2.5-Math-PRM-7B", "auto") == "qwen-prm"
+    assert scorers.detect("someone/a-classifier", "auto") == "classifier"
+    assert scorers.detect("Qwen/Qwen2.5-Math-PRM-7B", "step-tag") == "step-tag"
