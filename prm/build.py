@@ -5,7 +5,6 @@ import glob
 import json
 import os
 import pickle
-import sys
 
 import torch
 from safetensors import SafetensorError
@@ -15,7 +14,7 @@ from prm.checkpoint import TRAINABLE, load_trainable
 from prm.data import pad_token_id
 from prm.errors import UsageError, check
 from prm.lora import apply_lora, has_lora
-from prm.model import PRM, SETTINGS, NotAPRM, new_head
+from prm.model import PRM, SETTINGS, NotAPRM, is_classifier, new_head
 from prm.sharding import SHARDS, load_whole
 from prm.synthetic import char_tokenizer
 from prm.varlen import supports_packing, use_packed_attention
@@ -117,14 +116,11 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
     """PRM.from_pretrained: a 2-label token classifier with every weight from its files, else a backbone with
-    a new head, saying so: training from a backbone is the one place a head is made."""
+    a new head (training from a backbone is the one place a head is made; the trainer says so)."""
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
-    if not any(a.endswith("ForTokenClassification") for a in hf_cfg.architectures or []):
-        if classifier_only:
-            raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
-                             f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
-        print(f"--model {name}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 at every "
-              "step)", file=sys.stderr)
+    if classifier_only and not is_classifier(hf_cfg):
+        raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
+                         f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
     return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
 
 

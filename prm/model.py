@@ -63,7 +63,7 @@ class PRM(nn.Module):
         otherwise), or a backbone with a fresh head."""
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         kw["trust_remote_code"] = trust_remote_code
-        if any(a.endswith("ForTokenClassification") for a in (cfg.architectures or [])):
+        if is_classifier(cfg):
             if cfg.num_labels != 2:
                 raise NotAPRM(f"{name}: a PRM needs 2 labels, this checkpoint has {cfg.num_labels}")
             hf, info = AutoModelForTokenClassification.from_pretrained(name, output_loading_info=True,
@@ -80,6 +80,11 @@ class PRM(nn.Module):
         # same confident verdict; zero weights start every step at P(correct) = 0.5
         nn.init.zeros_(head.weight)
         return cls(backbone, head)
+
+
+def is_classifier(config) -> bool:
+    """Whether a transformers config is a token classifier's (its head saved), not a bare backbone's."""
+    return any(a.endswith("ForTokenClassification") for a in getattr(config, "architectures", None) or [])
 
 
 def input_settings(config) -> dict:

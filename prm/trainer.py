@@ -23,7 +23,7 @@ from prm.errors import Stopped, UsageError, check
 from prm.evaluate import predict, report
 from prm.ingest import tokenize_dataset
 from prm.lora import count_parameters
-from prm.model import enable_activation_checkpointing, step_loss
+from prm.model import enable_activation_checkpointing, is_classifier, step_loss
 from prm.rundir import prepare_output_dir
 from prm.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, progress_off, setup,
                          teardown)
@@ -168,6 +168,9 @@ class Trainer:
     def _setup_model(self):
         cfg, rt = self.cfg, self.rt
         self.model = model_for(cfg, self.tokenizer).to(rt.device)
+        if cfg.model != "tiny" and not self.resume_from and not is_classifier(self.model.config):
+            self.say(f"--model {cfg.model}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 "
+                     "at every step)")
         self.packed = is_packed(self.model)  # --packing on a backbone that supports it
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)

@@ -155,3 +155,19 @@ def test_scorer_auto_reads_the_config_of_a_hub_name_too(monkeypatch):
     assert scorers.detect("Qwen/Qwen2.5-Math-PRM-7B", "auto") == "qwen-prm"
     assert scorers.detect("someone/a-classifier", "auto") == "classifier"
     assert scorers.detect("Qwen/Qwen2.5-Math-PRM-7B", "step-tag") == "step-tag"
+
+
+def test_training_from_a_backbone_says_once_that_the_head_is_new_and_a_resume_does_not(tmp_path, capsys):
+    from transformers import AutoModel
+
+    from conftest import run_train
+    from prm.build import tiny_config
+    from prm.synthetic import char_tokenizer
+    tokenizer, base = char_tokenizer(), tmp_path / "backbone"
+    AutoModel.from_config(tiny_config(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    note = f"--model {base}: a backbone: the PRM head is new"
+    run_train(tmp_path / "run", model=str(base), max_steps=2, save_every=1)
+    assert capsys.readouterr().out.count(note) == 1
+    run_train(tmp_path / "resumed", model=str(base), max_steps=2, resume=str(tmp_path / "run" / "checkpoint-1"))
+    assert note not in capsys.readouterr().out
