@@ -52,10 +52,12 @@ def preview(value) -> str:
 
 class Conv(NamedTuple):
     """A TRL/HF name setting a field through a conversion (`--bf16` sets dtype). nargs "?": a switch, convert
-    gets a bool (`--bf16`, `--bf16 false`, `--no-bf16`); "+": it gets the list of values."""
+    gets a bool (`--bf16`, `--bf16 false`, `--no-bf16`); "+": it gets the list of values. keep: the field's
+    values a false switch leaves alone: false means "not this one" (HF's `--bf16 --fp16 false` is bf16)."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
+    keep: tuple = ()
 
 
 def torch_dtype(name: str) -> str:
@@ -142,10 +144,11 @@ class Config:
     max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables", rules="change")
     dtype: str = _opt("auto", "autocast dtype; auto = bf16 where the device has it natively (CUDA; CPUs "
                       "with AMX or AVX512-BF16), else fp32; master weights stay fp32. TRL's --bf16 / --fp16 "
-                      "[BOOL] (false: fp32) and --torch_dtype {auto,bfloat16,float16,float32} set it too",
+                      "[BOOL] (false: fp32, unless the other one is set) and --torch_dtype "
+                      "{auto,bfloat16,float16,float32} set it too",
                       rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
-                      trl=(Conv("bf16", lambda on: "bf16" if on else "fp32", "?"),
-                           Conv("fp16", lambda on: "fp16" if on else "fp32", "?"),
+                      trl=(Conv("bf16", lambda on: "bf16" if on else "fp32", "?", keep=("fp16",)),
+                           Conv("fp16", lambda on: "fp16" if on else "fp32", "?", keep=("bf16",)),
                            Conv("torch_dtype", torch_dtype)))
     gradient_checkpointing: bool = _opt(False, "save memory by recomputing activations", rules="change")
     fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks "
@@ -320,19 +323,24 @@ UNSUPPORTED = {name: why for names, why in [
 
 class Setter(argparse.Action):
     """Sets its field to convert(value); with nargs "?" a switch as HF's parser takes a bool (`--x`,
-    `--x false`) and `--no-x`, passing convert a bool."""
+    `--x false`) and `--no-x`, passing convert a bool; nargs 0: a switch taking no value (`--x`, `--no-x`).
+    A false switch leaves a value in keep alone (see Conv)."""
 
-    def __init__(self, option_strings, dest, *, convert, **kw):
-        if kw.get("nargs") == "?":
+    def __init__(self, option_strings, dest, *, convert, keep=(), **kw):
+        if kw.get("nargs") in ("?", 0):
             option_strings = option_strings + ["--no-" + s[2:] for s in option_strings]
+        if kw.get("nargs") == "?":
             kw.update(const="true", metavar="BOOL")
         super().__init__(option_strings, dest, **kw)
-        self.convert = convert
+        self.convert, self.keep = convert, keep
 
     def __call__(self, parser, namespace, values, option_string=None):
         try:
-            on = self.nargs == "?" and boolean(values) != option_string.startswith("--no-")
-            setattr(namespace, self.dest, self.convert(on if self.nargs == "?" else values))
+            if self.nargs in ("?", 0):  # a switch
+                values = boolean("true" if self.nargs == 0 else values) != option_string.startswith("--no-")
+                if not values and getattr(namespace, self.dest, None) in self.keep:
+                    return
+            setattr(namespace, self.dest, self.convert(values))
         except ValueError as e:
             raise argparse.ArgumentError(self, str(e)) from None
 
@@ -366,16 +374,17 @@ def kind(f) -> type:
     return ([t for t in get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
-def add_field(container, f, suppress: bool = False):
+def add_field(container, f, suppress: bool = False, switch_value: bool = True):
     """Field f as --its-name on container (a parser or an argument group), also answering to its underscore
     spelling and to TRL's / HF's names for it (its `trl`); --help lists the dashed names of the field and of
-    its plain TRL names. suppress: an absent flag leaves no attribute (eval.py takes it from the run)."""
+    its plain TRL names. suppress: an absent flag leaves no attribute (eval.py takes it from the run).
+    switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.convert)."""
     meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
     default = argparse.SUPPRESS if suppress or f.default is None else f.default  # None: its help says it
     if isinstance(default, str) and not (default and default.isprintable()):
         meta["help"] += " (default: %(default)r)"  # '\n', not a line break
     if kind(f) is bool:
-        meta.update(action=Setter, convert=bool, nargs="?")
+        meta.update(action=Setter, convert=bool, nargs="?" if switch_value else 0)
     else:
         meta.setdefault("type", kind(f))
     plain = [f.name] + [t for t in f.metadata["trl"] if isinstance(t, str)]
@@ -388,7 +397,7 @@ def add_field(container, f, suppress: bool = False):
     for conv in (t for t in f.metadata["trl"] if not isinstance(t, str)):
         spellings = dict.fromkeys(["--" + conv.name, "--" + conv.name.replace("_", "-")])
         container.add_argument(*spellings, dest=f.name, action=Setter, convert=conv.convert, nargs=conv.nargs,
-                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                               keep=conv.keep, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def sections(cls=Config) -> list:
@@ -462,7 +471,7 @@ def read_config_file(path: str) -> dict:
         fail(str(e))
     if not isinstance(data, dict):
         return {} if data is None else fail(f"expected a mapping of settings, got {type(data).__name__}")
-    by_name, out = {f.name: f for f in fields(Config)}, {}
+    by_name, out, settled_later = {f.name: f for f in fields(Config)}, {}, []
     for key, value in data.items():
         name, conv = ALIASES.get(str(key).replace("-", "_"), (str(key).replace("-", "_"), None))
         if name in UNSUPPORTED and value in (None, False):  # a TRL config's `push_to_hub: false` asks nothing
@@ -473,13 +482,20 @@ def read_config_file(path: str) -> dict:
             near = [ALIASES[n][0] if n in ALIASES else n
                     for n in difflib.get_close_matches(name, list(by_name) + list(ALIASES), n=1)]
             fail(f"unknown key {preview(key)}" + (f" (did you mean '{near[0]}'?)" if near else ""))
-        if name in out:  # lr and learning_rate both given: neither may silently win
-            fail(f"'{key}' sets '{name}' a second time")
         try:
-            value = conv.convert(boolean(value) if conv.nargs == "?" else value) if conv else value
-            out[name] = checked_value(by_name[name], value)
+            on = boolean(value) if conv and conv.nargs == "?" else None
+            value = checked_value(by_name[name], conv.convert(value if on is None else on) if conv else value)
         except ValueError as e:
             fail(f"'{key}': {e}" if conv else str(e))
+        if on is False and conv.keep:  # `bf16: true` and `fp16: false`, in either order, mean bf16
+            settled_later.append((key, name, value, conv.keep))
+            continue
+        if name in out:  # lr and learning_rate both given: neither may silently win
+            fail(f"'{key}' sets '{name}' a second time")
+        out[name] = value
+    for key, name, value, keep in settled_later:  # "not fp16" agrees with fp32 (its own value) and with bf16
+        if out.setdefault(name, value) not in keep + (value,):
+            fail(f"'{key}' sets '{name}' a second time")
     return out
 
 

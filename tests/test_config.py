@@ -115,6 +115,33 @@ def test_trl_and_hf_flags_set_their_meaning(argv, want):
     assert {k: getattr(cfg, k) for k in want} == want
 
 
+@pytest.mark.parametrize("argv, dtype", [
+    (["--bf16", "--fp16", "false"], "bf16"), (["--bf16", "true", "--no-fp16"], "bf16"),
+    (["--no-fp16", "--bf16"], "bf16"), (["--fp16", "--no-bf16"], "fp16"), (["--dtype", "fp16", "--no-bf16"], "fp16"),
+    (["--no-bf16", "--no-fp16"], "fp32"), (["--dtype", "bf16", "--no-bf16"], "fp32"), (["--bf16", "--fp16"], "fp16"),
+])
+def test_a_false_precision_switch_means_not_this_one_in_any_order(argv, dtype):
+    """As in HF: `--fp16 false` beside `--bf16` is bf16, not fp32; both true: the later flag wins, as argparse's."""
+    assert parse_config(argv).dtype == dtype
+
+
+@pytest.mark.parametrize("text, dtype", [
+    ("bf16: true\nfp16: false\n", "bf16"), ("fp16: false\nbf16: true\n", "bf16"),
+    ("fp16: true\nbf16: false\n", "fp16"), ("bf16: false\nfp16: false\n", "fp32"),
+    ("dtype: fp16\nbf16: false\n", "fp16"),
+    ("bf16: true\nfp16: true\n", "'fp16' sets 'dtype' a second time"),
+    ("dtype: bf16\nbf16: false\n", "'bf16' sets 'dtype' a second time"),
+])
+def test_a_trl_recipe_with_bf16_true_and_fp16_false_is_bf16(text, dtype, tmp_path):
+    (tmp_path / "recipe.yaml").write_text(text)
+    argv = ["--config", str(tmp_path / "recipe.yaml")]
+    if dtype.startswith("'"):  # a real conflict stays refused
+        with pytest.raises(UsageError, match=dtype):
+            parse_config(argv)
+    else:
+        assert parse_config(argv).dtype == dtype
+
+
 def test_a_trl_config_file_reads_as_its_flags(tmp_path):
     (tmp_path / "trl.yaml").write_text("bf16: true\nuse_peft: true\nlora_target_modules: [q_proj, v_proj]\n"
                                        "lr_scheduler_type: linear\nwarmup_ratio: 0.1\npush_to_hub: false\n")

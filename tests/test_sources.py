@@ -189,6 +189,18 @@ def test_bad_input_in_a_subprocess_has_no_traceback():
     assert "label_string.jsonl line 2: field 'labels'" in r.stderr and r.stdout == ""
 
 
+def test_convert_takes_every_spelling_of_its_flags_and_a_bad_one_is_one_line(tmp_path):
+    bad = os.path.join(BAD, "label_string.jsonl")
+    for flags in (["--skip_invalid", "--dataset_config", "x", "--neutral_label", "drop"],
+                  ["--skip-invalid", "--dataset-config", "x", "--neutral-label", "drop"]):
+        r = subprocess.run([sys.executable, "-m", "prm.convert"] + flags + [bad], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0 and "skipped 1 invalid records" in r.stderr, (flags, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "prm.convert", "--bogus", bad], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == "error: unrecognized arguments: --bogus\n" and r.stdout == ""
+
+
 def test_train_py_exits_2_on_bad_data(tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--dataset", os.path.join(BAD, "length_mismatch.jsonl"),
                         "--output-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
