@@ -72,27 +72,35 @@ class PRMReward:
             completion = "".join(replies)
         return split_steps(completion, self.step_separator)
 
-    def prompt(self, i: int, prompt):
-        """Messages go through the chat template, as in training: tried here, so a template that fails on this
-        prompt is an error naming completion i. A tokenizer without a template reads the messages' text."""
-        if isinstance(prompt, str):
+    def prompt(self, prompt):
+        """Messages go through the chat template, as in training; a tokenizer without one reads their text."""
+        if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
             return prompt
-        if not getattr(self.tokenizer, "chat_template", None):
-            return "\n".join(m["content"] for m in prompt)
-        try:
-            self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja2's TemplateError (raise_exception), KeyError, TypeError, ...
-            raise UsageError(f"completion {i}: the tokenizer's chat template fails on its prompt: "
-                             f"{type(e).__name__}: {str(e).strip()[:200]}") from e
-        return prompt
+        return "\n".join(m["content"] for m in prompt)
+
+    def template_failure(self, prompts: dict):
+        """UsageError naming the first completion whose chat prompt the template cannot render, if any: run
+        after scoring failed, so the template is rendered once per call, not probed first."""
+        for i, prompt in prompts.items():  # {completion index: prompt}
+            if isinstance(prompt, str):
+                continue
+            try:
+                self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja2's TemplateError (raise_exception), KeyError, TypeError, ...
+                raise UsageError(f"completion {i}: the tokenizer's chat template fails on its prompt: "
+                                 f"{type(e).__name__}: {str(e).strip()[:200]}") from e
 
     def step_probs(self, prompts: list, completions: list) -> list:
         """P(correct) per step of each completion; [] for one with no step. Steps past max_length get no
         score: a warning says how many completions lost steps."""
-        solutions = [(self.prompt(i, p), self.steps(c)) for i, (p, c) in enumerate(zip(prompts, completions))]
+        solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]  # an empty solution is not run
-        probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
-                            max_length=self.max_length, batch_size=self.batch_size)
+        try:
+            probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
+                                max_length=self.max_length, batch_size=self.batch_size)
+        except Exception:
+            self.template_failure({i: solutions[i][0] for i in todo})
+            raise
         scored = dict(zip(todo, probs))
         cut = [ps for i, ps in scored.items() if len(ps) < len(solutions[i][1])]
         if cut:

@@ -105,6 +105,15 @@ def test_a_chat_template_failing_on_one_prompt_names_its_completion(model_dir):
         reward(prompts, COMPLETIONS[:2])
 
 
+def test_a_reward_call_renders_each_chat_prompt_once(model_dir):
+    reward = PRMReward(model_dir, device="cpu")
+    reward.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    render, calls = reward.tokenizer.apply_chat_template, []
+    reward.tokenizer.apply_chat_template = lambda *a, **k: calls.append(1) or render(*a, **k)
+    prompts = [[{"role": "user", "content": c}] for c in ("count from 1:", "count from 2:")]
+    assert len(reward(prompts, COMPLETIONS[:2])) == 2 and len(calls) == 2  # tokenizing only: no probe first
+
+
 @pytest.mark.parametrize("where", ["config.train.json", "config.json"])
 def test_a_model_saved_with_max_length_1_warns_that_no_step_is_scored(tmp_path, where):
     path = save_tiny(str(tmp_path / "m"))
