@@ -16,17 +16,14 @@ from datasets import Dataset, Features, List, Value, load_dataset
 from prm.config import Config
 from prm.data import IGNORE
 from prm.errors import UsageError, WriteFailed
-from prm.formats import (FORMATS, at_separator, decode, detect_format, field_problem, format_help, read_json,
-                         to_rows)
+from prm.formats import (FORMATS, META, at_separator, decode, detect_format, field_problem, format_help,
+                         read_json, to_rows)
 from prm.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more": the message must fit one screen
 WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
          "hub split")
-# source columns kept as they are for evaluation's reports (ProcessBench, best-of-N, PRMBench): their types
-META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
-        "response_answer": "string", "category": "string"}
 SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
 NOTES = "said.json"  # in a rows cache entry: what the read said, said again when the entry is read back
 
