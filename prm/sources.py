@@ -12,6 +12,7 @@ import uuid
 
 import datasets
 from datasets import Dataset, Features, List, Value, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 from prm.config import Config
 from prm.data import IGNORE
@@ -170,9 +171,13 @@ def to_dataset(rows: list) -> Dataset:
     try:
         return Dataset.from_generator(generate, features=Features(features),
                                       fingerprint=digest.hexdigest()[:32])
-    except OSError as e:  # a full disk: the rows could not be written where datasets keeps them
+    except (OSError, DatasetGenerationError) as e:  # a full disk: the rows could not be written where datasets
+        # keeps them (an OSError while writing reaches here wrapped in a DatasetGenerationError)
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+        if not isinstance(cause, OSError):
+            raise
         raise WriteFailed(f"cannot write the rows to the datasets cache {datasets.config.HF_DATASETS_CACHE}: "
-                          f"{e.strerror or e}") from None
+                          f"{cause.strerror or cause}") from None
 
 
 def cut_after_first_error(row: dict) -> dict:

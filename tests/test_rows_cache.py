@@ -124,6 +124,14 @@ def test_a_full_disk_where_rows_must_be_written_ends_with_one_line(data, where, 
     assert e.value.code == 1 and "\n" not in str(e.value)
 
 
+def test_a_full_disk_inside_from_generator_ends_with_one_line(data, monkeypatch):
+    """datasets wraps the OSError of a write in DatasetGenerationError: still one line, exit status 1."""
+    monkeypatch.setattr(datasets.arrow_writer.ArrowWriter, "write", full_disk)
+    with pytest.raises(WriteFailed, match="datasets cache.*No space left on device") as e:
+        load_splits(Config(dataset=data, seed=1))
+    assert e.value.code == 1 and "\n" not in str(e.value)
+
+
 def test_data_digest_follows_the_contents_not_the_place(data, tmp_path):
     digest = data_digest(data)
     assert len(digest) == 64 and data_digest("synthetic") == data_digest("org/hub-name") == ""
