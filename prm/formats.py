@@ -222,7 +222,7 @@ def from_prm800k(r: dict, neutral: str) -> list:
                 rows.append({"prompt": problem, "completions": texts + [c.get("text")],
                              "labels": labels + [rate[rating]]})
         if chosen is not None:
-            if not isinstance(chosen, int) or not 0 <= chosen < len(options):
+            if type(chosen) is not int or not 0 <= chosen < len(options):  # type(): True is no index
                 raise BadField(f"{where}.chosen_completion", f"{chosen!r} is not an index of its completions")
             texts.append(options[chosen].get("text"))
             labels.append(rate[options[chosen].get("rating")])
