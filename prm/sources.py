@@ -171,8 +171,8 @@ def to_dataset(rows: list) -> Dataset:
     try:
         return Dataset.from_generator(generate, features=Features(features),
                                       fingerprint=digest.hexdigest()[:32])
-    except (OSError, DatasetGenerationError) as e:  # a full disk: the rows could not be written where datasets
-        # keeps them (an OSError while writing reaches here wrapped in a DatasetGenerationError)
+    except (OSError, DatasetGenerationError) as e:  # a full disk: the rows could not be written where
+        # datasets keeps them (a write's OSError reaches here wrapped in a DatasetGenerationError)
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
         if not isinstance(cause, OSError):
             raise

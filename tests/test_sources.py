@@ -206,14 +206,15 @@ def test_convert_writes_exactly_what_the_trainer_reads(name, tmp_path):
 
 def test_converted_candidates_and_prmbench_read_back_with_group_and_category(tmp_path):
     cands = write_jsonl(tmp_path / "cands.jsonl", [
-        {"idx": 7, "question": "1+1?", "outputs": [{"response": "1+1=2ки", "label": True, "response_answer": "2"},
-                                                 {"response": "1+1=3ки", "label": False}]}])
+        {"idx": 7, "question": "1+1?", "outputs": [
+            {"response": "1+1=2ки", "label": True, "response_answer": "2"},
+            {"response": "1+1=3ки", "label": False}]}])
     for name, src in (("cands", cands), ("prmbench", os.path.join(FIX, "prmbench.jsonl"))):
         out = str(tmp_path / f"{name}.out.jsonl")
         convert_main([src, out])
         written = [json.loads(line) for line in open(out, encoding="utf-8")]
-        assert all("group" in r for r in written) if name == "cands" else all("category" in r for r in written)
-        back = read_rows(out, "train", Config())  # a candidate's steps are all unlabeled: its group exempts it
+        assert all(("group" if name == "cands" else "category") in r for r in written)
+        back = read_rows(out, "train", Config())  # all-unlabeled candidates: their group exempts them
         assert [{k: v for k, v in r.items() if v is not None} for r in back] == \
             [{k: v for k, v in r.items() if v is not None} for r in written]
 
