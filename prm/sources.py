@@ -82,10 +82,16 @@ def read_records(path: str):
     return [(f"line {n}", *read_json(line)[:2]) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
+def data_files(folder: str) -> list:
+    """The paths of a folder's entries named like data files, sorted: what is read, and all data_digest hashes
+    (a README or .DS_Store beside them changes neither)."""
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(LOCAL_EXT))
+
+
 def _sources(spec: str, split: str, cfg):
     """(name, records) per file of a local spec, or the one split of a hub dataset."""
     if os.path.isdir(spec):
-        files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(LOCAL_EXT))
+        files = data_files(spec)
         if not files:
             raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this directory"])
         folders = [f for f in files if not os.path.isfile(f)]
@@ -224,13 +230,13 @@ def read_splits(cfg) -> tuple:
 
 
 def data_digest(spec: str) -> str:
-    """sha256 of a local file, or of a folder's file names and contents (wherever it is); '' for hub data."""
+    """sha256 of a local file or of a folder's data files (names, contents), wherever it is; '' for hub."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
-        path = os.path.join(spec, name) if name else spec
-        digest.update(name.encode() + b"\0")
+    folder = os.path.isdir(spec)
+    for path in data_files(spec) if folder else [spec]:
+        digest.update((os.path.basename(path) if folder else "").encode() + b"\0")
         if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
