@@ -215,14 +215,15 @@ def read_splits(cfg) -> tuple:
             held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes)
     if held is None:  # split by prompt, so one problem never sits on both sides; pre-tokenized rows carry
         # no prompt: each is held out on its own (pass --eval-dataset to split them by problem)
-        key = lambda r: json.dumps(r["prompt"] if "prompt" in r else r["input_ids"])
-        prompts = sorted({key(r) for r in train})
+        keys = [json.dumps(r["prompt"] if "prompt" in r else r["input_ids"]) for r in train]
+        prompts = sorted(set(keys))
         if len(prompts) < 2:
             raise DataError([f"only {len(prompts)} distinct prompt: nothing to hold out; pass "
                              "--eval-dataset"])
         random.Random(cfg.seed).shuffle(prompts)
         chosen = set(prompts[:min(len(prompts) - 1, max(1, round(len(prompts) * cfg.eval_fraction)))])
-        train, held = [r for r in train if key(r) not in chosen], [r for r in train if key(r) in chosen]
+        train, held = ([r for r, k in zip(train, keys) if k not in chosen],
+                       [r for r, k in zip(train, keys) if k in chosen])
         notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
                      f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
