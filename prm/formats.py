@@ -17,6 +17,11 @@ FORMATS = {
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
     "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
+# source columns kept as they are for evaluation's reports (ProcessBench, best-of-N, PRMBench): their types
+META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
+        "response_answer": "string", "category": "string"}
+META_WHAT = {"response_answer": "the final answer as text"}  # what a stepwise record's column must hold
+KINDS = {"string": (str, "text"), "bool": (bool, "true/false"), "int64": (int, "an integer")}
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))  # characters that print as nothing
@@ -139,14 +144,16 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
+    """Every META column the record gives is kept (a converted file reads back as what it was converted from:
+    a best-of-N candidate keeps its group, a PRMBench row its category); `id` is to_rows' to keep."""
     row = {"prompt": _need(r, "prompt"), "completions": _need(r, "completions"), "labels": _need(r, "labels")}
     if "first_error" in r:  # a converted ProcessBench file read back
         steps = row["completions"]
         row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
-    elif r.get("final_answer_correct") is not None:  # a sampled solution with a known outcome (best-of-N)
-        row["final_answer_correct"] = _need(r, "final_answer_correct", bool, "true/false")
-    if r.get("response_answer") is not None:  # its final answer, for voting
-        row["response_answer"] = _need(r, "response_answer", str, "the final answer as text")
+    for col, kind in META.items():
+        if col not in row and col != "id" and r.get(col) is not None:
+            python_type, what = KINDS[kind]
+            row[col] = _need(r, col, python_type, META_WHAT.get(col, what))
     return [row]
 
 
@@ -215,7 +222,7 @@ def from_prm800k(r: dict, neutral: str) -> list:
                 rows.append({"prompt": problem, "completions": texts + [c.get("text")],
                              "labels": labels + [rate[rating]]})
         if chosen is not None:
-            if not isinstance(chosen, int) or not 0 <= chosen < len(options):
+            if type(chosen) is not int or not 0 <= chosen < len(options):  # type(): True is no index
                 raise BadField(f"{where}.chosen_completion", f"{chosen!r} is not an index of its completions")
             texts.append(options[chosen].get("text"))
             labels.append(rate[options[chosen].get("rating")])

@@ -60,8 +60,9 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
         say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): "
             f"{bad[0][1]}")
         keep = sorted(set(range(len(ds))) - {i for i, _ in bad})
-        return tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc,
-                                desc=desc)
+        tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc,
+                                       desc=desc)
+        return tok, {**report, "examples_dropped": report["examples_dropped"] + len(bad)}  # skipped ones too
     n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)

@@ -12,21 +12,19 @@ import uuid
 
 import datasets
 from datasets import Dataset, Features, List, Value, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 from prm.config import Config
 from prm.data import IGNORE
 from prm.errors import UsageError, WriteFailed
-from prm.formats import (FORMATS, at_separator, decode, detect_format, field_problem, format_help, read_json,
-                         to_rows)
+from prm.formats import (FORMATS, META, at_separator, decode, detect_format, field_problem, format_help,
+                         read_json, to_rows)
 from prm.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more": the message must fit one screen
 WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
          "hub split")
-# source columns kept as they are for evaluation's reports (ProcessBench, best-of-N, PRMBench): their types
-META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
-        "response_answer": "string", "category": "string"}
 SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
 NOTES = "said.json"  # in a rows cache entry: what the read said, said again when the entry is read back
 
@@ -84,10 +82,16 @@ def read_records(path: str):
     return [(f"line {n}", *read_json(line)[:2]) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
 
 
+def data_files(folder: str) -> list:
+    """The paths of a folder's entries named like data files, sorted: what is read, and all data_digest hashes
+    (a README or .DS_Store beside them changes neither)."""
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(LOCAL_EXT))
+
+
 def _sources(spec: str, split: str, cfg):
     """(name, records) per file of a local spec, or the one split of a hub dataset."""
     if os.path.isdir(spec):
-        files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(LOCAL_EXT))
+        files = data_files(spec)
         if not files:
             raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this directory"])
         folders = [f for f in files if not os.path.isfile(f)]
@@ -173,9 +177,13 @@ def to_dataset(rows: list) -> Dataset:
     try:
         return Dataset.from_generator(generate, features=Features(features),
                                       fingerprint=digest.hexdigest()[:32])
-    except OSError as e:  # a full disk: the rows could not be written where datasets keeps them
+    except (OSError, DatasetGenerationError) as e:  # a full disk: the rows could not be written where
+        # datasets keeps them (a write's OSError reaches here wrapped in a DatasetGenerationError)
+        cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+        if not isinstance(cause, OSError):
+            raise
         raise WriteFailed(f"cannot write the rows to the datasets cache {datasets.config.HF_DATASETS_CACHE}: "
-                          f"{e.strerror or e}") from None
+                          f"{cause.strerror or cause}") from None
 
 
 def cut_after_first_error(row: dict) -> dict:
@@ -207,14 +215,15 @@ def read_splits(cfg) -> tuple:
             held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes)
     if held is None:  # split by prompt, so one problem never sits on both sides; pre-tokenized rows carry
         # no prompt: each is held out on its own (pass --eval-dataset to split them by problem)
-        key = lambda r: json.dumps(r["prompt"] if "prompt" in r else r["input_ids"])
-        prompts = sorted({key(r) for r in train})
+        keys = [json.dumps(r["prompt"] if "prompt" in r else r["input_ids"]) for r in train]
+        prompts = sorted(set(keys))
         if len(prompts) < 2:
             raise DataError([f"only {len(prompts)} distinct prompt: nothing to hold out; pass "
                              "--eval-dataset"])
         random.Random(cfg.seed).shuffle(prompts)
         chosen = set(prompts[:min(len(prompts) - 1, max(1, round(len(prompts) * cfg.eval_fraction)))])
-        train, held = [r for r in train if key(r) not in chosen], [r for r in train if key(r) in chosen]
+        train, held = ([r for r, k in zip(train, keys) if k not in chosen],
+                       [r for r, k in zip(train, keys) if k in chosen])
         notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
                      f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
@@ -222,13 +231,13 @@ def read_splits(cfg) -> tuple:
 
 
 def data_digest(spec: str) -> str:
-    """sha256 of a local file, or of a folder's file names and contents (wherever it is); '' for hub data."""
+    """sha256 of a local file or of a folder's data files (names, contents), wherever it is; '' for hub."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(spec)) if os.path.isdir(spec) else [""]:
-        path = os.path.join(spec, name) if name else spec
-        digest.update(name.encode() + b"\0")
+    folder = os.path.isdir(spec)
+    for path in data_files(spec) if folder else [spec]:
+        digest.update((os.path.basename(path) if folder else "").encode() + b"\0")
         if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):

@@ -99,6 +99,28 @@ def test_prm800k_unrated_completions_and_bad_problem_give_no_rows():
     assert convert(bad, "prm800k") == []
 
 
+def test_stepwise_rows_keep_and_check_every_meta_column():
+    r = {"prompt": "p", "completions": ["a"], "labels": [None], "group": "g1", "category": "redundency",
+         "final_answer_correct": True, "response_answer": "4"}
+    assert convert(r, "stepwise") == [{**r, "labels": [None]}]
+    for col in ("group", "category", "response_answer"):
+        assert to_rows({**r, col: 3}, "stepwise")[1] == [f"field '{col}': expected " + (
+            "the final answer as text" if col == "response_answer" else "text") + ", got int 3"]
+    assert to_rows({**r, "final_answer_correct": "yes"}, "stepwise")[1] == [
+        "field 'final_answer_correct': expected true/false, got str 'yes'"]
+
+
+@pytest.mark.parametrize("chosen", [True, 1.0, "1"])
+def test_prm800k_chosen_completion_must_be_an_int_index(chosen):
+    step = {"completions": [{"text": "a", "rating": 1}, {"text": "b", "rating": 1}],
+            "chosen_completion": chosen}
+    rec = {"question": {"problem": "p"}, "label": {"steps": [step], "finish_reason": "solution"}}
+    assert to_rows(rec, "prm800k")[1] == [
+        f"field 'label.steps[0].chosen_completion': {chosen!r} is not an index of its completions"]
+    rows = convert(dict(rec, label={"steps": [dict(step, chosen_completion=1)]}), "prm800k")
+    assert rows[-1]["completions"] == ["b"]
+
+
 def test_processbench_rows():
     recs = records("processbench.json")
     rows = [convert(r, "processbench")[0] for r in recs]

@@ -106,7 +106,7 @@ def test_a_chat_template_that_raises_on_a_later_row_names_it_or_skips_it(skip, c
         assert "no bad prompts" in err and "Traceback" not in err and "--skip-invalid" in err
         return
     tok, report = tokenize_dataset(ds, tokenizer, Config(skip_invalid=True), is_eval=False)
-    assert len(tok) == report["examples"] == 4
+    assert len(tok) == report["examples"] == 4 and report["examples_dropped"] == 1  # the skipped row counts
     assert "skipped 1 rows whose chat prompt the template cannot render" in capsys.readouterr().err
 
 

@@ -124,6 +124,28 @@ def test_a_full_disk_where_rows_must_be_written_ends_with_one_line(data, where, 
     assert e.value.code == 1 and "\n" not in str(e.value)
 
 
+def test_a_full_disk_inside_from_generator_ends_with_one_line(data, monkeypatch):
+    """datasets wraps the OSError of a write in DatasetGenerationError: still one line, exit status 1."""
+    monkeypatch.setattr(datasets.arrow_writer.ArrowWriter, "write", full_disk)
+    with pytest.raises(WriteFailed, match="datasets cache.*No space left on device") as e:
+        load_splits(Config(dataset=data, seed=1))
+    assert e.value.code == 1 and "\n" not in str(e.value)
+
+
+def test_data_digest_of_a_folder_hashes_only_the_files_read(tmp_path):
+    folder = tmp_path / "data"
+    os.makedirs(folder)
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    digest = data_digest(str(folder))
+    (folder / "README.md").write_text("about this data")
+    os.makedirs(folder / "notes")
+    (folder / ".DS_Store").write_bytes(b"\0\1")
+    assert data_digest(str(folder)) == digest  # nothing the reader reads has changed
+    with open(folder / "a.jsonl", "a") as f:
+        f.write(json.dumps(ROWS[0]) + "\n")
+    assert data_digest(str(folder)) not in ("", digest)
+
+
 def test_data_digest_follows_the_contents_not_the_place(data, tmp_path):
     digest = data_digest(data)
     assert len(digest) == 64 and data_digest("synthetic") == data_digest("org/hub-name") == ""

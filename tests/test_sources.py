@@ -216,6 +216,21 @@ def test_convert_writes_exactly_what_the_trainer_reads(name, tmp_path):
     assert read_rows(out, "train", Config()) == written  # and it reads back unchanged as stepwise
 
 
+def test_converted_candidates_and_prmbench_read_back_with_group_and_category(tmp_path):
+    cands = write_jsonl(tmp_path / "cands.jsonl", [
+        {"idx": 7, "question": "1+1?", "outputs": [
+            {"response": "1+1=2ки", "label": True, "response_answer": "2"},
+            {"response": "1+1=3ки", "label": False}]}])
+    for name, src in (("cands", cands), ("prmbench", os.path.join(FIX, "prmbench.jsonl"))):
+        out = str(tmp_path / f"{name}.out.jsonl")
+        convert_main([src, out])
+        written = [json.loads(line) for line in open(out, encoding="utf-8")]
+        assert all(("group" if name == "cands" else "category") in r for r in written)
+        back = read_rows(out, "train", Config())  # all-unlabeled candidates: their group exempts them
+        assert [{k: v for k, v in r.items() if v is not None} for r in back] == \
+            [{k: v for k, v in r.items() if v is not None} for r in written]
+
+
 def test_soft_labels_reach_the_loss_as_floats(tmp_path):
     path = write_jsonl(tmp_path / "soft.jsonl", [
         {"prompt": "a", "completions": ["b", "c"], "labels": [0.625, 1]},
