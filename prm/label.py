@@ -284,7 +284,8 @@ class Generator:
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
         if o.temperature > 0:
             sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
-        flat, out = [p for p in prompts for _ in range(n)], []
+        copies = n if o.temperature > 0 else 1  # greedy decoding gives one text however often it is asked
+        flat, out = [p for p in prompts for _ in range(copies)], []
         for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
             enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
@@ -292,7 +293,7 @@ class Generator:
                                                  enabled=dtype is not None):
                 ids = self.model.generate(**enc, **sampling)  # (B, T + new)
             out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [out[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]
 
 
 def main(argv=None):

@@ -277,6 +277,17 @@ def test_generator_renders_text_and_chat_prompts(policy_dir):
     assert [len(texts) for texts in gen(["count:", "a"], 3, 0)] == [3, 3]
 
 
+def test_greedy_decoding_generates_each_prompt_once(policy_dir):
+    import torch
+    from prm.label import Generator
+    gen = Generator(Options(policy=policy_dir, temperature=0.0, max_new_tokens=4), device=torch.device("cpu"))
+    gen.tokenizer()
+    generate, rows = gen.model.generate, []
+    gen.model.generate = lambda **kw: rows.append(len(kw["input_ids"])) or generate(**kw)
+    texts = gen(["count:", "a"], 4, 0)
+    assert sum(rows) == 2 and [len(set(t)) for t in texts] == [1, 1] and list(map(len, texts)) == [4, 4]
+
+
 def test_an_output_that_cannot_be_written_is_exit_status_1(tmp_path, capsys):
     data = write_rows(tmp_path / "in.jsonl", ROWS)
     with pytest.raises(SystemExit) as e:
