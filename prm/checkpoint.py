@@ -177,6 +177,32 @@ def prune(output_dir: str, keep_last: int):
             shutil.rmtree(old, ignore_errors=True)
 
 
+ABANDONED = "abandoned-"  # prefix of the checkpoints a resume from an older step leaves behind
+
+
+def set_aside_after(output_dir: str, step: int):
+    """After a resume from `step`, the checkpoint-<n> directories with n > step belong to the abandoned
+    timeline (its metrics.jsonl records are dropped too): renamed to abandoned-checkpoint-<n>, which prune and
+    resolve_resume ignore, so the new run's checkpoints are the ones kept and resumed. Rank 0 only."""
+    newer = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and int(m.group(1)) > step:
+            newer.append((int(m.group(1)), name))
+    moved = []
+    for _, name in sorted(newer):
+        target, n = ABANDONED + name, 1
+        while os.path.exists(os.path.join(output_dir, target)):  # set aside by an earlier resume already
+            n += 1
+            target = f"{ABANDONED}{name}.{n}"
+        with reported(os.path.join(output_dir, target)):
+            os.replace(os.path.join(output_dir, name), os.path.join(output_dir, target))
+        moved.append(f"{name} -> {target}")
+    if moved:
+        print(f"warning: resumed at step {step}, so the newer checkpoints are set aside in {output_dir}: "
+              f"{', '.join(moved)}", file=sys.stderr, flush=True)
+
+
 def write_card(path: str, card: str):
     """The model card, <path>/README.md, written to a temporary name and renamed: never half a file."""
     tmp = os.path.join(path, "README.md.tmp")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prm.checkpoint import AppendFile
+from prm.checkpoint import AppendFile, set_aside_after
 from prm.data import padded_tokens
 from prm.errors import Diverged
 from prm.runtime import Runtime, all_reduce_sum
@@ -19,12 +19,14 @@ from prm.runtime import Runtime, all_reduce_sum
 class MetricsFile:
     """Rank 0's metrics.jsonl, each record also sent to the tracker (TensorBoard / W&B) and shown as a log
     line. On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each
-    step appears once. path None (the other ranks): writes nothing."""
+    step appears once, and the checkpoints past that step are set aside. path None (the other ranks): writes
+    nothing."""
 
     def __init__(self, path, pbar, *, resumed_at: int, tracker=None):
         self.pbar, self.tracker = pbar, tracker
         if path and resumed_at:
             keep_records_until(path, resumed_at)
+            set_aside_after(os.path.dirname(path), resumed_at)  # the checkpoints of the abandoned steps too
         self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, no traceback
 
     def write(self, rec: dict, echo: bool = True):
