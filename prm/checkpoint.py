@@ -207,13 +207,14 @@ def write_card(path: str, card: str):
     """The model card, <path>/README.md, written to a temporary name and renamed: never half a file."""
     tmp = os.path.join(path, "README.md.tmp")
     try:
-        with reported(tmp), open(tmp, "w") as f:
-            f.write(card)
+        with reported(tmp):
+            with open(tmp, "w") as f:
+                f.write(card)
+            os.replace(tmp, os.path.join(path, "README.md"))
     except WriteFailed:
         with contextlib.suppress(OSError):  # half a card: gone, so the folder holds only what is whole
             os.remove(tmp)
         raise
-    os.replace(tmp, os.path.join(path, "README.md"))
 
 
 def complete_checkpoints(output_dir: str) -> list:

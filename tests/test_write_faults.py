@@ -101,3 +101,40 @@ def test_a_real_full_disk(tmp_path):
         assert leftovers(disk) == []
     finally:
         subprocess.run(["umount", "-l", str(disk)])  # -l: the failed run may still hold metrics.jsonl open
+
+
+def test_a_full_disk_while_dropping_records_on_resume_keeps_metrics_whole(tmp_path, monkeypatch):
+    from prm import trainlog
+    from prm.errors import WriteFailed
+    path = tmp_path / "metrics.jsonl"
+    records = '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "loss": 0.3}\n'
+    path.write_text(records)
+    real = open
+
+    class Full:  # opened for writing (so emptied), then the disk is full
+        def __init__(self, *a, **kw):
+            self.file = real(*a, **kw)
+
+        def writelines(self, lines):
+            raise OSError(errno.ENOSPC, NO_SPACE)
+        write = writelines
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+    monkeypatch.setattr(trainlog, "open", lambda p, mode="r", *a, **kw: Full(p, mode, *a, **kw) if "w" in mode
+                        else real(p, mode, *a, **kw), raising=False)
+    with pytest.raises(WriteFailed) as e:
+        trainlog.keep_records_until(str(path), 2)
+    one_line(e, f"could not write {path}: {NO_SPACE}")
+    assert path.read_text() == records and os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+def test_records_kept_on_resume_end_with_a_newline(tmp_path):
+    from prm.trainlog import keep_records_until
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}')  # the crash cut the last "\n"
+    keep_records_until(str(path), 5)
+    assert path.read_text() == '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n'
