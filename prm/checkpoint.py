@@ -16,6 +16,7 @@ import sys
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from prm.errors import UsageError, WriteFailed, check
 from prm.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
@@ -76,8 +77,9 @@ def write_adapter(path: str, model, cfg, state: dict = None):
 
 
 # what a failed write raises: OSError from open/write/rename, RuntimeError from torch.save ("file write
-# failed"), SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)")
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+# failed"), SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)"), CheckpointException
+# from dcp.save under --fsdp (a BaseException, holding each failed rank's error)
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
 
 
 @contextlib.contextmanager
@@ -87,9 +89,13 @@ def reported(path: str):
     try:
         yield
     except WRITE_ERRORS as e:
-        lines = str(e).strip().splitlines()
-        cause = (e.strerror if isinstance(e, OSError) else None) or (lines[0] if lines else type(e).__name__)
-        if not isinstance(e, OSError):  # torch.save's "unexpected pos 320 vs 214" never says "disk full"
+        error = e
+        if isinstance(e, CheckpointException) and e.failures:  # its own text is a traceback per rank
+            error = next(iter(e.failures.values()))[0]
+        lines = str(error).strip().splitlines()
+        cause = (error.strerror if isinstance(error, OSError) else None) or \
+            (lines[0] if lines else type(error).__name__)
+        if not isinstance(error, OSError):  # torch.save's "unexpected pos 320 vs 214" never says "disk full"
             cause += f" ({_free_mib(path)} MiB free there)"
         failed = WriteFailed(f"could not write {path}: {cause}")
         failed.cause = cause
@@ -376,7 +382,13 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier(self.rt)
             model = self.parallel.model
-            save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
+            try:
+                with reported(checkpoint_dir(self.cfg.output_dir, step)):
+                    save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
+            except WriteFailed:  # every rank gets dcp's error: no half-written shards stay
+                if self.rt.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
             barrier(self.rt)
         if self.rt.is_main:
             self.write(step)

@@ -138,3 +138,15 @@ def test_records_kept_on_resume_end_with_a_newline(tmp_path):
     path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}')  # the crash cut the last "\n"
     keep_records_until(str(path), 5)
     assert path.read_text() == '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n'
+
+
+def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+    from prm.checkpoint import reported
+    from prm.errors import WriteFailed
+    error = CheckpointException("save failed", {0: (OSError(errno.ENOSPC, NO_SPACE), None)})  # as dcp.save raises
+    with pytest.raises(WriteFailed) as e:
+        with reported(str(tmp_path / "checkpoint-1")):
+            raise error
+    one_line(e, f"could not write {tmp_path / 'checkpoint-1'}: {NO_SPACE}")
+    assert e.value.__cause__ is error
