@@ -97,9 +97,7 @@ def reported(path: str):
             (lines[0] if lines else type(error).__name__)
         if not isinstance(error, OSError):  # torch.save's "unexpected pos 320 vs 214" never says "disk full"
             cause += f" ({_free_mib(path)} MiB free there)"
-        failed = WriteFailed(f"could not write {path}: {cause}")
-        failed.cause = cause
-        raise failed from e
+        raise WriteFailed(f"could not write {path}: {cause}", cause=cause) from e
 
 
 def _free_mib(path: str) -> str:

@@ -150,3 +150,17 @@ def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
             raise error
     one_line(e, f"could not write {tmp_path / 'checkpoint-1'}: {NO_SPACE}")
     assert e.value.__cause__ is error
+
+
+def test_any_write_failure_names_its_cause_when_final_cannot_be_rescued(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+    from prm.checkpoint import Checkpointer
+    from prm.errors import WriteFailed
+    assert WriteFailed("cannot write the rows").cause == "cannot write the rows"
+    checkpointer = Checkpointer.__new__(Checkpointer)
+    checkpointer.cfg = SimpleNamespace(output_dir=str(tmp_path), fsdp=False)
+
+    def write(step):  # a WriteFailed not made by reported(): no cause given
+        raise WriteFailed("cannot write the rows")
+    monkeypatch.setattr(checkpointer, "write", write)
+    assert "could not be written either (cannot write the rows)" in checkpointer.kept_instead(2)
