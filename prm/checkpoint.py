@@ -337,6 +337,22 @@ def load_trainable(model, path: str):
     model.load_state_dict(state, strict=False)
 
 
+def rng_state() -> dict:
+    """Every generator the training draws from (data order, dropout), as a checkpoint stores them."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    """Restores what rng_state returned; a checkpoint written on a GPU loads on a CPU-only machine too."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
     """Restores everything Checkpointer.write wrote; returns the optimizer step to continue from. A sharded
     checkpoint is read by every rank together (a collective), into a model sharded the same way."""
@@ -351,10 +367,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    set_rng_state(state["rng"])
     return read_marker(path)["step"]
 
 
@@ -399,10 +412,8 @@ class Checkpointer:
         Under --fsdp every rank wrote the weights and optimizer state into <tmp>/shards first."""
         cfg, model = self.cfg, self.parallel.model
         with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
-            rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state_all()
-            state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "rng": rng}
+            state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                     "rng": rng_state()}
             if cfg.fsdp:
                 self.tokenizer.save_pretrained(tmp)
                 cfg.save(tmp)

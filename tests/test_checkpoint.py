@@ -132,3 +132,13 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, cap
     assert names == ["abandoned-checkpoint-2", "abandoned-checkpoint-3", "abandoned-checkpoint-4", "checkpoint-3"]
     assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-3")
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
+
+
+def test_rng_state_round_trip():
+    import random
+    from prm.checkpoint import rng_state, set_rng_state
+    state = rng_state()
+    drawn = (random.random(), torch.rand(3))
+    set_rng_state(state)
+    again = (random.random(), torch.rand(3))
+    assert drawn[0] == again[0] and torch.equal(drawn[1], again[1])
