@@ -16,6 +16,7 @@ import sys
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from prm.errors import UsageError, WriteFailed, check
 from prm.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
@@ -76,8 +77,9 @@ def write_adapter(path: str, model, cfg, state: dict = None):
 
 
 # what a failed write raises: OSError from open/write/rename, RuntimeError from torch.save ("file write
-# failed"), SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)")
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+# failed"), SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)"), CheckpointException
+# from dcp.save under --fsdp (a BaseException, holding each failed rank's error)
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
 
 
 @contextlib.contextmanager
@@ -87,13 +89,15 @@ def reported(path: str):
     try:
         yield
     except WRITE_ERRORS as e:
-        lines = str(e).strip().splitlines()
-        cause = (e.strerror if isinstance(e, OSError) else None) or (lines[0] if lines else type(e).__name__)
-        if not isinstance(e, OSError):  # torch.save's "unexpected pos 320 vs 214" never says "disk full"
+        error = e
+        if isinstance(e, CheckpointException) and e.failures:  # its own text is a traceback per rank
+            error = next(iter(e.failures.values()))[0]
+        lines = str(error).strip().splitlines()
+        cause = (error.strerror if isinstance(error, OSError) else None) or \
+            (lines[0] if lines else type(error).__name__)
+        if not isinstance(error, OSError):  # torch.save's "unexpected pos 320 vs 214" never says "disk full"
             cause += f" ({_free_mib(path)} MiB free there)"
-        failed = WriteFailed(f"could not write {path}: {cause}")
-        failed.cause = cause
-        raise failed from e
+        raise WriteFailed(f"could not write {path}: {cause}", cause=cause) from e
 
 
 def _free_mib(path: str) -> str:
@@ -177,17 +181,44 @@ def prune(output_dir: str, keep_last: int):
             shutil.rmtree(old, ignore_errors=True)
 
 
+ABANDONED = "abandoned-"  # prefix of the checkpoints a resume from an older step leaves behind
+
+
+def set_aside_after(output_dir: str, step: int):
+    """After a resume from `step`, the checkpoint-<n> directories with n > step belong to the abandoned
+    timeline (its metrics.jsonl records are dropped too): renamed to abandoned-checkpoint-<n>, which prune and
+    resolve_resume ignore, so the new run's checkpoints are the ones kept and resumed. Rank 0 only."""
+    newer = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        if m and int(m.group(1)) > step:
+            newer.append((int(m.group(1)), name))
+    moved = []
+    for _, name in sorted(newer):
+        target, n = ABANDONED + name, 1
+        while os.path.exists(os.path.join(output_dir, target)):  # set aside by an earlier resume already
+            n += 1
+            target = f"{ABANDONED}{name}.{n}"
+        with reported(os.path.join(output_dir, target)):
+            os.replace(os.path.join(output_dir, name), os.path.join(output_dir, target))
+        moved.append(f"{name} -> {target}")
+    if moved:
+        print(f"warning: resumed at step {step}, so the newer checkpoints are set aside in {output_dir}: "
+              f"{', '.join(moved)}", file=sys.stderr, flush=True)
+
+
 def write_card(path: str, card: str):
     """The model card, <path>/README.md, written to a temporary name and renamed: never half a file."""
     tmp = os.path.join(path, "README.md.tmp")
     try:
-        with reported(tmp), open(tmp, "w") as f:
-            f.write(card)
+        with reported(tmp):
+            with open(tmp, "w") as f:
+                f.write(card)
+            os.replace(tmp, os.path.join(path, "README.md"))
     except WriteFailed:
         with contextlib.suppress(OSError):  # half a card: gone, so the folder holds only what is whole
             os.remove(tmp)
         raise
-    os.replace(tmp, os.path.join(path, "README.md"))
 
 
 def complete_checkpoints(output_dir: str) -> list:
@@ -306,6 +337,22 @@ def load_trainable(model, path: str):
     model.load_state_dict(state, strict=False)
 
 
+def rng_state() -> dict:
+    """Every generator the training draws from (data order, dropout), as a checkpoint stores them."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    """Restores what rng_state returned; a checkpoint written on a GPU loads on a CPU-only machine too."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
     """Restores everything Checkpointer.write wrote; returns the optimizer step to continue from. A sharded
     checkpoint is read by every rank together (a collective), into a model sharded the same way."""
@@ -320,10 +367,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    set_rng_state(state["rng"])
     return read_marker(path)["step"]
 
 
@@ -349,7 +393,13 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier(self.rt)
             model = self.parallel.model
-            save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
+            try:
+                with reported(checkpoint_dir(self.cfg.output_dir, step)):
+                    save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
+            except WriteFailed:  # every rank gets dcp's error: no half-written shards stay
+                if self.rt.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
             barrier(self.rt)
         if self.rt.is_main:
             self.write(step)
@@ -362,10 +412,8 @@ class Checkpointer:
         Under --fsdp every rank wrote the weights and optimizer state into <tmp>/shards first."""
         cfg, model = self.cfg, self.parallel.model
         with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
-            rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state_all()
-            state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "rng": rng}
+            state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                     "rng": rng_state()}
             if cfg.fsdp:
                 self.tokenizer.save_pretrained(tmp)
                 cfg.save(tmp)

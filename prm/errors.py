@@ -16,8 +16,13 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault."""
+    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault. cause: the
+    reason alone (the message less the path), for a message that names several writes."""
     code = 1
+
+    def __init__(self, message: str, cause: str = None):
+        super().__init__(message)
+        self.cause = cause or message
 
 
 class Diverged(PRMError, ArithmeticError):

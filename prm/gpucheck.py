@@ -58,7 +58,8 @@ def write_inputs(path: str, dry: bool) -> tuple:
     cfg.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     flags = FLAGS["dry" if dry else "gpu"]
-    steps, batch, max_length = map(int, flags[1:6:2])  # the values of --steps, --batch-size, --max-length
+    value = dict(zip(flags[::2], flags[1::2]))  # every flag takes one value
+    steps, batch, max_length = (int(value[flag]) for flag in ("--steps", "--batch-size", "--max-length"))
     with open(data, "w") as f:  # 1% held out, and a margin: every timed step gets a full batch of fresh rows
         f.writelines(json.dumps(r) + "\n" for r in rows(int(steps * batch * 1.25) + 8, max_length))
     return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]

@@ -7,14 +7,15 @@ import shutil
 from prm.checkpoint import resolve_resume
 from prm.errors import check
 
-RUN_FILES = ("metrics.jsonl", "final")  # with checkpoint-*: what makes a directory hold a run
+RUN_FILES = ("metrics.jsonl", "final")  # with (abandoned-)checkpoint-*: what makes a directory hold a run
 ALSO_WRITTEN = ("config.train.json", "tensorboard")  # a run's too; --overwrite removes them with the rest
 
 
 def run_files(output_dir: str) -> list:
     """The names in output_dir that belong to a run, sorted ([] for a missing or empty directory)."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    return sorted(n for n in names if n in RUN_FILES or n.startswith("checkpoint-"))
+    return sorted(n for n in names
+                  if n in RUN_FILES or n.startswith(("checkpoint-", "abandoned-checkpoint-")))
 
 
 def prepare_output_dir(cfg, is_main: bool):

@@ -25,7 +25,7 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prm.errors import exit_status
+from prm.errors import UsageError, exit_status
 from prm.formats import decode, read_json
 from prm.reward import PRMReward
 from prm.scorers import FAMILIES
@@ -281,22 +281,27 @@ def main(argv=None):
     if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "
                 "--max-connections at least 1")
-    with exit_status():  # a model that cannot be loaded, a bad scorer setting: one line and exit status 2
+    if args.batch_size < 1:
+        p.error("--batch-size must be at least 1")
+    # a model that cannot be loaded, a bad scorer setting, an address that cannot be bound: one line, status 2
+    with exit_status():
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            trust_remote_code=args.trust_remote_code, scorer=args.scorer,
                            step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token)
-    server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
-                         max_body=args.max_body_bytes, max_batch=args.max_batch,
-                         max_connections=args.max_connections)
-    print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("stopped", file=sys.stderr)
-    finally:
-        server.server_close()
+        try:
+            server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
+                                 max_body=args.max_body_bytes, max_batch=args.max_batch,
+                                 max_connections=args.max_connections)
+        except OSError as e:  # the port in use (Errno 98), a --host that names no address of this machine
+            raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            print("stopped", file=sys.stderr)
+        finally:
+            server.server_close()
 
 
 if __name__ == "__main__":
-    with exit_status():  # a model directory that cannot be loaded: one line and exit status 2
-        main()
+    main()

@@ -1,6 +1,7 @@
 """What a training run reports: the log line and metrics.jsonl (MetricsFile), and the running sums behind them
 with the divergence check, the throughput and the time left (TrainLog). Depends on: torch, prm.checkpoint,
 prm.data, prm.errors, prm.runtime."""
+import contextlib
 import datetime
 import json
 import math
@@ -10,21 +11,23 @@ from dataclasses import dataclass
 
 import torch
 
-from prm.checkpoint import AppendFile
+from prm.checkpoint import AppendFile, reported, set_aside_after
 from prm.data import padded_tokens
-from prm.errors import Diverged
+from prm.errors import Diverged, WriteFailed
 from prm.runtime import Runtime, all_reduce_sum
 
 
 class MetricsFile:
     """Rank 0's metrics.jsonl, each record also sent to the tracker (TensorBoard / W&B) and shown as a log
     line. On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each
-    step appears once. path None (the other ranks): writes nothing."""
+    step appears once, and the checkpoints past that step are set aside. path None (the other ranks): writes
+    nothing."""
 
     def __init__(self, path, pbar, *, resumed_at: int, tracker=None):
         self.pbar, self.tracker = pbar, tracker
         if path and resumed_at:
             keep_records_until(path, resumed_at)
+            set_aside_after(os.path.dirname(path), resumed_at)  # the checkpoints of the abandoned steps too
         self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, no traceback
 
     def write(self, rec: dict, echo: bool = True):
@@ -175,6 +178,15 @@ def keep_records_until(path: str, step: int):
             except json.JSONDecodeError:  # a line cut short by the crash that made this run resume
                 continue
             if rec.get("step", 0) <= step and "final" not in rec:
-                kept.append(line)
-    with open(path, "w") as f:
-        f.writelines(kept)
+                kept.append(line if line.endswith("\n") else line + "\n")  # else the next record is glued on
+    # written aside and renamed: a full disk keeps the whole file as it was (WriteFailed), never an empty one
+    tmp = path + ".tmp"
+    try:
+        with reported(path):
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, path)
+    except WriteFailed:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

@@ -121,3 +121,24 @@ def test_scoring_api_equals_evaluation_probabilities(char_tok):
         assert len(mine) == len(row["completions"])
         assert mine == pytest.approx(probs, abs=1e-6)
     assert score(model, char_tok, rows[0]["prompt"], rows[0]["completions"]) == pytest.approx(scored[0], abs=1e-6)
+
+
+def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, capsys):
+    run_train(tmp_path, max_steps=4, save_every=1, keep_last=0)  # checkpoints 1, 2, 3, 4
+    run_train(tmp_path, max_steps=3, save_every=1, keep_last=1, resume=str(tmp_path / "checkpoint-1"))
+    assert "set aside" in capsys.readouterr().err
+    names = sorted(d for d in os.listdir(tmp_path) if "checkpoint" in d)
+    # the new run's checkpoint-3 is kept (not the old timeline's checkpoint-4), and nothing is deleted
+    assert names == ["abandoned-checkpoint-2", "abandoned-checkpoint-3", "abandoned-checkpoint-4", "checkpoint-3"]
+    assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-3")
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
+
+
+def test_rng_state_round_trip():
+    import random
+    from prm.checkpoint import rng_state, set_rng_state
+    state = rng_state()
+    drawn = (random.random(), torch.rand(3))
+    set_rng_state(state)
+    again = (random.random(), torch.rand(3))
+    assert drawn[0] == again[0] and torch.equal(drawn[1], again[1])

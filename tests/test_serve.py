@@ -260,3 +260,23 @@ def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):
     # 14 prompt tokens (BOS + 13 characters) + 6 per step: one step fits in 25 tokens
     out = serve.Scorer(PRMReward(model_dir, device="cpu", max_length=25))(GOOD)
     assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [1, 1, 1]}
+
+
+@pytest.mark.parametrize("flags, message", [(["--host", "127.0.0.1"], "cannot listen on 127.0.0.1:"),
+                                            (["--batch-size", "0"], "--batch-size must be at least 1")])
+def test_a_busy_port_or_a_bad_batch_size_is_one_line_and_exit_status_2(model_dir, flags, message):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cmd = [sys.executable, "-m", "prm.serve", "--model", model_dir, "--device", "cpu",
+               "--port", str(busy.getsockname()[1])] + flags
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]  # after transformers' progress bars, if any
+    assert message in last and last.startswith(("error: ", "serve.py: error: ")), proc.stderr

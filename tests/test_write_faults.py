@@ -101,3 +101,66 @@ def test_a_real_full_disk(tmp_path):
         assert leftovers(disk) == []
     finally:
         subprocess.run(["umount", "-l", str(disk)])  # -l: the failed run may still hold metrics.jsonl open
+
+
+def test_a_full_disk_while_dropping_records_on_resume_keeps_metrics_whole(tmp_path, monkeypatch):
+    from prm import trainlog
+    from prm.errors import WriteFailed
+    path = tmp_path / "metrics.jsonl"
+    records = '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "loss": 0.3}\n'
+    path.write_text(records)
+    real = open
+
+    class Full:  # opened for writing (so emptied), then the disk is full
+        def __init__(self, *a, **kw):
+            self.file = real(*a, **kw)
+
+        def writelines(self, lines):
+            raise OSError(errno.ENOSPC, NO_SPACE)
+        write = writelines
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+    monkeypatch.setattr(trainlog, "open", lambda p, mode="r", *a, **kw: Full(p, mode, *a, **kw) if "w" in mode
+                        else real(p, mode, *a, **kw), raising=False)
+    with pytest.raises(WriteFailed) as e:
+        trainlog.keep_records_until(str(path), 2)
+    one_line(e, f"could not write {path}: {NO_SPACE}")
+    assert path.read_text() == records and os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
+def test_records_kept_on_resume_end_with_a_newline(tmp_path):
+    from prm.trainlog import keep_records_until
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}')  # the crash cut the last "\n"
+    keep_records_until(str(path), 5)
+    assert path.read_text() == '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n'
+
+
+def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+    from prm.checkpoint import reported
+    from prm.errors import WriteFailed
+    error = CheckpointException("save failed", {0: (OSError(errno.ENOSPC, NO_SPACE), None)})  # as dcp.save raises
+    with pytest.raises(WriteFailed) as e:
+        with reported(str(tmp_path / "checkpoint-1")):
+            raise error
+    one_line(e, f"could not write {tmp_path / 'checkpoint-1'}: {NO_SPACE}")
+    assert e.value.__cause__ is error
+
+
+def test_any_write_failure_names_its_cause_when_final_cannot_be_rescued(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+    from prm.checkpoint import Checkpointer
+    from prm.errors import WriteFailed
+    assert WriteFailed("cannot write the rows").cause == "cannot write the rows"
+    checkpointer = Checkpointer.__new__(Checkpointer)
+    checkpointer.cfg = SimpleNamespace(output_dir=str(tmp_path), fsdp=False)
+
+    def write(step):  # a WriteFailed not made by reported(): no cause given
+        raise WriteFailed("cannot write the rows")
+    monkeypatch.setattr(checkpointer, "write", write)
+    assert "could not be written either (cannot write the rows)" in checkpointer.kept_instead(2)
