@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from prm.build import model_for, tokenizer_for
 from prm.card import config_command, model_card
-from prm.checkpoint import Checkpointer, load_checkpoint, read_marker, run_lock, write_card
+from prm.checkpoint import (Checkpointer, load_checkpoint, read_marker, run_lock, set_aside_after,
+                            write_card)
 from prm.config import Config
 from prm.data import collate, global_batches, micro_batches, pack, pad_token_id
 from prm.errors import Stopped, UsageError, check
@@ -194,6 +195,8 @@ class Trainer:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler,
                                         self.scaler)
             self.say(f"resumed from {self.resume_from} at step {self.step}")
+            if self.rt.is_main:  # newer checkpoints are an abandoned timeline: kept aside, never pruned or resumed
+                set_aside_after(self.cfg.output_dir, self.step)
 
     def _setup_output(self):
         cfg, rt, world, steps_per_epoch = self.cfg, self.rt, self.rt.world_size, self.steps_per_epoch

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prm.checkpoint import AppendFile, reported, set_aside_after
+from prm.checkpoint import AppendFile, reported
 from prm.data import padded_tokens
 from prm.errors import Diverged, WriteFailed
 from prm.runtime import Runtime, all_reduce_sum
@@ -27,7 +27,6 @@ class MetricsFile:
         self.pbar, self.tracker = pbar, tracker
         if path and resumed_at:
             keep_records_until(path, resumed_at)
-            set_aside_after(os.path.dirname(path), resumed_at)  # the checkpoints of the abandoned steps too
         self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, no traceback
 
     def write(self, rec: dict, echo: bool = True):
