@@ -133,8 +133,8 @@ def label_row(row: dict, index: int, complete, render, opts: Options) -> list:
     """The output lines of one row: its completions, or opts.samples sampled solutions split into steps."""
     text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
     if not isinstance(text, str):
-        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render: the policy's "
-                         "chat template)")
+        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render: the "
+                         "policy's chat template)")
     text += "" if text[-1:].isspace() else sep  # the policy sees the first step begin on a step of its own
     answer, given, rid = str(row[opts.answer_field]), row.get("completions") is not None, row.get("id")
     solutions = [row["completions"]] if given else [s for s in (split_steps(d, sep) for d in

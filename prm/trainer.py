@@ -195,7 +195,7 @@ class Trainer:
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler,
                                         self.scaler)
             self.say(f"resumed from {self.resume_from} at step {self.step}")
-            if self.rt.is_main:  # newer checkpoints are an abandoned timeline: kept aside, never pruned or resumed
+            if self.rt.is_main:  # newer checkpoints: an abandoned timeline, set aside (not pruned or resumed)
                 set_aside_after(self.cfg.output_dir, self.step)
 
     def _setup_output(self):
