@@ -22,10 +22,11 @@ from prm.varlen import supports_packing, use_packed_attention
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names meaning "this step is right"
 
 
-def loading(flag: str, name: str, load, **kw):
+def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
     """load(name, **kw), raising a one-line UsageError (exit status 2) instead of a library traceback when the
-    model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing)."""
-    if flag == "--model" and os.path.isdir(name):  # a folder: its config.json, then the files its index names
+    model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing).
+    weights: a --model folder must be a model's (a LoRA or sharded checkpoint's tokenizer loads without)."""
+    if weights and flag == "--model" and os.path.isdir(name):  # a folder: its config.json, then the files its index names
         check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
     try:
@@ -67,7 +68,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
             with open(saved) as f:
                 if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                     load, kw = PreTrainedTokenizerFast.from_pretrained, {}
-        tokenizer = loading(flag, name, load, **kw)
+        tokenizer = loading(flag, name, load, weights=False, **kw)
     except UsageError:
         raise
     # ValueError: tokenizer_config.json is not JSON; the rest: JSON but not a tokenizer's ({} lacks
