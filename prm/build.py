@@ -25,8 +25,9 @@ POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
     """load(name, **kw), raising a one-line UsageError (exit status 2) instead of a library traceback when the
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing).
-    weights: a --model folder must be a model's (a LoRA or sharded checkpoint's tokenizer loads without)."""
-    if weights and flag == "--model" and os.path.isdir(name):  # a folder: its config.json, then the files its index names
+    weights: a --model folder must be a model's (False: a LoRA or sharded checkpoint, read for its
+    tokenizer)."""
+    if weights and flag == "--model" and os.path.isdir(name):  # its config.json, then the files its index names
         check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
     try:
@@ -57,7 +58,7 @@ def outside_weights(path: str) -> list:
     return problems
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
+def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *, weights=True):
     """AutoTokenizer, except that a generic tokenizer.json (the tiny preset's character tokenizer) loads as
     written: transformers 5 would rebuild it from the vocabulary as the model type's own class
     (Qwen2Tokenizer), which the character tokenizer survives (prm.synthetic) but without its <unk>."""
@@ -68,7 +69,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
             with open(saved) as f:
                 if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                     load, kw = PreTrainedTokenizerFast.from_pretrained, {}
-        tokenizer = loading(flag, name, load, weights=False, **kw)
+        tokenizer = loading(flag, name, load, weights=weights, **kw)
     except UsageError:
         raise
     # ValueError: tokenizer_config.json is not JSON; the rest: JSON but not a tokenizer's ({} lacks
@@ -161,7 +162,8 @@ def load_trained(cfg, tokenizer_given: bool):
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
         run.trust_remote_code = cfg.trust_remote_code  # the user's choice, never the file's
-        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model")
+        # such a checkpoint holds no config.json: its weights come from --model's base and its own files
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model", weights=False)
         model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() sets eval mode
         if sharded:
             load_whole(cfg.model, model, trainable_only=has_lora(model))
