@@ -251,7 +251,8 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
 
 
 class Generator:
-    """complete() by a transformers causal LM: batched, left-padded, bf16 autocast where native, seeded."""
+    """complete() by a transformers causal LM: batched, left-padded, seeded; its weights in bf16 where the
+    device runs bf16 natively (half fp32's memory: nothing trains, so no fp32 copy is kept), else fp32."""
 
     def __init__(self, opts: Options, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
@@ -259,13 +260,16 @@ class Generator:
     def tokenizer(self):
         """The policy's tokenizer and model, loaded at the first row: bad input is refused before."""
         if self.tok is None:
+            import torch
             from transformers import AutoModelForCausalLM
             from prm.build import load_tokenizer, loading
+            from prm.runtime import autocast_dtype
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
             tok.padding_side, tok.pad_token, bos = "left", tok.pad_token or tok.eos_token, tok.bos_token_id
             self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
+            dtype = autocast_dtype("auto", self.device) or torch.float32
             self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
-                                 trust_remote_code=self.trust, dtype="float32").to(self.device).eval()
+                                 trust_remote_code=self.trust, dtype=dtype).to(self.device).eval()
         return self.tok
 
     def render(self, prompt) -> str:
@@ -279,8 +283,7 @@ class Generator:
 
     def __call__(self, prompts: list, n: int, seed: int) -> list:
         import torch
-        from prm.runtime import autocast_dtype
-        o, d, tok, dtype = self.opts, self.device, self.tokenizer(), autocast_dtype("auto", self.device)
+        o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
         if o.temperature > 0:
             sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
@@ -289,8 +292,7 @@ class Generator:
         for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
             enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
-            with torch.no_grad(), torch.autocast(d.type, dtype=dtype or torch.bfloat16,
-                                                 enabled=dtype is not None):
+            with torch.no_grad():
                 ids = self.model.generate(**enc, **sampling)  # (B, T + new)
             out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return [out[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]

@@ -288,6 +288,18 @@ def test_greedy_decoding_generates_each_prompt_once(policy_dir):
     assert sum(rows) == 2 and [len(set(t)) for t in texts] == [1, 1] and list(map(len, texts)) == [4, 4]
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_the_policy_holds_bf16_weights_where_bf16_is_native_else_fp32(policy_dir, monkeypatch, native):
+    import torch
+    from prm.label import Generator
+    monkeypatch.setenv("PRM_CPU_BF16", native)  # the probe prm.runtime.autocast_dtype reads
+    gen = Generator(Options(policy=policy_dir, max_new_tokens=3), device=torch.device("cpu"))
+    texts = gen(["count:"], 2, 0)
+    want = torch.bfloat16 if native == "1" else torch.float32
+    assert {p.dtype for p in gen.model.parameters()} == {want} and len(texts[0]) == 2
+    assert gen(["count:"], 2, 0) == texts  # seeded: the same texts again
+
+
 def test_an_output_that_cannot_be_written_is_exit_status_1(tmp_path, capsys):
     data = write_rows(tmp_path / "in.jsonl", ROWS)
     with pytest.raises(SystemExit) as e:
