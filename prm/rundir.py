@@ -18,11 +18,11 @@ def run_files(output_dir: str) -> list:
                   if n in RUN_FILES or n.startswith(("checkpoint-", "abandoned-checkpoint-")))
 
 
-def prepare_output_dir(cfg, is_main: bool):
-    """Called once at start-up, before any data loads. A directory holding a run is refused (exit status 2,
-    every file untouched) unless --resume continues a checkpoint of that same run or --overwrite replaces it;
-    with --overwrite, rank 0 deletes what a run writes there, and only that (the directory may hold other
-    files). Returns the checkpoint to resume (None: a fresh start), checksummed here once."""
+def prepare_output_dir(cfg):
+    """Called once at start-up, by one process (rank 0), before any data loads. A directory holding a run is
+    refused (exit status 2, every file untouched) unless --resume continues a checkpoint of that same run or
+    --overwrite replaces it; with --overwrite, it deletes what a run writes there, and only that (the
+    directory may hold other files). Returns the checkpoint to resume (None: a fresh start), checksummed."""
     out, found = cfg.output_dir, run_files(cfg.output_dir)
     if cfg.overwrite and cfg.resume:
         check(["--overwrite and --resume exclude each other: replace the run, or continue it"])
@@ -41,7 +41,6 @@ def prepare_output_dir(cfg, is_main: bool):
     if not cfg.overwrite:
         check([f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or choose another "
                "--output-dir"])
-    if is_main:
-        for name in found + [n for n in ALSO_WRITTEN if os.path.exists(os.path.join(out, n))]:
-            path = os.path.join(out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    for name in found + [n for n in ALSO_WRITTEN if os.path.exists(os.path.join(out, n))]:
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

@@ -67,6 +67,24 @@ def gather_objects(obj, rt: Runtime) -> list:
     return out
 
 
+def decided_by_main(rt: Runtime, decide):
+    """decide() run by rank 0 alone, its value, or the exception it raised, given to every rank (one
+    broadcast): for work that reads shared files, as hashing a checkpoint, done once instead of once a rank."""
+    if not rt.distributed:
+        return decide()
+    box = [None]
+    if rt.is_main:
+        try:
+            box[0] = (decide(), None)
+        except Exception as e:  # every rank raises it: none is left waiting in a later collective
+            box[0] = (None, e)
+    dist.broadcast_object_list(box, src=0)
+    value, error = box[0]
+    if error is not None:
+        raise error
+    return value
+
+
 def barrier(rt: Runtime):
     if rt.distributed:
         dist.barrier()

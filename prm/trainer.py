@@ -26,8 +26,8 @@ from prm.ingest import tokenize_dataset
 from prm.lora import count_parameters
 from prm.model import enable_activation_checkpointing, is_classifier, step_loss
 from prm.rundir import prepare_output_dir
-from prm.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, progress_off, setup,
-                         teardown)
+from prm.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, decided_by_main, main_first,
+                         progress_off, setup, teardown)
 from prm.sharding import Parallel
 from prm.sources import data_digest, load_splits
 from prm.tracking import Tracker, require
@@ -115,8 +115,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
         self.quiet = progress_off(self.cfg.disable_tqdm)  # before the data: datasets' bars follow it too
-        self.resume_from = prepare_output_dir(self.cfg, rt.is_main)  # first: a refused run loads no data
-        self.digests = {"train": data_digest(self.cfg.dataset), "eval": data_digest(self.cfg.eval_dataset)}
+        # first: a refused run loads no data. Rank 0 alone reads the directory and hashes the checkpoint and
+        # the data files (on a shared disk, once instead of once a rank); every rank gets its answer
+        self.resume_from, self.digests = decided_by_main(rt, lambda: (prepare_output_dir(self.cfg), {
+            "train": data_digest(self.cfg.dataset), "eval": data_digest(self.cfg.eval_dataset)}))
         if self.resume_from:  # nor does a refused resume: it reads the config, world size and digests
             self.check_resume(self.resume_from)
         self._setup_data()  # data before model: bad rows are reported before any weight loads

@@ -13,10 +13,10 @@ COMMON = ["--synthetic-size", "71", "--max-steps", "5", "--log-every", "1", "--d
           "--eval-batch-size", "4", "--seed", "7"]
 
 
-def launch(out, nproc, *flags):
+def launch(out, nproc, *flags, script="train.py"):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = (launcher if nproc > 1 else [sys.executable]) + ["train.py", *COMMON, "--output-dir", str(out), *flags]
+    cmd = (launcher if nproc > 1 else [sys.executable]) + [script, *COMMON, "--output-dir", str(out), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -68,6 +68,19 @@ def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
         assert not (tmp_path / "two" / "checkpoint-5" / ADAPTER).exists()  # sharded: rank 0 alone holds no adapter
 
 
+COUNTING = """import os, runpy, sys
+import prm.checkpoint
+hash_files = prm.checkpoint.file_digests
+def logged(path):
+    with open({log!r}, "a") as f:
+        f.write(os.environ["RANK"] + " " + path + "\\n")
+    return hash_files(path)
+prm.checkpoint.file_digests = logged
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
 def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_transformers(tmp_path):
     import torch
     from transformers import AutoModelForTokenClassification
@@ -81,7 +94,17 @@ def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_tr
     assert (ckpt / SHARDS).is_dir() and not (ckpt / "model.safetensors").exists()
     (tmp_path / "full" / "checkpoint-4").mkdir()  # a crashed save: no completion marker
     assert resolve_resume("auto", str(tmp_path / "full")) == str(ckpt)
-    launch(tmp_path / "resumed", 2, *fsdp, "--resume", str(ckpt))
+    hashed = tmp_path / "hashed.txt"  # which rank checksummed which folder: rank 0 alone, once, on resume
+    (tmp_path / "counting.py").write_text(COUNTING.format(log=str(hashed), train=os.path.join(ROOT, "train.py")))
+    launch(tmp_path / "resumed", 2, *fsdp, "--resume", str(ckpt), script=str(tmp_path / "counting.py"))
+    assert hashed.read_text().splitlines() == [f"0 {ckpt}"]
+    with open(ckpt / "config.train.json", "a") as f:  # damaged: rank 0 finds it, and every rank stops with it
+        f.write(" ")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *COMMON,
+           *fsdp, "--output-dir", str(tmp_path / "refused"), "--resume", str(ckpt)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode != 0 and proc.stderr.count("damaged checkpoint (checksum mismatch): config.train.json") == 2
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
     losses = lambda recs: {r["step"]: r["loss"] for r in recs if "loss" in r}
     assert sorted(losses(resumed)) == [4, 5] and all(losses(full)[s] == losses(resumed)[s] for s in (4, 5))
