@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from prm.formats import detect_format, format_help, label_problem, row_problems, to_rows, token_problems
+from prm.formats import FORMATS, detect_format, format_help, label_problem, row_problems, to_rows, token_problems
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -216,3 +216,9 @@ def test_pretokenized_rows_are_checked_and_right_padding_stripped():
     for message, row in problems.items():
         assert [p for p in token_problems(row) if p.startswith(message)], (message, token_problems(row))
     assert to_rows({"input_ids": [1]}, "pretokenized")[1] == ["field 'labels': missing"]
+
+
+def test_the_format_flag_offers_exactly_the_formats_read():
+    """--format's choices (prm.config, which imports no reader) and the readers (prm.formats) name one list."""
+    import prm.config
+    assert prm.config.FORMATS[0] == "auto" and sorted(prm.config.FORMATS[1:]) == sorted(FORMATS)
