@@ -10,7 +10,7 @@ from datasets import Features, Sequence, Value
 from datasets.fingerprint import Hasher
 
 from prm.data import IGNORE, assemble, normalize_label, tokenize_batch
-from prm.errors import WriteFailed
+from prm.errors import UsageError, WriteFailed
 from prm.sources import META, DataError, say
 
 COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
@@ -52,10 +52,14 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
     except OSError as e:  # a full disk under the datasets cache
         raise WriteFailed(f"cannot write tokenized rows to the datasets cache: {e.strerror or e}") from None
     except Exception:
-        bad = template_problems(ds, tokenizer, "held-out" if is_eval else "training")
+        which = "held-out" if is_eval else "training"
+        bad = template_problems(ds, tokenizer, which)
         if not bad:
             raise
-        if not (cfg.skip_invalid and drop_unlabeled) or len(bad) == len(ds):  # eval.py's match the source
+        if len(bad) == len(ds):  # the template is at fault, not the rows: no row list, no --skip-invalid
+            raise UsageError(f"the chat template fails on every one of the {len(ds)} {which} rows; "
+                             f"{bad[0][1]}")
+        if not (cfg.skip_invalid and drop_unlabeled):  # eval.py's rows must match the source's
             raise DataError([p for _, p in bad], total_rows=len(bad)) from None
         say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): "
             f"{bad[0][1]}")

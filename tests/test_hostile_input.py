@@ -84,6 +84,23 @@ def test_a_chat_prompt_without_a_working_chat_template_exits_2_naming_prompt_and
     assert e.value.code == 2 and "field 'prompt': a chat prompt" in err and cause in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_chat_template_failing_on_every_row_is_one_line_without_row_advice(skip, capsys):
+    from datasets import Dataset
+
+    from prm.ingest import tokenize_dataset
+    from prm.synthetic import char_tokenizer
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": c}], "completions": ["a"], "labels": [True]}
+                            for c in "cde"])
+    with pytest.raises(SystemExit) as e, exit_status():
+        tokenize_dataset(ds, char_tokenizer(), Config(skip_invalid=skip), is_eval=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--skip-invalid" not in err and "row 1" not in err
+    message = err[err.index("error: "):].strip()  # after datasets' progress bar
+    assert "\n" not in message
+    assert message.startswith("error: the chat template fails on every one of the 3 training rows; training row 0: ")
+
+
 TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'bad' %}{{ raise_exception('no bad prompts') }}{% endif %}"
             "{{ m['content'] }}{% endfor %}")
 
