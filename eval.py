@@ -91,6 +91,7 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch and tran
         ARGS = parse_args()
 
 # the heavy imports, after the early parse above
+import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from prm.data import pad_token_id  # noqa: E402
@@ -276,8 +277,10 @@ def main(args=None) -> dict:
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading: the bars of transformers and datasets follow it
     try:
+        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # then a published PRM's weights too
         tokenizer, model = load_scorer(cfg, opts.tokenizer_given, scorer=opts.scorer, step_tag=opts.step_tag,
-                                       good_token=opts.good_token, bad_token=opts.bad_token)
+                                       good_token=opts.good_token, bad_token=opts.bad_token,
+                                       dtype=torch.bfloat16 if bf16 else torch.float32)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device))
         head = tuned_threshold(ev, opts.tune_threshold) if opts.tune_threshold else \
             {"threshold": cfg.threshold}

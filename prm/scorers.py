@@ -206,9 +206,11 @@ class Logits(nn.Module):
         return F.linear(h, head.weight[self.cols], bias)  # (B, T, 2)
 
 
-def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="+", bad_token="-") -> tuple:
+def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="+", bad_token="-",
+         dtype=torch.float32) -> tuple:
     """(tokenizer, model) of any family, the model's output (B, T, 2) logits and the tokenizer carrying the
-    family's row builder; classifiers load as prm.build.load_trained loads them."""
+    family's row builder; classifiers load as prm.build.load_trained loads them (fp32), a published PRM's
+    weights in `dtype` (bf16, as their authors run them, halves the memory of a 7B model)."""
     name = detect(cfg.model, scorer)
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
@@ -223,7 +225,7 @@ def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="
     fam = family(tokenizer, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
     cls = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
     model = Logits(loading("--model", cfg.model, cls.from_pretrained, trust_remote_code=cfg.trust_remote_code,
-                           dtype=torch.float32), None if name == "qwen-prm" else [fam.bad_id, fam.good_id])
+                           dtype=dtype), None if name == "qwen-prm" else [fam.bad_id, fam.good_id])
     if name != "qwen-prm" and cfg.packing and supports_packing(model.model.base_model):  # else padding
         use_packed_attention(model.model.base_model)
     tokenizer.prm_rows = fam.tokenize_batch

@@ -171,6 +171,16 @@ def test_qwen_prm_equals_its_model_card_and_runs_its_code_only_when_allowed(dirs
     same_as_recipe(probs, lambda p, s: qwen_card(dirs["qwen-prm"], p, s))
 
 
+def test_a_published_prm_holds_bf16_weights_where_eval_py_runs_bf16(dirs, pb_file, tmp_path, monkeypatch):
+    loaded, load = [], eval_cli.load_scorer
+    monkeypatch.setattr(eval_cli, "load_scorer", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    flags = ["--scorer", "step-tag", "--step-tag", TAG, "--max-length", "300"]
+    _, fp32 = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags)
+    _, bf16 = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags, "--dtype", "bf16")  # the last --dtype wins
+    assert [{p.dtype for p in model.parameters()} for _, model in loaded] == [{torch.float32}, {torch.bfloat16}]
+    assert [p for ps in bf16 for p in ps] == pytest.approx([p for ps in fp32 for p in ps], abs=0.02)
+
+
 def test_swapping_the_good_and_bad_tokens_changes_the_f1(dirs, pb_file, tmp_path):
     flags = ["--scorer", "step-tag", "--step-tag", TAG, "--tune-threshold", pb_file]
     out, probs = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags)
