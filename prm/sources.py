@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import uuid
@@ -26,6 +27,10 @@ SHOWN = 15  # problems listed before "... and N more": the message must fit one 
 WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
          "hub split")
 SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
+# a folder's files named for splits as datasets.load_dataset names them: a word of the file name (train.jsonl,
+# test-00000-of-00001.parquet, my_eval_set.json); a split not listed here is its own word
+SPLIT_WORDS = {"train": {"train", "training"}, "validation": {"validation", "valid", "val", "dev"},
+               "test": {"test", "testing", "eval", "evaluation"}}
 NOTES = "said.json"  # in a rows cache entry: what the read said, said again when the entry is read back
 
 
@@ -88,12 +93,27 @@ def data_files(folder: str) -> list:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(LOCAL_EXT))
 
 
-def _sources(spec: str, split: str, cfg):
-    """(name, records) per file of a local spec, or the one split of a hub dataset."""
+def split_files(folder: str, split: str) -> list:
+    """The folder's data files named for `split` (SPLIT_WORDS); None when no file is named for any split."""
+    words = lambda f: set(re.split(r"[-._ 0-9]+", os.path.basename(f).lower()))
+    named = [(f, words(f)) for f in data_files(folder)]
+    if not any(w & (set().union(*SPLIT_WORDS.values()) | {split}) for _, w in named):
+        return None
+    return [f for f, w in named if w & SPLIT_WORDS.get(split, {split})]
+
+
+def _sources(spec: str, split: str, cfg, by_split: bool = False):
+    """(name, records) per file of a local spec, or the one split of a hub dataset. by_split: of a folder whose
+    files are named for splits, those of `split` alone (training reads a folder as datasets does)."""
     if os.path.isdir(spec):
         files = data_files(spec)
         if not files:
             raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this directory"])
+        if by_split and (named := split_files(spec, split)) is not None:
+            if not named:
+                raise MissingSplit([f"{spec}: no data file named for split {split!r} among "
+                                    f"{', '.join(os.path.basename(f) for f in files)}"])
+            files = named
         folders = [f for f in files if not os.path.isfile(f)]
         if folders:  # data is read from the files of one folder, never from the folders inside it
             raise DataError([f"{f}: a folder named like a data file; move it out of {spec}" for f in folders])
@@ -112,13 +132,14 @@ def _sources(spec: str, split: str, cfg):
     return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
 
 
-def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None) -> list:
+def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
+              by_split: bool = False) -> list:
     """Every record of a source as validated rows, in the format cfg.<format_key> names (--format or
     --eval-format). DataError lists bad rows, or skip_invalid drops them; what it read is said (`notes`)."""
     rows, problems, bad, n_records, empty = [], [], 0, 0, 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
-    for name, records in _sources(spec, split, cfg):
+    for name, records in _sources(spec, split, cfg, by_split):
         fmt = forced if forced != "auto" else None
         for where, record, problem in records:
             n_records += 1
@@ -206,13 +227,14 @@ def read_splits(cfg) -> tuple:
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
         return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held), []
     notes = []
-    train = read_rows(cfg.dataset, cfg.train_split, cfg, notes=notes)
+    train = read_rows(cfg.dataset, cfg.train_split, cfg, notes=notes, by_split=True)
     held = None
     if cfg.eval_dataset:  # its own format, not --dataset's
         held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format", notes=notes)
-    elif not is_local(cfg.dataset):
+    elif not is_local(cfg.dataset) or (os.path.isdir(cfg.dataset)
+                                       and split_files(cfg.dataset, cfg.eval_split) is not None):
         with contextlib.suppress(MissingSplit):  # no such split: hold out a share below
-            held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes)
+            held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes, by_split=True)
     if held is None:  # split by prompt, so one problem never sits on both sides; pre-tokenized rows carry
         # no prompt: each is held out on its own (pass --eval-dataset to split them by problem)
         keys = [json.dumps(r["prompt"] if "prompt" in r else r["input_ids"]) for r in train]

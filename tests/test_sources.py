@@ -354,6 +354,32 @@ def test_every_format_trains_and_evaluates(tmp_path):
     assert all(torch.isfinite(torch.tensor(x)) for x in losses if x is not None)
 
 
+def test_a_folder_of_files_named_for_splits_is_read_as_those_splits(tmp_path, capsys):
+    """train.jsonl trains and test.jsonl is held out, as datasets.load_dataset(folder) reads them; a folder whose
+    files name no split is one pool, held out by --eval-fraction; eval.py given the folder reads all of it."""
+    rows = lambda tag, n: [{"prompt": f"{tag} {i}:", "completions": ["a", "b"], "labels": [True, False]}
+                           for i in range(n)]
+    split = tmp_path / "split"
+    split.mkdir()
+    write_jsonl(split / "train.jsonl", rows("train", 6))
+    write_jsonl(split / "test-00000-of-00001.jsonl", rows("test", 3))
+    train, held = load_splits(cfg_for(str(split), eval_fraction=0.5))
+    assert sorted(train["prompt"]) == sorted(r["prompt"] for r in rows("train", 6))
+    assert sorted(held["prompt"]) == sorted(r["prompt"] for r in rows("test", 3))
+    assert len(load_eval(Config(), whole=str(split))) == 9
+    with pytest.raises(DataError, match="no data file named for split 'dev' among test-00000-of-00001.jsonl, tr"):
+        load_splits(cfg_for(str(split), train_split="dev"))
+    (split / "test-00000-of-00001.jsonl").unlink()  # no held-out file: --eval-fraction of the train split
+    train, held = load_splits(cfg_for(str(split), eval_fraction=0.5))
+    assert len(train) == len(held) == 3 and all(p.startswith("train") for p in held["prompt"])
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    write_jsonl(pool / "part1.jsonl", rows("train", 6))
+    write_jsonl(pool / "part2.jsonl", rows("test", 3))
+    train, held = load_splits(cfg_for(str(pool), eval_fraction=0.5))
+    assert len(train) + len(held) == 9 and len(held) in (4, 5)
+
+
 def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
     from prm.trainer import train
     chat_tokenizer().save_pretrained(str(tmp_path / "tok"))
