@@ -103,8 +103,8 @@ def split_files(folder: str, split: str) -> list:
 
 
 def _sources(spec: str, split: str, cfg, by_split: bool = False):
-    """(name, records) per file of a local spec, or the one split of a hub dataset. by_split: of a folder whose
-    files are named for splits, those of `split` alone (training reads a folder as datasets does)."""
+    """(name, records) per file of a local spec, or the one split of a hub dataset. by_split: of a folder
+    whose files are named for splits, those of `split` alone (training reads a folder as datasets does)."""
     if os.path.isdir(spec):
         files = data_files(spec)
         if not files:
