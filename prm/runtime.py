@@ -69,7 +69,7 @@ def gather_objects(obj, rt: Runtime) -> list:
 
 def decided_by_main(rt: Runtime, decide):
     """decide() run by rank 0 alone, its value, or the exception it raised, given to every rank (one
-    broadcast): for work that reads shared files, as hashing a checkpoint, done once instead of once a rank."""
+    broadcast): work on shared files, as hashing a checkpoint, done once instead of once a rank."""
     if not rt.distributed:
         return decide()
     box = [None]
