@@ -120,7 +120,8 @@ class Config:
                                       "applied before --max-length; 0: no separate cap", rules="scoring")
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last "
                                "token carries the step's label", rules="rows scoring", type=unescape)
-    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label", rules="")
+    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label (an unscored "
+                                         "last step after a wrong one: wrong)", rules="")
     cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step (label "
                                        "false or 0.0), as ProcessBench judges nothing after it", rules="rows")
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",

@@ -65,7 +65,9 @@ def assemble(prompt: list, steps: list, sep: list, labels: list, *, max_length=N
     if len(steps) != len(labels):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
     if train_on_last_step_only and not is_eval:
-        labels = [IGNORE] * (len(labels) - 1) + labels[-1:]
+        # the solution's outcome: an unscored last step after a wrong one (ProcessBench's nulls) is wrong too
+        last = 0 if labels[-1] == IGNORE and 0 in labels else labels[-1]
+        labels = [IGNORE] * (len(labels) - 1) + [last]
     input_ids, out_labels, ends = list(prompt), [IGNORE] * len(prompt), []
     for step, label in zip(steps, labels):
         piece = step + sep

@@ -67,9 +67,11 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
         tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc,
                                        desc=desc)
         return tok, {**report, "examples_dropped": report["examples_dropped"] + len(bad)}  # skipped ones too
-    n_steps_in = pc.sum(pc.list_value_length(tok.with_format("arrow")["step_labels"])).as_py() or 0
+    arrow = tok.with_format("arrow")  # steps cut by a length cap, in every row (one later dropped included)
+    n_cut = (pc.sum(pc.list_value_length(arrow["step_labels"])).as_py() or 0) - \
+        (pc.sum(arrow["steps_kept"]).as_py() or 0)
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
-    return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), n_steps_in=n_steps_in)
+    return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), steps_truncated=n_cut)
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
@@ -137,7 +139,7 @@ def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False
     return out
 
 
-def dataset_report(tok, n_rows_in: int, n_steps_in: int) -> dict:
+def dataset_report(tok, n_rows_in: int, steps_truncated: int) -> dict:
     """Counted in Arrow over the rows kept: no per-token Python loop over the labels."""
     t = tok.with_format("arrow")
     lengths, labels = t["length"], pc.list_flatten(t["labels"])
@@ -148,4 +150,4 @@ def dataset_report(tok, n_rows_in: int, n_steps_in: int) -> dict:
             "positive_rate": round(total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
             "mean_tokens": round(total(lengths) / max(len(lengths), 1), 1),
             "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
-            "examples_dropped": n_rows_in - len(tok), "steps_truncated": n_steps_in - total(t["steps_kept"])}
+            "examples_dropped": n_rows_in - len(tok), "steps_truncated": steps_truncated}

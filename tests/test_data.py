@@ -215,3 +215,22 @@ def tokenize_dataset_uncached(ingest, ds, tok, cfg):
         return ingest.tokenize_dataset(ds, tok, cfg, is_eval=False, num_proc=cfg.num_proc)
     finally:
         enable_caching()
+
+
+def test_last_step_only_takes_the_outcome_of_a_solution_whose_tail_is_unscored(char_tok):
+    """ProcessBench-style rows leave the steps after the first error unscored (null): the last step's label is
+    then the solution's outcome, wrong, not a missing label that drops the row; steps_truncated counts only steps a
+    length cap cut."""
+    from datasets import Dataset
+
+    from prm.config import Config
+    from prm.ingest import tokenize_dataset
+    rows = [{"prompt": "p", "completions": ["a", "b", "c"], "labels": [True, False, None]},
+            {"prompt": "q", "completions": ["a", "b"], "labels": [True, None]},  # no wrong step: unknown outcome
+            {"prompt": "r", "completions": ["a", "b"], "labels": [True, True]}]
+    tok, report = tokenize_dataset(Dataset.from_list(rows), char_tok, Config(train_on_last_step_only=True),
+                                   is_eval=False)
+    assert [[y for y in r if y != IGNORE] for r in tok["labels"]] == [[0], [1]]
+    assert report["examples_dropped"] == 1 and report["steps_truncated"] == 0
+    whole = tokenize_example(rows[0], char_tok, train_on_last_step_only=True, is_eval=True)  # evaluation: as given
+    assert [y for y in whole["labels"] if y != IGNORE] == [1, 0]
