@@ -147,7 +147,7 @@ def from_stepwise(r: dict, neutral: str) -> list:
     """Every META column the record gives is kept (a converted file reads back as what it was converted from:
     a best-of-N candidate keeps its group, a PRMBench row its category); `id` is to_rows' to keep."""
     row = {"prompt": _need(r, "prompt"), "completions": _need(r, "completions"), "labels": _need(r, "labels")}
-    if "first_error" in r:  # a converted ProcessBench file read back
+    if r.get("first_error") is not None:  # a converted ProcessBench file read back (null: not given)
         steps = row["completions"]
         row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
     for col, kind in META.items():

@@ -75,8 +75,10 @@ def read_records(path: str):
         if data is None and problem and (text.lstrip().startswith("[") or line is None):  # trust none of it
             raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"])
         pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
-        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-            # records grouped under keys, as Mr-Ben groups the solutions of a question under its id
+        if isinstance(data, dict) and any(data.values()) and all(
+                isinstance(v, list) and all(isinstance(r, dict) for r in v) for v in data.values()):
+            # records grouped under keys, as Mr-Ben groups the solutions of a question under its id (a record's
+            # own columns are lists of numbers or text: {"input_ids": [...], "labels": [...]} is one record)
             pairs = [(f"{k}[{i}]", r) for k, v in data.items() for i, r in enumerate(v)]
         if pairs is not None:  # a problem found in the whole value: each row's own is named
             return [(where, r, problem and field_problem(r)) for where, r in pairs]
