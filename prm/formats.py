@@ -147,7 +147,7 @@ def from_stepwise(r: dict, neutral: str) -> list:
     """Every META column the record gives is kept (a converted file reads back as what it was converted from:
     a best-of-N candidate keeps its group, a PRMBench row its category); `id` is to_rows' to keep."""
     row = {"prompt": _need(r, "prompt"), "completions": _need(r, "completions"), "labels": _need(r, "labels")}
-    if "first_error" in r:  # a converted ProcessBench file read back
+    if r.get("first_error") is not None:  # a converted ProcessBench file read back (null: not given)
         steps = row["completions"]
         row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
     for col, kind in META.items():
@@ -306,26 +306,38 @@ def from_candidates(r: dict, neutral: str) -> list:
 def from_prmbench(r: dict, neutral: str) -> list:
     """The modified solution: its `error_steps` (1-based) wrong, the others correct (PRMBench labels each
     step on its own); first_error is the earliest. Rows of the redundancy category also give the error-free
-    original solution, category "correct": PRMBench takes it once per problem, from that category."""
-    steps = _need(r, "modified_process", list, "a list of steps")
+    original solution, category "correct": PRMBench takes it once per problem, from that category. As its
+    harness does, steps lose their "k. " / "Step k. " number, and error indices past the last step are
+    ignored; a row whose every index is past it is refused (each of its steps would be labeled correct)."""
+    steps = _unnumbered(_need(r, "modified_process", list, "a list of steps"))
     errors = _need(r, "error_steps", list, "a list of 1-based step indices")
     for e in errors:
         if type(e) is not int or e < 1:  # type(): True is no index
             raise BadField("error_steps", f"{_kind(e)} is not a 1-based step index")
-        if e > len(steps):
-            raise BadField("error_steps", f"step {e} is past the end of 'modified_process' ({len(steps)} "
-                                          "steps, 1-based)")
+    within = [e for e in errors if e <= len(steps)]
+    if errors and not within:
+        raise BadField("error_steps", f"every error step {errors} is past the end of 'modified_process' "
+                                      f"({len(steps)} steps, 1-based): no step would be labeled wrong")
     category = _need(r, "classification", str, "the error category")
     key = r.get("idx", "")
     rows = [{"prompt": _need(r, "modified_question", str, "text"), "completions": steps,
-             "labels": [k + 1 not in errors for k in range(len(steps))], "category": category,
-             "first_error": min(errors) - 1 if errors else -1, "id": f"{category}_{key}"}]
+             "labels": [k + 1 not in within for k in range(len(steps))], "category": category,
+             "first_error": min(within) - 1 if within else -1, "id": f"{category}_{key}"}]
     if category == "redundency":  # PRMBench's own spelling
-        original = _need(r, "original_process", list, "a list of steps")
+        original = _unnumbered(_need(r, "original_process", list, "a list of steps"))
         rows.append({"prompt": _need(r, "original_question", str, "text"), "completions": original,
                      "labels": [True] * len(original), "category": "correct", "first_error": -1,
                      "id": f"correct_{key}"})
     return rows
+
+
+def _unnumbered(steps: list) -> list:
+    """PRMBench's remove_step_prefix, which its harness applies before a PRM reads a step: stripped, then a
+    leading "k." or "Step k." dropped (the step "5.5" becomes "5", as there). A step that is only such a
+    number ("64.", an answer) stays whole: here a blank step is no step, and its row would be refused."""
+    bare = [re.sub(r"^(Step\s*\d+\.\s*|\d+\.\s*)", "", s.strip(), flags=re.IGNORECASE) if isinstance(s, str)
+            else s for s in steps]
+    return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
 
 
 def from_pretokenized(r: dict, neutral: str) -> list:

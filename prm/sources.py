@@ -75,8 +75,10 @@ def read_records(path: str):
         if data is None and problem and (text.lstrip().startswith("[") or line is None):  # trust none of it
             raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"])
         pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
-        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-            # records grouped under keys, as Mr-Ben groups the solutions of a question under its id
+        if isinstance(data, dict) and any(data.values()) and all(
+                isinstance(v, list) and all(isinstance(r, dict) for r in v) for v in data.values()):
+            # records grouped under keys, as Mr-Ben groups the solutions of a question under its id (a
+            # record's own lists hold numbers or text: {"input_ids": [...], "labels": [...]} is one record)
             pairs = [(f"{k}[{i}]", r) for k, v in data.items() for i, r in enumerate(v)]
         if pairs is not None:  # a problem found in the whole value: each row's own is named
             return [(where, r, problem and field_problem(r)) for where, r in pairs]
@@ -136,7 +138,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
               by_split: bool = False) -> list:
     """Every record of a source as validated rows, in the format cfg.<format_key> names (--format or
     --eval-format). DataError lists bad rows, or skip_invalid drops them; what it read is said (`notes`)."""
-    rows, problems, bad, n_records, empty = [], [], 0, 0, 0
+    rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
     for name, records in _sources(spec, split, cfg, by_split):
@@ -162,11 +164,18 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
             if fmt == "pretokenized":  # errors found at tokenization (ids past the vocabulary) name the line
                 for row in found:
                     row["where"] = f"{name} {where}"
+            if fmt == "prmbench" and record.get("idx") is not None:  # as PRMBench's harness: the first row
+                kept = [row for row in found if row["id"] not in ids]  # of each id (category_idx) alone
+                ids.update(row["id"] for row in kept)
+                repeated, found = repeated + len(found) - len(kept), kept
+                if not kept:
+                    continue
             rows += found
             empty += not found
     if bad and not cfg.skip_invalid:
         raise DataError(problems, total_rows=bad)
     note = f"; {empty} records gave no labeled example" if empty else ""
+    note += f"; {repeated} rows of a PRMBench id read before dropped, as its harness does" if repeated else ""
     skipped = f"; skipped {bad} invalid records (--skip-invalid), the first: {problems[0]}" if bad else ""
     said = (f"{spec}: format {', '.join(f'{k} ({v})' for k, v in formats.items())}; "
             f"{n_records} records -> {len(rows)} examples{note}{skipped}")

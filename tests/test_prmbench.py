@@ -47,15 +47,39 @@ def test_real_rows_convert_with_1_based_error_steps():
     assert problems == [] and [r["labels"] for r in rows] == [[True, False, False, False, True]]
 
 
-def test_error_steps_past_the_end_are_bad_rows():
-    with pytest.raises(DataError) as e:
-        read_rows(BAD, "test", Config())
-    assert (f"{BAD} line 2: field 'error_steps': step 34 is past the end of 'modified_process' (33 steps, 1-based)"
-            in str(e.value))
-    assert len(read_rows(BAD, "test", Config(skip_invalid=True))) == 1  # line 1 is a good circular row
+def test_error_steps_past_the_end_are_ignored_as_prmbench_does():
+    # PRMBench's harness labels the steps a row has: an index past its last step is never a label
+    rows = read_rows(BAD, "test", Config())
+    assert len(rows) == 2 and rows[1]["id"] == "circular_prm_test_p1_62"  # line 2: error_steps [16, 34], 33 steps
+    assert rows[1]["labels"] == [k != 15 for k in range(33)] and rows[1]["first_error"] == 15
+    with open(BAD) as f:
+        partial = [json.loads(line) for line in f][1]
+    _, problems = to_rows({**partial, "error_steps": [34, 40]}, "prmbench")  # every index past the end
+    assert problems == ["field 'error_steps': every error step [34, 40] is past the end of 'modified_process' (33 "
+                        "steps, 1-based): no step would be labeled wrong"]
     for bad in (0, -1, True, "3"):
         _, problems = to_rows({**records()[1], "error_steps": [bad]}, "prmbench")
         assert problems == [f"field 'error_steps': {type(bad).__name__} {bad!r} is not a 1-based step index"]
+
+
+def test_steps_lose_their_number_as_prmbench_harness_reads_them():
+    steps = ["1. Add.", " step 2.  Then 3 + 4", "3.5 is half of 7.", "Step 4 holds no dot", "64.", "So 7."]
+    rows, problems = to_rows({**records()[0], "modified_process": steps, "original_process": steps}, "prmbench")
+    expected = ["Add.", "Then 3 + 4", "5 is half of 7.", "Step 4 holds no dot", "64.", "So 7."]
+    assert problems == [] and rows[0]["completions"] == expected == rows[1]["completions"]
+
+
+def test_one_row_per_category_and_idx_as_prmbench_harness_keeps(tmp_path, capsys):
+    redundancy, circular = records()
+    again = [{**r, "modified_process": r["modified_process"][:4]} for r in (redundancy, circular)]
+    other = {**circular, "idx": "prm_test_p1_50"}
+    path = tmp_path / "repeated.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [redundancy, circular, *again, other]))
+    rows = read_rows(str(path), "test", Config())
+    assert [r["id"] for r in rows] == ["redundency_prm_test_p1_49", "correct_prm_test_p1_49",
+                                       "circular_prm_test_p1_49", "circular_prm_test_p1_50"]
+    assert len(rows[0]["completions"]) == 6 and len(rows[2]["completions"]) == 5  # the first of each id
+    assert "5 records -> 4 examples; 3 rows of a PRMBench id read before dropped" in capsys.readouterr().err
 
 
 class ParityPRM(torch.nn.Module):
@@ -126,7 +150,10 @@ def test_eval_reports_prmscore_recomputable_from_predictions(tmp_path):
 def test_every_shared_prmbench_file_reads_with_its_bad_rows_named():
     with pytest.raises(DataError) as e:
         read_rows(SHARED, "test", Config())
-    assert "103 invalid rows" in str(e.value) and "field 'error_steps': step" in str(e.value)
+    # 16 rows whose every error index is past their end, 3 with an empty step; 84 more with such an index read
+    assert "19 invalid rows" in str(e.value) and "field 'error_steps': every error step" in str(e.value)
     rows = read_rows(SHARED, "test", Config(skip_invalid=True))
     cats = {r["category"] for r in rows}
     assert "correct" in cats and "multi_solutions" in cats and len(cats) == 10
+    assert len(rows) == 6950 and len({(r["category"], r["id"]) for r in rows}) == 6950  # 5 repeated ids dropped
+    assert sum(r["category"] == "multi_solutions" for r in rows) == 160

@@ -93,6 +93,27 @@ def test_json_parquet_and_directory_read_the_same_rows(tmp_path):
     assert both == rows + rows
 
 
+@pytest.mark.parametrize("record", [{"input_ids": [1, 2, 3], "labels": [-100, -100, 1]},
+                                    {"prompt": [{"role": "user", "content": "hi"}], "completions": ["a"],
+                                     "labels": [True]}])
+def test_a_one_line_json_file_of_one_record_of_list_columns_is_that_record(record, tmp_path):
+    # an object of lists is Mr-Ben's grouped layout only when the lists hold records (objects)
+    for ext in ("json", "jsonl"):
+        (tmp_path / f"one.{ext}").write_text(json.dumps(record))
+    one, twin = (read_rows(str(tmp_path / f"one.{ext}"), "train", Config()) for ext in ("json", "jsonl"))
+    where = lambda rows: [{**r, "where": r.get("where", "").replace(".jsonl", ".json")} for r in rows]
+    assert where(one) == where(twin) and len(one) == 1
+
+
+def test_parquet_rows_of_null_first_error_read_as_not_given(tmp_path):
+    # a parquet column mixing ProcessBench-derived rows with others holds null where no first error is known
+    rows = [{"prompt": "a", "completions": ["x", "y"], "labels": [True, False], "first_error": 1},
+            {"prompt": "b", "completions": ["x"], "labels": [True], "first_error": None}]
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "fe.parquet"))
+    got = read_rows(str(tmp_path / "fe.parquet"), "train", Config())
+    assert got[0]["first_error"] == 1 and "first_error" not in got[1] and got[1]["labels"] == [True]
+
+
 def test_directory_may_mix_formats(tmp_path):
     for name in ("math_shepherd.jsonl", "stepwise_train.jsonl"):
         (tmp_path / name).write_bytes(open(os.path.join(FIX, name), "rb").read())
