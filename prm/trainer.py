@@ -248,8 +248,8 @@ class Trainer:
                 metrics = self.held_out.every(self.step, last_step=self.total)
                 if metrics:
                     self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in metrics.items()}})
-                # ranks agree on stopping at log steps only: the agreement is a collective, so a device sync
-                stop = preemption.agreed(self.rt) if log or not self.rt.distributed else False
+                # every step, though a collective (a device sync): torchrun SIGKILLs 30 s after its SIGTERM
+                stop = preemption.agreed(self.rt)
                 self.checkpointer.save(self.step, stopping=stop)
                 if stop:
                     self.pbar.close()
