@@ -58,8 +58,8 @@ def lr_lambda(cfg: Config, total: int):
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
 
     def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
+        if step < warmup:  # as HF's: from 0 (the first step's lr), reaching --lr after the warmup
+            return step / warmup
         return DECAY[cfg.lr_scheduler_type](min((step - warmup) / max(1, total - warmup), 1.0))
     return f
 

@@ -3,11 +3,12 @@ their meaning (and the ones refused on purpose), the learning-rate schedules, a 
 import dataclasses
 import subprocess
 import sys
+import types
 
 import pytest
 
 from conftest import ROOT, read_metrics, run_train
-from prm.config import ALIASES, MAY_CHANGE, RULES, Config, parse_config
+from prm.config import ALIASES, MAY_CHANGE, RULES, SCHEDULES, Config, parse_config
 from prm.errors import UsageError
 
 
@@ -200,10 +201,31 @@ def test_schedules_follow_hf_after_a_warmup():
     assert [at(s, lr_scheduler_type="cosine") for s in (0, 10)] == [1.0, 0.0]
     assert at(10) == pytest.approx(0.1) and at(0) == 1.0  # the default: cosine down to 10% of --lr
     with_warmup = [at(s, lr_scheduler_type="constant_with_warmup", warmup_steps=4) for s in (0, 3, 9)]
-    assert with_warmup == [0.25, 1.0, 1.0]
+    assert with_warmup == [0.0, 0.75, 1.0]  # the first step at lr 0, as in HF
     assert [at(s, lr_scheduler_type="constant", warmup_ratio=0.0) for s in (0, 9)] == [1.0, 1.0]
     ratio = [at(s, lr_scheduler_type="linear", warmup_ratio=0.15) for s in (0, 1, 2, 3)]
-    assert ratio == [0.5, 1.0, 1.0, 0.875]  # ceil(0.15 x 10) = 2 warmup steps
+    assert ratio == [0.0, 0.5, 1.0, 0.875]  # ceil(0.15 x 10) = 2 warmup steps
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("warmup", [{}, {"warmup_steps": 3}, {"warmup_ratio": 0.15}])
+def test_every_schedule_equals_hf_get_scheduler_at_every_step(name, warmup):
+    import torch
+    from transformers import TrainingArguments, get_scheduler
+    from prm.trainer import lr_lambda
+    if name == "constant" and warmup:  # refused: HF's constant ignores any warmup
+        return
+    total, ours = 10, lr_lambda(Config(lr_scheduler_type=name, **warmup), 10)
+    # transformers 5 spells a warmup ratio as a warmup_steps below 1 (its TrainingArguments needs accelerate)
+    args = types.SimpleNamespace(warmup_steps=warmup.get("warmup_steps", warmup.get("warmup_ratio", 0)))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hf = get_scheduler(name, optimizer, num_warmup_steps=TrainingArguments.get_warmup_steps(args, total),
+                       num_training_steps=total,
+                       scheduler_specific_kwargs={"min_lr_rate": 0.1} if name == "cosine_with_min_lr" else None)
+    for step in range(total):
+        assert ours(step) == pytest.approx(hf.get_last_lr()[0], abs=1e-12), step
+        optimizer.step()
+        hf.step()
 
 
 def test_the_optimizer_takes_the_betas_and_epsilon():
