@@ -165,8 +165,9 @@ class Config:
     lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
                        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
                        "fully")
-    use_peft: bool = _opt(False, "LoRA of rank 16 when --lora-r is 0 (TRL's switch; --lora-r alone turns "
-                          "LoRA on too)", rules="change")  # the rank it resolves to must match on resume
+    use_peft: Optional[bool] = _opt(None, "TRL's switch: true: LoRA, of rank 16 when --lora-r is 0; false: "
+                                    "full fine-tuning whatever --lora-r says; unset: --lora-r decides",
+                                    rules="change")  # the rank it resolves to must match on resume
     lora_alpha: Optional[float] = _opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)", rules="")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated "
@@ -212,7 +213,9 @@ class Config:
 
     def resolve(self) -> "Config":
         """A copy with the auto (None) fields filled in, so the saved config says what was actually used."""
-        tiny, lora_r = self.model == "tiny", self.lora_r or 16 * self.use_peft
+        tiny = self.model == "tiny"
+        # an explicit use_peft false is full fine-tuning whatever --lora-r says, as in TRL
+        lora_r = 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
         batch = self.batch_size or (32 if tiny else 8)
         lr = self.lr or (1e-3 if tiny else 1e-4 if lora_r else 1e-5)
         return dataclasses.replace(self, batch_size=batch, lr=lr, lora_r=lora_r,
@@ -247,7 +250,7 @@ class Config:
         need(lambda v: v != "", "must not be empty: its last token carries the label", "step_separator")
         need(lambda v: not (self.fsdp and v == "fp16"), "fp16 loss scaling is not supported with --fsdp: use "
              "bf16", "dtype")
-        need(lambda v: v == "fp32" or (self.lora_r > 0 or self.use_peft) and self.dtype in ("bf16", "auto"),
+        need(lambda v: v == "fp32" or self.resolve().lora_r > 0 and self.dtype in ("bf16", "auto"),
              "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
         need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
              "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
@@ -299,7 +302,8 @@ class Config:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
-AUTO = tuple(f.name for f in fields(Config) if f.default is None)
+# use_peft's None is "not given", not an auto value: its false is no 0
+AUTO = tuple(f.name for f in fields(Config) if f.default is None and f.type is not Optional[bool])
 MAY_CHANGE = Config.names_with("change")
 # every TRL/HF name of a field: {name: (field, its Conv or None)}; a name shared with TRL needs no entry
 ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t) for f in fields(Config)

@@ -44,6 +44,21 @@ def test_the_lists_derived_from_the_rules():
         "dataset_test_split": "eval_split", "torch_compile": "compile", "resume_from_checkpoint": "resume"}
 
 
+def test_use_peft_false_is_full_fine_tuning_whatever_lora_r_says(tmp_path):
+    """As in TRL, whose dumped configs carry ModelConfig's lora_r 16 beside use_peft false; --lora-r alone is LoRA."""
+    (tmp_path / "trl.yaml").write_text("use_peft: false\nlora_r: 16\nlora_alpha: 32\n")
+    out = ["--output-dir", str(tmp_path / "out")]
+    rank = lambda *flags: parse_config([*flags, *out]).resolve().lora_r
+    assert rank("--config", str(tmp_path / "trl.yaml")) == rank("--use_peft", "false", "--lora_r", "16") == 0
+    assert rank("--lora-r", "16", "--no-use-peft") == 0
+    assert (rank("--lora-r", "8"), rank("--use_peft"), rank("--use-peft", "true", "--lora-r", "4")) == (8, 16, 4)
+    assert Config(lora_r=16, use_peft=False, lora_base_dtype="bf16").problems()[0].startswith("--lora-base-dtype")
+    # on resume use_peft may change, the LoRA rank it resolves to may not
+    saved = Config(lora_r=16).resolve()
+    assert Config(use_peft=True).resolve().resume_conflicts(saved, 1, 1)[0] == []
+    assert Config(use_peft=False, lora_r=16).resolve().resume_conflicts(saved, 1, 1)[0][0].startswith("--lora-r 0")
+
+
 def test_auto_fields_are_none_0_still_means_auto_and_resolve_returns_a_new_config(tmp_path):
     (tmp_path / "zero.yaml").write_text("lr: 0\nbatch_size: 0\nlora_alpha: 0\neval_batch_size: 0\n")
     for cfg in (Config(lr=0.0, batch_size=0, lora_alpha=0.0, eval_batch_size=0),
