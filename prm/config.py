@@ -196,8 +196,9 @@ class Config:
     save_strategy: str = _opt("steps", "when to write checkpoints: steps (every --save-every), epoch (each "
                               "pass) or no", rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = _opt(2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",))
-    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one",
-                       rules="change", trl=("resume_from_checkpoint",))
+    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one. "
+                       "Command line only: a saved --config continues no run", rules="change",
+                       trl=("resume_from_checkpoint",))
     trust_remote_code: bool = _opt(False, "allow hub models that run their own code. Command line only: not "
                                    "from --config or a model's config.train.json", rules="change scoring")
 
@@ -515,7 +516,8 @@ def parse_config(argv=None) -> Config:
     given = {k: v for k, v in vars(ns).items() if v is not unset}  # the flags written, not the defaults
     path = given.pop("config", "")
     from_file = read_config_file(path) if path else {}
-    for key in ("overwrite", "trust_remote_code"):  # deletes a run / runs a model's code: command line only
+    # deletes a run / runs a model's code / continues another run's checkpoint: command line only
+    for key in ("overwrite", "trust_remote_code", "resume"):
         if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold it
             print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
                   "sets it", file=sys.stderr)

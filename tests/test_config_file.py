@@ -97,6 +97,16 @@ def test_trl_names_in_a_file_set_our_fields(tmp_path):
     assert trl == ours and (trl.lr, trl.batch_size, trl.max_steps) == (0.001, 4, 3)
 
 
+@pytest.mark.parametrize("key", ["resume", "resume_from_checkpoint"])
+def test_a_saved_config_continues_no_run(tmp_path, capsys, key):
+    """A resumed run's config.train.json keeps its resume: given with a new --output-dir, it starts afresh."""
+    (tmp_path / "run.json").write_text(json.dumps({**AS_DICT, key: "auto"}))
+    args = ["--config", str(tmp_path / "run.json"), "--output-dir", str(tmp_path / "new")]
+    assert parse_config(args).resume == ""
+    assert "resume ignored" in capsys.readouterr().err
+    assert parse_config(args + ["--resume", "auto"]).resume == "auto"
+
+
 @pytest.mark.parametrize("key", ["overwrite", "trust_remote_code"])  # deletes a run / runs a model's own code
 def test_a_dangerous_setting_is_never_taken_from_a_file(tmp_path, capsys, key):
     (tmp_path / "run.json").write_text(json.dumps({**AS_DICT, key: True}))
