@@ -285,10 +285,12 @@ class Trainer:
             sums += torch.stack([ce_sum, n_correct.float()])
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
         norm = self.parallel.clip_grad_norm(cfg.max_grad_norm)
+        scale = self.scaler.get_scale()  # 1.0 without fp16; with it, a device sync
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if self.scaler.get_scale() >= scale:  # a lower scale: inf gradients skipped the update, as HF's Trainer
+            self.scheduler.step()  # (accelerate) skips the schedule's step then too
         return sums, norm
 
     def micro_batch(self, idx: list) -> dict:

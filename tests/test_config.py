@@ -255,3 +255,15 @@ def test_a_run_follows_the_chosen_schedule(tmp_path):
     run_train(tmp_path, max_steps=4, lr_scheduler_type="linear")
     lrs = [r["lr"] for r in read_metrics(tmp_path) if "loss" in r]
     assert lrs == pytest.approx([0.75e-3, 0.5e-3, 0.25e-3, 0.0])  # each step logs the lr the next one uses
+
+
+def test_an_fp16_step_skipped_for_inf_gradients_leaves_the_schedule_where_it_was(tmp_path, monkeypatch):
+    """As HF's Trainer (accelerate): the optimizer step GradScaler skips is no step of the schedule either."""
+    import functools
+    import torch
+    # the first step's loss scale overflows fp16 gradients; after its backoff the next steps update
+    scaler = functools.partial(torch.amp.GradScaler, init_scale=2.0 ** 120, backoff_factor=2.0 ** -110)
+    monkeypatch.setattr(torch.amp, "GradScaler", scaler)
+    run_train(tmp_path, max_steps=4, lr_scheduler_type="linear", dtype="fp16")
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["lr"] for r in records] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])  # step 1 skipped
