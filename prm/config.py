@@ -125,7 +125,9 @@ class Config:
                                        "false or 0.0), as ProcessBench judges nothing after it", rules="rows")
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",
                           section="optimization")
-    epochs: float = _opt(1.0, "data passes if --max-steps is -1", rules="change", trl=("num_train_epochs",))
+    epochs: float = _opt(1.0, "data passes if --max-steps is -1. A pass's last global batch is filled up "
+                         "with the pass's first examples, so every step (and rank) gets a full batch: some "
+                         "examples train twice a pass", rules="change", trl=("num_train_epochs",))
     batch_size: Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 for "
                                      "'tiny', else 8)", rules="change", trl=("per_device_train_batch_size",))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)",
