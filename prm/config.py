@@ -137,7 +137,8 @@ class Config:
     lr_scheduler_type: str = _opt("cosine_with_min_lr", "the learning rate after warmup, as HF's schedules: "
                                   "linear or cosine decay to 0, cosine_with_min_lr to 10%% of --lr, constant "
                                   "(no warmup)", rules="", choices=SCHEDULES)
-    warmup_steps: int = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay", rules="")
+    warmup_steps: float = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay; below 1, as in "
+                               "transformers 5: --warmup-ratio", rules="")
     warmup_ratio: float = _opt(0.0, "warmup share of all steps (rounded up) if --warmup-steps is 0", rules="")
     weight_decay: float = _opt(0.0, "AdamW weight decay", rules="")
     adam_beta1: float = _opt(0.9, "AdamW beta1", rules="")
@@ -208,6 +209,8 @@ class Config:
         for name in AUTO:  # 0 meant "auto" before these fields took None, and still does
             if getattr(self, name) == 0:
                 setattr(self, name, None)
+        if 0 < self.warmup_steps < 1:  # transformers 5's spelling of a warmup ratio
+            self.warmup_ratio, self.warmup_steps = self.warmup_steps, 0
 
     @classmethod
     def names_with(cls, rule: str) -> tuple:
@@ -242,6 +245,7 @@ class Config:
 
         need(lambda v: v >= 0, "must be >= 0", "batch_size", "eval_batch_size", "max_completion_length",
              "warmup_steps", "eval_every", "save_every", "keep_last", "lora_r", "pack_to", "num_proc")
+        need(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)", "warmup_steps")  # inf: nan
         need(lambda v: v >= 1, "must be >= 1", "grad_accum", "max_length", "log_every", "synthetic_size")
         need(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0", "lr", "weight_decay",
              "max_grad_norm", "lora_alpha", "adam_epsilon")  # NaN fails every comparison

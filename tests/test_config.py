@@ -243,6 +243,15 @@ def test_every_schedule_equals_hf_get_scheduler_at_every_step(name, warmup):
         hf.step()
 
 
+def test_a_warmup_steps_below_1_is_a_warmup_ratio_as_in_transformers_5(tmp_path):
+    (tmp_path / "hf.yaml").write_text("warmup_steps: 0.1\n")
+    for cfg in (parse_config(["--warmup_steps", "0.1"]), parse_config(["--config", str(tmp_path / "hf.yaml")])):
+        assert (cfg.warmup_steps, cfg.warmup_ratio) == (0, 0.1)
+    assert parse_config(["--warmup-steps", "3"]).warmup_steps == 3
+    with pytest.raises(UsageError, match="--warmup-steps 2.5: must be a whole number"):
+        parse_config(["--warmup-steps", "2.5"])
+
+
 def test_the_optimizer_takes_the_betas_and_epsilon():
     import torch
     from prm.trainer import make_optimizer
