@@ -289,8 +289,9 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler.get_scale() >= scale:  # a lower scale: inf gradients skipped the update, as HF's Trainer
-            self.scheduler.step()  # (accelerate) skips the schedule's step then too
+        # a lower scale: inf gradients skipped the update; HF's Trainer skips the schedule then too
+        if self.scaler.get_scale() >= scale:
+            self.scheduler.step()
         return sums, norm
 
     def micro_batch(self, idx: list) -> dict:
