@@ -126,7 +126,9 @@ class Config:
                                        "false or 0.0), as ProcessBench judges nothing after it", rules="rows")
     max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",
                           section="optimization")
-    epochs: float = _opt(1.0, "data passes if --max-steps is -1", rules="change", trl=("num_train_epochs",))
+    epochs: float = _opt(1.0, "data passes if --max-steps is -1. A pass's last global batch is filled up "
+                         "with the pass's first examples, so every step (and rank) gets a full batch: some "
+                         "examples train twice a pass", rules="change", trl=("num_train_epochs",))
     batch_size: Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 for "
                                      "'tiny', else 8)", rules="change", trl=("per_device_train_batch_size",))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)",
@@ -136,7 +138,8 @@ class Config:
     lr_scheduler_type: str = _opt("cosine_with_min_lr", "the learning rate after warmup, as HF's schedules: "
                                   "linear or cosine decay to 0, cosine_with_min_lr to 10%% of --lr, constant "
                                   "(no warmup)", rules="", choices=SCHEDULES)
-    warmup_steps: int = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay", rules="")
+    warmup_steps: float = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay; below 1, as in "
+                               "transformers 5: --warmup-ratio", rules="")
     warmup_ratio: float = _opt(0.0, "warmup share of all steps (rounded up) if --warmup-steps is 0", rules="")
     weight_decay: float = _opt(0.0, "AdamW weight decay", rules="")
     adam_beta1: float = _opt(0.9, "AdamW beta1", rules="")
@@ -166,8 +169,9 @@ class Config:
     lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
                        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
                        "fully")
-    use_peft: bool = _opt(False, "LoRA of rank 16 when --lora-r is 0 (TRL's switch; --lora-r alone turns "
-                          "LoRA on too)", rules="change")  # the rank it resolves to must match on resume
+    use_peft: Optional[bool] = _opt(None, "TRL's switch: true: LoRA, of rank 16 when --lora-r is 0; false: "
+                                    "full fine-tuning whatever --lora-r says; unset: --lora-r decides",
+                                    rules="change")  # the rank it resolves to must match on resume
     lora_alpha: Optional[float] = _opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)", rules="")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated "
@@ -196,8 +200,9 @@ class Config:
     save_strategy: str = _opt("steps", "when to write checkpoints: steps (every --save-every), epoch (each "
                               "pass) or no", rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = _opt(2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",))
-    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one",
-                       rules="change", trl=("resume_from_checkpoint",))
+    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one. "
+                       "Command line only: a saved --config continues no run", rules="change",
+                       trl=("resume_from_checkpoint",))
     trust_remote_code: bool = _opt(False, "allow hub models that run their own code. Command line only: not "
                                    "from --config or a model's config.train.json", rules="change scoring")
 
@@ -205,6 +210,8 @@ class Config:
         for name in AUTO:  # 0 meant "auto" before these fields took None, and still does
             if getattr(self, name) == 0:
                 setattr(self, name, None)
+        if 0 < self.warmup_steps < 1:  # transformers 5's spelling of a warmup ratio
+            self.warmup_ratio, self.warmup_steps = self.warmup_steps, 0
 
     @classmethod
     def names_with(cls, rule: str) -> tuple:
@@ -213,7 +220,9 @@ class Config:
 
     def resolve(self) -> "Config":
         """A copy with the auto (None) fields filled in, so the saved config says what was actually used."""
-        tiny, lora_r = self.model == "tiny", self.lora_r or 16 * self.use_peft
+        tiny = self.model == "tiny"
+        # an explicit use_peft false is full fine-tuning whatever --lora-r says, as in TRL
+        lora_r = 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
         batch = self.batch_size or (32 if tiny else 8)
         lr = self.lr or (1e-3 if tiny else 1e-4 if lora_r else 1e-5)
         return dataclasses.replace(self, batch_size=batch, lr=lr, lora_r=lora_r,
@@ -237,6 +246,7 @@ class Config:
 
         need(lambda v: v >= 0, "must be >= 0", "batch_size", "eval_batch_size", "max_completion_length",
              "warmup_steps", "eval_every", "save_every", "keep_last", "lora_r", "pack_to", "num_proc")
+        need(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)", "warmup_steps")  # inf: nan
         need(lambda v: v >= 1, "must be >= 1", "grad_accum", "max_length", "log_every", "synthetic_size")
         need(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0", "lr", "weight_decay",
              "max_grad_norm", "lora_alpha", "adam_epsilon")  # NaN fails every comparison
@@ -248,7 +258,7 @@ class Config:
         need(lambda v: v != "", "must not be empty: its last token carries the label", "step_separator")
         need(lambda v: not (self.fsdp and v == "fp16"), "fp16 loss scaling is not supported with --fsdp: use "
              "bf16", "dtype")
-        need(lambda v: v == "fp32" or (self.lora_r > 0 or self.use_peft) and self.dtype in ("bf16", "auto"),
+        need(lambda v: v == "fp32" or self.resolve().lora_r > 0 and self.dtype in ("bf16", "auto"),
              "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
         need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
              "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
@@ -300,7 +310,8 @@ class Config:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
-AUTO = tuple(f.name for f in fields(Config) if f.default is None)
+# use_peft's None is "not given", not an auto value: its false is no 0
+AUTO = tuple(f.name for f in fields(Config) if f.default is None and f.type is not Optional[bool])
 MAY_CHANGE = Config.names_with("change")
 # every TRL/HF name of a field: {name: (field, its Conv or None)}; a name shared with TRL needs no entry
 ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t) for f in fields(Config)
@@ -512,7 +523,8 @@ def parse_config(argv=None) -> Config:
     given = {k: v for k, v in vars(ns).items() if v is not unset}  # the flags written, not the defaults
     path = given.pop("config", "")
     from_file = read_config_file(path) if path else {}
-    for key in ("overwrite", "trust_remote_code"):  # deletes a run / runs a model's code: command line only
+    # deletes a run / runs a model's code / continues another run's checkpoint: command line only
+    for key in ("overwrite", "trust_remote_code", "resume"):
         if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold it
             print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
                   "sets it", file=sys.stderr)

@@ -58,8 +58,8 @@ def lr_lambda(cfg: Config, total: int):
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
 
     def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
+        if step < warmup:  # as HF's: from 0 (the first step's lr), reaching --lr after the warmup
+            return step / warmup
         return DECAY[cfg.lr_scheduler_type](min((step - warmup) / max(1, total - warmup), 1.0))
     return f
 
@@ -248,8 +248,8 @@ class Trainer:
                 metrics = self.held_out.every(self.step, last_step=self.total)
                 if metrics:
                     self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in metrics.items()}})
-                # ranks agree on stopping at log steps only: the agreement is a collective, so a device sync
-                stop = preemption.agreed(self.rt) if log or not self.rt.distributed else False
+                # every step, though a collective (a device sync): torchrun SIGKILLs 30 s after its SIGTERM
+                stop = preemption.agreed(self.rt)
                 self.checkpointer.save(self.step, stopping=stop)
                 if stop:
                     self.pbar.close()
@@ -285,10 +285,13 @@ class Trainer:
             sums += torch.stack([ce_sum, n_correct.float()])
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
         norm = self.parallel.clip_grad_norm(cfg.max_grad_norm)
+        scale = self.scaler.get_scale()  # 1.0 without fp16; with it, a device sync
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        # a lower scale: inf gradients skipped the update; HF's Trainer skips the schedule then too
+        if self.scaler.get_scale() >= scale:
+            self.scheduler.step()
         return sums, norm
 
     def micro_batch(self, idx: list) -> dict:

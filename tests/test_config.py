@@ -3,11 +3,12 @@ their meaning (and the ones refused on purpose), the learning-rate schedules, a 
 import dataclasses
 import subprocess
 import sys
+import types
 
 import pytest
 
 from conftest import ROOT, read_metrics, run_train
-from prm.config import ALIASES, MAY_CHANGE, RULES, Config, parse_config
+from prm.config import ALIASES, MAY_CHANGE, RULES, SCHEDULES, Config, parse_config
 from prm.errors import UsageError
 
 
@@ -41,6 +42,21 @@ def test_the_lists_derived_from_the_rules():
         "dataset_name": "dataset", "per_device_eval_batch_size": "eval_batch_size",
         "dataset_num_proc": "num_proc", "dataset_train_split": "train_split",
         "dataset_test_split": "eval_split", "torch_compile": "compile", "resume_from_checkpoint": "resume"}
+
+
+def test_use_peft_false_is_full_fine_tuning_whatever_lora_r_says(tmp_path):
+    """As in TRL, whose dumped configs carry ModelConfig's lora_r 16 beside use_peft false; --lora-r alone is LoRA."""
+    (tmp_path / "trl.yaml").write_text("use_peft: false\nlora_r: 16\nlora_alpha: 32\n")
+    out = ["--output-dir", str(tmp_path / "out")]
+    rank = lambda *flags: parse_config([*flags, *out]).resolve().lora_r
+    assert rank("--config", str(tmp_path / "trl.yaml")) == rank("--use_peft", "false", "--lora_r", "16") == 0
+    assert rank("--lora-r", "16", "--no-use-peft") == 0
+    assert (rank("--lora-r", "8"), rank("--use_peft"), rank("--use-peft", "true", "--lora-r", "4")) == (8, 16, 4)
+    assert Config(lora_r=16, use_peft=False, lora_base_dtype="bf16").problems()[0].startswith("--lora-base-dtype")
+    # on resume use_peft may change, the LoRA rank it resolves to may not
+    saved = Config(lora_r=16).resolve()
+    assert Config(use_peft=True).resolve().resume_conflicts(saved, 1, 1)[0] == []
+    assert Config(use_peft=False, lora_r=16).resolve().resume_conflicts(saved, 1, 1)[0][0].startswith("--lora-r 0")
 
 
 def test_auto_fields_are_none_0_still_means_auto_and_resolve_returns_a_new_config(tmp_path):
@@ -200,10 +216,40 @@ def test_schedules_follow_hf_after_a_warmup():
     assert [at(s, lr_scheduler_type="cosine") for s in (0, 10)] == [1.0, 0.0]
     assert at(10) == pytest.approx(0.1) and at(0) == 1.0  # the default: cosine down to 10% of --lr
     with_warmup = [at(s, lr_scheduler_type="constant_with_warmup", warmup_steps=4) for s in (0, 3, 9)]
-    assert with_warmup == [0.25, 1.0, 1.0]
+    assert with_warmup == [0.0, 0.75, 1.0]  # the first step at lr 0, as in HF
     assert [at(s, lr_scheduler_type="constant", warmup_ratio=0.0) for s in (0, 9)] == [1.0, 1.0]
     ratio = [at(s, lr_scheduler_type="linear", warmup_ratio=0.15) for s in (0, 1, 2, 3)]
-    assert ratio == [0.5, 1.0, 1.0, 0.875]  # ceil(0.15 x 10) = 2 warmup steps
+    assert ratio == [0.0, 0.5, 1.0, 0.875]  # ceil(0.15 x 10) = 2 warmup steps
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("warmup", [{}, {"warmup_steps": 3}, {"warmup_ratio": 0.15}])
+def test_every_schedule_equals_hf_get_scheduler_at_every_step(name, warmup):
+    import torch
+    from transformers import TrainingArguments, get_scheduler
+    from prm.trainer import lr_lambda
+    if name == "constant" and warmup:  # refused: HF's constant ignores any warmup
+        return
+    total, ours = 10, lr_lambda(Config(lr_scheduler_type=name, **warmup), 10)
+    # transformers 5 spells a warmup ratio as a warmup_steps below 1 (its TrainingArguments needs accelerate)
+    args = types.SimpleNamespace(warmup_steps=warmup.get("warmup_steps", warmup.get("warmup_ratio", 0)))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hf = get_scheduler(name, optimizer, num_warmup_steps=TrainingArguments.get_warmup_steps(args, total),
+                       num_training_steps=total,
+                       scheduler_specific_kwargs={"min_lr_rate": 0.1} if name == "cosine_with_min_lr" else None)
+    for step in range(total):
+        assert ours(step) == pytest.approx(hf.get_last_lr()[0], abs=1e-12), step
+        optimizer.step()
+        hf.step()
+
+
+def test_a_warmup_steps_below_1_is_a_warmup_ratio_as_in_transformers_5(tmp_path):
+    (tmp_path / "hf.yaml").write_text("warmup_steps: 0.1\n")
+    for cfg in (parse_config(["--warmup_steps", "0.1"]), parse_config(["--config", str(tmp_path / "hf.yaml")])):
+        assert (cfg.warmup_steps, cfg.warmup_ratio) == (0, 0.1)
+    assert parse_config(["--warmup-steps", "3"]).warmup_steps == 3
+    with pytest.raises(UsageError, match="--warmup-steps 2.5: must be a whole number"):
+        parse_config(["--warmup-steps", "2.5"])
 
 
 def test_the_optimizer_takes_the_betas_and_epsilon():
@@ -218,3 +264,15 @@ def test_a_run_follows_the_chosen_schedule(tmp_path):
     run_train(tmp_path, max_steps=4, lr_scheduler_type="linear")
     lrs = [r["lr"] for r in read_metrics(tmp_path) if "loss" in r]
     assert lrs == pytest.approx([0.75e-3, 0.5e-3, 0.25e-3, 0.0])  # each step logs the lr the next one uses
+
+
+def test_an_fp16_step_skipped_for_inf_gradients_leaves_the_schedule_where_it_was(tmp_path, monkeypatch):
+    """As HF's Trainer (accelerate): the optimizer step GradScaler skips is no step of the schedule either."""
+    import functools
+    import torch
+    # the first step's loss scale overflows fp16 gradients; after its backoff the next steps update
+    scaler = functools.partial(torch.amp.GradScaler, init_scale=2.0 ** 120, backoff_factor=2.0 ** -110)
+    monkeypatch.setattr(torch.amp, "GradScaler", scaler)
+    run_train(tmp_path, max_steps=4, lr_scheduler_type="linear", dtype="fp16")
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["lr"] for r in records] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])  # step 1 skipped

@@ -82,6 +82,7 @@ def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
         parse_config(["--help"])
     text = capsys.readouterr().out
     assert "(default: '\\n')" in " ".join(text.split())  # the newline separator, visible
+    assert "full batch: some examples train twice a pass" in " ".join(text.split())  # --epochs: data.global_batches
     with pytest.raises(SystemExit):
         eval_cli.main(["--help"])
     text = capsys.readouterr().out
@@ -95,6 +96,16 @@ def test_trl_names_in_a_file_set_our_fields(tmp_path):
     (tmp_path / "ours.yaml").write_text("lr: 1.0e-3\nbatch_size: 4\nmax_steps: 3\n")
     trl, ours = (parse_config(["--config", str(tmp_path / name)]) for name in ("trl.yaml", "ours.yaml"))
     assert trl == ours and (trl.lr, trl.batch_size, trl.max_steps) == (0.001, 4, 3)
+
+
+@pytest.mark.parametrize("key", ["resume", "resume_from_checkpoint"])
+def test_a_saved_config_continues_no_run(tmp_path, capsys, key):
+    """A resumed run's config.train.json keeps its resume: given with a new --output-dir, it starts afresh."""
+    (tmp_path / "run.json").write_text(json.dumps({**AS_DICT, key: "auto"}))
+    args = ["--config", str(tmp_path / "run.json"), "--output-dir", str(tmp_path / "new")]
+    assert parse_config(args).resume == ""
+    assert "resume ignored" in capsys.readouterr().err
+    assert parse_config(args + ["--resume", "auto"]).resume == "auto"
 
 
 @pytest.mark.parametrize("key", ["overwrite", "trust_remote_code"])  # deletes a run / runs a model's own code

@@ -1,8 +1,10 @@
 """DDP on CPU (gloo) through torchrun: 2 ranks must reproduce 1 process with the same global batch."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -46,6 +48,27 @@ def test_uneven_dataset_does_not_hang(tmp_path):
     final = launch(tmp_path, 2, "--batch-size", "5", "--max-steps", "-1", "--epochs", "2")
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == 14  # 2 epochs x ceil(64 / 10)
     assert final["n_examples"] == 7
+
+
+def test_sigterm_to_torchrun_saves_a_checkpoint_between_log_steps(tmp_path):
+    """torchrun forwards SIGTERM to the ranks and SIGKILLs them 30 s later: they agree to stop after the step in
+    hand, not at the next log step (here: none before the end)."""
+    from prm.checkpoint import resolve_resume
+    log, out = tmp_path / "log.txt", tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *COMMON,
+           "--max-steps", "100000", "--log-every", "100000", "--batch-size", "3", "--output-dir", str(out)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f,
+                                stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while " left (" not in log.read_text() and time.time() < deadline:  # the time-left line: steps are running
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]  # torchrun's own status: its SignalException, whatever the ranks' 143
+    assert text.count("stopped by SIGTERM after step") == 2, text[-3000:]
+    assert resolve_resume("auto", str(out)) is not None
 
 
 @pytest.mark.parametrize("accum,lora", [(1, False), (2, False), (2, True)])
