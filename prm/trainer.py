@@ -194,6 +194,10 @@ class Trainer:
         (wrapped) model every rank holds; a fresh run starts at step 0."""
         self.step = 0
         if self.resume_from:
+            done = read_marker(self.resume_from)["step"]
+            if done > self.total:  # its weights would be exported as a run of fewer steps than they saw
+                raise UsageError(f"--resume {self.resume_from}: the checkpoint is at step {done}, past this "
+                                 f"run's last step {self.total} (--max-steps, --epochs): nothing to continue")
             self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler,
                                         self.scaler)
             self.say(f"resumed from {self.resume_from} at step {self.step}")

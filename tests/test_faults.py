@@ -75,6 +75,9 @@ def test_resume_refuses_other_data_settings_and_accepts_a_longer_run(tmp_path):
         assert e.value.code == 2 and named in str(e.value)
     run_train(tmp_path, max_steps=4, resume="auto", batch_size=2, grad_accum=2)  # same global batch: allowed
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+    with pytest.raises(PRMError, match=r"checkpoint is at step 2, past this run's last step 1") as e:
+        run_train(tmp_path, max_steps=1, resume=str(tmp_path / "checkpoint-2"))
+    assert e.value.code == 2
 
 
 def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
