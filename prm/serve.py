@@ -25,6 +25,7 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prm.config import unescape
 from prm.errors import UsageError, exit_status
 from prm.formats import decode, read_json
 from prm.reward import PRMReward
@@ -264,6 +265,11 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--step-separator", type=unescape, default=None,
+                   help="what ends each step (escapes such as \\n understood); default: the model's own (its "
+                        "run's, else config.json's 'prm'), else \\n")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per prompt and completion; steps "
+                   "past it get no score (default: the model's own, else 1024)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config says)")
@@ -283,9 +289,14 @@ def main(argv=None):
                 "--max-connections at least 1")
     if args.batch_size < 1:
         p.error("--batch-size must be at least 1")
+    if args.max_length is not None and args.max_length < 1:
+        p.error("--max-length must be at least 1")
+    if args.step_separator == "":
+        p.error("--step-separator must not be empty: its last token carries the step's score")
     # a model that cannot be loaded, a bad scorer setting, an address that cannot be bound: one line, status 2
     with exit_status():
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
+                           step_separator=args.step_separator, max_length=args.max_length,
                            trust_remote_code=args.trust_remote_code, scorer=args.scorer,
                            step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token)
         try:
