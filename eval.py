@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from prm.config import FILE, Config, Parser, add_field, writable
 from prm.errors import UsageError, check, exit_status
@@ -34,6 +34,7 @@ class Options:
     good_token: str
     bad_token: str
     tokenizer_given: bool  # --tokenizer on the command line: it wins over the one saved beside the model
+    format_given: bool  # --format on the command line: else files named on it are read with format auto
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -50,7 +51,8 @@ def build_eval_parser() -> argparse.ArgumentParser:
                    help="ProcessBench metrics even when the data has no first_error column (from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
                    help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere; "
-                        "the set's own metrics at it are the output's 'dev' block")
+                        "the set's own metrics at it are the output's 'dev' block; never a --dataset; read "
+                        "with --format if given, else auto")
     p.add_argument("--best-of-n", action="store_true",
                    help="best-of-N accuracy per method and N; candidates of one problem share its 'group' "
                         "(the candidates format) or, in flat rows, their prompt; correctness: "
@@ -83,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if "model" not in args:
         p.error("--model is required: a directory written by train.py or any 2-label token classifier")
+    if args.best_of_n_draws < 1:
+        p.error(f"--best-of-n-draws {args.best_of_n_draws}: must be at least 1")
+    if args.tune_threshold and os.path.realpath(args.tune_threshold) in map(os.path.realpath, args.datasets):
+        p.error(f"--tune-threshold {args.tune_threshold} is also a --dataset: a threshold tuned on the "
+                "set it is reported on flatters it; tune on a separate dev set")
     return args
 
 
@@ -111,7 +118,7 @@ def settings(args: argparse.Namespace) -> tuple:
     else the defaults."""
     given = dict(vars(args))
     opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
-                   tokenizer_given="tokenizer" in given)
+                   tokenizer_given="tokenizer" in given, format_given="format" in given)
     if os.path.isfile(os.path.join(args.model, FILE)):
         base = Config.load(args.model).__dict__
     else:
@@ -165,10 +172,12 @@ class Evaluator:
                        progress=not progress_off(self.cfg.disable_tqdm))
 
 
-def tuned_threshold(ev: Evaluator, path: str) -> dict:
+def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
     """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported), and the dev
-    set's every metric at it (`dev`: its step AUROC judges a model as much as its F1 does)."""
-    dev = next(iter(ev.sets([path]).values()))
+    set's every metric at it (`dev`: its step AUROC judges a model as much as its F1 does). The dev file is
+    read with --format if given, else auto: the run's training format says nothing about a new file."""
+    path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else "auto"
+    dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
     kept = [(ps, r) for ps, r in zip(probs, dev) if ps]
     try:
@@ -282,7 +291,7 @@ def main(args=None) -> dict:
                                        good_token=opts.good_token, bad_token=opts.bad_token,
                                        dtype=torch.bfloat16 if bf16 else torch.float32)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device))
-        head = tuned_threshold(ev, opts.tune_threshold) if opts.tune_threshold else \
+        head = tuned_threshold(ev, opts) if opts.tune_threshold else \
             {"threshold": cfg.threshold}
         t = head["threshold"]
         blocks, lines = evaluate(ev, opts, t)

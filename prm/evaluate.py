@@ -78,8 +78,8 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
     if any(y is not None for y in outcomes):
         out.update(outcome_metrics(scores, outcomes))
     categories = [row.get("category") for row in kept_rows]
-    if any(c is not None for c in categories):  # PRMBench: every step labeled on its own
-        ok = [[y >= 0.5 for y in row["step_labels"]] for row in kept_rows]
+    if any(c is not None for c in categories):  # PRMBench: every step labeled on its own, or unlabeled
+        ok = [[None if y is None else y >= 0.5 for y in row["step_labels"]] for row in kept_rows]
         out["prmbench"] = prmbench_metrics(scores, ok, categories, threshold)
     return out
 

@@ -227,12 +227,13 @@ def prmscore(n: dict) -> dict:
 def prmbench_metrics(step_probs: list, step_ok: list, categories: list, threshold: float = 0.5) -> dict:
     """PRMScore overall and per error category, from confusion counts pooled over their steps, a correct step
     the positive class (tp: a correct step judged correct; fp: an erroneous one judged correct). step_ok: per
-    solution, True for each correct step; steps with no score (truncated) are not counted. Category "correct"
-    (the error-free originals) is reported alone and left out of the overall figure, as PRMBench does."""
+    solution, True for each correct step, None for an unlabeled one; steps unlabeled or with no score
+    (truncated) are not counted. Category "correct" (the error-free originals) is reported alone and left out
+    of the overall figure, as PRMBench does."""
     overall, pooled = Counter(), defaultdict(Counter)  # {"tp": count, ...}: all errors, per category
     for ps, ok, cat in zip(step_probs, step_ok, categories):
         counts = pooled[cat]  # a category is reported even when none of its steps was scored
-        for p, y in zip(ps, ok):
+        for p, y in ((p, y) for p, y in zip(ps, ok) if y is not None):
             kind = ("t" if (p >= threshold) == y else "f") + ("p" if p >= threshold else "n")
             counts[kind] += 1
             if cat != "correct":

@@ -3,17 +3,20 @@
 
 POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} (other fields ignored) answers
 {"rewards": [...], "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on
-(prompt, the rest of the query), the steps of each completion and those that fit in the model's max length.
+(prompt, the rest of the query), the steps of each completion and those that fit in --max-length.
 Texts first lose the tokenizer's padding and EOS at both ends and its BOS at the start, as OpenRLHF's own
 server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn start
 (e.g. "<|im_start|>assistant\\n"), else at the first step separator (none: all prompt, reward 0.0).
+A published PRM (--scorer) builds its own input around the plain question: a prompt that is exactly its own
+chat template around one user turn (generation prompt included) is read as that turn's text; any other is
+taken as it is.
 GET /health answers {"status": "ok", ...}.
 
 A thread per connection, up to --max-connections (more: 503), the model one request at a time. Every error is
 JSON, {"error": message}: a request not all read within --timeout s of connecting, however slowly it trickles
 in: 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad or
 conflicting one, a body prm.formats.read_json refuses, a field of the wrong type: 400; a scoring failure: 500
-(traceback on stderr). Depends on: prm.formats, prm.reward."""
+(traceback on stderr). Depends on: prm.config, prm.formats, prm.reward."""
 import argparse
 import contextlib
 import json
@@ -25,12 +28,14 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prm.config import unescape
 from prm.errors import UsageError, exit_status
 from prm.formats import decode, read_json
 from prm.reward import PRMReward
 from prm.scorers import FAMILIES
 
 PATH, HEALTH = "/get_reward", "/health"
+PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
 MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64  # a body of 8 MiB holds thousands of long rollouts
 LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
           "max_batch": (MAX_BATCH, "more queries in one request get a 413 (the model is held while scoring)"),
@@ -92,17 +97,22 @@ def strip_tokens(text: str, left: list, right: list) -> str:
     return text[start:end]
 
 
-def assistant_marker(tokenizer) -> str:
-    """What the chat template writes to open the assistant's turn; "" without a template or such text."""
+def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
+    """The chat template's rendering of one user turn holding text; "" without a template or where it refuses
+    a lone user message."""
     if not getattr(tokenizer, "chat_template", None):
         return ""
-    turn = [{"role": "user", "content": "q"}]
     try:
-        closed, opened = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g)
-                          for g in (False, True))
-    except Exception:  # a template that refuses a lone user message (it raises through Jinja): no marker
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception:  # a template that refuses a lone user message (it raises through Jinja)
         return ""
-    return opened[len(closed):] if opened.startswith(closed) else ""
+
+
+def assistant_marker(tokenizer) -> str:
+    """What the chat template writes to open the assistant's turn; "" without a template or such text."""
+    closed, opened = user_turn(tokenizer, "q", False), user_turn(tokenizer, "q")
+    return opened[len(closed):] if closed and opened.startswith(closed) else ""
 
 
 def split_query(query: str, marker: str, separator: str) -> tuple:
@@ -124,6 +134,21 @@ class Scorer:
         # decoded rollouts keep padding and EOS, which OpenRLHF strips; BOS too (with_bos puts it back)
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
+        # a published PRM builds its own input around the plain question: the text before and after it in
+        # the template's rendering of one user turn, stripped as prompts are ((), for a classifier)
+        probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right) if hasattr(tok, "prm_rows") else ""
+        self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else ()
+
+    def question(self, prompt: str) -> str:
+        """A prompt that is exactly the PRM's chat template around one user turn (with the generation prompt)
+        read as that turn's text; any other prompt as it is."""
+        if not self.frame or not (prompt.startswith(self.frame[0]) and prompt.endswith(self.frame[1])):
+            return prompt
+        text = prompt[len(self.frame[0]):len(prompt) - len(self.frame[1])]
+        # one turn only: a conversation of several holds the frame's ends inside; re-rendering must give it
+        whole = strip_tokens(user_turn(self.reward.tokenizer, text), self.left, self.right)
+        inner = any(end and end in text for end in self.frame)
+        return text if whole == prompt and not inner else prompt
 
     def split(self, data) -> tuple:
         """(prompts, completions) of a /get_reward body, every text stripped of padding, EOS and BOS."""
@@ -136,14 +161,14 @@ class Scorer:
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
         if data.get("prompts") is None:  # OpenRLHF always sends them; other clients may not
             pairs = [split_query(q, self.marker, self.reward.step_separator) for q in queries]
-            return [p for p, _ in pairs], [c for _, c in pairs]
+            return [self.question(p) for p, _ in pairs], [c for _, c in pairs]
         prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
         if len(queries) != len(prompts):
             raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
         bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
         if bad:  # the split point between prompt and solution would be a guess
             raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
-        return prompts, [q[len(p):] for q, p in zip(queries, prompts)]
+        return [self.question(p) for p in prompts], [q[len(p):] for q, p in zip(queries, prompts)]
 
     def __call__(self, data) -> dict:
         prompts, completions = self.split(data)
@@ -264,6 +289,11 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--step-separator", type=unescape, default=None,
+                   help="what ends each step (escapes such as \\n understood); default: the model's own (its "
+                        "run's, else config.json's 'prm'), else \\n")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per prompt and completion; steps "
+                   "past it get no score (default: the model's own, else 1024)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config says)")
@@ -283,9 +313,14 @@ def main(argv=None):
                 "--max-connections at least 1")
     if args.batch_size < 1:
         p.error("--batch-size must be at least 1")
+    if args.max_length is not None and args.max_length < 1:
+        p.error("--max-length must be at least 1")
+    if args.step_separator == "":
+        p.error("--step-separator must not be empty: its last token carries the step's score")
     # a model that cannot be loaded, a bad scorer setting, an address that cannot be bound: one line, status 2
     with exit_status():
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
+                           step_separator=args.step_separator, max_length=args.max_length,
                            trust_remote_code=args.trust_remote_code, scorer=args.scorer,
                            step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token)
         try:

@@ -35,7 +35,11 @@ def test_an_unknown_flag_exits_2_naming_the_nearest(argv, hint):
 
 
 @pytest.mark.parametrize("argv, message", [(["--bogus"], "error: unrecognized arguments: --bogus"),
-                                           (["--dataset", "x.json"], "error: --model is required")])
+                                           (["--dataset", "x.json"], "error: --model is required"),
+                                           (["--model", "m", "--best-of-n-draws", "0"],
+                                            "error: --best-of-n-draws 0: must be at least 1"),
+                                           (["--model", "m", "--dataset", "a.json", "--tune-threshold", "./a.json"],
+                                            "error: --tune-threshold ./a.json is also a --dataset")])
 def test_eval_py_bad_flags_are_one_line_and_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "eval.py", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)

@@ -2,6 +2,7 @@
 Depends on: pytest, torch, prm, eval.py."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -102,10 +103,12 @@ def test_several_subsets_and_a_tuned_threshold(model_dir, pb_file, tmp_path):
     other = str(tmp_path / "other.json")
     with open(other, "w") as f:
         json.dump(processbench_rows(11)[4:], f)
-    out = run(model_dir, "--dataset", pb_file, other, "--tune-threshold", pb_file)
+    dev = str(tmp_path / "dev.json")  # the reported set's rows in a file of its own (the same file is refused)
+    shutil.copy(pb_file, dev)
+    out = run(model_dir, "--dataset", pb_file, other, "--tune-threshold", dev)
     assert set(out["subsets"]) == {"bench", "other"}
     assert out["mean_f1"] == pytest.approx((out["subsets"]["bench"]["f1"] + out["subsets"]["other"]["f1"]) / 2)
-    assert out["threshold_tuned_on"] == pb_file
+    assert out["threshold_tuned_on"] == dev
     assert out["subsets"]["bench"]["f1"] == pytest.approx(out["dev_f1"])  # same set: the tuned F1 is what it gets
     assert out["dev"] == out["subsets"]["bench"]  # the dev block: the same set's every metric at that threshold
     alone = run(model_dir, "--dataset", pb_file, "--threshold", str(out["threshold"]))
@@ -119,6 +122,16 @@ def test_threshold_tuned_on_mr_bens_own_file(model_dir, pb_file):
     assert (out["dev"]["n_with_error"], out["dev"]["n_without_error"]) == (2, 1)  # first errors 0 and 4, one "N/A"
     assert out["dev"]["f1"] == pytest.approx(out["dev_f1"])
     assert {"auroc", "acc_error", "chance_f1"} <= set(out["dev"])
+
+
+def test_a_dev_file_is_read_with_its_own_format_not_the_runs(model_dir, pb_file, tmp_path):
+    from prm.config import Config
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(model_dir, run_dir)
+    shepherd = os.path.join(os.path.dirname(__file__), "fixtures", "math_shepherd.jsonl")
+    Config(dataset=shepherd, format="math_shepherd", eval_dataset=shepherd).save(run_dir)
+    out = run(run_dir, "--tune-threshold", pb_file)  # ProcessBench rows beside a Math-Shepherd run
+    assert out["dev"]["n_examples"] == 7 and out["threshold_tuned_on"] == pb_file
 
 
 def test_stepwise_data_and_forced_processbench(model_dir, tmp_path):
@@ -136,7 +149,6 @@ def test_stepwise_data_and_forced_processbench(model_dir, tmp_path):
 
 
 def test_a_checkpoint_with_correct_as_label_0_is_read_the_right_way(model_dir, pb_file, tmp_path):
-    import shutil
     flipped = str(tmp_path / "flipped")
     shutil.copytree(model_dir, flipped)
     from safetensors.torch import load_file, save_file

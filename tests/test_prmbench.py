@@ -129,6 +129,12 @@ def test_a_row_of_no_category_counts_once_in_the_overall_figure():
     assert (out["f1"], out["f1_neg"]) == pytest.approx((2 / 3, 2 / 3))
 
 
+def test_unlabeled_steps_stay_out_of_prmscore():
+    rows = [{"step_labels": [1.0, None], "category": "arith"}, {"step_labels": [0.0, 0.0], "category": "arith"}]
+    pb = report([[0.9, 0.2], [0.8, 0.1]], rows)["prmbench"]  # tp 1 (row 1, step 1), fp 1, tn 1
+    assert pb["n_steps"] == 3 and (pb["f1"], pb["f1_neg"]) == pytest.approx((2 / 3, 2 / 3))
+
+
 def test_eval_reports_prmscore_recomputable_from_predictions(tmp_path):
     model_dir = str(tmp_path / "model")
     tokenizer = char_tokenizer()

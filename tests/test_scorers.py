@@ -3,6 +3,7 @@ ProcessBench rows (tests/fixtures), through eval.py, PRMReward and prm.serve; th
 Tiny random models in each family's structure; the Qwen2 tokenizer from ../shared. Depends on: pytest, torch, prm."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -182,7 +183,9 @@ def test_a_published_prm_holds_bf16_weights_where_eval_py_runs_bf16(dirs, pb_fil
 
 
 def test_swapping_the_good_and_bad_tokens_changes_the_f1(dirs, pb_file, tmp_path):
-    flags = ["--scorer", "step-tag", "--step-tag", TAG, "--tune-threshold", pb_file]
+    dev = str(tmp_path / "dev.json")  # the reported rows in a file of their own: tuning on a --dataset is refused
+    shutil.copy(pb_file, dev)
+    flags = ["--scorer", "step-tag", "--step-tag", TAG, "--tune-threshold", dev]
     out, probs = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags)
     swapped, swapped_probs = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags, "--good-token", "-",
                                       "--bad-token", "+")
@@ -282,3 +285,19 @@ def test_prm_reward_and_the_server_with_a_step_tag_model(dirs, tmp_path):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def test_the_server_reads_a_prompt_in_the_prms_own_template_as_its_question(dirs):
+    from prm.serve import Scorer
+    reward = PRMReward(dirs["step-tag"], "min", "cpu", scorer="step-tag", step_tag=TAG)
+    scorer, tok = Scorer(reward), reward.tokenizer
+    chat = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in PROMPTS]  # as OpenRLHF sends them: rendered by the policy's template, here the same one
+    body = {"query": [p + c for p, c in zip(chat, COMPLETIONS)], "prompts": chat}
+    assert scorer.split(body) == (PROMPTS, COMPLETIONS) and scorer.split({"query": body["query"]})[0] == PROMPTS
+    assert scorer(body)["rewards"] == pytest.approx(reward(PROMPTS, COMPLETIONS), abs=1e-6)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": PROMPTS[0]}]
+    several = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    for other in (several, "Q: " + chat[0], chat[0].rstrip("\n")):  # not one user turn in this template: as is
+        assert scorer.question(other) == other

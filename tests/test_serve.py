@@ -262,6 +262,22 @@ def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):
     assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [1, 1, 1]}
 
 
+def test_step_separator_and_max_length_flags_reach_the_reward(model_dir, monkeypatch, capsys):
+    served = []
+
+    def no_server(reward, *args, **kwargs):  # the settings are all that is checked: nothing is bound
+        served.append(reward)
+        raise OSError("not bound")
+    monkeypatch.setattr(serve, "make_server", no_server)
+    with pytest.raises(SystemExit):
+        serve.main(["--model", model_dir, "--device", "cpu", "--step-separator", "\\n\\n", "--max-length", "25"])
+    assert (served[0].step_separator, served[0].max_length) == ("\n\n", 25)
+    for flags in (["--max-length", "0"], ["--step-separator", ""]):
+        with pytest.raises(SystemExit) as e:
+            serve.main(["--model", model_dir] + flags)
+        assert e.value.code == 2 and f"{flags[0]} must" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, message", [(["--host", "127.0.0.1"], "cannot listen on 127.0.0.1:"),
                                             (["--batch-size", "0"], "--batch-size must be at least 1")])
 def test_a_busy_port_or_a_bad_batch_size_is_one_line_and_exit_status_2(model_dir, flags, message):
