@@ -110,7 +110,8 @@ class Config:
                               "status 2", rules="rows scoring")
     num_proc: int = _opt(0, "tokenization processes; 0: one per CPU core (up to 8) from 20,000 rows on, else "
                          "1 (each takes seconds to start)", rules="change scoring", trl=("dataset_num_proc",))
-    synthetic_size: int = _opt(32000, "rows of the synthetic default (10%% held out)", rules="")
+    synthetic_size: int = _opt(32000, "rows of the synthetic default (10%% of its solutions held out)",
+                               rules="")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
     overwrite: bool = _opt(False, "replace the run in --output-dir (else, without --resume, it is refused). "
                            "Command line only: rerunning a saved --config deletes no run", rules="change")

@@ -85,7 +85,12 @@ def same_answer(found, reference) -> bool:
 
 
 def judge(reference: str, opts: Options):
-    """right(text) -> bool: does the text's final answer match the reference?"""
+    """right(text, before="") -> bool: does the final answer of the solution `before` + `text` match the
+    reference? It is the text's own answer, else the last one in before + text (a rollout may only close a
+    solution whose steps already state it)."""
+    def answer(text, before=""):
+        own = extract_answer(text, opts.answer_pattern)
+        return own if own is not None or not before else extract_answer(before + text, opts.answer_pattern)
     if opts.checker == "math-verify":
         try:
             from math_verify import parse, verify
@@ -93,9 +98,9 @@ def judge(reference: str, opts: Options):
             raise UsageError("--checker math-verify needs the math-verify package: "
                              "pip install 'math-verify[antlr4_13_2]'") from None
         gold = parse("\\boxed{" + reference + "}")
-        return lambda text: (a := extract_answer(text, opts.answer_pattern)) is not None and \
+        return lambda text, before="": (a := answer(text, before)) is not None and \
             verify(gold, parse("\\boxed{" + a + "}"))
-    return lambda text: same_answer(extract_answer(text, opts.answer_pattern), reference)
+    return lambda text, before="": same_answer(answer(text, before), reference)
 
 
 def label_solutions(text: str, solutions: list, right, complete, opts: Options, seed: int) -> list:
@@ -105,12 +110,13 @@ def label_solutions(text: str, solutions: list, right, complete, opts: Options, 
     final = [right(sep.join(s)) for s in solutions]
 
     def roll(todo):  # [(solution, k)]: n continuations of each prefix (steps 1..k), in one call
-        calls.append(prompts := [text + "".join(step + sep for step in solutions[i][:k]) for i, k in todo])
+        before = ["".join(step + sep for step in solutions[i][:k]) for i, k in todo]
+        calls.append(prompts := [text + b for b in before])
         outs = complete(prompts, n, seed + len(calls))
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
             raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} prompts")
-        for (i, k), texts in zip(todo, outs):
-            tries[i][k - 1], wins[i][k - 1] = n, sum(map(right, texts))
+        for (i, k), b, texts in zip(todo, before, outs):  # each rollout judged as steps 1..k + its text
+            tries[i][k - 1], wins[i][k - 1] = n, sum(right(t, b) for t in texts)
     if opts.search == "binary":  # every solution's search advances in the same calls
         lo, hi = [1] * len(solutions), [len(s) for s in solutions]  # the first error is a step in lo..hi
         while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))

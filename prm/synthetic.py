@@ -45,7 +45,12 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):
-    """Disjoint train/held-out rows; the held-out part depends only on (n, seed): eval.py can rebuild it."""
+    """(train, held-out) rows: the held-out ones are every row of a seeded share of the distinct solutions (at
+    least one), so none is a copy of a training row (there are only 400 distinct rows). Depends only on
+    (n, seed): eval.py can rebuild it."""
     rows = make_rows(n, seed)
-    n_eval = max(1, int(n * eval_share))
-    return rows[n_eval:], rows[:n_eval]
+    distinct = sorted({tuple(r["completions"]) for r in rows})
+    random.Random(seed).shuffle(distinct)
+    held = set(distinct[:max(1, int(len(distinct) * eval_share))])
+    is_held = [tuple(r["completions"]) in held for r in rows]
+    return [r for r, h in zip(rows, is_held) if not h], [r for r, h in zip(rows, is_held) if h]

@@ -48,7 +48,8 @@ def qwen2_tok():
 
 def small_config(tmp_path, **overrides):
     from prm.config import Config
-    base = dict(output_dir=str(tmp_path), synthetic_size=64, max_steps=4, batch_size=4, log_every=1, dtype="fp32",
+    # 63 synthetic rows: 58 train (not a multiple of the batch) + 5 held out (25 steps)
+    base = dict(output_dir=str(tmp_path), synthetic_size=63, max_steps=4, batch_size=4, log_every=1, dtype="fp32",
                 eval_batch_size=16, lr=1e-3)
     return Config(**{**base, **overrides})
 

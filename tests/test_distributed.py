@@ -10,8 +10,8 @@ import pytest
 
 from conftest import ROOT, assert_same_run, assert_same_weights, final_weights, max_weight_diff, read_metrics
 
-# 71 rows: 64 train (+7 held out, an odd eval set); with the flags below, 64 is not a multiple of every batch
-COMMON = ["--synthetic-size", "71", "--max-steps", "5", "--log-every", "1", "--dtype", "fp32", "--lr", "1e-3",
+# 72 rows: 65 train (+7 held out, an odd eval set); with the flags below, 65 is not a multiple of every batch
+COMMON = ["--synthetic-size", "72", "--max-steps", "5", "--log-every", "1", "--dtype", "fp32", "--lr", "1e-3",
           "--eval-batch-size", "4", "--seed", "7"]
 
 
@@ -33,7 +33,7 @@ def test_two_ranks_match_one_process(tmp_path, accum, lora, precision):
     two = launch(tmp_path / "two", 2, "--batch-size", "3", "--grad-accum", str(accum), *extra)
     assert_same_run(tmp_path / "one", tmp_path / "two", lr=1e-3, steps=5, precision=precision)
     card = (tmp_path / "two" / "final" / "README.md").read_text()
-    assert "torchrun --nproc_per_node 2 train.py --synthetic-size 71" in card
+    assert "torchrun --nproc_per_node 2 train.py --synthetic-size 72" in card
     assert ("LoRA (rank 4" in card) == lora
     # evaluation sharded over 2 ranks on 7 held-out rows equals the single-process figures exactly in fp32; in bf16
     # the weights themselves differ within SAME_RUN, so only the counts must be equal (a ranking may flip)
@@ -44,9 +44,9 @@ def test_two_ranks_match_one_process(tmp_path, accum, lora, precision):
 
 
 def test_uneven_dataset_does_not_hang(tmp_path):
-    """64 rows, 2 ranks x batch 5 = global 10: the last global batch wraps around instead of leaving a rank idle."""
+    """65 rows, 2 ranks x batch 5 = global 10: the last global batch wraps around instead of leaving a rank idle."""
     final = launch(tmp_path, 2, "--batch-size", "5", "--max-steps", "-1", "--epochs", "2")
-    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == 14  # 2 epochs x ceil(64 / 10)
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == 14  # 2 epochs x ceil(65 / 10)
     assert final["n_examples"] == 7
 
 

@@ -17,14 +17,15 @@ from prm.label import Options, extract_answer, judge, label_file, label_solution
 from prm.sources import DataError
 
 
-def scripted(wins_of):
-    """complete() whose every prompt gets wins_of(prompt, n) right continuations of n; `log` keeps prompts."""
+def scripted(wins_of, wrong="so \\boxed{0}"):
+    """complete() whose every prompt gets wins_of(prompt, n) continuations answering 1 and n - that `wrong`
+    ones; `log` keeps the prompts."""
     log = []
 
     def complete(prompts, n, seed):
         log.extend(prompts)
         wins = [wins_of(p, n) for p in prompts]
-        return [["so \\boxed{1}"] * w + ["no answer here"] * (n - w) for w in wins]
+        return [["so \\boxed{1}"] * w + [wrong] * (n - w) for w in wins]
     return complete, log
 
 
@@ -44,6 +45,19 @@ def test_soft_and_hard_labels_are_the_counted_share_and_any():
         hard = label_solutions("Q\n", [steps], judge("1", Options()), complete,
                                Options(rollouts=4, label="hard"), 0)
         assert hard[0]["labels"] == [True, True, False, True, final]
+
+
+@pytest.mark.parametrize("rest,rescued", [("I hope it is correct.", True), ("", True),
+                                          ("so the answer is 2.", False)])
+def test_a_rollout_is_judged_with_the_steps_before_it(rest, rescued):
+    # step 2 states the right answer; a rollout from it that only closes the solution (or stops) gives the
+    # completed solution that answer, one that answers otherwise does not
+    steps = ["0 + 1 = 1", "So the result is \\boxed{1}.", "Wait: \\boxed{2}."]
+    complete, _ = scripted(lambda p, n: 0 if "boxed" in p else n, wrong=rest)
+    soft = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=4), 0)[0]
+    assert soft["labels"] == [1.0, float(rescued), 0.0] and soft["successes"] == [4, 4 * rescued, 0]
+    binary = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(search="binary"), 0)
+    assert binary[0]["labels"] == ([True, True, False] if rescued else [True, False, None])
 
 
 def first_error_at(prompt: str, n: int) -> int:

@@ -14,7 +14,7 @@ from prm.data import IGNORE, collate, normalize_label
 from prm.ingest import tokenize_dataset
 from prm.model import step_loss
 from prm.sources import DataError, cut_after_first_error, load_eval, load_splits, read_rows
-from prm.synthetic import char_tokenizer
+from prm.synthetic import char_tokenizer, train_eval_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures")
@@ -327,6 +327,16 @@ def test_cut_after_first_error_cuts_training_rows_only():
         assert row["completions"] == full["completions"][:k] and row["labels"] == full["labels"][:k]
         cut += k < len(full["labels"])
     assert cut > 0
+
+
+@pytest.mark.parametrize("n,seed", [(1, 0), (63, 0), (200, 3), (32000, 0)])
+def test_synthetic_held_out_rows_are_no_training_rows(n, seed):
+    train, held = train_eval_rows(n, seed)
+    seen = {(r["prompt"], tuple(r["completions"])) for r in train}
+    assert [r for r in held if (r["prompt"], tuple(r["completions"])) in seen] == []
+    assert len(held) >= 1 and len(train) + len(held) == n and train_eval_rows(n, seed) == (train, held)
+    if n >= 200:  # a share of about 10%: its solutions are not equally frequent
+        assert 0.05 <= len(held) / n <= 0.15
 
 
 def test_cut_after_first_error_cuts_synthetic_training_rows_only():
