@@ -96,11 +96,18 @@ def data_files(folder: str) -> list:
 
 
 def split_files(folder: str, split: str) -> list:
-    """The folder's data files named for `split` (SPLIT_WORDS); None when no file is named for any split."""
+    """The folder's data files named for `split` (SPLIT_WORDS); None when no file is named for any split. A
+    file named for none beside ones that are is refused: it would be read by no split."""
     words = lambda f: set(re.split(r"[-._ 0-9]+", os.path.basename(f).lower()))
     named = [(f, words(f)) for f in data_files(folder)]
-    if not any(w & (set().union(*SPLIT_WORDS.values()) | {split}) for _, w in named):
+    splits = set().union(*SPLIT_WORDS.values()) | {split}
+    unnamed = [os.path.basename(f) for f, w in named if not w & splits]
+    if len(unnamed) == len(named):
         return None
+    if unnamed:
+        one = os.path.basename(next(f for f, w in named if w & splits))
+        raise DataError([f"{folder}: {', '.join(unnamed)} named for no split beside files that are (as "
+                         f"{one}): name each for its split (train-..., test-...), or no file for one"])
     return [f for f, w in named if w & SPLIT_WORDS.get(split, {split})]
 
 
