@@ -36,7 +36,7 @@ def write_inputs(tmp_path) -> tuple:
     return model_dir, data
 
 
-def trl_losses(model_dir: str, data: str, out: str) -> list:
+def trl_losses(model_dir: str, data: str, out: str, warmup: int) -> list:
     """Each optimizer step's loss as PRMTrainer computes it, unrounded (its log keeps 4 digits)."""
     from datasets import load_dataset
     from transformers import AutoModelForTokenClassification, AutoTokenizer
@@ -52,7 +52,7 @@ def trl_losses(model_dir: str, data: str, out: str) -> list:
     args = PRMConfig(output_dir=out, max_steps=STEPS, per_device_train_batch_size=ROWS,
                      gradient_accumulation_steps=1, learning_rate=LR, weight_decay=0.0, adam_beta2=0.95,
                      lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-                     warmup_steps=0, max_grad_norm=1.0, bf16=False, fp16=False, gradient_checkpointing=False,
+                     warmup_steps=warmup, max_grad_norm=1.0, bf16=False, fp16=False, gradient_checkpointing=False,
                      seed=0, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
                      dataloader_num_workers=0, disable_tqdm=True)
     model = AutoModelForTokenClassification.from_pretrained(model_dir, dtype=torch.float32)
@@ -62,23 +62,24 @@ def trl_losses(model_dir: str, data: str, out: str) -> list:
     return losses
 
 
-def prm_losses(model_dir: str, data: str, out: str) -> list:
+def prm_losses(model_dir: str, data: str, out: str, warmup: int) -> list:
     """Each optimizer step's loss from prm's metrics.jsonl (a record every step)."""
     from prm.config import Config
     from prm.trainer import train
     train(Config(model=model_dir, dataset=data, eval_dataset=data, output_dir=out, max_steps=STEPS,
-                 batch_size=ROWS, grad_accum=1, lr=LR, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0,
+                 batch_size=ROWS, grad_accum=1, lr=LR, weight_decay=0.0, warmup_steps=warmup, max_grad_norm=1.0,
                  dtype="fp32", packing=False, seed=0, log_every=1))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
 
-def test_losses_equal_trl_prm_trainer(tmp_path):
+@pytest.mark.parametrize("warmup", [0, 3])  # with warmup: HF's linear ramp from 0, step for step
+def test_losses_equal_trl_prm_trainer(tmp_path, warmup):
     model_dir, data = write_inputs(tmp_path)
-    theirs = trl_losses(model_dir, data, str(tmp_path / "trl"))
-    ours = prm_losses(model_dir, data, str(tmp_path / "prm"))
+    theirs = trl_losses(model_dir, data, str(tmp_path / "trl"), warmup)
+    ours = prm_losses(model_dir, data, str(tmp_path / "prm"), warmup)
     assert len(ours) == len(theirs) == STEPS
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
-    print(f"\nTRL PRMTrainer parity over {STEPS} steps: losses {theirs[0]:.6f} -> {theirs[-1]:.6f}, "
-          f"worst relative difference {worst:.2g}")
+    print(f"\nTRL PRMTrainer parity over {STEPS} steps, warmup {warmup}: losses {theirs[0]:.6f} -> "
+          f"{theirs[-1]:.6f}, worst relative difference {worst:.2g}")
     assert worst < 1e-5, list(zip(ours, theirs))
