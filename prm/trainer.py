@@ -43,7 +43,9 @@ def train(cfg: Config, command: str = "") -> dict:
     rt = setup()
     try:  # rank 0 holds the output directory's lock: a second trainer there stops at once
         with run_lock(cfg.output_dir) if rt.is_main else nullcontext():
-            return Trainer(cfg, rt, command or config_command(cfg)).train()
+            final = Trainer(cfg, rt, command or config_command(cfg)).train()
+        barrier(rt)  # no rank tears the process group down while another is still talking to it
+        return final
     finally:
         teardown(rt)
 
