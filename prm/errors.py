@@ -37,6 +37,9 @@ class Stopped(PRMError):
         super().__init__(message)
         self.code = 128 + signum
 
+    def __reduce__(self):  # pickled as built, as every PRMError must be (runtime.decided_by_main sends them)
+        return Stopped, (str(self), self.code - 128)
+
 
 def check(problems: list):
     """Raises UsageError with every problem on one line; returns when there is none."""

@@ -38,11 +38,14 @@ class DataError(UsageError):
     """Problems with the input data, one "<source> <line|row> N: field 'x': ..." line each: exit status 2."""
 
     def __init__(self, problems: list, total_rows: int = 0):
-        self.problems = problems
+        self.problems, self.total_rows = problems, total_rows
         head = f"{total_rows} invalid rows ({WHERE}):" if total_rows else "invalid input data:"
         more = [f"  ... and {len(problems) - SHOWN} more"] if len(problems) > SHOWN else []
         tail = ["Fix these rows, or pass --skip-invalid to drop them."] if total_rows else []
         super().__init__("\n".join([head] + [f"  {p}" for p in problems[:SHOWN]] + more + tail))
+
+    def __reduce__(self):  # pickled as built (rank 0's error reaches the others: runtime.decided_by_main)
+        return type(self), (self.problems, self.total_rows)
 
 
 class MissingSplit(DataError):
@@ -95,12 +98,13 @@ def data_files(folder: str) -> list:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(LOCAL_EXT))
 
 
-def split_files(folder: str, split: str) -> list:
-    """The folder's data files named for `split` (SPLIT_WORDS); None when no file is named for any split. A
-    file named for none beside ones that are is refused: it would be read by no split."""
+def split_files(folder: str, split: str, names: tuple = ()) -> list:
+    """The folder's data files named for `split`: a word of their name is one of its SPLIT_WORDS, or the split
+    itself when it is none of them; None when no file is named for a split (SPLIT_WORDS' or one of `names`,
+    the run's). A file named for none beside ones that are is refused: it would be read by no split."""
     words = lambda f: set(re.split(r"[-._ 0-9]+", os.path.basename(f).lower()))
     named = [(f, words(f)) for f in data_files(folder)]
-    splits = set().union(*SPLIT_WORDS.values()) | {split}
+    splits = set().union(*SPLIT_WORDS.values(), names, {split})
     unnamed = [os.path.basename(f) for f, w in named if not w & splits]
     if len(unnamed) == len(named):
         return None
@@ -108,7 +112,8 @@ def split_files(folder: str, split: str) -> list:
         one = os.path.basename(next(f for f, w in named if w & splits))
         raise DataError([f"{folder}: {', '.join(unnamed)} named for no split beside files that are (as "
                          f"{one}): name each for its split (train-..., test-...), or no file for one"])
-    return [f for f, w in named if w & SPLIT_WORDS.get(split, {split})]
+    own = next((w for w in SPLIT_WORDS.values() if split in w), {split})  # --eval-split dev: validation's
+    return [f for f, w in named if w & own]
 
 
 def _sources(spec: str, split: str, cfg, by_split: bool = False):
@@ -118,7 +123,7 @@ def _sources(spec: str, split: str, cfg, by_split: bool = False):
         files = data_files(spec)
         if not files:
             raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this directory"])
-        if by_split and (named := split_files(spec, split)) is not None:
+        if by_split and (named := split_files(spec, split, (cfg.train_split, cfg.eval_split))) is not None:
             if not named:
                 raise MissingSplit([f"{spec}: no data file named for split {split!r} among "
                                     f"{', '.join(os.path.basename(f) for f in files)}"])
@@ -246,9 +251,9 @@ def read_splits(cfg) -> tuple:
     train = read_rows(cfg.dataset, cfg.train_split, cfg, notes=notes, by_split=True)
     held = None
     if cfg.eval_dataset:  # its own format, not --dataset's
-        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format", notes=notes)
-    elif not is_local(cfg.dataset) or (os.path.isdir(cfg.dataset)
-                                       and split_files(cfg.dataset, cfg.eval_split) is not None):
+        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format", notes=notes, by_split=True)
+    elif not is_local(cfg.dataset) or os.path.isdir(cfg.dataset) and split_files(
+            cfg.dataset, cfg.eval_split, (cfg.train_split, cfg.eval_split)) is not None:
         with contextlib.suppress(MissingSplit):  # no such split: hold out a share below
             held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes, by_split=True)
     if held is None:  # split by prompt, so one problem never sits on both sides; pre-tokenized rows carry

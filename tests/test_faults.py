@@ -301,3 +301,18 @@ def test_resume_refuses_a_data_file_whose_contents_changed(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # the same contents again: resume goes on
     run_train(out, dataset=str(data), max_steps=4, resume="auto")
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_every_error_an_entry_point_reports_survives_pickling_whole():
+    """Rank 0's error reaches the other ranks pickled (prm.runtime.decided_by_main): message, type, exit status
+    and fields arrive as built."""
+    import pickle
+
+    from prm.errors import Diverged, Stopped, WriteFailed
+    from prm.sources import DataError, MissingSplit
+    for error in (UsageError("bad flag"), WriteFailed("out: cannot write it: full", cause="full"),
+                  Diverged("loss is nan"), Stopped("stopped by SIGTERM", signal.SIGTERM),
+                  DataError(["a.jsonl line 2: field 'labels': missing"], total_rows=1),
+                  MissingSplit(["d: no data file named for split 'dev'"])):
+        back = pickle.loads(pickle.dumps(error))
+        assert (type(back), str(back), back.code, vars(back)) == (type(error), str(error), error.code, vars(error))

@@ -407,6 +407,14 @@ def test_a_folder_of_files_named_for_splits_is_read_as_those_splits(tmp_path, ca
     (split / "test-00000-of-00001.jsonl").unlink()  # no held-out file: --eval-fraction of the train split
     train, held = load_splits(cfg_for(str(split), eval_fraction=0.5))
     assert len(train) == len(held) == 3 and all(p.startswith("train") for p in held["prompt"])
+    write_jsonl(split / "heldout.jsonl", rows("held", 2))  # a split of the run's own name, on either side
+    train, held = load_splits(cfg_for(str(split), eval_split="heldout"))
+    assert len(train) == 6 and sorted(held["prompt"]) == ["held 0:", "held 1:"]
+    (split / "heldout.jsonl").rename(split / "dev.jsonl")  # validation's words: dev, val, valid, validation
+    assert len(load_splits(cfg_for(str(split), eval_split="validation"))[1]) == 2
+    other = write_jsonl(tmp_path / "other.jsonl", rows("other", 4))  # --eval-dataset: a folder's eval split
+    train, held = load_splits(cfg_for(other, eval_dataset=str(split), eval_split="valid"))
+    assert len(train) == 4 and sorted(held["prompt"]) == ["held 0:", "held 1:"]
     pool = tmp_path / "pool"
     pool.mkdir()
     write_jsonl(pool / "part1.jsonl", rows("train", 6))
