@@ -102,7 +102,8 @@ def model_card(cfg, metrics: dict, command: str) -> str:
     base = "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if tiny else \
         f"`{cfg.model}`"
     header = ["---", "library_name: transformers", "pipeline_tag: token-classification",
-              "tags: [process-reward-model, prm]"] + ([] if tiny else [f"base_model: {cfg.model}"])
+              "tags: [process-reward-model, prm]"]
+    header += [] if tiny or os.path.exists(cfg.model) else [f"base_model: {cfg.model}"]  # hub ids only
     license = base_license(cfg.model)
     header += [f"license: {license}"] if license else []
     license_text = license or ("none: no base model (random initialization)" if tiny else

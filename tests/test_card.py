@@ -45,6 +45,7 @@ def test_card_has_license_versions_and_a_transformers_only_snippet(tmp_path):
     (base / "README.md").write_text("---\nlicense: apache-2.0\ntags: [x]\n---\n# A base model\n")
     card = model_card(small_config(tmp_path, model=str(base)).resolve(), {"step_accuracy": 0.5}, "python train.py")
     assert "\nlicense: apache-2.0\n" in card and "Base model license: apache-2.0." in card
+    assert "base_model:" not in card  # the hub's base_model is a hub id, never a local folder
     assert f"torch {version('torch')}, transformers {version('transformers')}" in card
     snippet = card.split("```python\n")[1].split("```")[0]
     assert "AutoModelForTokenClassification" in snippet and "prm." not in snippet.replace('config.prm[', '')
