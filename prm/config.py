@@ -167,6 +167,8 @@ class Config:
     pack_to: int = _opt(0, "with --packing, pad each row to a multiple of N tokens so shapes repeat (N >= "
                         "batch x --max-length: one shape, --compile compiles once); 0: none", rules="change")
     seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
+    disable_dropout: bool = _opt(True, "set the backbone's dropout to 0 for training, as TRL does; false "
+                                 "keeps the model's own (--lora-dropout is set apart)", rules="")
     lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
                        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
                        "fully")

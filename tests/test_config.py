@@ -125,6 +125,8 @@ def test_a_huge_wrong_value_is_shown_as_a_short_preview(tmp_path):
      {"log_every": 5, "disable_tqdm": True, "report_to": "tensorboard"}),
     (["--gradient_checkpointing", "True", "--packing", "false"],
      {"gradient_checkpointing": True, "packing": False}),
+    (["--disable_dropout", "false"], {"disable_dropout": False}), ([], {"disable_dropout": True}),
+    (["--no-disable-dropout"], {"disable_dropout": False}),
 ])
 def test_trl_and_hf_flags_set_their_meaning(argv, want):
     cfg = parse_config(argv)
