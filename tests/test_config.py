@@ -210,6 +210,26 @@ def test_strategies_choose_the_evaluation_and_checkpoint_cadence():
     assert Config(save_every=3, save_strategy="no").every("save", 7) == 0
 
 
+@pytest.mark.parametrize("argv, eval_every, save_every", [
+    ([], 0, 0), (["--eval_strategy", "steps"], 5, 0), (["--save_strategy", "steps"], 0, 500),
+    (["--eval-steps", "3", "--save-steps", "4"], 3, 4), (["--eval_strategy", "steps", "--eval_steps", "2"], 2, 0),
+    (["--eval_strategy", "epoch", "--save_strategy", "epoch"], 7, 7),
+])
+def test_a_strategy_steps_given_without_its_interval_follows_hf(argv, eval_every, save_every, tmp_path):
+    """HF's: --eval_strategy steps without --eval_steps evaluates every logging_steps, --save_strategy steps without
+    --save_steps saves every 500; given neither, evaluation only at the end and no checkpoint, as before. The saved
+    config.train.json reruns the same (read by --config, or by --resume and eval.py)."""
+    cfg = parse_config([*argv, "--logging_steps", "5", "--output-dir", str(tmp_path)]).resolve()
+    assert (cfg.every("eval", 7), cfg.every("save", 7)) == (eval_every, save_every)
+    cfg.save(tmp_path)
+    assert parse_config(["--config", str(tmp_path / "config.train.json")]).resolve() == Config.load(tmp_path) == cfg
+
+
+def test_eval_strategy_steps_alone_evaluates_at_every_log_step(tmp_path):
+    run_train(tmp_path, max_steps=4, log_every=2, eval_strategy="steps")
+    assert [r["step"] for r in read_metrics(tmp_path) if "eval_step_accuracy" in r] == [2]  # 4: the final record
+
+
 def test_schedules_follow_hf_after_a_warmup():
     from prm.trainer import DECAY, lr_lambda
     assert set(DECAY) == set(Config.__dataclass_fields__["lr_scheduler_type"].metadata["choices"])
