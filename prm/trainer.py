@@ -215,7 +215,7 @@ class Trainer:
                                 processbench=self.processbench)
         self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
                          disable=not rt.is_main or self.quiet)
-        tracker = Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None
+        tracker = Tracker(cfg, self.step) if rt.is_main and cfg.report_to != "none" else None
         path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
         self.out = MetricsFile(path, self.pbar, resumed_at=self.step, tracker=tracker)
         hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps" + \
