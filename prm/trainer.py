@@ -256,6 +256,8 @@ class Trainer:
                     self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in metrics.items()}})
                 # every step, though a collective (a device sync): torchrun SIGKILLs 30 s after its SIGTERM
                 stop = preemption.agreed(self.rt)
+                if stop:  # the steps since the last log line, recorded before the checkpoint resumed from
+                    self.log.write()
                 self.checkpointer.save(self.step, stopping=stop)
                 if stop:
                     self.pbar.close()
