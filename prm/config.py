@@ -53,7 +53,8 @@ def preview(value) -> str:
 class Conv(NamedTuple):
     """A TRL/HF name setting a field through a conversion (`--bf16` sets dtype). nargs "?": a switch, convert
     gets a bool (`--bf16`, `--bf16 false`, `--no-bf16`); "+": it gets the list of values. keep: the field's
-    values a false switch leaves alone: false means "not this one" (HF's `--bf16 --fp16 false` is bf16)."""
+    values a false switch leaves alone: false means "not this one" (HF's `--bf16 --fp16 false` is bf16), and
+    a true one refuses (`--bf16 --fp16`)."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -364,8 +365,12 @@ class Setter(argparse.Action):
         try:
             if self.nargs in ("?", 0):  # a switch
                 values = boolean("true" if self.nargs == 0 else values) != option_string.startswith("--no-")
-                if not values and getattr(namespace, self.dest, None) in self.keep:
+                current = getattr(namespace, self.dest, None)
+                if not values and current in self.keep:
                     return
+                if values and current in self.keep:  # `--bf16 --fp16`: HF refuses it too
+                    raise ValueError(f"at most one of fp16 and bf16 can be true ({self.dest} is {current} "
+                                     "already)")
             setattr(namespace, self.dest, self.convert(values))
         except ValueError as e:
             raise argparse.ArgumentError(self, str(e)) from None

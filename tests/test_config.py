@@ -136,11 +136,20 @@ def test_trl_and_hf_flags_set_their_meaning(argv, want):
 @pytest.mark.parametrize("argv, dtype", [
     (["--bf16", "--fp16", "false"], "bf16"), (["--bf16", "true", "--no-fp16"], "bf16"),
     (["--no-fp16", "--bf16"], "bf16"), (["--fp16", "--no-bf16"], "fp16"), (["--dtype", "fp16", "--no-bf16"], "fp16"),
-    (["--no-bf16", "--no-fp16"], "fp32"), (["--dtype", "bf16", "--no-bf16"], "fp32"), (["--bf16", "--fp16"], "fp16"),
+    (["--no-bf16", "--no-fp16"], "fp32"), (["--dtype", "bf16", "--no-bf16"], "fp32"),
+    (["--dtype", "fp32", "--bf16"], "bf16"),
 ])
 def test_a_false_precision_switch_means_not_this_one_in_any_order(argv, dtype):
-    """As in HF: `--fp16 false` beside `--bf16` is bf16, not fp32; both true: the later flag wins, as argparse's."""
+    """As in HF: `--fp16 false` beside `--bf16` is bf16, not fp32."""
     assert parse_config(argv).dtype == dtype
+
+
+@pytest.mark.parametrize("argv", [["--bf16", "--fp16"], ["--fp16", "true", "--bf16", "True"],
+                                  ["--dtype", "bf16", "--fp16"]])
+def test_bf16_and_fp16_both_true_are_refused_as_in_hf(argv):
+    with pytest.raises(UsageError) as e:
+        parse_config(argv)
+    assert e.value.code == 2 and "at most one of fp16 and bf16 can be true" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("text, dtype", [
