@@ -42,7 +42,7 @@ class Tracker:
         self.kind, module = cfg.report_to, require(cfg.report_to)
         name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
         if self.kind == "tensorboard":
-            # resumed: the events a stopped run wrote past its checkpoint are purged, as metrics.jsonl's records
+            # resumed: the events a stopped run wrote past its checkpoint are purged (as in metrics.jsonl)
             self.writer = module.SummaryWriter(log_dir=os.path.join(cfg.output_dir, "tensorboard", name),
                                                purge_step=resumed_at + 1 if resumed_at else None)
             # indented: TensorBoard renders text as markdown, and an indented block stays verbatim
