@@ -127,10 +127,15 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed), LoRA adapters when --lora-r
-    is set, before .to(device) and DDP, so DDP sees which parameters train. Resume and eval.py rebuild a LoRA
-    checkpoint's frozen base with this same function."""
+    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed; its dropout off unless
+    --disable-dropout is false), LoRA adapters when --lora-r is set, before .to(device) and DDP, so DDP sees
+    which parameters train. Resume and eval.py rebuild a LoRA checkpoint's frozen base with this same
+    function."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
+    if cfg.disable_dropout:  # as TRL's PRMTrainer; before the adapters, whose --lora-dropout stays
+        for module in model.backbone.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if cfg.lora_r:
         try:
             apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)

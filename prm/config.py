@@ -53,7 +53,8 @@ def preview(value) -> str:
 class Conv(NamedTuple):
     """A TRL/HF name setting a field through a conversion (`--bf16` sets dtype). nargs "?": a switch, convert
     gets a bool (`--bf16`, `--bf16 false`, `--no-bf16`); "+": it gets the list of values. keep: the field's
-    values a false switch leaves alone: false means "not this one" (HF's `--bf16 --fp16 false` is bf16)."""
+    values a false switch leaves alone: false means "not this one" (HF's `--bf16 --fp16 false` is bf16), and
+    a true one refuses (`--bf16 --fp16`)."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -167,6 +168,8 @@ class Config:
     pack_to: int = _opt(0, "with --packing, pad each row to a multiple of N tokens so shapes repeat (N >= "
                         "batch x --max-length: one shape, --compile compiles once); 0: none", rules="change")
     seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
+    disable_dropout: bool = _opt(True, "set the backbone's dropout to 0 for training, as TRL does; false "
+                                 "keeps the model's own (--lora-dropout is set apart)", rules="")
     lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
                        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
                        "fully")
@@ -183,10 +186,12 @@ class Config:
     lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it "
                                 "needs no fp32 master copy: it never updates) and needs autocast (--dtype "
                                 "bf16 or auto)", rules="", choices=["fp32", "bf16"])
-    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
-                           trl=("eval_steps",), section="evaluation, logging, checkpoints")
-    eval_strategy: str = _opt("steps", "when to evaluate before the end: steps (every --eval-every), epoch "
-                              "(each pass) or no", rules="change", choices=["steps", "epoch", "no"])
+    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end; see --eval-strategy)",
+                           rules="change", trl=("eval_steps",), section="evaluation, logging, checkpoints")
+    eval_strategy: Optional[str] = _opt(None, "when to evaluate before the end: steps (every --eval-every; "
+                                        "without it, as HF: every --log-every), epoch (each pass) or no; "
+                                        "default: steps with --eval-every, else no", rules="change",
+                                        choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = _opt(None, "examples per device (default, or 0: 2 x --batch-size)",
                                           rules="change scoring", trl=("per_device_eval_batch_size",))
     threshold: float = _opt(0.5, "predict a step correct when P(correct) >= this", rules="change scoring")
@@ -196,10 +201,12 @@ class Config:
                           "(<output-dir>/tensorboard) or Weights & Biases; the package must be installed",
                           rules="change", choices=["none", "tensorboard", "wandb"])
     run_name: str = _opt("", "name in TensorBoard / W&B; default: the output directory's", rules="change")
-    save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)",
-                           rules="change", trl=("save_steps",))
-    save_strategy: str = _opt("steps", "when to write checkpoints: steps (every --save-every), epoch (each "
-                              "pass) or no", rules="change", choices=["steps", "epoch", "no"])
+    save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never; see "
+                           "--save-strategy)", rules="change", trl=("save_steps",))
+    save_strategy: Optional[str] = _opt(None, "when to write checkpoints: steps (every --save-every; "
+                                        "without it, as HF: every 500), epoch (each pass) or no; default: "
+                                        "steps with --save-every, else no", rules="change",
+                                        choices=["steps", "epoch", "no"])
     keep_last: int = _opt(2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",))
     resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one. "
                        "Command line only: a saved --config continues no run", rules="change",
@@ -226,14 +233,21 @@ class Config:
         lora_r = 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
         batch = self.batch_size or (32 if tiny else 8)
         lr = self.lr or (1e-3 if tiny else 1e-4 if lora_r else 1e-5)
+        # HF's: strategy steps given without its interval evaluates every --log-every steps, saves every 500
+        eval_every = self.eval_every or self.log_every * (self.eval_strategy == "steps")
+        save_every = self.save_every or 500 * (self.save_strategy == "steps")
         return dataclasses.replace(self, batch_size=batch, lr=lr, lora_r=lora_r,
                                    lora_alpha=self.lora_alpha or 2.0 * lora_r,
-                                   eval_batch_size=self.eval_batch_size or 2 * batch)
+                                   eval_batch_size=self.eval_batch_size or 2 * batch, eval_every=eval_every,
+                                   eval_strategy=self.eval_strategy or ("steps" if eval_every else "no"),
+                                   save_every=save_every,
+                                   save_strategy=self.save_strategy or ("steps" if save_every else "no"))
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
         """Steps between evaluations (kind "eval") or checkpoints ("save") under their strategy; 0: none."""
-        strategy = getattr(self, kind + "_strategy")
-        return {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}[strategy]
+        cfg = self.resolve()
+        strategy = getattr(cfg, kind + "_strategy")
+        return {"steps": getattr(cfg, kind + "_every"), "epoch": steps_per_epoch, "no": 0}[strategy]
 
     def problems(self) -> list:
         """Every setting that cannot work, one line each: checked before any data or weight loads."""
@@ -351,8 +365,12 @@ class Setter(argparse.Action):
         try:
             if self.nargs in ("?", 0):  # a switch
                 values = boolean("true" if self.nargs == 0 else values) != option_string.startswith("--no-")
-                if not values and getattr(namespace, self.dest, None) in self.keep:
+                current = getattr(namespace, self.dest, None)
+                if not values and current in self.keep:
                     return
+                if values and current in self.keep:  # `--bf16 --fp16`: HF refuses it too
+                    raise ValueError(f"at most one of fp16 and bf16 can be true ({self.dest} is {current} "
+                                     "already)")
             setattr(namespace, self.dest, self.convert(values))
         except ValueError as e:
             raise argparse.ArgumentError(self, str(e)) from None

@@ -35,13 +35,16 @@ def scalars(record: dict) -> dict:
 
 class Tracker:
     """Rank 0's link to TensorBoard (event files in <output-dir>/tensorboard/<run name>) or W&B (project from
-    $WANDB_PROJECT, else 'prm'): log() takes each metrics.jsonl record as it is written."""
+    $WANDB_PROJECT, else 'prm'): log() takes each metrics.jsonl record as it is written. resumed_at: the
+    checkpoint's step a resumed run continues from (0: a fresh run)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, resumed_at: int = 0):
         self.kind, module = cfg.report_to, require(cfg.report_to)
         name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
         if self.kind == "tensorboard":
-            self.writer = module.SummaryWriter(log_dir=os.path.join(cfg.output_dir, "tensorboard", name))
+            # resumed: the events a stopped run wrote past its checkpoint are purged (as in metrics.jsonl)
+            self.writer = module.SummaryWriter(log_dir=os.path.join(cfg.output_dir, "tensorboard", name),
+                                               purge_step=resumed_at + 1 if resumed_at else None)
             # indented: TensorBoard renders text as markdown, and an indented block stays verbatim
             self.writer.add_text("config", "\n".join("    " + line for line in cfg.to_json().splitlines()))
         else:

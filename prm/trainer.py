@@ -215,7 +215,7 @@ class Trainer:
                                 processbench=self.processbench)
         self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
                          disable=not rt.is_main or self.quiet)
-        tracker = Tracker(cfg) if rt.is_main and cfg.report_to != "none" else None
+        tracker = Tracker(cfg, self.step) if rt.is_main and cfg.report_to != "none" else None
         path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
         self.out = MetricsFile(path, self.pbar, resumed_at=self.step, tracker=tracker)
         hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps" + \
@@ -256,6 +256,8 @@ class Trainer:
                     self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in metrics.items()}})
                 # every step, though a collective (a device sync): torchrun SIGKILLs 30 s after its SIGTERM
                 stop = preemption.agreed(self.rt)
+                if stop:  # the steps since the last log line, recorded before the checkpoint resumed from
+                    self.log.write()
                 self.checkpointer.save(self.step, stopping=stop)
                 if stop:
                     self.pbar.close()

@@ -72,6 +72,7 @@ class TrainLog:
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
         self.timed_from, self.estimated = None, False  # timed_from: (step, host time)
         self.since_resume = bool(settings.resumed_at)  # the first record's window starts at the resume
+        self.unwritten = None  # (step, norm, epoch, lr) of the window's newest step, None: it is written
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
         """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = gradient norm."""
@@ -84,12 +85,23 @@ class TrainLog:
         self.total_padded += padded_tokens(batch, self.lengths, self.s.n_chunks, self.s.pack_to)
         self.pbar.update(1)
         self.estimate(step)
-        if not write:
+        self.unwritten = (step, norm, epoch, lr)  # the window's newest step, for its record
+        if write:
+            self.write(t0)
+        else:
             self.seconds += time.perf_counter() - t0
+
+    def write(self, t0: float = None):
+        """The window's record, if it holds a step not written yet: at a log step, and before a stop's
+        checkpoint (a resume drops only the records past it). t0: when this step began, if it is being timed.
+        Every rank calls it together: its all-reduce is a log step's one sync."""
+        if self.unwritten is None:
             return
+        (step, norm, epoch, lr), self.unwritten = self.unwritten, None
         flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
-        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()  # a log step's one sync
-        self.seconds += time.perf_counter() - t0  # timed after the sync, so queued device work is counted
+        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()
+        if t0 is not None:  # timed after the sync, so queued device work is counted
+            self.seconds += time.perf_counter() - t0
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
                "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch}

@@ -64,6 +64,26 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == stopped + 1
 
 
+def test_a_stop_between_log_steps_records_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
+    """--log-every 3, SIGTERM while step 5 trains: the record of steps 4-5 is written before the checkpoint at 5,
+    so the resume keeps it and starts its own window at 6: every step is in exactly one record."""
+    from prm import trainer
+    from prm.errors import Stopped
+    real, signalled = trainer.Trainer.train_step, []
+
+    def step_then_signal(self, batch):
+        if self.step == 4 and not signalled:  # self.step: the steps done before this one
+            signalled.append(signal.raise_signal(signal.SIGTERM))
+        return real(self, batch)
+    monkeypatch.setattr(trainer.Trainer, "train_step", step_then_signal)
+    with pytest.raises(Stopped):
+        run_train(tmp_path, max_steps=7, log_every=3)
+    run_train(tmp_path, max_steps=7, log_every=3, resume="auto")
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [(r["step"], r.get("since_resume", False)) for r in records] == [(3, False), (5, False), (6, True),
+                                                                            (7, False)]
+
+
 def _tiny(family, vocab):
     from transformers import LlamaConfig, Qwen2Config
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]

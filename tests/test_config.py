@@ -125,6 +125,8 @@ def test_a_huge_wrong_value_is_shown_as_a_short_preview(tmp_path):
      {"log_every": 5, "disable_tqdm": True, "report_to": "tensorboard"}),
     (["--gradient_checkpointing", "True", "--packing", "false"],
      {"gradient_checkpointing": True, "packing": False}),
+    (["--disable_dropout", "false"], {"disable_dropout": False}), ([], {"disable_dropout": True}),
+    (["--no-disable-dropout"], {"disable_dropout": False}),
 ])
 def test_trl_and_hf_flags_set_their_meaning(argv, want):
     cfg = parse_config(argv)
@@ -134,11 +136,20 @@ def test_trl_and_hf_flags_set_their_meaning(argv, want):
 @pytest.mark.parametrize("argv, dtype", [
     (["--bf16", "--fp16", "false"], "bf16"), (["--bf16", "true", "--no-fp16"], "bf16"),
     (["--no-fp16", "--bf16"], "bf16"), (["--fp16", "--no-bf16"], "fp16"), (["--dtype", "fp16", "--no-bf16"], "fp16"),
-    (["--no-bf16", "--no-fp16"], "fp32"), (["--dtype", "bf16", "--no-bf16"], "fp32"), (["--bf16", "--fp16"], "fp16"),
+    (["--no-bf16", "--no-fp16"], "fp32"), (["--dtype", "bf16", "--no-bf16"], "fp32"),
+    (["--dtype", "fp32", "--bf16"], "bf16"),
 ])
 def test_a_false_precision_switch_means_not_this_one_in_any_order(argv, dtype):
-    """As in HF: `--fp16 false` beside `--bf16` is bf16, not fp32; both true: the later flag wins, as argparse's."""
+    """As in HF: `--fp16 false` beside `--bf16` is bf16, not fp32."""
     assert parse_config(argv).dtype == dtype
+
+
+@pytest.mark.parametrize("argv", [["--bf16", "--fp16"], ["--fp16", "true", "--bf16", "True"],
+                                  ["--dtype", "bf16", "--fp16"]])
+def test_bf16_and_fp16_both_true_are_refused_as_in_hf(argv):
+    with pytest.raises(UsageError) as e:
+        parse_config(argv)
+    assert e.value.code == 2 and "at most one of fp16 and bf16 can be true" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("text, dtype", [
@@ -206,6 +217,26 @@ def test_strategies_choose_the_evaluation_and_checkpoint_cadence():
     assert Config(eval_every=5).every("eval", 7) == 5 and Config(save_every=3).every("save", 7) == 3
     assert Config(eval_every=5, eval_strategy="epoch").every("eval", 7) == 7
     assert Config(save_every=3, save_strategy="no").every("save", 7) == 0
+
+
+@pytest.mark.parametrize("argv, eval_every, save_every", [
+    ([], 0, 0), (["--eval_strategy", "steps"], 5, 0), (["--save_strategy", "steps"], 0, 500),
+    (["--eval-steps", "3", "--save-steps", "4"], 3, 4), (["--eval_strategy", "steps", "--eval_steps", "2"], 2, 0),
+    (["--eval_strategy", "epoch", "--save_strategy", "epoch"], 7, 7),
+])
+def test_a_strategy_steps_given_without_its_interval_follows_hf(argv, eval_every, save_every, tmp_path):
+    """HF's: --eval_strategy steps without --eval_steps evaluates every logging_steps, --save_strategy steps without
+    --save_steps saves every 500; given neither, evaluation only at the end and no checkpoint, as before. The saved
+    config.train.json reruns the same (read by --config, or by --resume and eval.py)."""
+    cfg = parse_config([*argv, "--logging_steps", "5", "--output-dir", str(tmp_path)]).resolve()
+    assert (cfg.every("eval", 7), cfg.every("save", 7)) == (eval_every, save_every)
+    cfg.save(tmp_path)
+    assert parse_config(["--config", str(tmp_path / "config.train.json")]).resolve() == Config.load(tmp_path) == cfg
+
+
+def test_eval_strategy_steps_alone_evaluates_at_every_log_step(tmp_path):
+    run_train(tmp_path, max_steps=4, log_every=2, eval_strategy="steps")
+    assert [r["step"] for r in read_metrics(tmp_path) if "eval_step_accuracy" in r] == [2]  # 4: the final record
 
 
 def test_schedules_follow_hf_after_a_warmup():

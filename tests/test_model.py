@@ -131,3 +131,23 @@ def test_a_new_head_on_a_pretrained_backbone_starts_at_one_half(tmp_path, char_t
     assert math.isclose(loss.item(), math.log(2), rel_tol=1e-6)
     loss.backward()
     assert model.head.weight.grad.abs().sum() > 0  # the head learns from the first step on
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_the_backbone_trains_without_dropout_by_default_as_in_trl(tmp_path, char_tok, disable):
+    """TRL's disable_dropout (default true) zeroes every nn.Dropout of a GPT-2-style backbone (dropout 0.1); false
+    keeps the model's. --lora-dropout is the adapters' own either way."""
+    from transformers import GPT2Config, GPT2Model
+    from prm.build import model_for
+    from prm.config import Config
+    from prm.lora import LoRALinear
+    gpt2 = GPT2Config(vocab_size=len(char_tok), n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    GPT2Model(gpt2).save_pretrained(tmp_path)
+    model = model_for(Config(model=str(tmp_path), disable_dropout=disable).resolve(), char_tok).train()
+    ps = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert len(ps) == 1 and ps == {0.0 if disable else 0.1}
+    x = torch.tensor([[10, 20, 30, 40]])
+    runs = [torch.manual_seed(seed) and model.backbone(x).last_hidden_state for seed in (0, 1)]
+    assert torch.equal(*runs) == disable  # no dropout: train-mode forwards repeat exactly
+    lora = model_for(Config(lora_r=4, lora_dropout=0.1, disable_dropout=disable).resolve(), char_tok)
+    assert {m.dropout.p for m in lora.modules() if isinstance(m, LoRALinear)} == {0.1}

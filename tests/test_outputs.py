@@ -93,8 +93,8 @@ class FakeWriter:
     """Stands in for torch.utils.tensorboard.SummaryWriter: records what it is given."""
     made = []
 
-    def __init__(self, log_dir):
-        self.log_dir, self.scalars, self.texts, self.closed = log_dir, [], [], False
+    def __init__(self, log_dir, purge_step=None):
+        self.log_dir, self.purge_step, self.scalars, self.texts, self.closed = log_dir, purge_step, [], [], False
         FakeWriter.made.append(self)
 
     def add_scalar(self, tag, value, step):
@@ -125,6 +125,27 @@ def test_tracker_gets_the_metrics_records_and_the_config_once(tmp_path, monkeypa
                                                                           if "loss" in r]
     assert [s for t, _, s in writer.scalars if t == "eval/step_accuracy"] == [2]
     assert ("final/step_accuracy", records[-1]["final"]["step_accuracy"], 4) in writer.scalars
+
+
+def test_a_resumed_run_purges_the_tensorboard_events_past_its_checkpoint(tmp_path, monkeypatch):
+    """TensorBoard's crash-restart option: the steps a stopped run logged after its checkpoint appear once."""
+    fake = type(sys)("fake_tensorboard")
+    fake.SummaryWriter = FakeWriter
+    for module in (prm.tracking, prm.trainer):
+        monkeypatch.setattr(module, "require", lambda kind: fake)
+    FakeWriter.made.clear()
+    run_train(tmp_path / "a", max_steps=4, save_every=2, report_to="tensorboard")
+    run_train(tmp_path / "b", max_steps=4, report_to="tensorboard", resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert [w.purge_step for w in FakeWriter.made] == [None, 3]
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0, report_to="tensorboard")
+    run_train(tmp_path, max_steps=4, report_to="tensorboard", resume=str(tmp_path / "checkpoint-2"))
+    events = EventAccumulator(os.path.join(str(tmp_path), "tensorboard", os.path.basename(str(tmp_path)))).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
 
 
 def test_tensorboard_event_files_hold_the_loss_curve(tmp_path):
