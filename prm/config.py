@@ -358,14 +358,24 @@ class Setter(argparse.Action):
             raise argparse.ArgumentError(self, str(e)) from None
 
 
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help; a string one that is empty or holds an escape as its repr ('\\n'),
+    not a line break."""
+
+    def _get_help_string(self, action):
+        text, default = super()._get_help_string(action), action.default
+        if isinstance(default, str) and not (default and default.isprintable()):
+            text = text.replace("%(default)s", "%(default)r")
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """Bad flags raise UsageError with one line, not a usage dump of every flag (the entry point exits 2): an
     unsupported TRL/HF flag says what to do instead, an unknown one names the nearest flag of any spelling.
     No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
 
     def __init__(self, usage: str = "%(prog)s [options]", **kw):
-        super().__init__(usage=usage, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                         allow_abbrev=False, **kw)
+        super().__init__(usage=usage, **{"formatter_class": DefaultsShown, **kw}, allow_abbrev=False)
 
     def error(self, message: str):
         unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
@@ -394,8 +404,6 @@ def add_field(container, f, suppress: bool = False, switch_value: bool = True):
     switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.convert)."""
     meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
     default = argparse.SUPPRESS if suppress or f.default is None else f.default  # None: its help says it
-    if isinstance(default, str) and not (default and default.isprintable()):
-        meta["help"] += " (default: %(default)r)"  # '\n', not a line break
     if kind(f) is bool:
         meta.update(action=Setter, convert=bool, nargs="?" if switch_value else 0)
     else:
