@@ -32,10 +32,13 @@ def unescape(text: str) -> str:
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
+BOOLEAN = ("true", "false", "yes", "no", "1", "0")
+
+
 def boolean(value) -> bool:
     """A switch's value as HF's parser takes it (`--bf16`, `--bf16 true`, `--bf16 False`), or a file's."""
     text = str(value).lower()
-    if text not in ("true", "false", "yes", "no", "1", "0"):
+    if text not in BOOLEAN:
         raise ValueError(f"expected true or false, got {preview(value)}")
     return text in ("true", "yes", "1")
 
@@ -263,6 +266,9 @@ class Config:
              "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
         need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
              "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
+        # HF's `--resume_from_checkpoint true`; a folder of that name is still a checkpoint's
+        need(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint directory or 'auto' "
+             "(the newest complete one in --output-dir: HF's true)", "resume")
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:

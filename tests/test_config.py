@@ -183,6 +183,7 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
     (["--warmup-ratios", "0.1"], "(did you mean --warmup-ratio?)"),
     (["--lr_scheduler", "linear"], "(did you mean --lr-scheduler-type?)"),
     (["--logging_step", "5"], "(did you mean --log-every / --logging-steps?)"),
+    (["--resume_from_checkpoint", "true"], "--resume 'true': takes a checkpoint directory or 'auto' (the newest"),
     (["--torch_dtype", "int8"], "argument --torch_dtype/--torch-dtype: expected one of auto, bfloat16, "
                                 "float16, float32, got 'int8'"),
     (["--bf16", "maybe"], "argument --bf16/--no-bf16: expected true or false, got 'maybe'"),
@@ -193,6 +194,12 @@ def test_refused_flags_say_why_in_one_line(argv, message):
     with pytest.raises(UsageError) as e:
         parse_config(argv)
     assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_folder_named_true_is_still_resumed_from(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "true").mkdir()
+    assert parse_config(["--resume", "true"]).resume == "true"
 
 
 def test_train_py_refuses_a_flag_in_one_line_and_exit_status_2(tmp_path):
