@@ -8,6 +8,7 @@ import difflib
 import json
 import math
 import os
+import re
 import reprlib
 import sys
 from dataclasses import dataclass, field, fields
@@ -364,6 +365,18 @@ class Setter(argparse.Action):
             raise argparse.ArgumentError(self, str(e)) from None
 
 
+def nearest(name: str, names: list):
+    """The one of names a mistyped name most likely meant, or None: difflib's closest whose words each near
+    one of name's ('lora_task_type' is no 'lora_base_dtype': they share 'lora' alone)."""
+    def words(text: str) -> list:
+        return [w for w in re.split(r"[-_]+", text.lower()) if w]
+
+    def near(typed: str, word: str) -> bool:  # 'eps' for 'epsilon', 'lenght' for 'length'
+        return word.startswith(typed) or difflib.SequenceMatcher(None, typed, word).ratio() >= 0.75
+    return next((c for c in difflib.get_close_matches(name, names, n=5)
+                 if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
+
+
 class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's default in its help; a string one that is empty or holds an escape as its repr ('\\n'),
     not a line break."""
@@ -389,9 +402,9 @@ class Parser(argparse.ArgumentParser):
         why = UNSUPPORTED.get(flag.lstrip("-").replace("-", "_"))
         if why:
             raise UsageError(f"{flag} is not supported: {why}")
-        near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
+        near = nearest(flag, list(self._option_string_actions))
         if near:
-            action = self._option_string_actions[near[0]]
+            action = self._option_string_actions[near]
             shown = next((a for a in self._actions if a.dest == action.dest and a.help != argparse.SUPPRESS),
                          action)
             message += f" (did you mean {' / '.join(shown.option_strings)}?)"
@@ -506,9 +519,9 @@ def read_config_file(path: str) -> dict:
         if name in UNSUPPORTED:
             fail(f"'{key}' is not supported: {UNSUPPORTED[name]}")
         if name not in by_name:  # the nearest field, TRL's names included
-            near = [ALIASES[n][0] if n in ALIASES else n
-                    for n in difflib.get_close_matches(name, list(by_name) + list(ALIASES), n=1)]
-            fail(f"unknown key {preview(key)}" + (f" (did you mean '{near[0]}'?)" if near else ""))
+            near = nearest(name, list(by_name) + list(ALIASES))
+            fail(f"unknown key {preview(key)}" + (f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)"
+                                                   if near else ""))
         try:
             on = boolean(value) if conv and conv.nargs == "?" else None
             value = checked_value(by_name[name], conv.convert(value if on is None else on) if conv else value)

@@ -196,6 +196,17 @@ def test_refused_flags_say_why_in_one_line(argv, message):
     assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("flag", ["--disable_dropout", "--lora_task_type"])  # TRL flags we lack, like no flag
+def test_a_flag_or_key_near_no_other_gets_no_suggestion(flag, tmp_path):
+    with pytest.raises(UsageError) as e:
+        parse_config([flag, "1"])
+    assert str(e.value) == f"unrecognized arguments: {flag} 1"
+    (tmp_path / "c.yaml").write_text(f"{flag[2:]}: 1\n")
+    with pytest.raises(UsageError) as e:
+        parse_config(["--config", str(tmp_path / "c.yaml")])
+    assert str(e.value).endswith(f"unknown key '{flag[2:]}'")
+
+
 def test_a_checkpoint_folder_named_true_is_still_resumed_from(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "true").mkdir()
