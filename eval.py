@@ -79,6 +79,17 @@ def build_eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+def predictions_problem(path: str) -> str:
+    """Why --predictions cannot be written ('' when it can), told before torch even loads: the file is
+    written after the whole evaluation, in its folder as it is (none is made)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or os.path.isdir(folder) and not os.path.isdir(path) and writable(path):
+        return ""
+    why = "a folder, not a file" if os.path.isdir(path) else \
+        "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
+    return f"--predictions {path}: {why}"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked by argparse alone: the run settings not given are absent from it."""
     p = build_eval_parser()
@@ -90,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tune_threshold and os.path.realpath(args.tune_threshold) in map(os.path.realpath, args.datasets):
         p.error(f"--tune-threshold {args.tune_threshold} is also a --dataset: a threshold tuned on the "
                 "set it is reported on flatters it; tune on a separate dev set")
+    if problem := predictions_problem(args.predictions):
+        p.error(problem)
     return args
 
 
@@ -101,6 +114,7 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch and tran
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from prm.checkpoint import reported  # noqa: E402
 from prm.data import pad_token_id  # noqa: E402
 from prm.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
 from prm.ingest import tokenize_dataset  # noqa: E402
@@ -131,8 +145,7 @@ def settings(args: argparse.Namespace) -> tuple:
         given["format"] = "auto"
     # only the user's own command line may allow a model's code, never a file
     cfg = Config.from_dict({**base, "trust_remote_code": False, **given})
-    bad_out = opts.predictions and not writable(opts.predictions)
-    check(cfg.problems() + ([f"--predictions {opts.predictions}: not writable"] if bad_out else []))
+    check(cfg.problems())
     return cfg.resolve(), opts
 
 
@@ -300,11 +313,11 @@ def main(args=None) -> dict:
             {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
         if rt.is_main:  # for people on stderr; stdout's last line stays the JSON
             print("\n".join([*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]), file=sys.stderr)
-            if opts.predictions:
-                with open(opts.predictions, "w") as f:
-                    f.writelines(json.dumps(line) + "\n" for line in lines)
             print(json.dumps(out), flush=True)
         barrier(rt)  # no rank tears the process group down while another is still talking to it
+        if rt.is_main and opts.predictions:  # after the JSON and the barrier: a failed write loses no figures
+            with reported(opts.predictions), open(opts.predictions, "w") as f:  # WriteFailed: exit status 1
+                f.writelines(json.dumps(line) + "\n" for line in lines)
         return out
     finally:
         teardown(rt)

@@ -27,6 +27,9 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
     model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing).
     weights: a --model folder must be a model's (False: a LoRA or sharded checkpoint, read for its
     tokenizer)."""
+    # a path, not a hub id ('namespace/name'): else the hub's "Repo id must be in the form ..." hides the typo
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
+        check([] if os.path.exists(name) else [f"{flag} {name}: no such folder"])
     if weights and flag == "--model" and os.path.isdir(name):  # config.json, then the files its index names
         check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])

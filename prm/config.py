@@ -8,6 +8,7 @@ import difflib
 import json
 import math
 import os
+import re
 import reprlib
 import sys
 from dataclasses import dataclass, field, fields
@@ -32,10 +33,13 @@ def unescape(text: str) -> str:
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
+BOOLEAN = ("true", "false", "yes", "no", "1", "0")
+
+
 def boolean(value) -> bool:
     """A switch's value as HF's parser takes it (`--bf16`, `--bf16 true`, `--bf16 False`), or a file's."""
     text = str(value).lower()
-    if text not in ("true", "false", "yes", "no", "1", "0"):
+    if text not in BOOLEAN:
         raise ValueError(f"expected true or false, got {preview(value)}")
     return text in ("true", "yes", "1")
 
@@ -277,6 +281,9 @@ class Config:
              "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
         need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
              "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
+        # HF's `--resume_from_checkpoint true`; a folder of that name is still a checkpoint's
+        need(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint directory or 'auto' "
+             "(the newest complete one in --output-dir: HF's true)", "resume")
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:
@@ -376,14 +383,36 @@ class Setter(argparse.Action):
             raise argparse.ArgumentError(self, str(e)) from None
 
 
+def nearest(name: str, names: list):
+    """The one of names a mistyped name most likely meant, or None: difflib's closest whose words each near
+    one of name's ('lora_task_type' is no 'lora_base_dtype': they share 'lora' alone)."""
+    def words(text: str) -> list:
+        return [w for w in re.split(r"[-_]+", text.lower()) if w]
+
+    def near(typed: str, word: str) -> bool:  # 'eps' for 'epsilon', 'lenght' for 'length'
+        return word.startswith(typed) or difflib.SequenceMatcher(None, typed, word).ratio() >= 0.75
+    return next((c for c in difflib.get_close_matches(name, names, n=5)
+                 if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
+
+
+class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help; a string one that is empty or holds an escape as its repr ('\\n'),
+    not a line break."""
+
+    def _get_help_string(self, action):
+        text, default = super()._get_help_string(action), action.default
+        if isinstance(default, str) and not (default and default.isprintable()):
+            text = text.replace("%(default)s", "%(default)r")
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """Bad flags raise UsageError with one line, not a usage dump of every flag (the entry point exits 2): an
     unsupported TRL/HF flag says what to do instead, an unknown one names the nearest flag of any spelling.
     No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
 
     def __init__(self, usage: str = "%(prog)s [options]", **kw):
-        super().__init__(usage=usage, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                         allow_abbrev=False, **kw)
+        super().__init__(usage=usage, **{"formatter_class": DefaultsShown, **kw}, allow_abbrev=False)
 
     def error(self, message: str):
         unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
@@ -391,9 +420,9 @@ class Parser(argparse.ArgumentParser):
         why = UNSUPPORTED.get(flag.lstrip("-").replace("-", "_"))
         if why:
             raise UsageError(f"{flag} is not supported: {why}")
-        near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
+        near = nearest(flag, list(self._option_string_actions))
         if near:
-            action = self._option_string_actions[near[0]]
+            action = self._option_string_actions[near]
             shown = next((a for a in self._actions if a.dest == action.dest and a.help != argparse.SUPPRESS),
                          action)
             message += f" (did you mean {' / '.join(shown.option_strings)}?)"
@@ -412,8 +441,6 @@ def add_field(container, f, suppress: bool = False, switch_value: bool = True):
     switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.convert)."""
     meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
     default = argparse.SUPPRESS if suppress or f.default is None else f.default  # None: its help says it
-    if isinstance(default, str) and not (default and default.isprintable()):
-        meta["help"] += " (default: %(default)r)"  # '\n', not a line break
     if kind(f) is bool:
         meta.update(action=Setter, convert=bool, nargs="?" if switch_value else 0)
     else:
@@ -510,9 +537,9 @@ def read_config_file(path: str) -> dict:
         if name in UNSUPPORTED:
             fail(f"'{key}' is not supported: {UNSUPPORTED[name]}")
         if name not in by_name:  # the nearest field, TRL's names included
-            near = [ALIASES[n][0] if n in ALIASES else n
-                    for n in difflib.get_close_matches(name, list(by_name) + list(ALIASES), n=1)]
-            fail(f"unknown key {preview(key)}" + (f" (did you mean '{near[0]}'?)" if near else ""))
+            near = nearest(name, list(by_name) + list(ALIASES))
+            fail(f"unknown key {preview(key)}" + (f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)"
+                                                   if near else ""))
         try:
             on = boolean(value) if conv and conv.nargs == "?" else None
             value = checked_value(by_name[name], conv.convert(value if on is None else on) if conv else value)

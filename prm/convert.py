@@ -6,7 +6,7 @@ import os
 import sys
 
 from prm.config import Config, Parser, add_field
-from prm.errors import UsageError, exit_status
+from prm.errors import UsageError, WriteFailed, exit_status
 from prm.sources import read_rows
 
 
@@ -32,6 +32,9 @@ def main(argv=None):
 def _write(rows: list, output: str):
     try:
         stream = contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8")
+    except OSError as e:  # a folder, a missing folder, no permission: the path given is wrong, exit status 2
+        raise UsageError(f"{output}: cannot write it: {e.strerror or e}") from None
+    try:
         with stream as out:
             for row in rows:
                 row.pop("where", None)  # a pre-tokenized row's source line: the output is a source of its own
@@ -39,8 +42,8 @@ def _write(rows: list, output: str):
     except BrokenPipeError:  # `| head` closed stdout early: fine, and Python must not complain at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
-    except OSError as e:  # a folder, a missing folder, a full disk: one line, exit status 2
-        raise UsageError(f"{output}: cannot write it: {e.strerror or e}") from None
+    except OSError as e:  # opened but not written: a full disk, exit status 1
+        raise WriteFailed(f"{output}: cannot write it: {e.strerror or e}") from None
     if output != "-":
         print(f"wrote {len(rows)} rows to {output}", file=sys.stderr)
 

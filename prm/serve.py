@@ -28,7 +28,7 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prm.config import unescape
+from prm.config import Parser, unescape
 from prm.errors import UsageError, exit_status
 from prm.formats import decode, read_json
 from prm.reward import PRMReward
@@ -282,8 +282,10 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
     return server
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; a bad flag or value raises UsageError (one line, exit status 2)."""
+    p = Parser(prog="python -m prm.serve", usage="%(prog)s --model DIR [options]", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)  # the defaults are in the help texts
     p.add_argument("--model", required=True, help="a train.py output or any 2-label token classifier")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
@@ -317,8 +319,14 @@ def main(argv=None):
         p.error("--max-length must be at least 1")
     if args.step_separator == "":
         p.error("--step-separator must not be empty: its last token carries the step's score")
-    # a model that cannot be loaded, a bad scorer setting, an address that cannot be bound: one line, status 2
+    return args
+
+
+def main(argv=None):
+    # a bad flag, a model that cannot be loaded, a bad scorer setting, an address that cannot be bound: one
+    # line, status 2
     with exit_status():
+        args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            step_separator=args.step_separator, max_length=args.max_length,
                            trust_remote_code=args.trust_remote_code, scorer=args.scorer,

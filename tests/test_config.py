@@ -194,6 +194,7 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
     (["--warmup-ratios", "0.1"], "(did you mean --warmup-ratio?)"),
     (["--lr_scheduler", "linear"], "(did you mean --lr-scheduler-type?)"),
     (["--logging_step", "5"], "(did you mean --log-every / --logging-steps?)"),
+    (["--resume_from_checkpoint", "true"], "--resume 'true': takes a checkpoint directory or 'auto' (the newest"),
     (["--torch_dtype", "int8"], "argument --torch_dtype/--torch-dtype: expected one of auto, bfloat16, "
                                 "float16, float32, got 'int8'"),
     (["--bf16", "maybe"], "argument --bf16/--no-bf16: expected true or false, got 'maybe'"),
@@ -204,6 +205,23 @@ def test_refused_flags_say_why_in_one_line(argv, message):
     with pytest.raises(UsageError) as e:
         parse_config(argv)
     assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--disable_dropout", "--lora_task_type"])  # TRL flags we lack, like no flag
+def test_a_flag_or_key_near_no_other_gets_no_suggestion(flag, tmp_path):
+    with pytest.raises(UsageError) as e:
+        parse_config([flag, "1"])
+    assert str(e.value) == f"unrecognized arguments: {flag} 1"
+    (tmp_path / "c.yaml").write_text(f"{flag[2:]}: 1\n")
+    with pytest.raises(UsageError) as e:
+        parse_config(["--config", str(tmp_path / "c.yaml")])
+    assert str(e.value).endswith(f"unknown key '{flag[2:]}'")
+
+
+def test_a_checkpoint_folder_named_true_is_still_resumed_from(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "true").mkdir()
+    assert parse_config(["--resume", "true"]).resume == "true"
 
 
 def test_train_py_refuses_a_flag_in_one_line_and_exit_status_2(tmp_path):

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
-from prm.errors import UsageError  # noqa: E402
+from prm.errors import UsageError, WriteFailed  # noqa: E402
 from prm.evaluate import score, score_batch  # noqa: E402
 from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics  # noqa: E402
 
@@ -177,6 +177,23 @@ def test_a_model_without_a_token_classification_head_is_refused(model_dir, tmp_p
     with pytest.raises(UsageError, match="token-classification") as e:
         run(plain, "--dataset", "x.json")
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("where, why", [("no/sub/p.jsonl", "no such folder"), ("", "a folder, not a file")])
+def test_a_predictions_path_that_cannot_be_opened_is_refused_before_the_model_loads(tmp_path, where, why):
+    path = str(tmp_path / where)
+    with pytest.raises(UsageError) as e:  # the model does not exist either: the path is told first
+        eval_cli.main(["--model", str(tmp_path / "no-model"), "--predictions", path])
+    assert e.value.code == 2 and str(e.value) == f"--predictions {path}: {why}" + (
+        f" {os.path.dirname(path)}" if why == "no such folder" else "")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_failed_predictions_write_comes_after_the_json_and_exits_1(model_dir, pb_file, capsys):
+    with pytest.raises(WriteFailed) as e:
+        run(model_dir, "--dataset", pb_file, "--predictions", "/dev/full")
+    assert e.value.code == 1 and str(e.value) == "could not write /dev/full: No space left on device"
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n_examples"] == 7
 
 
 def test_two_ddp_ranks_give_the_same_numbers_as_one_process(model_dir, pb_file, tmp_path):

@@ -328,6 +328,13 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--shard 3/2" in r.stderr, r.stderr[-2000:]
 
 
+def test_help_shows_the_newline_separator_as_an_escape(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "understood) (default: '\\n')" in text and "(default: )" not in text
+
+
 def test_rollout_prompts_start_each_step_on_its_own_and_drop_blank_sampled_steps():
     from prm.label import label_row
     complete, log = scripted(lambda p, n: n)

@@ -27,6 +27,15 @@ def test_a_sharded_index_naming_weights_outside_the_directory_is_refused(model_d
     assert e.value.code == 2 and "weight_map names '../outside.safetensors', not a file inside" in str(e.value)
 
 
+@pytest.mark.parametrize("path", ["/no/such/final", "./runs/none/final", "runs/none/final", "~/none"])
+def test_a_model_path_that_does_not_exist_is_no_such_folder_not_a_bad_repo_id(path):
+    from prm.build import load_trained
+    from prm.config import Config
+    with pytest.raises(UsageError) as e:
+        load_trained(Config(model=path), tokenizer_given=False)
+    assert e.value.code == 2 and str(e.value) == f"--model {path}: no such folder"
+
+
 class Payload:
     """Stands for code a pickled checkpoint would run when loaded without weights_only."""
 

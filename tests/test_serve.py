@@ -278,6 +278,14 @@ def test_step_separator_and_max_length_flags_reach_the_reward(model_dir, monkeyp
         assert e.value.code == 2 and f"{flags[0]} must" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--bogus", "--max-conn"])  # no prefix abbreviations either
+def test_a_bad_flag_is_one_line_and_exit_status_2(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "never-loaded", flag, "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: unrecognized arguments: {flag} 3") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("flags, message", [(["--host", "127.0.0.1"], "cannot listen on 127.0.0.1:"),
                                             (["--batch-size", "0"], "--batch-size must be at least 1")])
 def test_a_busy_port_or_a_bad_batch_size_is_one_line_and_exit_status_2(model_dir, flags, message):
