@@ -207,7 +207,7 @@ def test_refused_flags_say_why_in_one_line(argv, message):
     assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("flag", ["--disable_dropout", "--lora_task_type"])  # TRL flags we lack, like no flag
+@pytest.mark.parametrize("flag", ["--padding_free", "--lora_task_type"])  # TRL flags we lack, like no flag
 def test_a_flag_or_key_near_no_other_gets_no_suggestion(flag, tmp_path):
     with pytest.raises(UsageError) as e:
         parse_config([flag, "1"])
