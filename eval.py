@@ -90,6 +90,17 @@ def predictions_problem(path: str) -> str:
     return f"--predictions {path}: {why}"
 
 
+def tuned_on_reported(tune: str, reported: list) -> list:
+    """The problem of a --tune-threshold file the reported rows are read from: a --dataset or a file of a
+    --dataset folder, or without --dataset the run's held-out source (its --eval-dataset, else --dataset)."""
+    files = [f for spec in reported for f in (sorted(os.path.join(spec, n) for n in os.listdir(spec))
+                                              if os.path.isdir(spec) else [spec])]
+    if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
+        return []
+    return [f"--tune-threshold {tune} is also read for the reported set ({', '.join(reported)}): a threshold "
+            "tuned on the set it is reported on flatters it; tune on a separate dev set"]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked by argparse alone: the run settings not given are absent from it."""
     p = build_eval_parser()
@@ -98,10 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--model is required: a directory written by train.py or any 2-label token classifier")
     if args.best_of_n_draws < 1:
         p.error(f"--best-of-n-draws {args.best_of_n_draws}: must be at least 1")
-    if args.tune_threshold and os.path.realpath(args.tune_threshold) in map(os.path.realpath, args.datasets):
-        p.error(f"--tune-threshold {args.tune_threshold} is also a --dataset: a threshold tuned on the "
-                "set it is reported on flatters it; tune on a separate dev set")
     if problem := predictions_problem(args.predictions):
+        p.error(problem)
+    for problem in tuned_on_reported(args.tune_threshold, args.datasets):
         p.error(problem)
     return args
 
@@ -145,7 +155,8 @@ def settings(args: argparse.Namespace) -> tuple:
         given["format"] = "auto"
     # only the user's own command line may allow a model's code, never a file
     cfg = Config.from_dict({**base, "trust_remote_code": False, **given})
-    check(cfg.problems())
+    check(cfg.problems() + ([] if opts.datasets else  # else checked with the flags
+                            tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset])))
     return cfg.resolve(), opts
 
 

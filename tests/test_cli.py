@@ -39,12 +39,26 @@ def test_an_unknown_flag_exits_2_naming_the_nearest(argv, hint):
                                            (["--model", "m", "--best-of-n-draws", "0"],
                                             "error: --best-of-n-draws 0: must be at least 1"),
                                            (["--model", "m", "--dataset", "a.json", "--tune-threshold", "./a.json"],
-                                            "error: --tune-threshold ./a.json is also a --dataset")])
+                                            "error: --tune-threshold ./a.json is also read for the reported set"),
+                                           (["--model", "m", "--dataset", "tests/fixtures", "--tune-threshold",
+                                             "tests/fixtures/processbench.json"],  # a file of a --dataset folder
+                                            "error: --tune-threshold tests/fixtures/processbench.json is also read")])
 def test_eval_py_bad_flags_are_one_line_and_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "eval.py", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(message), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_eval_py_refuses_to_tune_on_the_runs_own_held_out_source(tmp_path):
+    """Without --dataset eval.py reports the run's held-out rows: tuning on their file flatters them too."""
+    from prm.config import Config
+    held = str(tmp_path / "held.jsonl")
+    Config(dataset="synthetic", eval_dataset=held).save(str(tmp_path / "run"))
+    proc = subprocess.run([sys.executable, "eval.py", "--model", str(tmp_path / "run"), "--tune-threshold", held],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"error: --tune-threshold {held} is also read for the reported set ({held})" in proc.stderr
 
 
 def test_help_has_a_section_per_group_of_fields_and_each_field_once(capsys):
