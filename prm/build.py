@@ -14,7 +14,7 @@ from prm.checkpoint import TRAINABLE, load_trainable
 from prm.data import pad_token_id
 from prm.errors import UsageError, check
 from prm.lora import apply_lora, has_lora
-from prm.model import PRM, SETTINGS, NotAPRM, is_classifier, new_head
+from prm.model import PRM, SETTINGS, NotAPRM, hf_names, is_classifier, new_head
 from prm.sharding import SHARDS, load_whole
 from prm.synthetic import char_tokenizer
 from prm.varlen import supports_packing, use_packed_attention
@@ -104,6 +104,20 @@ def hf_config_for(cfg, tokenizer):
     if cfg.model == "tiny":
         return tiny_config(tokenizer)
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+
+
+def check_exportable(cfg):
+    """UsageError for a --model that loads but that transformers has no token classifier for (OLMo, OPT,
+    Gemma 3's text model, ...): final/ is saved as one (hf_names), so the run would die at its first save."""
+    if cfg.model == "tiny":
+        return
+    hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained,
+                     trust_remote_code=cfg.trust_remote_code)
+    try:
+        hf_names(hf_cfg)
+    except ValueError:
+        raise UsageError(f"--model {cfg.model}: model type {hf_cfg.model_type!r} has no transformers token "
+                         "classifier, the form final/ is saved in: it cannot be trained here") from None
 
 
 def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
