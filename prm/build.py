@@ -131,13 +131,21 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """PRM.from_pretrained: a 2-label token classifier with every weight from its files, else a backbone with
-    a new head (training from a backbone is the one place a head is made; the trainer says so)."""
+    """PRM.from_pretrained: a 2-label token classifier with every weight from its files (its head flipped if
+    its label 0 means 'correct': ours is 1, for training, scoring and saving alike), else a backbone with a
+    new head (training from a backbone is the one place a head is made; the trainer says so)."""
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
     if classifier_only and not is_classifier(hf_cfg):
         raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
                          f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
-    return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
+    model = loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
+    names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
+    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
+        with torch.no_grad():
+            model.head.weight.copy_(model.head.weight.flip(0))
+            if model.head.bias is not None:
+                model.head.bias.copy_(model.head.bias.flip(0))
+    return model
 
 
 def model_for(cfg, tokenizer) -> PRM:
@@ -170,8 +178,8 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 def load_trained(cfg, tokenizer_given: bool):
     """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from
-    the run's config, then its adapters and head, or its sharded weights) or any 2-label token classifier (its
-    head flipped if its label 0 means 'correct'); the tokenizer beside it unless --tokenizer is given."""
+    the run's config, then its adapters and head, or its sharded weights) or any 2-label token classifier (as
+    pretrained() reads it); the tokenizer beside it unless --tokenizer is given."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
@@ -189,10 +197,4 @@ def load_trained(cfg, tokenizer_given: bool):
     given = cfg.tokenizer and (tokenizer_given or not own)
     tokenizer = load_tokenizer(cfg.tokenizer if given else cfg.model, cfg.trust_remote_code,
                                "--tokenizer" if given else "--model")
-    names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
-    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
-        with torch.no_grad():
-            model.head.weight.copy_(model.head.weight.flip(0))
-            if model.head.bias is not None:
-                model.head.bias.copy_(model.head.bias.flip(0))
     return tokenizer, set_packing(model, cfg.packing)
