@@ -191,7 +191,9 @@ def load_trained(cfg, tokenizer_given: bool):
             load_whole(cfg.model, model, trainable_only=has_lora(model))
         else:
             load_trainable(model, os.path.join(cfg.model, TRAINABLE))
-        return tokenizer, model
+        # fp32, as a classifier loads: a --lora-base-dtype bf16 base keeps its values, and scoring without bf16
+        # autocast (PRMReward, eval.py --dtype fp32, a CPU without native bf16) gets no bf16 weight
+        return tokenizer, model.float()
     model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     given = cfg.tokenizer and (tokenizer_given or not own)
