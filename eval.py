@@ -153,8 +153,9 @@ def settings(args: argparse.Namespace) -> tuple:
             base = {}
     if opts.datasets and "format" not in given:  # the run's training format says nothing about new files
         given["format"] = "auto"
-    # only the user's own command line may allow a model's code, never a file
-    cfg = Config.from_dict({**base, "trust_remote_code": False, **given})
+    # only the user's own command line may allow a model's code, never a file; the frozen base's dtype was
+    # training's choice (its rule ties it to bf16 autocast): scoring loads it in fp32 (prm.build.load_trained)
+    cfg = Config.from_dict({**base, "trust_remote_code": False, "lora_base_dtype": "fp32", **given})
     check(cfg.problems() + ([] if opts.datasets else  # else checked with the flags
                             tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset])))
     return cfg.resolve(), opts

@@ -14,7 +14,7 @@ from prm.checkpoint import TRAINABLE, load_trainable
 from prm.data import pad_token_id
 from prm.errors import UsageError, check
 from prm.lora import apply_lora, has_lora
-from prm.model import PRM, SETTINGS, NotAPRM, is_classifier, new_head
+from prm.model import PRM, SETTINGS, NotAPRM, hf_names, is_classifier, new_head
 from prm.sharding import SHARDS, load_whole
 from prm.synthetic import char_tokenizer
 from prm.varlen import supports_packing, use_packed_attention
@@ -109,6 +109,20 @@ def hf_config_for(cfg, tokenizer):
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
 
 
+def check_exportable(cfg):
+    """UsageError for a --model that loads but that transformers has no token classifier for (OLMo, OPT,
+    Gemma 3's text model, ...): final/ is saved as one (hf_names), so the run would die at its first save."""
+    if cfg.model == "tiny":
+        return
+    hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained,
+                     trust_remote_code=cfg.trust_remote_code)
+    try:
+        hf_names(hf_cfg)
+    except ValueError:
+        raise UsageError(f"--model {cfg.model}: model type {hf_cfg.model_type!r} has no transformers token "
+                         "classifier, the form final/ is saved in: it cannot be trained here") from None
+
+
 def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
     """'tiny' -> random init from tiny_config (seeded); anything else -> pretrained()."""
     torch.manual_seed(seed)
@@ -120,13 +134,21 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """PRM.from_pretrained: a 2-label token classifier with every weight from its files, else a backbone with
-    a new head (training from a backbone is the one place a head is made; the trainer says so)."""
+    """PRM.from_pretrained: a 2-label token classifier with every weight from its files (its head flipped if
+    its label 0 means 'correct': ours is 1, for training, scoring and saving alike), else a backbone with a
+    new head (training from a backbone is the one place a head is made; the trainer says so)."""
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
     if classifier_only and not is_classifier(hf_cfg):
         raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
                          f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
-    return loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
+    model = loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
+    names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
+    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
+        with torch.no_grad():
+            model.head.weight.copy_(model.head.weight.flip(0))
+            if model.head.bias is not None:
+                model.head.bias.copy_(model.head.bias.flip(0))
+    return model
 
 
 def model_for(cfg, tokenizer) -> PRM:
@@ -164,8 +186,8 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 def load_trained(cfg, tokenizer_given: bool):
     """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from
-    the run's config, then its adapters and head, or its sharded weights) or any 2-label token classifier (its
-    head flipped if its label 0 means 'correct'); the tokenizer beside it unless --tokenizer is given."""
+    the run's config, then its adapters and head, or its sharded weights) or any 2-label token classifier (as
+    pretrained() reads it); the tokenizer beside it unless --tokenizer is given."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
@@ -177,16 +199,12 @@ def load_trained(cfg, tokenizer_given: bool):
             load_whole(cfg.model, model, trainable_only=has_lora(model))
         else:
             load_trainable(model, os.path.join(cfg.model, TRAINABLE))
-        return tokenizer, model
+        # fp32, as a classifier loads: a --lora-base-dtype bf16 base keeps its values, and scoring without
+        # bf16 autocast (PRMReward, eval.py --dtype fp32, a CPU without native bf16) gets no bf16 weight
+        return tokenizer, model.float()
     model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     given = cfg.tokenizer and (tokenizer_given or not own)
     tokenizer = load_tokenizer(cfg.tokenizer if given else cfg.model, cfg.trust_remote_code,
                                "--tokenizer" if given else "--model")
-    names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
-    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
-        with torch.no_grad():
-            model.head.weight.copy_(model.head.weight.flip(0))
-            if model.head.bias is not None:
-                model.head.bias.copy_(model.head.bias.flip(0))
     return tokenizer, set_packing(model, cfg.packing)

@@ -269,8 +269,9 @@ def run_lock(output_dir: str):
     """Holds <output_dir>/.lock for the life of a run, so a second trainer on the same directory stops at once
     (exit status 2). The file names its owner (pid@host) and is held with flock: the kernel lets exactly one
     process hold it, and drops the hold when that process dies, so two runs that take over one stale lock at
-    once cannot both proceed. A lock left by a dead process of this host is taken over, with a warning. A
-    directory made here and left empty (the run failed before writing anything, e.g. bad data) goes again."""
+    once cannot both proceed. A lock of this host whose flock is free is stale and taken over, with a warning;
+    one of another host is not (_alive). A directory made here and left empty (the run failed before writing
+    anything, e.g. bad data) goes again."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK)
@@ -303,7 +304,7 @@ def _hold(path: str, output_dir: str) -> int:
                 break
         os.close(fd)  # the holder removed the file as we opened it: that hold is on a file nobody else sees
     owner = os.read(fd, 256).decode(errors="replace").strip()
-    if owner and _alive(owner):  # another host's run (flock may not reach across hosts), or one without flock
+    if owner and _alive(owner):
         os.close(fd)
         busy(owner)
     if owner:
@@ -314,17 +315,13 @@ def _hold(path: str, output_dir: str) -> int:
 
 
 def _alive(owner: str) -> bool:
-    """Whether the pid@host that wrote a lock still runs; a process of another host is assumed alive."""
+    """Whether the pid@host that wrote a lock whose flock this process now holds may still run. A process of
+    another host may (flock need not reach across hosts, e.g. on NFS), and so may an owner not of that form.
+    One of this host cannot: it would hold the flock still (the kernel drops a hold only when its process
+    ends). Its pid proves nothing: it may now be another process's, or this very one's (a restarted
+    container reuses the same small pids)."""
     pid, _, host = owner.partition("@")
-    if host != socket.gethostname() or not pid.isdigit():
-        return True
-    try:
-        os.kill(int(pid), 0)  # signal 0: no signal sent, only the existence check
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True
+    return host != socket.gethostname() or not pid.isdigit()
 
 
 def load_trainable(model, path: str):

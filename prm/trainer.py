@@ -14,7 +14,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from prm.build import model_for, tokenizer_for
+from prm.build import check_exportable, model_for, tokenizer_for
 from prm.card import config_command, model_card
 from prm.checkpoint import (Checkpointer, load_checkpoint, read_marker, run_lock, set_aside_after,
                             write_card)
@@ -123,6 +123,7 @@ class Trainer:
             "train": data_digest(self.cfg.dataset), "eval": data_digest(self.cfg.eval_dataset)}))
         if self.resume_from:  # nor does a refused resume: it reads the config, world size and digests
             self.check_resume(self.resume_from)
+        check_exportable(self.cfg)  # nor does a model that final/ could not be saved from
         self._setup_data()  # data before model: bad rows are reported before any weight loads
         self._setup_model()
         self._setup_optimizer()

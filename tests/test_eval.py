@@ -148,8 +148,8 @@ def test_stepwise_data_and_forced_processbench(model_dir, tmp_path):
     assert forced["chance_f1"] == pytest.approx(6 - 4 * 2 ** 0.5, abs=1e-5)
 
 
-def test_a_checkpoint_with_correct_as_label_0_is_read_the_right_way(model_dir, pb_file, tmp_path):
-    flipped = str(tmp_path / "flipped")
+def correct_first(model_dir, flipped: str) -> str:
+    """A copy of model_dir as a classifier with 'correct' at index 0: the same model, its head rows swapped."""
     shutil.copytree(model_dir, flipped)
     from safetensors.torch import load_file, save_file
     state = load_file(os.path.join(flipped, "model.safetensors"))
@@ -160,10 +160,28 @@ def test_a_checkpoint_with_correct_as_label_0_is_read_the_right_way(model_dir, p
     cfg["id2label"], cfg["label2id"] = {"0": "correct", "1": "incorrect"}, {"correct": 0, "incorrect": 1}
     with open(os.path.join(flipped, "config.json"), "w") as f:
         json.dump(cfg, f)
+    return flipped
+
+
+def test_a_checkpoint_with_correct_as_label_0_is_read_the_right_way(model_dir, pb_file, tmp_path):
+    flipped = correct_first(model_dir, str(tmp_path / "flipped"))
     a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
     run(model_dir, "--dataset", pb_file, "--predictions", a)
     run(flipped, "--dataset", pb_file, "--predictions", b)
     assert all_probs(read_jsonl(a)) == pytest.approx(all_probs(read_jsonl(b)))
+
+
+def test_training_from_a_checkpoint_with_correct_as_label_0_starts_from_its_head_read_the_right_way(model_dir,
+                                                                                                   tmp_path):
+    """Training flips the head as eval.py does, so the export (id2label 1 = correct) holds the same model."""
+    from safetensors.torch import load_file
+
+    from conftest import run_train
+    flipped = correct_first(model_dir, str(tmp_path / "flipped"))
+    run_train(tmp_path / "run", model=flipped, max_steps=1, lr=1e-12)  # a step that moves nothing
+    ours, trained = (load_file(os.path.join(d, "model.safetensors")) for d in (model_dir, tmp_path / "run" / "final"))
+    assert torch.allclose(trained["score.weight"], ours["score.weight"], atol=1e-6)
+    assert torch.allclose(trained["score.bias"], ours["score.bias"], atol=1e-6)
 
 
 def test_a_model_without_a_token_classification_head_is_refused(model_dir, tmp_path):

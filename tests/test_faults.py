@@ -119,20 +119,45 @@ def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeyp
     assert not os.path.exists(tmp_path / "b" / "final.tmp")
 
 
+# holds a lock as run_lock does (flock, then its pid@host in the file) until killed
+HOLD = ("import fcntl, os, socket, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nos.write(fd, f'{os.getpid()}@{socket.gethostname()}'.encode())\n"
+        "print('held', flush=True)\ntime.sleep(600)\n")
+
+
 def test_a_locked_output_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     import socket
     tmp_path.mkdir(exist_ok=True)
     lock = tmp_path / ".lock"
-    lock.write_text(f"{os.getpid()}@{socket.gethostname()}")  # a live process holds it
-    with pytest.raises(PRMError) as e:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:  # a live run of this host holds it
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(PRMError) as e:
+            run_train(tmp_path, max_steps=1)
+        assert e.value.code == 2 and f"in use by another run ({holder.pid}@{socket.gethostname()})" in str(e.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock.write_text("123@another-host")  # flock need not reach across hosts: its run is taken to be alive
+    with pytest.raises(PRMError, match=r"in use by another run \(123@another-host\)"):
         run_train(tmp_path, max_steps=1)
-    assert e.value.code == 2 and "in use by another run" in str(e.value)
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # refused before anything was written
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(f"{dead.pid}@{socket.gethostname()}")
     run_train(tmp_path, max_steps=1)
     assert "stale lock" in capsys.readouterr().err and not lock.exists()  # released at the end
+
+
+def test_a_stale_lock_naming_this_very_process_is_taken_over(tmp_path, capsys):
+    """A restarted container: same host name, the same small pid as the run it killed. The flock is free, so the
+    lock is stale, although its pid@host names a live process: this one."""
+    import socket
+    run_train(tmp_path, max_steps=2, save_every=1)
+    (tmp_path / ".lock").write_text(f"{os.getpid()}@{socket.gethostname()}")  # what a killed run leaves
+    run_train(tmp_path, max_steps=3, resume="auto")
+    assert "stale lock" in capsys.readouterr().err and not (tmp_path / ".lock").exists()
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
 
 
 def test_two_runs_taking_over_one_stale_lock_at_once_cannot_both_proceed(tmp_path, monkeypatch):

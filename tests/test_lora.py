@@ -166,7 +166,7 @@ def test_eval_py_reads_lora_and_full_checkpoints_like_final(tmp_path):
             assert a == pytest.approx(b, abs=1e-5)
 
 
-def test_a_bf16_frozen_base_halves_its_memory_and_trains(char_tok, tmp_path):
+def test_a_bf16_frozen_base_halves_its_memory_trains_and_scores_without_bf16_autocast(char_tok, tmp_path):
     from prm.build import model_for
     from prm.config import Config
     cfg = Config(lora_r=4, lora_base_dtype="bf16", dtype="bf16").resolve()
@@ -177,8 +177,20 @@ def test_a_bf16_frozen_base_halves_its_memory_and_trains(char_tok, tmp_path):
     fp32 = model_for(Config(lora_r=4).resolve(), char_tok)
     nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
     assert nbytes(model) * 2 == nbytes(fp32)
-    final = run_train(tmp_path, max_steps=3, dtype="bf16", lora_base_dtype="bf16", **LORA)
+    final = run_train(tmp_path, max_steps=3, save_every=3, dtype="bf16", lora_base_dtype="bf16", **LORA)
     losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
     assert len(losses) == 3 and all(0 < x < 10 for x in losses) and 0.0 <= final["step_accuracy"] <= 1.0
+    # scored in fp32 (eval.py --dtype fp32, PRMReward): the LoRA checkpoint's bf16 base and the merged final/
+    import eval as eval_cli
+    from prm.reward import PRMReward
+    preds, rewards = {}, {}
+    for d in ("checkpoint-3", "final"):
+        out = str(tmp_path / f"{d}.jsonl")
+        eval_cli.main(["--model", str(tmp_path / d), "--dtype", "fp32", "--predictions", out])
+        preds[d] = [p for line in open(out) for p in json.loads(line)["step_probs"]]
+        rewards[d] = PRMReward(str(tmp_path / d), device="cpu")(["count from 1:"], ["1+1=2\n2+2=4\n"])
+    # the same model up to final/'s merged weights, rounded to bf16 (5e-4 apart measured)
+    assert len(preds["final"]) > 0 and preds["checkpoint-3"] == pytest.approx(preds["final"], abs=5e-3)
+    assert rewards["checkpoint-3"] == pytest.approx(rewards["final"], abs=5e-3)
     with pytest.raises(ValueError, match="lora-base-dtype"):
         run_train(tmp_path / "fp32", max_steps=1, dtype="fp32", lora_base_dtype="bf16", **LORA)

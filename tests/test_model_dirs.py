@@ -180,3 +180,23 @@ def test_training_from_a_backbone_says_once_that_the_head_is_new_and_a_resume_do
     assert capsys.readouterr().out.count(note) == 1
     run_train(tmp_path / "resumed", model=str(base), max_steps=2, resume=str(tmp_path / "run" / "checkpoint-1"))
     assert note not in capsys.readouterr().out
+
+
+def test_a_backbone_without_a_token_classifier_class_is_refused_before_any_data_loads(tmp_path, monkeypatch):
+    """OLMo loads with AutoModel but has no *ForTokenClassification, the form final/ is saved in: refused at
+    start-up, not after training, at the first save."""
+    from transformers import AutoModel, OlmoConfig
+
+    from conftest import run_train
+    from prm import trainer
+    from prm.synthetic import char_tokenizer
+    tokenizer, base = char_tokenizer(), tmp_path / "olmo"
+    config = OlmoConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, pad_token_id=tokenizer.pad_token_id)
+    AutoModel.from_config(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    monkeypatch.setattr(trainer, "load_splits", lambda *a: pytest.fail("the data was loaded"))
+    with pytest.raises(UsageError, match=f"--model {base}: model type 'olmo' has no transformers token classifier"
+                       ) as e:
+        run_train(tmp_path / "run", model=str(base))
+    assert e.value.code == 2 and not os.path.exists(tmp_path / "run")
