@@ -25,6 +25,8 @@ def kernel_dtype(query):
     then runs in the autocast dtype, as SDPA would."""
     if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
         return None
+    if query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):  # flash needs Ampere
+        return None
     if query.dtype in (torch.bfloat16, torch.float16):
         return query.dtype
     return torch.get_autocast_dtype(KERNEL_DEVICE) if torch.is_autocast_enabled(KERNEL_DEVICE) else None
@@ -43,15 +45,21 @@ def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
     return kw, repeat
 
 
-def per_example_sdpa(q, k, v, cu_seqlens, scale):
-    """Exact fallback: causal SDPA on each example's slice. q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
+def per_example_sdpa(q, k, v, cu_seqlens, scale, window=None):
+    """Exact fallback: causal SDPA on each example's slice, over its last `window` keys (the query's own
+    included, as transformers counts) when given. q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
     bounds = cu_seqlens.tolist()  # free on CPU, one sync on CUDA (the fallback is not the fast path)
     gqa = q.shape[0] != k.shape[0]
     out = torch.empty_like(q)  # (H, N, D)
     for s, e in zip(bounds, bounds[1:]):
+        band = None
+        if window is not None and e - s > window:  # longer than the window: a banded causal mask
+            i = torch.arange(e - s, device=q.device)
+            band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)  # (n, n)
         if e > s:  # 4-D (1, H, n, D): 3-D takes the math kernel on CPU (2x slower, an n x n matrix saved)
             out[:, s:e] = F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e],
-                                                         is_causal=True, scale=scale, enable_gqa=gqa)[0]
+                                                         attn_mask=band, is_causal=band is None, scale=scale,
+                                                         enable_gqa=gqa)[0]
     return out
 
 
@@ -64,16 +72,15 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if not getattr(module, "is_causal", True) or dropout:
         raise ValueError("packed attention supports causal attention without attention dropout only: "
                          "--no-packing")
-    window = kwargs.get("sliding_window")
-    if window is not None and kwargs["max_length_q"] > window:
-        raise ValueError(f"an example of {kwargs['max_length_q']} tokens exceeds the sliding window "
-                         f"({window})")
+    window = kwargs.get("sliding_window")  # a query sees its last `window` keys, its own included
     dtype = kernel_dtype(query)
-    if dtype is None:
-        out = per_example_sdpa(query[0], key[0], value[0], cu, scaling)  # (H, N, D)
+    kw, repeat = kernel_options(varlen_attn, query.shape[1], key.shape[1]) if dtype else ({}, False)
+    if dtype is None or window is not None and "window_size" not in kw:  # torch 2.10's kernel: no window
+        out = per_example_sdpa(query[0], key[0], value[0], cu, scaling, window)  # (H, N, D)
         return out.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D)
+    if window is not None:
+        kw = {**kw, "window_size": (window - 1, 0)}  # flash's left count excludes the query's own key
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, H, D)
-    kw, repeat = kernel_options(varlen_attn, q.shape[1], k.shape[1])
     if repeat:  # grouped-query heads on a kernel without enable_gqa: each K/V head serves H / Hkv query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     cu = cu.to(device=q.device, dtype=torch.int32)
@@ -90,8 +97,11 @@ def supports_packing(backbone) -> bool:
     and has no attention dropout (GPT-2's default attn_pdrop is 0.1: such models keep padding)."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
     dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
+    # Gemma 2's logit soft-capping and gpt-oss's attention sinks change the softmax: the kernels lack them
+    unsupported = getattr(backbone.config, "attn_logit_softcapping", None) or \
+        any(hasattr(m, "sinks") for m in backbone.modules())
     return bool(getattr(backbone, "_supports_attention_backend", False) and causal and all(causal)
-                and not any(dropout))
+                and not any(dropout) and not unsupported)
 
 
 def is_packed(model) -> bool:

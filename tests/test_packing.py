@@ -3,6 +3,7 @@ weights and evaluation; and the CUDA kernel's argument handling, checked on CPU 
 
 2 ranks with packing equal 1 process with packing in test_distributed.py, and resume with packing is bit-exact in
 test_checkpoint.py: both run the default, packed (test_default_packs_the_tiny_preset pins that)."""
+import copy
 import inspect
 import json
 import os
@@ -202,3 +203,69 @@ def test_installed_kernel_signature_is_understood():
     params = inspect.signature(varlen.varlen_attn).parameters
     kw, _ = varlen.kernel_options(varlen.varlen_attn, 4, 2)
     assert set(kw) <= set(params)
+
+
+def windowed_kernel(calls: list):
+    """torch 2.13's varlen_attn signature with its (left, right) window: left keys before the query, its own
+    not counted, as flash attention counts them; per-example SDPA under that band."""
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        left, right = window_size
+        calls.append(window_size)
+        assert right == 0 and left >= -1
+        out, bounds = torch.empty_like(query), cu_seq_q.tolist()
+        for s, e in zip(bounds, bounds[1:]):
+            i = torch.arange(e - s)
+            band = (i[:, None] >= i[None, :]) & ((left < 0) | (i[:, None] - i[None, :] <= left))
+            out[s:e] = F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (query, key, value)),
+                                                      attn_mask=band, scale=scale,
+                                                      enable_gqa=enable_gqa).transpose(0, 1)
+        return out
+    return kernel
+
+
+@pytest.mark.parametrize("path", ["fallback", "kernel 2.13", "kernel 2.10"])
+def test_a_sliding_window_model_packs_examples_longer_than_its_window(char_tok, monkeypatch, path):
+    """Mistral-style sliding-window attention (window 8) over examples of up to 38 tokens, one --pack-to row:
+    packed logits equal padded ones in fp32 on every path (the 2.10 kernel has no window: the fallback runs)."""
+    from transformers import AutoModel, MistralConfig
+
+    from prm import varlen
+    from prm.data import collate, pack
+    calls = []
+    if path != "fallback":
+        kernel = windowed_kernel(calls) if path == "kernel 2.13" else reference_kernel("2.10", calls)
+        monkeypatch.setattr(varlen, "varlen_attn", kernel)
+        monkeypatch.setattr(varlen, "KERNEL_DEVICE", "cpu")
+    cfg = MistralConfig(vocab_size=len(char_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                        pad_token_id=char_tok.pad_token_id)
+    torch.manual_seed(0)
+    padded = AutoModel.from_config(cfg, attn_implementation="sdpa").eval()
+    packed = copy.deepcopy(padded)  # its own config: the attention implementation is a config field
+    varlen.use_packed_attention(packed)
+    assert varlen.supports_packing(padded)
+    rs = rows(char_tok)
+    c, p = collate(rs, 0), pack(rs, 0, pack_to=64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=path != "fallback"):
+        ref = padded(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).last_hidden_state.float()
+        out = packed(input_ids=p["input_ids"], position_ids=p["position_ids"],
+                     **{k: v for k, v in p.items() if k.startswith(("cu_seq", "max_length"))}).last_hidden_state
+    cu = p["cu_seq_lens_q"].tolist()
+    assert max(e - s for s, e in zip(cu, cu[1:])) > 8  # some example is longer than the window
+    worst = max((out[0, cu[i]:cu[i + 1]].float() - ref[i, :cu[i + 1] - cu[i]]).abs().max().item()
+                for i in range(len(rs)))
+    assert worst <= (1e-5 if path == "fallback" else 0.05)  # bf16 both ways on the kernel paths
+    assert calls == ([(7, 0)] * 2 if path == "kernel 2.13" else [])  # window 8: 7 keys before the query's own
+
+
+def test_soft_capped_attention_and_attention_sinks_are_not_packed():
+    """Gemma 2's logit soft-capping changes the softmax, which the packed kernels lack: such models pad."""
+    from transformers import AutoModel, Gemma2Config
+
+    from prm.varlen import supports_packing
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    assert not supports_packing(AutoModel.from_config(cfg))
+    cfg.attn_logit_softcapping = None
+    assert supports_packing(AutoModel.from_config(cfg))
