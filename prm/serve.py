@@ -7,9 +7,9 @@ POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} (other fi
 Texts first lose the tokenizer's padding and EOS at both ends and its BOS at the start, as OpenRLHF's own
 server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn start
 (e.g. "<|im_start|>assistant\\n"), else at the first step separator (none: all prompt, reward 0.0).
-A published PRM (--scorer) builds its own input around the plain question: a prompt that is exactly its own
-chat template around one user turn (generation prompt included) is read as that turn's text; any other is
-taken as it is.
+A prompt that is exactly the model's own chat template around one user turn (generation prompt included) is
+read as that turn: the message, rendered as training renders it, or for a published PRM (--scorer), which
+builds its own input around the plain question, its text; any other prompt is taken as it is.
 GET /health answers {"status": "ok", ...}.
 
 A thread per connection, up to --max-connections (more: 503), the model one request at a time. Every error is
@@ -134,21 +134,24 @@ class Scorer:
         # decoded rollouts keep padding and EOS, which OpenRLHF strips; BOS too (with_bos puts it back)
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
-        # a published PRM builds its own input around the plain question: the text before and after it in
-        # the template's rendering of one user turn, stripped as prompts are ((), for a classifier)
-        probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right) if hasattr(tok, "prm_rows") else ""
+        # the text before and after a question in the template's rendering of one user turn, stripped as
+        # prompts are (() without a template)
+        probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right)
         self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else ()
+        self.published = hasattr(tok, "prm_rows")  # builds its own input around the plain question
 
-    def question(self, prompt: str) -> str:
+    def question(self, prompt: str):
         """A prompt that is exactly the PRM's chat template around one user turn (with the generation prompt)
-        read as that turn's text; any other prompt as it is."""
+        read as that turn: its text for a published PRM, else the message, which the template renders as in
+        training (the text alone would gain a BOS the template never wrote); any other prompt as it is."""
         if not self.frame or not (prompt.startswith(self.frame[0]) and prompt.endswith(self.frame[1])):
             return prompt
         text = prompt[len(self.frame[0]):len(prompt) - len(self.frame[1])]
         # one turn only: a conversation of several holds the frame's ends inside; re-rendering must give it
         whole = strip_tokens(user_turn(self.reward.tokenizer, text), self.left, self.right)
-        inner = any(end and end in text for end in self.frame)
-        return text if whole == prompt and not inner else prompt
+        if whole != prompt or any(end and end in text for end in self.frame):
+            return prompt
+        return text if self.published else [{"role": "user", "content": text}]
 
     def split(self, data) -> tuple:
         """(prompts, completions) of a /get_reward body, every text stripped of padding, EOS and BOS."""

@@ -256,6 +256,20 @@ def test_a_query_alone_splits_after_the_chat_templates_last_assistant_turn(model
     assert out["rewards"] == pytest.approx(reward([prompt], ["1+1=2\n2+1=3\n"]), abs=1e-6)
 
 
+def test_a_prompt_rendered_by_the_models_template_is_scored_as_its_messages(model_dir):
+    """OpenRLHF sends the rendered chat prompt: one user turn in the PRM's own template is scored as training
+    scored the message (the template writes no BOS; the character tokenizer has one, the text alone gained it)."""
+    reward = PRMReward(model_dir, device="cpu")
+    reward.tokenizer.chat_template = TEMPLATE
+    chat = [{"role": "user", "content": "count from 1:"}]
+    prompt = reward.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    scorer = serve.Scorer(reward)
+    assert scorer.split({"query": [prompt + "1+1=2\n"], "prompts": [prompt]}) == ([chat], ["1+1=2\n"])
+    out = scorer({"query": [prompt + "1+1=2\n"], "prompts": [prompt]})
+    assert out["rewards"] == pytest.approx(reward([chat], ["1+1=2\n"]), abs=1e-6)
+    assert out["rewards"] != pytest.approx(reward([prompt], ["1+1=2\n"]), abs=1e-6)  # the BOS mattered
+
+
 def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):
     # 14 prompt tokens (BOS + 13 characters) + 6 per step: one step fits in 25 tokens
     out = serve.Scorer(PRMReward(model_dir, device="cpu", max_length=25))(GOOD)
