@@ -395,15 +395,13 @@ def nearest(name: str, names: list):
                  if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
 
 
-class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's default in its help; a string one that is empty or holds an escape as its repr ('\\n'),
-    not a line break."""
-
-    def _get_help_string(self, action):
-        text, default = super()._get_help_string(action), action.default
-        if isinstance(default, str) and not (default and default.isprintable()):
-            text = text.replace("%(default)s", "%(default)r")
-        return text
+def shown_default(kw: dict) -> dict:
+    """add_argument keywords whose help shows an empty or escaped string default as its repr ('\\n'), not a
+    line break (ArgumentDefaultsHelpFormatter appends none where the help names %(default) itself)."""
+    default, text = kw.get("default"), kw.get("help")
+    if not isinstance(default, str) or default and default.isprintable() or text in (None, argparse.SUPPRESS):
+        return kw
+    return kw if "%(default)" in text else {**kw, "help": text + " (default: %(default)r)"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -412,7 +410,11 @@ class Parser(argparse.ArgumentParser):
     No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
 
     def __init__(self, usage: str = "%(prog)s [options]", **kw):
-        super().__init__(usage=usage, **{"formatter_class": DefaultsShown, **kw}, allow_abbrev=False)
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(usage=usage, allow_abbrev=False, **kw)
+
+    def add_argument(self, *args, **kw):
+        return super().add_argument(*args, **shown_default(kw))
 
     def error(self, message: str):
         unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
@@ -447,7 +449,7 @@ def add_field(container, f, suppress: bool = False, switch_value: bool = True):
         meta.setdefault("type", kind(f))
     plain = [f.name] + [t for t in f.metadata["trl"] if isinstance(t, str)]
     dashed = list(dict.fromkeys("--" + n.replace("_", "-") for n in plain))
-    container.add_argument(*dashed, dest=f.name, default=default, **meta)
+    container.add_argument(*dashed, **shown_default(dict(meta, dest=f.name, default=default)))  # a group too
     hidden = [s for s in ("--" + n for n in plain) if s not in dashed]  # the underscore spellings
     if hidden:
         container.add_argument(*hidden, dest=f.name, **{**meta, "default": argparse.SUPPRESS,
