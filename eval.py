@@ -29,7 +29,7 @@ class Options:
     tune_threshold: str
     best_of_n: bool
     best_of_n_draws: int
-    scorer: str  # how a published PRM is read, with the next three (prm.scorers)
+    scorer: str  # how a published PRM is read, with the next three (prm.scoring.scorers)
     step_tag: str
     good_token: str
     bad_token: str
@@ -59,7 +59,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    # how a published PRM is read (prm.scorers): --scorer, --step-tag, --good-token, --bad-token
+    # how a published PRM is read (prm.scoring.scorers): --scorer, --step-tag, --good-token, --bad-token
     p.add_argument("--scorer", default="auto",
                    choices=("auto", "classifier", "qwen-prm", "step-tag", "chat-turns"),
                    help="how the model scores steps, as its authors do: a token-classification head "
@@ -124,16 +124,16 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch and tran
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-from prm.checkpoint import reported  # noqa: E402
-from prm.data import pad_token_id  # noqa: E402
-from prm.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
-from prm.ingest import tokenize_dataset  # noqa: E402
-from prm.metrics import first_error, tune_threshold  # noqa: E402
-from prm.model import input_settings  # noqa: E402
-from prm.runtime import (Runtime, autocast_dtype, barrier, main_first, progress_off, setup,  # noqa: E402
+from prm.training.checkpoint import reported  # noqa: E402
+from prm.core.data import pad_token_id  # noqa: E402
+from prm.core.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
+from prm.readers.ingest import tokenize_dataset  # noqa: E402
+from prm.core.metrics import first_error, tune_threshold  # noqa: E402
+from prm.core.model import input_settings  # noqa: E402
+from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first, progress_off, setup,  # noqa: E402
                          teardown)
-from prm.scorers import load as load_scorer  # noqa: E402
-from prm.sources import load_eval  # noqa: E402
+from prm.scoring.scorers import load as load_scorer  # noqa: E402
+from prm.readers.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
@@ -154,7 +154,7 @@ def settings(args: argparse.Namespace) -> tuple:
     if opts.datasets and "format" not in given:  # the run's training format says nothing about new files
         given["format"] = "auto"
     # only the user's own command line may allow a model's code, never a file; the frozen base's dtype was
-    # training's choice (its rule ties it to bf16 autocast): scoring loads it in fp32 (prm.build.load_trained)
+    # training's choice (its rule ties it to bf16 autocast): scoring loads it in fp32 (prm.training.build.load_trained)
     cfg = Config.from_dict({**base, "trust_remote_code": False, "lora_base_dtype": "fp32", **given})
     check(cfg.problems() + ([] if opts.datasets else  # else checked with the flags
                             tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset])))
@@ -170,7 +170,7 @@ class Evaluator:
     model: object
 
     def sets(self, sources: list) -> dict:
-        """{subset name: tokenized rows}, read, checked and tokenized as training does (prm.ingest), every
+        """{subset name: tokenized rows}, read, checked and tokenized as training does (prm.readers.ingest), every
         row kept. Rows without a best-of-N `group` get their prompt as one. Rank 0 goes first, so the other
         ranks read the datasets cache it filled."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
@@ -190,7 +190,7 @@ class Evaluator:
         return sets
 
     def probs(self, rows: list) -> list:
-        """P(correct) at every step end of each row (prm.evaluate.predict), every rank's share gathered."""
+        """P(correct) at every step end of each row (prm.core.evaluate.predict), every rank's share gathered."""
         amp = autocast_dtype(self.cfg.dtype, self.rt.device)
         return predict(self.model, rows, batch_size=self.cfg.eval_batch_size,
                        pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt,

@@ -1,1 +1,35 @@
-"""prm: a minimal PyTorch trainer for process reward models."""
+"""prm: train process reward models in plain PyTorch.
+
+The public names load on first use, so `import prm` stays light (no torch until a name needs it):
+
+    from prm import PRM, PRMReward, load_tokenizer, score
+"""
+import importlib
+
+_HOME = {
+    "Config": "prm.config",
+    "PRMError": "prm.errors", "UsageError": "prm.errors",
+    "PRM": "prm.core.model", "step_loss": "prm.core.model",
+    "tokenize_example": "prm.core.data", "collate": "prm.core.data", "pack": "prm.core.data",
+    "predict": "prm.core.evaluate", "report": "prm.core.evaluate",
+    "score": "prm.core.evaluate", "score_batch": "prm.core.evaluate",
+    "step_metrics": "prm.core.metrics", "processbench_metrics": "prm.core.metrics",
+    "apply_lora": "prm.core.lora",
+    "load_tokenizer": "prm.training.build", "load_trained": "prm.training.build",
+    "train": "prm.training.trainer", "Trainer": "prm.training.trainer",
+    "PRMReward": "prm.scoring.reward", "load_reward_model": "prm.scoring.reward",
+    "label_file": "prm.labeling.label", "LabelOptions": "prm.labeling.label",
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name):
+    if name not in _HOME:
+        raise AttributeError(f"module 'prm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOME))

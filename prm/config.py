@@ -24,7 +24,7 @@ FORMATS = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "proc
 SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
 # the rules a field's `rules` names when they hold for it. change: a resumed run may change it (it defines
 # neither the model nor the data nor its order; the batch split may change too, the global batch not). rows:
-# it shapes the rows read from data files, so it keys their cache (prm.sources). scoring: eval.py takes it
+# it shapes the rows read from data files, so it keys their cache (prm.readers.sources). scoring: eval.py takes it
 RULES = {"change", "rows", "scoring"}
 
 
@@ -440,7 +440,7 @@ def add_field(container, f, suppress: bool = False, switch_value: bool = True):
     """Field f as --its-name on container (a parser or an argument group), also answering to its underscore
     spelling and to TRL's / HF's names for it (its `trl`); --help lists the dashed names of the field and of
     its plain TRL names. suppress: an absent flag leaves no attribute (eval.py takes it from the run).
-    switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.convert)."""
+    switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.readers.convert)."""
     meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
     default = argparse.SUPPRESS if suppress or f.default is None else f.default  # None: its help says it
     if kind(f) is bool:

@@ -12,7 +12,7 @@ sys.path.insert(0, ROOT)
 
 def pytest_addoption(parser):
     parser.addoption("--cpu-bf16", choices=["probe", "yes", "no"], default="probe",
-                     help="what prm.runtime.cpu_has_bf16 answers (so --dtype auto), here and in the runs the tests "
+                     help="what prm.core.runtime.cpu_has_bf16 answers (so --dtype auto), here and in the runs the tests "
                           "launch: run the suite as a bf16-native CPU (yes) or an AVX2-only one (no) sees it")
 
 
@@ -25,13 +25,13 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def char_tok():
-    from prm.synthetic import char_tokenizer
+    from prm.readers.synthetic import char_tokenizer
     return char_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def char_tok_no_bos():
-    from prm.synthetic import char_tokenizer
+    from prm.readers.synthetic import char_tokenizer
     tok = char_tokenizer()
     tok.bos_token = None
     return tok
@@ -55,7 +55,7 @@ def small_config(tmp_path, **overrides):
 
 
 def run_train(tmp_path, **overrides):
-    from prm.trainer import train
+    from prm.training.trainer import train
     return train(small_config(tmp_path, **overrides))
 
 
@@ -120,8 +120,8 @@ def assert_same_run(a, b, *, lr: float, steps: int, precision: str = "fp32"):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A saved tiny PRM (random weights, seed 0) with its character tokenizer: what eval.py reads."""
-    from prm.build import build_model
-    from prm.synthetic import char_tokenizer
+    from prm.training.build import build_model
+    from prm.readers.synthetic import char_tokenizer
     path = str(tmp_path_factory.mktemp("model"))
     tokenizer = char_tokenizer()
     build_model("tiny", tokenizer, seed=0).save_pretrained(path)

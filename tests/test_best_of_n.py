@@ -12,8 +12,8 @@ sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
 from prm.errors import UsageError  # noqa: E402
-from prm.evaluate import candidate_groups  # noqa: E402
-from prm.metrics import BEST_OF_N_METHODS, best_of_n, pick_accuracy  # noqa: E402
+from prm.core.evaluate import candidate_groups  # noqa: E402
+from prm.core.metrics import BEST_OF_N_METHODS, best_of_n, pick_accuracy  # noqa: E402
 
 BIRM = os.path.join(ROOT, "..", "shared", "data", "birm")
 

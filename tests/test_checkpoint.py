@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, final_weights, read_metrics, run_train
-from prm.checkpoint import MARKER, resolve_resume
+from prm.training.checkpoint import MARKER, resolve_resume
 
 
 def losses(out):
@@ -67,7 +67,7 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
 def test_a_stop_between_log_steps_records_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
     """--log-every 3, SIGTERM while step 5 trains: the record of steps 4-5 is written before the checkpoint at 5,
     so the resume keeps it and starts its own window at 6: every step is in exactly one record."""
-    from prm import trainer
+    from prm.training import trainer
     from prm.errors import Stopped
     real, signalled = trainer.Trainer.train_step, []
 
@@ -94,7 +94,7 @@ def _tiny(family, vocab):
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_export_loads_as_hf_token_classifier_with_same_logits(tmp_path, family):
     from transformers import AutoModel, AutoModelForTokenClassification
-    from prm.model import PRM, new_head
+    from prm.core.model import PRM, new_head
     torch.manual_seed(0)
     cfg = _tiny(family, 100)
     ours = PRM(AutoModel.from_config(cfg), new_head(cfg)).eval()
@@ -116,7 +116,7 @@ def test_export_loads_as_hf_token_classifier_with_same_logits(tmp_path, family):
 def test_wrapper_loads_a_foreign_hf_token_classifier(tmp_path):
     """E.g. a checkpoint written by TRL's PRMTrainer: a plain XxxForTokenClassification with 2 labels."""
     from transformers import Qwen2ForTokenClassification
-    from prm.model import PRM
+    from prm.core.model import PRM
     torch.manual_seed(1)
     cfg = _tiny("qwen2", 100)
     cfg.num_labels = 2
@@ -128,10 +128,10 @@ def test_wrapper_loads_a_foreign_hf_token_classifier(tmp_path):
 
 
 def test_scoring_api_equals_evaluation_probabilities(char_tok):
-    from prm.build import build_model
-    from prm.data import pad_token_id, tokenize_example
-    from prm.evaluate import predict, score, score_batch
-    from prm.synthetic import make_rows
+    from prm.training.build import build_model
+    from prm.core.data import pad_token_id, tokenize_example
+    from prm.core.evaluate import predict, score, score_batch
+    from prm.readers.synthetic import make_rows
     model = build_model("tiny", char_tok, seed=0)
     rows = make_rows(5, 3)
     tokenized = [tokenize_example(r, char_tok, is_eval=True) for r in rows]
@@ -156,7 +156,7 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, cap
 
 def test_rng_state_round_trip():
     import random
-    from prm.checkpoint import rng_state, set_rng_state
+    from prm.training.checkpoint import rng_state, set_rng_state
     state = rng_state()
     drawn = (random.random(), torch.rand(3))
     set_rng_state(state)

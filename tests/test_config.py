@@ -22,7 +22,7 @@ def test_every_field_states_its_rules():
 
 def test_the_lists_derived_from_the_rules():
     import eval as eval_cli
-    from prm.sources import SHAPING
+    from prm.readers.sources import SHAPING
     assert set(SHAPING) == {"dataset", "eval_dataset", "train_split", "eval_split", "format", "eval_format",
                             "neutral_label", "skip_invalid", "eval_fraction", "seed", "cut_after_first_error",
                             "step_separator"}  # the ingest code cuts steps at the separator
@@ -258,7 +258,7 @@ def test_eval_strategy_steps_alone_evaluates_at_every_log_step(tmp_path):
 
 
 def test_schedules_follow_hf_after_a_warmup():
-    from prm.trainer import DECAY, lr_lambda
+    from prm.training.trainer import DECAY, lr_lambda
     assert set(DECAY) == set(Config.__dataclass_fields__["lr_scheduler_type"].metadata["choices"])
     at = lambda step, **kw: lr_lambda(Config(**kw), 10)(step)
     assert [at(s, lr_scheduler_type="linear") for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
@@ -276,7 +276,7 @@ def test_schedules_follow_hf_after_a_warmup():
 def test_every_schedule_equals_hf_get_scheduler_at_every_step(name, warmup):
     import torch
     from transformers import TrainingArguments, get_scheduler
-    from prm.trainer import lr_lambda
+    from prm.training.trainer import lr_lambda
     if name == "constant" and warmup:  # refused: HF's constant ignores any warmup
         return
     total, ours = 10, lr_lambda(Config(lr_scheduler_type=name, **warmup), 10)
@@ -303,7 +303,7 @@ def test_a_warmup_steps_below_1_is_a_warmup_ratio_as_in_transformers_5(tmp_path)
 
 def test_the_optimizer_takes_the_betas_and_epsilon():
     import torch
-    from prm.trainer import make_optimizer
+    from prm.training.trainer import make_optimizer
     cfg = Config(adam_beta1=0.8, adam_beta2=0.999, adam_epsilon=1e-6)
     group = make_optimizer(torch.nn.Linear(2, 2), cfg, 1e-3, torch.device("cpu")).param_groups[0]
     assert (group["betas"], group["eps"]) == ((0.8, 0.999), 1e-6)

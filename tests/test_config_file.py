@@ -7,7 +7,7 @@ import pytest
 from conftest import read_metrics
 from prm.config import Config, parse_config
 from prm.errors import UsageError
-from prm.trainer import train
+from prm.training.trainer import train
 
 FLAGS = ["--synthetic-size", "64", "--max-steps", "3", "--batch-size", "4", "--log-every", "1", "--dtype", "fp32",
          "--lr", "1e-3", "--step-separator", "\\n\\n", "--no-group-by-length"]

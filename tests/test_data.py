@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from prm.data import (IGNORE, collate, eval_batches, global_batches, micro_batches, pad_token_id, tokenize_batch,
+from prm.core.data import (IGNORE, collate, eval_batches, global_batches, micro_batches, pad_token_id, tokenize_batch,
                       tokenize_example)
 
 
@@ -126,7 +126,7 @@ def test_completion_cap_reaches_the_dataset_report_and_the_cache_key(char_tok):
     from datasets import Dataset
 
     from prm.config import Config
-    from prm.ingest import map_fingerprint, tokenize_dataset
+    from prm.readers.ingest import map_fingerprint, tokenize_dataset
     ds = Dataset.from_list([{"prompt": "pp", "completions": ["a", "bbbbbb", "c"], "labels": [True, False, True]},
                             {"prompt": "q", "completions": ["dddddd"], "labels": [True]}])
     tok, report = tokenize_dataset(ds, char_tok, Config(max_completion_length=5), is_eval=False)
@@ -138,8 +138,8 @@ def test_completion_cap_reaches_the_dataset_report_and_the_cache_key(char_tok):
 
 
 def test_scoring_uses_the_completion_cap(char_tok):
-    from prm.build import build_model
-    from prm.evaluate import score, score_batch
+    from prm.training.build import build_model
+    from prm.core.evaluate import score, score_batch
     model = build_model("tiny", char_tok, seed=0)
     steps = ["1+1=2", "2+1=3", "3+1=4"]
     full = score(model, char_tok, "count:", steps)
@@ -158,7 +158,7 @@ def test_collate_pads_right_with_ignored_labels(char_tok):
 
 
 def test_pad_falls_back_to_eos(char_tok):
-    from prm.synthetic import char_tokenizer
+    from prm.readers.synthetic import char_tokenizer
     tok = char_tokenizer()
     tok.pad_token = None
     assert pad_token_id(tok) == tok.eos_token_id
@@ -194,7 +194,7 @@ def test_none_label_keeps_the_step_unscored(char_tok):
 def test_auto_processes_start_only_for_large_datasets_and_give_the_same_rows(char_tok, monkeypatch):
     from datasets import Dataset
 
-    import prm.ingest as ingest
+    import prm.readers.ingest as ingest
     from prm.config import Config
     monkeypatch.setattr(ingest.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     assert ingest.processes(0, ingest.AUTO_PROC_ROWS - 1) == 1  # start-up would cost more than it saves
@@ -224,7 +224,7 @@ def test_last_step_only_takes_the_outcome_of_a_solution_whose_tail_is_unscored(c
     from datasets import Dataset
 
     from prm.config import Config
-    from prm.ingest import tokenize_dataset
+    from prm.readers.ingest import tokenize_dataset
     rows = [{"prompt": "p", "completions": ["a", "b", "c"], "labels": [True, False, None]},
             {"prompt": "q", "completions": ["a", "b"], "labels": [True, None]},  # no wrong step: unknown outcome
             {"prompt": "r", "completions": ["a", "b"], "labels": [True, True]}]

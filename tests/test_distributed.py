@@ -53,7 +53,7 @@ def test_uneven_dataset_does_not_hang(tmp_path):
 def test_sigterm_to_torchrun_saves_a_checkpoint_between_log_steps(tmp_path):
     """torchrun forwards SIGTERM to the ranks and SIGKILLs them 30 s later: they agree to stop after the step in
     hand, not at the next log step (here: none before the end)."""
-    from prm.checkpoint import resolve_resume
+    from prm.training.checkpoint import resolve_resume
     log, out = tmp_path / "log.txt", tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *COMMON,
            "--max-steps", "100000", "--log-every", "100000", "--batch-size", "3", "--output-dir", str(out)]
@@ -79,26 +79,26 @@ def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
     assert_same_run(tmp_path / "one", tmp_path / "two", lr=1e-3, steps=5)
     assert one["n_examples"] == two["n_examples"] == 7  # 7 rows, batch 4: the ranks run 1 and 2 batches, in lockstep
     if lora:  # eval.py reads the sharded LoRA checkpoint as it reads the 1-process run's adapters and head
-        from prm.build import load_trained
+        from prm.training.build import load_trained
         from prm.config import Config
         sharded, whole = (load_trained(Config(model=str(tmp_path / run / "checkpoint-5")), False)[1]
                           for run in ("two", "one"))
         assert_same_weights(sharded.state_dict(), whole.state_dict(), lr=1e-3, steps=5)
         from safetensors.torch import load_file
-        from prm.checkpoint import ADAPTER
+        from prm.training.checkpoint import ADAPTER
         adapter = lambda run: load_file(str(tmp_path / run / "final" / ADAPTER / "adapter_model.safetensors"))
         assert_same_weights(adapter("two"), adapter("one"), lr=1e-3, steps=5)  # written from the gathered state
         assert not (tmp_path / "two" / "checkpoint-5" / ADAPTER).exists()  # sharded: rank 0 alone holds no adapter
 
 
 COUNTING = """import os, runpy, sys
-import prm.checkpoint
-hash_files = prm.checkpoint.file_digests
+import prm.training.checkpoint
+hash_files = prm.training.checkpoint.file_digests
 def logged(path):
     with open({log!r}, "a") as f:
         f.write(os.environ["RANK"] + " " + path + "\\n")
     return hash_files(path)
-prm.checkpoint.file_digests = logged
+prm.training.checkpoint.file_digests = logged
 sys.argv[0] = {train!r}
 runpy.run_path({train!r}, run_name="__main__")
 """
@@ -107,10 +107,10 @@ runpy.run_path({train!r}, run_name="__main__")
 def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_transformers(tmp_path):
     import torch
     from transformers import AutoModelForTokenClassification
-    from prm.build import load_trained
-    from prm.checkpoint import SHARDS, resolve_resume
+    from prm.training.build import load_trained
+    from prm.training.checkpoint import SHARDS, resolve_resume
     from prm.config import Config
-    from prm.model import PRM
+    from prm.core.model import PRM
     fsdp = ["--batch-size", "3", "--fsdp"]
     launch(tmp_path / "full", 2, *fsdp, "--save-every", "3", "--keep-last", "0")
     ckpt = tmp_path / "full" / "checkpoint-3"

@@ -14,8 +14,8 @@ sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
 from prm.errors import UsageError, WriteFailed  # noqa: E402
-from prm.evaluate import score, score_batch  # noqa: E402
-from prm.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics  # noqa: E402
+from prm.core.evaluate import score, score_batch  # noqa: E402
+from prm.core.metrics import first_error, outcome_metrics, processbench_metrics, step_metrics  # noqa: E402
 
 SHARED = os.path.join(ROOT, "..", "shared", "data", "processbench")
 
@@ -73,7 +73,7 @@ def test_processbench_numbers_are_recomputable_from_predictions(model_dir, pb_fi
 
 def test_scores_match_the_scoring_api(model_dir, pb_file, tmp_path):
     from transformers import PreTrainedTokenizerFast
-    from prm.model import PRM
+    from prm.core.model import PRM
     pred_path = str(tmp_path / "pred.jsonl")
     run(model_dir, "--dataset", pb_file, "--predictions", pred_path)
     model = PRM.from_pretrained(model_dir, dtype=torch.float32)
@@ -85,7 +85,7 @@ def test_scores_match_the_scoring_api(model_dir, pb_file, tmp_path):
 
 def test_truncated_steps_get_no_score_and_empty_rows_are_dropped(model_dir, pb_file, tmp_path):
     from transformers import PreTrainedTokenizerFast
-    from prm.model import PRM
+    from prm.core.model import PRM
     model = PRM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     # BOS + "q:" = 3 tokens, each "1+1=2\n" step 6: 12 tokens leave room for one step only

@@ -10,10 +10,10 @@ import torch
 
 import eval as eval_cli
 from conftest import SHARED, run_train
-from prm.build import load_tokenizer
-from prm.evaluate import score
-from prm.model import PRM, add_legacy_keys
-from prm.synthetic import make_rows
+from prm.training.build import load_tokenizer
+from prm.core.evaluate import score
+from prm.core.model import PRM, add_legacy_keys
+from prm.readers.synthetic import make_rows
 
 
 def eval_predictions(model_dir, out_file, *args) -> list:

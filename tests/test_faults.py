@@ -42,7 +42,7 @@ def test_divergence_stops_with_status_3_and_saves_no_non_finite_weights(tmp_path
 
 
 def test_auroc_returns_on_nan_scores():
-    from prm.metrics import auroc
+    from prm.core.metrics import auroc
     out = {}
     worker = threading.Thread(target=lambda: out.update(v=auroc([0.1, float("nan"), 0.7], [False, True, True])),
                               daemon=True)
@@ -52,7 +52,7 @@ def test_auroc_returns_on_nan_scores():
 
 
 def test_signals_keep_their_usual_effect_during_the_final_evaluation(tmp_path, monkeypatch):
-    from prm import trainer
+    from prm.training import trainer
     seen = []
     real = trainer.HeldOut.run
     monkeypatch.setattr(trainer.HeldOut, "run", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
@@ -81,7 +81,7 @@ def test_resume_refuses_other_data_settings_and_accepts_a_longer_run(tmp_path):
 
 
 def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
-    from prm.checkpoint import resolve_resume
+    from prm.training.checkpoint import resolve_resume
     run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
     weights = tmp_path / "checkpoint-4" / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -98,8 +98,8 @@ def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
 
 
 def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeypatch):
-    from prm import checkpoint, trainer
-    from prm.model import PRM
+    from prm.training import checkpoint, trainer
+    from prm.core.model import PRM
     monkeypatch.setattr(trainer.HeldOut, "run", lambda self: 1 / 0)  # the final evaluation fails
     with pytest.raises(ZeroDivisionError):
         run_train(tmp_path / "a", max_steps=2)
@@ -164,7 +164,7 @@ def test_two_runs_taking_over_one_stale_lock_at_once_cannot_both_proceed(tmp_pat
     """The race, made deterministic: a second run takes the lock over while the first is deciding the lock is stale."""
     import contextlib
     import socket
-    from prm import checkpoint
+    from prm.training import checkpoint
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / ".lock").write_text(f"{dead.pid}@{socket.gethostname()}")
@@ -223,7 +223,7 @@ def test_bad_paths_exit_2_with_a_message(tmp_path):
     (tmp_path / "no_config").mkdir()
     for kw, text in (({"tokenizer": str(tmp_path / "missing")}, "--tokenizer"),
                      ({"model": str(tmp_path / "no_config")}, "no config.json")):
-        with pytest.raises(UsageError) as e:  # from prm.build: train.py's exit_status() makes it exit status 2
+        with pytest.raises(UsageError) as e:  # from prm.training.build: train.py's exit_status() makes it exit status 2
             run_train(tmp_path / "out", max_steps=1, **kw)
         assert e.value.code == 2 and text in str(e.value)
     r = subprocess.run([sys.executable, "train.py", "--lr", "nan", "--output-dir", str(tmp_path / "o")], cwd=ROOT,
@@ -248,7 +248,7 @@ def test_eval_checks_its_paths_and_dev_set_before_working(tmp_path):
 
 def test_encodings_are_named_and_a_bom_is_accepted(tmp_path):
     from prm.config import Config
-    from prm.sources import DataError, read_rows
+    from prm.readers.sources import DataError, read_rows
     row = {"prompt": "p", "completions": ["a"], "labels": [True]}
     (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\n")
     assert read_rows(str(tmp_path / "bom.jsonl"), "train", Config()) == [row]
@@ -259,7 +259,7 @@ def test_encodings_are_named_and_a_bom_is_accepted(tmp_path):
 
 
 def test_metrics_writer_turns_non_finite_numbers_into_null():
-    from prm.trainlog import strict_json
+    from prm.training.trainlog import strict_json
     assert strict_json({"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}}) == \
         {"a": None, "b": [None, 1.0], "c": {"d": None}}
 
@@ -270,7 +270,7 @@ def test_a_checkpoint_holding_a_symlink_to_dev_zero_or_a_fifo_is_damaged_not_a_h
     weights.unlink()
     weights.symlink_to("/dev/zero")  # read for its checksum, it never ends
     os.mkfifo(tmp_path / "checkpoint-3" / "extra")  # nor does a FIFO that nobody writes
-    r = subprocess.run([sys.executable, "-c", f"from prm.checkpoint import resolve_resume; "
+    r = subprocess.run([sys.executable, "-c", f"from prm.training.checkpoint import resolve_resume; "
                         f"print(resolve_resume('auto', {str(tmp_path)!r}))"], cwd=ROOT, capture_output=True,
                        text=True, timeout=30)
     assert r.stdout.strip() == str(tmp_path / "checkpoint-1")
@@ -282,7 +282,7 @@ def test_a_conflicting_resume_is_refused_before_any_data_loads(tmp_path, monkeyp
 
     def no_data(cfg):
         raise AssertionError("the data loaded before the resume's settings were compared")
-    monkeypatch.setattr("prm.trainer.load_splits", no_data)
+    monkeypatch.setattr("prm.training.trainer.load_splits", no_data)
     with pytest.raises(PRMError, match="--seed 1 \\(was 0\\)") as e:
         run_train(tmp_path, max_steps=4, resume="auto", seed=1)
     assert e.value.code == 2
@@ -329,12 +329,12 @@ def test_resume_refuses_a_data_file_whose_contents_changed(tmp_path):
 
 
 def test_every_error_an_entry_point_reports_survives_pickling_whole():
-    """Rank 0's error reaches the other ranks pickled (prm.runtime.decided_by_main): message, type, exit status
+    """Rank 0's error reaches the other ranks pickled (prm.core.runtime.decided_by_main): message, type, exit status
     and fields arrive as built."""
     import pickle
 
     from prm.errors import Diverged, Stopped, WriteFailed
-    from prm.sources import DataError, MissingSplit
+    from prm.readers.sources import DataError, MissingSplit
     for error in (UsageError("bad flag"), WriteFailed("out: cannot write it: full", cause="full"),
                   Diverged("loss is nan"), Stopped("stopped by SIGTERM", signal.SIGTERM),
                   DataError(["a.jsonl line 2: field 'labels': missing"], total_rows=1),

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from prm.formats import FORMATS, detect_format, format_help, label_problem, row_problems, to_rows, token_problems
+from prm.readers.formats import FORMATS, detect_format, format_help, label_problem, row_problems, to_rows, token_problems
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -136,7 +136,7 @@ def test_mrben_rows_read_as_processbench(tmp_path):
     """Mr-Ben's own file (an object of arrays: question id -> its solutions) gives ProcessBench rows: the options
     appended to the question, "Step k: " dropped, the 1-based first error step (or "N/A") as a 0-based index."""
     from prm.config import Config
-    from prm.sources import DataError, read_rows
+    from prm.readers.sources import DataError, read_rows
     rows = read_rows(os.path.join(FIX, "mrben.json"), "train", Config())
     assert [r["id"] for r in rows] == ["mrben-855fe031-17d9-482d-b10f-a2646a14786f-Claude2",
                                        "mrben-855fe031-17d9-482d-b10f-a2646a14786f-GPT3.5",
@@ -219,6 +219,6 @@ def test_pretokenized_rows_are_checked_and_right_padding_stripped():
 
 
 def test_the_format_flag_offers_exactly_the_formats_read():
-    """--format's choices (prm.config, which imports no reader) and the readers (prm.formats) name one list."""
+    """--format's choices (prm.config, which imports no reader) and the readers (prm.readers.formats) name one list."""
     import prm.config
     assert prm.config.FORMATS[0] == "auto" and sorted(prm.config.FORMATS[1:]) == sorted(FORMATS)

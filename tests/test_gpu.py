@@ -1,7 +1,7 @@
 """The CUDA fast path: varlen flash attention in bf16 against padded SDPA, --compile --pack-to compiling
 once, no host sync in a training step, eval.py / PRMReward on CUDA against the CPU's fp32, 2 GPUs (DDP, FSDP2 over
 NCCL) against 1. The [cuda] cases skip without CUDA (pytest -rs shows why); the [cpu] cases run the same bodies on
-the CPU with prm.varlen's CUDA branch pointed at test_packing's reference kernel, so what the GPU runs is tested
+the CPU with prm.core.varlen's CUDA branch pointed at test_packing's reference kernel, so what the GPU runs is tested
 here first. `python -m prm.bench --gpu-check` runs the [cuda] cases on a GPU machine."""
 import copy
 import functools
@@ -36,9 +36,9 @@ LOGIT_RTOL, GRAD_RTOL = 2 * (LAYERS + 1) * U, 4 * (LAYERS + 1) * U
 
 
 def kernel_on(device: str, monkeypatch, calls: list):
-    """prm.varlen's kernel, counted: the real varlen_attn on CUDA; on the CPU the reference kernel, opaque to
-    torch.compile (as the real kernel, a custom op, is) and with prm.varlen's CUDA branch pointed at the CPU."""
-    from prm import varlen
+    """prm.core.varlen's kernel, counted: the real varlen_attn on CUDA; on the CPU the reference kernel, opaque to
+    torch.compile (as the real kernel, a custom op, is) and with prm.core.varlen's CUDA branch pointed at the CPU."""
+    from prm.core import varlen
     from test_packing import reference_kernel
     if device == "cpu":
         monkeypatch.setattr(varlen, "KERNEL_DEVICE", "cpu")
@@ -58,8 +58,8 @@ def prm_pair(arch: str, vocab: int, device: str):
     """(padded, packed) PRMs with the same random weights: a Qwen2- or Llama-shaped backbone with grouped-query heads
     (4 query, 2 K/V), head_dim 64."""
     from transformers import AutoModel, LlamaConfig, Qwen2Config
-    from prm.model import PRM, new_head
-    from prm.varlen import use_packed_attention
+    from prm.core.model import PRM, new_head
+    from prm.core.varlen import use_packed_attention
     cfg = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch](
         vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
         num_key_value_heads=2, attention_dropout=0.0)
@@ -81,8 +81,8 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_packed_bf16_equals_padded(char_tok, monkeypatch, arch, device):
-    from prm.data import collate, pack
-    from prm.model import step_loss
+    from prm.core.data import collate, pack
+    from prm.core.model import step_loss
     from test_packing import rows
     calls = []
     kernel_on(device, monkeypatch, calls)
@@ -112,8 +112,8 @@ def test_packed_bf16_equals_padded(char_tok, monkeypatch, arch, device):
 
 def trainer_on(tmp_path, device: str, **overrides):
     """A Trainer on the tiny preset (bf16, packed) on the device, in train mode, and its first epoch's batches."""
-    from prm.runtime import Runtime
-    from prm.trainer import Trainer
+    from prm.core.runtime import Runtime
+    from prm.training.trainer import Trainer
     cfg = small_config(tmp_path, dtype="bf16", max_length=64, synthetic_size=64, **overrides)
     tr = Trainer(cfg, Runtime(device=torch.device(device)), "")
     tr.parallel.forward.train()
@@ -143,9 +143,9 @@ def test_compile_with_pack_to_compiles_once(tmp_path, monkeypatch, device):
 @marked(needs_cuda)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_no_host_sync_in_a_training_step(tmp_path, compiled):
-    """After a warm-up step, one Trainer.train_step (packed, bf16) makes no host sync: prm.bench's sync counting
+    """After a warm-up step, one Trainer.train_step (packed, bf16) makes no host sync: prm.tools.bench's sync counting
     (torch's sync debug mode, "warn"), every sync named by where it happened."""
-    from prm.bench import counting_syncs
+    from prm.tools.bench import counting_syncs
     tr, plan = trainer_on(tmp_path, "cuda", compile=compiled, pack_to=256 if compiled else 0, batch_size=4)
     tr.train_step(plan[0])  # lazy initializations (cuBLAS handles, the kernel's options, compilation) sync once
     seen = {}
@@ -184,7 +184,7 @@ def test_eval_bf16_matches_cpu_fp32(tmp_path, model_dir, device):
 @marked(needs_cuda)
 def test_reward_on_cuda_matches_cpu(model_dir):
     """PRMReward runs without autocast: fp32 on both, so within test_packing's fp32 bound (1e-5)."""
-    from prm.reward import PRMReward
+    from prm.scoring.reward import PRMReward
     prompts, completions = ["count from 3:", "count from 7:"], ["3+1=4\n4+1=5\n5+1=7", "7+1=8"]
     cpu = PRMReward(model_dir, device="cpu", aggregate="mean")(prompts, completions)
     cuda = PRMReward(model_dir, device="cuda", aggregate="mean")(prompts, completions)

@@ -1,5 +1,5 @@
-"""prm.gpucheck's inputs: the data file is sized from the bench flags by name, in any order."""
-from prm import gpucheck
+"""prm.tools.gpucheck's inputs: the data file is sized from the bench flags by name, in any order."""
+from prm.tools import gpucheck
 
 
 def test_the_data_file_is_sized_by_flag_name(tmp_path, monkeypatch):

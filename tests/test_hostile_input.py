@@ -7,7 +7,7 @@ import pytest
 
 from prm.config import Config
 from prm.errors import exit_status
-from prm.sources import DataError, read_rows
+from prm.readers.sources import DataError, read_rows
 
 ROW = json.dumps({"prompt": "p", "completions": ["a"], "labels": [True]})
 
@@ -61,7 +61,7 @@ def test_surrogate_pairs_and_repeated_keys_in_separate_objects_are_read(tmp_path
 
 @pytest.mark.parametrize("output, cause", [(".", "Is a directory"), ("missing/out.jsonl", "No such file or directory")])
 def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output, cause, capsys):
-    from prm.convert import main
+    from prm.readers.convert import main
     (tmp_path / "in.jsonl").write_text(ROW + "\n")
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "in.jsonl"), str(tmp_path / output)])
@@ -70,7 +70,7 @@ def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output,
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_convert_to_a_full_disk_exits_1_a_failed_write(tmp_path, capsys):
-    from prm.convert import main
+    from prm.readers.convert import main
     (tmp_path / "in.jsonl").write_text(ROW + "\n")
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "in.jsonl"), "/dev/full"])
@@ -82,8 +82,8 @@ def test_convert_to_a_full_disk_exits_1_a_failed_write(tmp_path, capsys):
 def test_a_chat_prompt_without_a_working_chat_template_exits_2_naming_prompt_and_cause(template, cause, capsys):
     from datasets import Dataset
 
-    from prm.ingest import tokenize_dataset
-    from prm.synthetic import char_tokenizer
+    from prm.readers.ingest import tokenize_dataset
+    from prm.readers.synthetic import char_tokenizer
     tokenizer = char_tokenizer()
     tokenizer.chat_template = template
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "c"}], "completions": ["a"], "labels": [True]}])
@@ -97,8 +97,8 @@ def test_a_chat_prompt_without_a_working_chat_template_exits_2_naming_prompt_and
 def test_a_chat_template_failing_on_every_row_is_one_line_without_row_advice(skip, capsys):
     from datasets import Dataset
 
-    from prm.ingest import tokenize_dataset
-    from prm.synthetic import char_tokenizer
+    from prm.readers.ingest import tokenize_dataset
+    from prm.readers.synthetic import char_tokenizer
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": c}], "completions": ["a"], "labels": [True]}
                             for c in "cde"])
     with pytest.raises(SystemExit) as e, exit_status():
@@ -118,8 +118,8 @@ TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'bad' %}{{ raise_excep
 def test_a_chat_template_that_raises_on_a_later_row_names_it_or_skips_it(skip, capsys):
     from datasets import Dataset
 
-    from prm.ingest import tokenize_dataset
-    from prm.synthetic import char_tokenizer
+    from prm.readers.ingest import tokenize_dataset
+    from prm.readers.synthetic import char_tokenizer
     tokenizer = char_tokenizer()
     tokenizer.chat_template = TEMPLATE
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": c}], "completions": ["a"], "labels": [True]}
@@ -137,15 +137,15 @@ def test_a_chat_template_that_raises_on_a_later_row_names_it_or_skips_it(skip, c
 
 
 def test_the_json_reader_keeps_no_process_state_and_serves_data_and_server_alike():
-    import prm.serve
-    import prm.sources
-    from prm.formats import read_json
-    assert not any(hasattr(prm.sources, name) for name in ("SAID", "_REPEATS", "_loads", "exit_on_data_error"))
+    import prm.scoring.serve
+    import prm.readers.sources
+    from prm.readers.formats import read_json
+    assert not any(hasattr(prm.readers.sources, name) for name in ("SAID", "_REPEATS", "_loads", "exit_on_data_error"))
     value, problem, _ = read_json('{"a": 1, "a": 2}')
     assert problem == "field 'a': given twice in one object (which value is meant?)"
     assert read_json('{"a": 1}') == ({"a": 1}, None, None)  # the earlier repeat left nothing behind
-    with pytest.raises(prm.serve.BadRequest, match="the body: field 'a': given twice in one object"):
-        prm.serve.parse(b'{"a": 1, "a": 2}')
+    with pytest.raises(prm.scoring.serve.BadRequest, match="the body: field 'a': given twice in one object"):
+        prm.scoring.serve.parse(b'{"a": 1, "a": 2}')
 
 
 def test_bad_data_is_a_usage_error_with_the_same_message(tmp_path, capsys):

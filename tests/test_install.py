@@ -1,5 +1,5 @@
 """The package installs: pip builds the checkout's tracked files into a fresh virtual environment (offline: no build
-isolation, no dependencies fetched), and prm.reward imports from another folder. Depends on: pytest, git, pip."""
+isolation, no dependencies fetched), and PRMReward imports from another folder. Depends on: pytest, git, pip."""
 import os
 import shutil
 import subprocess
@@ -43,8 +43,9 @@ def test_installed_package_scores_from_another_folder(tmp_path, model_dir):
                           "--no-index", str(src)], capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    snippet = ("import prm.reward; print(prm.reward.__file__); "  # the README's GRPOTrainer reward, outside the checkout
-               f"print(prm.reward.PRMReward({model_dir!r}, aggregate='min')(['count from 1:'], ['1+1=2\\n2+1=3\\n']))")
+    # the README's GRPOTrainer reward, imported from the package's top as a user does, outside the checkout
+    snippet = ("import prm; print(prm.__file__); "
+               f"print(prm.PRMReward({model_dir!r}, aggregate='min')(['count from 1:'], ['1+1=2\\n2+1=3\\n']))")
     got = subprocess.run([py, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     where, rewards = got.stdout.splitlines()[-2:]

@@ -1,4 +1,4 @@
-"""prm.label: answer extraction, the Monte-Carlo estimate and the binary search against scripted policies,
+"""prm.labeling.label: answer extraction, the Monte-Carlo estimate and the binary search against scripted policies,
 resumable and sharded output files, the generate path with a tiny random model (torchrun included), train.py
 on its output."""
 import json
@@ -13,8 +13,8 @@ import pytest
 
 from conftest import ROOT, read_metrics, small_config
 from prm.errors import PRMError, UsageError
-from prm.label import Options, extract_answer, judge, label_file, label_solutions, main, same_answer
-from prm.sources import DataError
+from prm.labeling.label import LabelOptions, extract_answer, judge, label_file, label_solutions, main, same_answer
+from prm.readers.sources import DataError
 
 
 def scripted(wins_of, wrong="so \\boxed{0}"):
@@ -38,12 +38,12 @@ def test_soft_and_hard_labels_are_the_counted_share_and_any():
     for last, final in (("the answer is 1.", True), ("the answer is 2.", False)):
         steps = ["a", "b", "c", "d", last]
         complete, log = scripted(lambda p, n: wins[steps_in(p)])
-        soft = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=4), 0)
+        soft = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=4), 0)
         assert soft == [{"labels": [1.0, 0.25, 0.0, 0.75, float(final)], "rollouts": [4, 4, 4, 4, 0],
                          "successes": [4, 1, 0, 3, 0]}]
         assert sorted(map(steps_in, log)) == [1, 2, 3, 4]  # the last step is judged by its own answer
-        hard = label_solutions("Q\n", [steps], judge("1", Options()), complete,
-                               Options(rollouts=4, label="hard"), 0)
+        hard = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete,
+                               LabelOptions(rollouts=4, label="hard"), 0)
         assert hard[0]["labels"] == [True, True, False, True, final]
 
 
@@ -54,9 +54,9 @@ def test_a_rollout_is_judged_with_the_steps_before_it(rest, rescued):
     # completed solution that answer, one that answers otherwise does not
     steps = ["0 + 1 = 1", "So the result is \\boxed{1}.", "Wait: \\boxed{2}."]
     complete, _ = scripted(lambda p, n: 0 if "boxed" in p else n, wrong=rest)
-    soft = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=4), 0)[0]
+    soft = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=4), 0)[0]
     assert soft["labels"] == [1.0, float(rescued), 0.0] and soft["successes"] == [4, 4 * rescued, 0]
-    binary = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(search="binary"), 0)
+    binary = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(search="binary"), 0)
     assert binary[0]["labels"] == ([True, True, False] if rescued else [True, False, None])
 
 
@@ -67,7 +67,7 @@ def first_error_at(prompt: str, n: int) -> int:
 
 
 def test_binary_search_finds_every_first_error_within_log2_prefixes():
-    opts = Options(rollouts=3, search="binary")
+    opts = LabelOptions(rollouts=3, search="binary")
     for n in range(1, 13):
         solutions, expected = [], []
         for e in range(1, n + 2):  # e = n + 1: no error, the final answer is right
@@ -91,7 +91,7 @@ def test_soft_labels_lie_within_binomial_bounds_of_the_success_rate():
     complete, _ = scripted(lambda prompt, n: sum(rng.random() < p[steps_in(prompt)] for _ in range(n)))
     steps = [f"s{k}" for k in range(1, 11)] + ["the answer is 1"]
     n = 400
-    got = label_solutions("Q\n", [steps], judge("1", Options()), complete, Options(rollouts=n), 0)
+    got = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=n), 0)
     got = got[0]["labels"]
     for k in range(1, 11):
         assert abs(got[k - 1] - p[k]) <= 4.5 * math.sqrt(p[k] * (1 - p[k]) / n), (k, got[k - 1], p[k])
@@ -118,13 +118,13 @@ def test_answers_match_after_normalization_and_never_without_one():
     for found, ref in (("1,000", "100"), ("\\frac{1}{3}", "0.33"), ("12", "1/2"), (None, "1"), ("1/0", "0")):
         assert not same_answer(found, ref), (found, ref)
     assert extract_answer("#### 72", "####\\s*(\\S+)") == "72" and extract_answer("#### 72", "\\d+") == "72"
-    assert judge("72", Options(answer_pattern="####\\s*(\\S+)"))("so 8 \n#### 72")
+    assert judge("72", LabelOptions(answer_pattern="####\\s*(\\S+)"))("so 8 \n#### 72")
 
 
 def test_math_verify_checker_missing_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails as when it is not installed
     with pytest.raises(UsageError, match="pip install 'math-verify"):
-        judge("1", Options(checker="math-verify"))
+        judge("1", LabelOptions(checker="math-verify"))
 
 
 def random_policy(prompts, n, seed):
@@ -154,7 +154,7 @@ def read(path):
 
 
 def test_a_killed_run_continues_to_the_file_of_an_uninterrupted_one(tmp_path):
-    data, opts = write_rows(tmp_path / "in.jsonl", ROWS), Options(rollouts=3, samples=2)
+    data, opts = write_rows(tmp_path / "in.jsonl", ROWS), LabelOptions(rollouts=3, samples=2)
     label_file(data, str(tmp_path / "whole.jsonl"), random_policy, opts)
     whole = read(tmp_path / "whole.jsonl")
     assert len(whole.splitlines()) > len(ROWS) and '"id": "p1/1"' in whole
@@ -177,15 +177,15 @@ def test_a_killed_run_continues_to_the_file_of_an_uninterrupted_one(tmp_path):
     label_file(data, out, random_policy, opts)
     assert read(out) == whole
     with pytest.raises(UsageError, match="rollouts 3 \\(now 4\\)") as e:
-        label_file(data, out, random_policy, Options(rollouts=4, samples=2))
+        label_file(data, out, random_policy, LabelOptions(rollouts=4, samples=2))
     assert e.value.code == 2
     write_rows(tmp_path / "mine.jsonl", [{"mine": 1}])
-    with pytest.raises(UsageError, match="mine.jsonl line 1: not a line prm.label writes"):
+    with pytest.raises(UsageError, match="mine.jsonl line 1: not a line prm.labeling.label writes"):
         label_file(data, str(tmp_path / "mine.jsonl"), random_policy, opts)
 
 
 def test_two_shards_merged_are_one_process(tmp_path):
-    data, opts = write_rows(tmp_path / "in.jsonl", ROWS), Options(rollouts=2, search="binary")
+    data, opts = write_rows(tmp_path / "in.jsonl", ROWS), LabelOptions(rollouts=2, search="binary")
     label_file(data, str(tmp_path / "whole.jsonl"), random_policy, opts)
     out = str(tmp_path / "out.jsonl")
     for i in range(2):
@@ -206,14 +206,14 @@ def test_bad_rows_name_file_line_and_field_or_are_skipped(tmp_path, capsys):
                        {"prompt": "p\n", "answer": "1", "completions": ["a", ""]}, {"prompt": "p\n"}]
     data = write_rows(tmp_path / "in.jsonl", rows)
     with pytest.raises(DataError) as e:
-        label_file(data, str(tmp_path / "out.jsonl"), random_policy, Options())
+        label_file(data, str(tmp_path / "out.jsonl"), random_policy, LabelOptions())
     for where in ("line 4: field 'answer': expected", "line 5: field 'prompt'",
                   "line 6: field 'completions': step 1", "line 7: field 'answer': missing"):
         assert f"{data} {where}" in str(e.value)
     with pytest.raises(SystemExit) as e:
         main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "o.jsonl")])
     assert e.value.code == 2 and "line 7: field 'answer': missing" in capsys.readouterr().err
-    label_file(data, str(tmp_path / "out.jsonl"), random_policy, Options(), skip_invalid=True)
+    label_file(data, str(tmp_path / "out.jsonl"), random_policy, LabelOptions(), skip_invalid=True)
     assert {json.loads(line)["row"] for line in read(tmp_path / "out.jsonl").splitlines()} == {0, 1, 2}
 
 
@@ -222,8 +222,8 @@ def policy_dir(tmp_path_factory):
     """A tiny random causal LM (the tiny preset's Qwen2 shape) with the character tokenizer."""
     import torch
     from transformers import Qwen2ForCausalLM
-    from prm.build import tiny_config
-    from prm.synthetic import char_tokenizer
+    from prm.training.build import tiny_config
+    from prm.readers.synthetic import char_tokenizer
     path = str(tmp_path_factory.mktemp("policy"))
     tokenizer = char_tokenizer()
     torch.manual_seed(0)
@@ -261,7 +261,7 @@ def test_generate_path_is_seeded_and_trains(policy_dir, one_process, tmp_path):
     assert all(r["rollouts"][:-1] == [2] * (len(r["labels"]) - 1) for r in rows)
     main(cli(policy_dir, data, str(tmp_path / "seed1.jsonl")) + ["--seed", "1"])
     assert read(tmp_path / "seed1.jsonl") != first  # each row's seed comes from --seed
-    from prm.trainer import train
+    from prm.training.trainer import train
     final = train(small_config(tmp_path / "run", dataset=str(tmp_path / "again.jsonl"), max_steps=2,
                                batch_size=2))
     assert final is not None and len([m for m in read_metrics(tmp_path / "run") if "loss" in m]) == 2
@@ -271,7 +271,7 @@ def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_p
     data, first = one_process
     out = str(tmp_path / "out.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "prm.label"] + cli(policy_dir, data, out)
+           "prm.labeling.label"] + cli(policy_dir, data, out)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -281,8 +281,8 @@ def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_p
 
 def test_generator_renders_text_and_chat_prompts(policy_dir):
     import torch
-    from prm.label import Generator
-    gen = Generator(Options(policy=policy_dir), device=torch.device("cpu"))
+    from prm.labeling.label import Generator
+    gen = Generator(LabelOptions(policy=policy_dir), device=torch.device("cpu"))
     assert gen.render("count:") == "count:"  # the character tokenizer adds no BOS of its own
     with pytest.raises(UsageError, match="cannot render a chat prompt"):
         gen.render([{"role": "user", "content": "count:"}])
@@ -293,8 +293,8 @@ def test_generator_renders_text_and_chat_prompts(policy_dir):
 
 def test_greedy_decoding_generates_each_prompt_once(policy_dir):
     import torch
-    from prm.label import Generator
-    gen = Generator(Options(policy=policy_dir, temperature=0.0, max_new_tokens=4), device=torch.device("cpu"))
+    from prm.labeling.label import Generator
+    gen = Generator(LabelOptions(policy=policy_dir, temperature=0.0, max_new_tokens=4), device=torch.device("cpu"))
     gen.tokenizer()
     generate, rows = gen.model.generate, []
     gen.model.generate = lambda **kw: rows.append(len(kw["input_ids"])) or generate(**kw)
@@ -305,9 +305,9 @@ def test_greedy_decoding_generates_each_prompt_once(policy_dir):
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_the_policy_holds_bf16_weights_where_bf16_is_native_else_fp32(policy_dir, monkeypatch, native):
     import torch
-    from prm.label import Generator
-    monkeypatch.setenv("PRM_CPU_BF16", native)  # the probe prm.runtime.autocast_dtype reads
-    gen = Generator(Options(policy=policy_dir, max_new_tokens=3), device=torch.device("cpu"))
+    from prm.labeling.label import Generator
+    monkeypatch.setenv("PRM_CPU_BF16", native)  # the probe prm.core.runtime.autocast_dtype reads
+    gen = Generator(LabelOptions(policy=policy_dir, max_new_tokens=3), device=torch.device("cpu"))
     texts = gen(["count:"], 2, 0)
     want = torch.bfloat16 if native == "1" else torch.float32
     assert {p.dtype for p in gen.model.parameters()} == {want} and len(texts[0]) == 2
@@ -336,16 +336,16 @@ def test_help_shows_the_newline_separator_as_an_escape(capsys):
 
 
 def test_rollout_prompts_start_each_step_on_its_own_and_drop_blank_sampled_steps():
-    from prm.label import label_row
+    from prm.labeling.label import label_row
     complete, log = scripted(lambda p, n: n)
     lines = label_row({"prompt": "What is 1+1?", "answer": "1", "completions": ["1+1", "so 1"]}, 0, complete,
-                      lambda prompt: prompt, Options(rollouts=1))
+                      lambda prompt: prompt, LabelOptions(rollouts=1))
     assert log == ["What is 1+1?\n1+1\n"] and json.loads(lines[0])["labels"] == [1.0, 1.0]
 
     def sampled(prompts, n, seed):  # a zero-width piece is no step (formats.split_steps), as train.py sees it
         return [["a\n\u200b\n \\boxed{1}"] * n] if prompts == ["Q\n"] else [["\\boxed{1}"] * n] * len(prompts)
     row = json.loads(label_row({"prompt": "Q\n", "answer": "1"}, 0, sampled, lambda prompt: prompt,
-                               Options(rollouts=1, samples=1))[0])
+                               LabelOptions(rollouts=1, samples=1))[0])
     assert row["completions"] == ["a", "\\boxed{1}"]
 
 
@@ -353,7 +353,7 @@ def test_a_chat_prompt_without_render_is_a_usage_error_naming_the_row(tmp_path):
     data = write_rows(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "1?"}], "answer": "1",
                                                  "completions": ["a", "\\boxed{1}"]}])
     with pytest.raises(UsageError, match="row 0: a chat prompt needs render="):
-        label_file(data, str(tmp_path / "out.jsonl"), scripted(lambda p, n: n)[0], Options(rollouts=1),
+        label_file(data, str(tmp_path / "out.jsonl"), scripted(lambda p, n: n)[0], LabelOptions(rollouts=1),
                    show=False)
 
 

@@ -7,15 +7,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import final_weights, read_metrics, run_train
-from prm.checkpoint import TRAINABLE
-from prm.data import collate, tokenize_example
-from prm.lora import LoRALinear, apply_lora, count_parameters, merged_state_dict
-from prm.build import build_model, model_for
+from prm.training.checkpoint import TRAINABLE
+from prm.core.data import collate, tokenize_example
+from prm.core.lora import LoRALinear, apply_lora, count_parameters, merged_state_dict
+from prm.training.build import build_model, model_for
 from prm.config import Config
 from prm.errors import UsageError
-from prm.model import PRM, step_loss
-from prm.synthetic import train_eval_rows
-from prm.trainer import make_optimizer
+from prm.core.model import PRM, step_loss
+from prm.readers.synthetic import train_eval_rows
+from prm.training.trainer import make_optimizer
 
 LORA = dict(lora_r=4, lora_alpha=8.0, lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
 
@@ -167,7 +167,7 @@ def test_eval_py_reads_lora_and_full_checkpoints_like_final(tmp_path):
 
 
 def test_a_bf16_frozen_base_halves_its_memory_trains_and_scores_without_bf16_autocast(char_tok, tmp_path):
-    from prm.build import model_for
+    from prm.training.build import model_for
     from prm.config import Config
     cfg = Config(lora_r=4, lora_base_dtype="bf16", dtype="bf16").resolve()
     model = model_for(cfg, char_tok)
@@ -182,7 +182,7 @@ def test_a_bf16_frozen_base_halves_its_memory_trains_and_scores_without_bf16_aut
     assert len(losses) == 3 and all(0 < x < 10 for x in losses) and 0.0 <= final["step_accuracy"] <= 1.0
     # scored in fp32 (eval.py --dtype fp32, PRMReward): the LoRA checkpoint's bf16 base and the merged final/
     import eval as eval_cli
-    from prm.reward import PRMReward
+    from prm.scoring.reward import PRMReward
     preds, rewards = {}, {}
     for d in ("checkpoint-3", "final"):
         out = str(tmp_path / f"{d}.jsonl")

@@ -1,12 +1,12 @@
 """Metrics against hand-computed values, brute-force counts and a direct ProcessBench implementation.
-Depends on: pytest, prm.metrics."""
+Depends on: pytest, prm.core.metrics."""
 import itertools
 import math
 import random
 
 import pytest
 
-from prm.metrics import (auroc, chance_f1, first_error, harmonic_mean, outcome_metrics, processbench_metrics,
+from prm.core.metrics import (auroc, chance_f1, first_error, harmonic_mean, outcome_metrics, processbench_metrics,
                          step_metrics, tune_threshold)
 
 approx = pytest.approx

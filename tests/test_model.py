@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
-from prm.data import collate, tokenize_example
-from prm.metrics import step_metrics
-from prm.lora import apply_lora
-from prm.build import build_model
-from prm.model import enable_activation_checkpointing, step_loss
-from prm.synthetic import make_rows
+from prm.core.data import collate, tokenize_example
+from prm.core.metrics import step_metrics
+from prm.core.lora import apply_lora
+from prm.training.build import build_model
+from prm.core.model import enable_activation_checkpointing, step_loss
+from prm.readers.synthetic import make_rows
 
 
 def test_loss_ignores_unlabeled_positions_and_counts_globally():
@@ -118,7 +118,7 @@ def test_a_new_head_on_a_pretrained_backbone_starts_at_one_half(tmp_path, char_t
     """A fresh head on a saved backbone has zero weights: every step starts at P(correct) = 0.5 (loss ln 2), where a
     random head on a real pretrained model gives all steps one confident verdict. Backbone and bias still train."""
     from transformers import AutoModel
-    from prm.model import PRM
+    from prm.core.model import PRM
     build_model("tiny", char_tok, seed=0).backbone.save_pretrained(tmp_path)
     AutoModel.from_pretrained(tmp_path)  # a plain backbone directory, as a hub model is
     model = PRM.from_pretrained(str(tmp_path))
@@ -138,9 +138,9 @@ def test_the_backbone_trains_without_dropout_by_default_as_in_trl(tmp_path, char
     """TRL's disable_dropout (default true) zeroes every nn.Dropout of a GPT-2-style backbone (dropout 0.1); false
     keeps the model's. --lora-dropout is the adapters' own either way."""
     from transformers import GPT2Config, GPT2Model
-    from prm.build import model_for
+    from prm.training.build import model_for
     from prm.config import Config
-    from prm.lora import LoRALinear
+    from prm.core.lora import LoRALinear
     gpt2 = GPT2Config(vocab_size=len(char_tok), n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     GPT2Model(gpt2).save_pretrained(tmp_path)
     model = model_for(Config(model=str(tmp_path), disable_dropout=disable).resolve(), char_tok).train()

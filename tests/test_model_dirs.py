@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
-from prm.build import build_model
+from prm.training.build import build_model
 from prm.errors import UsageError
 
 
@@ -29,7 +29,7 @@ def test_a_sharded_index_naming_weights_outside_the_directory_is_refused(model_d
 
 @pytest.mark.parametrize("path", ["/no/such/final", "./runs/none/final", "runs/none/final", "~/none"])
 def test_a_model_path_that_does_not_exist_is_no_such_folder_not_a_bad_repo_id(path):
-    from prm.build import load_trained
+    from prm.training.build import load_trained
     from prm.config import Config
     with pytest.raises(UsageError) as e:
         load_trained(Config(model=path), tokenizer_given=False)
@@ -81,7 +81,7 @@ def broken_copy(model_dir, tmp_path, kind: str) -> str:
                                            ("no_mlp", MADE_UP + "model.layers.1.mlp.down_proj.weight, "
                                                                 "model.layers.1.mlp.gate_proj.weight, ")])
 def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_path, kind, message):
-    from prm.build import load_trained
+    from prm.training.build import load_trained
     from prm.config import Config
     path = broken_copy(model_dir, tmp_path, kind)
     with pytest.raises(UsageError) as e:
@@ -93,7 +93,7 @@ def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_pa
                                                                    "make them up at random"),
                                            ("no_pad_nor_eos", "the tokenizer has neither a pad nor an EOS token")])
 def test_eval_py_and_prm_reward_refuse_a_model_they_would_score_at_random(model_dir, tmp_path, kind, message):
-    from prm.reward import PRMReward
+    from prm.scoring.reward import PRMReward
     path = broken_copy(model_dir, tmp_path, kind)
     r = subprocess.run([sys.executable, "eval.py", "--model", path], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -104,9 +104,9 @@ def test_eval_py_and_prm_reward_refuse_a_model_they_would_score_at_random(model_
 
 @pytest.mark.parametrize("kind", ["no_head", "head_2xH/2", "three_labels"])
 def test_prm_from_pretrained_never_scores_with_made_up_weights(model_dir, tmp_path, kind):
-    from prm.model import PRM, NotAPRM
+    from prm.core.model import PRM, NotAPRM
     path = broken_copy(model_dir, tmp_path, kind)
-    with pytest.raises(NotAPRM) as e:  # the README's Score snippet loads this way, without prm.build's checks
+    with pytest.raises(NotAPRM) as e:  # the README's Score snippet loads this way, without prm.training.build's checks
         PRM.from_pretrained(path)
     said = str(e.value)
     assert said.startswith(f"{path}: ") and ("no saved weight" in said or "2 labels" in said)
@@ -119,7 +119,7 @@ def test_prm_from_pretrained_never_scores_with_made_up_weights(model_dir, tmp_pa
                                            ("[1]", "expected a JSON object of settings, got list")])
 def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_field(model_dir, tmp_path, text, message):
     from prm.errors import UsageError
-    from prm.reward import load_reward_model
+    from prm.scoring.reward import load_reward_model
     path = tmp_path / "run"
     shutil.copytree(model_dir, path)
     (path / "config.train.json").write_text(text)
@@ -133,7 +133,7 @@ def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_fiel
                                                ("tokenizer_config.json", "{garbage", "JSONDecodeError"),
                                                ("tokenizer_config.json", "[1]", "AttributeError")])
 def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir, tmp_path, name, text, cause):
-    from prm.build import load_tokenizer
+    from prm.training.build import load_tokenizer
     path = tmp_path / "model"
     shutil.copytree(model_dir, path)
     (path / name).write_text(text)
@@ -143,16 +143,16 @@ def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir
 
 
 def test_every_tokenizer_load_refuses_one_with_neither_pad_nor_eos(model_dir, tmp_path):
-    from prm.build import load_tokenizer
+    from prm.training.build import load_tokenizer
     path = broken_copy(model_dir, tmp_path, "no_pad_nor_eos")
-    for flag in ("--tokenizer", "--policy"):  # training, published-PRM scorers and prm.label load through it
+    for flag in ("--tokenizer", "--policy"):  # training, published-PRM scorers and prm.labeling.label load through it
         with pytest.raises(UsageError) as e:
             load_tokenizer(path, False, flag)
         assert str(e.value).startswith(f"{flag} {path}: the tokenizer has neither a pad nor an EOS token")
 
 
 def test_scorer_auto_reads_the_config_of_a_hub_name_too(monkeypatch):
-    import prm.scorers as scorers
+    import prm.scoring.scorers as scorers
 
     class Hub:
         @staticmethod
@@ -170,8 +170,8 @@ def test_training_from_a_backbone_says_once_that_the_head_is_new_and_a_resume_do
     from transformers import AutoModel
 
     from conftest import run_train
-    from prm.build import tiny_config
-    from prm.synthetic import char_tokenizer
+    from prm.training.build import tiny_config
+    from prm.readers.synthetic import char_tokenizer
     tokenizer, base = char_tokenizer(), tmp_path / "backbone"
     AutoModel.from_config(tiny_config(tokenizer)).save_pretrained(base)
     tokenizer.save_pretrained(base)
@@ -188,8 +188,8 @@ def test_a_backbone_without_a_token_classifier_class_is_refused_before_any_data_
     from transformers import AutoModel, OlmoConfig
 
     from conftest import run_train
-    from prm import trainer
-    from prm.synthetic import char_tokenizer
+    from prm.training import trainer
+    from prm.readers.synthetic import char_tokenizer
     tokenizer, base = char_tokenizer(), tmp_path / "olmo"
     config = OlmoConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=2, pad_token_id=tokenizer.pad_token_id)

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-import prm.tracking
-import prm.trainer
+import prm.training.tracking
+import prm.training.trainer
 from prm.errors import PRMError
 from conftest import read_metrics, run_train, small_config
-from prm.sources import DataError
-from prm.tracking import Tracker
+from prm.readers.sources import DataError
+from prm.training.tracking import Tracker
 
 
 def snapshot(directory) -> dict:
@@ -113,7 +113,7 @@ class FakeWriter:
 def test_tracker_gets_the_metrics_records_and_the_config_once(tmp_path, monkeypatch):
     fake = type(sys)("fake_tensorboard")
     fake.SummaryWriter = FakeWriter
-    for module in (prm.tracking, prm.trainer):  # the trainer checks the package at start-up, the Tracker opens it
+    for module in (prm.training.tracking, prm.training.trainer):  # the trainer checks the package at start-up, the Tracker opens it
         monkeypatch.setattr(module, "require", lambda kind: fake)
     FakeWriter.made.clear()
     run_train(tmp_path, max_steps=4, eval_every=2, report_to="tensorboard", run_name="exp1")
@@ -131,7 +131,7 @@ def test_a_resumed_run_purges_the_tensorboard_events_past_its_checkpoint(tmp_pat
     """TensorBoard's crash-restart option: the steps a stopped run logged after its checkpoint appear once."""
     fake = type(sys)("fake_tensorboard")
     fake.SummaryWriter = FakeWriter
-    for module in (prm.tracking, prm.trainer):
+    for module in (prm.training.tracking, prm.training.trainer):
         monkeypatch.setattr(module, "require", lambda kind: fake)
     FakeWriter.made.clear()
     run_train(tmp_path / "a", max_steps=4, save_every=2, report_to="tensorboard")
@@ -160,10 +160,10 @@ def test_tensorboard_event_files_hold_the_loss_curve(tmp_path):
 
 
 def test_scalars_follow_the_records():
-    assert prm.tracking.scalars({"step": 3, "loss": 0.5, "acc": 1, "epoch": 0}) == {
+    assert prm.training.tracking.scalars({"step": 3, "loss": 0.5, "acc": 1, "epoch": 0}) == {
         "train/loss": 0.5, "train/acc": 1.0, "train/epoch": 0.0}
-    assert prm.tracking.scalars({"step": 3, "eval_auroc": None, "eval_f1_1": 0.25}) == {"eval/f1_1": 0.25}
-    assert prm.tracking.scalars({"step": 4, "final": {"auroc": 0.75, "train_data": {"rows": 3}}}) == {
+    assert prm.training.tracking.scalars({"step": 3, "eval_auroc": None, "eval_f1_1": 0.25}) == {"eval/f1_1": 0.25}
+    assert prm.training.tracking.scalars({"step": 4, "final": {"auroc": 0.75, "train_data": {"rows": 3}}}) == {
         "final/auroc": 0.75}
 
 
@@ -179,7 +179,7 @@ def test_wandb_tracker_gets_the_config_and_the_records(tmp_path, monkeypatch):
 
     fake = type(sys)("fake_wandb")
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
-    monkeypatch.setattr(prm.tracking, "require", lambda kind: fake)
+    monkeypatch.setattr(prm.training.tracking, "require", lambda kind: fake)
     monkeypatch.setenv("WANDB_PROJECT", "prm-tests")
     cfg = small_config(tmp_path / "run7", report_to="wandb").resolve()
     tracker = Tracker(cfg)

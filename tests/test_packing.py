@@ -23,9 +23,9 @@ ROWS = {"prompt": ["Q: 2+2?", "x", "A long question about numbers and their sums
 
 
 def tiny_model(tokenizer, packing: bool, lora: bool = False, checkpointing: bool = False):
-    from prm.build import model_for
+    from prm.training.build import model_for
     from prm.config import Config
-    from prm.model import enable_activation_checkpointing
+    from prm.core.model import enable_activation_checkpointing
     model = model_for(Config(lora_r=4 if lora else 0, lora_alpha=8.0, packing=packing), tokenizer)
     if checkpointing:
         enable_activation_checkpointing(model.backbone)
@@ -33,14 +33,14 @@ def tiny_model(tokenizer, packing: bool, lora: bool = False, checkpointing: bool
 
 
 def rows(tokenizer):
-    from prm.data import tokenize_batch
+    from prm.core.data import tokenize_batch
     batch = tokenize_batch(ROWS, tokenizer, "\n", max_length=None, max_completion_length=None,
                            train_on_last_step_only=False, is_eval=False)
     return [{"input_ids": i, "labels": y} for i, y in zip(batch["input_ids"], batch["labels"])]
 
 
 def test_pack_layout():
-    from prm.data import IGNORE, pack
+    from prm.core.data import IGNORE, pack
     rs = [{"input_ids": [5, 6, 7], "labels": [IGNORE, IGNORE, 1]}, {"input_ids": [8, 9], "labels": [IGNORE, 0.25]}]
     p = pack(rs, pad_id=0)
     assert p["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and p["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
@@ -62,7 +62,7 @@ def test_pack_layout():
 
 @pytest.mark.parametrize("pack_to", [0, 16])
 def test_packed_logits_equal_padded(char_tok, pack_to):
-    from prm.data import collate, pack
+    from prm.core.data import collate, pack
     rs = rows(char_tok)
     padded_model, packed_model = tiny_model(char_tok, False), tiny_model(char_tok, True)
     padded_model.load_state_dict(packed_model.state_dict())
@@ -93,19 +93,19 @@ def test_packed_training_equals_padded(tmp_path, lora, checkpointing, precision)
 
 def test_default_packs_the_tiny_preset(tmp_path):
     from prm.config import Config
-    from prm.varlen import is_packed
+    from prm.core.varlen import is_packed
     assert Config().packing
     run_train(tmp_path, max_steps=1)
     assert json.loads((tmp_path / "config.train.json").read_text())["packing"] is True
     assert "prm_packed" not in (tmp_path / "final" / "config.json").read_text()  # a stock, portable config
-    from prm.build import build_model, set_packing
-    from prm.synthetic import char_tokenizer
+    from prm.training.build import build_model, set_packing
+    from prm.readers.synthetic import char_tokenizer
     assert is_packed(set_packing(build_model("tiny", char_tokenizer(), 0), True))
 
 
 def test_encoders_and_attention_dropout_are_not_packed(char_tok):
     from transformers import AutoModel, BertConfig, GPT2Config
-    from prm.varlen import supports_packing
+    from prm.core.varlen import supports_packing
     bert = AutoModel.from_config(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                             intermediate_size=64))
     assert not supports_packing(bert)  # bidirectional: packed attention is causal only
@@ -174,8 +174,8 @@ def reference_kernel(signature: str, calls: list):
 def test_kernel_branch_arguments(char_tok, monkeypatch, signature):
     """The CUDA branch on CPU: causal flag for the signature, grouped-query heads (tiny preset: 4 query, 2 K/V),
     int32 cumulative lengths, and the autocast dtype for the fp32 queries RoPE hands over under autocast."""
-    from prm import varlen
-    from prm.data import collate, pack
+    from prm.core import varlen
+    from prm.core.data import collate, pack
     calls = []
     monkeypatch.setattr(varlen, "varlen_attn", reference_kernel(signature, calls))
     monkeypatch.setattr(varlen, "KERNEL_DEVICE", "cpu")
@@ -197,7 +197,7 @@ def test_kernel_branch_arguments(char_tok, monkeypatch, signature):
 
 
 def test_installed_kernel_signature_is_understood():
-    from prm import varlen
+    from prm.core import varlen
     if varlen.varlen_attn is None:
         pytest.skip("torch < 2.10 has no varlen_attn")
     params = inspect.signature(varlen.varlen_attn).parameters
@@ -230,8 +230,8 @@ def test_a_sliding_window_model_packs_examples_longer_than_its_window(char_tok, 
     packed logits equal padded ones in fp32 on every path (the 2.10 kernel has no window: the fallback runs)."""
     from transformers import AutoModel, MistralConfig
 
-    from prm import varlen
-    from prm.data import collate, pack
+    from prm.core import varlen
+    from prm.core.data import collate, pack
     calls = []
     if path != "fallback":
         kernel = windowed_kernel(calls) if path == "kernel 2.13" else reference_kernel("2.10", calls)
@@ -263,7 +263,7 @@ def test_soft_capped_attention_and_attention_sinks_are_not_packed():
     """Gemma 2's logit soft-capping changes the softmax, which the packed kernels lack: such models pad."""
     from transformers import AutoModel, Gemma2Config
 
-    from prm.varlen import supports_packing
+    from prm.core.varlen import supports_packing
     cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     assert not supports_packing(AutoModel.from_config(cfg))

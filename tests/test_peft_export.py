@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import final_weights, run_train
-from prm.build import build_model
-from prm.checkpoint import ADAPTER
+from prm.training.build import build_model
+from prm.training.checkpoint import ADAPTER
 from prm.config import Config
-from prm.lora import apply_lora, peft_targets
+from prm.core.lora import apply_lora, peft_targets
 
 LORA = dict(lora_r=4, lora_alpha=8.0, lora_dropout=0.1, lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
                                                                       "down_proj")

@@ -7,11 +7,11 @@ import pytest
 
 from conftest import ROOT, read_metrics, run_train
 from prm.config import Config
-from prm.convert import main as convert_main
-from prm.data import IGNORE, tokenize_example
-from prm.ingest import tokenize_dataset
-from prm.sources import DataError, load_eval, load_splits, read_rows
-from prm.synthetic import char_tokenizer, train_eval_rows
+from prm.readers.convert import main as convert_main
+from prm.core.data import IGNORE, tokenize_example
+from prm.readers.ingest import tokenize_dataset
+from prm.readers.sources import DataError, load_eval, load_splits, read_rows
+from prm.readers.synthetic import char_tokenizer, train_eval_rows
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -11,15 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
-from prm.build import build_model  # noqa: E402
+from prm.training.build import build_model  # noqa: E402
 from prm.config import Config  # noqa: E402
-from prm.data import pad_token_id  # noqa: E402
-from prm.evaluate import predict, report  # noqa: E402
-from prm.formats import detect_format, to_rows  # noqa: E402
-from prm.ingest import tokenize_dataset  # noqa: E402
-from prm.metrics import prmbench_metrics  # noqa: E402
-from prm.sources import DataError, read_rows, to_dataset  # noqa: E402
-from prm.synthetic import char_tokenizer  # noqa: E402
+from prm.core.data import pad_token_id  # noqa: E402
+from prm.core.evaluate import predict, report  # noqa: E402
+from prm.readers.formats import detect_format, to_rows  # noqa: E402
+from prm.readers.ingest import tokenize_dataset  # noqa: E402
+from prm.core.metrics import prmbench_metrics  # noqa: E402
+from prm.readers.sources import DataError, read_rows, to_dataset  # noqa: E402
+from prm.readers.synthetic import char_tokenizer  # noqa: E402
 
 FIX = os.path.join(ROOT, "tests", "fixtures")
 FIXTURE = os.path.join(FIX, "prmbench.jsonl")

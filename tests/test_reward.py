@@ -12,14 +12,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from prm.build import build_model, load_tokenizer  # noqa: E402
+from prm.training.build import build_model, load_tokenizer  # noqa: E402
 from prm.config import Config  # noqa: E402
 from prm.errors import UsageError  # noqa: E402
-from prm.evaluate import score  # noqa: E402
-from prm.metrics import AGGREGATES  # noqa: E402
-from prm.model import PRM  # noqa: E402
-from prm.reward import EMPTY_REWARD, PRMReward  # noqa: E402
-from prm.synthetic import char_tokenizer  # noqa: E402
+from prm.core.evaluate import score  # noqa: E402
+from prm.core.metrics import AGGREGATES  # noqa: E402
+from prm.core.model import PRM  # noqa: E402
+from prm.scoring.reward import EMPTY_REWARD, PRMReward  # noqa: E402
+from prm.readers.synthetic import char_tokenizer  # noqa: E402
 
 PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]
 COMPLETIONS = ["1+1=2\n2+1=3\n3+1=4\n", "7+1=8\n8+1=0", "3+1=5"]

@@ -14,9 +14,9 @@ import pytest
 
 from prm.config import Config
 from prm.errors import WriteFailed
-from prm.ingest import tokenize_dataset
-from prm.sources import data_digest, load_splits, rows_cache
-from prm.synthetic import char_tokenizer
+from prm.readers.ingest import tokenize_dataset
+from prm.readers.sources import data_digest, load_splits, rows_cache
+from prm.readers.synthetic import char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = [{"prompt": f"q{i}", "completions": ["a", "b"], "labels": [True, i % 2 == 0]} for i in range(30)]
@@ -79,7 +79,7 @@ def test_runs_started_together_on_new_data_all_succeed(data, tmp_path):
     with open(data, "a") as f:  # rows enough that writing the entry takes a while
         f.writelines(json.dumps({**ROWS[i % 30], "prompt": f"more {i}"}) + "\n" for i in range(20000))
     code = ("import os, sys, time, datasets; datasets.config.HF_DATASETS_CACHE = sys.argv[2]; "
-            "from prm.config import Config; from prm.sources import load_splits; open(sys.argv[3], 'w').close(); "
+            "from prm.config import Config; from prm.readers.sources import load_splits; open(sys.argv[3], 'w').close(); "
             "[time.sleep(0.05) for _ in range(2400) if not os.path.exists(sys.argv[4])]; "  # all imported: go
             "t, h = load_splits(Config(dataset=sys.argv[1])); print(len(t) + len(h))")
     go = str(tmp_path / "go")

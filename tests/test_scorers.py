@@ -1,5 +1,5 @@
-"""Published PRM families (prm.scorers) against plain, separate implementations of their authors' recipes, on real
-ProcessBench rows (tests/fixtures), through eval.py, PRMReward and prm.serve; the one-token and template checks.
+"""Published PRM families (prm.scoring.scorers) against plain, separate implementations of their authors' recipes, on real
+ProcessBench rows (tests/fixtures), through eval.py, PRMReward and prm.scoring.serve; the one-token and template checks.
 Tiny random models in each family's structure; the Qwen2 tokenizer from ../shared. Depends on: pytest, torch, prm."""
 import json
 import os
@@ -16,7 +16,7 @@ sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
 from prm.errors import UsageError  # noqa: E402
-from prm.reward import PRMReward  # noqa: E402
+from prm.scoring.reward import PRMReward  # noqa: E402
 
 TAG = "ки"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -203,7 +203,7 @@ def test_tokens_that_are_not_one_token_and_missing_or_unread_flags(dirs, qwen2_t
         evaluate(dirs["step-tag"], pb_file, tmp_path, "--scorer", "step-tag")
     with pytest.raises(UsageError, match="--step-tag: not read by --scorer chat-turns"):
         evaluate(dirs["chat-turns"], pb_file, tmp_path, "--scorer", "chat-turns", "--step-tag", TAG)
-    from prm.scorers import family
+    from prm.scoring.scorers import family
     fam = family(qwen2_tok, "step-tag", step_tag="и")  # one token alone, but after a space it merges
     with pytest.raises(UsageError, match=r"--step-tag 'и' merges with the text around it.*' и' tokenizes as"):
         fam.tokenize_batch({"prompt": ["q"], "completions": [["a step"]], "labels": [[True]]}, qwen2_tok)
@@ -211,7 +211,7 @@ def test_tokens_that_are_not_one_token_and_missing_or_unread_flags(dirs, qwen2_t
 
 def test_truncation_keeps_whole_steps_within_both_caps(qwen2_tok):
     import copy
-    from prm.scorers import family
+    from prm.scoring.scorers import family
     tok = copy.deepcopy(qwen2_tok)
     tok.add_tokens([TAG])
     batch = {"prompt": ["What is 1+1?"], "completions": [["1+1=2", "so 2", "done"]], "labels": [[True, False, None]]}
@@ -230,7 +230,7 @@ def test_truncation_keeps_whole_steps_within_both_caps(qwen2_tok):
 
 def test_a_template_that_drops_turns_cannot_hold_step_boundaries(dirs, qwen2_tok):
     import copy
-    from prm.scorers import family
+    from prm.scoring.scorers import family
     tok = copy.deepcopy(qwen2_tok)
     tok.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}\n{% endif %}{% endfor %}"
     fam = family(tok, "chat-turns")
@@ -288,7 +288,7 @@ def test_prm_reward_and_the_server_with_a_step_tag_model(dirs, tmp_path):
 
 
 def test_the_server_reads_a_prompt_in_the_prms_own_template_as_its_question(dirs):
-    from prm.serve import Scorer
+    from prm.scoring.serve import Scorer
     reward = PRMReward(dirs["step-tag"], "min", "cpu", scorer="step-tag", step_tag=TAG)
     scorer, tok = Scorer(reward), reward.tokenizer
     chat = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)

@@ -1,4 +1,4 @@
-"""prm.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries, no prompts); under bad clients:
+"""prm.scoring.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries, no prompts); under bad clients:
 idle and slow ones held open while 8 others are answered, every malformed request a JSON 4xx, a scoring failure a
 500, each followed by a good answer. In-process servers on free ports. Depends on: pytest, prm."""
 import contextlib
@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from prm import serve
-from prm.reward import EMPTY_REWARD, PRMReward
+from prm.scoring import serve
+from prm.scoring.reward import EMPTY_REWARD, PRMReward
 
 PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]
 COMPLETIONS = ["1+1=2\n2+1=3\n3+1=4\n", "7+1=8\n8+1=0", "3+1=5"]

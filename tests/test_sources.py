@@ -9,12 +9,12 @@ import torch
 from datasets import Dataset
 
 from prm.config import Config
-from prm.convert import main as convert_main
-from prm.data import IGNORE, collate, normalize_label
-from prm.ingest import tokenize_dataset
-from prm.model import step_loss
-from prm.sources import DataError, cut_after_first_error, load_eval, load_splits, read_rows
-from prm.synthetic import char_tokenizer, train_eval_rows
+from prm.readers.convert import main as convert_main
+from prm.core.data import IGNORE, collate, normalize_label
+from prm.readers.ingest import tokenize_dataset
+from prm.core.model import step_loss
+from prm.readers.sources import DataError, cut_after_first_error, load_eval, load_splits, read_rows
+from prm.readers.synthetic import char_tokenizer, train_eval_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures")
@@ -29,7 +29,7 @@ def _none_labels_supported():
 
 
 needs_unlabeled_steps = pytest.mark.skipif(not _none_labels_supported(),
-                                           reason="prm.data.normalize_label must map None (unlabeled step) to -100")
+                                           reason="prm.core.data.normalize_label must map None (unlabeled step) to -100")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -122,7 +122,7 @@ def test_directory_may_mix_formats(tmp_path):
 
 def test_hub_names_go_through_the_same_checks(monkeypatch, capsys):
     """No network here: a stand-in for datasets.load_dataset with a train split only."""
-    import prm.sources
+    import prm.readers.sources
     rows = read_rows(os.path.join(FIX, "stepwise_train.jsonl"), "train", Config())
     bad = rows[:3] + [{**rows[3], "labels": rows[3]["labels"][:1]}]
 
@@ -132,7 +132,7 @@ def test_hub_names_go_through_the_same_checks(monkeypatch, capsys):
             raise ValueError(f'Unknown split "{split}". Should be one of [\'train\'].')
         return Dataset.from_list(rows if name == "org/good" else bad)
 
-    monkeypatch.setattr(prm.sources, "load_dataset", fake_load)
+    monkeypatch.setattr(prm.readers.sources, "load_dataset", fake_load)
     train, held = load_splits(Config(dataset="org/good", dataset_config="main", eval_fraction=0.2))
     assert len(train) + len(held) == len(rows) and len(held) > 0  # no test split: a share held out by prompt
     assert "held out" in capsys.readouterr().err
@@ -370,7 +370,7 @@ def short_records():
 
 
 def test_every_format_trains_and_evaluates(tmp_path):
-    from prm.trainer import train
+    from prm.training.trainer import train
     data = tmp_path / "data"
     data.mkdir()
     for name, rows in short_records().items():
@@ -424,7 +424,7 @@ def test_a_folder_of_files_named_for_splits_is_read_as_those_splits(tmp_path, ca
 
 
 def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
-    from prm.trainer import train
+    from prm.training.trainer import train
     chat_tokenizer().save_pretrained(str(tmp_path / "tok"))
     rows = [{"prompt": [{"role": "user", "content": f"start {i}:"}], "completions": [f"{i}+1={i + 1}"],
              "labels": [i % 2 == 0]} for i in range(8)]
@@ -436,23 +436,23 @@ def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
 
 
 def test_validated_rows_are_read_back_while_files_and_settings_are_unchanged(tmp_path, monkeypatch, capsys):
-    import prm.sources
+    import prm.readers.sources
     rows = [{"prompt": f"q{i}", "completions": ["a", "b"], "labels": [True, i % 2 == 0]} for i in range(30)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     first_train, first_held = load_splits(cfg_for(data))
     ours = lambda err: [line for line in err.splitlines() if line.startswith((data, "held out"))]
     said = ours(capsys.readouterr().err)
     assert len(said) == 2 and "format stepwise" in said[0]
-    real = prm.sources.read_records
-    monkeypatch.setattr(prm.sources, "read_records", lambda path: pytest.fail("read again"))
+    real = prm.readers.sources.read_records
+    monkeypatch.setattr(prm.readers.sources, "read_records", lambda path: pytest.fail("read again"))
     train, held = load_splits(cfg_for(data))
     again = capsys.readouterr().err
     assert ours(again) == said and "rows read back" in again  # the read's messages said again, and where from
     assert train.to_list() == first_train.to_list() and held.to_list() == first_held.to_list()
     assert train._fingerprint == first_train._fingerprint  # so tokenization reads its own cache too
-    monkeypatch.setattr(prm.sources, "read_records", real)
+    monkeypatch.setattr(prm.readers.sources, "read_records", real)
     calls = []
-    monkeypatch.setattr(prm.sources, "read_records", lambda path: calls.append(path) or real(path))
+    monkeypatch.setattr(prm.readers.sources, "read_records", lambda path: calls.append(path) or real(path))
     load_splits(cfg_for(data, seed=1))  # another held-out draw
     write_jsonl(tmp_path / "d.jsonl", rows[:-1] + [{**rows[-1], "labels": [False, False]}])  # same size, new labels
     changed, _ = load_splits(cfg_for(data))
@@ -461,8 +461,8 @@ def test_validated_rows_are_read_back_while_files_and_settings_are_unchanged(tmp
 
 
 def scorer_steps(text: str, separator: str = "\n") -> list:
-    """The steps PRMReward (and so prm.serve) scores in a completion."""
-    from prm.reward import PRMReward
+    """The steps PRMReward (and so prm.scoring.serve) scores in a completion."""
+    from prm.scoring.reward import PRMReward
     scorer = PRMReward.__new__(PRMReward)  # no model needed to split a text
     scorer.step_separator = separator
     return scorer.steps(text)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from prm.config import Config
-from prm.sources import DataError, load_splits, read_rows
+from prm.readers.sources import DataError, load_splits, read_rows
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data")
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED), reason="../shared/data is not here")

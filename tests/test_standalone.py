@@ -81,10 +81,82 @@ assert {n for n, p in net.named_parameters() if p.requires_grad} == {"q_proj.lor
 
 @pytest.mark.parametrize("module", sorted(CHECKS))
 def test_core_module_works_alone(module, tmp_path):
-    shutil.copy(os.path.join(ROOT, "prm", f"{module}.py"), tmp_path)
+    shutil.copy(os.path.join(ROOT, "prm", "core", f"{module}.py"), tmp_path)
     script = CHECKS[module] + "\nassert not any(m == 'prm' or m.startswith('prm.') for m in sys.modules)\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # -E: no PYTHONPATH; -s: no user site; `-c` puts the current folder (the lone copy) first on sys.path
     proc = subprocess.run([sys.executable, "-E", "-s", "-c", "import sys\n" + script], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def module_imports() -> dict:
+    """{module: the prm modules it imports} over every file of the package (imports inside functions count; a
+    relative import is resolved against its folder; the package's lazy top-level names do not count)."""
+    import ast
+    import glob
+    deps = {}
+    for path in glob.glob(os.path.join(ROOT, "prm", "**", "*.py"), recursive=True):
+        rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+        name = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+        package = name if rel.endswith(".__init__") else name.rpartition(".")[0]
+        with open(path) as f:
+            nodes = list(ast.walk(ast.parse(f.read())))
+        found = set()
+        for n in nodes:
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - n.level + 1] + ([base] if base else []))
+                if base.startswith("prm."):
+                    found.add(base)
+                elif base == "prm" and name != "prm":
+                    found |= {f"prm.{a.name}" for a in n.names}
+            elif isinstance(n, ast.Import):
+                found |= {a.name for a in n.names if a.name.startswith("prm.")}
+        deps[name] = found
+    return deps
+
+
+def test_prm_imports_run_one_way():
+    """No import circle among prm's modules: prm.tools.bench calls prm.tools.gpucheck, never the other way round."""
+    deps = module_imports()
+    assert "prm.tools.gpucheck" in deps["prm.tools.bench"]
+
+    def circle(path):  # a path that leads back to its start, else None
+        for d in sorted(deps.get(path[-1], ())):
+            if d == path[0]:
+                return path + [d]
+            found = d not in path and circle(path + [d])
+            if found:
+                return found
+    circles = [c for c in map(circle, [[m] for m in sorted(deps)]) if c]
+    assert not circles, " ; ".join(" -> ".join(c) for c in circles)
+
+
+def test_core_folder_imports_nothing_else_of_prm(tmp_path):
+    """The reference folder copies whole under any name: its modules import one another and nothing else of prm."""
+    outside = {m: sorted(d for d in deps if not d.startswith("prm.core."))
+               for m, deps in module_imports().items() if m.startswith("prm.core")}
+    assert not any(outside.values()), outside
+    shutil.copytree(os.path.join(ROOT, "prm", "core"), tmp_path / "prmref")
+    script = ("import sys\nfrom prmref.evaluate import report\n"
+              "m = report([[0.9, 0.2]], [{'step_labels': [1, 0]}])\n"
+              "assert m['n_steps'] == 2 and m['step_accuracy'] == 1.0, m\n"
+              "assert not any(k == 'prm' or k.startswith('prm.') for k in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-E", "-s", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_import_prm_is_light_and_names_resolve():
+    """`import prm` loads no torch; each public name resolves to the object in its home module."""
+    script = ("import sys, prm\nassert 'torch' not in sys.modules, 'import prm loaded torch'\n"
+              "from prm import PRM, PRMReward, score, score_batch, load_tokenizer, Config\n"
+              "import prm.core.model, prm.scoring.reward\n"
+              "assert PRM is prm.core.model.PRM and PRMReward is prm.scoring.reward.PRMReward\n"
+              "assert set(prm.__all__) <= set(dir(prm))\n"
+              "for name in prm.__all__:\n    getattr(prm, name)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -62,7 +62,7 @@ def test_default_pipeline_end_to_end_and_eval_agrees(tmp_path):
 
 def test_auto_dtype_takes_bf16_only_where_the_cpu_runs_it_natively(monkeypatch):
     import torch
-    from prm.runtime import autocast_dtype
+    from prm.core.runtime import autocast_dtype
     cpu = torch.device("cpu")
     monkeypatch.delenv("PRM_CPU_BF16", raising=False)  # the probes' answer, not the suite's --cpu-bf16 choice
     for amx, avx512_bf16, expected in ((False, False, None), (True, False, torch.bfloat16),

@@ -1,4 +1,4 @@
-"""A model directory never allows its own code: PRMReward, prm.serve, eval.py and train.py load a hostile directory
+"""A model directory never allows its own code: PRMReward, prm.scoring.serve, eval.py and train.py load a hostile directory
 (config.train.json saying trust_remote_code, auto_maps naming a file beside the weights) without running that file,
 even were transformers to ask (the answer would be yes); the user's own --trust-remote-code does run it.
 Depends on: pytest, transformers, prm."""
@@ -9,10 +9,10 @@ import socketserver
 import pytest
 
 import eval as eval_cli
-from prm import serve
+from prm.scoring import serve
 from prm.config import Config, parse_config
-from prm.reward import PRMReward
-from prm.trainer import train
+from prm.scoring.reward import PRMReward
+from prm.training.trainer import train
 
 # importing it leaves a mark outside the directory, then fails: nothing after the import matters to these tests
 EVIL = "open({marker!r}, 'w').write('ran')\nraise RuntimeError('the model directory\\'s own code ran')\n"

@@ -44,7 +44,7 @@ def fail(monkeypatch, target: str, error: Exception, only=""):
 
 
 @pytest.mark.parametrize("target, kind", [("torch.save", "torch.save"), ("torch.save", "open/write"),
-                                          ("prm.model.save_file", "save_file")])
+                                          ("prm.core.model.save_file", "save_file")])
 def test_a_checkpoint_that_cannot_be_written_exits_with_one_line(tmp_path, monkeypatch, target, kind):
     fail(monkeypatch, target, FAULTS[kind])
     with pytest.raises(PRMError) as e:
@@ -55,7 +55,7 @@ def test_a_checkpoint_that_cannot_be_written_exits_with_one_line(tmp_path, monke
 
 
 def test_a_failed_final_export_keeps_the_weights_in_a_checkpoint(tmp_path, monkeypatch):
-    fail(monkeypatch, "prm.model.save_file", FAULTS["save_file"], only="final.tmp")
+    fail(monkeypatch, "prm.core.model.save_file", FAULTS["save_file"], only="final.tmp")
     with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=2)  # no --save-every: without the rescue, the export was the only copy
     one_line(e, f"could not write {tmp_path / 'final'}", f"kept in {tmp_path / 'checkpoint-2'}", "--resume auto")
@@ -66,7 +66,7 @@ def test_a_failed_final_export_keeps_the_weights_in_a_checkpoint(tmp_path, monke
 
 
 def test_a_failed_final_export_says_when_the_weights_are_lost(tmp_path, monkeypatch):
-    fail(monkeypatch, "prm.model.save_file", FAULTS["save_file"])  # the rescue checkpoint fails too
+    fail(monkeypatch, "prm.core.model.save_file", FAULTS["save_file"])  # the rescue checkpoint fails too
     with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=2)
     one_line(e, f"could not write {tmp_path / 'final'}", "could not be written either", "weights of step 2 are lost")
@@ -74,7 +74,7 @@ def test_a_failed_final_export_says_when_the_weights_are_lost(tmp_path, monkeypa
 
 
 def test_a_full_disk_while_appending_metrics_exits_with_one_line(tmp_path, monkeypatch):
-    from prm import checkpoint
+    from prm.training import checkpoint
 
     class Full:  # metrics.jsonl on a disk that has just filled up
         def write(self, text):
@@ -104,7 +104,7 @@ def test_a_real_full_disk(tmp_path):
 
 
 def test_a_full_disk_while_dropping_records_on_resume_keeps_metrics_whole(tmp_path, monkeypatch):
-    from prm import trainlog
+    from prm.training import trainlog
     from prm.errors import WriteFailed
     path = tmp_path / "metrics.jsonl"
     records = '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "loss": 0.3}\n'
@@ -133,7 +133,7 @@ def test_a_full_disk_while_dropping_records_on_resume_keeps_metrics_whole(tmp_pa
 
 
 def test_records_kept_on_resume_end_with_a_newline(tmp_path):
-    from prm.trainlog import keep_records_until
+    from prm.training.trainlog import keep_records_until
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}')  # the crash cut the last "\n"
     keep_records_until(str(path), 5)
@@ -142,7 +142,7 @@ def test_records_kept_on_resume_end_with_a_newline(tmp_path):
 
 def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
-    from prm.checkpoint import reported
+    from prm.training.checkpoint import reported
     from prm.errors import WriteFailed
     error = CheckpointException("save failed", {0: (OSError(errno.ENOSPC, NO_SPACE), None)})  # as dcp.save raises
     with pytest.raises(WriteFailed) as e:
@@ -154,7 +154,7 @@ def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
 
 def test_any_write_failure_names_its_cause_when_final_cannot_be_rescued(tmp_path, monkeypatch):
     from types import SimpleNamespace
-    from prm.checkpoint import Checkpointer
+    from prm.training.checkpoint import Checkpointer
     from prm.errors import WriteFailed
     assert WriteFailed("cannot write the rows").cause == "cannot write the rows"
     checkpointer = Checkpointer.__new__(Checkpointer)

@@ -1,6 +1,6 @@
 """Attention over packed rows: several examples back to back in one row, each attending only to itself.
 `use_packed_attention(backbone)` switches a stock transformers decoder to it; the backbone is then called with
-prm.data.pack's tensors (position_ids restarting at 0 per example, boundaries as cu_seq_lens_q/k, no mask).
+data.pack's tensors (position_ids restarting at 0 per example, boundaries as cu_seq_lens_q/k, no mask).
 On CUDA in bf16/fp16 the kernel is PyTorch's varlen flash attention; anywhere else an exact fallback runs
 causal SDPA per example. Registered through transformers' AttentionInterface: nothing builds an N x N mask
 and the saved config stays a plain one. Depends on: torch, transformers; copy it alone."""
@@ -67,7 +67,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """For AttentionInterface: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
-        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (prm.data.pack's "
+        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (data.pack's "
                          "output)")
     if not getattr(module, "is_causal", True) or dropout:
         raise ValueError("packed attention supports causal attention without attention dropout only: "

@@ -1,10 +1,10 @@
 """One run per output directory: a directory that already holds a run is refused at start-up unless that run
 is continued (--resume) or replaced (--overwrite), so no run ever appends to another's records. Depends on:
-prm.checkpoint, prm.errors."""
+prm.training.checkpoint, prm.errors."""
 import os
 import shutil
 
-from prm.checkpoint import resolve_resume
+from prm.training.checkpoint import resolve_resume
 from prm.errors import check
 
 RUN_FILES = ("metrics.jsonl", "final")  # with (abandoned-)checkpoint-*: what makes a directory hold a run

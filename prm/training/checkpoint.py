@@ -1,6 +1,6 @@
 """Training checkpoints (atomic, checksummed, exact resume), the final export, finding the newest good
 checkpoint, and the lock that keeps two runs out of one output directory. Depends on: torch, safetensors,
-prm.model, prm.lora, prm.runtime, prm.sharding, prm.errors."""
+prm.core.model, prm.core.lora, prm.core.runtime, prm.training.sharding, prm.errors."""
 import contextlib
 import fcntl
 import hashlib
@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from prm.errors import UsageError, WriteFailed, check
-from prm.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
-from prm.model import hf_names, load_weights
-from prm.runtime import barrier
-from prm.sharding import SHARDS, load_shards, save_shards
+from prm.core.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
+from prm.core.model import hf_names, load_weights
+from prm.core.runtime import barrier
+from prm.training.sharding import SHARDS, load_shards, save_shards
 
 MARKER = "complete.json"  # written last, with every file's checksum: without it, a crashed save, not resumed
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
@@ -371,7 +371,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, scaler) -> int:
 class Checkpointer:
     """The trainer's checkpoints: checkpoint-<step>/ when --save-every says so or the run stops early, and
     final/ at the end; `before_save` first (the divergence check: it raises rather than save non-finite
-    weights). parallel: prm.sharding.Parallel, the model as the loop runs it."""
+    weights). parallel: prm.training.sharding.Parallel, the model as the loop runs it."""
 
     def __init__(self, cfg, rt, parallel, *, every: int, optimizer, scheduler, scaler, tokenizer, before_save,
                  digests: dict):

@@ -1,16 +1,16 @@
 """The one evaluation route (predict, then report) of the trainer's held-out metrics and eval.py; the scoring
-API; best-of-N reports. Depends on: torch, tqdm, prm.data, prm.metrics, prm.model, prm.runtime, prm.varlen."""
+API; best-of-N reports. Depends on: torch, tqdm, data, metrics, model, runtime, varlen."""
 import contextlib
 
 import torch
 from tqdm import tqdm
 
-from prm.data import collate, eval_batches, pack, pad_token_id, tokenize_batch
-from prm.metrics import (best_of_n, chance_f1, first_error, outcome_metrics, prmbench_metrics,
+from .data import collate, eval_batches, pack, pad_token_id, tokenize_batch
+from .metrics import (best_of_n, chance_f1, first_error, outcome_metrics, prmbench_metrics,
                          processbench_metrics, step_metrics)
-from prm.model import input_settings
-from prm.runtime import Runtime, gather_objects
-from prm.varlen import is_packed
+from .model import input_settings
+from .runtime import Runtime, gather_objects
+from .varlen import is_packed
 
 
 @torch.inference_mode()
@@ -60,7 +60,7 @@ def true_first_error(row: dict) -> int:
 
 
 def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: bool = False) -> dict:
-    """Every metric of one set from predict's per-step P(correct) and tokenized rows (prm.ingest) with
+    """Every metric of one set from predict's per-step P(correct) and tokenized rows (prm.readers.ingest) with
     step_labels (None = unlabeled, scored for ProcessBench but kept out of the step metrics) and optionally
     first_error, final_answer_correct, a PRMBench `category`. A row with no scored step is left out of every
     metric (examples_dropped); a truncated one is kept, its first error looked for among its scored steps."""
@@ -128,7 +128,7 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
     max_length = (max_length if max_length is not None else saved.get("max_length")) or None
     max_completion_length = (max_completion_length if max_completion_length is not None
                              else saved.get("max_completion_length")) or None
-    tokenize_input = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own (prm.scorers)
+    tokenize_input = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own (prm.scoring.scorers)
     rows = []
     for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
         chunk = solutions[start:start + 256]

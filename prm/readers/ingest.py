@@ -1,7 +1,7 @@
 """Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read
 (input_ids; labels: training targets, -100 off labeled step ends; steps_kept; step_ends: each kept step's last
 token; length; n_labeled; step_labels: each step's truth, None = unlabeled, cut steps included; META columns
-of the source), and the data report. Depends on: datasets, pyarrow, prm.data, prm.errors, prm.sources."""
+of the source), and the data report. Depends on: datasets, pyarrow, prm.core.data, prm.errors, prm.readers.sources."""
 import hashlib
 import os
 
@@ -9,9 +9,9 @@ import pyarrow.compute as pc
 from datasets import Features, Sequence, Value
 from datasets.fingerprint import Hasher
 
-from prm.data import IGNORE, assemble, normalize_label, tokenize_batch
+from prm.core.data import IGNORE, assemble, normalize_label, tokenize_batch
 from prm.errors import UsageError, WriteFailed
-from prm.sources import META, DataError, say
+from prm.readers.sources import META, DataError, say
 
 COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
            "steps_kept": Value("int32"), "step_ends": Sequence(Value("int32")), "length": Value("int32"),
@@ -31,7 +31,7 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
                      drop_unlabeled: bool = True):
     """(dataset, report) by datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Rows
     without a labeled step are dropped (and counted in the report). The evaluation route keeps them
-    (drop_unlabeled=False): prm.evaluate.report counts them, and predictions line up with the source."""
+    (drop_unlabeled=False): prm.core.evaluate.report counts them, and predictions line up with the source."""
     features = Features({**COLUMNS, **{k: v for k, v in ds.features.items() if k in META}})
     if "input_ids" in ds.column_names:  # pre-tokenized: checked here, then the same rows as text gives
         check_pretokenized(ds, tokenizer, cfg)
@@ -39,7 +39,7 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
         kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
                       train_on_last_step_only=cfg.train_on_last_step_only)
     else:
-        fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder (prm.scorers)
+        fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder (prm.scoring.scorers)
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
                       max_completion_length=cfg.max_completion_length,
                       train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)

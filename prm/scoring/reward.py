@@ -1,6 +1,6 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer
-calls (`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.config, prm.errors, prm.evaluate,
-prm.formats, prm.metrics, prm.model, prm.scorers."""
+calls (`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.config, prm.errors, prm.core.evaluate,
+prm.readers.formats, prm.core.metrics, prm.core.model, prm.scoring.scorers."""
 import os
 import warnings
 
@@ -8,18 +8,18 @@ import torch
 
 from prm.config import FILE, Config
 from prm.errors import UsageError
-from prm.evaluate import score_batch
-from prm.formats import split_steps
-from prm.metrics import AGGREGATES
-from prm.model import input_settings
-from prm.scorers import load
+from prm.core.evaluate import score_batch
+from prm.readers.formats import split_steps
+from prm.core.metrics import AGGREGATES
+from prm.core.model import input_settings
+from prm.scoring.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it (scorer: prm.scorers.load's family settings). The step separator and max length it was trained
+    reads it (scorer: prm.scoring.scorers.load's family settings). The step separator and max length it was trained
     with come from the run's config.train.json, else from config.json's "prm" (an export); never whether the
     directory's own Python files may run: that is the caller's trust_remote_code alone."""
     saved = os.path.isfile(os.path.join(path, FILE))
@@ -52,7 +52,7 @@ class PRMReward:
             tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **settings)
         elif scorer not in ("auto", "classifier"):  # a loaded model would silently be read as a classifier
             raise ValueError(f"scorer {scorer!r} reads a model directory; "
-                             "prm.scorers.load gives a loaded one")
+                             "prm.scoring.scorers.load gives a loaded one")
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:

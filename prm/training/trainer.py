@@ -14,25 +14,25 @@ import time
 import torch
 from tqdm import tqdm
 
-from prm.build import check_exportable, model_for, tokenizer_for
-from prm.card import config_command, model_card
-from prm.checkpoint import (Checkpointer, load_checkpoint, read_marker, run_lock, set_aside_after,
+from prm.training.build import check_exportable, model_for, tokenizer_for
+from prm.training.card import config_command, model_card
+from prm.training.checkpoint import (Checkpointer, load_checkpoint, read_marker, run_lock, set_aside_after,
                             write_card)
 from prm.config import Config
-from prm.data import collate, global_batches, micro_batches, pack, pad_token_id
+from prm.core.data import collate, global_batches, micro_batches, pack, pad_token_id
 from prm.errors import Stopped, UsageError, check
-from prm.evaluate import predict, report
-from prm.ingest import tokenize_dataset
-from prm.lora import count_parameters
-from prm.model import enable_activation_checkpointing, is_classifier, step_loss
-from prm.rundir import prepare_output_dir
-from prm.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, decided_by_main, main_first,
+from prm.core.evaluate import predict, report
+from prm.readers.ingest import tokenize_dataset
+from prm.core.lora import count_parameters
+from prm.core.model import enable_activation_checkpointing, is_classifier, step_loss
+from prm.training.rundir import prepare_output_dir
+from prm.core.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, decided_by_main, main_first,
                          progress_off, setup, teardown)
-from prm.sharding import Parallel
-from prm.sources import data_digest, load_splits
-from prm.tracking import Tracker, require
-from prm.trainlog import LogSettings, MetricsFile, TrainLog, count
-from prm.varlen import is_packed
+from prm.training.sharding import Parallel
+from prm.readers.sources import data_digest, load_splits
+from prm.training.tracking import Tracker, require
+from prm.training.trainlog import LogSettings, MetricsFile, TrainLog, count
+from prm.core.varlen import is_packed
 
 
 def train(cfg: Config, command: str = "") -> dict:
@@ -332,7 +332,7 @@ class Trainer:
 
 
 class HeldOut:
-    """The held-out metrics, by the same route as eval.py (prm.evaluate: predict, then report): every
+    """The held-out metrics, by the same route as eval.py (prm.core.evaluate: predict, then report): every
     --eval-every steps, and at the end."""
 
     def __init__(self, model, rows: list, *, cfg: Config, rt: Runtime, every: int, pad_id: int, amp_dtype,

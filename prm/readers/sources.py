@@ -1,5 +1,5 @@
 """Read train/held-out data from a hub name, a .jsonl/.json/.parquet file or a directory; convert and validate
-every row. Depends on: datasets, prm.data, prm.errors, prm.formats, prm.synthetic."""
+every row. Depends on: datasets, prm.core.data, prm.errors, prm.readers.formats, prm.readers.synthetic."""
 import contextlib
 import hashlib
 import inspect
@@ -16,11 +16,11 @@ from datasets import Dataset, Features, List, Value, load_dataset
 from datasets.exceptions import DatasetGenerationError
 
 from prm.config import Config
-from prm.data import IGNORE
+from prm.core.data import IGNORE
 from prm.errors import UsageError, WriteFailed
-from prm.formats import (FORMATS, META, at_separator, decode, detect_format, field_problem, format_help,
+from prm.readers.formats import (FORMATS, META, at_separator, decode, detect_format, field_problem, format_help,
                          read_json, to_rows)
-from prm.synthetic import train_eval_rows
+from prm.readers.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more": the message must fit one screen

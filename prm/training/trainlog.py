@@ -1,6 +1,6 @@
 """What a training run reports: the log line and metrics.jsonl (MetricsFile), and the running sums behind them
-with the divergence check, the throughput and the time left (TrainLog). Depends on: torch, prm.checkpoint,
-prm.data, prm.errors, prm.runtime."""
+with the divergence check, the throughput and the time left (TrainLog). Depends on: torch, prm.training.checkpoint,
+prm.core.data, prm.errors, prm.core.runtime."""
 import contextlib
 import datetime
 import json
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from prm.checkpoint import AppendFile, reported
-from prm.data import padded_tokens
+from prm.training.checkpoint import AppendFile, reported
+from prm.core.data import padded_tokens
 from prm.errors import Diverged, WriteFailed
-from prm.runtime import Runtime, all_reduce_sum
+from prm.core.runtime import Runtime, all_reduce_sum
 
 
 class MetricsFile:

@@ -1,6 +1,6 @@
 """The model card (README.md) written into final/: what the model is, how it scores (with a snippet that
 needs only transformers), its metrics, license and versions, and the command. Depends on: huggingface_hub,
-prm.sources."""
+prm.readers.sources."""
 import os
 import re
 import shlex
@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 from huggingface_hub import try_to_load_from_cache
 
-from prm.sources import is_local
+from prm.readers.sources import is_local
 
 CITATIONS = """\
 @article{uesato2022solving,
@@ -28,7 +28,7 @@ CITATIONS = """\
   year    = {2023}
 }"""
 
-# the card's usage example: plain transformers + torch, tokenizing as prm.data.tokenize_example does
+# the card's usage example: plain transformers + torch, tokenizing as prm.core.data.tokenize_example does
 SNIPPET = '''\
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
@@ -132,14 +132,14 @@ def model_card(cfg, metrics: dict, command: str) -> str:
         "- Tokens: the prompt's ids (BOS first only if the tokenizer has one), then for each step ids(step) "
         "+ ids(separator), each piece tokenized on its own without special tokens. A step's score is read at "
         "the LAST token of its separator; scores elsewhere mean nothing. Build inputs exactly this way "
-        "(`prm.data.tokenize_example`, `prm.evaluate.score`): joining the text and tokenizing it once gives "
+        "(`prm.core.data.tokenize_example`, `prm.core.evaluate.score`): joining the text and tokenizing it once gives "
         "other ids with BPE tokenizers.",
         f"- Training: {cfg.batch_size} examples per device x {cfg.grad_accum} accumulation steps, peak "
         f"learning rate {cfg.lr:g}, seed {cfg.seed}; at most {cfg.max_length} tokens per example"
         + (f" and {cfg.max_completion_length} tokens of steps" if cfg.max_completion_length else "")
         + (", on the last step's label only" if cfg.train_on_last_step_only else "") + ".",
         "", "## Use with transformers only", "", "```python", SNIPPET, "```", "",
-        "The same with this package: `prm.evaluate.score(model, tokenizer, prompt, steps)`.",
+        "The same with this package: `prm.core.evaluate.score(model, tokenizer, prompt, steps)`.",
         "", "## Held-out metrics", "",
         f"On {held_out}; a step counts as predicted correct when P(correct) >= {cfg.threshold:g}; "
         "class 0 = incorrect step.", ""] + table + [

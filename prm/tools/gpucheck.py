@@ -1,9 +1,9 @@
 """python -m prm.bench --gpu-check: everything a GPU machine must show in one offline command: the CUDA tests
-of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.bench --variants) on a random
+of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.tools.bench --variants) on a random
 Qwen2-0.5B-shaped backbone, batch 8 x 2048, bf16, as one JSON object. Without CUDA it builds the config,
 tokenizer and data, then exits 2; --dry-run does it all on the CPU at a tiny shape (padded and packed:
-inductor's CPU build of the compiled variant takes minutes). Depends on: torch, transformers, prm.build,
-prm.data, prm.synthetic (prm.bench calls it with its side-by-side runner)."""
+inductor's CPU build of the compiled variant takes minutes). Depends on: torch, transformers, prm.training.build,
+prm.core.data, prm.readers.synthetic (prm.tools.bench calls it with its side-by-side runner)."""
 import json
 import os
 import random
@@ -14,10 +14,10 @@ import tempfile
 import torch
 from transformers import AutoModel, Qwen2Config
 
-from prm.build import load_tokenizer
-from prm.data import pad_token_id
+from prm.training.build import load_tokenizer
+from prm.core.data import pad_token_id
 from prm.errors import UsageError
-from prm.synthetic import CHARS, char_tokenizer
+from prm.readers.synthetic import CHARS, char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN2_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "tokenizers", "qwen2")
@@ -66,7 +66,7 @@ def write_inputs(path: str, dry: bool) -> tuple:
 
 
 def write_weights(model_dir: str, device: str):
-    """Random init (seed 0) on the device, saved beside the config: prm.build loads it as any local model."""
+    """Random init (seed 0) on the device, saved beside the config: prm.training.build loads it as any local model."""
     torch.manual_seed(0)
     with torch.device(device):  # initializing 0.5B weights on a GPU takes a second, not a minute
         AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
@@ -87,7 +87,7 @@ def run_tests() -> dict:
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
     """The whole check; UsageError without CUDA (unless dry), after building what needs no GPU.
-    side_by_side(argv) -> prm.bench's {"variants": {name: figures}, "tokens_per_second_vs_padded": ...}."""
+    side_by_side(argv) -> prm.tools.bench's {"variants": {name: figures}, "tokens_per_second_vs_padded": ...}."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():

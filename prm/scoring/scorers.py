@@ -1,15 +1,15 @@
 """Published PRMs read exactly as their authors read them, so evaluation and rewards need no branch of their
 own: per family a row builder (input_ids, and the positions read as the steps' scores), which travels as the
-tokenizer's `prm_rows` (prm.ingest and prm.evaluate.score_batch call it instead of tokenize_batch), and a
+tokenizer's `prm_rows` (prm.readers.ingest and prm.core.evaluate.score_batch call it instead of tokenize_batch), and a
 model giving (B, T, 2) logits, [bad, good].
-- classifier: a token-classification head (prm.build.load_trained, prm.data.tokenize_batch).
+- classifier: a token-classification head (prm.training.build.load_trained, prm.core.data.tokenize_batch).
 - qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, user = problem, assistant = every step ended by
   <extra_0>; its own model code, whose first output is read at each <extra_0>.
 - step-tag (Math-Shepherd): problem + " " + the steps each ended by " " + a tag, joined by "\n", tokenized
   once; LM-head logits of the bad and good tokens at each tag.
 - chat-turns (RLHFlow): user turns (problem + " " + step 1, then a step each), each assistant turn the good
   token, rendered once; the bad/good logits where each assistant token is predicted.
-Depends on: torch, transformers, prm.build, prm.data, prm.errors, prm.varlen."""
+Depends on: torch, transformers, prm.training.build, prm.core.data, prm.errors, prm.core.varlen."""
 import bisect
 import dataclasses
 import hashlib
@@ -20,10 +20,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from prm.build import load_tokenizer, load_trained, loading
-from prm.data import IGNORE, normalize_label
+from prm.training.build import load_tokenizer, load_trained, loading
+from prm.core.data import IGNORE, normalize_label
 from prm.errors import UsageError
-from prm.varlen import supports_packing, use_packed_attention
+from prm.core.varlen import supports_packing, use_packed_attention
 
 FAMILIES = ("classifier", "qwen-prm", "step-tag", "chat-turns")
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -65,7 +65,7 @@ class Family:
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", max_length=None,
                        train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
-        """tokenize_batch's columns (prm.data), each row built as its authors build it (the separator and
+        """tokenize_batch's columns (prm.core.data), each row built as its authors build it (the separator and
         train_on_last_step_only are not theirs: unused); truncation keeps whole steps, as assemble does."""
         out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
                                "step_labels")}
@@ -209,7 +209,7 @@ class Logits(nn.Module):
 def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="+", bad_token="-",
          dtype=torch.float32) -> tuple:
     """(tokenizer, model) of any family, the model's output (B, T, 2) logits and the tokenizer carrying the
-    family's row builder; classifiers load as prm.build.load_trained loads them (fp32), a published PRM's
+    family's row builder; classifiers load as prm.training.build.load_trained loads them (fp32), a published PRM's
     weights in `dtype` (bf16, as their authors run them, halves the memory of a 7B model)."""
     name = detect(cfg.model, scorer)
     if name not in FAMILIES:

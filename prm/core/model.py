@@ -27,7 +27,7 @@ class PRM(nn.Module):
         return self.backbone.config
 
     def forward(self, input_ids, attention_mask=None, **packed):
-        """packed: a packed row's position_ids and example boundaries (prm.data.pack), for the backbone."""
+        """packed: a packed row's position_ids and example boundaries (data.pack), for the backbone."""
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **packed).last_hidden_state  # (B, T, H)
         return self.head(h)  # (B, T, 2)
@@ -35,7 +35,7 @@ class PRM(nn.Module):
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
         """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is.
         backbone_state / head_state: the weights to write (default: the modules' own). A LoRA model passes its
-        adapters folded in (prm.lora.merged_state_dict), a sharded model its gathered weights."""
+        adapters folded in (lora.merged_state_dict), a sharded model its gathered weights."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
         if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would silently drop them
             raise ValueError("the backbone has unmerged adapters: pass "

@@ -1,6 +1,6 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
-benchmark all come here. Depends on: torch, transformers, safetensors, prm.model, prm.lora, prm.data,
-prm.checkpoint, prm.sharding, prm.synthetic, prm.varlen."""
+benchmark all come here. Depends on: torch, transformers, safetensors, prm.core.model, prm.core.lora, prm.core.data,
+prm.training.checkpoint, prm.training.sharding, prm.readers.synthetic, prm.core.varlen."""
 import glob
 import json
 import os
@@ -10,14 +10,14 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from prm.checkpoint import TRAINABLE, load_trainable
-from prm.data import pad_token_id
+from prm.training.checkpoint import TRAINABLE, load_trainable
+from prm.core.data import pad_token_id
 from prm.errors import UsageError, check
-from prm.lora import apply_lora, has_lora
-from prm.model import PRM, SETTINGS, NotAPRM, hf_names, is_classifier, new_head
-from prm.sharding import SHARDS, load_whole
-from prm.synthetic import char_tokenizer
-from prm.varlen import supports_packing, use_packed_attention
+from prm.core.lora import apply_lora, has_lora
+from prm.core.model import PRM, SETTINGS, NotAPRM, hf_names, is_classifier, new_head
+from prm.training.sharding import SHARDS, load_whole
+from prm.readers.synthetic import char_tokenizer
+from prm.core.varlen import supports_packing, use_packed_attention
 
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names meaning "this step is right"
 
@@ -64,7 +64,7 @@ def outside_weights(path: str) -> list:
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *, weights=True):
     """AutoTokenizer, except that a generic tokenizer.json (the tiny preset's character tokenizer) loads as
     written: transformers 5 would rebuild it from the vocabulary as the model type's own class
-    (Qwen2Tokenizer), which the character tokenizer survives (prm.synthetic) but without its <unk>."""
+    (Qwen2Tokenizer), which the character tokenizer survives (prm.readers.synthetic) but without its <unk>."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
@@ -177,8 +177,8 @@ def model_for(cfg, tokenizer) -> PRM:
 
 
 def set_packing(model: PRM, packing: bool) -> PRM:
-    """With --packing, a backbone that supports it runs prm.varlen's attention: every call is then packed (the
-    trainer, predict and score_batch check prm.varlen.is_packed). Others keep padding."""
+    """With --packing, a backbone that supports it runs prm.core.varlen's attention: every call is then packed (the
+    trainer, predict and score_batch check prm.core.varlen.is_packed). Others keep padding."""
     if packing and supports_packing(model.backbone):
         use_packed_attention(model.backbone)
     return model

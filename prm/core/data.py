@@ -144,7 +144,7 @@ def collate(rows: list, pad_id: int) -> dict:
 
 def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
     """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, example
-    boundaries as int32 cumulative lengths (made on the host), no attention mask (prm.varlen keeps each
+    boundaries as int32 cumulative lengths (made on the host), no attention mask (varlen keeps each
     example to itself). input_ids/position_ids (1, N) int64, labels (1, N) float32, cu_seq_lens_q/k
     (n_rows + 1,), max_length_q/k ints: transformers' keyword names. pack_to > 0 pads the row up to a
     multiple of pack_to with a tail that is one more example (pad ids, labels -100: it attends to nothing

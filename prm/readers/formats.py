@@ -1,10 +1,10 @@
 """Read JSON with its hazards checked, detect a raw record's format, convert it to stepwise rows (prompt,
-completions, labels) or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.data."""
+completions, labels) or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.core.data."""
 import difflib
 import json
 import re
 
-from prm.data import IGNORE, label_problem
+from prm.core.data import IGNORE, label_problem
 
 # columns that identify each format, in detection order (first match wins)
 FORMATS = {

@@ -1,0 +1,344 @@
+"""`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
+OmegaPRM's binary search), as the trainer's stepwise rows plus the counts behind each label. The API takes any
+`complete(prompts, n, seed) -> list[list[str]]`; Generator is transformers'. The package never imports it."""
+import dataclasses
+import datetime
+import glob
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from fractions import Fraction
+from types import SimpleNamespace
+
+from prm.config import Parser, unescape
+from prm.errors import UsageError, WriteFailed, check, exit_status
+from prm.readers.formats import row_problems, split_steps
+from prm.readers.sources import DataError, _sources
+
+
+def _opt(default, help, **kw):
+    meta = {"help": help, "default": default, "type": type(default), **kw}  # its flag's add_argument keywords
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass
+class LabelOptions:
+    """What decides the labels: kept beside an output (OUT.settings); a rerun with others is refused."""
+    rollouts: int = _opt(8, "continuations rolled out from each step's prefix")
+    label: str = _opt("soft", "soft: the share of right rollouts; hard: 1 if any", choices=["soft", "hard"])
+    search: str = _opt("all", "all: roll out every step's prefix; binary: find the first step no rollout "
+                       "rescues (1 before, 0 at, null after), ~log2(n) prefixes", choices=["all", "binary"])
+    samples: int = _opt(4, "solutions sampled for a row without 'completions'")
+    step_separator: str = _opt("\n", "what ends each step (escapes such as \\n understood)", type=unescape)
+    answer_field: str = _opt("answer", "the column holding the reference final answer")
+    answer_pattern: str = _opt("", "regex whose last match (group 1 if any) is the answer; default: the last "
+                               "\\boxed{}, else 'the answer is ...', else the last number")
+    checker: str = _opt("exact", "exact: normalized match; or math-verify", choices=["exact", "math-verify"])
+    seed: int = _opt(0, "rows are seeded from it and their index: results do not depend on ranks or shards")
+    policy: str = _opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
+    temperature: float = _opt(0.7, "sampling temperature; 0: greedy")
+    top_p: float = _opt(1.0, "nucleus sampling share")
+    max_new_tokens: int = _opt(512, "tokens per rollout or sampled solution")
+    batch_size: int = _opt(16, "sequences per generate call")
+
+
+def extract_answer(text: str, pattern: str = ""):
+    """The last match of `pattern` (its group 1 if any), else of \\boxed{...}, "answer is ...", a number."""
+    if pattern:
+        found = list(re.finditer(pattern, text))
+        return (found[-1].group(1) if found[-1].re.groups else found[-1].group(0)) if found else None
+    start, depth = text.rfind("\\boxed{"), 0
+    for j in range(start + 6, len(text) if start >= 0 else 0):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start + 7:j]
+    said = re.findall(r"answer is:?\s*(.+?)\.?\s*(?:$|\n|\.\s)", text, re.I)
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return said[-1] if said else numbers[-1].rstrip(",") if numbers else None
+
+
+def normalize(answer: str) -> str:
+    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, a trailing period, "x =", 1,000's comma."""
+    s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
+                     ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
+        s = s.replace(old, new)
+    s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
+    return s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+
+
+def _number(s: str):
+    """The exact value of an integer, decimal, a/b or \\frac{a}{b}; None for anything else."""
+    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
+    if m and m.group(2) is not None:
+        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
+    return Fraction(m.group(4)) / int(m.group(5) or 1) if m else None
+
+
+def same_answer(found, reference) -> bool:
+    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is never right."""
+    a, b = normalize(str(found)), normalize(str(reference))
+    return found is not None and (a == b or (_number(a) is not None and _number(a) == _number(b)))
+
+
+def judge(reference: str, opts: LabelOptions):
+    """right(text, before="") -> bool: does the final answer of the solution `before` + `text` match the
+    reference? It is the text's own answer, else the last one in before + text (a rollout may only close a
+    solution whose steps already state it)."""
+    def answer(text, before=""):
+        own = extract_answer(text, opts.answer_pattern)
+        return own if own is not None or not before else extract_answer(before + text, opts.answer_pattern)
+    if opts.checker == "math-verify":
+        try:
+            from math_verify import parse, verify
+        except ImportError:
+            raise UsageError("--checker math-verify needs the math-verify package: "
+                             "pip install 'math-verify[antlr4_13_2]'") from None
+        gold = parse("\\boxed{" + reference + "}")
+        return lambda text, before="": (a := answer(text, before)) is not None and \
+            verify(gold, parse("\\boxed{" + a + "}"))
+    return lambda text, before="": same_answer(answer(text, before), reference)
+
+
+def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions, seed: int) -> list:
+    """{labels, rollouts, successes} per solution (a list of steps); its last step judged by its answer."""
+    sep, n, calls = opts.step_separator, opts.rollouts, []
+    tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
+    final = [right(sep.join(s)) for s in solutions]
+
+    def roll(todo):  # [(solution, k)]: n continuations of each prefix (steps 1..k), in one call
+        before = ["".join(step + sep for step in solutions[i][:k]) for i, k in todo]
+        calls.append(prompts := [text + b for b in before])
+        outs = complete(prompts, n, seed + len(calls))
+        if len(outs) != len(prompts) or any(len(o) != n for o in outs):
+            raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} prompts")
+        for (i, k), b, texts in zip(todo, before, outs):  # each rollout judged as steps 1..k + its text
+            tries[i][k - 1], wins[i][k - 1] = n, sum(right(t, b) for t in texts)
+    if opts.search == "binary":  # every solution's search advances in the same calls
+        lo, hi = [1] * len(solutions), [len(s) for s in solutions]  # the first error is a step in lo..hi
+        while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
+                       if lo[i] < hi[i] and not final[i]]:
+            roll(todo)
+            for i, k in todo:
+                lo[i], hi[i] = (k + 1, hi[i]) if wins[i][k - 1] else (lo[i], k)
+        labels = [[True] * len(s) if final[i] else [True] * (hi[i] - 1) + [False] + [None] * (len(s) - hi[i])
+                  for i, s in enumerate(solutions)]
+    else:
+        if todo := [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]:
+            roll(todo)
+        soft = opts.label == "soft"
+        labels = [[w / n if soft else w > 0 for w in wins[i][:-1]] + [float(final[i]) if soft else final[i]]
+                  for i in range(len(solutions))]
+    return [{"labels": y, "rollouts": t, "successes": w} for y, t, w in zip(labels, tries, wins)]
+
+
+def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> list:
+    """The output lines of one row: its completions, or opts.samples sampled solutions split into steps."""
+    text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
+    if not isinstance(text, str):
+        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render: the "
+                         "policy's chat template)")
+    text += "" if text[-1:].isspace() else sep  # the policy sees the first step begin on a step of its own
+    answer, given, rid = str(row[opts.answer_field]), row.get("completions") is not None, row.get("id")
+    solutions = [row["completions"]] if given else [s for s in (split_steps(d, sep) for d in
+                                                                complete([text], opts.samples, seed)[0]) if s]
+    found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
+    ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"} for j in range(len(solutions))]
+    return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer, "row": index,
+                        "lines": len(solutions), **i}, ensure_ascii=False)
+            for steps, res, i in zip(solutions, found, ids)]
+
+
+def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
+    """([(index, row)] of the valid rows, a digest of all); bad rows raise DataError or are skipped."""
+    rows, problems, bad, digest = [], [], 0, hashlib.sha256()
+    sources = _sources(spec, "train", SimpleNamespace(dataset_config=None))
+    for index, (name, (where, r, problem)) in enumerate((nm, rec) for nm, recs in sources for rec in recs):
+        digest.update(json.dumps(r, sort_keys=True, default=str).encode())
+        issues = [problem] if problem else input_problems(r, opts.answer_field)
+        problems.extend(f"{name} {where}: {p}" for p in issues)
+        bad += bool(issues)
+        rows += [] if issues else [(index, r)]
+    if bad and not skip_invalid:
+        raise DataError(problems, total_rows=bad)
+    if bad:
+        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}", file=sys.stderr)
+    return rows, digest.hexdigest()[:16]
+
+
+def input_problems(r, field: str) -> list:
+    if not isinstance(r, dict):
+        return ["expected a JSON object"]
+    steps, answer = r.get("completions"), r.get(field)
+    out = row_problems({"prompt": r.get("prompt"), "completions": ["-"] if steps is None else steps,
+                        "labels": [True] * (len(steps) if isinstance(steps, list) else 1)})
+    if type(answer) not in (str, int, float) or not str(answer).strip():
+        got = "missing" if field not in r else f"expected the reference answer (text, number), got {answer!r}"
+        out.append(f"field '{field}': {got[:110]}")
+    return out
+
+
+def finished(*paths: str) -> dict:
+    """{input row: its output lines} of the rows with all their lines in one of the files, the first such."""
+    rows = {}
+    for path in filter(os.path.isfile, paths):
+        with open(path, encoding="utf-8") as f:
+            lines, got = f.read().split("\n")[:-1], {}  # what follows the last newline is a line cut short
+        for n, line in enumerate(lines, 1):
+            try:
+                r = json.loads(line)
+                got.setdefault(r["row"], []).append((line, r["lines"]))
+            except (ValueError, KeyError, TypeError):
+                raise UsageError(f"{path} line {n}: not a line prm.labeling.label writes; pass another "
+                                 "--output") from None
+        rows = {**{k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]}, **rows}
+    return rows
+
+
+def parts(output: str) -> list:
+    return sorted(p for p in glob.glob(glob.escape(output) + ".part*") if re.search(r"\.part\d+of\d+$", p))
+
+
+def write_lines(path: str, lines: list, mode="w"):
+    tmp = f"{path}.tmp{os.getpid()}" if mode == "w" else path
+    try:
+        with open(tmp, mode, encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in lines)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise WriteFailed(f"{path}: cannot write it: {e.strerror or e}") from None
+
+
+def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, render=lambda prompt: prompt,
+               part=(0, 1), skip_invalid=False, show=True) -> int:
+    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share); a run
+    of every row merges the parts. render(prompt): the text the policy continues. Returns rollouts spent."""
+    from tqdm import tqdm
+    start, (p, m) = time.time(), part
+    rows, digest = read_input(dataset, opts, skip_invalid)
+    settings, side = {**dataclasses.asdict(opts), "dataset": digest}, output + ".settings"
+    if not os.path.isfile(side):  # recorded beside a new output; a rerun with others is refused
+        write_lines(side, [json.dumps(settings, indent=1)])
+    with open(side, encoding="utf-8") as f:
+        old = json.load(f)
+    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
+    check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
+           "it, or pass another --output"] if diff else [])
+    own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", finished(output, *parts(output)), 0
+    write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
+    todo = [(i, r) for i, r in rows if i % m == p and i not in done]
+    for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
+        write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
+        spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
+        bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
+    if m == 1:
+        merge(output, spent, time.time() - start, show)
+    elif show:
+        print(f"{own}: {len(todo)} rows, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
+    return spent
+
+
+def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
+    """Writes the finished rows of `output` and its parts into `output` in input order; removes the parts."""
+    rows = finished(output, *(old := parts(output)))
+    write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
+    for path in old:
+        os.remove(path)
+    solutions = [json.loads(line) for line in lines]
+    labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
+    if show:
+        print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps labeled "
+              f"({sum(y >= 0.5 for y in labels) / max(1, len(labels)):.0%} at least 0.5), "
+              f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run: {spent} rollouts, "
+              f"{seconds:.0f} s", file=sys.stderr, flush=True)
+
+
+class Generator:
+    """complete() by a transformers causal LM: batched, left-padded, seeded; its weights in bf16 where the
+    device runs bf16 natively (half fp32's memory: nothing trains, so no fp32 copy is kept), else fp32."""
+
+    def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
+        self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
+
+    def tokenizer(self):
+        """The policy's tokenizer and model, loaded at the first row: bad input is refused before."""
+        if self.tok is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+            from prm.training.build import load_tokenizer, loading
+            from prm.core.runtime import autocast_dtype
+            self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
+            tok.padding_side, tok.pad_token, bos = "left", tok.pad_token or tok.eos_token, tok.bos_token_id
+            self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
+            dtype = autocast_dtype("auto", self.device) or torch.float32
+            self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
+                                 trust_remote_code=self.trust, dtype=dtype).to(self.device).eval()
+        return self.tok
+
+    def render(self, prompt) -> str:
+        """Text as the tokenizer starts it (its BOS if it adds one); chat messages through its template."""
+        tok = self.tokenizer()
+        try:
+            return self.bos + prompt if isinstance(prompt, str) else \
+                tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except ValueError as e:  # no chat template
+            raise UsageError(f"--policy {self.opts.policy}: cannot render a chat prompt: {e}") from None
+
+    def __call__(self, prompts: list, n: int, seed: int) -> list:
+        import torch
+        o, d, tok = self.opts, self.device, self.tokenizer()
+        sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
+        if o.temperature > 0:
+            sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
+        copies = n if o.temperature > 0 else 1  # greedy decoding gives one text however often it is asked
+        flat, out = [p for p in prompts for _ in range(copies)], []
+        for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
+            torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
+            with torch.no_grad():
+                ids = self.model.generate(**enc, **sampling)  # (B, T + new)
+            out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return [out[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]
+
+
+def main(argv=None):
+    with exit_status():  # a bad flag too: one line and exit status 2
+        p = Parser(prog="python -m prm.label",
+                   description="Label solution steps by Monte-Carlo policy rollouts.")
+        p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
+        p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
+        p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
+        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit 2")
+        p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
+        for f in dataclasses.fields(LabelOptions):
+            p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
+        a = p.parse_args(argv)
+        if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or not int(m.group(1)) < int(m.group(2)):
+            p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
+        if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
+            p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
+        if not (a.temperature >= 0 and 0 < a.top_p <= 1):  # else transformers refuses after the policy loads
+            p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} in (0, 1]")
+        opts = LabelOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(LabelOptions)})
+        shard, shards = map(int, m.groups())
+        import torch
+        import torch.distributed as dist
+        from prm.core.runtime import setup, teardown
+        rt = setup()
+        try:
+            # ranks end at different times: the last is waited for on a group that does not time out
+            wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+            gen, start = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code), time.time()
+            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
+                               skip_invalid=a.skip_invalid,
+                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size))
+            if rt.distributed:
+                dist.all_reduce(total := torch.tensor([spent]), group=wait)
+                if rt.is_main and shards == 1:
+                    merge(a.output, int(total), time.time() - start)
+        finally:
+            teardown(rt)
+
