@@ -271,7 +271,7 @@ def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_p
     data, first = one_process
     out = str(tmp_path / "out.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "prm.labeling.label"] + cli(policy_dir, data, out)
+           "prm.label"] + cli(policy_dir, data, out)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
