@@ -22,6 +22,9 @@ CASES = {  # name: (file contents, what the message names after the file)
     "nested.json": ("[" * 100000, ": malformed JSON: nested too deeply"),
     "digits.jsonl": (ROW + "\n" + ROW[:-1] + ', "id": 1' + "0" * 5000 + "}", "line 2: unreadable JSON: Exceeds the "
                      "limit (4300 digits)"),
+    # 650 deep (json reads it) with a surrogate pair's escape, which has every field checked for a lone one
+    "deep.jsonl": (ROW + "\n" + '{"prompt": "p", "labels": [true], "completions": ' + "[" * 650 + r'"\ud83d\ude00"'
+                   + "]" * 650 + "}", "line 2: field 'completions': step 0 is list [[["),
     "surrogate.jsonl": (stepwise(["a", "~ud800"]), "line 1: field 'completions[1]': a lone UTF-16 surrogate"),
     "surrogate.json": ("[" + ROW + ", " + stepwise(["a", "b~udfff"]) + "]",
                        "row 1: field 'completions[1]': a lone UTF-16 surrogate '\\udfff' (position 1)"),

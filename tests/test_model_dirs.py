@@ -200,3 +200,19 @@ def test_a_backbone_without_a_token_classifier_class_is_refused_before_any_data_
                        ) as e:
         run_train(tmp_path / "run", model=str(base))
     assert e.value.code == 2 and not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("head, made_up", [(None, "lm_head.weight"),
+                                           (torch.zeros(3, 128), "lm_head.weight (saved (3, 128), expected (")])
+def test_an_lm_scorer_refuses_a_model_whose_lm_head_it_would_make_up(model_dir, tmp_path, head, made_up):
+    """step-tag (and chat-turns, prm.serve, PRMReward: one loader) on a train.py classifier, which saves no LM
+    head, or on one saved with an LM head of another shape: refused, never scored with a random head."""
+    from prm.config import Config
+    from prm.scoring.scorers import load
+    path = shutil.copytree(model_dir, tmp_path / "model")
+    if head is not None:
+        state = load_file(str(path / "model.safetensors"))
+        save_file({**state, "lm_head.weight": head}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UsageError) as e:
+        load(Config(model=str(path)), False, scorer="step-tag", step_tag="=")
+    assert e.value.code == 2 and f"--model {path}: {MADE_UP}{made_up}" in str(e.value)

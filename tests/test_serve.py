@@ -136,6 +136,8 @@ def test_idle_and_slow_clients_do_not_stop_the_others(reward, expected):
     (2, b"\xff\xfe", 400, "the body line 1: not UTF-8 text (byte 0xff at offset 0)"),
     (100000, b"[" * 100000, 400, "the body: malformed JSON: nested too deeply"),
     (5001, b"1" * 5001, 400, "the body: unreadable JSON: Exceeds the limit (4300 digits)"),
+    (1325, b'{"query": ' + b"[" * 650 + rb'"\ud83d\ude00"' + b"]" * 650 + b"}", 400,  # as deep as json reads,
+     "field 'query': item 0 is list, not a string"),  # and an escape that has every string checked for surrogates
     (29, b'{"query": ["a"], "query": []}', 400, "the body: field 'query': given twice in one object"),
 ])
 def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expected, length, body, status, message):
@@ -199,6 +201,38 @@ def test_slow_clients_get_one_deadline_and_beyond_max_connections_a_503(reward, 
         assert len(statuses) == 20 and statuses.count(503) == 16 and set(statuses) - {503} <= {408, "cut"}, answers
         assert most <= 1 + 2 * 4  # serve_forever, and a handler and its deadline timer per connection served
         assert_served(port, expected)
+
+
+def test_a_connections_deadline_takes_no_thread_beside_its_handler(reward):
+    """3 clients connected, sending nothing: serve_forever and one handler each, however long they stay."""
+    base = threading.active_count()
+    with running(reward, timeout=60.0) as port:
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(3)]
+        try:
+            for _ in range(300):  # until the three are accepted (their handlers start)
+                if threading.active_count() - base >= 4:
+                    break
+                time.sleep(0.1)
+            counts = []
+            for _ in range(10):  # a while longer: no thread joins them
+                counts.append(threading.active_count() - base)
+                time.sleep(0.1)
+            assert max(counts) == 1 + 3, counts
+        finally:
+            for s in socks:
+                s.close()
+
+
+@pytest.mark.parametrize("method, path, allowed", [("GET", serve.PATH, "POST"), ("POST", serve.HEALTH, "GET")])
+def test_a_known_path_asked_with_the_other_method_gets_a_405_naming_the_allowed_one(port, method, path, allowed):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request(method, path, body=json.dumps(GOOD).encode() if method == "POST" else None)
+        r = conn.getresponse()
+        assert (r.status, r.getheader("Allow")) == (405, allowed)
+        assert f"{method} {path}: " in json.loads(r.read())["error"]
+    finally:
+        conn.close()
 
 
 def test_a_body_shorter_than_its_length_is_refused(port):

@@ -423,6 +423,25 @@ def test_a_folder_of_files_named_for_splits_is_read_as_those_splits(tmp_path, ca
     assert len(train) + len(held) == 9 and len(held) in (4, 5)
 
 
+def test_a_folders_file_named_for_two_splits_is_refused_naming_it(tmp_path):
+    """test_train.jsonl would be read by both splits, its rows trained on and held out at once."""
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "completions": ["a"], "labels": [True]}])
+    write_jsonl(tmp_path / "test_train.jsonl", [{"prompt": "q", "completions": ["a"], "labels": [True]}])
+    with pytest.raises(DataError, match=f"{tmp_path}: test_train.jsonl \\(train and test\\) named for more than one "
+                                        "split: its rows would be read by each; name it for one"):
+        load_splits(cfg_for(str(tmp_path)))
+
+
+def test_a_folders_split_words_and_extensions_are_read_in_any_case(tmp_path):
+    """Test.JSONL is the test split (datasets' keywords): its rows are held out, the training file's all train."""
+    rows = lambda tag, n: [{"prompt": f"{tag} {i}:", "completions": ["a"], "labels": [True]} for i in range(n)]
+    write_jsonl(tmp_path / "train.jsonl", rows("train", 4))
+    write_jsonl(tmp_path / "Test.JSONL", rows("test", 5))
+    train, held = load_splits(cfg_for(str(tmp_path)))
+    assert sorted(train["prompt"]) == [f"train {i}:" for i in range(4)]
+    assert sorted(held["prompt"]) == [f"test {i}:" for i in range(5)]
+
+
 def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
     from prm.training.trainer import train
     chat_tokenizer().save_pretrained(str(tmp_path / "tok"))

@@ -66,20 +66,25 @@ class PRM(nn.Module):
         if is_classifier(cfg):
             if cfg.num_labels != 2:
                 raise NotAPRM(f"{name}: a PRM needs 2 labels, this checkpoint has {cfg.num_labels}")
-            hf, info = AutoModelForTokenClassification.from_pretrained(name, output_loading_info=True,
-                                                                       ignore_mismatched_sizes=True, **kw)
-            bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
-                                                        for k, saved, want in info["mismatched_keys"])
-            if bad:  # transformers fills them at random: a scorer that guesses
-                raise NotAPRM(f"{name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
-                              f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random")
-            return cls.from_classifier(hf)
+            return cls.from_classifier(saved_weights(name, auto=AutoModelForTokenClassification, **kw))
         backbone = AutoModel.from_pretrained(name, **kw)
         head = new_head(backbone.config)
         # a pretrained model's hidden states share one large direction, so a random head gives every step the
         # same confident verdict; zero weights start every step at P(correct) = 0.5
         nn.init.zeros_(head.weight)
         return cls(backbone, head)
+
+
+def saved_weights(name: str, *, auto, **kw):
+    """auto.from_pretrained(name, **kw) with every weight from its files: NotAPRM names those with no saved
+    tensor of their shape, which transformers would fill at random (a scorer that guesses)."""
+    model, info = auto.from_pretrained(name, output_loading_info=True, ignore_mismatched_sizes=True, **kw)
+    bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
+                                                for k, saved, want in info["mismatched_keys"])
+    if bad:
+        raise NotAPRM(f"{name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
+                      f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random")
+    return model
 
 
 def is_classifier(config) -> bool:

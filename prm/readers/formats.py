@@ -67,20 +67,21 @@ class _Repeated(dict):  # a JSON object that gave one key twice (json keeps the 
 
 def field_problem(value, field: str = ""):
     """"field 'x': ..." for the first key given twice or string with a lone surrogate in value, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} (position {e.start}) is " \
-                   "not text"
-        return None
-    if isinstance(value, _Repeated):
-        where = f"{field}.{value.key}" if field else value.key
-        return f"field '{where}': given twice in one object (which value is meant?)"
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    found = (field_problem(v, f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k))
-             for k, v in items)
-    return next(filter(None, found), None)
+    todo = [(field, value)]  # walked without recursion: a value as deep as json reads is checked too
+    while todo:
+        field, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} (position {e.start}) is not text"
+        if isinstance(value, _Repeated):
+            where = f"{field}.{value.key}" if field else value.key
+            return f"field '{where}': given twice in one object (which value is meant?)"
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        todo += reversed([(f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k), v)
+                          for k, v in items])
+    return None
 
 
 class BadField(ValueError):  # one problem with one record: the field and what is wrong with it

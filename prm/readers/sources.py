@@ -13,6 +13,7 @@ import uuid
 
 import datasets
 from datasets import Dataset, Features, List, Value, load_dataset
+from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
 from datasets.exceptions import DatasetGenerationError
 
 from prm.config import Config
@@ -27,10 +28,6 @@ SHOWN = 15  # problems listed before "... and N more": the message must fit one 
 WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
          "hub split")
 SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
-# a folder's files named for splits as datasets.load_dataset names them: a word of the file name (train.jsonl,
-# test-00000-of-00001.parquet, my_eval_set.json); a split not listed here is its own word
-SPLIT_WORDS = {"train": {"train", "training"}, "validation": {"validation", "valid", "val", "dev"},
-               "test": {"test", "testing", "eval", "evaluation"}}
 NOTES = "said.json"  # in a rows cache entry: what the read said, said again when the entry is read back
 
 
@@ -58,12 +55,12 @@ def say(msg: str):
 
 
 def is_local(spec: str) -> bool:
-    return os.path.isdir(spec) or spec.endswith(LOCAL_EXT)
+    return os.path.isdir(spec) or spec.lower().endswith(LOCAL_EXT)
 
 
 def read_records(path: str):
     """(where, record, problem) per row of a local file; JSONL is read here so a bad line names its number."""
-    if path.endswith(".parquet"):
+    if path.lower().endswith(".parquet"):
         try:
             ds = Dataset.from_parquet(path)
         except Exception as e:  # pyarrow's own error says what is wrong with the file
@@ -73,7 +70,7 @@ def read_records(path: str):
         text, problem, line = decode(f.read())
     if problem:
         raise DataError([f"{path} line {line}: {problem}; convert the file to UTF-8"])
-    if path.endswith(".json"):
+    if path.lower().endswith(".json"):
         data, problem, line = read_json(text)
         if data is None and problem and (text.lstrip().startswith("[") or line is None):  # trust none of it
             raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"])
@@ -95,25 +92,32 @@ def read_records(path: str):
 def data_files(folder: str) -> list:
     """The paths of a folder's entries named like data files, sorted: what is read, and all data_digest hashes
     (a README or .DS_Store beside them changes neither)."""
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(LOCAL_EXT))
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(LOCAL_EXT))
 
 
 def split_files(folder: str, split: str, names: tuple = ()) -> list:
-    """The folder's data files named for `split`: a word of their name is one of its SPLIT_WORDS, or the split
-    itself when it is none of them; None when no file is named for a split (SPLIT_WORDS' or one of `names`,
-    the run's). A file named for none beside ones that are is refused: it would be read by no split."""
-    words = lambda f: set(re.split(r"[-._ 0-9]+", os.path.basename(f).lower()))
-    named = [(f, words(f)) for f in data_files(folder)]
-    splits = set().union(*SPLIT_WORDS.values(), names, {split})
-    unnamed = [os.path.basename(f) for f, w in named if not w & splits]
+    """The folder's data files named for `split`, as datasets.load_dataset names them: a word of their name
+    (train.jsonl, test-00000-of-00001.parquet, my_eval_set.json, any case) is one of datasets' SPLIT_KEYWORDS
+    for it, or the split itself when it is none of them; None when no file is named for a split (datasets' or
+    one of `names`, the run's). A file named for no split beside ones that are, or for two, is refused: it
+    would be read by no split, or by both."""
+    words = lambda f: set(re.split(f"[{NON_WORDS_CHARS}]+", os.path.basename(f).lower()))
+    keywords = {str(s): set(k) for s, k in SPLIT_KEYWORDS.items()}
+    keywords.update((s, {s}) for s in {*names, split} - set().union(*keywords.values()))
+    named = {f: [s for s, k in keywords.items() if k & words(f)] for f in data_files(folder)}
+    unnamed = [os.path.basename(f) for f, splits in named.items() if not splits]
     if len(unnamed) == len(named):
         return None
     if unnamed:
-        one = os.path.basename(next(f for f, w in named if w & splits))
+        one = os.path.basename(next(f for f, splits in named.items() if splits))
         raise DataError([f"{folder}: {', '.join(unnamed)} named for no split beside files that are (as "
                          f"{one}): name each for its split (train-..., test-...), or no file for one"])
-    own = next((w for w in SPLIT_WORDS.values() if split in w), {split})  # --eval-split dev: validation's
-    return [f for f, w in named if w & own]
+    twice = [f"{os.path.basename(f)} ({' and '.join(s)})" for f, s in named.items() if len(s) > 1]
+    if twice:
+        raise DataError([f"{folder}: {', '.join(twice)} named for more than one split: its rows would be read "
+                         "by each; name it for one"])
+    own = next(s for s, k in keywords.items() if split in k)  # --eval-split dev: validation's
+    return [f for f, splits in named.items() if own in splits]
 
 
 def _sources(spec: str, split: str, cfg, by_split: bool = False):

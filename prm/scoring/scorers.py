@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from prm.training.build import load_tokenizer, load_trained, loading
 from prm.core.data import IGNORE, normalize_label
+from prm.core.model import saved_weights
 from prm.errors import UsageError
 from prm.core.varlen import supports_packing, use_packed_attention
 
@@ -44,11 +45,20 @@ def detect(model: str, scorer) -> str:
     return "qwen-prm" if any(str(a).endswith("ForProcessRewardModel") for a in archs) else "classifier"
 
 
+def shown(tokenizer, ids: list) -> list:
+    """Each token as the text it stands for ('к', not its byte-level spelling 'Ðº')."""
+    return [tokenizer.decode([i], clean_up_tokenization_spaces=False) for i in ids]
+
+
 def one_token(tokenizer, flag: str, text: str) -> int:
+    """The id of text, one token of the tokenizer's vocabulary (not its unknown token)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits into "
-                         f"{len(ids)}, {tokenizer.convert_ids_to_tokens(ids)}")
+                         f"{len(ids)}, {shown(tokenizer, ids)}")
+    if ids[0] == tokenizer.unk_token_id:
+        raise UsageError(f"{flag} {text!r} is not in the model's vocabulary: its tokenizer reads it as its "
+                         f"unknown token {tokenizer.unk_token!r}")
     return ids[0]
 
 
@@ -90,16 +100,20 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
                          "step-tag and chat-turns read --good-token and --bad-token)")
     if name == "classifier":
         return Family(name)
-    if name == "qwen-prm":
-        return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, "qwen-prm's step separator", QWEN_SEP))
+    if name == "qwen-prm":  # a Qwen PRM's tokenizer holds it: said before asking to run the model's code
+        return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, "--scorer qwen-prm: is --model a Qwen PRM? "
+                                                                  "Its step separator", QWEN_SEP))
     if name == "step-tag" and not step_tag:
         raise UsageError("--scorer step-tag needs --step-tag, the token that ends every step "
                          "(Math-Shepherd's: 'ки')")
     if name == "chat-turns" and not getattr(tokenizer, "chat_template", None):
         raise UsageError("--scorer chat-turns needs the tokenizer's chat template: this tokenizer has none")
     tag_id = one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1
-    return Family(name, step_tag, good_token, tag_id, one_token(tokenizer, "--good-token", good_token),
-                  one_token(tokenizer, "--bad-token", bad_token))
+    good_id, bad_id = one_token(tokenizer, "--good-token", good_token), one_token(tokenizer, "--bad-token", bad_token)
+    if good_id == bad_id:
+        raise UsageError(f"--good-token {good_token!r} and --bad-token {bad_token!r} are one token: every step "
+                         "would score 0.5")
+    return Family(name, step_tag, good_token, tag_id, good_id, bad_id)
 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *, first_char: int,
@@ -114,8 +128,7 @@ def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str
         j = by_end.get(end)
         if j is None or ids[j] != token_id:
             start = end - len(mark) - 1  # the mark and the character before it
-            pieces = [tokenizer.convert_ids_to_tokens(i) for i, (s, e) in zip(ids, spans)
-                      if e > start and s < end]
+            pieces = shown(tokenizer, [i for i, (s, e) in zip(ids, spans) if e > start and s < end])
             raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its own ends "
                              f"the step: there {text[start:end]!r} tokenizes as {pieces}")
         reads.append(j + shift)
@@ -217,14 +230,14 @@ def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="
     if name == "classifier":  # refuses the flags it would ignore
         family(None, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
         return load_trained(cfg, tokenizer_given)
-    if name == "qwen-prm" and not cfg.trust_remote_code:
-        raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add --trust-remote-code")
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code,
                                flag)
     fam = family(tokenizer, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
-    cls = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
-    model = Logits(loading("--model", cfg.model, cls.from_pretrained, trust_remote_code=cfg.trust_remote_code,
+    if name == "qwen-prm" and not cfg.trust_remote_code:
+        raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add --trust-remote-code")
+    auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
+    model = Logits(loading("--model", cfg.model, saved_weights, auto=auto, trust_remote_code=cfg.trust_remote_code,
                            dtype=dtype), None if name == "qwen-prm" else [fam.bad_id, fam.good_id])
     if name != "qwen-prm" and cfg.packing and supports_packing(model.model.base_model):  # else padding
         use_packed_attention(model.model.base_model)

@@ -10,7 +10,7 @@ server does. Without "prompts", a query's prompt ends with the chat template's l
 A prompt that is exactly the model's own chat template around one user turn (generation prompt included) is
 read as that turn: the message, rendered as training renders it, or for a published PRM (--scorer), which
 builds its own input around the plain question, its text; any other prompt is taken as it is.
-GET /health answers {"status": "ok", ...}.
+GET /health answers {"status": "ok", ...}; GET /get_reward and POST /health a 405 naming the other method.
 
 A thread per connection, up to --max-connections (more: 503), the model one request at a time. Every error is
 JSON, {"error": message}: a request not all read within --timeout s of connecting, however slowly it trickles
@@ -19,11 +19,13 @@ conflicting one, a body prm.readers.formats.read_json refuses, a field of the wr
 (traceback on stderr). Depends on: prm.config, prm.readers.formats, prm.scoring.reward."""
 import argparse
 import contextlib
+import io
 import json
 import math
 import socket
 import sys
 import threading
+import time
 import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -184,35 +186,45 @@ class Scorer:
                                "steps_scored": [len(ps) for ps in probs]}}
 
 
+class Deadline(socket.SocketIO):
+    """A connection's reading side that ends (reads give EOF) `timeout` s after connecting, however slowly the
+    bytes trickle in: each read waits only for the time left, then `expired` says why. No thread of its own."""
+
+    def __init__(self, handler):
+        super().__init__(handler.connection, "rb")
+        self.handler, self.end = handler, time.monotonic() + handler.timeout
+
+    def readinto(self, buffer):
+        left = self.end - time.monotonic()
+        if left > 0 and not self.handler.expired:
+            self.handler.connection.settimeout(left)
+            with contextlib.suppress(TimeoutError):
+                return super().readinto(buffer)
+        self.handler.expired = True
+        return 0
+
+
 class Handler(BaseHTTPRequestHandler):
     """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body). One deadline for the
-    whole request, `timeout` s after connecting, shuts the reading side: a read held by a trickling client
-    ends, and `expired` says why."""
+    whole request, `timeout` s after connecting (Deadline); a reply's writes wait `timeout` s each."""
     expired = False
     default_request_version = "HTTP/1.0"  # an error answer to a cut request line has its status line too
 
     def setup(self):
-        super().setup()  # StreamRequestHandler's: `timeout` on the socket, so no read or write waits longer
-        self.deadline = threading.Timer(self.timeout, self.expire)
-        self.deadline.daemon = True
-        self.deadline.start()
-
-    def expire(self):
-        self.expired = True
-        with contextlib.suppress(OSError):
-            self.connection.shutdown(socket.SHUT_RD)
-
-    def finish(self):
-        self.deadline.cancel()
-        super().finish()
+        super().setup()
+        self.rfile.close()  # the socket's own reader: read through the deadline instead
+        self.rfile = io.BufferedReader(Deadline(self))
 
     def do_GET(self):
-        self.deadline.cancel()
+        if self.path.rstrip("/") == PATH:
+            return self.reply(405, {"error": f"GET {PATH}: POST to it"}, allow="POST")
         if self.path.rstrip("/") != HEALTH:
             return self.reply(404, {"error": f"unknown path {self.path}; GET {HEALTH} or POST {PATH}"})
         self.reply(200, {"status": "ok", "model": self.model_name, "aggregate": self.scorer.reward.aggregate})
 
     def do_POST(self):
+        if self.path.rstrip("/") == HEALTH:
+            return self.reply(405, {"error": f"POST {HEALTH}: GET it"}, allow="GET")
         if self.path.rstrip("/") != PATH:
             return self.reply(404, {"error": f"unknown path {self.path}; POST to {PATH}"})
         try:
@@ -227,11 +239,7 @@ class Handler(BaseHTTPRequestHandler):
     def body(self) -> bytes:
         """The whole request body, within the size limit and the timeout."""
         size = body_size(self.headers.get_all("Content-Length"), self.max_body)
-        try:
-            body = self.rfile.read(size)
-        except TimeoutError:
-            self.expired, body = True, b""
-        self.deadline.cancel()
+        body = self.rfile.read(size)
         if len(body) < size and self.expired:  # fewer bytes than Content-Length said, too slowly
             raise BadRequest(f"the request did not arrive within {self.timeout} s (--timeout)", 408)
         if len(body) < size:  # the client closed its side early
@@ -245,9 +253,12 @@ class Handler(BaseHTTPRequestHandler):
             code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
         self.reply(code, {"error": message or HTTPStatus(code).phrase})
 
-    def reply(self, status: int, payload: dict):
+    def reply(self, status: int, payload: dict, *, allow: str = ""):
         body = json.dumps(payload).encode()
+        self.connection.settimeout(self.timeout)  # the last read may have left it shorter
         self.send_response(status)
+        if allow:  # a 405: the method this path takes
+            self.send_header("Allow", allow)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
