@@ -291,6 +291,21 @@ def test_generator_renders_text_and_chat_prompts(policy_dir):
     assert [len(texts) for texts in gen(["count:", "a"], 3, 0)] == [3, 3]
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_usage_error(policy_dir):
+    import torch
+    from prm.labeling.label import Generator
+    gen = Generator(LabelOptions(policy=policy_dir), device=torch.device("cpu"))
+    gen.tokenizer().chat_template = ("{% for m in messages %}{% if m.role != 'user' %}{{ raise_exception('only "
+                                     "user turns') }}{% endif %}{{ m.content }}{% endfor %}")
+    assert gen.render([{"role": "user", "content": "count:"}]) == "count:"
+    with pytest.raises(UsageError, match="cannot render a chat prompt: only user turns"):
+        gen.render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "count:"}])
+    gen.tokenizer().chat_template = "{% for m in messages %}"  # no endfor: a syntax error
+    with pytest.raises(UsageError, match="cannot render a chat prompt") as e:
+        gen.render([{"role": "user", "content": "count:"}])
+    assert "\n" not in str(e.value)
+
+
 def test_greedy_decoding_generates_each_prompt_once(policy_dir):
     import torch
     from prm.labeling.label import Generator

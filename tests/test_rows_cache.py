@@ -155,3 +155,16 @@ def test_data_digest_follows_the_contents_not_the_place(data, tmp_path):
     with open(data, "a") as f:
         f.write(json.dumps(ROWS[0]) + "\n")
     assert data_digest(data) != digest and data_digest(str(tmp_path / "moved")) not in ("", digest)
+
+
+def test_the_temporary_folder_of_a_killed_write_is_removed_by_the_next_run(data):
+    entry = rows_cache(Config(dataset=data))
+    gone = 2 ** 31 - 1  # no process has this pid: the run that wrote these was killed
+    left = [f"{entry}.{gone}.0badc0de.tmp", f"{entry}.{gone}.0badc0de.tmp.old", f"{entry}.{os.getpid()}.1.tmp"]
+    for folder in left:
+        os.makedirs(os.path.join(folder, "train"))
+    first = splits(data)
+    assert sorted(os.listdir(os.path.dirname(entry))) == sorted(os.path.basename(p) for p in (entry, left[2]))
+    os.makedirs(left[0])
+    assert splits(data) == first and not os.path.exists(left[0])  # an entry read back: still cleaned
+    assert os.path.isdir(left[2])  # a live process's: it may still be writing

@@ -1,6 +1,7 @@
 """`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
 OmegaPRM's binary search), as the trainer's stepwise rows plus the counts behind each label. The API takes any
 `complete(prompts, n, seed) -> list[list[str]]`; Generator is transformers'. The package never imports it."""
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -8,13 +9,17 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from fractions import Fraction
 from types import SimpleNamespace
 
+import regex
+from filelock import FileLock, Timeout
+
 from prm.config import Parser, unescape
-from prm.errors import UsageError, WriteFailed, check, exit_status
+from prm.errors import Stopped, UsageError, WriteFailed, check, exit_status
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, _sources
 
@@ -34,8 +39,8 @@ class LabelOptions:
     samples: int = _opt(4, "solutions sampled for a row without 'completions'")
     step_separator: str = _opt("\n", "what ends each step (escapes such as \\n understood)", type=unescape)
     answer_field: str = _opt("answer", "the column holding the reference final answer")
-    answer_pattern: str = _opt("", "regex whose last match (group 1 if any) is the answer; default: the last "
-                               "\\boxed{}, else 'the answer is ...', else the last number")
+    answer_pattern: str = _opt("", "regex whose last match (its first group that took part, if any) is the answer; "
+                               "default: the last \\boxed{}, else 'the answer is ...', else the last number")
     checker: str = _opt("exact", "exact: normalized match; or math-verify", choices=["exact", "math-verify"])
     seed: int = _opt(0, "rows are seeded from it and their index: results do not depend on ranks or shards")
     policy: str = _opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
@@ -44,20 +49,41 @@ class LabelOptions:
     max_new_tokens: int = _opt(512, "tokens per rollout or sampled solution")
     batch_size: int = _opt(16, "sequences per generate call")
 
+    def __post_init__(self):
+        """Refuses what would fail only after the policy loads: a bad pattern, no separator, no checker."""
+        try:
+            regex.compile(self.answer_pattern)
+        except regex.error as e:
+            raise UsageError(f"--answer-pattern {self.answer_pattern!r}: not a regular expression ({e})") from None
+        check([] if self.step_separator else ["--step-separator must not be empty: it ends each step"])
+        if self.checker == "math-verify":
+            try:
+                import math_verify  # noqa: F401 (judge uses it)
+            except ImportError:
+                raise UsageError("--checker math-verify needs the math-verify package: "
+                                 "pip install 'math-verify[antlr4_13_2]'") from None
+
 
 def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its group 1 if any), else of \\boxed{...}, "answer is ...", a number."""
+    """The last match of `pattern` (its first group that took part, else all of it), else of \\boxed{...},
+    "answer is ...", a number; linear in the text (a user's pattern: within 2 s)."""
     if pattern:
-        found = list(re.finditer(pattern, text))
-        return (found[-1].group(1) if found[-1].re.groups else found[-1].group(0)) if found else None
+        try:
+            found = list(regex.finditer(pattern, text, timeout=2.0))
+        except TimeoutError:
+            raise UsageError(f"--answer-pattern {pattern!r}: no result within 2 s on a text of {len(text)} "
+                             "characters; use one that backtracks less (no nested repeats)") from None
+        return next((g for g in found[-1].groups() if g is not None), found[-1].group(0)) if found else None
     start, depth = text.rfind("\\boxed{"), 0
     for j in range(start + 6, len(text) if start >= 0 else 0):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[start + 7:j]
-    said = re.findall(r"answer is:?\s*(.+?)\.?\s*(?:$|\n|\.\s)", text, re.I)
+    said = [m.end() for m in re.finditer(r"answer is:?\s*", text, re.I)]
+    # the answer stated last: the rest of its line or sentence, less a closing period
+    said = re.split(r"\n|\.\s", text[said[-1]:], maxsplit=1)[0].rstrip().removesuffix(".") if said else ""
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return said[-1] if said else numbers[-1].rstrip(",") if numbers else None
+    return said or (numbers[-1].rstrip(",") if numbers else None)
 
 
 def normalize(answer: str) -> str:
@@ -73,9 +99,11 @@ def normalize(answer: str) -> str:
 def _number(s: str):
     """The exact value of an integer, decimal, a/b or \\frac{a}{b}; None for anything else."""
     m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
-    if m and m.group(2) is not None:
+    if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int(): compared as text
+        return None
+    if m.group(2) is not None:
         return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-    return Fraction(m.group(4)) / int(m.group(5) or 1) if m else None
+    return Fraction(m.group(4)) / int(m.group(5) or 1)
 
 
 def same_answer(found, reference) -> bool:
@@ -92,11 +120,7 @@ def judge(reference: str, opts: LabelOptions):
         own = extract_answer(text, opts.answer_pattern)
         return own if own is not None or not before else extract_answer(before + text, opts.answer_pattern)
     if opts.checker == "math-verify":
-        try:
-            from math_verify import parse, verify
-        except ImportError:
-            raise UsageError("--checker math-verify needs the math-verify package: "
-                             "pip install 'math-verify[antlr4_13_2]'") from None
+        from math_verify import parse, verify
         gold = parse("\\boxed{" + reference + "}")
         return lambda text, before="": (a := answer(text, before)) is not None and \
             verify(gold, parse("\\boxed{" + a + "}"))
@@ -159,6 +183,9 @@ def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     for index, (name, (where, r, problem)) in enumerate((nm, rec) for nm, recs in sources for rec in recs):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
         issues = [problem] if problem else input_problems(r, opts.answer_field)
+        if not issues and rows and isinstance(r["prompt"], list) != isinstance(rows[0][1]["prompt"], list):
+            issues = ["field 'prompt': plain-text and conversational prompts are mixed in one dataset (training "
+                      "refuses such an output)"]
         problems.extend(f"{name} {where}: {p}" for p in issues)
         bad += bool(issues)
         rows += [] if issues else [(index, r)]
@@ -203,6 +230,7 @@ def parts(output: str) -> list:
 
 
 def write_lines(path: str, lines: list, mode="w"):
+    """Appends, or writes a whole new file under a temporary name renamed over `path` (removed if that fails)."""
     tmp = f"{path}.tmp{os.getpid()}" if mode == "w" else path
     try:
         with open(tmp, mode, encoding="utf-8") as f:
@@ -210,34 +238,76 @@ def write_lines(path: str, lines: list, mode="w"):
         os.replace(tmp, path)
     except OSError as e:
         raise WriteFailed(f"{path}: cannot write it: {e.strerror or e}") from None
+    finally:
+        if tmp != path:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """Holds PATH.lock while the block runs: another run writing `path` meanwhile is refused."""
+    lock = FileLock(path + ".lock", timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise UsageError(f"{path}: another prm.label run is writing it; wait for it to end, or pass another "
+                         "--output") from None
+    except OSError as e:
+        raise WriteFailed(f"{path}.lock: cannot write it: {e.strerror or e}") from None
+    try:
+        yield
+    finally:  # removed while held: a run that opened it before finds it gone, and is refused
+        with contextlib.suppress(OSError):
+            os.remove(path + ".lock")
+        lock.release()
+
+
+def read_settings(side: str) -> dict:
+    try:
+        with open(side, encoding="utf-8") as f:
+            old = json.load(f)
+        if not isinstance(old, dict):
+            raise ValueError(f"a JSON {type(old).__name__}, not an object")
+        return old
+    except ValueError as e:  # cut short, not JSON, not UTF-8
+        raise UsageError(f"{side}: not the settings prm.label writes ({e}); restore it, or pass another "
+                         "--output") from None
 
 
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, render=lambda prompt: prompt,
                part=(0, 1), skip_invalid=False, show=True) -> int:
     """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share); a run
-    of every row merges the parts. render(prompt): the text the policy continues. Returns rollouts spent."""
+    of every row merges the parts. render(prompt): the text the policy continues. Returns rollouts spent. A
+    row whose sampled solutions are all blank has no line: OUTPUT.blank has one for it, so it is not sampled
+    again."""
     from tqdm import tqdm
-    start, (p, m) = time.time(), part
+    start, (p, m), blank = time.time(), part, output + ".blank"
     rows, digest = read_input(dataset, opts, skip_invalid)
     settings, side = {**dataclasses.asdict(opts), "dataset": digest}, output + ".settings"
     if not os.path.isfile(side):  # recorded beside a new output; a rerun with others is refused
         write_lines(side, [json.dumps(settings, indent=1)])
-    with open(side, encoding="utf-8") as f:
-        old = json.load(f)
-    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
-    check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
-           "it, or pass another --output"] if diff else [])
-    own, done, spent = output if m == 1 else f"{output}.part{p}of{m}", finished(output, *parts(output)), 0
-    write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
-    todo = [(i, r) for i, r in rows if i % m == p and i not in done]
-    for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
-        write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
-        spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
-        bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
-    if m == 1:
-        merge(output, spent, time.time() - start, show)
-    elif show:
-        print(f"{own}: {len(todo)} rows, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
+    own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
+    with locked(own):
+        old = read_settings(side)
+        diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
+        check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
+               "it, or pass another --output"] if diff else [])
+        done = finished(output, *parts(output), blank)
+        write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
+        todo = [(i, r) for i, r in rows if i % m == p and i not in done]
+        for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
+            write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
+            if not lines:
+                write_lines(blank, [json.dumps({"row": i, "lines": 1, "blank_samples": opts.samples})], "a")
+                bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank; no line written, the row "
+                          f"is listed in {blank} and not sampled again", file=sys.stderr)
+            spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
+            bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
+        if m == 1:
+            merge(output, spent, time.time() - start, show)
+        elif show:
+            print(f"{own}: {len(todo)} rows, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
     return spent
 
 
@@ -280,12 +350,14 @@ class Generator:
 
     def render(self, prompt) -> str:
         """Text as the tokenizer starts it (its BOS if it adds one); chat messages through its template."""
+        from jinja2 import TemplateError
         tok = self.tokenizer()
         try:
             return self.bos + prompt if isinstance(prompt, str) else \
                 tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        except ValueError as e:  # no chat template
-            raise UsageError(f"--policy {self.opts.policy}: cannot render a chat prompt: {e}") from None
+        except (ValueError, TemplateError) as e:  # no chat template, or one that refuses these messages
+            raise UsageError(f"--policy {self.opts.policy}: cannot render a chat prompt: "
+                             f"{' '.join(str(e).split())}") from None
 
     def __call__(self, prompts: list, n: int, seed: int) -> list:
         import torch
@@ -338,7 +410,10 @@ def main(argv=None):
             if rt.distributed:
                 dist.all_reduce(total := torch.tensor([spent]), group=wait)
                 if rt.is_main and shards == 1:
-                    merge(a.output, int(total), time.time() - start)
+                    with locked(a.output):
+                        merge(a.output, int(total), time.time() - start)
+        except KeyboardInterrupt:  # the rows written are whole: the same command continues them
+            raise Stopped("stopped by SIGINT; run the same command again to continue", signal.SIGINT) from None
         finally:
             teardown(rt)
 

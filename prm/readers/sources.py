@@ -1,6 +1,7 @@
 """Read train/held-out data from a hub name, a .jsonl/.json/.parquet file or a directory; convert and validate
 every row. Depends on: datasets, prm.core.data, prm.errors, prm.readers.formats, prm.readers.synthetic."""
 import contextlib
+import glob
 import hashlib
 import inspect
 import json
@@ -309,8 +310,14 @@ def rows_cache(cfg, digests: dict = None):
 def load_splits(cfg, digests: dict = None) -> tuple:
     """read_splits, or its result read back from rows_cache when the files and settings are unchanged. An
     entry is written under a temporary name and renamed whole (runs started together: the first rename wins);
-    a damaged one is read again and replaced; one that cannot be written (a full disk) is left out."""
+    a damaged one is read again and replaced; one that cannot be written (a full disk) is left out; the
+    temporary folder of a killed write (its process gone) is removed."""
     path = rows_cache(cfg, digests)
+    for leftover in glob.glob(glob.escape(path) + ".*.tmp*") if path else []:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(os.path.basename(leftover).split(".")[1]), 0)
+            continue  # its process lives: still writing
+        shutil.rmtree(leftover, ignore_errors=True)
     if path and (read_back := _read_back(path)):
         return read_back
     train, held, notes = read_splits(cfg)
