@@ -180,7 +180,7 @@ def test_a_killed_run_continues_to_the_file_of_an_uninterrupted_one(tmp_path):
         label_file(data, out, random_policy, LabelOptions(rollouts=4, samples=2))
     assert e.value.code == 2
     write_rows(tmp_path / "mine.jsonl", [{"mine": 1}])
-    with pytest.raises(UsageError, match="mine.jsonl line 1: not a line prm.labeling.label writes"):
+    with pytest.raises(UsageError, match="mine.jsonl line 1: not a line prm.label writes"):
         label_file(data, str(tmp_path / "mine.jsonl"), random_policy, opts)
 
 

@@ -219,7 +219,7 @@ def finished(*paths: str) -> dict:
                 r = json.loads(line)
                 got.setdefault(r["row"], []).append((line, r["lines"]))
             except (ValueError, KeyError, TypeError):
-                raise UsageError(f"{path} line {n}: not a line prm.labeling.label writes; pass another "
+                raise UsageError(f"{path} line {n}: not a line prm.label writes; pass another "
                                  "--output") from None
         rows = {**{k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]}, **rows}
     return rows
