@@ -12,21 +12,22 @@ from prm.core.evaluate import score_batch
 from prm.readers.formats import split_steps
 from prm.core.metrics import AGGREGATES
 from prm.core.model import input_settings
+from prm.scoring import ScorerOptions
 from prm.scoring.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
-def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
+def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it (scorer: prm.scoring.scorers.load's family settings). The step separator and max length it was trained
+    reads it (scoring: ScorerOptions' fields). The step separator and max length it was trained
     with come from the run's config.train.json, else from config.json's "prm" (an export); never whether the
     directory's own Python files may run: that is the caller's trust_remote_code alone."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
     cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a download ships one)
-    tokenizer, model = load(cfg, False, **scorer)
+    tokenizer, model = load(cfg, False, ScorerOptions(**scoring))
     if not saved:  # an export: how training read the input travels in config.json
         cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
     return tokenizer, model, cfg
@@ -37,19 +38,18 @@ class PRMReward:
     separator) scored with the training tokenization, the scores aggregated (min, prod, last, mean).
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
     trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
-    say. scorer, step_tag, good_token, bad_token: how a published PRM is read, as eval.py's flags."""
+    say. scoring: ScorerOptions' fields (scorer, step_tag, good_token, bad_token), as eval.py's flags."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
-                 trust_remote_code: bool = False, scorer: str = "auto", step_tag: str = "",
-                 good_token: str = "+", bad_token: str = "-"):
+                 trust_remote_code: bool = False, **scoring):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
             raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
+        scorer = ScorerOptions(**scoring).scorer
         if isinstance(model, str):
-            settings = dict(scorer=scorer, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
-            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **settings)
+            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **scoring)
         elif scorer not in ("auto", "classifier"):  # a loaded model would silently be read as a classifier
             raise ValueError(f"scorer {scorer!r} reads a model directory; "
                              "prm.scoring.scorers.load gives a loaded one")

@@ -31,8 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prm.config import Parser, unescape
 from prm.errors import UsageError, exit_status
 from prm.readers.formats import decode, read_json
+from prm.scoring import ScorerOptions
 from prm.scoring.reward import PRMReward
-from prm.scoring.scorers import FAMILIES
 
 PATH, HEALTH = "/get_reward", "/health"
 PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
@@ -308,10 +308,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
-    p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto", help="how the model scores "
-                   "steps (eval.py --help); --step-tag, --good-token, --bad-token too")
-    for flag, default in (("--step-tag", ""), ("--good-token", "+"), ("--bad-token", "-")):
-        p.add_argument(flag, default=default, help=argparse.SUPPRESS)
+    ScorerOptions.add_flags(p, "how the model scores steps (eval.py --help); --step-tag, --good-token, "
+                            "--bad-token too")
     args = p.parse_args(argv)
     if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "
@@ -332,8 +330,7 @@ def main(argv=None):
         args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            step_separator=args.step_separator, max_length=args.max_length,
-                           trust_remote_code=args.trust_remote_code, scorer=args.scorer,
-                           step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token)
+                           trust_remote_code=args.trust_remote_code, **vars(ScorerOptions.of(args)))
         try:
             server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
                                  max_body=args.max_body_bytes, max_batch=args.max_batch,
