@@ -3,7 +3,9 @@
 
 POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} (other fields ignored) answers
 {"rewards": [...], "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on
-(prompt, the rest of the query), the steps of each completion and those that fit in --max-length.
+(prompt, the rest of the query), the steps of each completion and those that fit in --max-length. With
+"step_rewards": true, also "step_rewards": per query, [start, end, P(correct)] per step (PRMReward.step_scores;
+null: a step cut by --max-length), query[start:end] the step, indexed in the query as sent.
 Texts first lose the tokenizer's padding and EOS at both ends and its BOS at the start, as OpenRLHF's own
 server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn start
 (e.g. "<|im_start|>assistant\\n"), else at the first step separator (none: all prompt, reward 0.0).
@@ -175,13 +177,19 @@ class Scorer:
 
     def __call__(self, data) -> dict:
         prompts, completions = self.split(data)
+        if not isinstance(data.get("step_rewards", False), bool):
+            raise BadRequest(f"field 'step_rewards': expected true or false, got {data['step_rewards']!r:.40}")
         with self.lock:
-            probs = self.reward.step_probs(prompts, completions)
+            scores = self.reward.step_scores(prompts, completions)
+        probs = [[p for *_, p in steps if p is not None] for steps in scores]
         rewards = self.reward.aggregated(probs)
         # OpenRLHF's serve_rm keys: clients read "rewards" and log each extra_logs list (a value per query)
-        return {"rewards": rewards, "scores": rewards,
-                "extra_logs": {"steps": [len(self.reward.steps(c)) for c in completions],
-                               "steps_scored": [len(ps) for ps in probs]}}
+        out = {"rewards": rewards, "scores": rewards,
+               "extra_logs": {"steps": [len(steps) for steps in scores], "steps_scored": [len(ps) for ps in probs]}}
+        if data.get("step_rewards"):  # the completion ends where the query, sent, loses its padding and EOS
+            ends = [len(strip_tokens(q, [], self.right)) - len(c) for q, c in zip(data["query"], completions)]
+            out["step_rewards"] = [[[a + at, b + at, p] for a, b, p in steps] for steps, at in zip(scores, ends)]
+        return out
 
 
 class Handler(BaseHTTPRequestHandler):
