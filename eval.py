@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 from prm.config import FILE, Config, Parser, add_field, writable
 from prm.errors import UsageError, check, exit_status
+from prm.scoring import ScorerOptions
 
 # the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA,
 # checkpoints, the held-out split) belongs to the run and comes from it
@@ -29,10 +30,7 @@ class Options:
     tune_threshold: str
     best_of_n: bool
     best_of_n_draws: int
-    scorer: str  # how a published PRM is read, with the next three (prm.scoring.scorers)
-    step_tag: str
-    good_token: str
-    bad_token: str
+    scoring: ScorerOptions  # how a published PRM is read (prm.scoring.scorers)
     tokenizer_given: bool  # --tokenizer on the command line: it wins over the one saved beside the model
     format_given: bool  # --format on the command line: else files named on it are read with format auto
 
@@ -59,18 +57,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    # how a published PRM is read (prm.scoring.scorers): --scorer, --step-tag, --good-token, --bad-token
-    p.add_argument("--scorer", default="auto",
-                   choices=("auto", "classifier", "qwen-prm", "step-tag", "chat-turns"),
-                   help="how the model scores steps, as its authors do: a token-classification head "
-                        "(ours, TRL's); Qwen2.5-Math-PRM's <extra_0> head (needs --trust-remote-code); "
-                        "Math-Shepherd's good/bad LM logits at a --step-tag; RLHFlow's at each assistant "
-                        "turn. auto: qwen-prm when the model's config (local or hub) names a "
-                        "*ForProcessRewardModel, else classifier")
-    p.add_argument("--step-tag", default="",
-                   help="step-tag: the one token ending each step (Math-Shepherd: ки)")
-    p.add_argument("--good-token", default="+", help="step-tag, chat-turns: the one token meaning 'correct'")
-    p.add_argument("--bad-token", default="-", help="step-tag, chat-turns: the one token meaning 'wrong'")
+    ScorerOptions.add_flags(p)  # how a published PRM is read (prm.scoring.scorers)
     run = p.add_argument_group("run settings", "how to read and score the data; each flag not given "
                                "comes from the run's config.train.json beside --model (else from "
                                "config.json's 'prm', else the training default)")
@@ -141,7 +128,8 @@ def settings(args: argparse.Namespace) -> tuple:
     config.train.json beside --model, else the input settings a PRM carries in its config.json (an export),
     else the defaults."""
     given = dict(vars(args))
-    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
+    scoring = ScorerOptions(**{f.name: given.pop(f.name) for f in fields(ScorerOptions)})
+    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given}, scoring=scoring,
                    tokenizer_given="tokenizer" in given, format_given="format" in given)
     if os.path.isfile(os.path.join(args.model, FILE)):
         base = Config.load(args.model).__dict__
@@ -312,8 +300,7 @@ def main(args=None) -> dict:
     progress_off(cfg.disable_tqdm)  # before loading: the bars of transformers and datasets follow it
     try:
         bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # then a published PRM's weights too
-        tokenizer, model = load_scorer(cfg, opts.tokenizer_given, scorer=opts.scorer, step_tag=opts.step_tag,
-                                       good_token=opts.good_token, bad_token=opts.bad_token,
+        tokenizer, model = load_scorer(cfg, opts.tokenizer_given, opts.scoring,
                                        dtype=torch.bfloat16 if bf16 else torch.float32)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device))
         head = tuned_threshold(ev, opts) if opts.tune_threshold else \

@@ -361,7 +361,7 @@ def test_rollout_prompts_start_each_step_on_its_own_and_drop_blank_sampled_steps
         return [["a\n\u200b\n \\boxed{1}"] * n] if prompts == ["Q\n"] else [["\\boxed{1}"] * n] * len(prompts)
     row = json.loads(label_row({"prompt": "Q\n", "answer": "1"}, 0, sampled, lambda prompt: prompt,
                                LabelOptions(rollouts=1, samples=1))[0])
-    assert row["completions"] == ["a", "\\boxed{1}"]
+    assert row["completions"] == ["a", " \\boxed{1}"]  # each step verbatim, as training keeps it
 
 
 def test_a_chat_prompt_without_render_is_a_usage_error_naming_the_row(tmp_path):

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from prm.readers.formats import split_steps
 from prm.scoring import serve
 from prm.scoring.reward import EMPTY_REWARD, PRMReward
 
@@ -154,6 +155,7 @@ def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expect
     ([GOOD], "expected a JSON object"),
     ({**GOOD, "prompts": PROMPTS[:2]}, "3 queries for 2 prompts"),
     ({**GOOD, "prompts": ["x:"] * 3}, "query 0 does not start with its prompt (3 such queries)"),
+    ({**GOOD, "step_rewards": "yes"}, "field 'step_rewards': expected true or false, got 'yes'"),
 ])
 def test_wrong_fields_get_a_400(port, body, message):
     status, out = request(port, body=body)  # json.dumps writes the surrogate as the escape "\ud800"
@@ -302,6 +304,33 @@ def test_a_prompt_rendered_by_the_models_template_is_scored_as_its_messages(mode
     out = scorer({"query": [prompt + "1+1=2\n"], "prompts": [prompt]})
     assert out["rewards"] == pytest.approx(reward([chat], ["1+1=2\n"]), abs=1e-6)
     assert out["rewards"] != pytest.approx(reward([prompt], ["1+1=2\n"]), abs=1e-6)  # the BOS mattered
+
+
+def test_step_rewards_give_each_steps_span_in_the_query_as_sent_and_its_score(reward, port):
+    queries = ["<pad><bos>" + q + "<eos><pad>" for q in GOOD["query"]]
+    status, out = request(port, body={**GOOD, "query": queries, "step_rewards": True})
+    assert status == 200 and len(out["step_rewards"]) == 3
+    for query, completion, got, want in zip(queries, COMPLETIONS, out["step_rewards"],
+                                            reward.step_scores(PROMPTS, COMPLETIONS)):
+        assert [query[a:b] for a, b, _ in got] == split_steps(completion, "\n")
+        assert [p for *_, p in got] == pytest.approx([p for *_, p in want], abs=1e-6)
+    cut = serve.Scorer(PRMReward(reward.model, tokenizer=reward.tokenizer, device="cpu", max_length=25))
+    with pytest.warns(UserWarning, match="2 of 3 completions truncated"):
+        out = cut({**GOOD, "step_rewards": True})
+    assert [[p is None for *_, p in steps] for steps in out["step_rewards"]] == [[False, True, True], [False, True],
+                                                                               [False]]
+
+
+@pytest.mark.parametrize("step_rewards", [{}, {"step_rewards": False}])
+def test_a_request_without_step_rewards_is_answered_as_before(port, expected, step_rewards):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("POST", serve.PATH, body=json.dumps({**GOOD, **step_rewards}).encode())
+        body = conn.getresponse().read()
+    finally:
+        conn.close()
+    assert body == json.dumps({"rewards": expected, "scores": expected,
+                               "extra_logs": {"steps": [3, 2, 1], "steps_scored": [3, 2, 1]}}).encode()
 
 
 def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):

@@ -1,6 +1,7 @@
 """Read JSON with its hazards checked, detect a raw record's format, convert it to stepwise rows (prompt,
 completions, labels) or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.core.data."""
 import difflib
+import itertools
 import json
 import re
 
@@ -94,10 +95,15 @@ def is_blank(text: str) -> bool:
     return not text.translate(ZERO_WIDTH).strip()
 
 
+def step_spans(text: str, separator: str) -> list:
+    """(start, end) of each step of a text: the pieces between separators, blank ones dropped."""
+    starts = itertools.accumulate((len(p) + len(separator) for p in text.split(separator)), initial=0)
+    return [(a, a + len(p)) for a, p in zip(starts, text.split(separator)) if not is_blank(p)]
+
+
 def split_steps(text: str, separator: str) -> list:
-    """The steps of a text: the pieces between separators, stripped, blank ones dropped. Scoring splits a
-    completion so, and training each step that holds the separator (at_separator): both see the same steps."""
-    return [s.strip() for s in text.split(separator) if not is_blank(s)]
+    """The steps of a text (step_spans), verbatim: each keeps its own whitespace, as training keeps a step."""
+    return [text[a:b] for a, b in step_spans(text, separator)]
 
 
 def at_separator(row: dict, separator: str) -> dict:

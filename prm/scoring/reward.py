@@ -1,6 +1,10 @@
 """A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer
-calls (`reward_funcs=[PRMReward("out/final")]`). Depends on: torch, prm.config, prm.errors, prm.core.evaluate,
-prm.readers.formats, prm.core.metrics, prm.core.model, prm.scoring.scorers."""
+calls (`reward_funcs=[PRMReward("out/final")]`), or each step's score on the policy's own tokens (token_rewards:
+PPO-style trainers, prm.scoring.verl_manager). Depends on: torch, prm.config, prm.errors, prm.core.evaluate,
+prm.readers.formats, prm.core.metrics, prm.core.model, prm.scoring."""
+import bisect
+import functools
+import itertools
 import os
 import warnings
 
@@ -9,24 +13,58 @@ import torch
 from prm.config import FILE, Config
 from prm.errors import UsageError
 from prm.core.evaluate import score_batch
-from prm.readers.formats import split_steps
+from prm.readers.formats import split_steps, step_spans
 from prm.core.metrics import AGGREGATES
 from prm.core.model import input_settings
+from prm.scoring import ScorerOptions
 from prm.scoring.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
 
 
-def load_reward_model(path: str, trust_remote_code: bool = False, **scorer):
+def suffix_minima(ps: list) -> list:
+    """PURE's min-form credit (arXiv 2504.15275: a state's value is the minimum of its future step rewards) for
+    a trainer summing rewards with gamma 1: r_k = m_k - m_(k+1), m_k = min(P_k..P_n), m_(n+1) = 0, so the sum
+    from any step to the end is the minimum P over those steps."""
+    m = list(itertools.accumulate(reversed(ps), min))[::-1] + [0.0]
+    return [a - b for a, b in zip(m, m[1:])]
+
+
+# a step's reward from the P(correct) of the scored steps: its own; P_k - P_(k-1) with P_0 = 0 (potential-based
+# shaping, Ng et al. 1999: the sum is the last step's P); the min form
+SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] + ps[:-1])], "min": suffix_minima}
+
+
+def token_holders(tokenizer, ids: list, text: str, row: int):
+    """char index -> index of the token (of ids) whose decoding completes that character of text, from the
+    prefixes of ids as they decode (never re-tokenizing text): a character split over tokens is held by its
+    last. ValueError naming the row if ids do not decode to text."""
+    decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
+    if (whole := decode(len(ids))) != text:
+        at = len(os.path.commonprefix([whole, text]))
+        raise ValueError(f"completion {row}: completion_ids do not decode to its text (from character {at}: "
+                         f"{whole[at:at + 30]!r}, not {text[at:at + 30]!r}): pass the policy's own ids and "
+                         "tokenizer")
+
+    def covered(k):  # the characters of text that ids[:k] decode to for sure (a cut character: '\ufffd')
+        piece = decode(k)
+        m = len(piece)
+        while not text.startswith(piece[:m]):
+            m -= 1
+        return m
+    return lambda c: bisect.bisect_right(range(len(ids) + 1), c, key=covered) - 1
+
+
+def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it (scorer: prm.scoring.scorers.load's family settings). The step separator and max length it was trained
+    reads it (scoring: ScorerOptions' fields). The step separator and max length it was trained
     with come from the run's config.train.json, else from config.json's "prm" (an export); never whether the
     directory's own Python files may run: that is the caller's trust_remote_code alone."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model = path  # the saved config names the base model it started from; we want the trained one
     cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a download ships one)
-    tokenizer, model = load(cfg, False, **scorer)
+    tokenizer, model = load(cfg, False, ScorerOptions(**scoring))
     if not saved:  # an export: how training read the input travels in config.json
         cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
     return tokenizer, model, cfg
@@ -37,19 +75,18 @@ class PRMReward:
     separator) scored with the training tokenization, the scores aggregated (min, prod, last, mean).
     model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
     trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
-    say. scorer, step_tag, good_token, bad_token: how a published PRM is read, as eval.py's flags."""
+    say. scoring: ScorerOptions' fields (scorer, step_tag, good_token, bad_token), as eval.py's flags."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
-                 trust_remote_code: bool = False, scorer: str = "auto", step_tag: str = "",
-                 good_token: str = "+", bad_token: str = "-"):
+                 trust_remote_code: bool = False, **scoring):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
             raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
+        scorer = ScorerOptions(**scoring).scorer
         if isinstance(model, str):
-            settings = dict(scorer=scorer, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
-            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **settings)
+            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **scoring)
         elif scorer not in ("auto", "classifier"):  # a loaded model would silently be read as a classifier
             raise ValueError(f"scorer {scorer!r} reads a model directory; "
                              "prm.scoring.scorers.load gives a loaded one")
@@ -64,13 +101,16 @@ class PRMReward:
         self.aggregate, self.batch_size = aggregate, batch_size
         self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
 
+    @staticmethod
+    def text(completion) -> str:
+        """TRL passes text, or for conversational data a list of messages: then the assistant's contents, joined."""
+        if isinstance(completion, str):
+            return completion
+        return "".join(m["content"] for m in completion if m.get("role", "assistant") == "assistant")
+
     def steps(self, completion) -> list:
-        """The completion's steps as training cuts them (blank pieces dropped). TRL passes text, or for
-        conversational data a list of messages: then the assistant's contents, joined."""
-        if not isinstance(completion, str):
-            replies = [m["content"] for m in completion if m.get("role", "assistant") == "assistant"]
-            completion = "".join(replies)
-        return split_steps(completion, self.step_separator)
+        """The completion's steps as training keeps them (formats.split_steps: verbatim, blank pieces dropped)."""
+        return split_steps(self.text(completion), self.step_separator)
 
     def prompt(self, prompt):
         """Messages go through the chat template, as in training; a tokenizer without one reads their text."""
@@ -93,6 +133,8 @@ class PRMReward:
     def step_probs(self, prompts: list, completions: list) -> list:
         """P(correct) per step of each completion; [] for one with no step. Steps past max_length get no
         score: a warning says how many completions lost steps."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
         solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]  # an empty solution is not run
         try:
@@ -109,10 +151,37 @@ class PRMReward:
                           f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
         return [scored.get(i, []) for i in range(len(solutions))]
 
+    def step_scores(self, prompts: list, completions: list) -> list:
+        """For each completion one (start, end, p) per step: its characters text[start:end] (text: see `text`)
+        and its P(correct) as step_probs gives it, None for a step that truncation cut."""
+        spans = [step_spans(self.text(c), self.step_separator) for c in completions]
+        probs = self.step_probs(prompts, completions)  # a prefix of each one's steps
+        return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, ps)] for s, ps in zip(spans, probs)]
+
+    def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
+                      shaping: str = "step", *, scores: list = None) -> list:
+        """For each completion, a float per token of its completion_ids (the policy's own response tokens,
+        decoded by the policy's tokenizer with skip_special_tokens): each scored step's SHAPINGS value on the
+        token holding the step's last character (steps ending in one token add up), 0.0 elsewhere.
+        scores: step_scores' answer for these completions, if already computed."""
+        if shaping not in SHAPINGS:
+            raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
+        if len(completion_ids) != len(completions):
+            raise ValueError(f"{len(completion_ids)} completion_ids for {len(completions)} completions")
+        holders = [token_holders(tokenizer, ids, self.text(c), i)
+                   for i, (c, ids) in enumerate(zip(completions, completion_ids))]
+        scores = scores if scores is not None else self.step_scores(prompts, completions)
+        out = []
+        for steps, holder, ids in zip(scores, holders, completion_ids):
+            scored = [(end, p) for _, end, p in steps if p is not None]
+            row = [0.0] * len(ids)
+            for (end, _), value in zip(scored, SHAPINGS[shaping]([p for _, p in scored])):
+                row[holder(end - 1)] += value
+            out.append(row)
+        return out
+
     def __call__(self, prompts: list, completions: list, **kwargs) -> list:
         """One float per completion; TRL's extra columns (kwargs) are accepted and not used."""
-        if len(prompts) != len(completions):
-            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
         return self.aggregated(self.step_probs(prompts, completions))
 
     def aggregated(self, step_probs: list) -> list:

@@ -9,7 +9,7 @@ model giving (B, T, 2) logits, [bad, good].
   once; LM-head logits of the bad and good tokens at each tag.
 - chat-turns (RLHFlow): user turns (problem + " " + step 1, then a step each), each assistant turn the good
   token, rendered once; the bad/good logits where each assistant token is predicted.
-Depends on: torch, transformers, prm.training.build, prm.core.data, prm.errors, prm.core.varlen."""
+Depends on: torch, transformers, prm.training.build, prm.core.data, prm.errors, prm.scoring, prm.core.varlen."""
 import bisect
 import dataclasses
 import hashlib
@@ -24,9 +24,9 @@ from prm.training.build import load_tokenizer, load_trained, loading
 from prm.core.data import IGNORE, normalize_label
 from prm.core.model import saved_weights
 from prm.errors import UsageError
+from prm.scoring import FAMILIES, ScorerOptions
 from prm.core.varlen import supports_packing, use_packed_attention
 
-FAMILIES = ("classifier", "qwen-prm", "step-tag", "chat-turns")
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
 with open(__file__, "rb") as _f:  # CODE is in every Family: a change of this file is a new datasets cache
@@ -219,21 +219,21 @@ class Logits(nn.Module):
         return F.linear(h, head.weight[self.cols], bias)  # (B, T, 2)
 
 
-def load(cfg, tokenizer_given: bool, *, scorer="auto", step_tag="", good_token="+", bad_token="-",
-         dtype=torch.float32) -> tuple:
+def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, dtype=torch.float32) -> tuple:
     """(tokenizer, model) of any family, the model's output (B, T, 2) logits and the tokenizer carrying the
     family's row builder; classifiers load as prm.training.build.load_trained loads them (fp32), a published PRM's
     weights in `dtype` (bf16, as their authors run them, halves the memory of a 7B model)."""
-    name = detect(cfg.model, scorer)
+    name = detect(cfg.model, opts.scorer)
+    settings = dict(step_tag=opts.step_tag, good_token=opts.good_token, bad_token=opts.bad_token)
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
     if name == "classifier":  # refuses the flags it would ignore
-        family(None, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
+        family(None, name, **settings)
         return load_trained(cfg, tokenizer_given)
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code,
                                flag)
-    fam = family(tokenizer, name, step_tag=step_tag, good_token=good_token, bad_token=bad_token)
+    fam = family(tokenizer, name, **settings)
     if name == "qwen-prm" and not cfg.trust_remote_code:
         raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add --trust-remote-code")
     auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM

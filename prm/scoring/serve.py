@@ -3,7 +3,9 @@
 
 POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} (other fields ignored) answers
 {"rewards": [...], "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on
-(prompt, the rest of the query), the steps of each completion and those that fit in --max-length.
+(prompt, the rest of the query), the steps of each completion and those that fit in --max-length. With
+"step_rewards": true, also "step_rewards": per query, [start, end, P(correct)] per step (PRMReward.step_scores;
+null: a step cut by --max-length), query[start:end] the step, indexed in the query as sent.
 Texts first lose the tokenizer's padding and EOS at both ends and its BOS at the start, as OpenRLHF's own
 server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn start
 (e.g. "<|im_start|>assistant\\n"), else at the first step separator (none: all prompt, reward 0.0).
@@ -33,8 +35,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prm.config import Parser, unescape
 from prm.errors import UsageError, exit_status
 from prm.readers.formats import decode, read_json
+from prm.scoring import ScorerOptions
 from prm.scoring.reward import PRMReward
-from prm.scoring.scorers import FAMILIES
 
 PATH, HEALTH = "/get_reward", "/health"
 PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
@@ -177,13 +179,19 @@ class Scorer:
 
     def __call__(self, data) -> dict:
         prompts, completions = self.split(data)
+        if not isinstance(data.get("step_rewards", False), bool):
+            raise BadRequest(f"field 'step_rewards': expected true or false, got {data['step_rewards']!r:.40}")
         with self.lock:
-            probs = self.reward.step_probs(prompts, completions)
+            scores = self.reward.step_scores(prompts, completions)
+        probs = [[p for *_, p in steps if p is not None] for steps in scores]
         rewards = self.reward.aggregated(probs)
         # OpenRLHF's serve_rm keys: clients read "rewards" and log each extra_logs list (a value per query)
-        return {"rewards": rewards, "scores": rewards,
-                "extra_logs": {"steps": [len(self.reward.steps(c)) for c in completions],
-                               "steps_scored": [len(ps) for ps in probs]}}
+        out = {"rewards": rewards, "scores": rewards,
+               "extra_logs": {"steps": [len(steps) for steps in scores], "steps_scored": [len(ps) for ps in probs]}}
+        if data.get("step_rewards"):  # the completion ends where the query, sent, loses its padding and EOS
+            ends = [len(strip_tokens(q, [], self.right)) - len(c) for q, c in zip(data["query"], completions)]
+            out["step_rewards"] = [[[a + at, b + at, p] for a, b, p in steps] for steps, at in zip(scores, ends)]
+        return out
 
 
 class Deadline(socket.SocketIO):
@@ -319,10 +327,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
-    p.add_argument("--scorer", choices=("auto",) + FAMILIES, default="auto", help="how the model scores "
-                   "steps (eval.py --help); --step-tag, --good-token, --bad-token too")
-    for flag, default in (("--step-tag", ""), ("--good-token", "+"), ("--bad-token", "-")):
-        p.add_argument(flag, default=default, help=argparse.SUPPRESS)
+    ScorerOptions.add_flags(p, "how the model scores steps (eval.py --help); --step-tag, --good-token, "
+                            "--bad-token too")
     args = p.parse_args(argv)
     if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "
@@ -343,8 +349,7 @@ def main(argv=None):
         args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            step_separator=args.step_separator, max_length=args.max_length,
-                           trust_remote_code=args.trust_remote_code, scorer=args.scorer,
-                           step_tag=args.step_tag, good_token=args.good_token, bad_token=args.bad_token)
+                           trust_remote_code=args.trust_remote_code, **vars(ScorerOptions.of(args)))
         try:
             server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
                                  max_body=args.max_body_bytes, max_batch=args.max_batch,

@@ -1,0 +1,71 @@
+"""A reward manager for verl 0.9.1's reward loop: a PRM's step scores on the policy's own response tokens
+(PRMReward.token_rewards), for PPO-style trainers. verl loads it by path; the package never imports it (verl is
+no dependency of prm, which must be importable where verl runs: pip install it, or PYTHONPATH). Selected by
+
+    reward.reward_manager.source=importlib reward.reward_manager.name=PRMRewardManager
+    reward.reward_manager.module.path=/path/to/prm/scoring/verl_manager.py
+    +reward.reward_kwargs.model=out/final  # and any PRMReward keyword (aggregate, device, scorer, ...), shaping
+
+Each sample's response is decoded from `responses` and `attention_mask` (special tokens skipped) and scored after
+its prompt (the messages of `raw_prompt`, else the prompt's decoded tokens); the rewards fill its row of
+`rm_scores`, the aggregate (PRMReward's __name__, e.g. prm_min) goes in reward_extra_info. verl's
+compute_score is not used. Depends on: torch, verl, prm.scoring.reward."""
+import asyncio
+import threading
+
+import torch
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+
+from prm.scoring.reward import PRMReward
+
+
+class PRMRewardManager(RewardManagerBase):
+    """run_single -> {"reward_score": a float per response token, "reward_extra_info": {aggregate name: value}}."""
+    reward: PRMReward = None  # one per process (init_class), scoring one sample at a time
+    shaping = "step"
+    lock = threading.Lock()
+
+    def __init__(self, config, tokenizer, compute_score=None, **kwargs):  # kwargs: verl's reward-model routing
+        super().__init__(config, tokenizer, compute_score)
+
+    @classmethod
+    def init_class(cls, config, tokenizer):
+        if cls._class_initialized:
+            return
+        kwargs = dict(config.reward.get("reward_kwargs") or {})
+        if "model" not in kwargs:
+            raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR (a train.py output or any "
+                             "2-label token classifier)")
+        cls.shaping = kwargs.pop("shaping", "step")
+        cls.reward = PRMReward(kwargs.pop("model"), **kwargs)
+        super().init_class(config, tokenizer)
+
+    def score(self, prompt, ids: list) -> dict:
+        """One sample's answer to run_single (in verl's executor threads: one at a time)."""
+        with self.lock:
+            completion = self.tokenizer.decode(ids, skip_special_tokens=True)
+            scores = self.reward.step_scores([prompt], [completion])
+            rewards = self.reward.token_rewards([prompt], [completion], [ids], self.tokenizer, self.shaping,
+                                                scores=scores)[0]
+        aggregate = self.reward.aggregated([[p for *_, p in scores[0] if p is not None]])[0]
+        return {"reward_score": rewards, "reward_extra_info": {self.reward.__name__: aggregate}}
+
+    async def run_single(self, data) -> dict:
+        item = data[-1:][0]  # the last sequence, as verl's own managers read it
+        responses, mask = item.batch["responses"], item.batch["attention_mask"]  # (R,), (P + R,)
+        ids = responses[:int(mask[-responses.shape[-1]:].sum())].tolist()  # right-padded
+        prompt = item.non_tensor_batch.get("raw_prompt")
+        if prompt is None:  # the prompt's own tokens, left-padded
+            prompt_ids = item.batch["prompts"]  # (P,)
+            prompt = self.tokenizer.decode(prompt_ids[mask[:len(prompt_ids)].bool()], skip_special_tokens=True)
+        else:  # chat messages: a list, or verl's numpy array of them
+            prompt = list(prompt)
+        return await asyncio.get_running_loop().run_in_executor(None, self.score, prompt, ids)
+
+    @classmethod
+    def assemble_rm_scores(cls, data, scores: list) -> torch.Tensor:
+        """(batch, response_length) rm_scores: each sample's token rewards from its first response token."""
+        rm_scores = torch.zeros_like(data.batch["responses"], dtype=torch.float32)  # (B, R)
+        for i, rewards in enumerate(scores):
+            rm_scores[i, :len(rewards)] = torch.tensor(rewards, dtype=torch.float32)
+        return rm_scores
