@@ -208,11 +208,12 @@ def test_an_lm_scorer_refuses_a_model_whose_lm_head_it_would_make_up(model_dir, 
     """step-tag (and chat-turns, prm.serve, PRMReward: one loader) on a train.py classifier, which saves no LM
     head, or on one saved with an LM head of another shape: refused, never scored with a random head."""
     from prm.config import Config
+    from prm.scoring import ScorerOptions
     from prm.scoring.scorers import load
     path = shutil.copytree(model_dir, tmp_path / "model")
     if head is not None:
         state = load_file(str(path / "model.safetensors"))
         save_file({**state, "lm_head.weight": head}, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UsageError) as e:
-        load(Config(model=str(path)), False, scorer="step-tag", step_tag="=")
+        load(Config(model=str(path)), False, ScorerOptions(scorer="step-tag", step_tag="="))
     assert e.value.code == 2 and f"--model {path}: {MADE_UP}{made_up}" in str(e.value)

@@ -235,10 +235,11 @@ def test_good_and_bad_tokens_must_be_two_different_tokens_of_the_vocabulary():
 
 def test_qwen_prm_on_another_model_says_it_is_no_qwen_prm_before_asking_to_run_its_code(model_dir):
     from prm.config import Config
+    from prm.scoring import ScorerOptions
     from prm.scoring.scorers import load
     with pytest.raises(UsageError, match=r"--scorer qwen-prm: is --model a Qwen PRM\? Its step separator "
                                          r"'<extra_0>' must be one token of the model's tokenizer: it splits into 9"):
-        load(Config(model=model_dir), False, scorer="qwen-prm")
+        load(Config(model=model_dir), False, ScorerOptions(scorer="qwen-prm"))
 
 
 def test_truncation_keeps_whole_steps_within_both_caps(qwen2_tok):
