@@ -92,15 +92,11 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, usage: str = "%(prog)s [options]", **kw):
         kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(usage=usage, allow_abbrev=False, exit_on_error=False, **kw)
+        super().__init__(usage=usage, allow_abbrev=False, **kw)
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
-        try:
-            parsed = super().parse_known_args(args, namespace)
-        except argparse.ArgumentError as e:  # `--batch_size x` is named --batch-size
-            action = self._option_string_actions.get(str(e.argument_name).split("/")[0])
-            self.error(f"argument {action.flag}: {e.message}" if hasattr(action, "flag") else str(e))
+        parsed = super().parse_known_args(args, namespace)
         used = {}  # {a field's flag: the first of its names given}; one name given twice: the last wins
         for arg in (a.split("=")[0] for a in args if a.startswith("--")):
             flag = getattr(self._option_string_actions.get(arg), "flag", None)
@@ -113,6 +109,11 @@ class Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **shown_default(kw))
 
     def error(self, message: str):
+        # "argument --batch_size/--per_device_train_batch_size: ...": a field's flag, named as --help lists it
+        bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
+        action = self._option_string_actions.get(bad[1]) if bad else None
+        if hasattr(action, "flag"):
+            raise UsageError(f"argument {action.flag}: {bad[2]}")
         unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
         flag = unknown[0].split("=")[0] if unknown else ""
         why = UNSUPPORTED.get(flag.lstrip("-").replace("-", "_"))
