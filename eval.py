@@ -9,7 +9,8 @@ import os
 import sys
 from dataclasses import dataclass, fields, replace
 
-from prm.config import FILE, Config, Parser, add_field, writable
+from prm.cli import Parser, add_field, writable
+from prm.config import FILE, Config
 from prm.errors import UsageError, check, exit_status
 from prm.scoring import ScorerOptions
 
@@ -140,13 +141,13 @@ def settings(args: argparse.Namespace) -> tuple:
         except (OSError, ValueError):  # not loadable: load_scorer reports it properly
             base = {}
     if opts.datasets and "format" not in given:  # the run's training format says nothing about new files
-        given["format"] = "auto"
+        given["format"] = None
     # only the user's own command line may allow a model's code, never a file; the frozen base's dtype was
     # training's choice (its rule ties it to bf16 autocast): scoring loads it in fp32 (prm.training.build.load_trained)
-    cfg = Config.from_dict({**base, "trust_remote_code": False, "lora_base_dtype": "fp32", **given})
-    check(cfg.problems() + ([] if opts.datasets else  # else checked with the flags
-                            tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset])))
-    return cfg.resolve(), opts
+    cfg = Config.from_dict({**base, "trust_remote_code": False, "lora_base_dtype": "fp32", **given}).resolve()
+    check([] if opts.datasets else  # else checked with the flags
+          tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset]))
+    return cfg, opts
 
 
 @dataclass
@@ -189,7 +190,7 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
     """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported), and the dev
     set's every metric at it (`dev`: its step AUROC judges a model as much as its F1 does). The dev file is
     read with --format if given, else auto: the run's training format says nothing about a new file."""
-    path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else "auto"
+    path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else None
     dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
     kept = [(ps, r) for ps, r in zip(probs, dev) if ps]

@@ -1,20 +1,15 @@
-"""One dataclass holds every training/eval setting; argparse is generated from it; a YAML/JSON file can set
-it too. Each field carries its rules in its own metadata (see _opt).
-Depends on: stdlib, PyYAML (installed with transformers), prm.errors."""
-import argparse
+"""One dataclass holds every training/eval setting, each field with its rules in its own metadata (see _opt);
+resolve() checks them and fills in the auto ones. Its flags and --config files: prm.cli.
+Depends on: stdlib, prm.errors."""
+import collections
 import contextlib
 import dataclasses
-import difflib
 import json
 import math
 import os
-import re
 import reprlib
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Callable, NamedTuple, Optional, get_args
-
-import yaml
 
 from prm.errors import UsageError, check
 
@@ -26,6 +21,8 @@ SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_wit
 # neither the model nor the data nor its order; the batch split may change too, the global batch not). rows:
 # it shapes the rows read from data files, so it keys their cache (prm.readers.sources). scoring: eval.py takes it
 RULES = {"change", "rows", "scoring"}
+# auto is None; what it was spelled before (0 for a number, the word for a choice) still reads as None
+AUTO = (0, "auto")
 
 
 def unescape(text: str) -> str:
@@ -105,16 +102,18 @@ class Config:
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it", rules="rows scoring",
                            trl=("dataset_test_split",))
     eval_fraction: float = _opt(0.05, "share held out (split by prompt) without an eval split", rules="rows")
-    format: str = _opt("auto", "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
-    eval_format: str = _opt("auto", "input format of --eval-dataset, on its own (--format is --dataset's)",
-                            rules="rows", choices=FORMATS)
+    format: Optional[str] = _opt(None, "'auto' detects it from the columns", rules="rows scoring",
+                                 choices=FORMATS)
+    eval_format: Optional[str] = _opt(None, "input format of --eval-dataset, on its own (--format is "
+                                      "--dataset's)", rules="rows", choices=FORMATS)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
                               "(step kept as context, unlabeled)", rules="rows scoring",
                               choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit "
                               "status 2", rules="rows scoring")
-    num_proc: int = _opt(0, "tokenization processes; 0: one per CPU core (up to 8) from 20,000 rows on, else "
-                         "1 (each takes seconds to start)", rules="change scoring", trl=("dataset_num_proc",))
+    num_proc: Optional[int] = _opt(None, "tokenization processes (default, or 0: one per CPU core, up to 8, "
+                                   "from 20,000 rows on, else 1: each takes seconds to start)",
+                                   rules="change scoring", trl=("dataset_num_proc",))
     synthetic_size: int = _opt(32000, "rows of the synthetic default (10%% of its solutions held out)",
                                rules="")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
@@ -152,14 +151,14 @@ class Config:
     adam_beta2: float = _opt(0.95, "AdamW beta2 (HF's default: 0.999)", rules="")
     adam_epsilon: float = _opt(1e-8, "AdamW epsilon", rules="")
     max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables", rules="change")
-    dtype: str = _opt("auto", "autocast dtype; auto = bf16 where the device has it natively (CUDA; CPUs "
-                      "with AMX or AVX512-BF16), else fp32; master weights stay fp32. TRL's --bf16 / --fp16 "
-                      "[BOOL] (false: fp32, unless the other one is set) and --torch_dtype "
-                      "{auto,bfloat16,float16,float32} set it too",
-                      rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
-                      trl=(Conv("bf16", lambda on: "bf16" if on else "fp32", "?", keep=("fp16",)),
-                           Conv("fp16", lambda on: "fp16" if on else "fp32", "?", keep=("bf16",)),
-                           Conv("torch_dtype", torch_dtype)))
+    dtype: Optional[str] = _opt(None, "autocast dtype; auto = bf16 where the device has it natively (CUDA; "
+                                "CPUs with AMX or AVX512-BF16), else fp32; master weights stay fp32. TRL's "
+                                "--bf16 / --fp16 [BOOL] (false: fp32, unless the other one is set) and "
+                                "--torch_dtype {auto,bfloat16,float16,float32} set it too",
+                                rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
+                                trl=(Conv("bf16", lambda on: "bf16" if on else "fp32", "?", keep=("fp16",)),
+                                     Conv("fp16", lambda on: "fp16" if on else "fp32", "?", keep=("bf16",)),
+                                     Conv("torch_dtype", torch_dtype)))
     gradient_checkpointing: bool = _opt(False, "save memory by recomputing activations", rules="change")
     fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks "
                       "(FSDP2) instead of copying them to every rank (DDP): for models whose training state "
@@ -219,9 +218,9 @@ class Config:
                                    "from --config or a model's config.train.json", rules="change scoring")
 
     def __post_init__(self):
-        for name in AUTO:  # 0 meant "auto" before these fields took None, and still does
-            if getattr(self, name) == 0:
-                setattr(self, name, None)
+        for f in fields(self):  # use_peft's None is "not given", not auto: its false is no 0
+            if f.default is None and kind(f) is not bool and getattr(self, f.name) in AUTO:
+                setattr(self, f.name, None)
         if 0 < self.warmup_steps < 1:  # transformers 5's spelling of a warmup ratio
             self.warmup_ratio, self.warmup_steps = self.warmup_steps, 0
 
@@ -231,10 +230,11 @@ class Config:
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """A copy with the auto (None) fields filled in, so the saved config says what was actually used."""
-        tiny = self.model == "tiny"
-        # an explicit use_peft false is full fine-tuning whatever --lora-r says, as in TRL
-        lora_r = 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
+        """The settings checked (UsageError naming every problem), then a copy with the auto (None) fields
+        filled in, so the saved config says what was used; dtype, num_proc, format, decided by the device or
+        the data, stay None. Resolving a resolved config returns an equal one."""
+        check(self.problems())
+        tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
         lr = self.lr or (1e-3 if tiny else 1e-4 if lora_r else 1e-5)
         # HF's: strategy steps given without its interval evaluates every --log-every steps, saves every 500
@@ -247,11 +247,15 @@ class Config:
                                    save_every=save_every,
                                    save_strategy=self.save_strategy or ("steps" if save_every else "no"))
 
+    def lora_rank(self) -> int:
+        """--lora-r as TRL reads it: an explicit use_peft false is full fine-tuning whatever --lora-r says,
+        use_peft true without a rank is rank 16."""
+        return 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
+
     def every(self, kind: str, steps_per_epoch: int) -> int:
-        """Steps between evaluations (kind "eval") or checkpoints ("save") under their strategy; 0: none."""
-        cfg = self.resolve()
-        strategy = getattr(cfg, kind + "_strategy")
-        return {"steps": getattr(cfg, kind + "_every"), "epoch": steps_per_epoch, "no": 0}[strategy]
+        """Steps between evaluations (kind "eval") or checkpoints ("save") of a resolved config; 0: none."""
+        strategy = getattr(self, kind + "_strategy")
+        return {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}[strategy]
 
     def problems(self) -> list:
         """Every setting that cannot work, one line each: checked before any data or weight loads."""
@@ -277,7 +281,7 @@ class Config:
         need(lambda v: v != "", "must not be empty: its last token carries the label", "step_separator")
         need(lambda v: not (self.fsdp and v == "fp16"), "fp16 loss scaling is not supported with --fsdp: use "
              "bf16", "dtype")
-        need(lambda v: v == "fp32" or self.resolve().lora_r > 0 and self.dtype in ("bf16", "auto"),
+        need(lambda v: v == "fp32" or self.lora_rank() > 0 and self.dtype in ("bf16", None),
              "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
         need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
              "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
@@ -313,7 +317,7 @@ class Config:
         path = os.path.join(directory, FILE)
         try:
             with open(path) as f:
-                saved = json.load(f)
+                saved = json.load(f, object_pairs_hook=unique_keys)
         except (OSError, ValueError) as e:  # json's decode error (and a non-UTF-8 file) is a ValueError
             raise UsageError(f"{path}: cannot read it: {e}") from None
         if not isinstance(saved, dict):
@@ -332,103 +336,7 @@ class Config:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
-# use_peft's None is "not given", not an auto value: its false is no 0
-AUTO = tuple(f.name for f in fields(Config) if f.default is None and f.type is not Optional[bool])
 MAY_CHANGE = Config.names_with("change")
-# every TRL/HF name of a field: {name: (field, its Conv or None)}; a name shared with TRL needs no entry
-ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t) for f in fields(Config)
-           for t in f.metadata["trl"]}
-# TRL / HF flags left out on purpose, with what to do instead
-UNSUPPORTED = {name: why for names, why in [
-    (("push_to_hub", "hub_model_id", "hub_token"), "upload <output-dir>/final yourself (hf upload)"),
-    (("deepspeed", "fsdp_config"), "launch with torchrun: DDP, or --fsdp to shard weights, gradients and "
-                                   "AdamW state (FSDP2)"),
-    (("do_train", "do_eval", "do_predict"), "train.py always trains and evaluates (--eval-every for more "
-                                            "often); eval.py scores a saved model"),
-    (("optim", "lr_scheduler_kwargs"), "the optimizer is AdamW (--adam-beta1, --adam-beta2, --adam-epsilon, "
-                                       "--weight-decay); the schedule is --lr-scheduler-type"),
-    (("load_in_4bit", "load_in_8bit"), "no quantized base: --lora-base-dtype bf16 halves its memory"),
-    (("use_rslora", "use_dora", "lora_modules_to_save"), "LoRA here is plain LoRA; the head trains fully"),
-    (("max_prompt_length",), "prompts are kept whole: --max-length caps the example, "
-                             "--max-completion-length its steps"),
-    (("attn_implementation",), "attention is chosen per device (SDPA; varlen flash with --packing)"),
-] for name in names}
-
-
-class Setter(argparse.Action):
-    """Sets its field to convert(value); with nargs "?" a switch as HF's parser takes a bool (`--x`,
-    `--x false`) and `--no-x`, passing convert a bool; nargs 0: a switch taking no value (`--x`, `--no-x`).
-    A false switch leaves a value in keep alone (see Conv)."""
-
-    def __init__(self, option_strings, dest, *, convert, keep=(), **kw):
-        if kw.get("nargs") in ("?", 0):
-            option_strings = option_strings + ["--no-" + s[2:] for s in option_strings]
-        if kw.get("nargs") == "?":
-            kw.update(const="true", metavar="BOOL")
-        super().__init__(option_strings, dest, **kw)
-        self.convert, self.keep = convert, keep
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        try:
-            if self.nargs in ("?", 0):  # a switch
-                values = boolean("true" if self.nargs == 0 else values) != option_string.startswith("--no-")
-                current = getattr(namespace, self.dest, None)
-                if not values and current in self.keep:
-                    return
-                if values and current in self.keep:  # `--bf16 --fp16`: HF refuses it too
-                    raise ValueError(f"at most one of fp16 and bf16 can be true ({self.dest} is {current} "
-                                     "already)")
-            setattr(namespace, self.dest, self.convert(values))
-        except ValueError as e:
-            raise argparse.ArgumentError(self, str(e)) from None
-
-
-def nearest(name: str, names: list):
-    """The one of names a mistyped name most likely meant, or None: difflib's closest whose words each near
-    one of name's ('lora_task_type' is no 'lora_base_dtype': they share 'lora' alone)."""
-    def words(text: str) -> list:
-        return [w for w in re.split(r"[-_]+", text.lower()) if w]
-
-    def near(typed: str, word: str) -> bool:  # 'eps' for 'epsilon', 'lenght' for 'length'
-        return word.startswith(typed) or difflib.SequenceMatcher(None, typed, word).ratio() >= 0.75
-    return next((c for c in difflib.get_close_matches(name, names, n=5)
-                 if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
-
-
-def shown_default(kw: dict) -> dict:
-    """add_argument keywords whose help shows an empty or escaped string default as its repr ('\\n'), not a
-    line break (ArgumentDefaultsHelpFormatter appends none where the help names %(default) itself)."""
-    default, text = kw.get("default"), kw.get("help")
-    if not isinstance(default, str) or default and default.isprintable() or text in (None, argparse.SUPPRESS):
-        return kw
-    return kw if "%(default)" in text else {**kw, "help": text + " (default: %(default)r)"}
-
-
-class Parser(argparse.ArgumentParser):
-    """Bad flags raise UsageError with one line, not a usage dump of every flag (the entry point exits 2): an
-    unsupported TRL/HF flag says what to do instead, an unknown one names the nearest flag of any spelling.
-    No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
-
-    def __init__(self, usage: str = "%(prog)s [options]", **kw):
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(usage=usage, allow_abbrev=False, **kw)
-
-    def add_argument(self, *args, **kw):
-        return super().add_argument(*args, **shown_default(kw))
-
-    def error(self, message: str):
-        unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
-        flag = unknown[0].split("=")[0] if unknown else ""
-        why = UNSUPPORTED.get(flag.lstrip("-").replace("-", "_"))
-        if why:
-            raise UsageError(f"{flag} is not supported: {why}")
-        near = nearest(flag, list(self._option_string_actions))
-        if near:
-            action = self._option_string_actions[near]
-            shown = next((a for a in self._actions if a.dest == action.dest and a.help != argparse.SUPPRESS),
-                         action)
-            message += f" (did you mean {' / '.join(shown.option_strings)}?)"
-        raise UsageError(message)
 
 
 def kind(f) -> type:
@@ -436,57 +344,12 @@ def kind(f) -> type:
     return ([t for t in get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
-def add_field(container, f, suppress: bool = False, switch_value: bool = True):
-    """Field f as --its-name on container (a parser or an argument group), also answering to its underscore
-    spelling and to TRL's / HF's names for it (its `trl`); --help lists the dashed names of the field and of
-    its plain TRL names. suppress: an absent flag leaves no attribute (eval.py takes it from the run).
-    switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.readers.convert)."""
-    meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
-    default = argparse.SUPPRESS if suppress or f.default is None else f.default  # None: its help says it
-    if kind(f) is bool:
-        meta.update(action=Setter, convert=bool, nargs="?" if switch_value else 0)
-    else:
-        meta.setdefault("type", kind(f))
-    plain = [f.name] + [t for t in f.metadata["trl"] if isinstance(t, str)]
-    dashed = list(dict.fromkeys("--" + n.replace("_", "-") for n in plain))
-    container.add_argument(*dashed, **shown_default(dict(meta, dest=f.name, default=default)))  # a group too
-    hidden = [s for s in ("--" + n for n in plain) if s not in dashed]  # the underscore spellings
-    if hidden:
-        container.add_argument(*hidden, dest=f.name, **{**meta, "default": argparse.SUPPRESS,
-                                                        "help": argparse.SUPPRESS})
-    for conv in (t for t in f.metadata["trl"] if not isinstance(t, str)):
-        spellings = dict.fromkeys(["--" + conv.name, "--" + conv.name.replace("_", "-")])
-        container.add_argument(*spellings, dest=f.name, action=Setter, convert=conv.convert, nargs=conv.nargs,
-                               keep=conv.keep, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-
-
-def sections(cls=Config) -> list:
-    """[(title, [fields])] in declaration order: a field whose metadata has a section starts one."""
-    out = []
-    for f in fields(cls):
-        if "section" in f.metadata:
-            out.append((f.metadata["section"], []))
-        out[-1][1].append(f)
-    return out
-
-
-def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
-    """Every field of cls as a flag, in an argument group per section."""
-    p = Parser(description=description)
-    for title, group in sections(cls):
-        target = p.add_argument_group(title)
-        for f in group:
-            add_field(target, f)
-    return p
-
-
-def writable(path: str) -> bool:
-    """Whether a file or folder can be written at path: it, or the nearest part of it that exists, is
-    writable, and no file sits where a folder has to be."""
-    target = part = os.path.abspath(path)
-    while not os.path.exists(part):
-        part = os.path.dirname(part)
-    return (part == target or os.path.isdir(part)) and os.access(part, os.W_OK)
+def unique_keys(pairs: list) -> dict:
+    """A JSON object, refusing a key given twice (json keeps the last without a word)."""
+    twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
+    if twice:
+        raise ValueError(f"key {preview(twice[0])} given twice")
+    return dict(pairs)
 
 
 def checked_value(f, value):
@@ -503,80 +366,3 @@ def checked_value(f, value):
         raise ValueError(f"'{f.name}' must be one of {f.metadata['choices']}, got {preview(value)}")
     return value
 
-
-class BoundedLoader(yaml.SafeLoader):
-    """SafeLoader refusing more than 20 aliases (*name): a settings file needs few, and a chain of them (a
-    'billion laughs' bomb) expands to gigabytes wherever the value is copied or printed."""
-    aliases = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.aliases += 1
-            if self.aliases > 20:
-                line = self.peek_event().start_mark.line + 1
-                raise yaml.YAMLError(f"more than 20 aliases (*name), line {line}")
-        return super().compose_node(parent, index)
-
-
-def read_config_file(path: str) -> dict:
-    """{field: value} from a YAML or JSON file keyed by Config's fields (as in config.train.json) or any
-    spelling the command line takes (TRL's names too). Values are taken as written (no shell escapes: write a
-    newline separator as "\\n" in YAML/JSON). Any problem raises UsageError naming the file."""
-    def fail(what: str):
-        raise UsageError(f"--config {path}: {what}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f) if path.endswith(".json") else yaml.load(f, BoundedLoader)
-    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:  # json's decode error: a ValueError
-        fail(str(e))
-    if not isinstance(data, dict):
-        return {} if data is None else fail(f"expected a mapping of settings, got {type(data).__name__}")
-    by_name, out, settled_later = {f.name: f for f in fields(Config)}, {}, []
-    for key, value in data.items():
-        name, conv = ALIASES.get(str(key).replace("-", "_"), (str(key).replace("-", "_"), None))
-        if name in UNSUPPORTED and value in (None, False):  # a TRL config's `push_to_hub: false` asks nothing
-            continue
-        if name in UNSUPPORTED:
-            fail(f"'{key}' is not supported: {UNSUPPORTED[name]}")
-        if name not in by_name:  # the nearest field, TRL's names included
-            near = nearest(name, list(by_name) + list(ALIASES))
-            fail(f"unknown key {preview(key)}" + (f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)"
-                                                   if near else ""))
-        try:
-            on = boolean(value) if conv and conv.nargs == "?" else None
-            value = checked_value(by_name[name], conv.convert(value if on is None else on) if conv else value)
-        except ValueError as e:
-            fail(f"'{key}': {e}" if conv else str(e))
-        if on is False and conv.keep:  # `bf16: true` and `fp16: false`, in either order, mean bf16
-            settled_later.append((key, name, value, conv.keep))
-            continue
-        if name in out:  # lr and learning_rate both given: neither may silently win
-            fail(f"'{key}' sets '{name}' a second time")
-        out[name] = value
-    for key, name, value, keep in settled_later:  # "not fp16" agrees with fp32 (its own value) and with bf16
-        if out.setdefault(name, value) not in keep + (value,):
-            fail(f"'{key}' sets '{name}' a second time")
-    return out
-
-
-def parse_config(argv=None) -> Config:
-    """train.py's command line: flags given win over --config FILE, which wins over the defaults.
-    UsageError for a bad flag, file or setting."""
-    p = build_parser(description="Train a process reward model. Every flag also takes its underscore "
-                     "spelling (--max_length) and, where it has one, TRL's name (--learning_rate).")
-    p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, keys as in "
-                   "config.train.json; flags given here override it")
-    unset = object()  # argparse leaves an attribute already in the namespace alone when its flag is absent
-    ns = p.parse_args(argv, argparse.Namespace(**{a.dest: unset for a in p._actions if a.dest != "help"}))
-    given = {k: v for k, v in vars(ns).items() if v is not unset}  # the flags written, not the defaults
-    path = given.pop("config", "")
-    from_file = read_config_file(path) if path else {}
-    # deletes a run / runs a model's code / continues another run's checkpoint: command line only
-    for key in ("overwrite", "trust_remote_code", "resume"):
-        if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold it
-            print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
-                  "sets it", file=sys.stderr)
-    cfg = Config(**{**from_file, **given})
-    out_ok = writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
-    check(cfg.problems() + ([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"]))
-    return cfg

@@ -1,5 +1,6 @@
 """The command lines: TRL / HF flag names and underscore spellings, the nearest flag for an unknown one, --help by
 section and before torch loads, eval.py's own settings and its table, one format per data source, the log line."""
+import dataclasses
 import json
 import os
 import re
@@ -9,7 +10,8 @@ import sys
 import pytest
 
 from conftest import ROOT, run_train
-from prm.config import Config, parse_config, sections
+from prm.cli import parse_config
+from prm.config import Config
 from prm.errors import UsageError
 
 FIX = os.path.join(ROOT, "tests", "fixtures")
@@ -66,11 +68,11 @@ def test_help_has_a_section_per_group_of_fields_and_each_field_once(capsys):
         parse_config(["--help"])
     text = capsys.readouterr().out
     lines = text.splitlines()
-    for title, group in sections():
-        assert f"\n{title}:\n" in text
-        for f in group:  # its invocation line: the dashed name, then a TRL name, a --no- form or the metavar
-            flag = "--" + f.name.replace("_", "-")
-            assert sum(bool(re.match(f"  {flag}([ ,]|$)", line)) for line in lines) == 1, flag  # 2 spaces in
+    for f in dataclasses.fields(Config):  # a field naming a section starts it
+        assert "section" not in f.metadata or f"\n{f.metadata['section']}:\n" in text
+        # its invocation line: the dashed name, then a TRL name, a --no- form or the metavar
+        flag = "--" + f.name.replace("_", "-")
+        assert sum(bool(re.match(f"  {flag}([ ,]|$)", line)) for line in lines) == 1, flag  # 2 spaces in
     assert "--learning-rate" in text and "--gradient-accumulation-steps" in text  # TRL's names, dashed
     assert "--eval_every" not in text and "--gradient_accumulation_steps" not in text  # no underscore spellings
 
@@ -196,3 +198,37 @@ def test_progress_bars_only_on_a_terminal_and_never_with_disable_tqdm(tmp_path, 
     r = subprocess.run([sys.executable, "eval.py", "--model", str(tmp_path / "run" / "final")], cwd=ROOT,
                        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and "\r" not in r.stderr and "it/s" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--learning-rate", "1e-5", "--lr", "2e-5"], "--learning-rate and --lr both set --lr: give one"),
+    (["--lr", "1e-5", "--learning_rate", "2e-5"], "--lr and --learning_rate both set --lr: give one"),
+    (["--batch_size", "4", "--per-device-train-batch-size", "8"],
+     "--batch_size and --per-device-train-batch-size both set --batch-size: give one"),
+    (["--use-peft", "--no-use_peft"], "--use-peft and --use_peft both set --use-peft: give one"),
+])
+def test_one_setting_under_two_of_its_names_is_refused_naming_both(argv, message):
+    """As a config file refuses lr beside learning_rate; one name given twice: the last wins, as in argparse."""
+    with pytest.raises(UsageError) as e:
+        parse_config(argv)
+    assert e.value.code == 2 and str(e.value) == message
+    assert parse_config(["--lr", "1e-5", "--lr", "2e-5"]).lr == 2e-5
+    assert parse_config(["--packing", "--no-packing"]).packing is False
+
+
+def test_eval_py_refuses_one_setting_under_two_names_too():
+    import eval as eval_cli
+    with pytest.raises(UsageError, match="^--max-length and --max_length both set --max-length: give one$"):
+        eval_cli.parse_args(["--model", "x", "--max-length", "8", "--max_length", "9"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch_size", "x"], "argument --batch-size: invalid int value: 'x'"),
+    (["--per-device-train-batch-size", "x"], "argument --batch-size: invalid int value: 'x'"),
+    (["--gradient_checkpointing", "maybe"], "argument --gradient-checkpointing: expected true or false, got 'maybe'"),
+    (["--dataset_test_split"], "argument --eval-split: expected one argument"),
+])
+def test_a_bad_value_names_the_flag_as_help_lists_it(argv, message):
+    with pytest.raises(UsageError) as e:
+        parse_config(argv)
+    assert e.value.code == 2 and str(e.value) == message

@@ -1,6 +1,7 @@
 """Config's per-field rules and what is derived from them, the auto (None) fields, TRL's / HF's flags with
 their meaning (and the ones refused on purpose), the learning-rate schedules, a YAML alias bomb refused."""
 import dataclasses
+import json
 import subprocess
 import sys
 import types
@@ -8,7 +9,8 @@ import types
 import pytest
 
 from conftest import ROOT, read_metrics, run_train
-from prm.config import ALIASES, MAY_CHANGE, RULES, SCHEDULES, Config, parse_config
+from prm.cli import ALIASES, parse_config
+from prm.config import MAY_CHANGE, RULES, SCHEDULES, Config
 from prm.errors import UsageError
 
 
@@ -59,13 +61,18 @@ def test_use_peft_false_is_full_fine_tuning_whatever_lora_r_says(tmp_path):
     assert Config(use_peft=False, lora_r=16).resolve().resume_conflicts(saved, 1, 1)[0][0].startswith("--lora-r 0")
 
 
-def test_auto_fields_are_none_0_still_means_auto_and_resolve_returns_a_new_config(tmp_path):
-    (tmp_path / "zero.yaml").write_text("lr: 0\nbatch_size: 0\nlora_alpha: 0\neval_batch_size: 0\n")
-    for cfg in (Config(lr=0.0, batch_size=0, lora_alpha=0.0, eval_batch_size=0),
-                parse_config(["--lr", "0", "--batch-size", "0", "--lora-alpha", "0", "--eval-batch-size",
-                              "0"]),
-                parse_config(["--config", str(tmp_path / "zero.yaml")])):
-        assert cfg == Config() and cfg.lr is cfg.batch_size is cfg.lora_alpha is cfg.eval_batch_size is None
+def test_auto_fields_are_none_0_or_auto_still_means_auto_and_resolve_returns_a_new_config(tmp_path):
+    (tmp_path / "zero.yaml").write_text("lr: 0\nbatch_size: 0\nlora_alpha: 0\neval_batch_size: 0\nnum_proc: 0\n"
+                                        "dtype: auto\nformat: auto\neval_format: auto\n")
+    cfg = Config(lr=0.0, batch_size=0, lora_alpha=0.0, eval_batch_size=0, num_proc=0, dtype="auto", format="auto",
+                 eval_format="auto")
+    assert cfg == Config() and cfg.lr is cfg.batch_size is cfg.lora_alpha is cfg.eval_batch_size is None
+    assert cfg.num_proc is cfg.dtype is cfg.format is cfg.eval_format is None
+    # parse_config returns the config resolved: the auto fields filled in, as when no flag is given
+    for parsed in (parse_config(["--lr", "0", "--batch-size", "0", "--lora-alpha", "0", "--eval-batch-size", "0",
+                                 "--num-proc", "0", "--dtype", "auto", "--format", "auto", "--eval-format", "auto"]),
+                   parse_config(["--config", str(tmp_path / "zero.yaml")])):
+        assert parsed == parse_config([]) == Config().resolve() and parsed.dtype is None
     cfg = Config(model="some/model", use_peft=True)
     done = cfg.resolve()
     assert done is not cfg and cfg.lr is None and cfg.lora_r == 0  # the original is left as it was
@@ -232,9 +239,10 @@ def test_train_py_refuses_a_flag_in_one_line_and_exit_status_2(tmp_path):
 
 
 def test_strategies_choose_the_evaluation_and_checkpoint_cadence():
-    assert Config(eval_every=5).every("eval", 7) == 5 and Config(save_every=3).every("save", 7) == 3
-    assert Config(eval_every=5, eval_strategy="epoch").every("eval", 7) == 7
-    assert Config(save_every=3, save_strategy="no").every("save", 7) == 0
+    every = lambda kind, **kw: Config(**kw).resolve().every(kind, 7)
+    assert every("eval", eval_every=5) == 5 and every("save", save_every=3) == 3
+    assert every("eval", eval_every=5, eval_strategy="epoch") == 7
+    assert every("save", save_every=3, save_strategy="no") == 0
 
 
 @pytest.mark.parametrize("argv, eval_every, save_every", [
@@ -325,3 +333,20 @@ def test_an_fp16_step_skipped_for_inf_gradients_leaves_the_schedule_where_it_was
     run_train(tmp_path, max_steps=4, lr_scheduler_type="linear", dtype="fp16")
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["lr"] for r in records] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])  # step 1 skipped
+
+
+def test_a_saved_config_with_the_old_spellings_of_auto_still_loads(tmp_path):
+    """An older run's config.train.json (read by --resume, eval.py and PRMReward) spelled auto 0 or 'auto'."""
+    old = {**json.loads(Config().resolve().to_json()), "dtype": "auto", "num_proc": 0, "format": "auto",
+           "eval_format": "auto", "lora_alpha": 0.0}
+    (tmp_path / "config.train.json").write_text(json.dumps(old))
+    cfg = Config.load(str(tmp_path))
+    assert (cfg.dtype, cfg.num_proc, cfg.format, cfg.eval_format, cfg.lora_alpha) == (None,) * 5
+    assert cfg.resolve() == Config().resolve()
+    assert parse_config(["--config", str(tmp_path / "config.train.json")]) == cfg
+
+
+def test_a_saved_config_with_a_key_given_twice_is_refused(tmp_path):
+    (tmp_path / "config.train.json").write_text('{"lr": 0.001, "lr": 0.002}')
+    with pytest.raises(UsageError, match="config.train.json: cannot read it: key 'lr' given twice"):
+        Config.load(str(tmp_path))

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from conftest import read_metrics
-from prm.config import Config, parse_config
+from prm.cli import parse_config
+from prm.config import Config
 from prm.errors import UsageError
 from prm.training.trainer import train
 
@@ -115,3 +116,35 @@ def test_a_dangerous_setting_is_never_taken_from_a_file(tmp_path, capsys, key):
     assert f"{key} ignored" in capsys.readouterr().err  # said, so a user who wrote it knows why it had no effect
     flag = "--" + key.replace("_", "-")
     assert getattr(parse_config(["--config", str(tmp_path / "run.json"), flag]), key) is True
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("run.yaml", "lr: 1.0e-3\nmax_steps: 3\nlr: 2.0e-3\n", "run.yaml: line 3, column 1: key 'lr' given twice"),
+    ("run.yaml", "max-steps: 3\nmax-steps: 4\n", "run.yaml: line 2, column 1: key 'max-steps' given twice"),
+    ("run.json", '{"lr": 0.001, "max_steps": 3, "lr": 0.002}', "run.json: key 'lr' given twice"),
+])
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_file_key_and_yaml_line(tmp_path, name, text, message):
+    """As data files and the server refuse a repeated key: neither value may silently win."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UsageError) as e:
+        parse_config(["--config", str(tmp_path / name)])
+    assert e.value.code == 2 and str(e.value).startswith("--config ") and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_yaml_merge_may_still_override_a_merged_key():
+    import yaml
+    from prm.cli import BoundedLoader
+    assert yaml.load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n", BoundedLoader)["b"] == {"x": 3, "y": 2}
+
+
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    (tmp_path / "bad.yaml").write_text("lr: 1.0e-3\nmax_steps 3\nbatch_size: 4\n")
+    r = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "bad.yaml")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"error: --config {tmp_path / 'bad.yaml'}: line 3, column 1: could not find "
+                               "expected ':' (while scanning a simple key at line 2, column 1)"), r.stderr

@@ -206,7 +206,7 @@ def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
     (["--eval-fraction", "0"], "--eval-fraction 0.0: must be in (0, 1)"),
 ])
 def test_bad_flags_exit_2_at_start_up(flags, message):
-    from prm.config import parse_config
+    from prm.cli import parse_config
     from prm.errors import UsageError
     with pytest.raises(UsageError) as e:
         parse_config(flags)
@@ -214,7 +214,7 @@ def test_bad_flags_exit_2_at_start_up(flags, message):
 
 
 def test_bad_paths_exit_2_with_a_message(tmp_path):
-    from prm.config import parse_config
+    from prm.cli import parse_config
     from prm.errors import UsageError
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError) as e:

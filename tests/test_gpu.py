@@ -115,7 +115,7 @@ def trainer_on(tmp_path, device: str, **overrides):
     from prm.core.runtime import Runtime
     from prm.training.trainer import Trainer
     cfg = small_config(tmp_path, dtype="bf16", max_length=64, synthetic_size=64, **overrides)
-    tr = Trainer(cfg, Runtime(device=torch.device(device)), "")
+    tr = Trainer(cfg.resolve(), Runtime(device=torch.device(device)), "")
     tr.parallel.forward.train()
     return tr, tr.batch_plan(0)
 

@@ -69,8 +69,8 @@ def test_auto_dtype_takes_bf16_only_where_the_cpu_runs_it_natively(monkeypatch):
                                        (False, True, torch.bfloat16)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
-        assert autocast_dtype("auto", cpu) == expected  # emulated bf16 (AVX2 only) is far slower than fp32
+        assert autocast_dtype(None, cpu) == expected  # emulated bf16 (AVX2 only) is far slower than fp32
     assert autocast_dtype("bf16", cpu) == torch.bfloat16 and autocast_dtype("fp32", cpu) is None
     for forced, expected in (("1", torch.bfloat16), ("0", None)):  # PRM_CPU_BF16 overrides the probes (last: AVX512)
         monkeypatch.setenv("PRM_CPU_BF16", forced)
-        assert autocast_dtype("auto", cpu) == expected
+        assert autocast_dtype(None, cpu) == expected

@@ -10,7 +10,8 @@ import pytest
 
 import eval as eval_cli
 from prm.scoring import serve
-from prm.config import Config, parse_config
+from prm.cli import parse_config
+from prm.config import Config
 from prm.scoring.reward import PRMReward
 from prm.training.trainer import train
 

@@ -42,10 +42,11 @@ def teardown(rt: Runtime):
         dist.destroy_process_group()
 
 
-def autocast_dtype(name: str, device: torch.device):
-    """None means plain fp32. 'auto' picks bf16 wherever the device runs it natively: CUDA with bf16, and CPUs
-    with AMX or AVX512-BF16 (elsewhere, e.g. AVX2-only CPUs, bf16 matmuls are emulated: slower than fp32)."""
-    if name == "auto":
+def autocast_dtype(name, device: torch.device):
+    """name fp32, bf16 or fp16; None (auto) picks bf16 wherever the device runs it natively: CUDA with bf16, and
+    CPUs with AMX or AVX512-BF16 (elsewhere, e.g. AVX2-only CPUs, bf16 matmuls are emulated: slower than
+    fp32). Returns None for plain fp32."""
+    if name is None:
         ok = cpu_has_bf16() if device.type == "cpu" else (device.type == "cuda"
                                                            and torch.cuda.is_bf16_supported())
         return torch.bfloat16 if ok else None

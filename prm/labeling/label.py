@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import regex
 from filelock import FileLock, Timeout
 
-from prm.config import Parser, unescape
+from prm.cli import Parser
+from prm.config import unescape
 from prm.errors import Stopped, UsageError, WriteFailed, check, exit_status
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, _sources
@@ -343,7 +344,7 @@ class Generator:
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
             tok.padding_side, tok.pad_token, bos = "left", tok.pad_token or tok.eos_token, tok.bos_token_id
             self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
-            dtype = autocast_dtype("auto", self.device) or torch.float32
+            dtype = autocast_dtype(None, self.device) or torch.float32
             self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
                                  trust_remote_code=self.trust, dtype=dtype).to(self.device).eval()
         return self.tok

@@ -1,11 +1,12 @@
 """`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer
-sees. Depends on: prm.config, prm.errors, prm.readers.sources."""
+sees. Depends on: prm.cli, prm.config, prm.errors, prm.readers.sources."""
 import contextlib
 import json
 import os
 import sys
 
-from prm.config import Config, Parser, add_field
+from prm.cli import Parser, add_field
+from prm.config import Config
 from prm.errors import UsageError, WriteFailed, exit_status
 from prm.readers.sources import read_rows
 

@@ -157,9 +157,9 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
     --eval-format). DataError lists bad rows, or skip_invalid drops them; what it read is said (`notes`)."""
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
-    formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced != "auto" else {}
+    formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
     for name, records in _sources(spec, split, cfg, by_split):
-        fmt = forced if forced != "auto" else None
+        fmt = forced
         for where, record, problem in records:
             n_records += 1
             if fmt is None and problem is None:  # each file's format comes from its first readable record

@@ -18,7 +18,7 @@ A thread per connection, up to --max-connections (more: 503), the model one requ
 JSON, {"error": message}: a request not all read within --timeout s of connecting, however slowly it trickles
 in: 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad or
 conflicting one, a body prm.readers.formats.read_json refuses, a field of the wrong type: 400; a scoring failure: 500
-(traceback on stderr). Depends on: prm.config, prm.readers.formats, prm.scoring.reward."""
+(traceback on stderr). Depends on: prm.cli, prm.config, prm.readers.formats, prm.scoring.reward."""
 import argparse
 import contextlib
 import io
@@ -32,7 +32,8 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prm.config import Parser, unescape
+from prm.cli import Parser
+from prm.config import unescape
 from prm.errors import UsageError, exit_status
 from prm.readers.formats import decode, read_json
 from prm.scoring import ScorerOptions

@@ -37,7 +37,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import AutoModel
 
 from prm.training.build import hf_config_for, tokenizer_for
-from prm.config import Config, build_parser
+from prm.cli import build_parser
+from prm.config import Config
 from prm.core.data import global_batches
 from prm.errors import PRMError, UsageError
 from prm.tools.gpucheck import gpu_check
@@ -220,7 +221,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "tokenize_tokens_per_second": round(sum(lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
         "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"], "batch_size": cfg.batch_size,
-        "grad_accum": cfg.grad_accum, "max_length": cfg.max_length, "dtype": cfg.dtype,
+        "grad_accum": cfg.grad_accum, "max_length": cfg.max_length, "dtype": cfg.dtype or "auto",
         "group_by_length": cfg.group_by_length, "gradient_checkpointing": cfg.gradient_checkpointing,
         "compile": cfg.compile, "packing": cfg.packing, "pack_to": cfg.pack_to, "lora_r": cfg.lora_r,
         "torch": torch.__version__,

@@ -36,14 +36,19 @@ from prm.core.varlen import is_packed
 
 
 def train(cfg: Config, command: str = "") -> dict:
-    """Runs one training; returns the final held-out metrics on rank 0, None on the other ranks.
-    command: what started the run, for the model card (default: an equivalent train.py line from cfg)."""
-    check(cfg.problems())
+    """Runs one training from cfg as given (resolved here: Config.resolve); returns the final held-out metrics
+    on rank 0, None on the other ranks. command: what started the run, for the model card (default: an
+    equivalent train.py line from cfg)."""
+    return train_resolved(cfg.resolve(), command or config_command(cfg))
+
+
+def train_resolved(cfg: Config, command: str) -> dict:
+    """train() of a resolved Config (as parse_config returns it): the Trainer takes it as it is."""
     require(cfg.report_to)  # a missing tracker package stops the run before anything is written
     rt = setup()
     try:  # rank 0 holds the output directory's lock: a second trainer there stops at once
         with run_lock(cfg.output_dir) if rt.is_main else nullcontext():
-            final = Trainer(cfg, rt, command or config_command(cfg)).train()
+            final = Trainer(cfg, rt, command).train()
         barrier(rt)  # no rank tears the process group down while another is still talking to it
         return final
     finally:
@@ -81,7 +86,7 @@ def make_optimizer(model, cfg: Config, lr: float, device):
 class Trainer:
     """Set-up in __init__, top-down, one _setup_* per concern (data, model and parallelism, optimizer,
     resume, output); then train(): a loop over train_step()."""
-    cfg: Config  # resolved: no "auto" left, so the saved config says what was used
+    cfg: Config  # resolved (Config.resolve): checked, the auto fields filled, as the saved config says
     rt: Runtime  # rank, world size, device
     command: str  # what started the run, for the model card
     quiet: bool  # no progress bars: --disable-tqdm, or stderr is no terminal
@@ -112,7 +117,7 @@ class Trainer:
     checkpointer: Checkpointer
 
     def __init__(self, cfg: Config, rt: Runtime, command: str):
-        self.cfg, self.rt, self.command = cfg.resolve(), rt, command
+        self.cfg, self.rt, self.command = cfg, rt, command
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
@@ -182,7 +187,7 @@ class Trainer:
             enable_activation_checkpointing(self.model.backbone)
         self.amp_dtype = autocast_dtype(cfg.dtype, rt.device)
         if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:  # bf16 weights, bf16 inputs
-            raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype} gives no bf16 autocast on "
+            raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype or 'auto'} gives no bf16 autocast on "
                              f"{rt.device}")
         self.parallel = Parallel(self.model, rt, cfg=cfg, amp_dtype=self.amp_dtype, packed=self.packed)
 

@@ -1,0 +1,277 @@
+"""Config's command line (its fields as flags, under their underscore spellings and TRL's / HF's names too;
+TRL's / HF's flags left out say what to do instead; one-line errors) and its --config files (YAML or JSON).
+Depends on: stdlib, PyYAML (installed with transformers), prm.config, prm.errors."""
+import argparse
+import difflib
+import json
+import os
+import re
+import sys
+from dataclasses import fields
+
+import yaml
+
+from prm.config import Config, boolean, checked_value, kind, preview, unique_keys
+from prm.errors import UsageError, check
+
+
+# every TRL/HF name of a field: {name: (field, its Conv or None)}; a name shared with TRL needs no entry
+ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t) for f in fields(Config)
+           for t in f.metadata["trl"]}
+# TRL / HF flags left out on purpose, with what to do instead
+UNSUPPORTED = {name: why for names, why in [
+    (("push_to_hub", "hub_model_id", "hub_token"), "upload <output-dir>/final yourself (hf upload)"),
+    (("deepspeed", "fsdp_config"), "launch with torchrun: DDP, or --fsdp to shard weights, gradients and "
+                                   "AdamW state (FSDP2)"),
+    (("do_train", "do_eval", "do_predict"), "train.py always trains and evaluates (--eval-every for more "
+                                            "often); eval.py scores a saved model"),
+    (("optim", "lr_scheduler_kwargs"), "the optimizer is AdamW (--adam-beta1, --adam-beta2, --adam-epsilon, "
+                                       "--weight-decay); the schedule is --lr-scheduler-type"),
+    (("load_in_4bit", "load_in_8bit"), "no quantized base: --lora-base-dtype bf16 halves its memory"),
+    (("use_rslora", "use_dora", "lora_modules_to_save"), "LoRA here is plain LoRA; the head trains fully"),
+    (("max_prompt_length",), "prompts are kept whole: --max-length caps the example, "
+                             "--max-completion-length its steps"),
+    (("attn_implementation",), "attention is chosen per device (SDPA; varlen flash with --packing)"),
+] for name in names}
+
+
+class Setter(argparse.Action):
+    """Sets its field to convert(value); with nargs "?" a switch as HF's parser takes a bool (`--x`,
+    `--x false`) and `--no-x`, passing convert a bool; nargs 0: a switch taking no value (`--x`, `--no-x`).
+    A false switch leaves a value in keep alone (see Conv)."""
+
+    def __init__(self, option_strings, dest, *, convert, keep=(), **kw):
+        if kw.get("nargs") in ("?", 0):
+            option_strings = option_strings + ["--no-" + s[2:] for s in option_strings]
+        if kw.get("nargs") == "?":
+            kw.update(const="true", metavar="BOOL")
+        super().__init__(option_strings, dest, **kw)
+        self.convert, self.keep = convert, keep
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            if self.nargs in ("?", 0):  # a switch
+                values = boolean("true" if self.nargs == 0 else values) != option_string.startswith("--no-")
+                current = getattr(namespace, self.dest, None)
+                if not values and current in self.keep:
+                    return
+                if values and current in self.keep:  # `--bf16 --fp16`: HF refuses it too
+                    raise ValueError(f"at most one of fp16 and bf16 can be true ({self.dest} is {current} "
+                                     "already)")
+            setattr(namespace, self.dest, self.convert(values))
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+
+
+def nearest(name: str, names: list):
+    """The one of names a mistyped name most likely meant, or None: difflib's closest whose words each near
+    one of name's ('lora_task_type' is no 'lora_base_dtype': they share 'lora' alone)."""
+    def words(text: str) -> list:
+        return [w for w in re.split(r"[-_]+", text.lower()) if w]
+
+    def near(typed: str, word: str) -> bool:  # 'eps' for 'epsilon', 'lenght' for 'length'
+        return word.startswith(typed) or difflib.SequenceMatcher(None, typed, word).ratio() >= 0.75
+    return next((c for c in difflib.get_close_matches(name, names, n=5)
+                 if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
+
+
+def shown_default(kw: dict) -> dict:
+    """add_argument keywords whose help shows an empty or escaped string default as its repr ('\\n'), not a
+    line break (ArgumentDefaultsHelpFormatter appends none where the help names %(default) itself)."""
+    default, text = kw.get("default"), kw.get("help")
+    if not isinstance(default, str) or default and default.isprintable() or text in (None, argparse.SUPPRESS):
+        return kw
+    return kw if "%(default)" in text else {**kw, "help": text + " (default: %(default)r)"}
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad flags raise UsageError with one line, not a usage dump of every flag (the entry point exits 2): an
+    unsupported TRL/HF flag says what to do instead, an unknown one names the nearest flag of any spelling, a
+    bad value names a field's flag as --help lists it, and a field set under two of its names is refused.
+    No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
+
+    def __init__(self, usage: str = "%(prog)s [options]", **kw):
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(usage=usage, allow_abbrev=False, **kw)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        parsed = super().parse_known_args(args, namespace)
+        used = {}  # {a field's flag: the first of its names given}; one name given twice: the last wins
+        for arg in (a.split("=")[0] for a in args if a.startswith("--")):
+            flag = getattr(self._option_string_actions.get(arg), "flag", None)
+            name = arg.replace("--no-", "--", 1)  # a switch's --no- form is its own name
+            if flag and used.setdefault(flag, name) != name:
+                raise UsageError(f"{used[flag]} and {name} both set {flag}: give one")
+        return parsed
+
+    def add_argument(self, *args, **kw):
+        return super().add_argument(*args, **shown_default(kw))
+
+    def error(self, message: str):
+        # "argument --batch_size/--per_device_train_batch_size: ...": a field's flag, named as --help lists it
+        bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
+        action = self._option_string_actions.get(bad[1]) if bad else None
+        if hasattr(action, "flag"):
+            raise UsageError(f"argument {action.flag}: {bad[2]}")
+        unknown = [a for a in message.split()[2:] if a.startswith("-")] if "unrecognized" in message else []
+        flag = unknown[0].split("=")[0] if unknown else ""
+        why = UNSUPPORTED.get(flag.lstrip("-").replace("-", "_"))
+        if why:
+            raise UsageError(f"{flag} is not supported: {why}")
+        near = nearest(flag, list(self._option_string_actions))
+        if near:
+            action = self._option_string_actions[near]
+            shown = next((a for a in self._actions if a.dest == action.dest and a.help != argparse.SUPPRESS),
+                         action)
+            message += f" (did you mean {' / '.join(shown.option_strings)}?)"
+        raise UsageError(message)
+
+
+def add_field(container, f, suppress: bool = False, switch_value: bool = True):
+    """Field f as --its-name on container (a parser or an argument group), also answering to its underscore
+    spelling and to TRL's / HF's names for it (its `trl`); --help lists the dashed names of the field and of
+    its plain TRL names. suppress: an absent flag leaves no attribute (eval.py takes it from the run).
+    switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.readers.convert)."""
+    meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
+    # None is auto: its help says what that is, and a flag that takes the word auto shows it
+    default = "auto" if f.default is None and "auto" in meta.get("choices", ()) else f.default
+    default = argparse.SUPPRESS if suppress or default is None else default
+    if kind(f) is bool:
+        meta.update(action=Setter, convert=bool, nargs="?" if switch_value else 0)
+    else:
+        meta.setdefault("type", kind(f))
+    plain = [f.name] + [t for t in f.metadata["trl"] if isinstance(t, str)]
+    dashed = list(dict.fromkeys("--" + n.replace("_", "-") for n in plain))
+    # flag: how errors name the field, whichever of its names was given
+    container.add_argument(*dashed, **shown_default(dict(meta, dest=f.name, default=default))).flag = dashed[0]
+    hidden = [s for s in ("--" + n for n in plain) if s not in dashed]  # the underscore spellings
+    if hidden:
+        container.add_argument(*hidden, dest=f.name, **{**meta, "default": argparse.SUPPRESS,
+                                                        "help": argparse.SUPPRESS}).flag = dashed[0]
+    for conv in (t for t in f.metadata["trl"] if not isinstance(t, str)):
+        spellings = dict.fromkeys(["--" + conv.name, "--" + conv.name.replace("_", "-")])
+        container.add_argument(*spellings, dest=f.name, action=Setter, convert=conv.convert, nargs=conv.nargs,
+                               keep=conv.keep, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
+    """Every field of cls as a flag, in declaration order; a field whose metadata names a section starts an
+    argument group of that title."""
+    p = Parser(description=description)
+    for f in fields(cls):
+        if "section" in f.metadata:
+            group = p.add_argument_group(f.metadata["section"])
+        add_field(group, f)
+    return p
+
+
+def writable(path: str) -> bool:
+    """Whether a file or folder can be written at path: it, or the nearest part of it that exists, is
+    writable, and no file sits where a folder has to be."""
+    target = part = os.path.abspath(path)
+    while not os.path.exists(part):
+        part = os.path.dirname(part)
+    return (part == target or os.path.isdir(part)) and os.access(part, os.W_OK)
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """SafeLoader refusing a key given twice in a mapping (PyYAML keeps the last without a word) and more than
+    20 aliases (*name): a settings file needs few, and a chain of them (a 'billion laughs' bomb) expands to
+    gigabytes wherever the value is copied or printed."""
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > 20:
+                raise yaml.MarkedYAMLError(problem="more than 20 aliases (*name)",
+                                           problem_mark=self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:  # a merge (<<: *base) may repeat a key: the mapping's own one wins
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.MarkedYAMLError(problem=f"key {preview(key)} given twice",
+                                               problem_mark=key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A PyYAML error on one line: where (line, column) and what; PyYAML's own text spans four lines."""
+    at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"
+    if getattr(e, "problem_mark", None) is None or not e.problem:
+        return " ".join(str(e).split())
+    context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
+    return f"{at(e.problem_mark)}: {e.problem}{context}"
+
+
+def read_config_file(path: str) -> dict:
+    """{field: value} from a YAML or JSON file keyed by Config's fields (as in config.train.json) or any
+    spelling the command line takes (TRL's names too). Values are taken as written (no shell escapes: write a
+    newline separator as "\\n" in YAML/JSON). Any problem raises UsageError naming the file."""
+    def fail(what: str):
+        raise UsageError(f"--config {path}: {what}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f, object_pairs_hook=unique_keys) if path.endswith(".json") else \
+                yaml.load(f, BoundedLoader)
+    except yaml.YAMLError as e:
+        fail(yaml_problem(e))
+    except (OSError, ValueError, RecursionError) as e:  # json's decode error: a ValueError
+        fail(str(e))
+    if not isinstance(data, dict):
+        return {} if data is None else fail(f"expected a mapping of settings, got {type(data).__name__}")
+    by_name, out, settled_later = {f.name: f for f in fields(Config)}, {}, []
+    for key, value in data.items():
+        name, conv = ALIASES.get(str(key).replace("-", "_"), (str(key).replace("-", "_"), None))
+        if name in UNSUPPORTED and value in (None, False):  # a TRL config's `push_to_hub: false` asks nothing
+            continue
+        if name in UNSUPPORTED:
+            fail(f"'{key}' is not supported: {UNSUPPORTED[name]}")
+        if name not in by_name:  # the nearest field, TRL's names included
+            near = nearest(name, list(by_name) + list(ALIASES))
+            fail(f"unknown key {preview(key)}" + (f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)"
+                                                   if near else ""))
+        try:
+            on = boolean(value) if conv and conv.nargs == "?" else None
+            value = checked_value(by_name[name], conv.convert(value if on is None else on) if conv else value)
+        except ValueError as e:
+            fail(f"'{key}': {e}" if conv else str(e))
+        if on is False and conv.keep:  # `bf16: true` and `fp16: false`, in either order, mean bf16
+            settled_later.append((key, name, value, conv.keep))
+            continue
+        if name in out:  # lr and learning_rate both given: neither may silently win
+            fail(f"'{key}' sets '{name}' a second time")
+        out[name] = value
+    for key, name, value, keep in settled_later:  # "not fp16" agrees with fp32 (its own value) and with bf16
+        if out.setdefault(name, value) not in keep + (value,):
+            fail(f"'{key}' sets '{name}' a second time")
+    return out
+
+
+def parse_config(argv=None) -> Config:
+    """train.py's command line, resolved (Config.resolve): flags given win over --config FILE, which wins over
+    the defaults. UsageError for a bad flag, file or setting."""
+    p = build_parser(description="Train a process reward model. Every flag also takes its underscore "
+                     "spelling (--max_length) and, where it has one, TRL's name (--learning_rate).")
+    p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, keys as in "
+                   "config.train.json; flags given here override it")
+    unset = object()  # argparse leaves an attribute already in the namespace alone when its flag is absent
+    ns = p.parse_args(argv, argparse.Namespace(**{a.dest: unset for a in p._actions if a.dest != "help"}))
+    given = {k: v for k, v in vars(ns).items() if v is not unset}  # the flags written, not the defaults
+    path = given.pop("config", "")
+    from_file = read_config_file(path) if path else {}
+    # deletes a run / runs a model's code / continues another run's checkpoint: command line only
+    for key in ("overwrite", "trust_remote_code", "resume"):
+        if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold it
+            print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
+                  "sets it", file=sys.stderr)
+    cfg = Config(**{**from_file, **given}).resolve()
+    out_ok = writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
+    check([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"])
+    return cfg
