@@ -124,7 +124,7 @@ class Config:
     max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, "
                                       "applied before --max-length; 0: no separate cap", rules="scoring")
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last "
-                               "token carries the step's label", rules="rows scoring", type=unescape)
+                               "token carries the step's label", rules="scoring", type=unescape)
     train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label (an unscored "
                                          "last step after a wrong one: wrong)", rules="")
     cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step (label "

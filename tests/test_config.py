@@ -26,8 +26,7 @@ def test_the_lists_derived_from_the_rules():
     import eval as eval_cli
     from prm.readers.sources import SHAPING
     assert set(SHAPING) == {"dataset", "eval_dataset", "train_split", "eval_split", "format", "eval_format",
-                            "neutral_label", "skip_invalid", "eval_fraction", "seed", "cut_after_first_error",
-                            "step_separator"}  # the ingest code cuts steps at the separator
+                            "neutral_label", "skip_invalid", "eval_fraction", "seed", "cut_after_first_error"}
     assert set(eval_cli.SCORING) == {
         "tokenizer", "format", "neutral_label", "skip_invalid", "dataset_config", "eval_split", "num_proc",
         "max_length", "max_completion_length", "step_separator", "dtype", "packing", "eval_batch_size",

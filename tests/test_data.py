@@ -137,6 +137,19 @@ def test_completion_cap_reaches_the_dataset_report_and_the_cache_key(char_tok):
         map_fingerprint(ds, char_tok, {**settings, "max_completion_length": 0})
 
 
+def test_the_data_report_counts_the_steps_holding_the_separator(char_tok):
+    """So a user can pick a separator no step holds: such a step trains whole, while a scorer cuts text there."""
+    from datasets import Dataset
+
+    from prm.config import Config
+    from prm.readers.ingest import tokenize_dataset
+    ds = Dataset.from_list([{"prompt": "p", "completions": ["a\nb", "c", "d\n\ne\n"], "labels": [True] * 3},
+                            {"prompt": "q", "completions": ["f\n\n"], "labels": [None]}])  # dropped, counted
+    count = lambda sep: tokenize_dataset(ds, char_tok, Config(step_separator=sep), is_eval=False)[1][
+        "steps_with_separator"]
+    assert (count("\n"), count("\n\n"), count(";")) == (3, 2, 0)
+
+
 def test_scoring_uses_the_completion_cap(char_tok):
     from prm.training.build import build_model
     from prm.core.evaluate import score, score_batch

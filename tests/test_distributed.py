@@ -91,6 +91,28 @@ def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
         assert not (tmp_path / "two" / "checkpoint-5" / ADAPTER).exists()  # sharded: rank 0 alone holds no adapter
 
 
+THREADS_LEFT = """import os, runpy, sys
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+with open(os.path.join({out!r}, "threads" + os.environ["RANK"]), "w") as f:
+    f.write(" ".join(names))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's thread names from /proc")
+def test_fsdp_ranks_end_the_process_group_and_its_gloo_threads_before_interpreter_shutdown(tmp_path):
+    """torch's DTensor caches keep fully_shard's device mesh, and through it the group, past destroy_process_group:
+    a gloo thread alive at shutdown that releases a collective's tensor aborts the rank (exit -6, 'terminate called
+    without an active exception'). When train.py's main ends, no gloo thread is left."""
+    script = tmp_path / "threads_left.py"
+    script.write_text(THREADS_LEFT.format(train=os.path.join(ROOT, "train.py"), out=str(tmp_path)))
+    launch(tmp_path / "run", 2, "--batch-size", "3", "--max-steps", "1", "--fsdp", script=str(script))
+    for rank in (0, 1):
+        names = (tmp_path / f"threads{rank}").read_text().split()
+        assert names and not [n for n in names if "gloo" in n], names
+
+
 COUNTING = """import os, runpy, sys
 import prm.training.checkpoint
 hash_files = prm.training.checkpoint.file_digests

@@ -487,16 +487,25 @@ def scorer_steps(text: str, separator: str = "\n") -> list:
     return scorer.steps(text)
 
 
-def test_training_and_scoring_cut_steps_at_the_separator_alike(tmp_path):
-    steps = ["a\nb", "c\n", "  d\n\n e", "f"]
+def test_a_training_step_holding_the_separator_stays_whole_as_trl_tokenizes_it(tmp_path):
+    """TRL 1.13's PRMTrainer: prompt ids, then per step ids(step) + ids(separator), the label on the step's last
+    separator token; a separator inside a step is text, and a step keeps its own whitespace."""
+    steps = ["a\nb", "c\n", "  d\n\n e", "f "]
     rows = [{"prompt": f"p{i}", "completions": steps, "labels": [True, False, True, None]} for i in range(2)]
     path = write_jsonl(tmp_path / "sep.jsonl", rows)
     train, held = load_splits(cfg_for(path, eval_dataset=path))
-    assert train[0]["completions"] == ["a", "b", "c", "d", "e", "f"] == scorer_steps("\n".join(steps) + "\n")
-    assert train[0]["labels"] == [None, True, False, None, True, None]  # the label on the step's last piece
-    assert held[0]["completions"] == steps  # evaluation keeps a benchmark's own steps (its first-error indices)
-    assert load_splits(cfg_for(path, eval_dataset=path, step_separator=" "))[0][0]["completions"] == [
-        "a\nb", "c", "d", "e", "f"]  # the separator is part of the cache key
+    assert train[0]["completions"] == steps == held[0]["completions"]
+    assert train[0]["labels"] == [True, False, True, None]
+    tok = char_tokenizer()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    expected, ends = [tok.bos_token_id] + ids(train[0]["prompt"]), []
+    for step in steps:
+        expected += ids(step) + ids("\n")
+        ends.append(len(expected) - 1)
+    row = tokenize_dataset(train, tok, Config(), is_eval=False)[0][0]
+    assert row["input_ids"] == expected
+    assert {i: y for i, y in enumerate(row["labels"]) if y != IGNORE} == {ends[0]: 1, ends[1]: 0, ends[2]: 1}
+    assert load_splits(cfg_for(path, eval_dataset=path, step_separator=" "))[0][0]["completions"] == steps
 
 
 @pytest.mark.parametrize("blank", ["", " \t", "\u200b", "\ufeff\u200b \u2060"])

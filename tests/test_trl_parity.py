@@ -1,6 +1,7 @@
 """Step-for-step parity with the trainer prm replaces, TRL 1.13.0's PRMTrainer: from the same
-token-classification weights, on the same 8 rows as one batch (so data order cannot matter), with TRL
-configured as prm trains, every optimizer step's loss agrees. Runs in a virtual environment with
+token-classification weights, on the same 11 rows as one batch (so data order cannot matter), with TRL
+configured as prm trains, every optimizer step's loss agrees. Three rows have steps holding the separator or
+their own leading/trailing whitespace: each step stays whole and verbatim. Runs in a virtual environment with
 `pip install trl==1.13.0 pytest pyyaml`; skips where trl is not importable or ../shared/tokenizers/qwen2
 is absent."""
 import json
@@ -15,11 +16,18 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 pytest.importorskip("trl", reason="trl is not installed (the parity test runs in a venv with trl==1.13.0)")
 QWEN2 = os.path.join(SHARED, "tokenizers", "qwen2")
 pytestmark = pytest.mark.skipif(not os.path.isdir(QWEN2), reason="../shared/tokenizers/qwen2 is absent")
-STEPS, ROWS, LR = 12, 8, 1e-3
+STEPS, LR = 12, 1e-3
+INNER = [  # "\n" (the separator) inside steps; spaces and blank lines around them
+    {"prompt": "Solve 2+3*4.", "completions": ["3*4 = 12.\nThen add 2.", "  2+12 = 14.\n\n",
+                                               " The answer is 14. "], "labels": [True, True, True]},
+    {"prompt": "Is 91 prime?", "completions": ["91 = 7*13.\n", "\nSo 91 is prime."], "labels": [True, False]},
+    {"prompt": "Sort 3,1,2.", "completions": ["Compare:\n3 > 1\n1 < 2", "1, 2, 3 "],
+     "labels": [False, True]}]
+ROWS = 8 + len(INNER)  # the fixture's first 8 rows, then INNER: one batch
 
 
 def write_inputs(tmp_path) -> tuple:
-    """(model directory: a tiny random Qwen2ForTokenClassification and the Qwen2 tokenizer; 8 rows)."""
+    """(model directory: a tiny random Qwen2ForTokenClassification and the Qwen2 tokenizer; the rows)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForTokenClassification
     tok = AutoTokenizer.from_pretrained(QWEN2)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -30,9 +38,9 @@ def write_inputs(tmp_path) -> tuple:
     Qwen2ForTokenClassification(cfg).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     with open(os.path.join(ROOT, "tests", "fixtures", "stepwise_train.jsonl")) as f:
-        rows = f.readlines()[:ROWS]
+        rows = f.readlines()[:ROWS - len(INNER)]
     with open(data, "w") as f:
-        f.writelines(rows)
+        f.writelines(rows + [json.dumps(r) + "\n" for r in INNER])
     return model_dir, data
 
 

@@ -1,5 +1,6 @@
 """Device, autocast dtype and torchrun/DDP plumbing shared by training and evaluation. Depends on: torch."""
 import contextlib
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -38,8 +39,16 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
+    """Destroys the process group, and so gloo's threads, while the interpreter is whole: alive at shutdown, one
+    releasing a finished collective's tensor needs the GIL and aborts the rank. The group outlives
+    destroy_process_group while held: by a model in reference cycles (collected here) or by the DeviceMesh that
+    fully_shard made, which torch's DTensor caches keep (made to let go of it here)."""
     if rt.distributed and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        meshes = sys.modules.get("torch.distributed.device_mesh")  # never imported: no mesh exists
+        for m in [o for o in gc.get_objects() if meshes and isinstance(o, meshes.DeviceMesh)]:
+            getattr(m, "_pg_registry", {}).clear()
 
 
 def autocast_dtype(name, device: torch.device):

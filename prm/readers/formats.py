@@ -106,17 +106,6 @@ def split_steps(text: str, separator: str) -> list:
     return [text[a:b] for a, b in step_spans(text, separator)]
 
 
-def at_separator(row: dict, separator: str) -> dict:
-    """The row with each step that holds the separator cut there (split_steps), the step's label on its last
-    piece and None (context) on the others: training labels the steps a scorer sees. Refusing such steps
-    would refuse many real rows (with "\\n": 8% of PRM800K's, 42% of ProcessBench MATH's)."""
-    if "completions" not in row or not any(separator in s for s in row["completions"]):
-        return row
-    cut = [(split_steps(step, separator), y) for step, y in zip(row["completions"], row["labels"])]
-    return {**row, "completions": [p for pieces, _ in cut for p in pieces],
-            "labels": [z for pieces, y in cut for z in [None] * (len(pieces) - 1) + [y]]}
-
-
 def detect_format(record: dict):
     """The first format whose columns the record has, or None."""
     return next((name for name, cols in FORMATS.items() if all(c in record for c in cols)

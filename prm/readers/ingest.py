@@ -71,7 +71,11 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
     n_cut = (pc.sum(pc.list_value_length(arrow["step_labels"])).as_py() or 0) - \
         (pc.sum(arrow["steps_kept"]).as_py() or 0)
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
-    return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), steps_truncated=n_cut)
+    # steps holding the separator: kept whole (inner separators are text, as TRL), though a scorer cuts there
+    inner = pc.sum(pc.match_substring(pc.list_flatten(ds.with_format("arrow")["completions"]),
+                                      cfg.step_separator)).as_py() if "completions" in ds.column_names else 0
+    return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), steps_truncated=n_cut,
+                                                             steps_with_separator=inner or 0)
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
@@ -139,7 +143,7 @@ def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False
     return out
 
 
-def dataset_report(tok, n_rows_in: int, steps_truncated: int) -> dict:
+def dataset_report(tok, n_rows_in: int, steps_truncated: int, steps_with_separator: int) -> dict:
     """Counted in Arrow over the rows kept: no per-token Python loop over the labels."""
     t = tok.with_format("arrow")
     lengths, labels = t["length"], pc.list_flatten(t["labels"])
@@ -150,4 +154,5 @@ def dataset_report(tok, n_rows_in: int, steps_truncated: int) -> dict:
             "positive_rate": round(total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
             "mean_tokens": round(total(lengths) / max(len(lengths), 1), 1),
             "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
-            "examples_dropped": n_rows_in - len(tok), "steps_truncated": steps_truncated}
+            "examples_dropped": n_rows_in - len(tok), "steps_truncated": steps_truncated,
+            "steps_with_separator": steps_with_separator}

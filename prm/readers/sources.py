@@ -20,8 +20,8 @@ from datasets.exceptions import DatasetGenerationError
 from prm.config import Config
 from prm.core.data import IGNORE
 from prm.errors import UsageError, WriteFailed
-from prm.readers.formats import (FORMATS, META, at_separator, decode, detect_format, field_problem, format_help,
-                         read_json, to_rows)
+from prm.readers.formats import (FORMATS, META, decode, detect_format, field_problem, format_help, read_json,
+                                 to_rows)
 from prm.readers.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
@@ -246,9 +246,9 @@ def cut_after_first_error(row: dict) -> dict:
 
 def read_splits(cfg) -> tuple:
     """(train, held-out, notes): datasets of rows (prompt, completions, labels, the META columns the data has)
-    and what the read said. Only training rows are cut (at the separator, first error): held-out are whole."""
-    cut = lambda r: at_separator(cut_after_first_error(r) if cfg.cut_after_first_error else r,
-                                 cfg.step_separator)
+    and what the read said. Only training rows are cut (--cut-after-first-error): held-out are whole. A step
+    holding the separator stays whole (inner separators are text), as TRL's PRMTrainer tokenizes it."""
+    cut = lambda r: cut_after_first_error(r) if cfg.cut_after_first_error else r
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
         return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held), []

@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import time
+import traceback
 
 import torch
 from tqdm import tqdm
@@ -48,9 +49,10 @@ def train_resolved(cfg: Config, command: str) -> dict:
     rt = setup()
     try:  # rank 0 holds the output directory's lock: a second trainer there stops at once
         with run_lock(cfg.output_dir) if rt.is_main else nullcontext():
-            final = Trainer(cfg, rt, command).train()
-        barrier(rt)  # no rank tears the process group down while another is still talking to it
-        return final
+            return Trainer(cfg, rt, command).train()  # ends at a barrier
+    except BaseException as e:  # its frames hold the model, which holds the process group teardown ends
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         teardown(rt)
 
