@@ -162,7 +162,8 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization rate, then the real training loop; returns the measurement dict."""
+    """Tokenization rate, then the real training loop; returns the measurement dict. The FLOPs and the steady
+    rate count the examples the timed steps trained, as the trainer's own batch plan gives them."""
     cfg = Config(**vars(cfg)).resolve()  # the 0 = auto fields filled in, as train() does
     datasets.disable_caching()  # both sides tokenize from scratch; nothing is read back from a cache
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -171,7 +172,6 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t0 = time.perf_counter()
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
-    # lists, not datasets 5's lazy Columns; the batch plan is the trainer's own
     plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], int(os.environ.get("WORLD_SIZE", 1)))
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):  # counts parameters without allocating them
@@ -184,7 +184,6 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-    # what the FLOPs and the steady rate count: the examples the timed steps trained, not all the dataset's rows
     batches = [plan.batch(step)[1] for step in range(seen["steps"])]
     fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
                                       seen["params"] if cfg.lora_r else None)

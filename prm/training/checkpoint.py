@@ -1,9 +1,6 @@
-"""A run's output directory and its checkpoints, resume included, in one place. The Checkpointer decides at start-up
-whether the directory may be used (a run there is refused unless --resume continues it or --overwrite replaces it)
-and whether the checkpoint to resume fits this run; load() restores the trainer's state from it; save() and
-save_final() write checkpoint-<step>/ (atomic, checksummed, exact resume) and final/. run_lock keeps a second run
-out of the directory. Depends on: torch, prm.training.export, prm.training.files, prm.training.sharding,
-prm.readers.sources, prm.core, prm.errors."""
+"""A run's output directory, its checkpoints and resume, in one place: the Checkpointer (below), and run_lock, which
+keeps a second run out of the directory. Depends on: torch, prm.training.export, prm.training.files,
+prm.training.sharding, prm.readers.sources, prm.core, prm.errors."""
 import contextlib
 import fcntl
 import hashlib
@@ -265,12 +262,12 @@ def set_rng_state(state: dict):
 
 
 class Checkpointer:
-    """Resume and checkpoints, for the trainer. At start-up, before any data loads, it decides: rank 0 reads the
-    output directory (prepare_output_dir) and hashes the checkpoint and the data files, once instead of once a
-    rank, and a checkpoint to resume must fit this run's settings, world size and data. load() takes the
-    trainer's state (the model as the loop runs it, optimizer, scheduler, scaler, tokenizer) and, on a resume,
-    restores it; save() and save_final() write it. resume_from: the checkpoint to continue from (None: a fresh
-    start); digests: {"train": sha256, "eval": sha256} of the local data files ('' for hub or synthetic data)."""
+    """Resume and checkpoints, for the trainer. At start-up, before any data loads, rank 0 alone (once, not once
+    a rank) reads the output directory (prepare_output_dir), hashes the checkpoint and the data files and checks
+    that the checkpoint to resume fits this run. load() takes the trainer's state and, on a resume, restores it;
+    save() writes checkpoint-<step>/ (atomic, checksummed, exact resume), save_final() final/. resume_from: the
+    checkpoint to continue from (None: a fresh start); digests: {"train": sha256, "eval": sha256} of the local data
+    files ('' for hub or synthetic data)."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt

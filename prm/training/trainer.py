@@ -106,41 +106,20 @@ class BatchPlan:
 
 class Trainer:
     """Set-up in __init__, top-down, one _setup_* per concern (data, model and parallelism, optimizer, output)
-    and the checkpointer deciding and loading the resume; then train(): a loop over train_step()."""
-    cfg: Config  # resolved: no "auto" left, so the saved config says what was used
-    rt: Runtime  # rank, world size, device
-    command: str  # what started the run, for the model card
-    quiet: bool  # no progress bars: --disable-tqdm, or stderr is no terminal
-    checkpointer: Checkpointer  # resume (decided, checked, loaded) and checkpoints
-    tokenizer: object
-    pad_id: int
-    train_ds: object  # datasets.Dataset of input_ids, labels
-    plan: BatchPlan
-    train_report: dict
-    eval_report: dict
-    model: torch.nn.Module  # the plain PRM
-    packed: bool  # micro-batches packed into one row (else padded)
-    amp_dtype: torch.dtype  # autocast dtype; None: fp32
-    parallel: Parallel  # the model as the loop runs it
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    scaler: torch.amp.GradScaler  # fp16 loss scaling; a no-op otherwise
-    step: int  # optimizer steps done
-    held_out: HeldOut
-    pbar: tqdm
-    out: MetricsFile
-    log: TrainLog
+    and the checkpointer deciding and loading the resume; then train(): a loop over train_step(). self.step
+    counts the optimizer steps done; self.model is the plain PRM, self.parallel the model as the loop runs it."""
 
     def __init__(self, cfg: Config, rt: Runtime, command: str):
+        # resolved: no "auto" left, so the saved config says what was used
         self.cfg, self.rt, self.command = cfg.resolve(), rt, command
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
-        # before the data: datasets' bars follow it too
+        # no progress bars with --disable-tqdm or without a terminal; set before the data: datasets' bars follow it
         self.quiet = progress_off(self.cfg.disable_tqdm)
         # first: a refused run or resume loads no data
         self.checkpointer = Checkpointer(self.cfg, rt)
-        # nor does a model that final/ could not be saved from
+        # so is a model that final/ could not be saved from
         check_exportable(self.cfg)
         # data before model: bad rows are reported before any weight loads
         self._setup_data()
@@ -191,6 +170,7 @@ class Trainer:
         cfg = self.cfg
         self.optimizer = make_optimizer(self.model, cfg, cfg.lr, self.rt.device)
         self.scheduler = make_scheduler(self.optimizer, cfg, self.plan.total)
+        # fp16 loss scaling; a no-op otherwise
         self.scaler = torch.amp.GradScaler(self.rt.device.type, enabled=self.amp_dtype == torch.float16)
 
     def _setup_output(self):
