@@ -119,12 +119,13 @@ class Trainer:
         self.quiet = progress_off(self.cfg.disable_tqdm)
         # first: a refused run or resume loads no data
         self.checkpointer = Checkpointer(self.cfg, rt)
-        # so is a model that final/ could not be saved from
+        # a model that final/ could not be saved from is refused before the data loads too
         check_exportable(self.cfg)
         # data before model: bad rows are reported before any weight loads
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
+        # the state a checkpoint holds, handed to the checkpointer: restored in place on a resume
         self.step = self.checkpointer.load(parallel=self.parallel, optimizer=self.optimizer, scaler=self.scaler,
                                            scheduler=self.scheduler, tokenizer=self.tokenizer, plan=self.plan)
         self._setup_output()
@@ -298,7 +299,8 @@ class HeldOut:
 
     def __init__(self, model, rows: list, *, cfg: Config, rt: Runtime, every: int, pad_id: int, amp_dtype,
                  processbench: bool):
-        self.model, self.rows, self.cfg, self.rt, self.interval = model, rows, cfg, rt, every  # 0: at the end
+        # every: steps between evaluations, 0 for the final one alone
+        self.model, self.rows, self.cfg, self.rt, self.interval = model, rows, cfg, rt, every
         self.pad_id, self.amp_dtype, self.processbench = pad_id, amp_dtype, processbench
 
     def every(self, step: int, *, last_step: int):

@@ -100,7 +100,8 @@ class TrainLog:
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
                "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch}
-        if self.since_resume:  # said, not hidden: its loss is not the whole window an uninterrupted run logs
+        # said, not hidden: its loss is not the whole window an uninterrupted run logs
+        if self.since_resume:
             rec["since_resume"], self.since_resume = True, False
         self.out.write(rec)
         if math.isfinite(stats[0] / n):
@@ -156,7 +157,8 @@ def count(n: float) -> str:
 def log_line(rec: dict) -> str:
     """A metrics.jsonl record as the log shows it; an undefined metric (None) reads 'n/a'."""
     if "loss" in rec:
-        since = " | since resume" if rec.get("since_resume") else ""  # a window cut short by the resume
+        # a window cut short by the resume
+        since = " | since resume" if rec.get("since_resume") else ""
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
                 f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s{since}")
     shown = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
