@@ -214,7 +214,7 @@ def test_a_checkpoint_holding_a_symlink_or_a_fifo_is_damaged_and_never_read(tmp_
 def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeypatch):
     from prm.training import checkpoint, trainer
     from prm.core.model import PRM
-    monkeypatch.setattr(trainer.HeldOut, "run", lambda self: 1 / 0)  # the final evaluation fails
+    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: 1 / 0)  # the final evaluation fails
     with pytest.raises(ZeroDivisionError):
         run_train(tmp_path / "a", max_steps=2)
     PRM.from_pretrained(str(tmp_path / "a" / "final"))  # the weights were not lost with it

@@ -55,8 +55,8 @@ def test_auroc_returns_on_nan_scores():
 def test_signals_keep_their_usual_effect_during_the_final_evaluation(tmp_path, monkeypatch):
     from prm.training import trainer
     seen = []
-    real = trainer.HeldOut.run
-    monkeypatch.setattr(trainer.HeldOut, "run", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
+    real = trainer.Trainer.evaluate
+    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
                         or real(self))
     run_train(tmp_path, max_steps=2)
     assert seen == [signal.SIG_DFL]  # the trainer's flag-only handler is gone: SIGTERM stops the process at once

@@ -1,5 +1,6 @@
-"""The hand-written training loop: train() over train_step(), with the model's parallel wrapping, evaluation,
-checkpoints and logging each behind a small component. Depends on: torch, tqdm, transformers, prm.*.
+"""The hand-written training loop: train() over train_step(), the model's parallel wrapping, resume and checkpoints,
+and logging each behind a small component (Parallel, Checkpointer, TrainLog). Depends on: torch, tqdm, transformers,
+prm.*.
 "step" here is an optimizer step (--max-steps, checkpoint-<step>); "n_labeled" counts reasoning steps."""
 from __future__ import annotations
 
@@ -178,9 +179,8 @@ class Trainer:
         cfg, rt, plan = self.cfg, self.rt, self.plan
         if rt.is_main:
             cfg.save(cfg.output_dir)
-        self.held_out = HeldOut(self.model, self.eval_rows, cfg=cfg, rt=rt, pad_id=self.pad_id,
-                                every=cfg.every("eval", plan.steps_per_epoch), amp_dtype=self.amp_dtype,
-                                processbench=self.processbench)
+        # steps between evaluations (--eval-every, --eval-strategy); 0: the final one alone
+        self.eval_every = cfg.every("eval", plan.steps_per_epoch)
         self.pbar = tqdm(total=plan.total, initial=self.step, desc="train", disable=not rt.is_main or self.quiet)
         # the records continue from the checkpoint's step: TensorBoard drops the events a stopped run wrote past it
         tracker = Tracker(cfg, self.step) if rt.is_main and cfg.report_to != "none" else None
@@ -212,10 +212,9 @@ class Trainer:
                 log = self.step % self.cfg.log_every == 0 or self.step == self.plan.total
                 self.log.add(self.step, batch, sums, norm, t0=t0, epoch=epoch,
                              lr=self.scheduler.get_last_lr()[0], write=log)
-                # evaluation, preemption, checkpoint: each when its turn comes
-                metrics = self.held_out.every(self.step, last_step=self.plan.total)
-                if metrics:
-                    self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in metrics.items()}})
+                # evaluation, preemption, checkpoint: each when its turn comes (finish() evaluates the last step)
+                if self.eval_every and self.step % self.eval_every == 0 and self.step < self.plan.total:
+                    self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluate().items()}})
                 # every step, though a collective (a device sync): torchrun SIGKILLs 30 s after its SIGTERM
                 stop = preemption.agreed(self.rt)
                 # a stop records the steps since the last log line before the checkpoint it resumes from
@@ -273,6 +272,13 @@ class Trainer:
         on_device = lambda v: (v.pin_memory() if pin else v).to(self.rt.device, non_blocking=True)
         return {k: on_device(v) if torch.is_tensor(v) else v for k, v in mb.items()}
 
+    def evaluate(self) -> dict:
+        """The held-out metrics, by the same route as eval.py (prm.core.evaluate: predict, then report)."""
+        cfg = self.cfg
+        probs = predict(self.model, self.eval_rows, batch_size=cfg.eval_batch_size, pad_id=self.pad_id,
+                        amp_dtype=self.amp_dtype, rt=self.rt, lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
+        return report(probs, self.eval_rows, cfg.threshold, self.processbench)
+
     def autocast(self):
         return torch.autocast(self.rt.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
 
@@ -282,7 +288,7 @@ class Trainer:
         # never an export of non-finite weights
         self.log.stop_if_diverged()
         path = self.checkpointer.save_final(self.step)
-        results = self.held_out.run()
+        results = self.evaluate()
         results["train_tokens_per_second"], results["padding_efficiency"] = self.log.throughput()
         results["train_data"], results["eval_data"] = self.train_report, self.eval_report
         if self.rt.is_main:
@@ -291,27 +297,6 @@ class Trainer:
             self.out.close()
         barrier(self.rt)
         return results if self.rt.is_main else None
-
-
-class HeldOut:
-    """The held-out metrics, by the same route as eval.py (prm.core.evaluate: predict, then report): every
-    --eval-every steps, and at the end."""
-
-    def __init__(self, model, rows: list, *, cfg: Config, rt: Runtime, every: int, pad_id: int, amp_dtype,
-                 processbench: bool):
-        # every: steps between evaluations, 0 for the final one alone
-        self.model, self.rows, self.cfg, self.rt, self.interval = model, rows, cfg, rt, every
-        self.pad_id, self.amp_dtype, self.processbench = pad_id, amp_dtype, processbench
-
-    def every(self, step: int, *, last_step: int):
-        """The metrics when --eval-every falls on `step` before the last (finish() does that one); or None."""
-        return self.run() if self.interval and step % self.interval == 0 and step < last_step else None
-
-    def run(self) -> dict:
-        probs = predict(self.model, self.rows, batch_size=self.cfg.eval_batch_size, pad_id=self.pad_id,
-                        amp_dtype=self.amp_dtype, rt=self.rt, lockstep=self.cfg.fsdp,
-                        progress=not self.cfg.disable_tqdm)
-        return report(probs, self.rows, self.cfg.threshold, self.processbench)
 
 
 class Preemption:
