@@ -93,12 +93,13 @@ def test_flops_by_hand_for_one_layer():
     assert lora == 4 * (n - 130) + 6 * 1130 + 12 * heads * hd * (9 + 25) / 8
 
 
-def test_flops_count_the_rows_the_steps_trained():
-    from prm.tools.bench import trained_batches
+def test_the_batch_plan_the_benchmark_counts_reshuffles_each_epoch_as_the_trainer_does():
+    from prm.training.trainer import BatchPlan
     from prm.core.data import global_batches
     cfg = Config(batch_size=2, grad_accum=2, seed=3, group_by_length=True)
     lengths = [10 * (i + 1) for i in range(10)]  # 10 rows, global batch 4: 3 steps per epoch
-    got = trained_batches(cfg, lengths, 5)
+    plan = BatchPlan(cfg, lengths, [1] * 10, world_size=1)
+    got = [plan.batch(step)[1] for step in range(5)]
     first, second = global_batches(lengths, 4, 3, 0, True), global_batches(lengths, 4, 3, 1, True)
     assert got == first + second[:2] and all(len(b) == 4 for b in got)  # epoch 1 reshuffled, as the trainer does
 

@@ -1,4 +1,6 @@
-"""Exact resume, crash-safe checkpoints, SIGTERM, Hugging Face export round trip, and the scoring API."""
+"""Checkpoints and resume: exact resume, what a resume continues and what it refuses, crash-safe and checksummed
+checkpoints, the final export's safety, SIGTERM, and the lock that keeps two runs out of one output directory."""
+import json
 import os
 import shutil
 import signal
@@ -10,9 +12,11 @@ import pytest
 import torch
 
 from conftest import ROOT, final_weights, read_metrics, run_train
+from prm.errors import PRMError
 from prm.training.checkpoint import MARKER, resolve_resume
 
 
+# exact resume, and what a resumed run continues
 def losses(out):
     return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
 
@@ -28,20 +32,31 @@ def test_resume_is_bit_identical(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_keep_last_prunes_old_checkpoints(tmp_path):
-    run_train(tmp_path, max_steps=6, save_every=2, keep_last=2)
-    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-6"]
+def test_rng_state_round_trip():
+    import random
+    from prm.training.checkpoint import rng_state, set_rng_state
+    state = rng_state()
+    drawn = (random.random(), torch.rand(3))
+    set_rng_state(state)
+    again = (random.random(), torch.rand(3))
+    assert drawn[0] == again[0] and torch.equal(drawn[1], again[1])
 
 
-def test_half_written_checkpoint_is_ignored(tmp_path):
-    run_train(tmp_path, max_steps=3, save_every=3)
-    broken = tmp_path / "checkpoint-5"  # a crash between files: weights written, marker never
-    broken.mkdir()
-    shutil.copy(tmp_path / "checkpoint-3" / "model.safetensors", broken)
-    (tmp_path / "checkpoint-6.tmp").mkdir()
-    assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-3")
-    run_train(tmp_path, max_steps=4, resume="auto")
-    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == 4
+def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
+    run_train(tmp_path, max_steps=4, resume=str(tmp_path / "checkpoint-2"))
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert sum("final" in r for r in records) == 1
+
+
+def test_the_first_record_after_a_resume_says_it_averages_the_steps_since_the_resume(tmp_path, capsys):
+    run_train(tmp_path, max_steps=3, save_every=3, log_every=4)
+    run_train(tmp_path, max_steps=8, log_every=4, resume="auto")  # step 4's window: step 4 alone, not steps 1-4
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [(r["step"], r.get("since_resume")) for r in records] == [(3, None), (4, True), (8, None)]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.startswith("step 4 | ") for line in lines if line.endswith(" | since resume")] == [True]
 
 
 def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
@@ -84,65 +99,6 @@ def test_a_stop_between_log_steps_records_the_steps_since_the_last_log_line(tmp_
                                                                             (7, False)]
 
 
-def _tiny(family, vocab):
-    from transformers import LlamaConfig, Qwen2Config
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
-    return cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
-
-
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_export_loads_as_hf_token_classifier_with_same_logits(tmp_path, family):
-    from transformers import AutoModel, AutoModelForTokenClassification
-    from prm.core.model import PRM, new_head
-    torch.manual_seed(0)
-    cfg = _tiny(family, 100)
-    ours = PRM(AutoModel.from_config(cfg), new_head(cfg)).eval()
-    with torch.no_grad():
-        ours.head.bias.fill_(0.3)  # a non-zero bias must survive the trip too
-    ours.save_pretrained(tmp_path)
-    hf = AutoModelForTokenClassification.from_pretrained(tmp_path).eval()
-    assert hf.config.num_labels == 2 and hf.config.id2label == {0: "incorrect", 1: "correct"}
-    assert hf.config.architectures[0].endswith("ForTokenClassification")
-    ids = torch.randint(1, 100, (2, 9))
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        ref = ours(ids, mask)
-        assert (hf(input_ids=ids, attention_mask=mask).logits - ref).abs().max() <= 1e-5
-        back = PRM.from_pretrained(str(tmp_path)).eval()  # and our wrapper loads it back
-        assert (back(ids, mask) - ref).abs().max() <= 1e-5
-
-
-def test_wrapper_loads_a_foreign_hf_token_classifier(tmp_path):
-    """E.g. a checkpoint written by TRL's PRMTrainer: a plain XxxForTokenClassification with 2 labels."""
-    from transformers import Qwen2ForTokenClassification
-    from prm.core.model import PRM
-    torch.manual_seed(1)
-    cfg = _tiny("qwen2", 100)
-    cfg.num_labels = 2
-    theirs = Qwen2ForTokenClassification(cfg).eval()
-    theirs.save_pretrained(tmp_path)
-    ids = torch.randint(1, 100, (1, 7))
-    with torch.no_grad():
-        assert torch.allclose(PRM.from_pretrained(str(tmp_path)).eval()(ids), theirs(input_ids=ids).logits, atol=1e-6)
-
-
-def test_scoring_api_equals_evaluation_probabilities(char_tok):
-    from prm.training.build import build_model
-    from prm.core.data import pad_token_id, tokenize_example
-    from prm.core.evaluate import predict, score, score_batch
-    from prm.readers.synthetic import make_rows
-    model = build_model("tiny", char_tok, seed=0)
-    rows = make_rows(5, 3)
-    tokenized = [tokenize_example(r, char_tok, is_eval=True) for r in rows]
-    seen = predict(model, tokenized, batch_size=2, pad_id=pad_token_id(char_tok), progress=False)
-    scored = score_batch(model, char_tok, [(r["prompt"], r["completions"]) for r in rows])
-    for probs, mine, row in zip(seen, scored, rows):
-        assert len(mine) == len(row["completions"])
-        assert mine == pytest.approx(probs, abs=1e-6)
-    assert score(model, char_tok, rows[0]["prompt"], rows[0]["completions"]) == pytest.approx(scored[0], abs=1e-6)
-
-
 def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, capsys):
     run_train(tmp_path, max_steps=4, save_every=1, keep_last=0)  # checkpoints 1, 2, 3, 4
     run_train(tmp_path, max_steps=3, save_every=1, keep_last=1, resume=str(tmp_path / "checkpoint-1"))
@@ -154,11 +110,191 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, cap
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
 
 
-def test_rng_state_round_trip():
-    import random
-    from prm.training.checkpoint import rng_state, set_rng_state
-    state = rng_state()
-    drawn = (random.random(), torch.rand(3))
-    set_rng_state(state)
-    again = (random.random(), torch.rand(3))
-    assert drawn[0] == again[0] and torch.equal(drawn[1], again[1])
+def test_a_resume_with_no_step_left_reports_no_throughput(tmp_path):
+    run_train(tmp_path, max_steps=2, save_every=2)
+    final = run_train(tmp_path, max_steps=2, resume="auto")  # every step already done: nothing trained here
+    assert final["train_tokens_per_second"] is None and final["padding_efficiency"] is None
+    assert read_metrics(tmp_path)[-1]["final"]["padding_efficiency"] is None  # null in metrics.jsonl
+
+# what a resume refuses
+def test_resume_refuses_other_data_settings_and_accepts_a_longer_run(tmp_path):
+    run_train(tmp_path, max_steps=2, save_every=2)
+    for change, named in (({"seed": 1}, "--seed 1 (was 0)"), ({"lr": 5e-2}, "--lr 0.05 (was 0.001)"),
+                          ({"batch_size": 8}, "global batch 8 x 1 x 1 ranks (was 4 x 1 x 1)")):
+        with pytest.raises(PRMError, match="does not fit this model and data") as e:
+            run_train(tmp_path, max_steps=4, resume="auto", **change)
+        assert e.value.code == 2 and named in str(e.value)
+    run_train(tmp_path, max_steps=4, resume="auto", batch_size=2, grad_accum=2)  # same global batch: allowed
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+    with pytest.raises(PRMError, match=r"checkpoint is at step 2, past this run's last step 1") as e:
+        run_train(tmp_path, max_steps=1, resume=str(tmp_path / "checkpoint-2"))
+    assert e.value.code == 2
+
+
+def test_resume_refuses_a_data_file_whose_contents_changed(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": f"{i} + 1 =", "completions": [f"{i + 1}", "done"], "labels": [True, i % 2 == 0]}
+            for i in range(24)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    run_train(out, dataset=str(data), max_steps=2, save_every=1)
+    data.write_text("".join(json.dumps({**r, "labels": [False, True]}) + "\n" for r in rows[:12]))  # other rows
+    with pytest.raises(PRMError, match="changed since the checkpoint") as e:
+        run_train(out, dataset=str(data), max_steps=4, resume="auto")
+    assert e.value.code == 2 and str(data) in str(e.value)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # the same contents again: resume goes on
+    run_train(out, dataset=str(data), max_steps=4, resume="auto")
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_conflicting_resume_is_refused_before_any_data_loads(tmp_path, monkeypatch):
+    run_train(tmp_path, max_steps=2, save_every=2)
+
+    def no_data(cfg):
+        raise AssertionError("the data loaded before the resume's settings were compared")
+    monkeypatch.setattr("prm.training.trainer.load_splits", no_data)
+    with pytest.raises(PRMError, match="--seed 1 \\(was 0\\)") as e:
+        run_train(tmp_path, max_steps=4, resume="auto", seed=1)
+    assert e.value.code == 2
+
+# the checkpoint files: pruned, complete, checksummed; final/ never lost
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    run_train(tmp_path, max_steps=6, save_every=2, keep_last=2)
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_a_kill_between_a_save_and_its_pruning_leaves_no_surplus_checkpoint(tmp_path):
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
+    shutil.rmtree(tmp_path / "final")  # as a --keep-last 1 run killed after checkpoint-4's rename, before pruning
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=1, resume="auto")  # all steps done: no save follows
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    run_train(tmp_path, max_steps=3, save_every=3)
+    broken = tmp_path / "checkpoint-5"  # a crash between files: weights written, marker never
+    broken.mkdir()
+    shutil.copy(tmp_path / "checkpoint-3" / "model.safetensors", broken)
+    (tmp_path / "checkpoint-6.tmp").mkdir()
+    assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-3")
+    run_train(tmp_path, max_steps=4, resume="auto")
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == 4
+
+
+def test_damaged_checkpoint_is_refused_and_auto_falls_back(tmp_path, capsys):
+    from prm.training.checkpoint import resolve_resume
+    run_train(tmp_path, max_steps=4, save_every=2, keep_last=0)
+    weights = tmp_path / "checkpoint-4" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside the tensors
+    weights.write_bytes(bytes(data))
+    assert resolve_resume("auto", str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert "skipping damaged checkpoint" in capsys.readouterr().err
+    with pytest.raises(PRMError, match="model.safetensors"):
+        resolve_resume(str(tmp_path / "checkpoint-4"), str(tmp_path))
+    capsys.readouterr()
+    run_train(tmp_path, max_steps=4, resume="auto")
+    assert capsys.readouterr().err.count("skipping damaged checkpoint") == 1  # checksummed once per run
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_holding_a_symlink_or_a_fifo_is_damaged_and_never_read(tmp_path):
+    run_train(tmp_path, max_steps=3, save_every=1, keep_last=0)
+    weights = tmp_path / "checkpoint-2" / "model.safetensors"
+    weights.unlink()
+    weights.symlink_to("/dev/zero")  # read for its checksum, it never ends
+    os.mkfifo(tmp_path / "checkpoint-3" / "extra")  # nor does a FIFO that nobody writes
+    r = subprocess.run([sys.executable, "-c", f"from prm.training.checkpoint import resolve_resume; "
+                        f"print(resolve_resume('auto', {str(tmp_path)!r}))"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    assert r.stdout.strip() == str(tmp_path / "checkpoint-1")
+    assert "model.safetensors (not a regular file)" in r.stderr and "extra (not a regular file)" in r.stderr
+
+
+def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeypatch):
+    from prm.training import checkpoint, trainer
+    from prm.core.model import PRM
+    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: 1 / 0)  # the final evaluation fails
+    with pytest.raises(ZeroDivisionError):
+        run_train(tmp_path / "a", max_steps=2)
+    PRM.from_pretrained(str(tmp_path / "a" / "final"))  # the weights were not lost with it
+    monkeypatch.undo()
+    run_train(tmp_path / "b", max_steps=2, save_every=2)
+    before = (tmp_path / "b" / "final" / "model.safetensors").read_bytes()
+    real = checkpoint.write_model_dir
+
+    def disk_full(path, *a, **kw):  # half a directory written, then no space
+        real(path, *a, **kw)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "write_model_dir", disk_full)
+    with pytest.raises(PRMError, match="No space left on device"):
+        run_train(tmp_path / "b", max_steps=3, resume="auto")
+    assert (tmp_path / "b" / "final" / "model.safetensors").read_bytes() == before  # the old final/ intact
+    assert not os.path.exists(tmp_path / "b" / "final.tmp")
+
+# the run lock
+# holds a lock as run_lock does (flock, then its pid@host in the file) until killed
+HOLD = ("import fcntl, os, socket, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nos.write(fd, f'{os.getpid()}@{socket.gethostname()}'.encode())\n"
+        "print('held', flush=True)\ntime.sleep(600)\n")
+
+
+def test_a_locked_output_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    import socket
+    tmp_path.mkdir(exist_ok=True)
+    lock = tmp_path / ".lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:  # a live run of this host holds it
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(PRMError) as e:
+            run_train(tmp_path, max_steps=1)
+        assert e.value.code == 2 and f"in use by another run ({holder.pid}@{socket.gethostname()})" in str(e.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock.write_text("123@another-host")  # flock need not reach across hosts: its run is taken to be alive
+    with pytest.raises(PRMError, match=r"in use by another run \(123@another-host\)"):
+        run_train(tmp_path, max_steps=1)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # refused before anything was written
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(f"{dead.pid}@{socket.gethostname()}")
+    run_train(tmp_path, max_steps=1)
+    assert "stale lock" in capsys.readouterr().err and not lock.exists()  # released at the end
+
+
+def test_a_stale_lock_naming_this_very_process_is_taken_over(tmp_path, capsys):
+    """A restarted container: same host name, the same small pid as the run it killed. The flock is free, so the
+    lock is stale, although its pid@host names a live process: this one."""
+    import socket
+    run_train(tmp_path, max_steps=2, save_every=1)
+    (tmp_path / ".lock").write_text(f"{os.getpid()}@{socket.gethostname()}")  # what a killed run leaves
+    run_train(tmp_path, max_steps=3, resume="auto")
+    assert "stale lock" in capsys.readouterr().err and not (tmp_path / ".lock").exists()
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3]
+
+
+def test_two_runs_taking_over_one_stale_lock_at_once_cannot_both_proceed(tmp_path, monkeypatch):
+    """The race, made deterministic: a second run takes the lock over while the first is deciding the lock is stale."""
+    import contextlib
+    import socket
+    from prm.training import checkpoint
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".lock").write_text(f"{dead.pid}@{socket.gethostname()}")
+    proceeded, second, real = [], contextlib.ExitStack(), checkpoint._alive
+
+    def second_run_cuts_in(owner):
+        monkeypatch.setattr(checkpoint, "_alive", real)  # the second run checks for itself, holding the lock if it can
+        with contextlib.suppress(PRMError):
+            second.enter_context(checkpoint.run_lock(str(tmp_path)))
+            proceeded.append("second")
+        return real(owner)
+    monkeypatch.setattr(checkpoint, "_alive", second_run_cuts_in)
+    try:
+        with contextlib.suppress(PRMError), checkpoint.run_lock(str(tmp_path)):
+            proceeded.append("first")
+    finally:
+        with contextlib.suppress(OSError):  # the unfixed lock: both runs remove "their" file
+            second.close()
+    assert len(proceeded) == 1

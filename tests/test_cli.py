@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -176,9 +177,8 @@ def test_time_left_is_said_once_from_the_host_clock(monkeypatch):
     from prm.core.runtime import Runtime
     said, clock = [], iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
     monkeypatch.setattr(trainlog.time, "perf_counter", lambda: next(clock))
-    out = trainlog.MetricsFile(None, type("Bar", (), {"write": lambda self, s: said.append(s)})(), resumed_at=0)
-    log = trainlog.TrainLog(trainlog.LogSettings(total=10, resumed_at=0, n_chunks=1), Runtime(), out, lengths=[],
-                            n_labeled=[])
+    out = trainlog.MetricsFile(None, type("Bar", (), {"write": lambda self, s: said.append(s)})())
+    log = trainlog.TrainLog(Runtime(), out, types.SimpleNamespace(total=10), resumed_at=0, n_chunks=1)
     for step in range(1, 7):  # step 1 pays the one-time costs: the clock starts when it ends
         log.estimate(step)
     assert said == ["about 0:00:06 left (1.00 s per step)"]  # after step 4: 3 steps timed, 6 to go

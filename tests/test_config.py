@@ -2,6 +2,7 @@
 their meaning (and the ones refused on purpose), the learning-rate schedules, a YAML alias bomb refused."""
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import types
@@ -264,10 +265,23 @@ def test_eval_strategy_steps_alone_evaluates_at_every_log_step(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path) if "eval_step_accuracy" in r] == [2]  # 4: the final record
 
 
+def lr_shares(cfg: Config, total: int = 10) -> list:
+    """The learning rate, as a share of --lr, at optimizer steps 0 to total of the run's own scheduler."""
+    import torch
+    from prm.training.trainer import make_scheduler
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler, shares = make_scheduler(optimizer, cfg, total), []
+    for _ in range(total + 1):
+        shares.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return shares
+
+
 def test_schedules_follow_hf_after_a_warmup():
-    from prm.training.trainer import DECAY, lr_lambda
-    assert set(DECAY) == set(Config.__dataclass_fields__["lr_scheduler_type"].metadata["choices"])
-    at = lambda step, **kw: lr_lambda(Config(**kw), 10)(step)
+    for name in Config.__dataclass_fields__["lr_scheduler_type"].metadata["choices"]:  # each builds a schedule
+        assert len(lr_shares(Config(lr_scheduler_type=name))) == 11
+    at = lambda step, **kw: lr_shares(Config(**kw))[step]
     assert [at(s, lr_scheduler_type="linear") for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
     assert [at(s, lr_scheduler_type="cosine") for s in (0, 10)] == [1.0, 0.0]
     assert at(10) == pytest.approx(0.1) and at(0) == 1.0  # the default: cosine down to 10% of --lr
@@ -278,23 +292,30 @@ def test_schedules_follow_hf_after_a_warmup():
     assert ratio == [0.0, 0.5, 1.0, 0.875]  # ceil(0.15 x 10) = 2 warmup steps
 
 
+# the schedules as formulas of the progress p after warmup (0 to 1), as HF's docs state them
+DECAY = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+         "cosine_with_min_lr": lambda p: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)),
+         "constant": lambda p: 1.0, "constant_with_warmup": lambda p: 1.0}
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("warmup", [{}, {"warmup_steps": 3}, {"warmup_ratio": 0.15}])
 def test_every_schedule_equals_hf_get_scheduler_at_every_step(name, warmup):
     import torch
     from transformers import TrainingArguments, get_scheduler
-    from prm.training.trainer import lr_lambda
     if name == "constant" and warmup:  # refused: HF's constant ignores any warmup
         return
-    total, ours = 10, lr_lambda(Config(lr_scheduler_type=name, **warmup), 10)
+    total, ours = 10, lr_shares(Config(lr_scheduler_type=name, **warmup))
     # transformers 5 spells a warmup ratio as a warmup_steps below 1 (its TrainingArguments needs accelerate)
     args = types.SimpleNamespace(warmup_steps=warmup.get("warmup_steps", warmup.get("warmup_ratio", 0)))
+    n_warmup = TrainingArguments.get_warmup_steps(args, total)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    hf = get_scheduler(name, optimizer, num_warmup_steps=TrainingArguments.get_warmup_steps(args, total),
-                       num_training_steps=total,
+    hf = get_scheduler(name, optimizer, num_warmup_steps=n_warmup, num_training_steps=total,
                        scheduler_specific_kwargs={"min_lr_rate": 0.1} if name == "cosine_with_min_lr" else None)
     for step in range(total):
-        assert ours(step) == pytest.approx(hf.get_last_lr()[0], abs=1e-12), step
+        formula = step / n_warmup if step < n_warmup else DECAY[name]((step - n_warmup) / (total - n_warmup))
+        assert ours[step] == pytest.approx(hf.get_last_lr()[0], abs=1e-12), step
+        assert ours[step] == pytest.approx(formula, abs=1e-12), step
         optimizer.step()
         hf.step()
 

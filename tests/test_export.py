@@ -1,5 +1,6 @@
 """final/ with plain transformers: AutoTokenizer + AutoModelForTokenClassification, through the model card's own
-snippet, give eval.py's per-step probabilities; the step separator travels in config.json; transformers 4 keys."""
+snippet, give eval.py's per-step probabilities; the step separator travels in config.json; transformers 4 keys; our
+PRM and HF's token classifiers load each other's files; the scoring API gives evaluation's probabilities."""
 import json
 import os
 import re
@@ -101,3 +102,62 @@ def test_legacy_keys_for_transformers_4_loaders(tmp_path):
                                                                      "factor": 2.0}
     back = AutoConfig.from_pretrained(tmp_path).rope_parameters  # transformers 5 still reads the same RoPE
     assert (back["rope_theta"], back["rope_type"], back["factor"]) == (1e6, "linear", 2.0)
+
+
+def _tiny(family, vocab):
+    from transformers import LlamaConfig, Qwen2Config
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
+    return cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_export_loads_as_hf_token_classifier_with_same_logits(tmp_path, family):
+    from transformers import AutoModel, AutoModelForTokenClassification
+    from prm.core.model import PRM, new_head
+    torch.manual_seed(0)
+    cfg = _tiny(family, 100)
+    ours = PRM(AutoModel.from_config(cfg), new_head(cfg)).eval()
+    with torch.no_grad():
+        ours.head.bias.fill_(0.3)  # a non-zero bias must survive the trip too
+    ours.save_pretrained(tmp_path)
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path).eval()
+    assert hf.config.num_labels == 2 and hf.config.id2label == {0: "incorrect", 1: "correct"}
+    assert hf.config.architectures[0].endswith("ForTokenClassification")
+    ids = torch.randint(1, 100, (2, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = ours(ids, mask)
+        assert (hf(input_ids=ids, attention_mask=mask).logits - ref).abs().max() <= 1e-5
+        back = PRM.from_pretrained(str(tmp_path)).eval()  # and our wrapper loads it back
+        assert (back(ids, mask) - ref).abs().max() <= 1e-5
+
+
+def test_wrapper_loads_a_foreign_hf_token_classifier(tmp_path):
+    """E.g. a checkpoint written by TRL's PRMTrainer: a plain XxxForTokenClassification with 2 labels."""
+    from transformers import Qwen2ForTokenClassification
+    from prm.core.model import PRM
+    torch.manual_seed(1)
+    cfg = _tiny("qwen2", 100)
+    cfg.num_labels = 2
+    theirs = Qwen2ForTokenClassification(cfg).eval()
+    theirs.save_pretrained(tmp_path)
+    ids = torch.randint(1, 100, (1, 7))
+    with torch.no_grad():
+        assert torch.allclose(PRM.from_pretrained(str(tmp_path)).eval()(ids), theirs(input_ids=ids).logits, atol=1e-6)
+
+
+def test_scoring_api_equals_evaluation_probabilities(char_tok):
+    from prm.training.build import build_model
+    from prm.core.data import pad_token_id, tokenize_example
+    from prm.core.evaluate import predict, score, score_batch
+    from prm.readers.synthetic import make_rows
+    model = build_model("tiny", char_tok, seed=0)
+    rows = make_rows(5, 3)
+    tokenized = [tokenize_example(r, char_tok, is_eval=True) for r in rows]
+    seen = predict(model, tokenized, batch_size=2, pad_id=pad_token_id(char_tok), progress=False)
+    scored = score_batch(model, char_tok, [(r["prompt"], r["completions"]) for r in rows])
+    for probs, mine, row in zip(seen, scored, rows):
+        assert len(mine) == len(row["completions"])
+        assert mine == pytest.approx(probs, abs=1e-6)
+    assert score(model, char_tok, rows[0]["prompt"], rows[0]["completions"]) == pytest.approx(scored[0], abs=1e-6)

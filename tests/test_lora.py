@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import final_weights, read_metrics, run_train
-from prm.training.checkpoint import TRAINABLE
+from prm.training.export import TRAINABLE
 from prm.core.data import collate, tokenize_example
 from prm.core.lora import LoRALinear, apply_lora, count_parameters, merged_state_dict
 from prm.training.build import build_model, model_for

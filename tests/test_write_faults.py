@@ -74,14 +74,14 @@ def test_a_failed_final_export_says_when_the_weights_are_lost(tmp_path, monkeypa
 
 
 def test_a_full_disk_while_appending_metrics_exits_with_one_line(tmp_path, monkeypatch):
-    from prm.training import checkpoint
+    from prm.training import files
 
     class Full:  # metrics.jsonl on a disk that has just filled up
         def write(self, text):
             raise OSError(errno.ENOSPC, NO_SPACE)
         flush = close = lambda self: None
     real = open
-    monkeypatch.setattr(checkpoint, "open", lambda path, mode="r", *a, **kw: Full() if mode == "a"
+    monkeypatch.setattr(files, "open", lambda path, mode="r", *a, **kw: Full() if mode == "a"
                         else real(path, mode, *a, **kw), raising=False)
     with pytest.raises(PRMError) as e:
         run_train(tmp_path, max_steps=2)
@@ -104,7 +104,7 @@ def test_a_real_full_disk(tmp_path):
 
 
 def test_a_full_disk_while_dropping_records_on_resume_keeps_metrics_whole(tmp_path, monkeypatch):
-    from prm.training import trainlog
+    from prm.training import checkpoint, files
     from prm.errors import WriteFailed
     path = tmp_path / "metrics.jsonl"
     records = '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "loss": 0.3}\n'
@@ -124,16 +124,16 @@ def test_a_full_disk_while_dropping_records_on_resume_keeps_metrics_whole(tmp_pa
 
         def __exit__(self, *exc):
             self.file.close()
-    monkeypatch.setattr(trainlog, "open", lambda p, mode="r", *a, **kw: Full(p, mode, *a, **kw) if "w" in mode
+    monkeypatch.setattr(files, "open", lambda p, mode="r", *a, **kw: Full(p, mode, *a, **kw) if "w" in mode
                         else real(p, mode, *a, **kw), raising=False)
     with pytest.raises(WriteFailed) as e:
-        trainlog.keep_records_until(str(path), 2)
+        checkpoint.keep_records_until(str(path), 2)
     one_line(e, f"could not write {path}: {NO_SPACE}")
     assert path.read_text() == records and os.listdir(tmp_path) == ["metrics.jsonl"]
 
 
 def test_records_kept_on_resume_end_with_a_newline(tmp_path):
-    from prm.training.trainlog import keep_records_until
+    from prm.training.checkpoint import keep_records_until
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}')  # the crash cut the last "\n"
     keep_records_until(str(path), 5)

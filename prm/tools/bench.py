@@ -39,13 +39,12 @@ from transformers import AutoModel
 from prm.training.build import hf_config_for, tokenizer_for
 from prm.cli import build_parser
 from prm.config import Config
-from prm.core.data import global_batches
 from prm.errors import PRMError, UsageError
 from prm.tools.gpucheck import gpu_check
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
 from prm.core.runtime import autocast_dtype
-from prm.training.trainer import train
+from prm.training.trainer import BatchPlan, train
 from prm.core.varlen import kernel_dtype, supports_packing
 
 # dense bf16 peaks by device name, the more specific names first: PCIe and NVL parts run lower clocks than SXM
@@ -99,16 +98,6 @@ def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tup
     s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
     weights = 6 * n if lora_trainable is None else 4 * (n - head) + 6 * lora_trainable
     return weights + 12 * text.num_hidden_layers * width * s_eff, n
-
-
-def trained_batches(cfg: Config, lengths: list, steps: int) -> list:
-    """The dataset indices of each of the first `steps` optimizer steps, from the trainer's own batch plan (a
-    pure function of seed and epoch): what the FLOPs and the steady rate count, not all the dataset's rows."""
-    per_step = cfg.batch_size * cfg.grad_accum * int(os.environ.get("WORLD_SIZE", 1))  # the global batch
-    per_epoch = -(-len(lengths) // per_step)
-    epochs = range(-(-steps // per_epoch))
-    plans = [global_batches(lengths, per_step, cfg.seed, e, cfg.group_by_length) for e in epochs]
-    return [plans[s // per_epoch][s % per_epoch] for s in range(steps)]
 
 
 def _device_peak(device, override: float) -> float:
@@ -174,7 +163,8 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization rate, then the real training loop; returns the measurement dict."""
+    """Tokenization rate, then the real training loop; returns the measurement dict. The FLOPs and the steady
+    rate count the examples the timed steps trained, as the trainer's own batch plan gives them."""
     cfg = Config(**vars(cfg)).resolve()  # the 0 = auto fields filled in, as train() does
     datasets.disable_caching()  # both sides tokenize from scratch; nothing is read back from a cache
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,7 +173,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t0 = time.perf_counter()
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
-    lengths = tok_ds["length"][:]  # a list, not datasets 5's lazy Column
+    plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], int(os.environ.get("WORLD_SIZE", 1)))
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):  # counts parameters without allocating them
         backbone = AutoModel.from_config(model_cfg)
@@ -195,13 +185,13 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-    batches = trained_batches(cfg, lengths, seen["steps"])
-    fpt, n_nonembed = flops_per_token(model_cfg, [lengths[i] for b in batches for i in b],
+    batches = [plan.batch(step)[1] for step in range(seen["steps"])]
+    fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
                                       seen["params"] if cfg.lora_r else None)
     static = min(seen["after_step"]) if seen["after_step"] else 0
     tps = final["train_tokens_per_second"]
     t = seen["times"]  # steps 2..N: their tokens over the time from the first step's hook to the last one's
-    steady = sum(lengths[i] for b in batches[1:] for i in b) / (t[-1] - t[0]) if len(t) > 1 else None
+    steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
         "padding_efficiency": round(final["padding_efficiency"], 4), "peak_memory_mb": round(peak / 2**20, 1),
@@ -218,7 +208,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "flops_per_token": round(fpt),
         "params": n_total, "trainable_params": seen["params"], "params_non_embedding": n_nonembed,
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
-        "tokenize_tokens_per_second": round(sum(lengths) / tok_seconds, 1),
+        "tokenize_tokens_per_second": round(sum(plan.lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
         "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"], "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum, "max_length": cfg.max_length, "dtype": cfg.dtype or "auto",

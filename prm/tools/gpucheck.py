@@ -19,6 +19,7 @@ from prm.core.data import pad_token_id
 from prm.errors import UsageError
 from prm.readers.synthetic import CHARS, char_tokenizer
 
+# the checkout: prm/tools/gpucheck.py is three levels below it
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QWEN2_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "tokenizers", "qwen2")
 # Qwen/Qwen2-0.5B's config.json, by hand (no hub): 24 layers of 896, 14 query heads and 2 K/V heads of 64

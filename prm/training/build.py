@@ -1,6 +1,6 @@
 """The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
 benchmark all come here. Depends on: torch, transformers, safetensors, prm.core.model, prm.core.lora, prm.core.data,
-prm.training.checkpoint, prm.training.sharding, prm.readers.synthetic, prm.core.varlen."""
+prm.training.export, prm.training.sharding, prm.readers.synthetic, prm.core.varlen."""
 import glob
 import json
 import os
@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from prm.training.checkpoint import TRAINABLE, load_trainable
+from prm.training.export import TRAINABLE, load_trainable
 from prm.core.data import pad_token_id
 from prm.errors import UsageError, check
 from prm.core.lora import apply_lora, has_lora

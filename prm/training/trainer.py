@@ -1,5 +1,6 @@
-"""The hand-written training loop: train() over train_step(), with the model's parallel wrapping, evaluation,
-checkpoints and logging each behind a small component that decides for itself. Depends on: torch, tqdm, prm.*.
+"""The hand-written training loop: train() over train_step(), the model's parallel wrapping, resume and checkpoints,
+and logging each behind a small component (Parallel, Checkpointer, TrainLog). Depends on: torch, tqdm, transformers,
+prm.*.
 "step" here is an optimizer step (--max-steps, checkpoint-<step>); "n_labeled" counts reasoning steps."""
 from __future__ import annotations
 
@@ -14,26 +15,26 @@ import traceback
 
 import torch
 from tqdm import tqdm
+from transformers import get_scheduler
 
-from prm.training.build import check_exportable, model_for, tokenizer_for
-from prm.training.card import config_command, model_card
-from prm.training.checkpoint import (Checkpointer, load_checkpoint, read_marker, run_lock, set_aside_after,
-                            write_card)
 from prm.config import Config
 from prm.core.data import collate, global_batches, micro_batches, pack, pad_token_id
-from prm.errors import Stopped, UsageError, check
 from prm.core.evaluate import predict, report
-from prm.readers.ingest import tokenize_dataset
 from prm.core.lora import count_parameters
 from prm.core.model import enable_activation_checkpointing, is_classifier, step_loss
-from prm.training.rundir import prepare_output_dir
-from prm.core.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, decided_by_main, main_first,
-                         progress_off, setup, teardown)
-from prm.training.sharding import Parallel
-from prm.readers.sources import data_digest, load_splits
-from prm.training.tracking import Tracker, require
-from prm.training.trainlog import LogSettings, MetricsFile, TrainLog, count
+from prm.core.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier, main_first, progress_off, setup,
+                              teardown)
 from prm.core.varlen import is_packed
+from prm.errors import Stopped, UsageError
+from prm.readers.ingest import tokenize_dataset
+from prm.readers.sources import load_splits
+from prm.training.build import check_exportable, model_for, tokenizer_for
+from prm.training.card import config_command, model_card
+from prm.training.checkpoint import Checkpointer, run_lock
+from prm.training.files import write_text
+from prm.training.sharding import Parallel
+from prm.training.tracking import Tracker, require
+from prm.training.trainlog import MetricsFile, TrainLog, count
 
 
 def train(cfg: Config, command: str = "") -> dict:
@@ -45,32 +46,20 @@ def train(cfg: Config, command: str = "") -> dict:
 
 def train_resolved(cfg: Config, command: str) -> dict:
     """train() of a resolved Config (as parse_config returns it): the Trainer takes it as it is."""
-    require(cfg.report_to)  # a missing tracker package stops the run before anything is written
+    # a missing tracker package stops the run before anything is written
+    require(cfg.report_to)
     rt = setup()
-    try:  # rank 0 holds the output directory's lock: a second trainer there stops at once
+    try:
+        # rank 0 holds the output directory's lock: a second trainer there stops at once
         with run_lock(cfg.output_dir) if rt.is_main else nullcontext():
-            return Trainer(cfg, rt, command).train()  # ends at a barrier
-    except BaseException as e:  # its frames hold the model, which holds the process group teardown ends
+            # Trainer.train() ends at a barrier: no rank tears the group down while another still uses it
+            return Trainer(cfg, rt, command).train()
+    except BaseException as e:
+        # the traceback's frames hold the model, which holds the process group that teardown ends
         traceback.clear_frames(e.__traceback__)
         raise
     finally:
         teardown(rt)
-
-
-DECAY = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
-         "cosine_with_min_lr": lambda p: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)),
-         "constant": lambda p: 1.0, "constant_with_warmup": lambda p: 1.0}  # p: progress after warmup, 0 to 1
-
-
-def lr_lambda(cfg: Config, total: int):
-    """Linear warmup (--warmup-steps, else --warmup-ratio of the steps), then --lr-scheduler-type's decay."""
-    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total)
-
-    def f(step):
-        if step < warmup:  # as HF's: from 0 (the first step's lr), reaching --lr after the warmup
-            return step / warmup
-        return DECAY[cfg.lr_scheduler_type](min((step - warmup) / max(1, total - warmup), 1.0))
-    return f
 
 
 def make_optimizer(model, cfg: Config, lr: float, device):
@@ -85,81 +74,101 @@ def make_optimizer(model, cfg: Config, lr: float, device):
         return torch.optim.AdamW(groups, **kw, foreach=True)
 
 
+def make_scheduler(optimizer, cfg: Config, total: int):
+    """transformers' --lr-scheduler-type schedule over `total` steps: a linear warmup from 0 over --warmup-steps
+    (else --warmup-ratio of the steps, rounded up), then its decay; cosine_with_min_lr ends at 10% of --lr."""
+    warmup = int(cfg.warmup_steps) or math.ceil(cfg.warmup_ratio * total)
+    extra = {"min_lr_rate": 0.1} if cfg.lr_scheduler_type == "cosine_with_min_lr" else None
+    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total,
+                         scheduler_specific_kwargs=extra)
+
+
+class BatchPlan:
+    """Which examples each optimizer step trains, for the Trainer and the benchmark alike: global batches of
+    --batch-size x --grad-accum x world size examples, each epoch's drawn anew by prm.core.data.global_batches, a
+    pure function of (seed, epoch), so a resume needs no loader state. lengths, n_labeled: per example, its
+    non-pad tokens and labeled steps (host lists: no device sync)."""
+
+    def __init__(self, cfg: Config, lengths: list, n_labeled: list, world_size: int):
+        self.cfg, self.lengths, self.n_labeled = cfg, lengths, n_labeled
+        self.global_batch = cfg.batch_size * cfg.grad_accum * world_size
+        self.steps_per_epoch = math.ceil(len(lengths) / self.global_batch)
+        # the run's last optimizer step: --max-steps, else --epochs passes over the data (one step at least)
+        self.total = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        self.epoch, self.batches = None, None
+
+    def batch(self, step: int) -> tuple:
+        """(epoch, global batch: a list of dataset indices) of the optimizer step that follows `step` steps."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.batches = global_batches(self.lengths, self.global_batch, self.cfg.seed, epoch,
+                                          self.cfg.group_by_length)
+        return epoch, self.batches[position]
+
+    def tokens(self, batch) -> int:
+        return sum(self.lengths[i] for i in batch)
+
+    def labeled(self, batch) -> int:
+        return sum(self.n_labeled[i] for i in batch)
+
+
 class Trainer:
-    """Set-up in __init__, top-down, one _setup_* per concern (data, model and parallelism, optimizer,
-    resume, output); then train(): a loop over train_step()."""
+    """Set-up in __init__, top-down, one _setup_* per concern (data, model and parallelism, optimizer, output),
+    the checkpointer deciding, checking and loading a resume; then train(): a loop over train_step()."""
     cfg: Config  # resolved (Config.resolve): checked, the auto fields filled, as the saved config says
     rt: Runtime  # rank, world size, device
     command: str  # what started the run, for the model card
     quiet: bool  # no progress bars: --disable-tqdm, or stderr is no terminal
-    resume_from: str  # the checkpoint to continue from; None: a fresh start
-    digests: dict  # {"train": sha256, "eval": sha256} of local data files ('' for hub or synthetic data)
+    checkpointer: Checkpointer  # the output directory, checkpoints and resume
     tokenizer: object
     pad_id: int
+    plan: BatchPlan  # which examples each optimizer step trains
     train_ds: object  # datasets.Dataset of input_ids, labels
-    lengths: list  # per training example: its non-pad tokens ...
-    n_labeled: list  # ... and its labeled steps (host lists: no device sync)
+    eval_rows: list  # the held-out set, tokenized
+    processbench: bool  # the held-out rows carry a first error
     train_report: dict
     eval_report: dict
-    global_batch: int  # examples per optimizer step, all ranks and micro-batches
-    steps_per_epoch: int
-    total: int  # the run's last optimizer step
     model: torch.nn.Module  # the plain PRM
     packed: bool  # micro-batches packed into one row (else padded)
     amp_dtype: torch.dtype  # autocast dtype; None: fp32
     parallel: Parallel  # the model as the loop runs it
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler  # fp16 loss scaling; a no-op otherwise
     step: int  # optimizer steps done
-    held_out: HeldOut
+    eval_every: int  # steps between held-out evaluations; 0: the final one alone
     pbar: tqdm
     out: MetricsFile
     log: TrainLog
-    checkpointer: Checkpointer
 
     def __init__(self, cfg: Config, rt: Runtime, command: str):
         self.cfg, self.rt, self.command = cfg, rt, command
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
-        self.quiet = progress_off(self.cfg.disable_tqdm)  # before the data: datasets' bars follow it too
-        # first: a refused run loads no data. Rank 0 alone reads the directory and hashes the checkpoint and
-        # the data files (on a shared disk, once instead of once a rank); every rank gets its answer
-        self.resume_from, self.digests = decided_by_main(rt, lambda: (prepare_output_dir(self.cfg), {
-            "train": data_digest(self.cfg.dataset), "eval": data_digest(self.cfg.eval_dataset)}))
-        if self.resume_from:  # nor does a refused resume: it reads the config, world size and digests
-            self.check_resume(self.resume_from)
-        check_exportable(self.cfg)  # nor does a model that final/ could not be saved from
-        self._setup_data()  # data before model: bad rows are reported before any weight loads
+        # no progress bars with --disable-tqdm or without a terminal; set before the data: datasets' bars follow it
+        self.quiet = progress_off(self.cfg.disable_tqdm)
+        # first: a refused run or resume loads no data
+        self.checkpointer = Checkpointer(self.cfg, rt)
+        # a model that final/ could not be saved from is refused before the data loads too
+        check_exportable(self.cfg)
+        # data before model: bad rows are reported before any weight loads
+        self._setup_data()
         self._setup_model()
         self._setup_optimizer()
-        self._setup_resume()
+        # the state a checkpoint holds, handed to the checkpointer: restored in place on a resume
+        self.step = self.checkpointer.load(parallel=self.parallel, optimizer=self.optimizer, scaler=self.scaler,
+                                           scheduler=self.scheduler, tokenizer=self.tokenizer, plan=self.plan)
         self._setup_output()
 
-    def check_resume(self, path: str):
-        """Settings that define the model, the data or its order (or live in the optimizer state, like --lr)
-        and the data files' contents must equal the checkpoint's; cadence settings may change (logged)."""
-        marker = read_marker(path)
-        bad, changed = self.cfg.resume_conflicts(Config.load(path), marker.get("world_size", 1),
-                                                 self.rt.world_size)
-        for split, spec in (("train", self.cfg.dataset), ("eval", self.cfg.eval_dataset)):
-            saved = marker.get("data", {}).get(split)
-            if saved and self.digests[split] and saved != self.digests[split]:
-                bad.append(f"{spec} changed since the checkpoint (its contents differ)")
-        check([f"--resume {path}: the checkpoint does not fit this model and data; these settings differ: "
-               f"{'; '.join(bad)}. Use the checkpoint's, or start a new run"] if bad else [])
-        if changed:
-            self.say(f"resuming with changed settings: {'; '.join(changed)}")
-
     def _setup_data(self):
-        cfg, rt = self.cfg, self.rt
+        cfg, rt, digests = self.cfg, self.rt, self.checkpointer.digests
         self.tokenizer = tokenizer_for(cfg)
         self.pad_id = pad_token_id(self.tokenizer)
-        with main_first(rt):  # rank 0 fills the datasets cache; the other ranks then read it
-            # files hashed once: the same digests key the rows cache and go in the checkpoints
-            train_raw, eval_raw = load_splits(cfg, {cfg.dataset: self.digests["train"],
-                                                    cfg.eval_dataset: self.digests["eval"]})
+        # rank 0 fills the datasets cache; the other ranks then read it. The files' digests key the rows cache
+        with main_first(rt):
+            train_raw, eval_raw = load_splits(cfg, {cfg.dataset: digests["train"], cfg.eval_dataset: digests["eval"]})
             train_ds, self.train_report = tokenize_dataset(train_raw, self.tokenizer, cfg, is_eval=False,
                                                            num_proc=cfg.num_proc)
             eval_ds, self.eval_report = tokenize_dataset(eval_raw, self.tokenizer, cfg, is_eval=True,
@@ -169,26 +178,23 @@ class Trainer:
             raise UsageError(f"no training example has a labeled step left (--max-length {cfg.max_length}, "
                              f"--max-completion-length {cfg.max_completion_length}): see the report")
         # [:] because datasets 5 returns a lazy Column, whose every [i] slices Arrow
-        self.lengths, self.n_labeled = train_ds["length"][:], train_ds["n_labeled"][:]
+        self.plan = BatchPlan(cfg, train_ds["length"][:], train_ds["n_labeled"][:], rt.world_size)
         self.train_ds = train_ds.select_columns(["input_ids", "labels"])
         self.eval_rows, self.processbench = eval_ds.to_list(), "first_error" in eval_ds.column_names
-        self.global_batch = cfg.batch_size * cfg.grad_accum * rt.world_size
-        self.steps_per_epoch = math.ceil(len(train_ds) / self.global_batch)
-        epochs_steps = max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
-        self.total = cfg.max_steps if cfg.max_steps > 0 else epochs_steps
-        self.plan_epoch, self.plan = None, None
 
     def _setup_model(self):
         cfg, rt = self.cfg, self.rt
         self.model = model_for(cfg, self.tokenizer).to(rt.device)
-        if cfg.model != "tiny" and not self.resume_from and not is_classifier(self.model.config):
+        if cfg.model != "tiny" and not self.checkpointer.resume_from and not is_classifier(self.model.config):
             self.say(f"--model {cfg.model}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 "
                      "at every step)")
-        self.packed = is_packed(self.model)  # --packing on a backbone that supports it
+        # --packing on a backbone that supports it
+        self.packed = is_packed(self.model)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
         self.amp_dtype = autocast_dtype(cfg.dtype, rt.device)
-        if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:  # bf16 weights, bf16 inputs
+        # bf16 weights need bf16 inputs
+        if cfg.lora_base_dtype == "bf16" and self.amp_dtype != torch.bfloat16:
             raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype or 'auto'} gives no bf16 autocast on "
                              f"{rt.device}")
         self.parallel = Parallel(self.model, rt, cfg=cfg, amp_dtype=self.amp_dtype, packed=self.packed)
@@ -196,97 +202,72 @@ class Trainer:
     def _setup_optimizer(self):
         cfg = self.cfg
         self.optimizer = make_optimizer(self.model, cfg, cfg.lr, self.rt.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total))
+        self.scheduler = make_scheduler(self.optimizer, cfg, self.plan.total)
+        # fp16 loss scaling; a no-op otherwise
         self.scaler = torch.amp.GradScaler(self.rt.device.type, enabled=self.amp_dtype == torch.float16)
 
-    def _setup_resume(self):
-        """Weights, optimizer, scheduler, scaler and RNG from the checkpoint, loaded in place into the
-        (wrapped) model every rank holds; a fresh run starts at step 0."""
-        self.step = 0
-        if self.resume_from:
-            done = read_marker(self.resume_from)["step"]
-            if done > self.total:  # its weights would be exported as a run of fewer steps than they saw
-                raise UsageError(f"--resume {self.resume_from}: the checkpoint is at step {done}, past this "
-                                 f"run's last step {self.total} (--max-steps, --epochs): nothing to continue")
-            self.step = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler,
-                                        self.scaler)
-            self.say(f"resumed from {self.resume_from} at step {self.step}")
-            if self.rt.is_main:  # newer checkpoints: an abandoned timeline, set aside (not pruned or resumed)
-                set_aside_after(self.cfg.output_dir, self.step)
-
     def _setup_output(self):
-        cfg, rt, world, steps_per_epoch = self.cfg, self.rt, self.rt.world_size, self.steps_per_epoch
+        cfg, rt, plan = self.cfg, self.rt, self.plan
         if rt.is_main:
             cfg.save(cfg.output_dir)
-        self.held_out = HeldOut(self.model, self.eval_rows, cfg=cfg, rt=rt, pad_id=self.pad_id,
-                                every=cfg.every("eval", steps_per_epoch), amp_dtype=self.amp_dtype,
-                                processbench=self.processbench)
-        self.pbar = tqdm(total=self.total, initial=self.step, desc="train",
-                         disable=not rt.is_main or self.quiet)
+        # steps between evaluations (--eval-every, --eval-strategy); 0: the final one alone
+        self.eval_every = cfg.every("eval", plan.steps_per_epoch)
+        self.pbar = tqdm(total=plan.total, initial=self.step, desc="train", disable=not rt.is_main or self.quiet)
+        # the records continue from the checkpoint's step: TensorBoard drops the events a stopped run wrote past it
         tracker = Tracker(cfg, self.step) if rt.is_main and cfg.report_to != "none" else None
-        path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
-        self.out = MetricsFile(path, self.pbar, resumed_at=self.step, tracker=tracker)
+        self.out = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, self.pbar,
+                               tracker=tracker)
         hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps" + \
             ("; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else "")
-        settings = LogSettings(total=self.total, resumed_at=self.step, n_chunks=world * cfg.grad_accum,
-                               pack_to=cfg.pack_to if self.packed else None,
-                               check_norm=not self.scaler.is_enabled(), hint=hint)
-        self.log = TrainLog(settings, rt, self.out, lengths=self.lengths, n_labeled=self.n_labeled)
-        self.checkpointer = Checkpointer(cfg, rt, self.parallel, every=cfg.every("save", steps_per_epoch),
-                                         optimizer=self.optimizer, scheduler=self.scheduler,
-                                         scaler=self.scaler, tokenizer=self.tokenizer,
-                                         before_save=self.log.stop_if_diverged, digests=self.digests)
+        self.log = TrainLog(rt, self.out, plan, resumed_at=self.step, n_chunks=rt.world_size * cfg.grad_accum,
+                            pack_to=cfg.pack_to if self.packed else None, check_norm=not self.scaler.is_enabled(),
+                            hint=hint)
         trainable, n_params = count_parameters(self.model)
         # every epoch passes over every example once: its non-pad tokens, scaled to the steps this run takes
-        tokens = sum(self.lengths) * (self.total - self.step) / self.steps_per_epoch
+        tokens = sum(plan.lengths) * (plan.total - self.step) / plan.steps_per_epoch
         self.say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
                  f"({100 * trainable / n_params:.2f}%) | {len(self.train_ds)} train examples | global batch "
-                 f"{self.global_batch} | {self.total - self.step} steps, ~{count(tokens)} tokens | autocast "
+                 f"{plan.global_batch} | {plan.total - self.step} steps, ~{count(tokens)} tokens | autocast "
                  f"{self.amp_dtype or 'off'} | world {rt.world_size}")
 
     def train(self) -> dict:
         self.parallel.forward.train()
         with Preemption() as preemption:
-            while self.step < self.total:
+            while self.step < self.plan.total:
                 t0 = time.perf_counter()
-                epoch, position = divmod(self.step, self.steps_per_epoch)
-                batch = self.batch_plan(epoch)[position]
+                epoch, batch = self.plan.batch(self.step)
                 # forward backward update
                 sums, norm = self.train_step(batch)
                 self.step += 1
                 # logging: the loss sums stay on device until a log step, which also reads the divergence flag
-                log = self.step % self.cfg.log_every == 0 or self.step == self.total
+                log = self.step % self.cfg.log_every == 0 or self.step == self.plan.total
                 self.log.add(self.step, batch, sums, norm, t0=t0, epoch=epoch,
                              lr=self.scheduler.get_last_lr()[0], write=log)
-                # evaluation, checkpoint, preemption: each decides whether this step is its turn
-                metrics = self.held_out.every(self.step, last_step=self.total)
-                if metrics:
-                    self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in metrics.items()}})
+                # evaluation, preemption, checkpoint: each when its turn comes (finish() evaluates the last step)
+                if self.eval_every and self.step % self.eval_every == 0 and self.step < self.plan.total:
+                    self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluate().items()}})
                 # every step, though a collective (a device sync): torchrun SIGKILLs 30 s after its SIGTERM
                 stop = preemption.agreed(self.rt)
-                if stop:  # the steps since the last log line, recorded before the checkpoint resumed from
+                # a stop records the steps since the last log line before the checkpoint it resumes from
+                if stop:
                     self.log.write()
-                self.checkpointer.save(self.step, stopping=stop)
+                if stop or self.checkpointer.due(self.step):
+                    # never a checkpoint of non-finite weights: the divergence flag is read first (a device sync)
+                    self.log.stop_if_diverged()
+                    self.checkpointer.save(self.step)
                 if stop:
                     self.pbar.close()
                     raise preemption.stopped(self.step)
         self.pbar.close()
         return self.finish()
 
-    def batch_plan(self, epoch: int) -> list:
-        # reshuffled every epoch; a pure function of (seed, epoch): resume needs no state
-        if epoch != self.plan_epoch:
-            self.plan_epoch = epoch
-            self.plan = global_batches(self.lengths, self.global_batch, self.cfg.seed, epoch,
-                                       self.cfg.group_by_length)
-        return self.plan
-
     def train_step(self, batch: list):
         """One optimizer step on one global batch: forward and backward on this rank's micro-batches, then
         clip and update. Returns this rank's (cross-entropy sum, correct) on device, and the gradient norm."""
         cfg, rt = self.cfg, self.rt
-        n_labeled = sum(self.n_labeled[i] for i in batch)  # every rank knows the global batch: no collective
-        micro = micro_batches(batch, self.lengths, rt.world_size, rt.rank, cfg.grad_accum)
+        # every rank knows the global batch: no collective
+        n_labeled = self.plan.labeled(batch)
+        micro = micro_batches(batch, self.plan.lengths, rt.world_size, rt.rank, cfg.grad_accum)
         sums = torch.zeros(2, device=rt.device)
         for a, idx in enumerate(micro):
             inputs = self.micro_batch(idx)
@@ -299,9 +280,11 @@ class Trainer:
                 # DDP averages gradients over ranks; scaling by world size turns that back into the global sum
                 self.scaler.scale(loss * rt.world_size).backward()
             sums += torch.stack([ce_sum, n_correct.float()])
-        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not fp16-scaled ones
+        # clip the true gradients, not fp16-scaled ones
+        self.scaler.unscale_(self.optimizer)
         norm = self.parallel.clip_grad_norm(cfg.max_grad_norm)
-        scale = self.scaler.get_scale()  # 1.0 without fp16; with it, a device sync
+        # 1.0 without fp16; with it, a device sync
+        scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -320,42 +303,31 @@ class Trainer:
         on_device = lambda v: (v.pin_memory() if pin else v).to(self.rt.device, non_blocking=True)
         return {k: on_device(v) if torch.is_tensor(v) else v for k, v in mb.items()}
 
+    def evaluate(self) -> dict:
+        """The held-out metrics, by the same route as eval.py (prm.core.evaluate: predict, then report)."""
+        cfg = self.cfg
+        probs = predict(self.model, self.eval_rows, batch_size=cfg.eval_batch_size, pad_id=self.pad_id,
+                        amp_dtype=self.amp_dtype, rt=self.rt, lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
+        return report(probs, self.eval_rows, cfg.threshold, self.processbench)
+
     def autocast(self):
         return torch.autocast(self.rt.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
 
     def finish(self) -> dict:
         """final/ first (a failed evaluation never costs the weights), then the final evaluation, the model
         card and the last metrics record."""
+        # never an export of non-finite weights
+        self.log.stop_if_diverged()
         path = self.checkpointer.save_final(self.step)
-        results = self.held_out.run()
+        results = self.evaluate()
         results["train_tokens_per_second"], results["padding_efficiency"] = self.log.throughput()
         results["train_data"], results["eval_data"] = self.train_report, self.eval_report
         if self.rt.is_main:
-            write_card(path, model_card(self.cfg, results, self.command))
+            write_text(os.path.join(path, "README.md"), model_card(self.cfg, results, self.command))
             self.out.write({"step": self.step, "final": results}, echo=False)
             self.out.close()
         barrier(self.rt)
         return results if self.rt.is_main else None
-
-
-class HeldOut:
-    """The held-out metrics, by the same route as eval.py (prm.core.evaluate: predict, then report): every
-    --eval-every steps, and at the end."""
-
-    def __init__(self, model, rows: list, *, cfg: Config, rt: Runtime, every: int, pad_id: int, amp_dtype,
-                 processbench: bool):
-        self.model, self.rows, self.cfg, self.rt, self.interval = model, rows, cfg, rt, every  # 0: at the end
-        self.pad_id, self.amp_dtype, self.processbench = pad_id, amp_dtype, processbench
-
-    def every(self, step: int, *, last_step: int):
-        """The metrics when --eval-every falls on `step` before the last (finish() does that one); or None."""
-        return self.run() if self.interval and step % self.interval == 0 and step < last_step else None
-
-    def run(self) -> dict:
-        probs = predict(self.model, self.rows, batch_size=self.cfg.eval_batch_size, pad_id=self.pad_id,
-                        amp_dtype=self.amp_dtype, rt=self.rt, lockstep=self.cfg.fsdp,
-                        progress=not self.cfg.disable_tqdm)
-        return report(probs, self.rows, self.cfg.threshold, self.processbench)
 
 
 class Preemption:

@@ -1,38 +1,32 @@
 """What a training run reports: the log line and metrics.jsonl (MetricsFile), and the running sums behind them
-with the divergence check, the throughput and the time left (TrainLog). Depends on: torch, prm.training.checkpoint,
-prm.core.data, prm.errors, prm.core.runtime."""
-import contextlib
+with the divergence check, the throughput and the time left (TrainLog). Depends on: torch, prm.core,
+prm.training.files, prm.errors."""
 import datetime
 import json
 import math
-import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from prm.training.checkpoint import AppendFile, reported
 from prm.core.data import padded_tokens
-from prm.errors import Diverged, WriteFailed
 from prm.core.runtime import Runtime, all_reduce_sum
+from prm.errors import Diverged
+from prm.training.files import AppendFile
 
 
 class MetricsFile:
-    """Rank 0's metrics.jsonl, each record also sent to the tracker (TensorBoard / W&B) and shown as a log
-    line. On a resumed run, the records a stopped run wrote past its checkpoint are dropped first, so each
-    step appears once, and the checkpoints past that step are set aside. path None (the other ranks): writes
+    """Rank 0's metrics.jsonl, appended to (a resume has dropped the records past its checkpoint), each record
+    also sent to the tracker (TensorBoard / W&B) and shown as a log line. path None (the other ranks): writes
     nothing."""
 
-    def __init__(self, path, pbar, *, resumed_at: int, tracker=None):
+    def __init__(self, path, pbar, *, tracker=None):
         self.pbar, self.tracker = pbar, tracker
-        if path and resumed_at:
-            keep_records_until(path, resumed_at)
-        self.file = AppendFile(path) if path else None  # a full disk ends the run with the path, no traceback
+        self.file = AppendFile(path) if path else None
 
     def write(self, rec: dict, echo: bool = True):
         if self.file is None:
             return
-        self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")  # flushed: on disk at once
+        self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")
         if self.tracker is not None:
             self.tracker.log(rec)
         if echo:
@@ -45,47 +39,48 @@ class MetricsFile:
             self.tracker.close()
 
 
-@dataclass
-class LogSettings:
-    total: int  # the run's last optimizer step
-    resumed_at: int  # the step this process started from (0: a fresh run)
-    n_chunks: int  # micro-batches of one global batch over all ranks: what padding is counted per
-    pack_to: int = None  # the packed row's multiple (0: none); None: padded micro-batches
-    check_norm: bool = True  # False under fp16: an inf norm is a GradScaler's skipped step, not a divergence
-    hint: str = ""  # the advice a divergence message ends with
-
-
 class TrainLog:
     """The running (cross-entropy sum, correct) of the steps since the last log line, the first non-finite
     step, throughput and the time left. The sums and the divergence flag stay on device until a log step; then
-    one all-reduce, the only device sync. A divergence is also read before every save: non-finite weights are
-    never written."""
+    one all-reduce, the only device sync. plan: the run's BatchPlan (its last step; per example, its tokens and
+    labeled steps). resumed_at: the step this process started from (0: a fresh run). n_chunks: micro-batches of
+    one global batch over all ranks, what padding is counted per. pack_to: the packed row's multiple (0: none),
+    None for padded micro-batches. check_norm: False under fp16, where an inf norm is a GradScaler's skipped
+    step, not a divergence. hint: the advice a divergence message ends with."""
 
-    def __init__(self, settings: LogSettings, rt: Runtime, out: MetricsFile, *, lengths: list,
-                 n_labeled: list):
-        self.s, self.rt, self.out, self.pbar = settings, rt, out, out.pbar
-        self.lengths, self.n_labeled = lengths, n_labeled  # per example: non-pad tokens, labeled steps
-        self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct) since the last log line
-        self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # first non-finite step, 0: none
-        self.last_finite = None  # (step, loss) of the last log line with a finite loss
-        self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0  # the same window, on the host
+    def __init__(self, rt: Runtime, out: MetricsFile, plan, *, resumed_at: int, n_chunks: int, pack_to: int = None,
+                 check_norm: bool = True, hint: str = ""):
+        self.rt, self.out, self.pbar, self.plan = rt, out, out.pbar, plan
+        self.n_chunks, self.pack_to, self.check_norm, self.hint = n_chunks, pack_to, check_norm, hint
+        # (cross-entropy sum, correct) since the last log line, and the first non-finite step (0: none): on device
+        self.window = torch.zeros(2, device=rt.device)
+        self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)
+        # (step, loss) of the last log line with a finite loss
+        self.last_finite = None
+        # the same window's labels, tokens and seconds, on the host
+        self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
-        self.timed_from, self.estimated = None, False  # timed_from: (step, host time)
-        self.since_resume = bool(settings.resumed_at)  # the first record's window starts at the resume
-        self.unwritten = None  # (step, norm, epoch, lr) of the window's newest step, None: it is written
+        # timed_from: (step, host time) when the time left started counting
+        self.timed_from, self.estimated = None, False
+        # the first record's window starts at the resume
+        self.since_resume = bool(resumed_at)
+        # (step, norm, epoch, lr) of the window's newest step; None: it is written
+        self.unwritten = None
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
         """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = gradient norm."""
-        tokens = sum(self.lengths[i] for i in batch)  # non-pad tokens of the global batch, every rank's share
-        bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.s.check_norm else False)
-        self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)  # on device: no sync
+        # non-pad tokens of the global batch, every rank's share
+        tokens = self.plan.tokens(batch)
+        bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.check_norm else False)
+        # on device: no sync
+        self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)
         self.window += sums
-        self.window_labeled += sum(self.n_labeled[i] for i in batch)
+        self.window_labeled += self.plan.labeled(batch)
         self.tokens, self.total_tokens = self.tokens + tokens, self.total_tokens + tokens
-        self.total_padded += padded_tokens(batch, self.lengths, self.s.n_chunks, self.s.pack_to)
+        self.total_padded += padded_tokens(batch, self.plan.lengths, self.n_chunks, self.pack_to)
         self.pbar.update(1)
         self.estimate(step)
-        self.unwritten = (step, norm, epoch, lr)  # the window's newest step, for its record
+        self.unwritten = (step, norm, epoch, lr)
         if write:
             self.write(t0)
         else:
@@ -105,7 +100,8 @@ class TrainLog:
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
                "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch}
-        if self.since_resume:  # said, not hidden: its loss is not the whole window an uninterrupted run logs
+        # said, not hidden: its loss is not the whole window an uninterrupted run logs
+        if self.since_resume:
             rec["since_resume"], self.since_resume = True, False
         self.out.write(rec)
         if math.isfinite(stats[0] / n):
@@ -124,13 +120,13 @@ class TrainLog:
         self.timed_from = self.timed_from or (step, now)
         done, seconds = step - self.timed_from[0], now - self.timed_from[1]
         due = done >= 3 or (done and seconds >= 10)
-        if self.rt.is_main and not self.estimated and due and step < self.s.total:
-            left = datetime.timedelta(seconds=round(seconds / done * (self.s.total - step)))
+        if self.rt.is_main and not self.estimated and due and step < self.plan.total:
+            left = datetime.timedelta(seconds=round(seconds / done * (self.plan.total - step)))
             self.pbar.write(f"about {left} left ({seconds / done:.2f} s per step)")
             self.estimated = True
 
     def stop_if_diverged(self):
-        """Reads the divergence flag now (a device sync: before saves only), agreed by every rank."""
+        """Diverged if a step so far was not finite: the flag read now (a device sync), agreed by every rank."""
         if all_reduce_sum((self.bad_step > 0).float().view(1), self.rt).item() > 0:
             self.diverged()
 
@@ -139,7 +135,7 @@ class TrainLog:
         last = f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" \
             if self.last_finite else "no finite loss logged before it"
         raise Diverged(f"the loss or gradient norm is not finite at step {step or '? (on another rank)'} "
-                       f"({last}); no checkpoint was written from then on. {self.s.hint}")
+                       f"({last}); no checkpoint was written from then on. {self.hint}")
 
     def throughput(self) -> tuple:
         """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding); None, None
@@ -161,7 +157,8 @@ def count(n: float) -> str:
 def log_line(rec: dict) -> str:
     """A metrics.jsonl record as the log shows it; an undefined metric (None) reads 'n/a'."""
     if "loss" in rec:
-        since = " | since resume" if rec.get("since_resume") else ""  # a window cut short by the resume
+        # a window cut short by the resume
+        since = " | since resume" if rec.get("since_resume") else ""
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
                 f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s{since}")
     shown = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
@@ -175,29 +172,3 @@ def strict_json(x):
     if isinstance(x, dict):
         return {k: strict_json(v) for k, v in x.items()}
     return [strict_json(v) for v in x] if isinstance(x, list) else x
-
-
-def keep_records_until(path: str, step: int):
-    """Drops the records past `step` (and final ones) from metrics.jsonl: after a resume, each step once."""
-    if not os.path.isfile(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by the crash that made this run resume
-                continue
-            if rec.get("step", 0) <= step and "final" not in rec:
-                kept.append(line if line.endswith("\n") else line + "\n")  # else the next record is glued on
-    # written aside and renamed: a full disk keeps the whole file as it was (WriteFailed), never an empty one
-    tmp = path + ".tmp"
-    try:
-        with reported(path):
-            with open(tmp, "w") as f:
-                f.writelines(kept)
-            os.replace(tmp, path)
-    except WriteFailed:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise

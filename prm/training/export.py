@@ -1,0 +1,71 @@
+"""The model directories a run writes (final/, a checkpoint's weights) as transformers and peft read them, and a LoRA
+checkpoint's adapters read back. Depends on: safetensors, prm.core.model, prm.core.lora, prm.errors."""
+import json
+import os
+
+from safetensors.torch import load_file, save_file
+
+from prm.core.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
+from prm.core.model import hf_names
+from prm.errors import UsageError
+
+# LoRA checkpoints: adapters + head only
+TRAINABLE = "trainable.safetensors"
+# LoRA runs: the adapter in peft's format, in a folder of its own: beside config.json, transformers (with peft
+# installed) would load the merged weights and then add the adapter on top of them, applying it twice
+ADAPTER = "adapter"
+
+
+def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False, state: dict = None):
+    """What eval.py and transformers read: weights (LoRA folded in, or with trainable_only the adapters and
+    head alone), a LoRA run's adapter in PEFT's format (write_adapter), the tokenizer and the run's config.
+    state: the whole model's weights gathered from shards (Parallel.full_state); default: the model's."""
+    # the frozen base is rebuilt from --model on resume: store only what trains
+    if trainable_only:
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},
+                  os.path.join(path, TRAINABLE), metadata={"format": "pt"})
+    else:
+        part = lambda prefix: None if state is None else {k[len(prefix):]: v for k, v in state.items()
+                                                          if k.startswith(prefix)}
+        model.save_pretrained(path, merged_state_dict(model.backbone, part("backbone.")), part("head."))
+    if has_lora(model):
+        write_adapter(os.path.join(path, ADAPTER), model, cfg, state)
+    tokenizer.save_pretrained(path)
+    cfg.save(path)
+
+
+def write_adapter(path: str, model, cfg, state: dict = None):
+    """The adapters and head as peft's save_pretrained writes them, for PeftModel.from_pretrained(
+    AutoModelForTokenClassification.from_pretrained(--model), path); peft is not needed. Our lora_A (r, in),
+    lora_B (out, r) and scale alpha / r are peft's (use_rslora false), so only names change:
+    backbone.<layer>.lora_A -> base_model.model.<prefix>.<layer>.lora_A.weight, and head.weight (trains whole:
+    modules_to_save) -> base_model.model.<head name>.weight. state: as in write_model_dir."""
+    _, prefix, head_name = hf_names(model.config)
+    tensors = {}
+    for key, value in (trainable_state_dict(model) if state is None else state).items():
+        if key.startswith("head."):
+            tensors[f"base_model.model.{head_name}.{key[len('head.'):]}"] = value
+        elif key.endswith((".lora_A", ".lora_B")):
+            tensors[f"base_model.model.{prefix}.{key[len('backbone.'):]}.weight"] = value
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    # the fields peft leaves out take its defaults
+    config = {"peft_type": "LORA", "task_type": "TOKEN_CLS", "base_model_name_or_path": cfg.model,
+              "r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+              "target_modules": peft_targets(model.backbone), "modules_to_save": [head_name], "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+              "inference_mode": True}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def load_trainable(model, path: str):
+    """Adapters + head into a model built with the same --model and LoRA flags; any mismatch is an error."""
+    state, expected = load_file(path), set(trainable_state_dict(model))
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise UsageError(f"{path} does not fit this model (same --model and --lora-* flags as the run?): "
+                         f"missing {missing[:3]}, unexpected {extra[:3]}")
+    model.load_state_dict(state, strict=False)
