@@ -117,7 +117,8 @@ def trainer_on(tmp_path, device: str, **overrides):
     cfg = small_config(tmp_path, dtype="bf16", max_length=64, synthetic_size=64, **overrides)
     tr = Trainer(cfg.resolve(), Runtime(device=torch.device(device)), "")
     tr.parallel.forward.train()
-    return tr, tr.batch_plan(0)
+    tr.plan.batch(0)  # draws epoch 0's global batches
+    return tr, tr.plan.batches
 
 
 @pytest.mark.parametrize("device", DEVICES)
