@@ -35,8 +35,8 @@ UNSUPPORTED = {name: why for names, why in [
 
 
 class Setter(argparse.Action):
-    """Sets its field to convert(value). nargs "?": a switch as HF's (`--x`, `--x false`, `--no-x`); nargs 0:
-    a switch taking no value. A false switch leaves a value in keep alone (see Conv)."""
+    """Sets its field to convert(value). nargs "?": a switch as HF's (`--x`, `--x false`, `--no-x`); 0: one
+    taking no value. A false switch leaves a value in keep alone (see Conv)."""
 
     def __init__(self, option_strings, dest, *, convert, keep=(), **kw):
         if kw.get("nargs") in ("?", 0):
@@ -62,8 +62,7 @@ class Setter(argparse.Action):
 
 
 def nearest(name: str, names: list):
-    """The one of names a mistyped name most likely meant: difflib's closest whose words each near one of
-    name's, or None."""
+    """The one of names a mistyped name meant: difflib's closest whose words each near one of name's, or None."""
     def words(text: str) -> list:
         return [w for w in re.split(r"[-_]+", text.lower()) if w]
 
@@ -160,8 +159,7 @@ def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
 
 
 def writable(path: str) -> bool:
-    """Whether a file or folder can be written at path: its nearest existing part is a writable folder (or
-    path itself)."""
+    """Whether path can be written: its nearest existing part is a writable folder (or path itself)."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
@@ -169,8 +167,7 @@ def writable(path: str) -> bool:
 
 
 class BoundedLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key given twice in a mapping and more than 20 aliases (*name): a chain of them (a
-    'billion laughs' bomb) expands to gigabytes."""
+    """SafeLoader refusing a key given twice in a mapping and more than 20 aliases (a 'billion laughs' bomb)."""
     aliases = 0
 
     def compose_node(self, parent, index):
@@ -203,8 +200,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def read_config_file(path: str) -> dict:
-    """{field: value} from a YAML or JSON file keyed by any spelling the command line takes. Values are taken
-    as written (no shell escapes). Any problem raises UsageError naming the file."""
+    """{field: value} from a YAML or JSON file keyed by any spelling a flag takes; UsageError naming the file."""
     def fail(what: str):
         raise UsageError(f"--config {path}: {what}")
     try:
@@ -217,7 +213,7 @@ def read_config_file(path: str) -> dict:
         fail(str(e))
     if not isinstance(data, dict):
         return {} if data is None else fail(f"expected a mapping of settings, got {type(data).__name__}")
-    by_name, out, settled_later = {f.name: f for f in fields(Config)}, {}, []
+    by_name, out, settled_later = Config.__dataclass_fields__, {}, []
     for key, value in data.items():
         name, conv = ALIASES.get(str(key).replace("-", "_"), (str(key).replace("-", "_"), None))
         if name in UNSUPPORTED and value in (None, False):  # `push_to_hub: false` asks nothing

@@ -21,14 +21,14 @@ SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_wit
 RULES = {"change", "rows", "scoring"}
 # auto is None; 0 for a number and the word for a choice still read as None
 AUTO = (0, "auto")
+BOOLEAN = ("true", "false", "yes", "no", "1", "0")
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 200, 200
 
 
 def unescape(text: str) -> str:
     """Backslash escapes decoded: `--step-separator '\\n'` is a newline."""
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
-
-
-BOOLEAN = ("true", "false", "yes", "no", "1", "0")
 
 
 def boolean(value) -> bool:
@@ -39,10 +39,6 @@ def boolean(value) -> bool:
     return text in ("true", "yes", "1")
 
 
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 200, 200
-
-
 def preview(value) -> str:
     """repr(value) in at most about 200 characters, without expanding a deeply nested value."""
     text = _SHORT.repr(value)
@@ -50,9 +46,8 @@ def preview(value) -> str:
 
 
 class Conv(NamedTuple):
-    """A TRL/HF name setting a field through a conversion (`--bf16` sets dtype). nargs "?": a switch (convert
-    gets a bool); "+": convert gets the list. keep: the values a false switch leaves alone (`--bf16 --fp16
-    false` is bf16) and a true one refuses (`--bf16 --fp16`)."""
+    """A TRL/HF name setting a field through a conversion. nargs "?": a switch (convert gets a bool); "+": a
+    list. keep: values a false switch leaves alone (`--bf16 --fp16 false`) and a true one refuses."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -76,8 +71,8 @@ def target_list(value) -> str:
 
 
 def _opt(default, help, *, rules: str, trl=(), **kw):
-    """A field with its --help text and its rules (words of RULES; "" for none: every field states them).
-    trl: its other names in TRL / HF, a Conv where the value needs converting. section: starts a --help group."""
+    """A field with its help and rules (words of RULES, "" for none); trl: its TRL / HF names (a Conv converts
+    the value); section: starts a --help group."""
     assert set(rules.split()) <= RULES, rules
     meta = {"help": help, "rules": frozenset(rules.split()), "trl": trl, **kw}
     return field(default=default, metadata=meta)
@@ -90,17 +85,14 @@ class Config:
     tokenizer: str = _opt("", "tokenizer path/id; default: the model's own", rules="scoring")
     dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
                         "directory", rules="rows", trl=("dataset_name",))
-    eval_dataset: str = _opt("", "held-out data; default: --eval-split or an --eval-fraction share",
-                             rules="rows")
+    eval_dataset: str = _opt("", "held-out data; default: --eval-split or an --eval-fraction share", rules="rows")
     dataset_config: str = _opt("", "hub dataset config name", rules="scoring")
     train_split: str = _opt("train", "split used for training", rules="rows", trl=("dataset_train_split",))
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it", rules="rows scoring",
                            trl=("dataset_test_split",))
     eval_fraction: float = _opt(0.05, "share held out (split by prompt) without an eval split", rules="rows")
-    format: Optional[str] = _opt(None, "'auto' detects it from the columns", rules="rows scoring",
-                                 choices=FORMATS)
-    eval_format: Optional[str] = _opt(None, "--eval-dataset's format (--format is --dataset's)", rules="rows",
-                                      choices=FORMATS)
+    format: Optional[str] = _opt(None, "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
+    eval_format: Optional[str] = _opt(None, "input format of --eval-dataset", rules="rows", choices=FORMATS)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
                               "(unlabeled context)", rules="rows scoring", choices=["positive", "negative", "drop"])
     skip_invalid: bool = _opt(False, "drop invalid rows (and report how many), not exit 2", rules="rows scoring")
@@ -108,8 +100,7 @@ class Config:
                                    "20,000 rows, else 1)", rules="change scoring", trl=("dataset_num_proc",))
     synthetic_size: int = _opt(32000, "rows of the synthetic default", rules="")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
-    overwrite: bool = _opt(False, "replace the run in --output-dir; command line only (not from --config)",
-                           rules="change")
+    overwrite: bool = _opt(False, "replace the run in --output-dir (command line only)", rules="change")
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
                            section="tokenization")
     max_completion_length: int = _opt(0, "tokens of the steps (whole steps), applied before --max-length; 0: "
@@ -117,16 +108,13 @@ class Config:
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last "
                                "token carries the step's label", rules="rows scoring", type=unescape)
     train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label", rules="")
-    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step",
-                                       rules="rows")
-    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",
-                          section="optimization")
+    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step", rules="rows")
+    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change", section="optimization")
     epochs: float = _opt(1.0, "data passes if --max-steps is -1; a pass's last global batch is filled up to a "
                          "full batch: some examples train twice a pass", rules="change", trl=("num_train_epochs",))
     batch_size: Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 for "
                                      "'tiny', else 8)", rules="change", trl=("per_device_train_batch_size",))
-    grad_accum: int = _opt(1, "micro-batches per optimizer step", rules="change",
-                           trl=("gradient_accumulation_steps",))
+    grad_accum: int = _opt(1, "micro-batches per optimizer step", rules="change", trl=("gradient_accumulation_steps",))
     lr: Optional[float] = _opt(None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' "
                                "preset, else 1e-4 with LoRA, 1e-5 without)", rules="", trl=("learning_rate",))
     lr_scheduler_type: str = _opt("cosine_with_min_lr", "decay after warmup, as HF's schedules "
@@ -151,7 +139,7 @@ class Config:
     compile: bool = _opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
     packing: bool = _opt(True, "padding-free micro-batches: examples back to back in one row, each attending "
                          "to itself; decoders only", rules="change scoring")
-    pack_to: int = _opt(0, "with --packing, pad each row to a multiple of N tokens so shapes repeat; 0: none",
+    pack_to: int = _opt(0, "with --packing, pad rows to a multiple of N tokens (shapes repeat); 0: none",
                         rules="change")
     seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
     disable_dropout: bool = _opt(True, "set the backbone's dropout to 0 for training, as TRL does", rules="")
@@ -180,16 +168,14 @@ class Config:
     report_to: str = _opt("none", "also send the metrics and the config to TensorBoard (<output-dir>/"
                           "tensorboard) or Weights & Biases", rules="change", choices=["none", "tensorboard", "wandb"])
     run_name: str = _opt("", "name in TensorBoard / W&B; default: the output directory's", rules="change")
-    save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never)", rules="change",
-                           trl=("save_steps",))
+    save_every: int = _opt(0, "write a checkpoint every N steps (0: never)", rules="change", trl=("save_steps",))
     save_strategy: Optional[str] = _opt(None, "steps (every --save-every, else 500), epoch or no; default: "
                                         "steps with --save-every, else no", rules="change",
                                         choices=["steps", "epoch", "no"])
     keep_last: int = _opt(2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",))
     resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one; "
                        "command line only", rules="change", trl=("resume_from_checkpoint",))
-    trust_remote_code: bool = _opt(False, "allow hub models that run their own code; command line only",
-                                   rules="change scoring")
+    trust_remote_code: bool = _opt(False, "allow hub models' own code (command line only)", rules="change scoring")
 
     def __post_init__(self):
         for f in fields(self):  # use_peft is a bool: its False is no 0
@@ -204,8 +190,8 @@ class Config:
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """A copy with the auto (None) fields filled in, after the checks (UsageError naming every problem);
-        dtype, num_proc and format, decided by the device or the data, stay None. Idempotent."""
+        """Checked (UsageError naming every problem), a copy with the auto (None) fields filled in; dtype,
+        num_proc and format, decided by the device or the data, stay None."""
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
@@ -283,8 +269,7 @@ class Config:
 
     @classmethod
     def load(cls, directory: str) -> "Config":
-        """A saved run's settings; UsageError naming the file and the field for a file that is not JSON or a
-        value of the wrong type."""
+        """A saved run's settings; UsageError naming the file (and field) for bad JSON or a wrong type."""
         path = os.path.join(directory, FILE)
         try:
             with open(path) as f:
@@ -293,7 +278,7 @@ class Config:
             raise UsageError(f"{path}: cannot read it: {e}") from None
         if not isinstance(saved, dict):
             raise UsageError(f"{path}: expected a JSON object of settings, got {type(saved).__name__}")
-        problems, by_name = [], {f.name: f for f in fields(cls)}
+        problems, by_name = [], cls.__dataclass_fields__
         for key, value in saved.items():
             try:
                 saved[key] = checked_value(by_name[key], value) if key in by_name else value

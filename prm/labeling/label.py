@@ -1,6 +1,5 @@
 """`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
-OmegaPRM's binary search) as stepwise rows with their counts. The API takes any `complete(prompts, n, seed) ->
-list[list[str]]`; Generator is transformers'."""
+OmegaPRM's binary search). The API takes any `complete(prompts, n, seed) -> list[list[str]]`."""
 import contextlib
 import dataclasses
 import datetime
@@ -114,8 +113,7 @@ def same_answer(found, reference) -> bool:
 
 
 def judge(reference: str, opts: LabelOptions):
-    """right(text, before="") -> bool: whether text's answer, else the last one in before + text, matches the
-    reference."""
+    """right(text, before="") -> bool: text's answer, else before + text's last one, matches the reference."""
     def answer(text, before=""):
         own = extract_answer(text, opts.answer_pattern)
         return own if own is not None or not before else extract_answer(before + text, opts.answer_pattern)
@@ -277,9 +275,8 @@ def read_settings(side: str) -> dict:
 
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, render=lambda prompt: prompt,
                part=(0, 1), skip_invalid=False, show=True) -> int:
-    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share); a run
-    of every row merges the parts. render(prompt): the text the policy continues. Returns rollouts spent. A
-    row whose samples are all blank is listed in OUTPUT.blank."""
+    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share; a run of
+    every row merges the parts); render(prompt): the text the policy continues. Returns rollouts spent."""
     from tqdm import tqdm
     start, (p, m), blank = time.time(), part, output + ".blank"
     rows, digest = read_input(dataset, opts, skip_invalid)
@@ -326,8 +323,7 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
 
 
 class Generator:
-    """complete() by a transformers causal LM: batched, left-padded, seeded; bf16 where the device runs it
-    natively, else fp32."""
+    """complete() by a transformers causal LM: batched, left-padded, seeded; bf16 where native, else fp32."""
 
     def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
