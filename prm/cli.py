@@ -1,6 +1,5 @@
-"""Config's command line (its fields as flags, under their underscore spellings and TRL's / HF's names too;
-TRL's / HF's flags left out say what to do instead; one-line errors) and its --config files (YAML or JSON).
-Depends on: stdlib, PyYAML (installed with transformers), prm.config, prm.errors."""
+"""Config's command line (its fields as flags, also under underscore and TRL's / HF's names; one-line errors)
+and its --config files (YAML or JSON). Depends on: stdlib, PyYAML, prm.config, prm.errors."""
 import argparse
 import difflib
 import json
@@ -36,9 +35,8 @@ UNSUPPORTED = {name: why for names, why in [
 
 
 class Setter(argparse.Action):
-    """Sets its field to convert(value); with nargs "?" a switch as HF's parser takes a bool (`--x`,
-    `--x false`) and `--no-x`, passing convert a bool; nargs 0: a switch taking no value (`--x`, `--no-x`).
-    A false switch leaves a value in keep alone (see Conv)."""
+    """Sets its field to convert(value). nargs "?": a switch as HF's (`--x`, `--x false`, `--no-x`); 0: one
+    taking no value. A false switch leaves a value in keep alone (see Conv)."""
 
     def __init__(self, option_strings, dest, *, convert, keep=(), **kw):
         if kw.get("nargs") in ("?", 0):
@@ -55,7 +53,7 @@ class Setter(argparse.Action):
                 current = getattr(namespace, self.dest, None)
                 if not values and current in self.keep:
                     return
-                if values and current in self.keep:  # `--bf16 --fp16`: HF refuses it too
+                if values and current in self.keep:  # `--bf16 --fp16`, as HF
                     raise ValueError(f"at most one of fp16 and bf16 can be true ({self.dest} is {current} "
                                      "already)")
             setattr(namespace, self.dest, self.convert(values))
@@ -64,8 +62,7 @@ class Setter(argparse.Action):
 
 
 def nearest(name: str, names: list):
-    """The one of names a mistyped name most likely meant, or None: difflib's closest whose words each near
-    one of name's ('lora_task_type' is no 'lora_base_dtype': they share 'lora' alone)."""
+    """The one of names a mistyped name meant: difflib's closest whose words each near one of name's, or None."""
     def words(text: str) -> list:
         return [w for w in re.split(r"[-_]+", text.lower()) if w]
 
@@ -75,23 +72,23 @@ def nearest(name: str, names: list):
                  if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
 
 
-def shown_default(kw: dict) -> dict:
-    """add_argument keywords whose help shows an empty or escaped string default as its repr ('\\n'), not a
-    line break (ArgumentDefaultsHelpFormatter appends none where the help names %(default) itself)."""
-    default, text = kw.get("default"), kw.get("help")
-    if not isinstance(default, str) or default and default.isprintable() or text in (None, argparse.SUPPRESS):
-        return kw
-    return kw if "%(default)" in text else {**kw, "help": text + " (default: %(default)r)"}
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an empty or escaped string default as its repr ('\\n'), not as a line break."""
+
+    def _get_help_string(self, action):
+        text, default = super()._get_help_string(action), action.default
+        if isinstance(default, str) and not (default and default.isprintable()):
+            return text.replace(" (default: %(default)s)", " (default: %(default)r)")
+        return text
 
 
 class Parser(argparse.ArgumentParser):
-    """Bad flags raise UsageError with one line, not a usage dump of every flag (the entry point exits 2): an
-    unsupported TRL/HF flag says what to do instead, an unknown one names the nearest flag of any spelling, a
-    bad value names a field's flag as --help lists it, and a field set under two of its names is refused.
+    """A bad flag raises a one-line UsageError: an unsupported TRL/HF flag says what to do instead, an unknown
+    one names the nearest flag, a bad value names its field's flag, a field set under two names is refused.
     No prefix abbreviations: with the aliases, a prefix often fits several spellings."""
 
     def __init__(self, usage: str = "%(prog)s [options]", **kw):
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kw.setdefault("formatter_class", Formatter)
         super().__init__(usage=usage, allow_abbrev=False, **kw)
 
     def parse_known_args(self, args=None, namespace=None):
@@ -105,11 +102,8 @@ class Parser(argparse.ArgumentParser):
                 raise UsageError(f"{used[flag]} and {name} both set {flag}: give one")
         return parsed
 
-    def add_argument(self, *args, **kw):
-        return super().add_argument(*args, **shown_default(kw))
-
     def error(self, message: str):
-        # "argument --batch_size/--per_device_train_batch_size: ...": a field's flag, named as --help lists it
+        # "argument --batch_size/--per_device_train_batch_size: ...": named as --help lists it
         bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
         action = self._option_string_actions.get(bad[1]) if bad else None
         if hasattr(action, "flag"):
@@ -129,12 +123,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_field(container, f, suppress: bool = False, switch_value: bool = True):
-    """Field f as --its-name on container (a parser or an argument group), also answering to its underscore
-    spelling and to TRL's / HF's names for it (its `trl`); --help lists the dashed names of the field and of
-    its plain TRL names. suppress: an absent flag leaves no attribute (eval.py takes it from the run).
-    switch_value False: a bool's switch takes no true/false, so a positional may follow it (prm.readers.convert)."""
+    """Field f as --its-name on container (a parser or group), also under its underscore spelling and its `trl`
+    names; --help lists the dashed ones. suppress: an absent flag leaves no attribute. switch_value False: a
+    bool's switch takes no true/false, so a positional may follow it."""
     meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
-    # None is auto: its help says what that is, and a flag that takes the word auto shows it
+    # None is auto: a flag that takes the word auto shows it
     default = "auto" if f.default is None and "auto" in meta.get("choices", ()) else f.default
     default = argparse.SUPPRESS if suppress or default is None else default
     if kind(f) is bool:
@@ -144,20 +137,19 @@ def add_field(container, f, suppress: bool = False, switch_value: bool = True):
     plain = [f.name] + [t for t in f.metadata["trl"] if isinstance(t, str)]
     dashed = list(dict.fromkeys("--" + n.replace("_", "-") for n in plain))
     # flag: how errors name the field, whichever of its names was given
-    container.add_argument(*dashed, **shown_default(dict(meta, dest=f.name, default=default))).flag = dashed[0]
-    hidden = [s for s in ("--" + n for n in plain) if s not in dashed]  # the underscore spellings
-    if hidden:
-        container.add_argument(*hidden, dest=f.name, **{**meta, "default": argparse.SUPPRESS,
-                                                        "help": argparse.SUPPRESS}).flag = dashed[0]
+    container.add_argument(*dashed, **meta, dest=f.name, default=default).flag = dashed[0]
+    hidden = dict(dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    underscored = [s for s in ("--" + n for n in plain) if s not in dashed]
+    if underscored:
+        container.add_argument(*underscored, **{**meta, **hidden}).flag = dashed[0]
     for conv in (t for t in f.metadata["trl"] if not isinstance(t, str)):
         spellings = dict.fromkeys(["--" + conv.name, "--" + conv.name.replace("_", "-")])
-        container.add_argument(*spellings, dest=f.name, action=Setter, convert=conv.convert, nargs=conv.nargs,
-                               keep=conv.keep, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        container.add_argument(*spellings, action=Setter, convert=conv.convert, nargs=conv.nargs, keep=conv.keep,
+                               **hidden)
 
 
 def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
-    """Every field of cls as a flag, in declaration order; a field whose metadata names a section starts an
-    argument group of that title."""
+    """Every field of cls as a flag, in order; a field whose metadata names a section starts a group."""
     p = Parser(description=description)
     for f in fields(cls):
         if "section" in f.metadata:
@@ -167,8 +159,7 @@ def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
 
 
 def writable(path: str) -> bool:
-    """Whether a file or folder can be written at path: it, or the nearest part of it that exists, is
-    writable, and no file sits where a folder has to be."""
+    """Whether path can be written: its nearest existing part is a writable folder (or path itself)."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
@@ -176,9 +167,7 @@ def writable(path: str) -> bool:
 
 
 class BoundedLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key given twice in a mapping (PyYAML keeps the last without a word) and more than
-    20 aliases (*name): a settings file needs few, and a chain of them (a 'billion laughs' bomb) expands to
-    gigabytes wherever the value is copied or printed."""
+    """SafeLoader refusing a key given twice in a mapping and more than 20 aliases (a 'billion laughs' bomb)."""
     aliases = 0
 
     def compose_node(self, parent, index):
@@ -202,7 +191,7 @@ class BoundedLoader(yaml.SafeLoader):
 
 
 def yaml_problem(e: yaml.YAMLError) -> str:
-    """A PyYAML error on one line: where (line, column) and what; PyYAML's own text spans four lines."""
+    """A PyYAML error on one line: where (line, column) and what."""
     at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"
     if getattr(e, "problem_mark", None) is None or not e.problem:
         return " ".join(str(e).split())
@@ -211,9 +200,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def read_config_file(path: str) -> dict:
-    """{field: value} from a YAML or JSON file keyed by Config's fields (as in config.train.json) or any
-    spelling the command line takes (TRL's names too). Values are taken as written (no shell escapes: write a
-    newline separator as "\\n" in YAML/JSON). Any problem raises UsageError naming the file."""
+    """{field: value} from a YAML or JSON file keyed by any spelling a flag takes; UsageError naming the file."""
     def fail(what: str):
         raise UsageError(f"--config {path}: {what}")
     try:
@@ -226,14 +213,14 @@ def read_config_file(path: str) -> dict:
         fail(str(e))
     if not isinstance(data, dict):
         return {} if data is None else fail(f"expected a mapping of settings, got {type(data).__name__}")
-    by_name, out, settled_later = {f.name: f for f in fields(Config)}, {}, []
+    by_name, out, settled_later = Config.__dataclass_fields__, {}, []
     for key, value in data.items():
         name, conv = ALIASES.get(str(key).replace("-", "_"), (str(key).replace("-", "_"), None))
-        if name in UNSUPPORTED and value in (None, False):  # a TRL config's `push_to_hub: false` asks nothing
+        if name in UNSUPPORTED and value in (None, False):  # `push_to_hub: false` asks nothing
             continue
         if name in UNSUPPORTED:
             fail(f"'{key}' is not supported: {UNSUPPORTED[name]}")
-        if name not in by_name:  # the nearest field, TRL's names included
+        if name not in by_name:
             near = nearest(name, list(by_name) + list(ALIASES))
             fail(f"unknown key {preview(key)}" + (f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)"
                                                    if near else ""))
@@ -245,30 +232,28 @@ def read_config_file(path: str) -> dict:
         if on is False and conv.keep:  # `bf16: true` and `fp16: false`, in either order, mean bf16
             settled_later.append((key, name, value, conv.keep))
             continue
-        if name in out:  # lr and learning_rate both given: neither may silently win
+        if name in out:  # lr and learning_rate both given
             fail(f"'{key}' sets '{name}' a second time")
         out[name] = value
-    for key, name, value, keep in settled_later:  # "not fp16" agrees with fp32 (its own value) and with bf16
+    for key, name, value, keep in settled_later:  # "not fp16" agrees with fp32 and bf16
         if out.setdefault(name, value) not in keep + (value,):
             fail(f"'{key}' sets '{name}' a second time")
     return out
 
 
 def parse_config(argv=None) -> Config:
-    """train.py's command line, resolved (Config.resolve): flags given win over --config FILE, which wins over
-    the defaults. UsageError for a bad flag, file or setting."""
+    """train.py's command line, resolved: flags given win over --config FILE, which wins over the defaults."""
     p = build_parser(description="Train a process reward model. Every flag also takes its underscore "
                      "spelling (--max_length) and, where it has one, TRL's name (--learning_rate).")
     p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, keys as in "
                    "config.train.json; flags given here override it")
-    unset = object()  # argparse leaves an attribute already in the namespace alone when its flag is absent
+    unset = object()  # left alone by argparse when its flag is absent
     ns = p.parse_args(argv, argparse.Namespace(**{a.dest: unset for a in p._actions if a.dest != "help"}))
     given = {k: v for k, v in vars(ns).items() if v is not unset}  # the flags written, not the defaults
     path = given.pop("config", "")
     from_file = read_config_file(path) if path else {}
-    # deletes a run / runs a model's code / continues another run's checkpoint: command line only
-    for key in ("overwrite", "trust_remote_code", "resume"):
-        if from_file.pop(key, False):  # a saved run (config.train.json, a downloaded model's too) may hold it
+    for key in ("overwrite", "trust_remote_code", "resume"):  # command line only
+        if from_file.pop(key, False):
             print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
                   "sets it", file=sys.stderr)
     cfg = Config(**{**from_file, **given}).resolve()

@@ -1,6 +1,5 @@
-"""One dataclass holds every training/eval setting, each field with its rules in its own metadata (see _opt);
-resolve() checks them and fills in the auto ones. Its flags and --config files: prm.cli.
-Depends on: stdlib, prm.errors."""
+"""Config: every training/eval setting, each field with its rules in its metadata (see _opt); resolve() checks
+them and fills in the auto ones. Its flags and --config files: prm.cli. Depends on: stdlib, prm.errors."""
 import collections
 import contextlib
 import dataclasses
@@ -17,45 +16,38 @@ FILE = "config.train.json"
 FORMATS = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench", "candidates",
            "prmbench", "mrben"]
 SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
-# the rules a field's `rules` names when they hold for it. change: a resumed run may change it (it defines
-# neither the model nor the data nor its order; the batch split may change too, the global batch not). rows:
-# it shapes the rows read from data files, so it keys their cache (prm.readers.sources). scoring: eval.py takes it
+# a field's `rules`. change: a resumed run may change it (the global batch aside). rows: it shapes the rows
+# read from data files, so it keys their cache. scoring: eval.py takes it
 RULES = {"change", "rows", "scoring"}
-# auto is None; what it was spelled before (0 for a number, the word for a choice) still reads as None
+# auto is None; 0 for a number and the word for a choice still read as None
 AUTO = (0, "auto")
+BOOLEAN = ("true", "false", "yes", "no", "1", "0")
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 200, 200
 
 
 def unescape(text: str) -> str:
-    """`--step-separator '\\n'` on a shell means a newline, as it does in TRL's Python config."""
+    """Backslash escapes decoded: `--step-separator '\\n'` is a newline."""
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
-BOOLEAN = ("true", "false", "yes", "no", "1", "0")
-
-
 def boolean(value) -> bool:
-    """A switch's value as HF's parser takes it (`--bf16`, `--bf16 true`, `--bf16 False`), or a file's."""
+    """A switch's value as HF's parser takes it (true/false, yes/no, 1/0, any case)."""
     text = str(value).lower()
     if text not in BOOLEAN:
         raise ValueError(f"expected true or false, got {preview(value)}")
     return text in ("true", "yes", "1")
 
 
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 200, 200
-
-
 def preview(value) -> str:
-    """repr(value) in at most about 200 characters, built without expanding a deeply nested value."""
+    """repr(value) in at most about 200 characters, without expanding a deeply nested value."""
     text = _SHORT.repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
 class Conv(NamedTuple):
-    """A TRL/HF name setting a field through a conversion (`--bf16` sets dtype). nargs "?": a switch, convert
-    gets a bool (`--bf16`, `--bf16 false`, `--no-bf16`); "+": it gets the list of values. keep: the field's
-    values a false switch leaves alone: false means "not this one" (HF's `--bf16 --fp16 false` is bf16), and
-    a true one refuses (`--bf16 --fp16`)."""
+    """A TRL/HF name setting a field through a conversion. nargs "?": a switch (convert gets a bool); "+": a
+    list. keep: values a false switch leaves alone (`--bf16 --fp16 false`) and a true one refuses."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -79,9 +71,8 @@ def target_list(value) -> str:
 
 
 def _opt(default, help, *, rules: str, trl=(), **kw):
-    """A field with its --help text and its rules (words of RULES; "" for none: every field states them).
-    trl: the names TRL's PRMConfig / ModelConfig and HF's TrainingArguments give it where they differ from
-    ours, a Conv where the value needs converting. section="title" starts a --help section there."""
+    """A field with its help and rules (words of RULES, "" for none); trl: its TRL / HF names (a Conv converts
+    the value); section: starts a --help group."""
     assert set(rules.split()) <= RULES, rules
     meta = {"help": help, "rules": frozenset(rules.split()), "trl": trl, **kw}
     return field(default=default, metadata=meta)
@@ -89,110 +80,84 @@ def _opt(default, help, *, rules: str, trl=(), **kw):
 
 @dataclass
 class Config:
-    model: str = _opt("tiny", "hub id, local dir, or 'tiny' (a small random decoder built from a config, "
-                      "offline)", rules="", trl=("model_name_or_path",), section="model and data")
-    tokenizer: str = _opt("", "tokenizer path/id; default: the model's own (the built-in char tokenizer for "
-                          "'tiny')", rules="scoring")
+    model: str = _opt("tiny", "hub id, local dir, or 'tiny' (a small random decoder, offline)", rules="",
+                      trl=("model_name_or_path",), section="model and data")
+    tokenizer: str = _opt("", "tokenizer path/id; default: the model's own", rules="scoring")
     dataset: str = _opt("synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
                         "directory", rules="rows", trl=("dataset_name",))
-    eval_dataset: str = _opt("", "held-out data; default: --eval-split or an --eval-fraction share",
-                             rules="rows")
+    eval_dataset: str = _opt("", "held-out data; default: --eval-split or an --eval-fraction share", rules="rows")
     dataset_config: str = _opt("", "hub dataset config name", rules="scoring")
     train_split: str = _opt("train", "split used for training", rules="rows", trl=("dataset_train_split",))
     eval_split: str = _opt("test", "split used for evaluation when the dataset has it", rules="rows scoring",
                            trl=("dataset_test_split",))
     eval_fraction: float = _opt(0.05, "share held out (split by prompt) without an eval split", rules="rows")
-    format: Optional[str] = _opt(None, "'auto' detects it from the columns", rules="rows scoring",
-                                 choices=FORMATS)
-    eval_format: Optional[str] = _opt(None, "input format of --eval-dataset, on its own (--format is "
-                                      "--dataset's)", rules="rows", choices=FORMATS)
+    format: Optional[str] = _opt(None, "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
+    eval_format: Optional[str] = _opt(None, "input format of --eval-dataset", rules="rows", choices=FORMATS)
     neutral_label: str = _opt("negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop "
-                              "(step kept as context, unlabeled)", rules="rows scoring",
-                              choices=["positive", "negative", "drop"])
-    skip_invalid: bool = _opt(False, "drop invalid rows (and report how many) instead of stopping with exit "
-                              "status 2", rules="rows scoring")
-    num_proc: Optional[int] = _opt(None, "tokenization processes (default, or 0: one per CPU core, up to 8, "
-                                   "from 20,000 rows on, else 1: each takes seconds to start)",
-                                   rules="change scoring", trl=("dataset_num_proc",))
-    synthetic_size: int = _opt(32000, "rows of the synthetic default (10%% of its solutions held out)",
-                               rules="")
+                              "(unlabeled context)", rules="rows scoring", choices=["positive", "negative", "drop"])
+    skip_invalid: bool = _opt(False, "drop invalid rows (and report how many), not exit 2", rules="rows scoring")
+    num_proc: Optional[int] = _opt(None, "tokenization processes (default, or 0: one per CPU core up to 8 from "
+                                   "20,000 rows, else 1)", rules="change scoring", trl=("dataset_num_proc",))
+    synthetic_size: int = _opt(32000, "rows of the synthetic default", rules="")
     output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
-    overwrite: bool = _opt(False, "replace the run in --output-dir (else, without --resume, it is refused). "
-                           "Command line only: rerunning a saved --config deletes no run", rules="change")
+    overwrite: bool = _opt(False, "replace the run in --output-dir (command line only)", rules="change")
     max_length: int = _opt(1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
                            section="tokenization")
-    max_completion_length: int = _opt(0, "tokens of the steps (separators included), whole steps only, "
-                                      "applied before --max-length; 0: no separate cap", rules="scoring")
+    max_completion_length: int = _opt(0, "tokens of the steps (whole steps), applied before --max-length; 0: "
+                                      "no separate cap", rules="scoring")
     step_separator: str = _opt("\n", "text appended to every step (escapes like \\n understood); its last "
                                "token carries the step's label", rules="scoring", type=unescape)
-    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label (an unscored "
-                                         "last step after a wrong one: wrong)", rules="")
-    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step (label "
-                                       "false or 0.0), as ProcessBench judges nothing after it", rules="rows")
-    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change",
-                          section="optimization")
-    epochs: float = _opt(1.0, "data passes if --max-steps is -1. A pass's last global batch is filled up "
-                         "with the pass's first examples, so every step (and rank) gets a full batch: some "
-                         "examples train twice a pass", rules="change", trl=("num_train_epochs",))
+    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label", rules="")
+    cut_after_first_error: bool = _opt(False, "in training, end each solution at its first wrong step", rules="rows")
+    max_steps: int = _opt(-1, "optimizer steps; -1 means --epochs full passes", rules="change", section="optimization")
+    epochs: float = _opt(1.0, "data passes if --max-steps is -1; a pass's last global batch is filled up to a "
+                         "full batch: some examples train twice a pass", rules="change", trl=("num_train_epochs",))
     batch_size: Optional[int] = _opt(None, "examples per device per micro-batch (default, or 0: 32 for "
                                      "'tiny', else 8)", rules="change", trl=("per_device_train_batch_size",))
-    grad_accum: int = _opt(1, "micro-batches per optimizer step (global batch = batch x accum x world size)",
-                           rules="change", trl=("gradient_accumulation_steps",))
+    grad_accum: int = _opt(1, "micro-batches per optimizer step", rules="change", trl=("gradient_accumulation_steps",))
     lr: Optional[float] = _opt(None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' "
                                "preset, else 1e-4 with LoRA, 1e-5 without)", rules="", trl=("learning_rate",))
-    lr_scheduler_type: str = _opt("cosine_with_min_lr", "the learning rate after warmup, as HF's schedules: "
-                                  "linear or cosine decay to 0, cosine_with_min_lr to 10%% of --lr, constant "
-                                  "(no warmup)", rules="", choices=SCHEDULES)
-    warmup_steps: float = _opt(0, "linear warmup steps, then --lr-scheduler-type's decay; below 1, as in "
-                               "transformers 5: --warmup-ratio", rules="")
-    warmup_ratio: float = _opt(0.0, "warmup share of all steps (rounded up) if --warmup-steps is 0", rules="")
+    lr_scheduler_type: str = _opt("cosine_with_min_lr", "decay after warmup, as HF's schedules "
+                                  "(cosine_with_min_lr: to 10%% of --lr)", rules="", choices=SCHEDULES)
+    warmup_steps: float = _opt(0, "linear warmup steps; below 1: --warmup-ratio", rules="")
+    warmup_ratio: float = _opt(0.0, "warmup share of all steps if --warmup-steps is 0", rules="")
     weight_decay: float = _opt(0.0, "AdamW weight decay", rules="")
     adam_beta1: float = _opt(0.9, "AdamW beta1", rules="")
     adam_beta2: float = _opt(0.95, "AdamW beta2 (HF's default: 0.999)", rules="")
     adam_epsilon: float = _opt(1e-8, "AdamW epsilon", rules="")
     max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables", rules="change")
-    dtype: Optional[str] = _opt(None, "autocast dtype; auto = bf16 where the device has it natively (CUDA; "
-                                "CPUs with AMX or AVX512-BF16), else fp32; master weights stay fp32. TRL's "
-                                "--bf16 / --fp16 [BOOL] (false: fp32, unless the other one is set) and "
-                                "--torch_dtype {auto,bfloat16,float16,float32} set it too",
-                                rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
+    dtype: Optional[str] = _opt(None, "autocast dtype; auto: bf16 where the device has it natively, else fp32. "
+                                "TRL's --bf16 / --fp16 [BOOL] and --torch_dtype set it too", rules="scoring",
+                                choices=["auto", "fp32", "bf16", "fp16"],
                                 trl=(Conv("bf16", lambda on: "bf16" if on else "fp32", "?", keep=("fp16",)),
                                      Conv("fp16", lambda on: "fp16" if on else "fp32", "?", keep=("bf16",)),
                                      Conv("torch_dtype", torch_dtype)))
     gradient_checkpointing: bool = _opt(False, "save memory by recomputing activations", rules="change")
-    fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks "
-                      "(FSDP2) instead of copying them to every rank (DDP): for models whose training state "
-                      "fills a device", rules="")
+    fsdp: bool = _opt(False, "under torchrun, shard weights, gradients and AdamW state over the ranks (FSDP2), "
+                      "not copy them (DDP)", rules="")
     group_by_length: bool = _opt(True, "batch similar lengths (less padding), reproducible by seed", rules="")
     compile: bool = _opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
     packing: bool = _opt(True, "padding-free micro-batches: examples back to back in one row, each attending "
-                         "to itself (varlen flash attention on CUDA in bf16/fp16, else exact per-example "
-                         "SDPA); decoders only, others are padded", rules="change scoring")
-    pack_to: int = _opt(0, "with --packing, pad each row to a multiple of N tokens so shapes repeat (N >= "
-                        "batch x --max-length: one shape, --compile compiles once); 0: none", rules="change")
+                         "to itself; decoders only", rules="change scoring")
+    pack_to: int = _opt(0, "with --packing, pad rows to a multiple of N tokens (shapes repeat); 0: none",
+                        rules="change")
     seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
-    disable_dropout: bool = _opt(True, "set the backbone's dropout to 0 for training, as TRL does; false "
-                                 "keeps the model's own (--lora-dropout is set apart)", rules="")
-    lora_r: int = _opt(0, "LoRA rank; 0 trains every weight (full fine-tuning)", rules="",
-                       section="LoRA: low-rank adapters on the backbone's linear layers; the head trains "
-                       "fully")
-    use_peft: Optional[bool] = _opt(None, "TRL's switch: true: LoRA, of rank 16 when --lora-r is 0; false: "
-                                    "full fine-tuning whatever --lora-r says; unset: --lora-r decides",
-                                    rules="change")  # the rank it resolves to must match on resume
+    disable_dropout: bool = _opt(True, "set the backbone's dropout to 0 for training, as TRL does", rules="")
+    lora_r: int = _opt(0, "LoRA rank; 0 trains every weight", rules="",
+                       section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully")
+    use_peft: Optional[bool] = _opt(None, "TRL's switch: true: LoRA (rank 16 if --lora-r is 0); false: full "
+                                    "fine-tuning; unset: --lora-r decides", rules="change")
     lora_alpha: Optional[float] = _opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)", rules="")
     lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input", rules="")
     lora_targets: str = _opt("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated "
-                             "glob patterns, matched against a linear layer's full name or its last part "
-                             "(the default covers Llama/Qwen2/Mistral attention and MLP projections); TRL's "
-                             "--lora_target_modules takes them as a list, all-linear for every one", rules="",
+                             "glob patterns of linear layers' full or last names; TRL's --lora_target_modules "
+                             "takes a list, all-linear for every one", rules="",
                              trl=(Conv("lora_target_modules", target_list, "+"),))
-    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory (it "
-                                "needs no fp32 master copy: it never updates) and needs autocast (--dtype "
-                                "bf16 or auto)", rules="", choices=["fp32", "bf16"])
-    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end; see --eval-strategy)",
-                           rules="change", trl=("eval_steps",), section="evaluation, logging, checkpoints")
-    eval_strategy: Optional[str] = _opt(None, "when to evaluate before the end: steps (every --eval-every; "
-                                        "without it, as HF: every --log-every), epoch (each pass) or no; "
+    lora_base_dtype: str = _opt("fp32", "dtype of the frozen base under LoRA; bf16 halves its memory and needs "
+                                "bf16 autocast", rules="", choices=["fp32", "bf16"])
+    eval_every: int = _opt(0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
+                           trl=("eval_steps",), section="evaluation, logging, checkpoints")
+    eval_strategy: Optional[str] = _opt(None, "steps (every --eval-every, else --log-every), epoch or no; "
                                         "default: steps with --eval-every, else no", rules="change",
                                         choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = _opt(None, "examples per device (default, or 0: 2 x --batch-size)",
@@ -200,44 +165,38 @@ class Config:
     threshold: float = _opt(0.5, "predict a step correct when P(correct) >= this", rules="change scoring")
     log_every: int = _opt(10, "log (and metrics.jsonl) every N steps", rules="change", trl=("logging_steps",))
     disable_tqdm: bool = _opt(False, "no progress bars", rules="change scoring")
-    report_to: str = _opt("none", "also send the metrics.jsonl records and the config to TensorBoard "
-                          "(<output-dir>/tensorboard) or Weights & Biases; the package must be installed",
-                          rules="change", choices=["none", "tensorboard", "wandb"])
+    report_to: str = _opt("none", "also send the metrics and the config to TensorBoard (<output-dir>/"
+                          "tensorboard) or Weights & Biases", rules="change", choices=["none", "tensorboard", "wandb"])
     run_name: str = _opt("", "name in TensorBoard / W&B; default: the output directory's", rules="change")
-    save_every: int = _opt(0, "write <output-dir>/checkpoint-<step>/ every N steps (0: never; see "
-                           "--save-strategy)", rules="change", trl=("save_steps",))
-    save_strategy: Optional[str] = _opt(None, "when to write checkpoints: steps (every --save-every; "
-                                        "without it, as HF: every 500), epoch (each pass) or no; default: "
+    save_every: int = _opt(0, "write a checkpoint every N steps (0: never)", rules="change", trl=("save_steps",))
+    save_strategy: Optional[str] = _opt(None, "steps (every --save-every, else 500), epoch or no; default: "
                                         "steps with --save-every, else no", rules="change",
                                         choices=["steps", "epoch", "no"])
     keep_last: int = _opt(2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",))
-    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one. "
-                       "Command line only: a saved --config continues no run", rules="change",
-                       trl=("resume_from_checkpoint",))
-    trust_remote_code: bool = _opt(False, "allow hub models that run their own code. Command line only: not "
-                                   "from --config or a model's config.train.json", rules="change scoring")
+    resume: str = _opt("", "checkpoint directory to continue from, or 'auto' for the newest complete one; "
+                       "command line only", rules="change", trl=("resume_from_checkpoint",))
+    trust_remote_code: bool = _opt(False, "allow hub models' own code (command line only)", rules="change scoring")
 
     def __post_init__(self):
-        for f in fields(self):  # use_peft's None is "not given", not auto: its false is no 0
+        for f in fields(self):  # use_peft is a bool: its False is no 0
             if f.default is None and kind(f) is not bool and getattr(self, f.name) in AUTO:
                 setattr(self, f.name, None)
-        if 0 < self.warmup_steps < 1:  # transformers 5's spelling of a warmup ratio
+        if 0 < self.warmup_steps < 1:  # a ratio, as transformers 5
             self.warmup_ratio, self.warmup_steps = self.warmup_steps, 0
 
     @classmethod
     def names_with(cls, rule: str) -> tuple:
-        """The fields whose metadata names the rule (see RULES), in declaration order."""
+        """The fields with the rule (see RULES), in order."""
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """The settings checked (UsageError naming every problem), then a copy with the auto (None) fields
-        filled in, so the saved config says what was used; dtype, num_proc, format, decided by the device or
-        the data, stay None. Resolving a resolved config returns an equal one."""
+        """Checked (UsageError naming every problem), a copy with the auto (None) fields filled in; dtype,
+        num_proc and format, decided by the device or the data, stay None."""
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
         lr = self.lr or (1e-3 if tiny else 1e-4 if lora_r else 1e-5)
-        # HF's: strategy steps given without its interval evaluates every --log-every steps, saves every 500
+        # as HF's: strategy steps without an interval evaluates every --log-every steps, saves every 500
         eval_every = self.eval_every or self.log_every * (self.eval_strategy == "steps")
         save_every = self.save_every or 500 * (self.save_strategy == "steps")
         return dataclasses.replace(self, batch_size=batch, lr=lr, lora_r=lora_r,
@@ -248,8 +207,7 @@ class Config:
                                    save_strategy=self.save_strategy or ("steps" if save_every else "no"))
 
     def lora_rank(self) -> int:
-        """--lora-r as TRL reads it: an explicit use_peft false is full fine-tuning whatever --lora-r says,
-        use_peft true without a rank is rank 16."""
+        """--lora-r as TRL reads it: use_peft false is 0, use_peft true without a rank is 16."""
         return 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
@@ -258,7 +216,7 @@ class Config:
         return {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}[strategy]
 
     def problems(self) -> list:
-        """Every setting that cannot work, one line each: checked before any data or weight loads."""
+        """Every setting that cannot work, one line each."""
         out = []
 
         def need(test, what: str, *names):
@@ -285,7 +243,6 @@ class Config:
              "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
         need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
              "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
-        # HF's `--resume_from_checkpoint true`; a folder of that name is still a checkpoint's
         need(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint directory or 'auto' "
              "(the newest complete one in --output-dir: HF's true)", "resume")
         return out
@@ -312,17 +269,16 @@ class Config:
 
     @classmethod
     def load(cls, directory: str) -> "Config":
-        """A saved run's settings (eval.py, PRMReward, --resume); UsageError naming the file and the field for
-        a file that is not JSON or a value of the wrong type, which would otherwise fail far away."""
+        """A saved run's settings; UsageError naming the file (and field) for bad JSON or a wrong type."""
         path = os.path.join(directory, FILE)
         try:
             with open(path) as f:
                 saved = json.load(f, object_pairs_hook=unique_keys)
-        except (OSError, ValueError) as e:  # json's decode error (and a non-UTF-8 file) is a ValueError
+        except (OSError, ValueError) as e:
             raise UsageError(f"{path}: cannot read it: {e}") from None
         if not isinstance(saved, dict):
             raise UsageError(f"{path}: expected a JSON object of settings, got {type(saved).__name__}")
-        problems, by_name = [], {f.name: f for f in fields(cls)}
+        problems, by_name = [], cls.__dataclass_fields__
         for key, value in saved.items():
             try:
                 saved[key] = checked_value(by_name[key], value) if key in by_name else value
@@ -345,7 +301,7 @@ def kind(f) -> type:
 
 
 def unique_keys(pairs: list) -> dict:
-    """A JSON object, refusing a key given twice (json keeps the last without a word)."""
+    """json's object_pairs_hook refusing a key given twice."""
     twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
     if twice:
         raise ValueError(f"key {preview(twice[0])} given twice")
@@ -357,7 +313,7 @@ def checked_value(f, value):
     want = kind(f)
     if value is None and f.default is None:  # auto
         return value
-    if want is float and type(value) in (int, str):  # `lr: 1` means 1.0; YAML 1.1 reads 1e-5 as a string
+    if want is float and type(value) in (int, str):  # `lr: 1`; YAML 1.1 reads 1e-5 as a string
         with contextlib.suppress(ValueError, OverflowError):
             value = float(value)
     if type(value) is not want:  # type(), not isinstance: a bool is an int to isinstance

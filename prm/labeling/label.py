@@ -1,6 +1,5 @@
 """`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
-OmegaPRM's binary search), as the trainer's stepwise rows plus the counts behind each label. The API takes any
-`complete(prompts, n, seed) -> list[list[str]]`; Generator is transformers'. The package never imports it."""
+OmegaPRM's binary search). The API takes any `complete(prompts, n, seed) -> list[list[str]]`."""
 import contextlib
 import dataclasses
 import datetime
@@ -26,24 +25,24 @@ from prm.readers.sources import DataError, _sources
 
 
 def _opt(default, help, **kw):
-    meta = {"help": help, "default": default, "type": type(default), **kw}  # its flag's add_argument keywords
+    meta = {"help": help, "default": default, "type": type(default), **kw}  # add_argument's keywords
     return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass
 class LabelOptions:
-    """What decides the labels: kept beside an output (OUT.settings); a rerun with others is refused."""
+    """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused."""
     rollouts: int = _opt(8, "continuations rolled out from each step's prefix")
     label: str = _opt("soft", "soft: the share of right rollouts; hard: 1 if any", choices=["soft", "hard"])
-    search: str = _opt("all", "all: roll out every step's prefix; binary: find the first step no rollout "
-                       "rescues (1 before, 0 at, null after), ~log2(n) prefixes", choices=["all", "binary"])
+    search: str = _opt("all", "all: roll out every step's prefix; binary: search the first step no rollout "
+                       "rescues (1 before, 0 at, null after)", choices=["all", "binary"])
     samples: int = _opt(4, "solutions sampled for a row without 'completions'")
     step_separator: str = _opt("\n", "what ends each step (escapes such as \\n understood)", type=unescape)
     answer_field: str = _opt("answer", "the column holding the reference final answer")
-    answer_pattern: str = _opt("", "regex whose last match (its first group that took part, if any) is the answer; "
-                               "default: the last \\boxed{}, else 'the answer is ...', else the last number")
+    answer_pattern: str = _opt("", "regex whose last match (its first group that took part) is the answer; "
+                               "default: the last \\boxed{}, 'the answer is ...' or number")
     checker: str = _opt("exact", "exact: normalized match; or math-verify", choices=["exact", "math-verify"])
-    seed: int = _opt(0, "rows are seeded from it and their index: results do not depend on ranks or shards")
+    seed: int = _opt(0, "each row is seeded from it and the row's index")
     policy: str = _opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
     temperature: float = _opt(0.7, "sampling temperature; 0: greedy")
     top_p: float = _opt(1.0, "nucleus sampling share")
@@ -51,7 +50,7 @@ class LabelOptions:
     batch_size: int = _opt(16, "sequences per generate call")
 
     def __post_init__(self):
-        """Refuses what would fail only after the policy loads: a bad pattern, no separator, no checker."""
+        """Refuses what would fail only after the policy loads."""
         try:
             regex.compile(self.answer_pattern)
         except regex.error as e:
@@ -66,8 +65,8 @@ class LabelOptions:
 
 
 def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its first group that took part, else all of it), else of \\boxed{...},
-    "answer is ...", a number; linear in the text (a user's pattern: within 2 s)."""
+    """The last match of `pattern` (its first group that took part, else all of it; within 2 s), else of
+    \\boxed{...}, "answer is ...", a number."""
     if pattern:
         try:
             found = list(regex.finditer(pattern, text, timeout=2.0))
@@ -81,7 +80,7 @@ def extract_answer(text: str, pattern: str = ""):
         if depth == 0:
             return text[start + 7:j]
     said = [m.end() for m in re.finditer(r"answer is:?\s*", text, re.I)]
-    # the answer stated last: the rest of its line or sentence, less a closing period
+    # the rest of its line or sentence, less a closing period
     said = re.split(r"\n|\.\s", text[said[-1]:], maxsplit=1)[0].rstrip().removesuffix(".") if said else ""
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return said or (numbers[-1].rstrip(",") if numbers else None)
@@ -114,9 +113,7 @@ def same_answer(found, reference) -> bool:
 
 
 def judge(reference: str, opts: LabelOptions):
-    """right(text, before="") -> bool: does the final answer of the solution `before` + `text` match the
-    reference? It is the text's own answer, else the last one in before + text (a rollout may only close a
-    solution whose steps already state it)."""
+    """right(text, before="") -> bool: text's answer, else before + text's last one, matches the reference."""
     def answer(text, before=""):
         own = extract_answer(text, opts.answer_pattern)
         return own if own is not None or not before else extract_answer(before + text, opts.answer_pattern)
@@ -140,10 +137,10 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
         outs = complete(prompts, n, seed + len(calls))
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
             raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} prompts")
-        for (i, k), b, texts in zip(todo, before, outs):  # each rollout judged as steps 1..k + its text
+        for (i, k), b, texts in zip(todo, before, outs):
             tries[i][k - 1], wins[i][k - 1] = n, sum(right(t, b) for t in texts)
-    if opts.search == "binary":  # every solution's search advances in the same calls
-        lo, hi = [1] * len(solutions), [len(s) for s in solutions]  # the first error is a step in lo..hi
+    if opts.search == "binary":  # the first error is a step in lo..hi; all solutions advance in one call
+        lo, hi = [1] * len(solutions), [len(s) for s in solutions]
         while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
                        if lo[i] < hi[i] and not final[i]]:
             roll(todo)
@@ -161,12 +158,12 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
 
 
 def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> list:
-    """The output lines of one row: its completions, or opts.samples sampled solutions split into steps."""
+    """The output lines of one row: its completions, or opts.samples sampled solutions."""
     text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
     if not isinstance(text, str):
         raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render: the "
                          "policy's chat template)")
-    text += "" if text[-1:].isspace() else sep  # the policy sees the first step begin on a step of its own
+    text += "" if text[-1:].isspace() else sep  # the first step starts on its own
     answer, given, rid = str(row[opts.answer_field]), row.get("completions") is not None, row.get("id")
     solutions = [row["completions"]] if given else [s for s in (split_steps(d, sep) for d in
                                                                 complete([text], opts.samples, seed)[0]) if s]
@@ -210,11 +207,11 @@ def input_problems(r, field: str) -> list:
 
 
 def finished(*paths: str) -> dict:
-    """{input row: its output lines} of the rows with all their lines in one of the files, the first such."""
+    """{input row: its output lines} of the rows complete in one of the files, the first such."""
     rows = {}
     for path in filter(os.path.isfile, paths):
         with open(path, encoding="utf-8") as f:
-            lines, got = f.read().split("\n")[:-1], {}  # what follows the last newline is a line cut short
+            lines, got = f.read().split("\n")[:-1], {}  # past the last newline: a line cut short
         for n, line in enumerate(lines, 1):
             try:
                 r = json.loads(line)
@@ -231,7 +228,7 @@ def parts(output: str) -> list:
 
 
 def write_lines(path: str, lines: list, mode="w"):
-    """Appends, or writes a whole new file under a temporary name renamed over `path` (removed if that fails)."""
+    """Appends, or writes a temporary file renamed over `path`."""
     tmp = f"{path}.tmp{os.getpid()}" if mode == "w" else path
     try:
         with open(tmp, mode, encoding="utf-8") as f:
@@ -258,7 +255,7 @@ def locked(path: str):
         raise WriteFailed(f"{path}.lock: cannot write it: {e.strerror or e}") from None
     try:
         yield
-    finally:  # removed while held: a run that opened it before finds it gone, and is refused
+    finally:  # removed while held: a run that opened it before is refused
         with contextlib.suppress(OSError):
             os.remove(path + ".lock")
         lock.release()
@@ -278,15 +275,13 @@ def read_settings(side: str) -> dict:
 
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, render=lambda prompt: prompt,
                part=(0, 1), skip_invalid=False, show=True) -> int:
-    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share); a run
-    of every row merges the parts. render(prompt): the text the policy continues. Returns rollouts spent. A
-    row whose sampled solutions are all blank has no line: OUTPUT.blank has one for it, so it is not sampled
-    again."""
+    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share; a run of
+    every row merges the parts); render(prompt): the text the policy continues. Returns rollouts spent."""
     from tqdm import tqdm
     start, (p, m), blank = time.time(), part, output + ".blank"
     rows, digest = read_input(dataset, opts, skip_invalid)
     settings, side = {**dataclasses.asdict(opts), "dataset": digest}, output + ".settings"
-    if not os.path.isfile(side):  # recorded beside a new output; a rerun with others is refused
+    if not os.path.isfile(side):
         write_lines(side, [json.dumps(settings, indent=1)])
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
     with locked(own):
@@ -313,7 +308,7 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, rende
 
 
 def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
-    """Writes the finished rows of `output` and its parts into `output` in input order; removes the parts."""
+    """Writes the finished rows of `output` and its parts into `output` in order; removes the parts."""
     rows = finished(output, *(old := parts(output)))
     write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
@@ -328,14 +323,13 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
 
 
 class Generator:
-    """complete() by a transformers causal LM: batched, left-padded, seeded; its weights in bf16 where the
-    device runs bf16 natively (half fp32's memory: nothing trains, so no fp32 copy is kept), else fp32."""
+    """complete() by a transformers causal LM: batched, left-padded, seeded; bf16 where native, else fp32."""
 
     def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
 
     def tokenizer(self):
-        """The policy's tokenizer and model, loaded at the first row: bad input is refused before."""
+        """The policy's tokenizer, with its model, loaded at the first row."""
         if self.tok is None:
             import torch
             from transformers import AutoModelForCausalLM
@@ -366,7 +360,7 @@ class Generator:
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
         if o.temperature > 0:
             sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
-        copies = n if o.temperature > 0 else 1  # greedy decoding gives one text however often it is asked
+        copies = n if o.temperature > 0 else 1  # greedy: one text
         flat, out = [p for p in prompts for _ in range(copies)], []
         for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
             enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
@@ -402,7 +396,7 @@ def main(argv=None):
         from prm.core.runtime import setup, teardown
         rt = setup()
         try:
-            # ranks end at different times: the last is waited for on a group that does not time out
+            # ranks end at different times: a group that does not time out
             wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
             gen, start = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code), time.time()
             spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
@@ -413,7 +407,7 @@ def main(argv=None):
                 if rt.is_main and shards == 1:
                     with locked(a.output):
                         merge(a.output, int(total), time.time() - start)
-        except KeyboardInterrupt:  # the rows written are whole: the same command continues them
+        except KeyboardInterrupt:
             raise Stopped("stopped by SIGINT; run the same command again to continue", signal.SIGINT) from None
         finally:
             teardown(rt)
