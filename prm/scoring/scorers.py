@@ -11,12 +11,11 @@ import itertools
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from prm.training.build import load_tokenizer, load_trained, loading
 from prm.core.data import IGNORE, normalize_label
-from prm.core.model import saved_weights
+from prm.core.model import PRM, saved_weights
 from prm.errors import UsageError
 from prm.scoring import FAMILIES, ScorerOptions
 from prm.core.varlen import supports_packing, use_packed_attention
@@ -185,31 +184,31 @@ def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_c
             "step_labels": [None if y is None else float(y) for y in labels]}
 
 
-class Logits(nn.Module):
-    """(B, T, 2) logits: a causal LM's head rows `cols` ([bad, good]) alone, or with cols None the first output
-    of a model with its own code."""
+class FirstOutput(nn.Module):
+    """A model with its own code (Qwen2.5-Math-PRM) whose first output is read as (B, T, 2) logits."""
 
-    def __init__(self, model, cols=None):
+    def __init__(self, model):
         super().__init__()
-        self.model, self.cols = model, cols
+        self.model = model
 
     @property
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids, attention_mask=None, **packed):
-        if self.cols is None:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
-            if logits.dim() != 3 or logits.shape[-1] != 2:
-                raise UsageError(f"--scorer qwen-prm: the model's first output has shape "
-                                 f"{tuple(logits.shape)}, not (batch, tokens, 2): is it a "
-                                 "Qwen2.5-Math-PRM-style model?")
-            return logits
-        h = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                  **packed).last_hidden_state  # (B, T, H)
-        head = self.model.get_output_embeddings()
-        bias = None if head.bias is None else head.bias[self.cols]
-        return F.linear(h, head.weight[self.cols], bias)  # (B, T, 2)
+    def forward(self, input_ids, attention_mask=None):
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
+        if logits.dim() != 3 or logits.shape[-1] != 2:
+            raise UsageError(f"--scorer qwen-prm: the model's first output has shape {tuple(logits.shape)}, not "
+                             "(batch, tokens, 2): is it a Qwen2.5-Math-PRM-style model?")
+        return logits
+
+
+def lm_head_rows(lm, ids: list) -> PRM:
+    """A causal LM as a PRM whose head is its LM head's rows `ids` alone ([bad, good]: (B, T, 2) logits)."""
+    head = lm.get_output_embeddings()
+    rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device, head.weight.dtype)
+    rows.load_state_dict({k: v[ids] for k, v in head.state_dict().items()})  # weight (2, H), bias (2,)
+    return PRM(lm.base_model, rows)
 
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, dtype=torch.float32) -> tuple:
@@ -229,9 +228,13 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, d
     if name == "qwen-prm" and not cfg.trust_remote_code:
         raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add --trust-remote-code")
     auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
-    model = Logits(loading("--model", cfg.model, saved_weights, auto=auto, trust_remote_code=cfg.trust_remote_code,
-                           dtype=dtype), None if name == "qwen-prm" else [fam.bad_id, fam.good_id])
-    if name != "qwen-prm" and cfg.packing and supports_packing(model.model.base_model):
-        use_packed_attention(model.model.base_model)
+    model = loading("--model", cfg.model, saved_weights, auto=auto, trust_remote_code=cfg.trust_remote_code,
+                    dtype=dtype)
+    if name == "qwen-prm":
+        model = FirstOutput(model)
+    else:
+        model = lm_head_rows(model, [fam.bad_id, fam.good_id])
+        if cfg.packing and supports_packing(model.backbone):
+            use_packed_attention(model.backbone)
     tokenizer.prm_rows = fam.tokenize_batch
     return tokenizer, model.eval()
