@@ -40,20 +40,18 @@ def build_eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=argparse.SUPPRESS, help="a directory written by train.py (final/ or a "
                    "checkpoint) or any 2-label token-classification model; required")
     p.add_argument("--dataset", dest="datasets", nargs="+", default=[], metavar="SOURCE",
-                   help="one or more sources, each evaluated whole (default: the run's held-out set); "
-                        "several give one block per subset and their mean F1")
+                   help="sources, each evaluated whole (default: the run's held-out set); several: a block each, "
+                        "and their mean F1")
     p.add_argument("--predictions", default="", metavar="OUT_JSONL", help="write one JSON line per example: "
                    "id, per-step P(correct), truth, predicted first error")
     p.add_argument("--processbench", action="store_true",
                    help="ProcessBench metrics even when the data has no first_error column (from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
-                   help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere; "
-                        "the set's own metrics at it are the output's 'dev' block; never a --dataset; read "
-                        "with --format if given, else auto")
+                   help="use the threshold maximizing ProcessBench F1 on this set (never a --dataset; read with "
+                        "--format if given, else auto); its metrics there: the output's 'dev' block")
     p.add_argument("--best-of-n", action="store_true",
-                   help="best-of-N accuracy per method and N; candidates of one problem share its 'group' "
-                        "(the candidates format) or, in flat rows, their prompt; correctness: "
-                        "final_answer_correct")
+                   help="best-of-N accuracy per method and N; a problem's candidates share its 'group' (else "
+                        "their prompt); correctness: final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
     ScorerOptions.add_flags(p)
@@ -120,8 +118,7 @@ from prm.readers.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options): the run settings given win over the run's config.train.json beside --model, else
-    over the input settings in its config.json (an export), else the defaults."""
+    """(Config, Options): the settings given, else the run's config.train.json, else config.json's "prm"."""
     given = dict(vars(args))
     scoring = ScorerOptions(**{f.name: given.pop(f.name) for f in fields(ScorerOptions)})
     opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given}, scoring=scoring,
@@ -152,8 +149,7 @@ class Evaluator:
     model: object
 
     def sets(self, sources: list) -> dict:
-        """{subset name: tokenized rows}, read as training reads them, every row kept; a row without a
-        best-of-N `group` gets its prompt as one. Rank 0 fills the datasets cache first."""
+        """{subset name: tokenized rows}, every row kept; a row without a best-of-N `group` gets its prompt."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
         names = names if len(set(names)) == len(names) else sources
         sets = {}
@@ -179,8 +175,7 @@ class Evaluator:
 
 
 def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
-    """The threshold maximizing ProcessBench F1 on the --tune-threshold set (read with --format if given, else
-    auto), and that set's metrics at it (`dev`)."""
+    """The threshold maximizing ProcessBench F1 on the --tune-threshold set, and its metrics there (`dev`)."""
     path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else None
     dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
@@ -258,8 +253,7 @@ def cell(v) -> str:
 
 
 def table(blocks: dict, *, threshold: float) -> str:
-    """A row of headline figures per subset (ProcessBench's if every subset has them, else the step metrics),
-    then the threshold, why each 'n/a' is undefined, best-of-N and PRMScore."""
+    """The headline figures, a row per subset; the threshold, why each 'n/a', best-of-N and PRMScore."""
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
     width = max(len("subset"), *map(len, blocks))
     rows = [["subset", *cols]] + [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
@@ -284,8 +278,7 @@ def table(blocks: dict, *, threshold: float) -> str:
 
 
 def main(args=None) -> dict:
-    """Scores every set: warnings and the table on stderr, the JSON on stdout (rank 0); returns the JSON's
-    object. args: a parsed command line or the strings to parse."""
+    """Warnings and the table on stderr, the JSON on stdout; returns it. args: parsed, or strings to parse."""
     cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too

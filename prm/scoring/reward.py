@@ -52,8 +52,7 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
     """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it (scoring: ScorerOptions' fields); the run config from config.train.json, else config.json's "prm",
-    but trust_remote_code the caller's alone."""
+    reads it (scoring: ScorerOptions' fields); trust_remote_code the caller's alone."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model = path
@@ -123,8 +122,7 @@ class PRMReward:
                                  f"{type(e).__name__}: {str(e).strip()[:200]}") from e
 
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; [] for one with no step; steps past max_length unscored, with
-        a warning."""
+        """P(correct) per step of each completion; steps past max_length unscored, with a warning."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
         solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]

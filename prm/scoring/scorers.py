@@ -67,8 +67,7 @@ class Family:
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", max_length=None,
                        train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
-        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build it (the separator
-        and train_on_last_step_only unused); truncation keeps whole steps."""
+        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build it."""
         out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
                                "step_labels")}
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
@@ -171,8 +170,7 @@ BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_r
 
 
 def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_completion_length=None):
-    """A row keeping the steps whose read position fits in max_length (and max_completion_length from the
-    first step's start), cut after the last kept one."""
+    """A row cut after the last step whose read position fits in max_length and max_completion_length."""
     kept = [p for p in reads if (max_length is None or p < max_length)
             and not (max_completion_length and p - first >= max_completion_length)]
     ids = ids[:kept[-1] + 1] if kept else ids[:max_length]
@@ -212,8 +210,7 @@ def lm_head_rows(lm, ids: list) -> PRM:
 
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, dtype=torch.float32) -> tuple:
-    """(tokenizer, model) of any family: (B, T, 2) logits, the tokenizer carrying the row builder. Classifiers
-    load as load_trained loads them (fp32), a published PRM's weights in `dtype`."""
+    """(tokenizer carrying the row builder, model giving (B, T, 2) logits); published weights in `dtype`."""
     name = detect(cfg.model, opts.scorer)
     settings = dict(step_tag=opts.step_tag, good_token=opts.good_token, bad_token=opts.bad_token)
     if name not in FAMILIES:

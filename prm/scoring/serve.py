@@ -1,14 +1,13 @@
 """`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward model protocol
 (`--remote_rm_url http://HOST:P/get_reward`).
 
-POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...], "scores":
-[...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt, the rest of the query).
-With "step_rewards": true, also "step_rewards": per query, [start, end, P(correct)] per step, indexed in the
-query as sent (P null: a step cut by --max-length).
-Texts lose the tokenizer's padding and EOS at both ends and its BOS at the start, as OpenRLHF's server does.
-Without "prompts", a query's prompt ends with the chat template's last assistant-turn start, else at the first
-step separator. A prompt that is exactly the chat template around one user turn is read as that turn.
-GET /health answers {"status": "ok", ...}.
+POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...], "scores": [...],
+"extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt, the rest of the query). With
+"step_rewards": true, also per query [start, end, P(correct)] per step, indexed in the query as sent (P null: a
+step cut by --max-length). Texts lose the tokenizer's padding and EOS at both ends and its BOS at the start, as
+OpenRLHF's server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn
+start, else at the first step separator. A prompt that is exactly the chat template around one user turn is read
+as that turn. GET /health answers {"status": "ok", ...}.
 
 A thread per connection, up to --max-connections (more: 503), the model one request at a time. Errors are
 {"error": message}: a request not all read within --timeout s: 408; a body over --max-body-bytes or over
@@ -52,20 +51,6 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def body_size(headers: list, limit: int) -> int:
-    """The Content-Length to read, checked before a byte of the body is."""
-    if not headers:
-        raise BadRequest("Content-Length is required", 411)
-    if len({h.strip() for h in headers}) > 1:
-        raise BadRequest(f"{len(headers)} different Content-Length headers")
-    digits = headers[0].strip()
-    if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
-        raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
-    if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets its digit limit
-        raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
-    return int(digits)
-
-
 def parse(body: bytes):
     """The body as JSON, read as the data files are, else BadRequest."""
     text, problem, line = decode(body)
@@ -107,12 +92,6 @@ def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
         return ""
 
 
-def assistant_marker(tokenizer) -> str:
-    """What the chat template writes to open the assistant's turn; "" without a template or such text."""
-    closed, opened = user_turn(tokenizer, "q", False), user_turn(tokenizer, "q")
-    return opened[len(closed):] if closed and opened.startswith(closed) else ""
-
-
 def split_query(query: str, marker: str, separator: str) -> tuple:
     """(prompt, completion) of a query sent without its prompt."""
     if marker and marker in query:
@@ -128,7 +107,9 @@ class Scorer:
     def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
         self.reward, self.lock, self.max_batch = reward, threading.Lock(), max_batch
         tok = reward.tokenizer
-        self.marker = assistant_marker(tok)
+        # what the chat template writes to open the assistant's turn ("" if nothing)
+        closed, opened = user_turn(tok, "q", False), user_turn(tok, "q")
+        self.marker = opened[len(closed):] if closed and opened.startswith(closed) else ""
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
         # the template's text before and after a user turn's question, () without a template
@@ -137,8 +118,7 @@ class Scorer:
         self.published = hasattr(tok, "prm_rows")  # builds its own input around the plain question
 
     def question(self, prompt: str):
-        """A prompt that is exactly the chat template around one user turn, read as that turn: its text for a
-        published PRM, else the message (rendered as in training); any other prompt as it is."""
+        """A prompt that is the chat template around one user turn as that turn (a published PRM: its text)."""
         if not self.frame or not (prompt.startswith(self.frame[0]) and prompt.endswith(self.frame[1])):
             return prompt
         text = prompt[len(self.frame[0]):len(prompt) - len(self.frame[1])]
@@ -186,8 +166,7 @@ class Scorer:
 
 
 class Deadline(socket.SocketIO):
-    """A connection's reading side that gives EOF `timeout` s after connecting, however slowly the bytes come;
-    then `expired` is set."""
+    """A connection's reading side giving EOF (and `expired`) `timeout` s after connecting, however slowly."""
 
     def __init__(self, handler):
         super().__init__(handler.connection, "rb")
@@ -204,8 +183,7 @@ class Deadline(socket.SocketIO):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body); one deadline for the
-    whole request (Deadline)."""
+    """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body)."""
     expired = False
     default_request_version = "HTTP/1.0"  # an answer to a cut request line has a status line
 
@@ -236,8 +214,18 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, payload)
 
     def body(self) -> bytes:
-        """The whole request body, within the size limit and the timeout."""
-        size = body_size(self.headers.get_all("Content-Length"), self.max_body)
+        """The whole request body, within the timeout; its Content-Length checked before a byte of it is read."""
+        headers, limit = self.headers.get_all("Content-Length"), self.max_body
+        if not headers:
+            raise BadRequest("Content-Length is required", 411)
+        if len({h.strip() for h in headers}) > 1:
+            raise BadRequest(f"{len(headers)} different Content-Length headers")
+        digits = headers[0].strip()
+        if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
+            raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
+        if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets its digit limit
+            raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
+        size = int(digits)
         body = self.rfile.read(size)
         if len(body) < size and self.expired:
             raise BadRequest(f"the request did not arrive within {self.timeout} s (--timeout)", 408)
@@ -303,17 +291,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--step-separator", type=unescape, default=None,
-                   help="what ends each step (escapes such as \\n understood); default: the model's own (its "
-                        "run's, else config.json's 'prm'), else \\n")
-    p.add_argument("--max-length", type=int, default=None, help="tokens per prompt and completion; steps "
-                   "past it get no score (default: the model's own, else 1024)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--step-separator", type=unescape, help="what ends each step (escapes such as \\n "
+                   "understood); default: the model's own (its run's, else config.json's 'prm'), else \\n")
+    p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past it get no "
+                   "score (default: the model's own, else 1024)")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config says)")
-    p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a client has to send its whole request, however slowly; then a 408 "
-                        "(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its whole "
+                   "request, however slowly; then a 408 (default: %(default)s)")
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
