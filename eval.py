@@ -55,9 +55,8 @@ def build_eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
     ScorerOptions.add_flags(p)
-    run = p.add_argument_group("run settings", "how to read and score the data; each flag not given "
-                               "comes from the run's config.train.json beside --model (else from "
-                               "config.json's 'prm', else the training default)")
+    run = p.add_argument_group("run settings", "how to read and score the data; each not given comes from the "
+                               "run's config.train.json (else config.json's 'prm', else the training default)")
     for name in SCORING:
         add_field(run, Config.__dataclass_fields__[name], suppress=True)
     return p
@@ -75,7 +74,7 @@ def predictions_problem(path: str) -> str:
 
 def tuned_on_reported(tune: str, reported: list) -> list:
     """[the problem] if the --tune-threshold file is one of the reported sources (files or folders), else []."""
-    files = [f for spec in reported for f in (sorted(os.path.join(spec, n) for n in os.listdir(spec))
+    files = [f for spec in reported for f in ([os.path.join(spec, n) for n in os.listdir(spec)]
                                               if os.path.isdir(spec) else [spec])]
     if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
         return []

@@ -21,8 +21,7 @@ EMPTY_REWARD = 0.0  # a completion with no step scored
 
 
 def suffix_minima(ps: list) -> list:
-    """PURE's min-form credit (arXiv 2504.15275): r_k = m_k - m_(k+1), m_k = min(P_k..P_n), m_(n+1) = 0, so the
-    sum from any step to the end is the minimum P over those steps."""
+    """PURE's min-form credit (arXiv 2504.15275): the sum from any step to the end is the minimum P there."""
     m = list(itertools.accumulate(reversed(ps), min))[::-1] + [0.0]
     return [a - b for a, b in zip(m, m[1:])]
 
@@ -32,8 +31,8 @@ SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] +
 
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
-    """char index -> index of the token of ids whose decoding completes that character of text (a character
-    split over tokens: the last). ValueError naming the row if ids do not decode to text."""
+    """char index -> index of the token of ids whose decoding completes that character of text; ValueError
+    naming the row if ids do not decode to text."""
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
@@ -42,17 +41,12 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
                          "tokenizer")
 
     def covered(k):  # the characters of text that ids[:k] surely decode to
-        piece = decode(k)
-        m = len(piece)
-        while not text.startswith(piece[:m]):
-            m -= 1
-        return m
+        return len(os.path.commonprefix([decode(k), text]))
     return lambda c: bisect.bisect_right(range(len(ids) + 1), c, key=covered) - 1
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
-    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it (scoring: ScorerOptions' fields); trust_remote_code the caller's alone."""
+    """(tokenizer, model, run config) of a model directory, read as eval.py reads it; scoring: ScorerOptions."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model = path
@@ -64,10 +58,8 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
 
 
 class PRMReward:
-    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in training, the
-    scores aggregated (min, prod, last, mean). model: a directory (train.py output or any 2-label token
-    classifier), or a loaded PRM with `tokenizer=`. trust_remote_code: let a directory's own Python files run.
-    scoring: ScorerOptions' fields (scorer, step_tag, good_token, bad_token)."""
+    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in training, then
+    aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring: ScorerOptions' fields."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
@@ -149,8 +141,8 @@ class PRMReward:
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "step", *, scores: list = None) -> list:
-        """Per completion, a float per token of its completion_ids (the policy's tokens): each scored step's
-        SHAPINGS value on the token holding its last character, 0.0 elsewhere. scores: step_scores' answer."""
+        """Per completion, a float per token of completion_ids: each scored step's SHAPINGS value on the token
+        holding its last character, 0.0 elsewhere. scores: step_scores' answer, if already computed."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
         if len(completion_ids) != len(completions):

@@ -109,8 +109,8 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *, first_char: int,
            shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids of text, per char index in `ends` the position of the token ending there plus shift, the first
-    step's first token position); UsageError where no `token_id` token ends there."""
+    """(input_ids of text, the position (+ shift) of the `token_id` token ending at each of `ends`, the first
+    step's first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}

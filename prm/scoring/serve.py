@@ -92,13 +92,11 @@ def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
         return ""
 
 
-def split_query(query: str, marker: str, separator: str) -> tuple:
-    """(prompt, completion) of a query sent without its prompt."""
+def prompt_end(query: str, marker: str, separator: str) -> int:
+    """Where the prompt of a query sent without it ends: after the last marker, else at the first separator."""
     if marker and marker in query:
-        cut = query.rindex(marker) + len(marker)
-    else:
-        cut = query.find(separator) if separator in query else len(query)
-    return query[:cut], query[cut:]
+        return query.rindex(marker) + len(marker)
+    return query.find(separator) if separator in query else len(query)
 
 
 class Scorer:
@@ -138,14 +136,14 @@ class Scorer:
                              "(--max-batch)", 413)
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
         if data.get("prompts") is None:
-            pairs = [split_query(q, self.marker, self.reward.step_separator) for q in queries]
-            return [self.question(p) for p, _ in pairs], [c for _, c in pairs]
-        prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
-        if len(queries) != len(prompts):
-            raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
-        bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
-        if bad:
-            raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
+            prompts = [q[:prompt_end(q, self.marker, self.reward.step_separator)] for q in queries]
+        else:
+            prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
+            if len(queries) != len(prompts):
+                raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
+            bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
+            if bad:
+                raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
         return [self.question(p) for p in prompts], [q[len(p):] for q, p in zip(queries, prompts)]
 
     def __call__(self, data) -> dict:

@@ -5,8 +5,7 @@
     reward.reward_manager.module.path=/path/to/prm/scoring/verl_manager.py
     +reward.reward_kwargs.model=out/final  # and any PRMReward keyword (aggregate, device, scorer, ...), shaping
 
-Each response is decoded (special tokens skipped) and scored after its prompt (`raw_prompt`'s messages, else
-the decoded prompt); its rewards fill its row of `rm_scores`, the aggregate goes in reward_extra_info."""
+Each response's rewards fill its row of `rm_scores`, the aggregate goes in reward_extra_info."""
 import asyncio
 import threading
 
