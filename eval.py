@@ -29,8 +29,7 @@ class Options:
     best_of_n: bool
     best_of_n_draws: int
     scoring: ScorerOptions
-    # given on the command line: --tokenizer wins over the model's own; without --format new files read as auto
-    tokenizer_given: bool
+    tokenizer_given: bool  # on the command line
     format_given: bool
 
 
