@@ -1,8 +1,6 @@
 """Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC,
-PRMBench's PRMScore, best-of-N. A table for people goes to stderr; stdout's last line is one JSON object,
-flat for one data set ({"threshold": ..., "n_examples": ..., "step_accuracy": ...}), nested for several
---dataset sources ({"threshold": ..., "subsets": {name: {"n_examples": ...}}, "mean_f1": ...}).
-Depends on: transformers, prm."""
+PRMBench's PRMScore, best-of-N. A table goes to stderr; stdout's last line is one JSON object, flat for one
+data set, {"subsets": {name: ...}, "mean_f1": ...} for several."""
 import argparse
 import json
 import os
@@ -14,10 +12,9 @@ from prm.config import FILE, Config
 from prm.errors import UsageError, check, exit_status
 from prm.scoring import ScorerOptions
 
-# the run settings eval.py takes: how data is read, tokenized and scored; the rest (optimizer, LoRA,
-# checkpoints, the held-out split) belongs to the run and comes from it
+# the run settings eval.py takes (how data is read and scored); the rest comes from the run
 SCORING = Config.names_with("scoring")
-# the table's columns: ProcessBench's if every subset has them (chance_f1: F1 of random flags), else steps
+# the table's columns (chance_f1: F1 of random flags)
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
 
@@ -31,45 +28,41 @@ class Options:
     tune_threshold: str
     best_of_n: bool
     best_of_n_draws: int
-    scoring: ScorerOptions  # how a published PRM is read (prm.scoring.scorers)
-    tokenizer_given: bool  # --tokenizer on the command line: it wins over the one saved beside the model
-    format_given: bool  # --format on the command line: else files named on it are read with format auto
+    scoring: ScorerOptions
+    tokenizer_given: bool  # on the command line
+    format_given: bool
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
     """eval.py's own options first; then the run settings it takes, each not given coming from the run."""
-    p = Parser(usage="%(prog)s --model DIR [options]", description=__doc__.split("\nDepends on:")[0])
+    p = Parser(usage="%(prog)s --model DIR [options]", description=__doc__)
     p.add_argument("--model", default=argparse.SUPPRESS, help="a directory written by train.py (final/ or a "
                    "checkpoint) or any 2-label token-classification model; required")
     p.add_argument("--dataset", dest="datasets", nargs="+", default=[], metavar="SOURCE",
-                   help="one or more sources, each evaluated whole (default: the run's held-out set); "
-                        "several give one block per subset and their mean F1")
+                   help="sources, each evaluated whole (default: the run's held-out set); several: a block each, "
+                        "and their mean F1")
     p.add_argument("--predictions", default="", metavar="OUT_JSONL", help="write one JSON line per example: "
                    "id, per-step P(correct), truth, predicted first error")
     p.add_argument("--processbench", action="store_true",
                    help="ProcessBench metrics even when the data has no first_error column (from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
-                   help="pick the threshold maximizing ProcessBench F1 on this set, then use it everywhere; "
-                        "the set's own metrics at it are the output's 'dev' block; never a --dataset; read "
-                        "with --format if given, else auto")
+                   help="use the threshold maximizing ProcessBench F1 on this set (never a --dataset; read with "
+                        "--format if given, else auto); its metrics there: the output's 'dev' block")
     p.add_argument("--best-of-n", action="store_true",
-                   help="best-of-N accuracy per method and N; candidates of one problem share its 'group' "
-                        "(the candidates format) or, in flat rows, their prompt; correctness: "
-                        "final_answer_correct")
+                   help="best-of-N accuracy per method and N; a problem's candidates share its 'group' (else "
+                        "their prompt); correctness: final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    ScorerOptions.add_flags(p)  # how a published PRM is read (prm.scoring.scorers)
-    run = p.add_argument_group("run settings", "how to read and score the data; each flag not given "
-                               "comes from the run's config.train.json beside --model (else from "
-                               "config.json's 'prm', else the training default)")
+    ScorerOptions.add_flags(p)
+    run = p.add_argument_group("run settings", "how to read and score the data; each not given comes from the "
+                               "run's config.train.json (else config.json's 'prm', else the training default)")
     for name in SCORING:
         add_field(run, Config.__dataclass_fields__[name], suppress=True)
     return p
 
 
 def predictions_problem(path: str) -> str:
-    """Why --predictions cannot be written ('' when it can), told before torch even loads: the file is
-    written after the whole evaluation, in its folder as it is (none is made)."""
+    """Why --predictions cannot be written ('' when it can), told before the evaluation; no folder is made."""
     folder = os.path.dirname(os.path.abspath(path))
     if not path or os.path.isdir(folder) and not os.path.isdir(path) and writable(path):
         return ""
@@ -79,9 +72,8 @@ def predictions_problem(path: str) -> str:
 
 
 def tuned_on_reported(tune: str, reported: list) -> list:
-    """The problem of a --tune-threshold file the reported rows are read from: a --dataset or a file of a
-    --dataset folder, or without --dataset the run's held-out source (its --eval-dataset, else --dataset)."""
-    files = [f for spec in reported for f in (sorted(os.path.join(spec, n) for n in os.listdir(spec))
+    """[the problem] if the --tune-threshold file is one of the reported sources (files or folders), else []."""
+    files = [f for spec in reported for f in ([os.path.join(spec, n) for n in os.listdir(spec)]
                                               if os.path.isdir(spec) else [spec])]
     if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
         return []
@@ -90,7 +82,7 @@ def tuned_on_reported(tune: str, reported: list) -> list:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, checked by argparse alone: the run settings not given are absent from it."""
+    """The command line; the run settings not given are absent from it."""
     p = build_eval_parser()
     args = p.parse_args(argv)
     if "model" not in args:
@@ -104,11 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-if __name__ == "__main__":  # --help and a bad flag answer before torch and transformers load (seconds)
+if __name__ == "__main__":  # --help and a bad flag answer before torch loads
     with exit_status():
         ARGS = parse_args()
 
-# the heavy imports, after the early parse above
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -125,9 +116,7 @@ from prm.readers.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options). The run settings given on the command line win over the run's: its
-    config.train.json beside --model, else the input settings a PRM carries in its config.json (an export),
-    else the defaults."""
+    """(Config, Options): the settings given, else the run's config.train.json, else config.json's "prm"."""
     given = dict(vars(args))
     scoring = ScorerOptions(**{f.name: given.pop(f.name) for f in fields(ScorerOptions)})
     opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given}, scoring=scoring,
@@ -138,14 +127,13 @@ def settings(args: argparse.Namespace) -> tuple:
         try:
             base = input_settings(AutoConfig.from_pretrained(args.model, trust_remote_code=given.get(
                 "trust_remote_code", False)))
-        except (OSError, ValueError):  # not loadable: load_scorer reports it properly
+        except (OSError, ValueError):  # load_scorer says why
             base = {}
-    if opts.datasets and "format" not in given:  # the run's training format says nothing about new files
+    if opts.datasets and "format" not in given:  # new files: format auto
         given["format"] = None
-    # only the user's own command line may allow a model's code, never a file; the frozen base's dtype was
-    # training's choice (its rule ties it to bf16 autocast): scoring loads it in fp32 (prm.training.build.load_trained)
+    # a model's code runs only if the command line says so; a LoRA base scores in fp32
     cfg = Config.from_dict({**base, "trust_remote_code": False, "lora_base_dtype": "fp32", **given}).resolve()
-    check([] if opts.datasets else  # else checked with the flags
+    check([] if opts.datasets else
           tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset]))
     return cfg, opts
 
@@ -159,27 +147,25 @@ class Evaluator:
     model: object
 
     def sets(self, sources: list) -> dict:
-        """{subset name: tokenized rows}, read, checked and tokenized as training does (prm.readers.ingest), every
-        row kept. Rows without a best-of-N `group` get their prompt as one. Rank 0 goes first, so the other
-        ranks read the datasets cache it filled."""
+        """{subset name: tokenized rows}, every row kept; a row without a best-of-N `group` gets its prompt."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
         names = names if len(set(names)) == len(names) else sources
         sets = {}
-        with main_first(self.rt):  # "" for load_eval: the run's held-out set
+        with main_first(self.rt):  # "": the run's held-out set
             raw = {name: load_eval(self.cfg, s)
                    for name, s in list(zip(names, sources)) or [("held-out", "")]}
             for name, ds in raw.items():
                 sets[name] = rows = tokenize_dataset(ds, self.tokenizer, self.cfg, is_eval=True,
                                                      desc=f"tokenize {name}", num_proc=self.cfg.num_proc,
                                                      drop_unlabeled=False)[0].to_list()
-                if "prompt" in ds.column_names:  # flat rows: a problem's candidates share its prompt
+                if "prompt" in ds.column_names:
                     for row, prompt in zip(rows, ds["prompt"][:]):
                         row["group"] = row.get("group") or (prompt if isinstance(prompt, str)
                                                             else json.dumps(prompt))
         return sets
 
     def probs(self, rows: list) -> list:
-        """P(correct) at every step end of each row (prm.core.evaluate.predict), every rank's share gathered."""
+        """P(correct) at every step end of each row, every rank's share gathered."""
         amp = autocast_dtype(self.cfg.dtype, self.rt.device)
         return predict(self.model, rows, batch_size=self.cfg.eval_batch_size,
                        pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt,
@@ -187,9 +173,7 @@ class Evaluator:
 
 
 def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
-    """The threshold that maximizes ProcessBench F1 on a dev set (never the set being reported), and the dev
-    set's every metric at it (`dev`: its step AUROC judges a model as much as its F1 does). The dev file is
-    read with --format if given, else auto: the run's training format says nothing about a new file."""
+    """The threshold maximizing ProcessBench F1 on the --tune-threshold set, and its metrics there (`dev`)."""
     path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else None
     dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
@@ -202,8 +186,7 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
 
 
 def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
-    """({subset name: its report}, the --predictions lines of every subset: one per row, enough to recompute
-    every reported number)."""
+    """({subset name: its report}, the --predictions lines: one per row, of every subset)."""
     blocks, lines = {}, []
     for name, rows in ev.sets(opts.datasets).items():
         pb = opts.processbench or ev.cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
@@ -233,11 +216,11 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
 def mean_f1(blocks: dict):
     """ProcessBench's headline over subsets."""
     f1s = [b.get("f1") for b in blocks.values()]
-    return sum(f1s) / len(f1s) if None not in f1s else None  # undefined in one subset: undefined on average
+    return sum(f1s) / len(f1s) if None not in f1s else None
 
 
 def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
-    """What a reader of the figures must know: steps cut by the length caps, a verdict that never varies."""
+    """Warnings about the figures: steps cut by the length caps, a verdict that never varies."""
     out, cap = [], f" or --max-completion-length (now {cfg.max_completion_length})"
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
@@ -268,12 +251,11 @@ def cell(v) -> str:
 
 
 def table(blocks: dict, *, threshold: float) -> str:
-    """The headline figures of each subset, one row each: ProcessBench's when every subset has them, else the
-    step metrics; then the threshold, why each 'n/a' is undefined, best-of-N and PRMScore when computed."""
+    """The headline figures, a row per subset; the threshold, why each 'n/a', best-of-N and PRMScore."""
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
     width = max(len("subset"), *map(len, blocks))
     rows = [["subset", *cols]] + [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
-    if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:  # the JSON's mean_f1, under the F1 column
+    if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:
         rows.append(["mean", cell(mean_f1(blocks))] + [""] * (len(cols) - 1))
     lines = [f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows]
     lines.append(f"threshold {threshold:g}: a step with P(correct) below it is predicted wrong")
@@ -294,28 +276,25 @@ def table(blocks: dict, *, threshold: float) -> str:
 
 
 def main(args=None) -> dict:
-    """Settings, model, threshold, every set scored and reported: warnings and the table on stderr, the JSON
-    on stdout (rank 0); returns the JSON's object. args: a parsed command line or the strings to parse."""
+    """Warnings and the table on stderr, the JSON on stdout; returns it. args: parsed, or strings to parse."""
     cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
-    progress_off(cfg.disable_tqdm)  # before loading: the bars of transformers and datasets follow it
+    progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
-        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # then a published PRM's weights too
+        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # a published PRM's weights too
         tokenizer, model = load_scorer(cfg, opts.tokenizer_given, opts.scoring,
                                        dtype=torch.bfloat16 if bf16 else torch.float32)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device))
-        head = tuned_threshold(ev, opts) if opts.tune_threshold else \
-            {"threshold": cfg.threshold}
+        head = tuned_threshold(ev, opts) if opts.tune_threshold else {"threshold": cfg.threshold}
         t = head["threshold"]
         blocks, lines = evaluate(ev, opts, t)
-        # the threshold's keys, then the one subset's metrics, or every subset's and their mean F1
         out = {**head, **next(iter(blocks.values()))} if len(blocks) == 1 else \
             {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
-        if rt.is_main:  # for people on stderr; stdout's last line stays the JSON
+        if rt.is_main:
             print("\n".join([*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]), file=sys.stderr)
             print(json.dumps(out), flush=True)
-        barrier(rt)  # no rank tears the process group down while another is still talking to it
-        if rt.is_main and opts.predictions:  # after the JSON and the barrier: a failed write loses no figures
+        barrier(rt)
+        if rt.is_main and opts.predictions:  # after the JSON: a failed write loses no figures
             with reported(opts.predictions), open(opts.predictions, "w") as f:  # WriteFailed: exit status 1
                 f.writelines(json.dumps(line) + "\n" for line in lines)
         return out

@@ -1,5 +1,5 @@
-"""Using a PRM: published PRMs read as their authors read them (scorers), rewards for RL (reward) and the reward
-server (serve). ScorerOptions, here so that eval.py's --help loads no torch, says how a model is read."""
+"""Using a PRM: published PRMs (scorers), rewards for RL (reward), the reward server (serve). ScorerOptions, here
+so that eval.py's --help loads no torch, says how a model is read."""
 import argparse
 import dataclasses
 
@@ -15,8 +15,7 @@ HELP = {"scorer": "how the model scores steps, as its authors do: a token-classi
 
 @dataclasses.dataclass(frozen=True)
 class ScorerOptions:
-    """How a model's outputs are read as step scores (prm.scoring.scorers.load): the --scorer, --step-tag,
-    --good-token and --bad-token of eval.py and prm.serve, PRMReward's keywords of those names."""
+    """How a model's outputs are read as step scores: eval.py's and prm.serve's flags, PRMReward's keywords."""
     scorer: str = "auto"
     step_tag: str = ""
     good_token: str = "+"

@@ -1,7 +1,5 @@
-"""A trained PRM as the reward of an RL trainer: one float per completion, in the form TRL's GRPOTrainer
-calls (`reward_funcs=[PRMReward("out/final")]`), or each step's score on the policy's own tokens (token_rewards:
-PPO-style trainers, prm.scoring.verl_manager). Depends on: torch, prm.config, prm.errors, prm.core.evaluate,
-prm.readers.formats, prm.core.metrics, prm.core.model, prm.scoring."""
+"""A trained PRM as the reward of an RL trainer: one float per completion, as TRL's GRPOTrainer calls it
+(`reward_funcs=[PRMReward("out/final")]`), or each step's score on the policy's own tokens (token_rewards)."""
 import bisect
 import functools
 import itertools
@@ -19,26 +17,22 @@ from prm.core.model import input_settings
 from prm.scoring import ScorerOptions
 from prm.scoring.scorers import load
 
-EMPTY_REWARD = 0.0  # a completion with no step to score (empty, or every step cut): the lowest P(correct)
+EMPTY_REWARD = 0.0  # a completion with no step scored
 
 
 def suffix_minima(ps: list) -> list:
-    """PURE's min-form credit (arXiv 2504.15275: a state's value is the minimum of its future step rewards) for
-    a trainer summing rewards with gamma 1: r_k = m_k - m_(k+1), m_k = min(P_k..P_n), m_(n+1) = 0, so the sum
-    from any step to the end is the minimum P over those steps."""
+    """PURE's min-form credit (arXiv 2504.15275): the sum from any step to the end is the minimum P there."""
     m = list(itertools.accumulate(reversed(ps), min))[::-1] + [0.0]
     return [a - b for a, b in zip(m, m[1:])]
 
 
-# a step's reward from the P(correct) of the scored steps: its own; P_k - P_(k-1) with P_0 = 0 (potential-based
-# shaping, Ng et al. 1999: the sum is the last step's P); the min form
+# the steps' rewards from their P(correct): their own; P_k - P_(k-1) (potential-based, sums to the last P); min form
 SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] + ps[:-1])], "min": suffix_minima}
 
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
-    """char index -> index of the token (of ids) whose decoding completes that character of text, from the
-    prefixes of ids as they decode (never re-tokenizing text): a character split over tokens is held by its
-    last. ValueError naming the row if ids do not decode to text."""
+    """char index -> index of the token of ids whose decoding completes that character of text; ValueError
+    naming the row if ids do not decode to text."""
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
@@ -46,36 +40,26 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
                          f"{whole[at:at + 30]!r}, not {text[at:at + 30]!r}): pass the policy's own ids and "
                          "tokenizer")
 
-    def covered(k):  # the characters of text that ids[:k] decode to for sure (a cut character: '\ufffd')
-        piece = decode(k)
-        m = len(piece)
-        while not text.startswith(piece[:m]):
-            m -= 1
-        return m
+    def covered(k):  # the characters of text that ids[:k] surely decode to
+        return len(os.path.commonprefix([decode(k), text]))
     return lambda c: bisect.bisect_right(range(len(ids) + 1), c, key=covered) - 1
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
-    """(tokenizer, model, run config) of a train.py output or any 2-label token classifier, read as eval.py
-    reads it (scoring: ScorerOptions' fields). The step separator and max length it was trained
-    with come from the run's config.train.json, else from config.json's "prm" (an export); never whether the
-    directory's own Python files may run: that is the caller's trust_remote_code alone."""
+    """(tokenizer, model, run config) of a model directory, read as eval.py reads it; scoring: ScorerOptions."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
-    cfg.model = path  # the saved config names the base model it started from; we want the trained one
-    cfg.trust_remote_code = trust_remote_code  # the user's choice, never the file's (a download ships one)
+    cfg.model = path
+    cfg.trust_remote_code = trust_remote_code
     tokenizer, model = load(cfg, False, ScorerOptions(**scoring))
-    if not saved:  # an export: how training read the input travels in config.json
+    if not saved:
         cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
     return tokenizer, model, cfg
 
 
 class PRMReward:
-    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps (cut at the model's step
-    separator) scored with the training tokenization, the scores aggregated (min, prod, last, mean).
-    model: a directory (train.py output or any 2-label token classifier), or a loaded PRM with `tokenizer=`.
-    trust_remote_code: let a directory's own Python files (an auto_map in its config) run; off whatever they
-    say. scoring: ScorerOptions' fields (scorer, step_tag, good_token, bad_token), as eval.py's flags."""
+    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in training, then
+    aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring: ScorerOptions' fields."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
@@ -87,60 +71,58 @@ class PRMReward:
         scorer = ScorerOptions(**scoring).scorer
         if isinstance(model, str):
             tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **scoring)
-        elif scorer not in ("auto", "classifier"):  # a loaded model would silently be read as a classifier
+        elif scorer not in ("auto", "classifier"):
             raise ValueError(f"scorer {scorer!r} reads a model directory; "
                              "prm.scoring.scorers.load gives a loaded one")
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
-            cfg = Config.from_dict(input_settings(model.config))  # its own, else "\n" and 1024 tokens
+            cfg = Config.from_dict(input_settings(model.config))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = model.to(self.device).eval(), tokenizer
         self.step_separator = step_separator if step_separator is not None else cfg.step_separator
         self.max_length = max_length if max_length is not None else cfg.max_length
         self.aggregate, self.batch_size = aggregate, batch_size
-        self.__name__ = f"prm_{aggregate}"  # TRL names each reward function's logged column after __name__
+        self.__name__ = f"prm_{aggregate}"  # TRL's logged column
 
     @staticmethod
     def text(completion) -> str:
-        """TRL passes text, or for conversational data a list of messages: then the assistant's contents, joined."""
+        """A completion's text: a string, or the assistant's contents of a list of messages, joined."""
         if isinstance(completion, str):
             return completion
         return "".join(m["content"] for m in completion if m.get("role", "assistant") == "assistant")
 
     def steps(self, completion) -> list:
-        """The completion's steps as training keeps them (formats.split_steps: verbatim, blank pieces dropped)."""
+        """The completion's steps as training keeps them."""
         return split_steps(self.text(completion), self.step_separator)
 
     def prompt(self, prompt):
-        """Messages go through the chat template, as in training; a tokenizer without one reads their text."""
+        """Messages for the chat template, as in training; without one, their text."""
         if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
             return prompt
         return "\n".join(m["content"] for m in prompt)
 
     def template_failure(self, prompts: dict):
-        """UsageError naming the first completion whose chat prompt the template cannot render, if any: run
-        after scoring failed, so the template is rendered once per call, not probed first."""
-        for i, prompt in prompts.items():  # {completion index: prompt}
+        """UsageError naming the first completion ({index: prompt}) whose chat prompt the template refuses."""
+        for i, prompt in prompts.items():
             if isinstance(prompt, str):
                 continue
             try:
                 self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # jinja2's TemplateError (raise_exception), KeyError, TypeError, ...
+            except Exception as e:
                 raise UsageError(f"completion {i}: the tokenizer's chat template fails on its prompt: "
                                  f"{type(e).__name__}: {str(e).strip()[:200]}") from e
 
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; [] for one with no step. Steps past max_length get no
-        score: a warning says how many completions lost steps."""
+        """P(correct) per step of each completion; steps past max_length unscored, with a warning."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
         solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]
-        todo = [i for i, (_, steps) in enumerate(solutions) if steps]  # an empty solution is not run
+        todo = [i for i, (_, steps) in enumerate(solutions) if steps]
         try:
             probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
                                 max_length=self.max_length, batch_size=self.batch_size)
-        except Exception:
+        except Exception:  # a template failure said as such, else as it is
             self.template_failure({i: solutions[i][0] for i in todo})
             raise
         scored = dict(zip(todo, probs))
@@ -152,18 +134,15 @@ class PRMReward:
         return [scored.get(i, []) for i in range(len(solutions))]
 
     def step_scores(self, prompts: list, completions: list) -> list:
-        """For each completion one (start, end, p) per step: its characters text[start:end] (text: see `text`)
-        and its P(correct) as step_probs gives it, None for a step that truncation cut."""
+        """Per completion, (start, end, p) per step: its span of `text(completion)` and P(correct), None if cut."""
         spans = [step_spans(self.text(c), self.step_separator) for c in completions]
-        probs = self.step_probs(prompts, completions)  # a prefix of each one's steps
+        probs = self.step_probs(prompts, completions)
         return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, ps)] for s, ps in zip(spans, probs)]
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "step", *, scores: list = None) -> list:
-        """For each completion, a float per token of its completion_ids (the policy's own response tokens,
-        decoded by the policy's tokenizer with skip_special_tokens): each scored step's SHAPINGS value on the
-        token holding the step's last character (steps ending in one token add up), 0.0 elsewhere.
-        scores: step_scores' answer for these completions, if already computed."""
+        """Per completion, a float per token of completion_ids: each scored step's SHAPINGS value on the token
+        holding its last character, 0.0 elsewhere. scores: step_scores' answer, if already computed."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
         if len(completion_ids) != len(completions):
@@ -181,9 +160,9 @@ class PRMReward:
         return out
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list:
-        """One float per completion; TRL's extra columns (kwargs) are accepted and not used."""
+        """One float per completion; TRL's extra columns (kwargs) unused."""
         return self.aggregated(self.step_probs(prompts, completions))
 
     def aggregated(self, step_probs: list) -> list:
-        """One float per step_probs list: the aggregate of its steps, EMPTY_REWARD for one with none."""
+        """The aggregate of each list of step probabilities, EMPTY_REWARD for an empty one."""
         return [float(AGGREGATES[self.aggregate](ps)) if ps else EMPTY_REWARD for ps in step_probs]

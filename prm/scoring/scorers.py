@@ -1,15 +1,9 @@
-"""Published PRMs read exactly as their authors read them, so evaluation and rewards need no branch of their
-own: per family a row builder (input_ids, and the positions read as the steps' scores), which travels as the
-tokenizer's `prm_rows` (prm.readers.ingest and prm.core.evaluate.score_batch call it instead of tokenize_batch), and a
-model giving (B, T, 2) logits, [bad, good].
-- classifier: a token-classification head (prm.training.build.load_trained, prm.core.data.tokenize_batch).
-- qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, user = problem, assistant = every step ended by
-  <extra_0>; its own model code, whose first output is read at each <extra_0>.
-- step-tag (Math-Shepherd): problem + " " + the steps each ended by " " + a tag, joined by "\n", tokenized
-  once; LM-head logits of the bad and good tokens at each tag.
-- chat-turns (RLHFlow): user turns (problem + " " + step 1, then a step each), each assistant turn the good
-  token, rendered once; the bad/good logits where each assistant token is predicted.
-Depends on: torch, transformers, prm.training.build, prm.core.data, prm.errors, prm.scoring, prm.core.varlen."""
+"""Published PRMs read as their authors read them: per family a row builder (input_ids and the positions read
+as step scores), carried as the tokenizer's `prm_rows`, and a model giving (B, T, 2) logits, [bad, good].
+- classifier: a token-classification head (ours, TRL's).
+- qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, the steps each ended by <extra_0>; its own code.
+- step-tag (Math-Shepherd): problem, then the steps each ended by " " + a tag; LM logits at each tag.
+- chat-turns (RLHFlow): a user turn per step, each answered by the good token; LM logits where it is predicted."""
 import bisect
 import dataclasses
 import hashlib
@@ -17,28 +11,26 @@ import itertools
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from prm.training.build import load_tokenizer, load_trained, loading
 from prm.core.data import IGNORE, normalize_label
-from prm.core.model import saved_weights
+from prm.core.model import PRM, saved_weights
 from prm.errors import UsageError
 from prm.scoring import FAMILIES, ScorerOptions
 from prm.core.varlen import supports_packing, use_packed_attention
 
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
-with open(__file__, "rb") as _f:  # CODE is in every Family: a change of this file is a new datasets cache
+with open(__file__, "rb") as _f:  # in every Family: a change of this file is a new datasets cache
     CODE = hashlib.sha256(_f.read()).hexdigest()
 
 
 def detect(model: str, scorer) -> str:
-    """scorer; for auto: qwen-prm if the model's config (local or hub) names a *ForProcessRewardModel, else
-    classifier."""
+    """scorer; for auto: qwen-prm if the model's config names a *ForProcessRewardModel, else classifier."""
     if scorer and scorer != "auto":
         return scorer
-    try:  # a plain config read: Qwen's PRMs declare a known model type, no code runs
+    try:  # no code runs: Qwen's PRMs declare a known model type
         archs = AutoConfig.from_pretrained(model).architectures or []
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: load_trained says why
         return "classifier"
@@ -51,7 +43,7 @@ def shown(tokenizer, ids: list) -> list:
 
 
 def one_token(tokenizer, flag: str, text: str) -> int:
-    """The id of text, one token of the tokenizer's vocabulary (not its unknown token)."""
+    """The id of text, one known token of the tokenizer, else UsageError."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits into "
@@ -64,7 +56,7 @@ def one_token(tokenizer, flag: str, text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A family's settings, its tokens checked against the tokenizer (`family` builds it)."""
+    """A family's settings, its tokens checked (`family` builds it)."""
     name: str
     tag: str = ""
     good: str = "+"
@@ -75,12 +67,11 @@ class Family:
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", max_length=None,
                        train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
-        """tokenize_batch's columns (prm.core.data), each row built as its authors build it (the separator and
-        train_on_last_step_only are not theirs: unused); truncation keeps whole steps, as assemble does."""
+        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build it."""
         out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
                                "step_labels")}
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
-            problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat prompt: its user turns' text
+            problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat prompt's user turns
                 m["content"] for m in prompt if m.get("role", "user") == "user")
             ids, reads, first = BUILDERS[self.name](self, tokenizer, problem, list(steps))
             row = cut(ids, reads, first, labels, max_length, max_completion_length)
@@ -100,7 +91,7 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
                          "step-tag and chat-turns read --good-token and --bad-token)")
     if name == "classifier":
         return Family(name)
-    if name == "qwen-prm":  # a Qwen PRM's tokenizer holds it: said before asking to run the model's code
+    if name == "qwen-prm":  # checked before asking to run the model's code
         return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, "--scorer qwen-prm: is --model a Qwen PRM? "
                                                                   "Its step separator", QWEN_SEP))
     if name == "step-tag" and not step_tag:
@@ -118,8 +109,8 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *, first_char: int,
            shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids of text tokenized once, for each char index in `ends` the position of the token ending there
-    plus shift, the first step's first token). A mark that is no token of its own cannot hold a step end."""
+    """(input_ids of text, the position (+ shift) of the `token_id` token ending at each of `ends`, the first
+    step's first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
@@ -127,7 +118,7 @@ def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str
     for end in ends:
         j = by_end.get(end)
         if j is None or ids[j] != token_id:
-            start = end - len(mark) - 1  # the mark and the character before it
+            start = end - len(mark) - 1
             pieces = shown(tokenizer, [i for i, (s, e) in zip(ids, spans) if e > start and s < end])
             raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its own ends "
                              f"the step: there {text[start:end]!r} tokenizes as {pieces}")
@@ -163,7 +154,7 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
                   {"role": "assistant", "content": fam.good}]
     text = tokenizer.apply_chat_template(turns, tokenize=False) if turns else ""
     ends = []
-    for k in range(len(steps)):  # where the template opens the assistant's turn after step k
+    for k in range(len(steps)):
         head = tokenizer.apply_chat_template(turns[:2 * k + 1], tokenize=False, add_generation_prompt=True)
         if not text.startswith(head + fam.good):
             raise UsageError(f"--scorer chat-turns: the chat template does not render turn {2 * k + 2} (the "
@@ -179,8 +170,7 @@ BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_r
 
 
 def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_completion_length=None):
-    """A row keeping the steps whose read position fits in max_length (and max_completion_length from the
-    first step's start), cut after the last kept one: later tokens never change a causal model's reads."""
+    """A row cut after the last step whose read position fits in max_length and max_completion_length."""
     kept = [p for p in reads if (max_length is None or p < max_length)
             and not (max_completion_length and p - first >= max_completion_length)]
     ids = ids[:kept[-1] + 1] if kept else ids[:max_length]
@@ -188,46 +178,44 @@ def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_c
     for p, y in zip(kept, labels):
         out[p] = normalize_label(y)
     return {"input_ids": ids, "labels": out, "steps_kept": len(kept), "step_ends": kept, "length": len(ids),
-            "n_labeled": len(out) - out.count(IGNORE),  # then every step's truth, cut ones too
+            "n_labeled": len(out) - out.count(IGNORE),
             "step_labels": [None if y is None else float(y) for y in labels]}
 
 
-class Logits(nn.Module):
-    """(B, T, 2) logits of a causal LM's head rows `cols` ([bad, good]: only those two rows are multiplied,
-    never the vocabulary's), or with cols None the first output of a model with its own code."""
+class FirstOutput(nn.Module):
+    """A model with its own code (Qwen2.5-Math-PRM) whose first output is read as (B, T, 2) logits."""
 
-    def __init__(self, model, cols=None):
+    def __init__(self, model):
         super().__init__()
-        self.model, self.cols = model, cols
+        self.model = model
 
     @property
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids, attention_mask=None, **packed):
-        if self.cols is None:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
-            if logits.dim() != 3 or logits.shape[-1] != 2:
-                raise UsageError(f"--scorer qwen-prm: the model's first output has shape "
-                                 f"{tuple(logits.shape)}, not (batch, tokens, 2): is it a "
-                                 "Qwen2.5-Math-PRM-style model?")
-            return logits
-        h = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                  **packed).last_hidden_state  # (B, T, H)
-        head = self.model.get_output_embeddings()
-        bias = None if head.bias is None else head.bias[self.cols]
-        return F.linear(h, head.weight[self.cols], bias)  # (B, T, 2)
+    def forward(self, input_ids, attention_mask=None):
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
+        if logits.dim() != 3 or logits.shape[-1] != 2:
+            raise UsageError(f"--scorer qwen-prm: the model's first output has shape {tuple(logits.shape)}, not "
+                             "(batch, tokens, 2): is it a Qwen2.5-Math-PRM-style model?")
+        return logits
+
+
+def lm_head_rows(lm, ids: list) -> PRM:
+    """A causal LM as a PRM whose head is its LM head's rows `ids` alone ([bad, good]: (B, T, 2) logits)."""
+    head = lm.get_output_embeddings()
+    rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device, head.weight.dtype)
+    rows.load_state_dict({k: v[ids] for k, v in head.state_dict().items()})  # weight (2, H), bias (2,)
+    return PRM(lm.base_model, rows)
 
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, dtype=torch.float32) -> tuple:
-    """(tokenizer, model) of any family, the model's output (B, T, 2) logits and the tokenizer carrying the
-    family's row builder; classifiers load as prm.training.build.load_trained loads them (fp32), a published PRM's
-    weights in `dtype` (bf16, as their authors run them, halves the memory of a 7B model)."""
+    """(tokenizer carrying the row builder, model giving (B, T, 2) logits); published weights in `dtype`."""
     name = detect(cfg.model, opts.scorer)
     settings = dict(step_tag=opts.step_tag, good_token=opts.good_token, bad_token=opts.bad_token)
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
-    if name == "classifier":  # refuses the flags it would ignore
+    if name == "classifier":  # refuses the flags it ignores
         family(None, name, **settings)
         return load_trained(cfg, tokenizer_given)
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
@@ -237,9 +225,13 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, d
     if name == "qwen-prm" and not cfg.trust_remote_code:
         raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add --trust-remote-code")
     auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
-    model = Logits(loading("--model", cfg.model, saved_weights, auto=auto, trust_remote_code=cfg.trust_remote_code,
-                           dtype=dtype), None if name == "qwen-prm" else [fam.bad_id, fam.good_id])
-    if name != "qwen-prm" and cfg.packing and supports_packing(model.model.base_model):  # else padding
-        use_packed_attention(model.model.base_model)
+    model = loading("--model", cfg.model, saved_weights, auto=auto, trust_remote_code=cfg.trust_remote_code,
+                    dtype=dtype)
+    if name == "qwen-prm":
+        model = FirstOutput(model)
+    else:
+        model = lm_head_rows(model, [fam.bad_id, fam.good_id])
+        if cfg.packing and supports_packing(model.backbone):
+            use_packed_attention(model.backbone)
     tokenizer.prm_rows = fam.tokenize_batch
     return tokenizer, model.eval()

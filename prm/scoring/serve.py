@@ -1,24 +1,17 @@
 """`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward model protocol
-(`--remote_rm_url http://HOST:P/get_reward`), on the standard library's HTTP server.
+(`--remote_rm_url http://HOST:P/get_reward`).
 
-POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} (other fields ignored) answers
-{"rewards": [...], "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on
-(prompt, the rest of the query), the steps of each completion and those that fit in --max-length. With
-"step_rewards": true, also "step_rewards": per query, [start, end, P(correct)] per step (PRMReward.step_scores;
-null: a step cut by --max-length), query[start:end] the step, indexed in the query as sent.
-Texts first lose the tokenizer's padding and EOS at both ends and its BOS at the start, as OpenRLHF's own
-server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn start
-(e.g. "<|im_start|>assistant\\n"), else at the first step separator (none: all prompt, reward 0.0).
-A prompt that is exactly the model's own chat template around one user turn (generation prompt included) is
-read as that turn: the message, rendered as training renders it, or for a published PRM (--scorer), which
-builds its own input around the plain question, its text; any other prompt is taken as it is.
-GET /health answers {"status": "ok", ...}; GET /get_reward and POST /health a 405 naming the other method.
+POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...], "scores": [...],
+"extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt, the rest of the query). With
+"step_rewards": true, also per query [start, end, P(correct)] per step, indexed in the query as sent (P null: a
+step cut by --max-length). Texts lose the tokenizer's padding and EOS at both ends and its BOS at the start, as
+OpenRLHF's server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn
+start, else at the first step separator. A prompt that is exactly the chat template around one user turn is read
+as that turn. GET /health answers {"status": "ok", ...}.
 
-A thread per connection, up to --max-connections (more: 503), the model one request at a time. Every error is
-JSON, {"error": message}: a request not all read within --timeout s of connecting, however slowly it trickles
-in: 408; a body over --max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad or
-conflicting one, a body prm.readers.formats.read_json refuses, a field of the wrong type: 400; a scoring failure: 500
-(traceback on stderr). Depends on: prm.cli, prm.config, prm.readers.formats, prm.scoring.reward."""
+A thread per connection, up to --max-connections (more: 503), the model one request at a time. Errors are
+{"error": message}: a request not all read within --timeout s: 408; a body over --max-body-bytes or over
+--max-batch queries: 413; no Content-Length: 411; a bad request: 400; a scoring failure: 500."""
 import argparse
 import contextlib
 import io
@@ -41,7 +34,7 @@ from prm.scoring.reward import PRMReward
 
 PATH, HEALTH = "/get_reward", "/health"
 PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
-MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64  # a body of 8 MiB holds thousands of long rollouts
+MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64
 LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
           "max_batch": (MAX_BATCH, "more queries in one request get a 413 (the model is held while scoring)"),
           "max_connections": (MAX_CONNECTIONS, "connections served at once; more get a 503")}
@@ -51,29 +44,15 @@ BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: 
 
 
 class BadRequest(ValueError):
-    """What is wrong with a request, sent back with its status (400 unless said) as {"error": message}."""
+    """What is wrong with a request, answered with its status as {"error": message}."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
 
 
-def body_size(headers: list, limit: int) -> int:
-    """The Content-Length to read, checked before a byte of the body is."""
-    if not headers:  # chunked bodies are not read: their size is unknown up front
-        raise BadRequest("Content-Length is required", 411)
-    if len({h.strip() for h in headers}) > 1:  # which one frames the body?
-        raise BadRequest(f"{len(headers)} different Content-Length headers")
-    digits = headers[0].strip()
-    if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
-        raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
-    if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets its digit limit
-        raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
-    return int(digits)
-
-
 def parse(body: bytes):
-    """The body as JSON, read as the data files are; every way it can be unreadable is a BadRequest."""
+    """The body as JSON, read as the data files are, else BadRequest."""
     text, problem, line = decode(body)
     value, problem, line = (None, problem, line) if problem else read_json(text)
     if problem:
@@ -93,7 +72,7 @@ def texts(data: dict, key: str) -> list:
 
 
 def strip_tokens(text: str, left: list, right: list) -> str:
-    """text without any run of `left` tokens at its start or `right` ones at its end (linear: cut once)."""
+    """text without any run of `left` tokens at its start or `right` ones at its end."""
     start, end = 0, len(text)
     while tok := next((t for t in left if text.startswith(t, start, end)), ""):
         start += len(tok)
@@ -103,63 +82,52 @@ def strip_tokens(text: str, left: list, right: list) -> str:
 
 
 def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
-    """The chat template's rendering of one user turn holding text; "" without a template or where it refuses
-    a lone user message."""
+    """The chat template's rendering of one user turn holding text; "" if there is none."""
     if not getattr(tokenizer, "chat_template", None):
         return ""
     try:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=generation_prompt)
-    except Exception:  # a template that refuses a lone user message (it raises through Jinja)
+    except Exception:  # a template refusing a lone user message
         return ""
 
 
-def assistant_marker(tokenizer) -> str:
-    """What the chat template writes to open the assistant's turn; "" without a template or such text."""
-    closed, opened = user_turn(tokenizer, "q", False), user_turn(tokenizer, "q")
-    return opened[len(closed):] if closed and opened.startswith(closed) else ""
-
-
-def split_query(query: str, marker: str, separator: str) -> tuple:
-    """(prompt, completion) of a query sent without its prompt (the rule in the module's docstring)."""
+def prompt_end(query: str, marker: str, separator: str) -> int:
+    """Where the prompt of a query sent without it ends: after the last marker, else at the first separator."""
     if marker and marker in query:
-        cut = query.rindex(marker) + len(marker)
-    else:
-        cut = query.find(separator) if separator in query else len(query)
-    return query[:cut], query[cut:]
+        return query.rindex(marker) + len(marker)
+    return query.find(separator) if separator in query else len(query)
 
 
 class Scorer:
-    """The /get_reward answer to a parsed body; one request at a time (nor is the tokenizer thread-safe)."""
+    """The /get_reward answer to a parsed body; one request at a time."""
 
     def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
         self.reward, self.lock, self.max_batch = reward, threading.Lock(), max_batch
         tok = reward.tokenizer
-        self.marker = assistant_marker(tok)
-        # decoded rollouts keep padding and EOS, which OpenRLHF strips; BOS too (with_bos puts it back)
+        # what the chat template writes to open the assistant's turn ("" if nothing)
+        closed, opened = user_turn(tok, "q", False), user_turn(tok, "q")
+        self.marker = opened[len(closed):] if closed and opened.startswith(closed) else ""
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
-        # the text before and after a question in the template's rendering of one user turn, stripped as
-        # prompts are (() without a template)
+        # the template's text before and after a user turn's question, () without a template
         probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right)
         self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else ()
         self.published = hasattr(tok, "prm_rows")  # builds its own input around the plain question
 
     def question(self, prompt: str):
-        """A prompt that is exactly the PRM's chat template around one user turn (with the generation prompt)
-        read as that turn: its text for a published PRM, else the message, which the template renders as in
-        training (the text alone would gain a BOS the template never wrote); any other prompt as it is."""
+        """A prompt that is the chat template around one user turn as that turn (a published PRM: its text)."""
         if not self.frame or not (prompt.startswith(self.frame[0]) and prompt.endswith(self.frame[1])):
             return prompt
         text = prompt[len(self.frame[0]):len(prompt) - len(self.frame[1])]
-        # one turn only: a conversation of several holds the frame's ends inside; re-rendering must give it
+        # one turn only: re-rendering gives the prompt back
         whole = strip_tokens(user_turn(self.reward.tokenizer, text), self.left, self.right)
         if whole != prompt or any(end and end in text for end in self.frame):
             return prompt
         return text if self.published else [{"role": "user", "content": text}]
 
     def split(self, data) -> tuple:
-        """(prompts, completions) of a /get_reward body, every text stripped of padding, EOS and BOS."""
+        """(prompts, completions) of a /get_reward body, stripped of padding, EOS and BOS."""
         if not isinstance(data, dict):
             raise BadRequest("expected a JSON object with 'query' (and 'prompts')")
         queries = texts(data, "query")
@@ -167,15 +135,15 @@ class Scorer:
             raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per request "
                              "(--max-batch)", 413)
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
-        if data.get("prompts") is None:  # OpenRLHF always sends them; other clients may not
-            pairs = [split_query(q, self.marker, self.reward.step_separator) for q in queries]
-            return [self.question(p) for p, _ in pairs], [c for _, c in pairs]
-        prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
-        if len(queries) != len(prompts):
-            raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
-        bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
-        if bad:  # the split point between prompt and solution would be a guess
-            raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
+        if data.get("prompts") is None:
+            prompts = [q[:prompt_end(q, self.marker, self.reward.step_separator)] for q in queries]
+        else:
+            prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
+            if len(queries) != len(prompts):
+                raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
+            bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
+            if bad:
+                raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
         return [self.question(p) for p in prompts], [q[len(p):] for q, p in zip(queries, prompts)]
 
     def __call__(self, data) -> dict:
@@ -186,18 +154,17 @@ class Scorer:
             scores = self.reward.step_scores(prompts, completions)
         probs = [[p for *_, p in steps if p is not None] for steps in scores]
         rewards = self.reward.aggregated(probs)
-        # OpenRLHF's serve_rm keys: clients read "rewards" and log each extra_logs list (a value per query)
+        # OpenRLHF's serve_rm keys
         out = {"rewards": rewards, "scores": rewards,
                "extra_logs": {"steps": [len(steps) for steps in scores], "steps_scored": [len(ps) for ps in probs]}}
-        if data.get("step_rewards"):  # the completion ends where the query, sent, loses its padding and EOS
+        if data.get("step_rewards"):  # offsets in the query as sent
             ends = [len(strip_tokens(q, [], self.right)) - len(c) for q, c in zip(data["query"], completions)]
             out["step_rewards"] = [[[a + at, b + at, p] for a, b, p in steps] for steps, at in zip(scores, ends)]
         return out
 
 
 class Deadline(socket.SocketIO):
-    """A connection's reading side that ends (reads give EOF) `timeout` s after connecting, however slowly the
-    bytes trickle in: each read waits only for the time left, then `expired` says why. No thread of its own."""
+    """A connection's reading side giving EOF (and `expired`) `timeout` s after connecting, however slowly."""
 
     def __init__(self, handler):
         super().__init__(handler.connection, "rb")
@@ -214,14 +181,13 @@ class Deadline(socket.SocketIO):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body). One deadline for the
-    whole request, `timeout` s after connecting (Deadline); a reply's writes wait `timeout` s each."""
+    """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body)."""
     expired = False
-    default_request_version = "HTTP/1.0"  # an error answer to a cut request line has its status line too
+    default_request_version = "HTTP/1.0"  # an answer to a cut request line has a status line
 
     def setup(self):
         super().setup()
-        self.rfile.close()  # the socket's own reader: read through the deadline instead
+        self.rfile.close()
         self.rfile = io.BufferedReader(Deadline(self))
 
     def do_GET(self):
@@ -240,33 +206,43 @@ class Handler(BaseHTTPRequestHandler):
             payload = self.scorer(parse(self.body()))
         except BadRequest as e:
             return self.reply(e.status, {"error": str(e)})
-        except Exception as e:  # a failure in scoring: this request gets a 500, the server serves on
+        except Exception as e:  # the server serves on
             traceback.print_exc(file=sys.stderr)
             return self.reply(500, {"error": f"scoring failed: {type(e).__name__}: {e}"})
         self.reply(200, payload)
 
     def body(self) -> bytes:
-        """The whole request body, within the size limit and the timeout."""
-        size = body_size(self.headers.get_all("Content-Length"), self.max_body)
+        """The whole request body, within the timeout; its Content-Length checked before a byte of it is read."""
+        headers, limit = self.headers.get_all("Content-Length"), self.max_body
+        if not headers:
+            raise BadRequest("Content-Length is required", 411)
+        if len({h.strip() for h in headers}) > 1:
+            raise BadRequest(f"{len(headers)} different Content-Length headers")
+        digits = headers[0].strip()
+        if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
+            raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
+        if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets its digit limit
+            raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
+        size = int(digits)
         body = self.rfile.read(size)
-        if len(body) < size and self.expired:  # fewer bytes than Content-Length said, too slowly
+        if len(body) < size and self.expired:
             raise BadRequest(f"the request did not arrive within {self.timeout} s (--timeout)", 408)
-        if len(body) < size:  # the client closed its side early
+        if len(body) < size:
             raise BadRequest(f"the body ended after {len(body)} of its {size} bytes (Content-Length)")
         return body
 
     def send_error(self, code, message=None, explain=None):
         """The standard library's own errors (unknown method, bad request line, long headers) as JSON."""
         self.close_connection = True
-        if self.expired:  # the request line or headers were cut at the deadline
+        if self.expired:
             code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
         self.reply(code, {"error": message or HTTPStatus(code).phrase})
 
     def reply(self, status: int, payload: dict, *, allow: str = ""):
         body = json.dumps(payload).encode()
-        self.connection.settimeout(self.timeout)  # the last read may have left it shorter
+        self.connection.settimeout(self.timeout)  # the deadline may have shortened it
         self.send_response(status)
-        if allow:  # a 405: the method this path takes
+        if allow:
             self.send_header("Allow", allow)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -275,14 +251,14 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """A thread per connection, up to max_connections at once; one more is answered 503 and closed at once."""
-    request_queue_size = 128  # connections the kernel holds until accepted (5: a burst waits on retries)
-    slots: threading.BoundedSemaphore  # one per connection served at once
+    """A thread per connection, up to max_connections at once; one more is answered 503 and closed."""
+    request_queue_size = 128
+    slots: threading.BoundedSemaphore
 
     def process_request(self, request, client_address):
         if self.slots.acquire(blocking=False):
             return super().process_request(request, client_address)
-        with contextlib.suppress(OSError):  # a fresh socket's send buffer takes these bytes at once
+        with contextlib.suppress(OSError):
             request.sendall(BUSY)
         self.shutdown_request(request)
 
@@ -296,8 +272,7 @@ class Server(ThreadingHTTPServer):
 def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
                 timeout: float = 30.0, max_body: int = MAX_BODY, max_batch: int = MAX_BATCH,
                 max_connections: int = MAX_CONNECTIONS):
-    """The server, bound and not yet serving (port 0: a free one, in server.server_port). Its threads are
-    daemons: a client still connected never holds up the process's exit."""
+    """The server, bound and not yet serving (port 0: a free one, in server.server_port)."""
     handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch), "model_name": name,
                                            "timeout": timeout, "max_body": max_body})
     server = Server((host, port), handler)
@@ -308,23 +283,21 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; a bad flag or value raises UsageError (one line, exit status 2)."""
     p = Parser(prog="python -m prm.serve", usage="%(prog)s --model DIR [options]", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)  # the defaults are in the help texts
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a train.py output or any 2-label token classifier")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--step-separator", type=unescape, default=None,
-                   help="what ends each step (escapes such as \\n understood); default: the model's own (its "
-                        "run's, else config.json's 'prm'), else \\n")
-    p.add_argument("--max-length", type=int, default=None, help="tokens per prompt and completion; steps "
-                   "past it get no score (default: the model's own, else 1024)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--step-separator", type=unescape, help="what ends each step (escapes such as \\n "
+                   "understood); default: the model's own (its run's, else config.json's 'prm'), else \\n")
+    p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past it get no "
+                   "score (default: the model's own, else 1024)")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config says)")
-    p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a client has to send its whole request, however slowly; then a 408 "
-                        "(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its whole "
+                   "request, however slowly; then a 408 (default: %(default)s)")
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
@@ -344,8 +317,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None):
-    # a bad flag, a model that cannot be loaded, a bad scorer setting, an address that cannot be bound: one
-    # line, status 2
+    """Serves until interrupted; a bad flag, model or address is one line, status 2."""
     with exit_status():
         args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
@@ -355,7 +327,7 @@ def main(argv=None):
             server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
                                  max_body=args.max_body_bytes, max_batch=args.max_batch,
                                  max_connections=args.max_connections)
-        except OSError as e:  # the port in use (Errno 98), a --host that names no address of this machine
+        except OSError as e:
             raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
         try:

@@ -1,15 +1,11 @@
 """A reward manager for verl 0.9.1's reward loop: a PRM's step scores on the policy's own response tokens
-(PRMReward.token_rewards), for PPO-style trainers. verl loads it by path; the package never imports it (verl is
-no dependency of prm, which must be importable where verl runs: pip install it, or PYTHONPATH). Selected by
+(PRMReward.token_rewards). verl loads it by path (prm never imports verl); selected by
 
     reward.reward_manager.source=importlib reward.reward_manager.name=PRMRewardManager
     reward.reward_manager.module.path=/path/to/prm/scoring/verl_manager.py
     +reward.reward_kwargs.model=out/final  # and any PRMReward keyword (aggregate, device, scorer, ...), shaping
 
-Each sample's response is decoded from `responses` and `attention_mask` (special tokens skipped) and scored after
-its prompt (the messages of `raw_prompt`, else the prompt's decoded tokens); the rewards fill its row of
-`rm_scores`, the aggregate (PRMReward's __name__, e.g. prm_min) goes in reward_extra_info. verl's
-compute_score is not used. Depends on: torch, verl, prm.scoring.reward."""
+Each response's rewards fill its row of `rm_scores`, the aggregate goes in reward_extra_info."""
 import asyncio
 import threading
 
@@ -21,7 +17,7 @@ from prm.scoring.reward import PRMReward
 
 class PRMRewardManager(RewardManagerBase):
     """run_single -> {"reward_score": a float per response token, "reward_extra_info": {aggregate name: value}}."""
-    reward: PRMReward = None  # one per process (init_class), scoring one sample at a time
+    reward: PRMReward = None  # one per process (init_class)
     shaping = "step"
     lock = threading.Lock()
 
@@ -41,7 +37,7 @@ class PRMRewardManager(RewardManagerBase):
         super().init_class(config, tokenizer)
 
     def score(self, prompt, ids: list) -> dict:
-        """One sample's answer to run_single (in verl's executor threads: one at a time)."""
+        """One sample's answer to run_single, one at a time."""
         with self.lock:
             completion = self.tokenizer.decode(ids, skip_special_tokens=True)
             scores = self.reward.step_scores([prompt], [completion])
@@ -51,7 +47,7 @@ class PRMRewardManager(RewardManagerBase):
         return {"reward_score": rewards, "reward_extra_info": {self.reward.__name__: aggregate}}
 
     async def run_single(self, data) -> dict:
-        item = data[-1:][0]  # the last sequence, as verl's own managers read it
+        item = data[-1:][0]  # as verl's own managers read it
         responses, mask = item.batch["responses"], item.batch["attention_mask"]  # (R,), (P + R,)
         ids = responses[:int(mask[-responses.shape[-1]:].sum())].tolist()  # right-padded
         prompt = item.non_tensor_batch.get("raw_prompt")
