@@ -15,9 +15,7 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A write that failed (a full disk, a read-only folder): exit status 1. cause: the reason without the
-    path."""
-    code = 1
+    """A failed write (a full disk, a read-only folder): exit status 1; cause: the reason without the path."""
 
     def __init__(self, message: str, cause: str = None):
         super().__init__(message)
@@ -48,8 +46,7 @@ def check(problems: list):
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError becomes 'error: <message>' on stderr (Stopped: the message alone) and its
-    exit status."""
+    """For entry points: a PRMError becomes 'error: <message>' (Stopped: the message) and its exit status."""
     try:
         yield
     except PRMError as e:

@@ -83,8 +83,7 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
 
 
 def candidate_groups(step_probs: list, rows: list) -> list:
-    """One list of candidates per problem (`group`), in input order; every row is one and must know its
-    outcome."""
+    """One list of candidates per problem (`group`), in input order; each row must know its outcome."""
     groups = {}
     for i, (ps, row) in enumerate(zip(step_probs, rows)):
         if row.get("final_answer_correct") is None:
@@ -122,7 +121,7 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
     score: each list is a prefix."""
     saved = input_settings(getattr(model, "config", None))
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
-    # None: no cap for tokenize_batch
+    # 0 -> None, tokenize_batch's "no cap"
     max_length = (max_length if max_length is not None else saved.get("max_length")) or None
     max_completion_length = (max_completion_length if max_completion_length is not None
                              else saved.get("max_completion_length")) or None

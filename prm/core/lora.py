@@ -15,8 +15,7 @@ class LoRALinear(nn.Linear):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        for p in self.parameters():
-            p.requires_grad_(False)
+        self.requires_grad_(False)  # weight and bias
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=dev))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=dev))  # (out, r)
@@ -41,8 +40,7 @@ def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, target
     glob of `targets` for LoRALinear, in place. Returns their names; none is an error (GPT-2's Conv1D layers,
     for instance, are no nn.Linear)."""
     patterns = [p.strip() for p in targets.split(",") if p.strip()]
-    for p in backbone.parameters():
-        p.requires_grad_(False)
+    backbone.requires_grad_(False)
     linear = [(n, m) for n, m in backbone.named_modules()
               if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
     chosen = [(n, m) for n, m in linear
@@ -65,8 +63,7 @@ def merge(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
 
 
 def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
-    """The module's state dict (or `state`, its keys gathered elsewhere) with every adapter folded into its
-    weight and the lora_* entries removed."""
+    """The state dict (or `state`, its keys gathered elsewhere) with the adapters folded into their weights."""
     state = dict(module.state_dict() if state is None else state)
     for name, m in module.named_modules():
         if isinstance(m, LoRALinear):
@@ -77,8 +74,7 @@ def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
 
 
 def peft_targets(module: nn.Module) -> list:
-    """PEFT's target_modules for exactly the adapted layers: their last parts (`q_proj`) when those name no
-    other module, else the full names."""
+    """PEFT's target_modules for exactly the adapted layers: last parts (`q_proj`) if unambiguous, else names."""
     chosen = {n for n, m in module.named_modules() if isinstance(m, LoRALinear)}
     short = {n.rsplit(".", 1)[-1] for n in chosen}
     same_short = {n for n, _ in module.named_modules() if n.rsplit(".", 1)[-1] in short}

@@ -13,18 +13,17 @@ def _ratio(a, b):
 
 
 def auroc(scores: list, positives: list):
-    """P(a random positive scores above a random negative), ties counted half; None if a class is empty or
-    a score is NaN."""
+    """P(a random positive outscores a random negative), ties half; None if a class is empty or a score NaN."""
     if any(s != s for s in scores):
         return None
-    n_pos = sum(1 for y in positives if y)
+    n_pos = sum(map(bool, positives))
     n_neg = len(positives) - n_pos
     if n_pos == 0 or n_neg == 0:
         return None
     wins, negs_below = 0.0, 0
     for _, group in groupby(sorted(zip(scores, positives)), key=lambda pair: pair[0]):  # equal scores
         labels = [y for _, y in group]
-        group_pos = sum(1 for y in labels if y)
+        group_pos = sum(map(bool, labels))
         group_neg = len(labels) - group_pos
         wins += group_pos * (negs_below + 0.5 * group_neg)
         negs_below += group_neg
@@ -58,8 +57,7 @@ def harmonic_mean(a, b):
 
 
 def processbench_metrics(predicted: list, truth: list) -> dict:
-    """First-error indices (-1: none) -> accuracy on solutions with an error and without one, and their
-    harmonic mean, ProcessBench's F1."""
+    """First-error indices (-1: none) -> accuracy with and without an error, and ProcessBench's F1 of the two."""
     hits_error = [p == t for p, t in zip(predicted, truth) if t >= 0]
     hits_correct = [p == -1 for p, t in zip(predicted, truth) if t < 0]
     acc_error = _ratio(sum(hits_error), len(hits_error))
@@ -84,11 +82,12 @@ def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
 
 
 AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1], "mean": lambda ps: sum(ps) / len(ps)}
+VOTE_AGGREGATE = "min"  # weighted voting sums this score of each candidate per answer
+BEST_OF_N_METHODS = (*AGGREGATES, "weighted_vote", "majority_vote", "oracle", "random")
 
 
 def outcome_metrics(step_probs: list, final_correct: list) -> dict:
-    """AUROC of each per-solution aggregate of step scores against final-answer correctness, over solutions
-    with a scored step and a known outcome."""
+    """AUROC of each aggregate of step scores against final correctness, over scored solutions with an outcome."""
     kept = [(ps, bool(y)) for ps, y in zip(step_probs, final_correct) if ps and y is not None]
     return {f"outcome_auroc_{name}": auroc([agg(ps) for ps, _ in kept], [y for _, y in kept])
             for name, agg in AGGREGATES.items()}
@@ -145,9 +144,6 @@ def _expected_hit(values: list, correct: list) -> float:
     return sum(tied) / len(tied)
 
 
-VOTE_AGGREGATE = "min"  # weighted voting sums this score of each candidate per answer
-
-
 def pick_accuracy(cands: list, method: str) -> float:
     """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer"}).
     An aggregate: the best score; weighted_vote, majority_vote: the answer with the highest score sum or count
@@ -181,9 +177,6 @@ def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
         rng.shuffle(order)
         out += [order[i:i + size] for i in range(0, n - size + 1, size)]
     return out
-
-
-BEST_OF_N_METHODS = (*AGGREGATES, "weighted_vote", "majority_vote", "oracle", "random")
 
 
 def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:

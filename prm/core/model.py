@@ -37,8 +37,7 @@ class PRM(nn.Module):
         head_state: the weights to write (default: the modules' own), e.g. lora.merged_state_dict's."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
         if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them
-            raise ValueError("the backbone has unmerged adapters: pass "
-                             "backbone_state=merged_state_dict(backbone)")
+            raise ValueError("the backbone has unmerged adapters: pass backbone_state=merged_state_dict(backbone)")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         cfg.num_labels, cfg.id2label, cfg.label2id = 2, dict(ID2LABEL), {v: k for k, v in ID2LABEL.items()}
@@ -52,11 +51,6 @@ class PRM(nn.Module):
         add_legacy_keys(os.path.join(path, "config.json"))
 
     @classmethod
-    def from_classifier(cls, hf) -> "PRM":
-        """A loaded HF token classifier's backbone and output layer, as a PRM (no copy)."""
-        return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
-
-    @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
         """A 2-label token classifier (ours, TRL's, any HF one) with all its weights saved (else NotAPRM), or a
         backbone with a fresh head."""
@@ -65,18 +59,17 @@ class PRM(nn.Module):
         if is_classifier(cfg):
             if cfg.num_labels != 2:
                 raise NotAPRM(f"{name}: a PRM needs 2 labels, this checkpoint has {cfg.num_labels}")
-            return cls.from_classifier(saved_weights(name, auto=AutoModelForTokenClassification, **kw))
+            hf = saved_weights(name, auto=AutoModelForTokenClassification, **kw)
+            return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
         backbone = AutoModel.from_pretrained(name, **kw)
         head = new_head(backbone.config)
-        # zero weights start every step at P(correct) = 0.5: hidden states share one large direction, so a
-        # random head would give every step the same confident verdict
+        # every step starts at P(correct) = 0.5, not at the one confident verdict a random head gives all
         nn.init.zeros_(head.weight)
         return cls(backbone, head)
 
 
 def saved_weights(name: str, *, auto, **kw):
-    """auto.from_pretrained(name, **kw); NotAPRM names the weights with no saved tensor of their shape (which
-    transformers would make up at random)."""
+    """auto.from_pretrained(name, **kw), or NotAPRM naming the weights with no saved tensor of their shape."""
     model, info = auto.from_pretrained(name, output_loading_info=True, ignore_mismatched_sizes=True, **kw)
     bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
                                                 for k, saved, want in info["mismatched_keys"])
@@ -97,8 +90,7 @@ def input_settings(config) -> dict:
 
 
 def add_legacy_keys(config_path: str):
-    """Adds the keys transformers 4 reads beside transformers 5's: rope_theta (else 10000, wrong for Qwen2),
-    rope_scaling for non-default RoPE, torch_dtype."""
+    """Adds transformers 4's keys: rope_theta (else 10000, wrong for Qwen2), rope_scaling, torch_dtype."""
     with open(config_path) as f:
         d = json.load(f)
     rope = d.get("rope_parameters")

@@ -46,8 +46,7 @@ def autocast_dtype(name, device: torch.device):
     """The autocast dtype of fp32 (None), bf16 or fp16; name None: bf16 where the device runs it natively
     (CUDA with bf16, CPUs with AMX or AVX512-BF16), else fp32."""
     if name is None:
-        ok = cpu_has_bf16() if device.type == "cpu" else (device.type == "cuda"
-                                                           and torch.cuda.is_bf16_supported())
+        ok = cpu_has_bf16() if device.type == "cpu" else device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if ok else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
@@ -108,8 +107,7 @@ def cpu_has_bf16() -> bool:
 
 
 def progress_off(disable: bool) -> bool:
-    """Whether progress bars stay off: when asked, or when stderr is no terminal. The bars of datasets and
-    transformers follow."""
+    """Whether progress bars (also datasets' and transformers') stay off: when asked or stderr is no terminal."""
     off = disable or not sys.stderr.isatty()
     if off:
         import datasets

@@ -1,7 +1,7 @@
 """Attention over packed rows: examples back to back in one row, each attending only to itself.
-`use_packed_attention(backbone)` switches a transformers decoder to it (through its AttentionInterface: no
-N x N mask, the saved config stays plain); it is then called with data.pack's tensors. The kernel: PyTorch's
-varlen flash attention on CUDA in bf16/fp16, else causal SDPA per example. Depends on: torch, transformers."""
+`use_packed_attention(backbone)` switches a transformers decoder to it (through AttentionInterface: no N x N
+mask, a plain saved config); it then takes data.pack's tensors. The kernel: PyTorch's varlen flash attention
+on CUDA in bf16/fp16, else causal SDPA per example. Depends on: torch, transformers."""
 import functools
 import inspect
 
@@ -35,10 +35,10 @@ def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
     takes is_causal, later ones a window, (-1, 0) causal; grouped-query heads are native with enable_gqa."""
     params = inspect.signature(fn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    repeat = n_heads != n_kv_heads and "enable_gqa" not in params
-    if n_heads != n_kv_heads and not repeat:
+    gqa = n_heads != n_kv_heads
+    if gqa and "enable_gqa" in params:
         kw["enable_gqa"] = True
-    return kw, repeat
+    return kw, gqa and "enable_gqa" not in params
 
 
 def per_example_sdpa(q, k, v, cu_seqlens, scale, window=None):
@@ -63,11 +63,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """For AttentionInterface: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
-        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (data.pack's "
-                         "output)")
+        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (data.pack's output)")
     if not getattr(module, "is_causal", True) or dropout:
-        raise ValueError("packed attention supports causal attention without attention dropout only: "
-                         "--no-packing")
+        raise ValueError("packed attention supports causal attention without attention dropout only: --no-packing")
     window = kwargs.get("sliding_window")
     dtype = kernel_dtype(query)
     kw, repeat = kernel_options(varlen_attn, query.shape[1], key.shape[1]) if dtype else ({}, False)

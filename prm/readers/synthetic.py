@@ -9,8 +9,8 @@ CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 
 def char_tokenizer():
-    """One token per character of CHARS plus <pad>/<bos>/<eos>/<unk>. A byte-level BPE without merges, the
-    form AutoTokenizer rebuilds for a saved qwen2 model: a tiny exported model's tokenizer splits alike."""
+    """One token per character of CHARS plus <pad>/<bos>/<eos>/<unk>: a byte-level BPE without merges, as
+    AutoTokenizer rebuilds it for a saved qwen2 model."""
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     names = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]  # " " -> "Ġ", "\n" -> "Ċ"
