@@ -1,6 +1,5 @@
-"""The errors that end a command, each with its exit status. Library code raises them and never exits; only
-the entry points (train.py, eval.py, `python -m prm.*`) turn one into a one-line message and its status,
-through `exit_status()`. Depends on: the standard library only."""
+"""The errors that end a command, each with its exit status. Library code raises them; the entry points turn
+one into a one-line message and its status through `exit_status()`. Depends on: the standard library."""
 import contextlib
 import sys
 
@@ -16,9 +15,7 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A write that failed (a full disk, a read-only folder): exit status 1, the machine's fault. cause: the
-    reason alone (the message less the path), for a message that names several writes."""
-    code = 1
+    """A failed write (a full disk, a read-only folder): exit status 1; cause: the reason without the path."""
 
     def __init__(self, message: str, cause: str = None):
         super().__init__(message)
@@ -31,13 +28,13 @@ class Diverged(PRMError, ArithmeticError):
 
 
 class Stopped(PRMError):
-    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal, as a shell says."""
+    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.code = 128 + signum
 
-    def __reduce__(self):  # pickled as built, as every PRMError must be (runtime.decided_by_main sends them)
+    def __reduce__(self):  # pickles, as every PRMError must (runtime.decided_by_main sends them)
         return Stopped, (str(self), self.code - 128)
 
 
@@ -49,12 +46,9 @@ def check(problems: list):
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError becomes 'error: <message>' on stderr and its exit status, no traceback."""
+    """For entry points: a PRMError becomes 'error: <message>' (Stopped: the message) and its exit status."""
     try:
         yield
-    except Stopped as e:  # not an error: the status tells a scheduler to requeue the run
-        print(e, file=sys.stderr, flush=True)
-        sys.exit(e.code)
     except PRMError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(e if isinstance(e, Stopped) else f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.code)

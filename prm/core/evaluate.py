@@ -1,5 +1,5 @@
-"""The one evaluation route (predict, then report) of the trainer's held-out metrics and eval.py; the scoring
-API; best-of-N reports. Depends on: torch, tqdm, data, metrics, model, runtime, varlen."""
+"""Evaluation (predict, then report) for the trainer and eval.py; the scoring API; best-of-N reports.
+Depends on: torch, tqdm, data, metrics, model, runtime, varlen."""
 import contextlib
 
 import torch
@@ -16,21 +16,20 @@ from .varlen import is_packed
 @torch.inference_mode()
 def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Runtime = Runtime(),
             progress: bool = True, lockstep: bool = False) -> list:
-    """P(correct) at every step end (`step_ends`, labeled or not) of each tokenized row, in the input order,
-    whatever the world size (length-sorted batches dealt to ranks, results gathered once); [] for a row with
-    no step end. lockstep: every rank runs as many forwards (a sharded model all-gathers its weights in
-    each: a stopped rank hangs it)."""
+    """P(correct) at each `step_ends` position of each tokenized row, rows in input order ([]: no step end),
+    batches dealt to ranks and gathered on all. lockstep: every rank runs as many forwards (a sharded model
+    needs every rank in each)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     todo = [i for i, r in enumerate(rows) if r["step_ends"]]
     every = eval_batches([len(rows[i]["input_ids"]) for i in todo], batch_size)  # all ranks' batches
     batches = every[rt.rank::rt.world_size]
-    if lockstep and todo:  # the spare forwards rerun the first batch, and their output is dropped
+    if lockstep and todo:  # the spare forwards rerun the first batch and drop its output
         batches += [None] * (-(-len(every) // rt.world_size) - len(batches))
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     local = {}
-    # disable None: tqdm shows the bar on a terminal only, never as redraws in a log file
+    # disable=None: a bar on a terminal only
     for batch in tqdm(batches, desc="eval", disable=not (progress and rt.is_main) or None, leave=False):
         idx = [todo[j] for j in (batch or every[0])]
         probs = _forward(model, [rows[i] for i in idx], pad_id, amp, device)
@@ -42,7 +41,7 @@ def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Ru
 
 
 def _forward(model, rows: list, pad_id: int, amp, device) -> list:
-    """P(correct) at every token of each row: one (T_i,) CPU tensor per row, the batch packed or padded."""
+    """P(correct) at every token: one (T_i,) CPU tensor per row."""
     mb = pack(rows, pad_id) if is_packed(model) else collate(rows, pad_id)
     with amp:
         logits = model(**{k: v.to(device) if torch.is_tensor(v) else v
@@ -60,10 +59,9 @@ def true_first_error(row: dict) -> int:
 
 
 def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: bool = False) -> dict:
-    """Every metric of one set from predict's per-step P(correct) and tokenized rows (prm.readers.ingest) with
-    step_labels (None = unlabeled, scored for ProcessBench but kept out of the step metrics) and optionally
-    first_error, final_answer_correct, a PRMBench `category`. A row with no scored step is left out of every
-    metric (examples_dropped); a truncated one is kept, its first error looked for among its scored steps."""
+    """Every metric of one set from predict's output and the rows' step_labels (None: unlabeled, kept out of
+    the step metrics) and optional first_error, final_answer_correct, PRMBench `category`. A row with no
+    scored step is dropped from every metric; a truncated one is kept."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
     scores, kept_rows = [ps for ps, _ in kept], [row for _, row in kept]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
@@ -78,21 +76,20 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
     if any(y is not None for y in outcomes):
         out.update(outcome_metrics(scores, outcomes))
     categories = [row.get("category") for row in kept_rows]
-    if any(c is not None for c in categories):  # PRMBench: every step labeled on its own, or unlabeled
+    if any(c is not None for c in categories):
         ok = [[None if y is None else y >= 0.5 for y in row["step_labels"]] for row in kept_rows]
         out["prmbench"] = prmbench_metrics(scores, ok, categories, threshold)
     return out
 
 
 def candidate_groups(step_probs: list, rows: list) -> list:
-    """Rows -> one list of best-of-N candidates per problem (`group`), problems and candidates in input order.
-    Every row is a candidate, scored or not (with no scored step it ranks last), and must know its outcome."""
+    """One list of candidates per problem (`group`), in input order; each row must know its outcome."""
     groups = {}
     for i, (ps, row) in enumerate(zip(step_probs, rows)):
         if row.get("final_answer_correct") is None:
             raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or a "
                              "candidate's 'label') for every solution")
-        if row.get("group") is None:  # pre-tokenized rows carry no prompt to group by
+        if row.get("group") is None:
             raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each solution (a "
                              "prompt, or the candidates format's question)")
         groups.setdefault(row["group"], []).append({"step_probs": ps, "correct": row["final_answer_correct"],
@@ -101,7 +98,7 @@ def candidate_groups(step_probs: list, rows: list) -> list:
 
 
 def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> dict:
-    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ...} for rows with group, final_answer_correct."""
+    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ..., "candidates_per_problem": [...]}."""
     groups = candidate_groups(step_probs, rows)
     return {"best_of_n": best_of_n(groups, draws=draws, seed=seed), "n_problems": len(groups),
             "candidates_per_problem": sorted({len(g) for g in groups})}
@@ -110,7 +107,7 @@ def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> 
 @torch.inference_mode()
 def score(model, tokenizer, prompt, steps: list, step_separator: str = None, *, max_length=None,
           max_completion_length=None) -> list:
-    """P(correct) for each step of one solution, tokenized exactly as in training (see score_batch)."""
+    """P(correct) for each step of one solution (see score_batch)."""
     return score_batch(model, tokenizer, [(prompt, steps)], step_separator, max_length=max_length,
                        max_completion_length=max_completion_length)[0]
 
@@ -119,18 +116,18 @@ def score(model, tokenizer, prompt, steps: list, step_separator: str = None, *, 
 def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *, max_length=None,
                 max_completion_length=None, batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(),
                 progress: bool = False) -> list:
-    """[(prompt, steps), ...] -> [[P(correct) per step], ...]. The separator and length caps default to the
-    model's own (config.json's, from training; else "\n", no caps); 0: no cap. Truncation keeps whole steps,
-    so each list is a prefix: steps cut by max_completion_length or max_length get no score."""
-    saved = input_settings(getattr(model, "config", None))  # what the model was trained with
+    """[(prompt, steps), ...] -> [[P(correct) per step], ...], tokenized as in training. The separator and
+    length caps default to the model's saved ones (else "\n", no caps); 0: no cap. Steps cut by a cap get no
+    score: each list is a prefix."""
+    saved = input_settings(getattr(model, "config", None))
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
-    # tokenize_batch reads None as "no cap" and a max_length of 0 as "keep nothing": here 0 turns a cap off
+    # 0 -> None, tokenize_batch's "no cap"
     max_length = (max_length if max_length is not None else saved.get("max_length")) or None
     max_completion_length = (max_completion_length if max_completion_length is not None
                              else saved.get("max_completion_length")) or None
-    tokenize_input = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own (prm.scoring.scorers)
+    tokenize_input = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own input
     rows = []
-    for start in range(0, len(solutions), 256):  # one tokenizer call per chunk of solutions
+    for start in range(0, len(solutions), 256):
         chunk = solutions[start:start + 256]
         batch = {"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
                  "labels": [[None] * len(s) for _, s in chunk]}  # no truth: every step end scored

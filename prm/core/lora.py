@@ -8,51 +8,43 @@ import torch.nn.functional as F
 
 
 class LoRALinear(nn.Linear):
-    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, with W and b frozen; B starts at zero, so step 0 is
-    the base model. It keeps the nn.Linear's own `weight`/`bias` parameters: the frozen tensors keep their
-    state-dict names, and a merged export has the plain model's layout."""
+    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, W and b frozen, B zero at first (the base model).
+    The frozen `weight`/`bias` keep their names, so a merged state dict has the plain model's layout."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float):
-        nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
+        nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        for p in self.parameters():  # weight and bias, frozen; the adapters come next
-            p.requires_grad_(False)
+        self.requires_grad_(False)  # weight and bias
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=dev))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=dev))  # (out, r)
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as in the LoRA paper's code
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as the LoRA paper's code
         self.scale = alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x):
-        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., out) through (..., r)
+        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., r) -> (..., out)
         return F.linear(x, self.weight, self.bias) + self.scale * update
 
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B A, in W's dtype: the plain layer this one is equivalent to."""
+        """The plain layer's weight equal to this one."""
         return merge(self.weight, self.lora_A, self.lora_B, self.scale)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, r={self.lora_A.shape[0]}, scale={self.scale:g}"
 
 
-def matches(name: str, patterns: list) -> bool:
-    """A glob matches the full module name (`layers.0.self_attn.q_proj`) or its last part (`q_proj`)."""
-    last = name.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
-
-
 def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, targets: str) -> list:
-    """Freezes every backbone parameter and swaps matching nn.Linear layers for LoRALinear, in place.
-    Returns the adapted module names. No match is an error: a LoRA run that trains nothing but the head is the
-    silent failure this guards against (GPT-2 style Conv1D layers are not nn.Linear, for instance)."""
+    """Freezes the backbone and swaps the nn.Linear layers whose full name or last part (`q_proj`) matches a
+    glob of `targets` for LoRALinear, in place. Returns their names; none is an error (GPT-2's Conv1D layers,
+    for instance, are no nn.Linear)."""
     patterns = [p.strip() for p in targets.split(",") if p.strip()]
-    for p in backbone.parameters():
-        p.requires_grad_(False)
+    backbone.requires_grad_(False)
     linear = [(n, m) for n, m in backbone.named_modules()
               if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
-    chosen = [(n, m) for n, m in linear if matches(n, patterns)]
+    chosen = [(n, m) for n, m in linear
+              if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n.rsplit(".", 1)[-1], p) for p in patterns)]
     if not chosen:
         seen = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
         raise ValueError(f"--lora-targets {targets!r} matches no nn.Linear layer of this backbone; its "
@@ -71,8 +63,7 @@ def merge(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
 
 
 def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
-    """The module's state dict (or `state`, the same keys gathered elsewhere, e.g. from sharded weights) with
-    every adapter folded into its weight and the lora_* entries removed."""
+    """The state dict (or `state`, its keys gathered elsewhere) with the adapters folded into their weights."""
     state = dict(module.state_dict() if state is None else state)
     for name, m in module.named_modules():
         if isinstance(m, LoRALinear):
@@ -83,8 +74,7 @@ def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
 
 
 def peft_targets(module: nn.Module) -> list:
-    """PEFT's target_modules for exactly the adapted layers (PEFT matches a name or a dotted suffix of one):
-    their last parts (`q_proj`) when those name no other module, else the full names."""
+    """PEFT's target_modules for exactly the adapted layers: last parts (`q_proj`) if unambiguous, else names."""
     chosen = {n for n, m in module.named_modules() if isinstance(m, LoRALinear)}
     short = {n.rsplit(".", 1)[-1] for n in chosen}
     same_short = {n for n, _ in module.named_modules() if n.rsplit(".", 1)[-1] in short}
@@ -92,7 +82,7 @@ def peft_targets(module: nn.Module) -> list:
 
 
 def trainable_state_dict(model: nn.Module) -> dict:
-    """Only the parameters that train (adapters and head): what a LoRA checkpoint needs to resume."""
+    """The parameters that train (adapters and head): what a LoRA checkpoint resumes from."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 

@@ -1,5 +1,5 @@
-"""PRM = a transformers backbone + a linear 2-way head; the per-step loss; save/load as a standard HF token
-classifier. Depends on: torch, transformers (and safetensors, which transformers installs); copy it alone."""
+"""PRM = a transformers backbone + a linear 2-way head; the per-step loss; saved and loaded as a standard HF
+token classifier. Depends on: torch, transformers (and its safetensors)."""
 import json
 import os
 
@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
 ID2LABEL = {0: "incorrect", 1: "correct"}
-SETTINGS = "prm"  # config.json key: the input as trained (step_separator, max_length, max_completion_length)
+SETTINGS = "prm"  # config.json key of the input settings trained with (step_separator, max_length, ...)
 
 
 class NotAPRM(ValueError):
@@ -27,19 +27,17 @@ class PRM(nn.Module):
         return self.backbone.config
 
     def forward(self, input_ids, attention_mask=None, **packed):
-        """packed: a packed row's position_ids and example boundaries (data.pack), for the backbone."""
+        """packed: data.pack's position_ids and example boundaries."""
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **packed).last_hidden_state  # (B, T, H)
         return self.head(h)  # (B, T, 2)
 
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
-        """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is.
-        backbone_state / head_state: the weights to write (default: the modules' own). A LoRA model passes its
-        adapters folded in (lora.merged_state_dict), a sharded model its gathered weights."""
+        """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is. backbone_state,
+        head_state: the weights to write (default: the modules' own), e.g. lora.merged_state_dict's."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
-        if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would silently drop them
-            raise ValueError("the backbone has unmerged adapters: pass "
-                             "backbone_state=merged_state_dict(backbone)")
+        if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them
+            raise ValueError("the backbone has unmerged adapters: pass backbone_state=merged_state_dict(backbone)")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
         cfg.num_labels, cfg.id2label, cfg.label2id = 2, dict(ID2LABEL), {v: k for k, v in ID2LABEL.items()}
@@ -53,31 +51,25 @@ class PRM(nn.Module):
         add_legacy_keys(os.path.join(path, "config.json"))
 
     @classmethod
-    def from_classifier(cls, hf) -> "PRM":
-        """A loaded HF token classifier's backbone and output layer, as a PRM (same modules, no copy)."""
-        return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
-
-    @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
-        """A 2-label token classifier (ours, TRL's, any HF one) with every weight from its files (NotAPRM
-        otherwise), or a backbone with a fresh head."""
+        """A 2-label token classifier (ours, TRL's, any HF one) with all its weights saved (else NotAPRM), or a
+        backbone with a fresh head."""
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         kw["trust_remote_code"] = trust_remote_code
         if is_classifier(cfg):
             if cfg.num_labels != 2:
                 raise NotAPRM(f"{name}: a PRM needs 2 labels, this checkpoint has {cfg.num_labels}")
-            return cls.from_classifier(saved_weights(name, auto=AutoModelForTokenClassification, **kw))
+            hf = saved_weights(name, auto=AutoModelForTokenClassification, **kw)
+            return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
         backbone = AutoModel.from_pretrained(name, **kw)
         head = new_head(backbone.config)
-        # a pretrained model's hidden states share one large direction, so a random head gives every step the
-        # same confident verdict; zero weights start every step at P(correct) = 0.5
+        # every step starts at P(correct) = 0.5, not at the one confident verdict a random head gives all
         nn.init.zeros_(head.weight)
         return cls(backbone, head)
 
 
 def saved_weights(name: str, *, auto, **kw):
-    """auto.from_pretrained(name, **kw) with every weight from its files: NotAPRM names those with no saved
-    tensor of their shape, which transformers would fill at random (a scorer that guesses)."""
+    """auto.from_pretrained(name, **kw), or NotAPRM naming the weights with no saved tensor of their shape."""
     model, info = auto.from_pretrained(name, output_loading_info=True, ignore_mismatched_sizes=True, **kw)
     bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
                                                 for k, saved, want in info["mismatched_keys"])
@@ -88,24 +80,23 @@ def saved_weights(name: str, *, auto, **kw):
 
 
 def is_classifier(config) -> bool:
-    """Whether a transformers config is a token classifier's (its head saved), not a bare backbone's."""
+    """Whether a transformers config is a token classifier's, not a bare backbone's."""
     return any(a.endswith("ForTokenClassification") for a in getattr(config, "architectures", None) or [])
 
 
 def input_settings(config) -> dict:
-    """How the model was trained to read its input, as stored in config.json under "prm" ({} if not ours)."""
+    """The input settings the model was trained with, from its config ({} if not ours)."""
     return dict(getattr(config, SETTINGS, None) or {})
 
 
 def add_legacy_keys(config_path: str):
-    """Writes what transformers 4 loaders read beside transformers 5's names: a top-level rope_theta (else
-    they use 10000, wrong for Qwen2's 1e6), rope_scaling for non-default RoPE, torch_dtype."""
+    """Adds transformers 4's keys: rope_theta (else 10000, wrong for Qwen2), rope_scaling, torch_dtype."""
     with open(config_path) as f:
         d = json.load(f)
     rope = d.get("rope_parameters")
-    if isinstance(rope, dict) and "rope_theta" in rope:  # per-layer-type dicts (Gemma 3) have no single theta
+    if isinstance(rope, dict) and "rope_theta" in rope:  # not per-layer-type dicts (Gemma 3)
         d.setdefault("rope_theta", rope["rope_theta"])
-        if rope.get("rope_type", "default") != "default":  # transformers 4 named the type "type"
+        if rope.get("rope_type", "default") != "default":
             d.setdefault("rope_scaling", {**{k: v for k, v in rope.items() if k != "rope_theta"},
                                           "type": rope["rope_type"]})
     if "dtype" in d:
@@ -123,12 +114,11 @@ def new_head(config) -> nn.Linear:
 
 
 def step_loss(logits, labels, n_labeled):
-    """Sum of per-step cross-entropy against [1-p, p], divided by n_labeled: the labeled steps of the WHOLE
-    optimizer step (every micro-batch, every rank).
-    labels: (B, T) float, -100 where unlabeled, 0/1 hard, in between soft. Returns (loss, ce_sum, n_correct),
-    the last two detached sums for logging. No labeled step gives a loss of exactly 0, never NaN."""
+    """(loss, ce_sum, n_correct): the summed cross-entropy against [1-p, p] over labeled steps, divided by
+    n_labeled, the labeled steps of the WHOLE optimizer step (all micro-batches and ranks); 0 when none.
+    labels: (B, T) float, -100 where unlabeled, soft in between 0 and 1. ce_sum, n_correct: for logging."""
     mask = labels != -100  # (B, T)
-    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, no host sync on CUDA
+    logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, no host sync
     p = torch.where(mask, labels, 0.0)  # (B, T)
     ce_sum = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0).sum()  # over (B, T)
     n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
@@ -138,14 +128,14 @@ def step_loss(logits, labels, n_labeled):
 
 def enable_activation_checkpointing(backbone):
     """Non-reentrant activation checkpointing: works under DDP and with inputs that need no grad."""
-    if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+    if hasattr(backbone, "activation_checkpointing_enable"):  # transformers 5
         backbone.activation_checkpointing_enable({"use_reentrant": False})
     else:
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _head_name(hf) -> str:
-    """The HF token classifier's output layer: `score` for decoders, `classifier` for BERT/GPT-2."""
+    """The HF token classifier's output layer name (`score`, `classifier`)."""
     for name, module in hf.named_children():
         if isinstance(module, nn.Linear) and module.out_features == hf.config.num_labels:
             return name
@@ -154,13 +144,13 @@ def _head_name(hf) -> str:
 
 def hf_names(config):
     """(HF token-classification class name, backbone key prefix, head key prefix) for this config."""
-    with torch.device("meta"):  # builds no real weights
+    with torch.device("meta"):
         hf = AutoModelForTokenClassification.from_config(config)
     return type(hf).__name__, hf.base_model_prefix, _head_name(hf)
 
 
 def load_weights(model: PRM, path: str):
-    """Loads save_pretrained's safetensors back into an existing PRM (exact tensors, no re-init)."""
+    """Loads save_pretrained's weights back into an existing PRM."""
     state = load_file(os.path.join(path, "model.safetensors"))
     _, prefix, head_name = hf_names(model.config)
     for module, name in ((model.backbone, prefix), (model.head, head_name)):

@@ -1,4 +1,4 @@
-"""Device, autocast dtype and torchrun/DDP plumbing shared by training and evaluation. Depends on: torch."""
+"""Device, autocast dtype and torchrun plumbing for training and evaluation. Depends on: torch."""
 import contextlib
 import gc
 import os
@@ -26,7 +26,7 @@ class Runtime:
 
 
 def setup() -> Runtime:
-    """Under torchrun (WORLD_SIZE set): one process per device, nccl on CUDA, gloo on CPU. Else: no dist."""
+    """Under torchrun: one process per device, nccl on CUDA, gloo on CPU. Else: no process group."""
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" not in os.environ:
         return Runtime(device=torch.device("cuda" if cuda else "cpu"))
@@ -52,12 +52,10 @@ def teardown(rt: Runtime):
 
 
 def autocast_dtype(name, device: torch.device):
-    """name fp32, bf16 or fp16; None (auto) picks bf16 wherever the device runs it natively: CUDA with bf16, and
-    CPUs with AMX or AVX512-BF16 (elsewhere, e.g. AVX2-only CPUs, bf16 matmuls are emulated: slower than
-    fp32). Returns None for plain fp32."""
+    """The autocast dtype of fp32 (None), bf16 or fp16; name None: bf16 where the device runs it natively
+    (CUDA with bf16, CPUs with AMX or AVX512-BF16), else fp32."""
     if name is None:
-        ok = cpu_has_bf16() if device.type == "cpu" else (device.type == "cuda"
-                                                           and torch.cuda.is_bf16_supported())
+        ok = cpu_has_bf16() if device.type == "cpu" else device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if ok else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
@@ -78,15 +76,14 @@ def gather_objects(obj, rt: Runtime) -> list:
 
 
 def decided_by_main(rt: Runtime, decide):
-    """decide() run by rank 0 alone, its value, or the exception it raised, given to every rank (one
-    broadcast): work on shared files, as hashing a checkpoint, done once instead of once a rank."""
+    """decide() run by rank 0 alone; its value, or the exception it raised, reaches every rank."""
     if not rt.distributed:
         return decide()
     box = [None]
     if rt.is_main:
         try:
             box[0] = (decide(), None)
-        except Exception as e:  # every rank raises it: none is left waiting in a later collective
+        except Exception as e:  # raised on every rank: none waits in a later collective
             box[0] = (None, e)
     dist.broadcast_object_list(box, src=0)
     value, error = box[0]
@@ -102,7 +99,7 @@ def barrier(rt: Runtime):
 
 @contextlib.contextmanager
 def main_first(rt: Runtime):
-    """Rank 0 runs the block first (filling the datasets cache), then the others run it and read the cache."""
+    """Rank 0 runs the block first (filling a cache), then the other ranks."""
     if not rt.is_main:
         barrier(rt)
     yield
@@ -111,8 +108,7 @@ def main_first(rt: Runtime):
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matrix units on this CPU (torch.cpu's private probes; missing ones count as no).
-    PRM_CPU_BF16=1 or 0 overrides them (the tests run both ways on any CPU: bf16 autocast works anywhere)."""
+    """Native bf16 matrix units on this CPU (torch.cpu's private probes); PRM_CPU_BF16=1 or 0 overrides."""
     if os.environ.get("PRM_CPU_BF16") in ("0", "1"):
         return os.environ["PRM_CPU_BF16"] == "1"
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
@@ -120,8 +116,7 @@ def cpu_has_bf16() -> bool:
 
 
 def progress_off(disable: bool) -> bool:
-    """Whether progress bars stay off: when asked (--disable-tqdm), or when stderr is no terminal, where a log
-    file would fill with their redraws. The bars of datasets and transformers follow."""
+    """Whether progress bars (also datasets' and transformers') stay off: when asked or stderr is no terminal."""
     off = disable or not sys.stderr.isatty()
     if off:
         import datasets

@@ -1,9 +1,7 @@
-"""Attention over packed rows: several examples back to back in one row, each attending only to itself.
-`use_packed_attention(backbone)` switches a stock transformers decoder to it; the backbone is then called with
-data.pack's tensors (position_ids restarting at 0 per example, boundaries as cu_seq_lens_q/k, no mask).
-On CUDA in bf16/fp16 the kernel is PyTorch's varlen flash attention; anywhere else an exact fallback runs
-causal SDPA per example. Registered through transformers' AttentionInterface: nothing builds an N x N mask
-and the saved config stays a plain one. Depends on: torch, transformers; copy it alone."""
+"""Attention over packed rows: examples back to back in one row, each attending only to itself.
+`use_packed_attention(backbone)` switches a transformers decoder to it (through AttentionInterface: no N x N
+mask, a plain saved config); it then takes data.pack's tensors. The kernel: PyTorch's varlen flash attention
+on CUDA in bf16/fp16, else causal SDPA per example. Depends on: torch, transformers."""
 import functools
 import inspect
 
@@ -11,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-KERNEL_DEVICE = "cuda"  # where varlen_attn runs (the tests point it at the CPU, with a reference kernel)
-NAME = "prm_packed"  # the attention implementation; not a mask interface name: transformers builds no mask
+KERNEL_DEVICE = "cuda"  # where varlen_attn runs (tests: the CPU, with a reference kernel)
+NAME = "prm_packed"  # the attention implementation's name
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
@@ -20,9 +18,8 @@ except ImportError:
 
 
 def kernel_dtype(query):
-    """The flash kernel's half dtype; None where only the fallback can run (CPU, fp32, head dim > 256).
-    Under autocast, RoPE multiplies bf16 projections by fp32 cos/sin and hands over fp32 queries: the kernel
-    then runs in the autocast dtype, as SDPA would."""
+    """The flash kernel's half dtype; None where only the fallback runs (CPU, fp32, head dim > 256). Under
+    autocast, RoPE hands over fp32 queries: the kernel runs in the autocast dtype, as SDPA would."""
     if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
         return None
     if query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):  # flash needs Ampere
@@ -32,31 +29,30 @@ def kernel_dtype(query):
     return torch.get_autocast_dtype(KERNEL_DEVICE) if torch.is_autocast_enabled(KERNEL_DEVICE) else None
 
 
-@functools.lru_cache  # the signature is inspected once, not in every layer of every forward
+@functools.lru_cache
 def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
-    """(keyword arguments for causal attention, whether K/V must be repeated) for the installed varlen_attn:
-    torch 2.10 took is_causal, later versions a (left, right) window where (-1, 0) is causal; grouped-query
-    heads are native where enable_gqa exists."""
+    """(keyword arguments for causal attention, whether K/V must be repeated) for this varlen_attn: torch 2.10
+    takes is_causal, later ones a window, (-1, 0) causal; grouped-query heads are native with enable_gqa."""
     params = inspect.signature(fn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    repeat = n_heads != n_kv_heads and "enable_gqa" not in params
-    if n_heads != n_kv_heads and not repeat:
+    gqa = n_heads != n_kv_heads
+    if gqa and "enable_gqa" in params:
         kw["enable_gqa"] = True
-    return kw, repeat
+    return kw, gqa and "enable_gqa" not in params
 
 
 def per_example_sdpa(q, k, v, cu_seqlens, scale, window=None):
-    """Exact fallback: causal SDPA on each example's slice, over its last `window` keys (the query's own
-    included, as transformers counts) when given. q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
-    bounds = cu_seqlens.tolist()  # free on CPU, one sync on CUDA (the fallback is not the fast path)
+    """Causal SDPA on each example's slice, over its last `window` keys (its own included) when given.
+    q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
+    bounds = cu_seqlens.tolist()
     gqa = q.shape[0] != k.shape[0]
     out = torch.empty_like(q)  # (H, N, D)
     for s, e in zip(bounds, bounds[1:]):
         band = None
-        if window is not None and e - s > window:  # longer than the window: a banded causal mask
+        if window is not None and e - s > window:
             i = torch.arange(e - s, device=q.device)
             band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)  # (n, n)
-        if e > s:  # 4-D (1, H, n, D): 3-D takes the math kernel on CPU (2x slower, an n x n matrix saved)
+        if e > s:  # 4-D (1, H, n, D): 3-D takes the slow math kernel on CPU
             out[:, s:e] = F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e],
                                                          attn_mask=band, is_causal=band is None, scale=scale,
                                                          enable_gqa=gqa)[0]
@@ -67,12 +63,10 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """For AttentionInterface: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
-        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (data.pack's "
-                         "output)")
+        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (data.pack's output)")
     if not getattr(module, "is_causal", True) or dropout:
-        raise ValueError("packed attention supports causal attention without attention dropout only: "
-                         "--no-packing")
-    window = kwargs.get("sliding_window")  # a query sees its last `window` keys, its own included
+        raise ValueError("packed attention supports causal attention without attention dropout only: --no-packing")
+    window = kwargs.get("sliding_window")
     dtype = kernel_dtype(query)
     kw, repeat = kernel_options(varlen_attn, query.shape[1], key.shape[1]) if dtype else ({}, False)
     if dtype is None or window is not None and "window_size" not in kw:  # torch 2.10's kernel: no window
@@ -81,7 +75,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if window is not None:
         kw = {**kw, "window_size": (window - 1, 0)}  # flash's left count excludes the query's own key
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, H, D)
-    if repeat:  # grouped-query heads on a kernel without enable_gqa: each K/V head serves H / Hkv query heads
+    if repeat:  # each K/V head serves H / Hkv query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     cu = cu.to(device=q.device, dtype=torch.int32)
     n = kwargs["max_length_q"]
@@ -94,10 +88,10 @@ AttentionInterface.register(NAME, packed_attention)
 
 def supports_packing(backbone) -> bool:
     """True for decoders whose attention goes through transformers' AttentionInterface, is causal everywhere
-    and has no attention dropout (GPT-2's default attn_pdrop is 0.1: such models keep padding)."""
+    and has no attention dropout (GPT-2's default has)."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
     dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
-    # Gemma 2's logit soft-capping and gpt-oss's attention sinks change the softmax: the kernels lack them
+    # the kernels lack Gemma 2's logit soft-capping and gpt-oss's attention sinks
     unsupported = getattr(backbone.config, "attn_logit_softcapping", None) or \
         any(hasattr(m, "sinks") for m in backbone.modules())
     return bool(getattr(backbone, "_supports_attention_backend", False) and causal and all(causal)
@@ -105,11 +99,10 @@ def supports_packing(backbone) -> bool:
 
 
 def is_packed(model) -> bool:
-    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows;
-    any other module (no transformers config) is called padded."""
+    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 
 def use_packed_attention(backbone):
-    """Every attention layer of the backbone runs packed_attention from now on (calls must then be packed)."""
+    """Every attention layer of the backbone runs packed_attention from now on."""
     backbone.set_attn_implementation(NAME)

@@ -21,7 +21,7 @@ def main(argv=None):
     p.add_argument("output", nargs="?", default="-",
                    help="output .jsonl file; '-' writes to stdout")
     for name in ("format", "neutral_label", "skip_invalid", "dataset_config"):
-        add_field(p, opts[name], switch_value=False)  # `--skip-invalid INPUT`: INPUT is no true/false
+        add_field(p, opts[name], switch_value=False)  # `--skip-invalid INPUT`: INPUT is not its value
     p.add_argument("--split", default="train", help="hub split to convert")
     with exit_status():
         a = p.parse_args(argv)
@@ -33,17 +33,17 @@ def main(argv=None):
 def _write(rows: list, output: str):
     try:
         stream = contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8")
-    except OSError as e:  # a folder, a missing folder, no permission: the path given is wrong, exit status 2
+    except OSError as e:  # the path given is wrong: exit status 2
         raise UsageError(f"{output}: cannot write it: {e.strerror or e}") from None
     try:
         with stream as out:
             for row in rows:
-                row.pop("where", None)  # a pre-tokenized row's source line: the output is a source of its own
+                row.pop("where", None)  # a pre-tokenized row's source line
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
-    except BrokenPipeError:  # `| head` closed stdout early: fine, and Python must not complain at exit
+    except BrokenPipeError:  # `| head` closed stdout: Python must not complain at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
-    except OSError as e:  # opened but not written: a full disk, exit status 1
+    except OSError as e:  # opened but not written (a full disk): exit status 1
         raise WriteFailed(f"{output}: cannot write it: {e.strerror or e}") from None
     if output != "-":
         print(f"wrote {len(rows)} rows to {output}", file=sys.stderr)
