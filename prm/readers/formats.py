@@ -26,15 +26,6 @@ NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K 
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 
 
-def decode(data: bytes) -> tuple:
-    """(text, problem, line): the UTF-8 text (a byte-order mark dropped), or why it is not."""
-    try:
-        return data.decode("utf-8-sig"), None, None
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        return None, f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})", line
-
-
 def read_json(text: str) -> tuple:
     """(value, problem, line) of one JSON text: malformed, too deep, too long a number, or field_problem's."""
     repeated = []
@@ -161,8 +152,7 @@ def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
-    """`input` = question + "Step 1: ... ки\\nStep 2: ... ки"; `label` = that text with + or - for each tag,
-    or a list of step labels."""
+    """`input`: question + "Step 1: ... ки\\nStep 2: ... ки"; `label`: it with +/- for each tag, or a list."""
     text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
     _tagged_steps(text, "input")
     parts = text.split(STEP_TAG)
@@ -190,9 +180,8 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """A row per rated alternative not chosen (the trajectory so far + it), and the trajectory of chosen
-    completions or human rewrites (correct) up to where the labeler stopped, unless the last row holds it.
-    No row from a bad_problem nor from unrated completions."""
+    """A row per rated alternative not chosen (the trajectory so far + it), and the trajectory of chosen or
+    human steps up to where the labeler stopped, unless the last row holds it; none from a bad_problem."""
     problem = _need(_need(r, "question", dict, "an object with 'problem'"), "problem", str, "text")
     label = _need(r, "label", dict, "an object with 'steps'")
     steps = _need(label, "steps", list, "a list")
@@ -237,8 +226,7 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben as ProcessBench: question and options as the prompt, steps without "Step k: ", the 1-based
-    `Model_Solution_First_Error_Step` ("N/A" = none) as the first error."""
+    """Mr-Ben as ProcessBench: question and options, steps without "Step k: ", a 1-based first error or "N/A"."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
     first = _need(r, "Model_Solution_First_Error_Step")
@@ -246,9 +234,7 @@ def from_mrben(r: dict, neutral: str) -> list:
     if first != "N/A" and not number:
         raise BadField("Model_Solution_First_Error_Step",
                        f"{_kind(first)} is not a step number (1 to {len(steps)}) or 'N/A'")
-    options = r.get("Options") or ""
-    if not isinstance(options, str):
-        raise BadField("Options", f"expected text, got {_kind(options)}")
+    options = _need(r, "Options", str, "text") if r.get("Options") else ""
     prompt = _need(r, "Question", str, "text") + ("\n" + options.strip() if options.strip() else "")
     label = -1 if first == "N/A" else int(first) - 1
     correct = r.get("Model_Solution_Correctness") == "correct"
@@ -268,8 +254,7 @@ def _tagged_steps(text: str, field: str) -> list:
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """A row per sampled solution (`outputs[].response` with step tags, or `outputs[].steps`), `label`: its
-    final answer is correct; optional `response_answer`, `step_labels`. A problem's rows share `group`."""
+    """A row per sampled solution (step-tagged `response` or `steps`), in one `group`; `label`: answer correct."""
     question = _need(r, "question", str, "text")
     outputs = _need(r, "outputs", list, "a list of candidate solutions")
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
@@ -281,9 +266,8 @@ def from_candidates(r: dict, neutral: str) -> list:
         else:
             steps = _tagged_steps(_need(o, "response", str, "text with step tags", where), where + "response")
         correct = _need(o, "label", bool, "true/false (is the final answer correct?)", where)
-        answer = o.get("response_answer")
-        if answer is not None:
-            _need(o, "response_answer", str, "the final answer as text", where)
+        answer = None if o.get("response_answer") is None else _need(o, "response_answer", str,
+                                                                      "the final answer as text", where)
         labels = o["step_labels"] if o.get("step_labels") is not None else [None] * len(steps)
         rows.append({"prompt": question, "completions": steps, "labels": labels,
                      "final_answer_correct": correct, "response_answer": answer, "group": group,
@@ -317,8 +301,7 @@ def from_prmbench(r: dict, neutral: str) -> list:
 
 
 def _unnumbered(steps: list) -> list:
-    """PRMBench's remove_step_prefix: stripped, a leading "k." or "Step k." dropped; a step that is only
-    such a number stays whole."""
+    """PRMBench's remove_step_prefix (a leading "k." or "Step k." dropped); a step that is only one stays."""
     bare = [re.sub(r"^(Step\s*\d+\.\s*|\d+\.\s*)", "", s.strip(), flags=re.IGNORECASE) if isinstance(s, str)
             else s for s in steps]
     return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
