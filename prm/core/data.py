@@ -136,10 +136,9 @@ def collate(rows: list, pad_id: int) -> dict:
 
 
 def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
-    """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, example
-    boundaries as int32 cumulative lengths, no attention mask (varlen keeps each example to itself); the keys
-    are transformers' keyword names. pack_to > 0 pads the row to a multiple of pack_to with a tail that is
-    one more example, so same-size batches share their shapes (--compile compiles once). For [a b c], [d e]:
+    """Padding-free batch in transformers' keyword names: the rows back to back in ONE row, position_ids from 0
+    for each, int32 cumulative lengths, no attention mask. pack_to > 0 pads the row to a multiple of pack_to
+    with one more example, so same-size batches share their shapes (--compile compiles once). For [a b c], [d e]:
       input_ids    [a b c d e]        with pack_to=4: [a b c d e P P P]
       position_ids [0 1 2 0 1]                        [0 1 2 0 1 0 1 2]
       cu_seq_lens  [0 3 5]                            [0 3 5 8]

@@ -6,8 +6,7 @@ import re
 
 from prm.core.data import IGNORE, label_problem
 
-# the columns that identify each format, in detection order
-FORMATS = {
+FORMATS = {  # the columns that identify each format, in detection order
     "pretokenized": ("input_ids", "labels"),
     "stepwise": ("prompt", "completions", "labels"),
     "processbench": ("problem", "steps", "label"),
@@ -24,6 +23,15 @@ KINDS = {"string": (str, "text"), "bool": (bool, "true/false"), "int64": (int, "
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
+
+
+def decode(data: bytes) -> tuple:
+    """(text, problem, line): the UTF-8 text (a byte-order mark dropped), or why it is not."""
+    try:
+        return data.decode("utf-8-sig"), None, None
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        return None, f"not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})", line
 
 
 def read_json(text: str) -> tuple:
@@ -170,7 +178,6 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
     else:
         raise BadField("label", "expected text with +/- step marks or a list of step labels, got "
                                 + _kind(label))
-    # the question and the first step share the text before the first tag
     question, marker, first = parts[0].rpartition("Step 1:")
     if not marker:
         raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the question from the "
@@ -345,8 +352,7 @@ def row_problems(row: dict) -> list:
     out += _first_bad(bad, "field 'labels': label {}: {}")
     if isinstance(steps, list) and steps and len(labels) != len(steps):
         out.append(f"field 'labels': {len(labels)} labels for {len(steps)} steps")
-    # a best-of-N candidate (it has a group) may leave every step unlabeled
-    elif labels and not bad and all(y is None for y in labels) and "group" not in row:
+    elif labels and not bad and all(y is None for y in labels) and "group" not in row:  # not best-of-N
         out.append("field 'labels': no step is labeled")
     return out
 

@@ -65,11 +65,10 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
     arrow = tok.with_format("arrow")  # steps cut by a length cap, in every row
     n_cut = _total(pc.list_value_length(arrow["step_labels"])) - _total(arrow["steps_kept"])
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
-    # steps holding the separator (kept whole, as TRL does)
-    inner = _total(pc.match_substring(pc.list_flatten(ds.with_format("arrow")["completions"]),
-                                      cfg.step_separator)) if "completions" in ds.column_names else 0
+    with_separator = _total(pc.match_substring(pc.list_flatten(ds.with_format("arrow")["completions"]),
+                                               cfg.step_separator)) if "completions" in ds.column_names else 0
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), steps_truncated=n_cut,
-                                                             steps_with_separator=inner)
+                                                             steps_with_separator=with_separator)
 
 
 def _total(values) -> int:

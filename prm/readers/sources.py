@@ -19,7 +19,8 @@ from datasets.exceptions import DatasetGenerationError
 from prm.config import Config
 from prm.core.data import IGNORE
 from prm.errors import UsageError, WriteFailed
-from prm.readers.formats import FORMATS, META, detect_format, field_problem, format_help, read_json, to_rows
+from prm.readers.formats import (FORMATS, META, decode, detect_format, field_problem, format_help, read_json,
+                                 to_rows)
 from prm.readers.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
@@ -66,13 +67,9 @@ def read_records(path: str):
             raise DataError([f"{path}: cannot read this parquet file: {e}"]) from None
         return [(f"row {i}", r, None) for i, r in enumerate(ds)]
     with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise DataError([f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
-                         "convert the file to UTF-8"]) from None
+        text, problem, line = decode(f.read())
+    if problem:
+        raise DataError([f"{path} line {line}: {problem}; convert the file to UTF-8"])
     if path.lower().endswith(".json"):
         data, problem, line = read_json(text)
         if data is None and problem and (text.lstrip().startswith("[") or line is None):
