@@ -13,21 +13,19 @@ import random
 
 import torch
 
-IGNORE = -100  # the label of every position that ends no step (or ends an unlabeled one): the loss skips it
+IGNORE = -100  # the label of a position that ends no labeled step: the loss skips it
 
 
 def label_problem(y):
     """Why y is not a step label (bool, 0/1, a float in [0, 1], or None = not scored); None if it is one."""
-    if y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1)):
-        return None
-    if isinstance(y, float) and 0.0 <= y <= 1.0:  # NaN fails both comparisons
+    hard = y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1))
+    if hard or isinstance(y, float) and 0.0 <= y <= 1.0:
         return None
     return f"{type(y).__name__} {y!r}"[:80] + " is not a bool, 0/1 or a float in [0, 1]"
 
 
 def normalize_label(label):
-    """bool and 0/1 become int; floats in [0,1] stay floats (soft Monte-Carlo labels); None (a step kept as
-    context but not scored, e.g. ProcessBench after the first error) becomes IGNORE."""
+    """bool and 0/1 become int; floats in [0,1] stay (soft labels); None (a step not scored) becomes IGNORE."""
     if problem := label_problem(label):
         raise ValueError(f"label {problem}")
     if label is None:
@@ -41,7 +39,7 @@ def with_bos(ids: list, tokenizer) -> list:
 
 def prompt_ids(prompt, tokenizer) -> list:
     """BOS (if any) + prompt ids; a list of {role, content} goes through the chat template."""
-    if isinstance(prompt, list):  # conversational: the template writes its own special tokens
+    if isinstance(prompt, list):  # the template writes its own special tokens
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return with_bos(tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer)
@@ -57,15 +55,13 @@ def separator_ids(tokenizer, step_separator: str) -> list:
 
 def assemble(prompt: list, steps: list, sep: list, labels: list, *, max_length=None,
              max_completion_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """Concatenate already-tokenized pieces; the label sits on each step's last separator token.
-    Truncation drops whole steps from the end, so a label never slides onto another token: first those
-    past max_completion_length tokens of steps (0/None: no cap), then those past max_length tokens in all.
-    step_ends: every kept step's last token position, labeled or not (where evaluation reads scores)."""
+    """Tokenized pieces joined, each step's label on its last separator token; truncation drops whole steps
+    past max_completion_length step tokens (0/None: no cap) or max_length. step_ends: kept steps' last tokens."""
     labels = [normalize_label(y) for y in labels]
     if len(steps) != len(labels):
         raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
     if train_on_last_step_only and not is_eval:
-        # the solution's outcome: an unscored last step after a wrong one (ProcessBench's nulls) is wrong too
+        # an unscored last step after a wrong one is wrong too
         last = 0 if labels[-1] == IGNORE and 0 in labels else labels[-1]
         labels = [IGNORE] * (len(labels) - 1) + [last]
     input_ids, out_labels, ends = list(prompt), [IGNORE] * len(prompt), []
@@ -102,12 +98,10 @@ def tokenize_example(example, tokenizer, step_separator="\n", max_length=None, t
 
 def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
                    train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
-    """Column-batch tokenize_example (for datasets.map): one tokenizer call for all prompts and steps.
-    Adds per row: length, n_labeled (positions with a label: what the loss divides by) and step_labels (every
-    step's label as given, None = unlabeled, steps cut by truncation included: the truth evaluation reads)."""
+    """tokenize_example over columns (for datasets.map), adding length, n_labeled and step_labels."""
     sep = separator_ids(tokenizer, step_separator)
     plain = all(isinstance(p, str) for p in batch["prompt"])
-    start = len(batch["prompt"]) if plain else 0  # plain prompts go in the steps' tokenizer call, first
+    start = len(batch["prompt"]) if plain else 0  # plain prompts go first in the steps' tokenizer call
     texts = list(batch["prompt"])[:start] + [s for steps in batch["completions"] for s in steps]
     ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts \
         else []
@@ -128,8 +122,7 @@ def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
 
 
 def collate(rows: list, pad_id: int) -> dict:
-    """Right padding (a causal model's real tokens keep positions 0..n-1); ids and mask int64, labels float32
-    (hard 0/1 and soft targets in one tensor), -100 where unlabeled."""
+    """Right padding; ids and mask int64, labels float32 (hard and soft targets), -100 where unlabeled."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
     mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
@@ -143,13 +136,9 @@ def collate(rows: list, pad_id: int) -> dict:
 
 
 def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
-    """Padding-free batch: the rows back to back in ONE row, position_ids restarting at 0 for each, example
-    boundaries as int32 cumulative lengths (made on the host), no attention mask (varlen keeps each
-    example to itself). input_ids/position_ids (1, N) int64, labels (1, N) float32, cu_seq_lens_q/k
-    (n_rows + 1,), max_length_q/k ints: transformers' keyword names. pack_to > 0 pads the row up to a
-    multiple of pack_to with a tail that is one more example (pad ids, labels -100: it attends to nothing
-    real); with that tail slot always there, same-size batches of one bucket share their shapes, so
-    --compile compiles once. For rows [a b c] and [d e]:
+    """Padding-free batch in transformers' keyword names: the rows back to back in ONE row, position_ids from 0
+    for each, int32 cumulative lengths, no attention mask. pack_to > 0 pads the row to a multiple of pack_to
+    with one more example, so same-size batches share their shapes (--compile compiles once). For [a b c], [d e]:
       input_ids    [a b c d e]        with pack_to=4: [a b c d e P P P]
       position_ids [0 1 2 0 1]                        [0 1 2 0 1 0 1 2]
       cu_seq_lens  [0 3 5]                            [0 3 5 8]
@@ -165,7 +154,7 @@ def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
     ids[0, :n] = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
     labels[0, :n] = torch.as_tensor([y for r in rows for y in r["labels"]], dtype=torch.float32)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # (n_rows + 1,)
-    # an upper bound is all the kernel needs: with pack_to, the row width keeps it the same in every batch
+    # an upper bound is all the kernel needs; with pack_to, the same in every batch
     max_length = width if pack_to else max(lengths)
     return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
             "max_length_q": max_length, "max_length_k": max_length}
@@ -179,16 +168,13 @@ def pad_token_id(tokenizer) -> int:
 
 
 def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, group_by_length: bool) -> list:
-    """The epoch's optimizer-step batches: lists of exactly `global_batch` dataset indices, any world size.
-    A pure function of (seed, epoch): resuming at any step rebuilds the same plan, with no loader state saved.
-    With grouping, windows of 64 batches are sorted by length before cutting, then the batch order is
-    shuffled again, so neighbours in a batch have similar lengths but the order stays random."""
+    """The epoch's batches of exactly `global_batch` indices from (seed, epoch) alone; grouping sorts windows
+    of 64 batches by length before cutting, then shuffles the batches."""
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(len(lengths)))
     rng.shuffle(order)
     n_batches = math.ceil(len(order) / global_batch)
-    # wrap around: the last batch is completed with the epoch's first indices, so every batch is full and
-    # every rank runs as many micro-batches (a short last batch would leave a rank idle in the all-reduce)
+    # wrap around: the epoch's first indices complete the last batch, so every rank runs as many micro-batches
     order = (order * math.ceil(n_batches * global_batch / max(len(order), 1)))[: n_batches * global_batch]
     if group_by_length:
         window = 64 * global_batch
@@ -201,23 +187,19 @@ def global_batches(lengths: list, global_batch: int, seed: int, epoch: int, grou
 
 
 def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_accum: int) -> list:
-    """This rank's `grad_accum` micro-batches of one global batch: the batch sorted by length, cut into
-    world_size x grad_accum equal chunks; micro-step a of rank r takes chunk a x world_size + r. Any
-    (world_size, grad_accum) split of one global batch thus sees the same examples, and ranks at the same
-    micro-step get neighbouring lengths (similar padding and time)."""
+    """This rank's micro-batches: the batch sorted by length, cut into world_size x grad_accum chunks; micro-step
+    a of rank r takes chunk a x world_size + r, so every split sees the same examples."""
     ordered = sorted(batch, key=lambda i: lengths[i])
     per = len(batch) // (world_size * grad_accum)
     return [ordered[c * per:(c + 1) * per] for c in range(world_size * grad_accum)][rank::world_size]
 
 
 def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> int:
-    """Tokens processed, padding included, by all micro-batches of all ranks (the chunks of micro_batches).
-    pack_to None: padded rows, a chunk as wide as its longest row; an int: packed rows (pack), each chunk's
-    tokens rounded up to a multiple of pack_to (0: not rounded)."""
+    """Tokens, padding included, of micro_batches' chunks: padded (pack_to None) or packed to pack_to."""
     ordered = sorted(lengths[i] for i in batch)
     per = len(batch) // n_chunks
     if pack_to is not None:
-        unit = pack_to or 1  # a packed row is rounded up to a multiple of this
+        unit = pack_to or 1
         return sum(-(-sum(ordered[c * per:(c + 1) * per]) // unit) * unit for c in range(n_chunks))
     return sum(per * ordered[(c + 1) * per - 1] for c in range(n_chunks))
 

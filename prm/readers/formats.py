@@ -1,5 +1,4 @@
-"""Read JSON with its hazards checked, detect a raw record's format, convert it to stepwise rows (prompt,
-completions, labels) or pre-tokenized ones (input_ids, labels), and check them. Depends on: prm.core.data."""
+"""Read JSON safely, detect a record's format, convert it to stepwise or pre-tokenized rows and check them."""
 import difflib
 import itertools
 import json
@@ -7,30 +6,27 @@ import re
 
 from prm.core.data import IGNORE, label_problem
 
-# columns that identify each format, in detection order (first match wins)
-FORMATS = {
-    "pretokenized": ("input_ids", "labels"),  # used as is: labels per token, -100 where no step ends
+FORMATS = {  # the columns that identify each format, in detection order
+    "pretokenized": ("input_ids", "labels"),
     "stepwise": ("prompt", "completions", "labels"),
     "processbench": ("problem", "steps", "label"),
-    "prm800k": ("question", "label"),  # label is a dict: {"steps": [...], "finish_reason": ...}
-    "math_shepherd": ("input", "label"),  # label is text: `input` with +/- in place of each step tag
-    "candidates": ("question", "outputs"),  # best-of-N: one problem, its sampled solutions (BiRM's files)
+    "prm800k": ("question", "label"),
+    "math_shepherd": ("input", "label"),
+    "candidates": ("question", "outputs"),
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
     "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
-# source columns kept as they are for evaluation's reports (ProcessBench, best-of-N, PRMBench): their types
+# source columns kept for evaluation's reports, with their types
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
-META_WHAT = {"response_answer": "the final answer as text"}  # what a stepwise record's column must hold
 KINDS = {"string": (str, "text"), "bool": (bool, "true/false"), "int64": (int, "an integer")}
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
-ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))  # characters that print as nothing
-# A label of None: a step kept as context, not scored (ProcessBench after its first error, dropped neutrals).
+ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 
 
 def decode(data: bytes) -> tuple:
-    """(text, problem, line): UTF-8 text (a byte-order mark some editors write first dropped), or why not."""
+    """(text, problem, line): the UTF-8 text (a byte-order mark dropped), or why it is not."""
     try:
         return data.decode("utf-8-sig"), None, None
     except UnicodeDecodeError as e:
@@ -39,8 +35,7 @@ def decode(data: bytes) -> tuple:
 
 
 def read_json(text: str) -> tuple:
-    """(value, problem, line) of one JSON text (line None: unknown): malformed, too deep, a number past
-    Python's digit limit, or, value read, a key given twice or a lone surrogate (field_problem finds it)."""
+    """(value, problem, line) of one JSON text: malformed, too deep, too long a number, or field_problem's."""
     repeated = []
 
     def pairs_hook(pairs: list) -> dict:
@@ -54,21 +49,21 @@ def read_json(text: str) -> tuple:
         value = json.loads(text, object_pairs_hook=pairs_hook)
     except json.JSONDecodeError as e:
         return None, f"malformed JSON: {e.msg} (column {e.colno})", e.lineno
-    except RecursionError:  # [[[[... : json recurses once per level
+    except RecursionError:
         return None, "malformed JSON: nested too deeply", None
-    except ValueError as e:  # a number of over 4300 digits (Python's int conversion limit)
+    except ValueError as e:  # a number past Python's 4300-digit limit
         return None, f"unreadable JSON: {str(e).split(';')[0]}", None
-    look = repeated or "\\ud" in text.lower()  # how a surrogate (\ud800-\udfff) is escaped
+    look = repeated or "\\ud" in text.lower()  # a surrogate can only come escaped
     return value, field_problem(value) if look else None, None
 
 
-class _Repeated(dict):  # a JSON object that gave one key twice (json keeps the last value without a word)
+class _Repeated(dict):  # a JSON object that gave one key twice
     key = None
 
 
 def field_problem(value, field: str = ""):
-    """"field 'x': ..." for the first key given twice or string with a lone surrogate in value, else None."""
-    todo = [(field, value)]  # walked without recursion: a value as deep as json reads is checked too
+    """"field 'x': ..." for the first key given twice or lone surrogate in value, else None."""
+    todo = [(field, value)]  # no recursion: any depth json reads
     while todo:
         field, value = todo.pop()
         if isinstance(value, str):
@@ -85,24 +80,24 @@ def field_problem(value, field: str = ""):
     return None
 
 
-class BadField(ValueError):  # one problem with one record: the field and what is wrong with it
+class BadField(ValueError):
     def __init__(self, field: str, problem: str):
         super().__init__(f"field '{field}': {problem}")
 
 
 def is_blank(text: str) -> bool:
-    """Empty, or only whitespace and zero-width characters: no step (a row holding one is invalid)."""
+    """Empty, or only whitespace and zero-width characters."""
     return not text.translate(ZERO_WIDTH).strip()
 
 
 def step_spans(text: str, separator: str) -> list:
-    """(start, end) of each step of a text: the pieces between separators, blank ones dropped."""
+    """(start, end) of each non-blank piece between separators."""
     starts = itertools.accumulate((len(p) + len(separator) for p in text.split(separator)), initial=0)
     return [(a, a + len(p)) for a, p in zip(starts, text.split(separator)) if not is_blank(p)]
 
 
 def split_steps(text: str, separator: str) -> list:
-    """The steps of a text (step_spans), verbatim: each keeps its own whitespace, as training keeps a step."""
+    """The steps of a text (step_spans), each with its own whitespace, as training keeps them."""
     return [text[a:b] for a, b in step_spans(text, separator)]
 
 
@@ -113,7 +108,7 @@ def detect_format(record: dict):
 
 
 def format_help(record: dict) -> str:
-    """Why no format matched: the columns found and expected, near misses ('completion' for 'completions')."""
+    """Why no format matched: the columns found and expected, and near misses."""
     known = sorted({c for cols in FORMATS.values() for c in cols})
     near = [f"'{k}' -> '{m[0]}'" for k in record if k not in known
             for m in [difflib.get_close_matches(str(k), known, 1, 0.75)] if m]
@@ -123,7 +118,7 @@ def format_help(record: dict) -> str:
 
 
 def _need(record: dict, key: str, kind=None, what: str = "", where: str = ""):
-    """record[key], checked; `where` prefixes the field name of a nested record ("outputs[3].")."""
+    """record[key], checked; `where` prefixes a nested record's field names ("outputs[3].")."""
     if not isinstance(record, dict):
         raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
     if key not in record:
@@ -140,21 +135,21 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
-    """Every META column the record gives is kept (a converted file reads back as what it was converted from:
-    a best-of-N candidate keeps its group, a PRMBench row its category); `id` is to_rows' to keep."""
+    """The row and its META columns, so a converted file reads back as its source (`id`: to_rows')."""
     row = {"prompt": _need(r, "prompt"), "completions": _need(r, "completions"), "labels": _need(r, "labels")}
-    if r.get("first_error") is not None:  # a converted ProcessBench file read back (null: not given)
+    if r.get("first_error") is not None:
         steps = row["completions"]
         row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
     for col, kind in META.items():
         if col not in row and col != "id" and r.get(col) is not None:
             python_type, what = KINDS[kind]
-            row[col] = _need(r, col, python_type, META_WHAT.get(col, what))
+            what = "the final answer as text" if col == "response_answer" else what
+            row[col] = _need(r, col, python_type, what)
     return [row]
 
 
 def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
-    """ProcessBench's first-error index (0-based, -1 = none) and final-answer flag, kept for its F1."""
+    """ProcessBench's first-error index (0-based, -1 = none) and final-answer flag."""
     first, correct = _need(r, key), r.get("final_answer_correct")
     if type(first) is not int or not -1 <= first < n_steps:
         raise BadField(key, f"first-error index {_kind(first)} is out of range for {n_steps} steps "
@@ -165,14 +160,13 @@ def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
-    """`input` = question + "Step 1: ... ки\\nStep 2: ... ки"; `label` = the same text with + or - for
-    each tag (or a list of per-step labels, e.g. soft Monte-Carlo values)."""
+    """`input`: question + "Step 1: ... ки\\nStep 2: ... ки"; `label`: it with +/- for each tag, or a list."""
     text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
     _tagged_steps(text, "input")
     parts = text.split(STEP_TAG)
     if isinstance(label, str):
         labels, pos = [], 0
-        for k, part in enumerate(parts[:-1]):  # the text must match exactly: a + or - in a step is no mark
+        for k, part in enumerate(parts[:-1]):
             mark = label[pos + len(part):pos + len(part) + 1]
             if label[pos:pos + len(part)] != part or mark not in ("+", "-"):
                 raise BadField("label", f"does not match 'input' at step {k + 1}: expected the same text "
@@ -184,7 +178,6 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
     else:
         raise BadField("label", "expected text with +/- step marks or a list of step labels, got "
                                 + _kind(label))
-    # the question and the first step share the text before the first tag (a question may quote "Step 1:")
     question, marker, first = parts[0].rpartition("Step 1:")
     if not marker:
         raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the question from the "
@@ -194,10 +187,8 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """One row per rated alternative the labeler rejected (the trajectory so far + that step), and the
-    trajectory: chosen completions, else the labeler's rewrite (labeled correct), up to where the labeler
-    stopped (found_error, give_up: `completions` null), unless it only repeats the last row's prefix. No row
-    from a bad_problem (the problem itself is broken) nor from unrated completions (rating null)."""
+    """A row per rated alternative not chosen (the trajectory so far + it), and the trajectory of chosen or
+    human steps up to where the labeler stopped, unless the last row holds it; none from a bad_problem."""
     problem = _need(_need(r, "question", dict, "an object with 'problem'"), "problem", str, "text")
     label = _need(r, "label", dict, "an object with 'steps'")
     steps = _need(label, "steps", list, "a list")
@@ -209,7 +200,7 @@ def from_prm800k(r: dict, neutral: str) -> list:
         where = f"label.steps[{k}]"
         if not isinstance(step, dict) or not isinstance(step.get("completions") or [], list):
             raise BadField(where, f"expected an object with a list of completions, got {_kind(step)}")
-        options, chosen = step.get("completions") or [], step.get("chosen_completion")  # null after a give_up
+        options, chosen = step.get("completions") or [], step.get("chosen_completion")
         for i, c in enumerate(options):
             rating = c.get("rating") if isinstance(c, dict) else "not an object"
             if type(rating) not in (int, type(None)) or rating not in rate:  # type(): True is no rating
@@ -233,7 +224,7 @@ def from_prm800k(r: dict, neutral: str) -> list:
 
 
 def from_processbench(r: dict, neutral: str) -> list:
-    """Correct up to the first error, wrong at it, unlabeled (None) after it: nothing is known of the rest."""
+    """Correct up to the first error, wrong at it, unlabeled (None) after it."""
     steps = _need(r, "steps", list, "a list of steps")
     extra = _benchmark_columns(r, "label", len(steps))
     n, first = len(steps), extra["first_error"]
@@ -242,9 +233,7 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben (github.com/dvlab-research/Mr-Ben, data/<subject>.json) as ProcessBench: question and options
-    as the prompt, steps without "Step k: ", `Model_Solution_First_Error_Step` (1-based text, "N/A" = none) as
-    the first error. Its files group solutions under question ids: read_records flattens such objects."""
+    """Mr-Ben as ProcessBench: question and options, steps without "Step k: ", a 1-based first error or "N/A"."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
     first = _need(r, "Model_Solution_First_Error_Step")
@@ -252,9 +241,7 @@ def from_mrben(r: dict, neutral: str) -> list:
     if first != "N/A" and not number:
         raise BadField("Model_Solution_First_Error_Step",
                        f"{_kind(first)} is not a step number (1 to {len(steps)}) or 'N/A'")
-    options = r.get("Options") or ""
-    if not isinstance(options, str):
-        raise BadField("Options", f"expected text, got {_kind(options)}")
+    options = _need(r, "Options", str, "text") if r.get("Options") else ""
     prompt = _need(r, "Question", str, "text") + ("\n" + options.strip() if options.strip() else "")
     label = -1 if first == "N/A" else int(first) - 1
     correct = r.get("Model_Solution_Correctness") == "correct"
@@ -264,7 +251,7 @@ def from_mrben(r: dict, neutral: str) -> list:
 
 
 def _tagged_steps(text: str, field: str) -> list:
-    """Steps of a text with a step tag after each step (Math-Shepherd's and BiRM's convention)."""
+    """Steps of a text with a step tag after each."""
     parts = text.split(STEP_TAG)
     if len(parts) < 2:
         raise BadField(field, f"no '{STEP_TAG}' step tag")
@@ -274,10 +261,7 @@ def _tagged_steps(text: str, field: str) -> list:
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """One row per sampled solution: `outputs[].response` with a step tag after each step (or a list
-    `outputs[].steps`), `label` = the final answer is correct, optional `response_answer` (for voting) and
-    `step_labels`. Rows of one problem share `group` (`idx`, `id` or the question); steps may be unlabeled:
-    a candidate is judged by its final answer."""
+    """A row per sampled solution (step-tagged `response` or `steps`), in one `group`; `label`: answer correct."""
     question = _need(r, "question", str, "text")
     outputs = _need(r, "outputs", list, "a list of candidate solutions")
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
@@ -289,9 +273,8 @@ def from_candidates(r: dict, neutral: str) -> list:
         else:
             steps = _tagged_steps(_need(o, "response", str, "text with step tags", where), where + "response")
         correct = _need(o, "label", bool, "true/false (is the final answer correct?)", where)
-        answer = o.get("response_answer")
-        if answer is not None:
-            _need(o, "response_answer", str, "the final answer as text", where)
+        answer = None if o.get("response_answer") is None else _need(o, "response_answer", str,
+                                                                      "the final answer as text", where)
         labels = o["step_labels"] if o.get("step_labels") is not None else [None] * len(steps)
         rows.append({"prompt": question, "completions": steps, "labels": labels,
                      "final_answer_correct": correct, "response_answer": answer, "group": group,
@@ -300,15 +283,12 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution: its `error_steps` (1-based) wrong, the others correct (PRMBench labels each
-    step on its own); first_error is the earliest. Rows of the redundancy category also give the error-free
-    original solution, category "correct": PRMBench takes it once per problem, from that category. As its
-    harness does, steps lose their "k. " / "Step k. " number, and error indices past the last step are
-    ignored; a row whose every index is past it is refused (each of its steps would be labeled correct)."""
+    """The modified solution, its 1-based `error_steps` wrong (indices past the end ignored, as PRMBench's
+    harness does), the others correct; a redundancy row also gives the original, category "correct"."""
     steps = _unnumbered(_need(r, "modified_process", list, "a list of steps"))
     errors = _need(r, "error_steps", list, "a list of 1-based step indices")
     for e in errors:
-        if type(e) is not int or e < 1:  # type(): True is no index
+        if type(e) is not int or e < 1:
             raise BadField("error_steps", f"{_kind(e)} is not a 1-based step index")
     within = [e for e in errors if e <= len(steps)]
     if errors and not within:
@@ -328,9 +308,7 @@ def from_prmbench(r: dict, neutral: str) -> list:
 
 
 def _unnumbered(steps: list) -> list:
-    """PRMBench's remove_step_prefix, which its harness applies before a PRM reads a step: stripped, then a
-    leading "k." or "Step k." dropped (the step "5.5" becomes "5", as there). A step that is only such a
-    number ("64.", an answer) stays whole: here a blank step is no step, and its row would be refused."""
+    """PRMBench's remove_step_prefix (a leading "k." or "Step k." dropped); a step that is only one stays."""
     bare = [re.sub(r"^(Step\s*\d+\.\s*|\d+\.\s*)", "", s.strip(), flags=re.IGNORECASE) if isinstance(s, str)
             else s for s in steps]
     return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
@@ -343,19 +321,16 @@ def from_pretokenized(r: dict, neutral: str) -> list:
     return [row]
 
 
-CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise, "processbench": from_processbench,
-              "prm800k": from_prm800k, "math_shepherd": from_math_shepherd, "candidates": from_candidates,
-              "prmbench": from_prmbench, "mrben": from_mrben}
-assert set(CONVERTERS) == set(FORMATS)
+CONVERTERS = {name: globals()[f"from_{name}"] for name in FORMATS}
 
 
 def _first_bad(bad: list, message: str, more: str = " more") -> list:
-    """[message about the first bad (index, what), with how many more there are], or [] when none is bad."""
+    """[the message of the first bad (index, what) and how many more], or []."""
     return [message.format(*bad[0]) + (f" ({len(bad) - 1}{more})" if len(bad) > 1 else "")] if bad else []
 
 
 def row_problems(row: dict) -> list:
-    """Every problem of one stepwise row, as "field 'x': ..." strings; empty when the row is valid."""
+    """Every problem of one stepwise row, as "field 'x': ..." strings."""
     out = []
     prompt, steps, labels = row["prompt"], row["completions"], row["labels"]
     if isinstance(prompt, list):
@@ -377,25 +352,22 @@ def row_problems(row: dict) -> list:
     out += _first_bad(bad, "field 'labels': label {}: {}")
     if isinstance(steps, list) and steps and len(labels) != len(steps):
         out.append(f"field 'labels': {len(labels)} labels for {len(steps)} steps")
-    # a best-of-N candidate (it has a group) is judged by its final answer: its steps may all be unlabeled
-    elif labels and not bad and all(y is None for y in labels) and "group" not in row:
+    elif labels and not bad and all(y is None for y in labels) and "group" not in row:  # not best-of-N
         out.append("field 'labels': no step is labeled")
     return out
 
 
 def token_problems(row: dict) -> list:
-    """Every problem of one pre-tokenized row, as "field 'x': ..." strings; empty when the row is valid.
-    Padding (attention_mask 0) may only trail the row, and carries no label."""
+    """Every problem of one pre-tokenized row, as "field 'x': ..." strings; padding only trails the row."""
     ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
     out = []
     if not isinstance(ids, list) or not ids:
         out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
-    else:  # type(): True is no token id; 2^63 and up do not fit the int64 column they are stored in
+    else:  # type(): True is no token id; the column is int64
         bad = [(i, _kind(x)) for i, x in enumerate(ids) if type(x) is not int or not 0 <= x < 2 ** 63]
         out += _first_bad(bad, "field 'input_ids': position {}: {} is not a token id (an int >= 0)")
     if not isinstance(labels, list):
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
-    # a label: -100 (none), or a step label (bool, 0/1, float in [0, 1])
     bad = [(i, p) for i, y in enumerate(labels) if type(y) not in (int, float) or y != IGNORE
            for p in [label_problem(y) if y is not None else "null is not a label"] if p]
     out += _first_bad(bad, "field 'labels': position {}: {}, nor -100 (no label)")
@@ -419,8 +391,7 @@ def token_problems(row: dict) -> list:
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) for one raw record in format `fmt`: stepwise rows {prompt, completions, labels, ...},
-    or for "pretokenized" token-level rows {input_ids, labels}; the rows are valid only without problems."""
+    """(rows, problems) for one raw record in format `fmt`; the rows are valid only without problems."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:
@@ -431,14 +402,14 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
     if problems:
         return [], sorted(set(problems), key=problems.index)
     for n, row in enumerate(rows):
-        if record.get("id") is not None:  # several rows from one record get "<id>/<n>"
+        if record.get("id") is not None:
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
-        if fmt == "pretokenized":  # right padding stripped (the mask has nothing else to say); labels 0/1
+        if fmt == "pretokenized":  # right padding stripped
             mask = row.pop("attention_mask", None)
             end = sum(mask) if mask is not None else len(row["input_ids"])
             row["input_ids"] = row["input_ids"][:end]
             row["labels"] = [y if isinstance(y, float) else int(y) for y in row["labels"][:end]]
-        else:  # 0/1 labels become bools (hard), floats stay floats (soft); chat messages keep role, content
+        else:  # 0/1 labels become bools, floats stay floats
             row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in row["labels"]]
             if isinstance(row["prompt"], list):
                 row["prompt"] = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]

@@ -1,7 +1,4 @@
-"""Stepwise or pre-tokenized datasets -> the one kind of tokenized row the loop and the evaluator read
-(input_ids; labels: training targets, -100 off labeled step ends; steps_kept; step_ends: each kept step's last
-token; length; n_labeled; step_labels: each step's truth, None = unlabeled, cut steps included; META columns
-of the source), and the data report. Depends on: datasets, pyarrow, prm.core.data, prm.errors, prm.readers.sources."""
+"""Stepwise or pre-tokenized datasets -> the tokenized rows (COLUMNS) the loop reads, and the data report."""
 import hashlib
 import os
 
@@ -16,12 +13,11 @@ from prm.readers.sources import META, DataError, say
 COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
            "steps_kept": Value("int32"), "step_ends": Sequence(Value("int32")), "length": Value("int32"),
            "n_labeled": Value("int32"), "step_labels": Sequence(Value("float64"))}
-AUTO_PROC_ROWS = 20_000  # --num-proc 0 starts several processes from this many rows on
+AUTO_PROC_ROWS = 20_000  # --num-proc 0 starts several processes from this many rows
 
 
 def processes(num_proc: int, n_rows: int) -> int:
-    """--num-proc, or for 0 one process per usable core (at most 8) once there are rows enough to pay for
-    their start-up (each loads the tokenizer: seconds); a tokenizing process keeps one core busy."""
+    """--num-proc, or for 0 one process per usable core (at most 8) from AUTO_PROC_ROWS rows on."""
     if num_proc or n_rows < AUTO_PROC_ROWS:
         return num_proc or 1
     return min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
@@ -29,17 +25,16 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, desc: str = "tokenize",
                      drop_unlabeled: bool = True):
-    """(dataset, report) by datasets.map(tokenize_batch), or cut_pretokenized for pre-tokenized rows. Rows
-    without a labeled step are dropped (and counted in the report). The evaluation route keeps them
-    (drop_unlabeled=False): prm.core.evaluate.report counts them, and predictions line up with the source."""
+    """(dataset, report) by datasets.map(tokenize_batch or cut_pretokenized); rows without a labeled step are
+    dropped and counted, unless drop_unlabeled=False (evaluation: rows line up with the source)."""
     features = Features({**COLUMNS, **{k: v for k, v in ds.features.items() if k in META}})
-    if "input_ids" in ds.column_names:  # pre-tokenized: checked here, then the same rows as text gives
+    if "input_ids" in ds.column_names:
         check_pretokenized(ds, tokenizer, cfg)
         fn, fingerprint = cut_pretokenized, None
         kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
                       train_on_last_step_only=cfg.train_on_last_step_only)
     else:
-        fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder (prm.scoring.scorers)
+        fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
                       max_completion_length=cfg.max_completion_length,
                       train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
@@ -49,38 +44,39 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
         tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
                      remove_columns=[c for c in ds.column_names if c not in META],
                      num_proc=n_proc if n_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
-    except OSError as e:  # a full disk under the datasets cache
+    except OSError as e:
         raise WriteFailed(f"cannot write tokenized rows to the datasets cache: {e.strerror or e}") from None
     except Exception:
         which = "held-out" if is_eval else "training"
         bad = template_problems(ds, tokenizer, which)
         if not bad:
             raise
-        if len(bad) == len(ds):  # the template is at fault, not the rows: no row list, no --skip-invalid
+        if len(bad) == len(ds):  # the template is at fault, not the rows
             raise UsageError(f"the chat template fails on every one of the {len(ds)} {which} rows; "
                              f"{bad[0][1]}")
-        if not (cfg.skip_invalid and drop_unlabeled):  # eval.py's rows must match the source's
+        if not (cfg.skip_invalid and drop_unlabeled):
             raise DataError([p for _, p in bad], total_rows=len(bad)) from None
         say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): "
             f"{bad[0][1]}")
         keep = sorted(set(range(len(ds))) - {i for i, _ in bad})
         tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc,
                                        desc=desc)
-        return tok, {**report, "examples_dropped": report["examples_dropped"] + len(bad)}  # skipped ones too
-    arrow = tok.with_format("arrow")  # steps cut by a length cap, in every row (one later dropped included)
-    n_cut = (pc.sum(pc.list_value_length(arrow["step_labels"])).as_py() or 0) - \
-        (pc.sum(arrow["steps_kept"]).as_py() or 0)
+        return tok, {**report, "examples_dropped": report["examples_dropped"] + len(bad)}
+    arrow = tok.with_format("arrow")  # steps cut by a length cap, in every row
+    n_cut = _total(pc.list_value_length(arrow["step_labels"])) - _total(arrow["steps_kept"])
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
-    # steps holding the separator: kept whole (inner separators are text, as TRL), though a scorer cuts there
-    inner = pc.sum(pc.match_substring(pc.list_flatten(ds.with_format("arrow")["completions"]),
-                                      cfg.step_separator)).as_py() if "completions" in ds.column_names else 0
+    with_separator = _total(pc.match_substring(pc.list_flatten(ds.with_format("arrow")["completions"]),
+                                               cfg.step_separator)) if "completions" in ds.column_names else 0
     return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), steps_truncated=n_cut,
-                                                             steps_with_separator=inner or 0)
+                                                             steps_with_separator=with_separator)
+
+
+def _total(values) -> int:
+    return pc.sum(values).as_py() or 0
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
-    """(index, message) of each row whose chat prompt the tokenizer's chat template cannot render (none, or
-    one that raises); run when tokenization fails, so a traceback from inside datasets.map names its row."""
+    """(index, message) of each row whose chat prompt the tokenizer's chat template cannot render."""
     if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
     name, out = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, []
@@ -96,25 +92,23 @@ def template_problems(ds, tokenizer, which: str) -> list:
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:
-    """datasets would dill-hash fn_kwargs, the whole tokenizer included, on every map, cache on or off (slow
-    for large vocabularies). The same inputs, hashed cheaply: data fingerprint, tokenizer, settings, code."""
+    """map's fingerprint from data, tokenizer, settings and code: cheaper than datasets' dill hash."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     tok = Hasher.hash(tokenizer) if backend is None else hashlib.sha256(backend.to_str().encode()).hexdigest()
     special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None),
                getattr(tokenizer, "prm_rows", 0))
     settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
-    code = [Hasher.hash(f) for f in (tokenize_batch, assemble, normalize_label)]  # new rules: a new cache
+    code = [Hasher.hash(f) for f in (tokenize_batch, assemble, normalize_label)]
     return Hasher.hash([ds._fingerprint, tok, special, settings, code])
 
 
 def check_pretokenized(ds, tokenizer, cfg):
-    """DataError for pre-tokenized rows the run cannot use: ids past the tokenizer's vocabulary (tokenized
-    with another tokenizer: they would fail inside the embedding), or a --max-completion-length to apply."""
+    """DataError for pre-tokenized rows with ids past the tokenizer's vocabulary, or --max-completion-length."""
     if cfg.max_completion_length:
         raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows carry no "
                          "prompt/step boundary to apply it to; set it to 0 and cap them with --max-length"])
     n_vocab, bad, offset = len(tokenizer), [], 0
-    for chunk in ds.with_format("arrow")["input_ids"].chunks:  # parent indices count from each chunk's start
+    for chunk in ds.with_format("arrow")["input_ids"].chunks:
         over = pc.filter(pc.list_parent_indices(chunk), pc.greater_equal(pc.list_flatten(chunk), n_vocab))
         bad += [offset + i for i in pc.unique(over).to_pylist()]
         offset += len(chunk)
@@ -126,14 +120,12 @@ def check_pretokenized(ds, tokenizer, cfg):
 
 
 def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """Pre-tokenized rows (labels: -100 or a step's label; labeled positions are steps) cut after max_length
-    tokens, as tokenize_batch returns. The model is causal: cutting the tail never changes what an earlier
-    label means; labels past the cut are lost (and counted). steps_kept: before train_on_last_step_only."""
+    """Pre-tokenized rows cut after max_length tokens, as tokenize_batch returns them (labels mark steps)."""
     out = {k: [] for k in COLUMNS}
     for ids, labels in zip(batch["input_ids"], batch["labels"]):
-        ids, cut = ids[:max_length], labels[:max_length]  # a None max_length keeps everything
+        ids, cut = ids[:max_length], labels[:max_length]
         ends = [i for i, y in enumerate(cut) if y != IGNORE]
-        if train_on_last_step_only and not is_eval:  # the row's last label, wherever the cut leaves it
+        if train_on_last_step_only and not is_eval:
             last = max((i for i, y in enumerate(labels) if y != IGNORE), default=-1)
             cut = [y if i == last else IGNORE for i, y in enumerate(cut)]
         row = dict(input_ids=ids, labels=cut, steps_kept=len(ends), step_ends=ends, length=len(ids),
@@ -144,15 +136,14 @@ def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False
 
 
 def dataset_report(tok, n_rows_in: int, steps_truncated: int, steps_with_separator: int) -> dict:
-    """Counted in Arrow over the rows kept: no per-token Python loop over the labels."""
+    """Counted in Arrow over the rows kept."""
     t = tok.with_format("arrow")
     lengths, labels = t["length"], pc.list_flatten(t["labels"])
     labels = pc.filter(labels, pc.not_equal(labels, IGNORE))
     n = len(labels)
-    total = lambda a: pc.sum(a).as_py() or 0
     return {"examples": len(tok), "labeled_steps": n,
-            "positive_rate": round(total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
-            "mean_tokens": round(total(lengths) / max(len(lengths), 1), 1),
+            "positive_rate": round(_total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
+            "mean_tokens": round(_total(lengths) / max(len(lengths), 1), 1),
             "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
             "examples_dropped": n_rows_in - len(tok), "steps_truncated": steps_truncated,
             "steps_with_separator": steps_with_separator}

@@ -1,5 +1,4 @@
-"""Read train/held-out data from a hub name, a .jsonl/.json/.parquet file or a directory; convert and validate
-every row. Depends on: datasets, prm.core.data, prm.errors, prm.readers.formats, prm.readers.synthetic."""
+"""Read train/held-out rows from a hub name, a .jsonl/.json/.parquet file or a folder, validated, cached."""
 import contextlib
 import glob
 import hashlib
@@ -25,11 +24,11 @@ from prm.readers.formats import (FORMATS, META, decode, detect_format, field_pro
 from prm.readers.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
-SHOWN = 15  # problems listed before "... and N more": the message must fit one screen
+SHOWN = 15  # problems listed before "... and N more"
 WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
          "hub split")
-SHAPING = Config.names_with("rows")  # the settings read_splits reads: part of the rows cache's key
-NOTES = "said.json"  # in a rows cache entry: what the read said, said again when the entry is read back
+SHAPING = Config.names_with("rows")  # the settings that shape rows: part of the rows cache's key
+NOTES = "said.json"  # what the read said, in a rows cache entry
 
 
 class DataError(UsageError):
@@ -42,16 +41,16 @@ class DataError(UsageError):
         tail = ["Fix these rows, or pass --skip-invalid to drop them."] if total_rows else []
         super().__init__("\n".join([head] + [f"  {p}" for p in problems[:SHOWN]] + more + tail))
 
-    def __reduce__(self):  # pickled as built (rank 0's error reaches the others: runtime.decided_by_main)
+    def __reduce__(self):  # rank 0's error is pickled to the others
         return type(self), (self.problems, self.total_rows)
 
 
 class MissingSplit(DataError):
-    """The hub dataset has no such split; for the eval split, load_splits holds out --eval-fraction."""
+    """The source has no such split."""
 
 
 def say(msg: str):
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank loads the data: say it once
+    if int(os.environ.get("RANK", "0")) == 0:
         print(msg, file=sys.stderr, flush=True)
 
 
@@ -60,11 +59,11 @@ def is_local(spec: str) -> bool:
 
 
 def read_records(path: str):
-    """(where, record, problem) per row of a local file; JSONL is read here so a bad line names its number."""
+    """(where, record, problem) per row of a local file; a bad JSONL line is named by its number."""
     if path.lower().endswith(".parquet"):
         try:
             ds = Dataset.from_parquet(path)
-        except Exception as e:  # pyarrow's own error says what is wrong with the file
+        except Exception as e:
             raise DataError([f"{path}: cannot read this parquet file: {e}"]) from None
         return [(f"row {i}", r, None) for i, r in enumerate(ds)]
     with open(path, "rb") as f:
@@ -73,15 +72,14 @@ def read_records(path: str):
         raise DataError([f"{path} line {line}: {problem}; convert the file to UTF-8"])
     if path.lower().endswith(".json"):
         data, problem, line = read_json(text)
-        if data is None and problem and (text.lstrip().startswith("[") or line is None):  # trust none of it
+        if data is None and problem and (text.lstrip().startswith("[") or line is None):
             raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"])
         pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
         if isinstance(data, dict) and any(data.values()) and all(
                 isinstance(v, list) and all(isinstance(r, dict) for r in v) for v in data.values()):
-            # records grouped under keys, as Mr-Ben groups the solutions of a question under its id (a
-            # record's own lists hold numbers or text: {"input_ids": [...], "labels": [...]} is one record)
+            # records grouped under keys, as Mr-Ben groups a question's solutions
             pairs = [(f"{k}[{i}]", r) for k, v in data.items() for i, r in enumerate(v)]
-        if pairs is not None:  # a problem found in the whole value: each row's own is named
+        if pairs is not None:
             return [(where, r, problem and field_problem(r)) for where, r in pairs]
         if isinstance(data, dict) and "\n" in text.strip():
             raise DataError([f"{path}: one JSON object; expected an array of records, an object of such "
@@ -91,17 +89,12 @@ def read_records(path: str):
 
 
 def data_files(folder: str) -> list:
-    """The paths of a folder's entries named like data files, sorted: what is read, and all data_digest hashes
-    (a README or .DS_Store beside them changes neither)."""
+    """The sorted paths of a folder's entries named like data files."""
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(LOCAL_EXT))
 
 
 def split_files(folder: str, split: str, names: tuple = ()) -> list:
-    """The folder's data files named for `split`, as datasets.load_dataset names them: a word of their name
-    (train.jsonl, test-00000-of-00001.parquet, my_eval_set.json, any case) is one of datasets' SPLIT_KEYWORDS
-    for it, or the split itself when it is none of them; None when no file is named for a split (datasets' or
-    one of `names`, the run's). A file named for no split beside ones that are, or for two, is refused: it
-    would be read by no split, or by both."""
+    """The folder's files named for `split` as datasets names them (None: no file is named for a split)."""
     words = lambda f: set(re.split(f"[{NON_WORDS_CHARS}]+", os.path.basename(f).lower()))
     keywords = {str(s): set(k) for s, k in SPLIT_KEYWORDS.items()}
     keywords.update((s, {s}) for s in {*names, split} - set().union(*keywords.values()))
@@ -117,13 +110,12 @@ def split_files(folder: str, split: str, names: tuple = ()) -> list:
     if twice:
         raise DataError([f"{folder}: {', '.join(twice)} named for more than one split: its rows would be read "
                          "by each; name it for one"])
-    own = next(s for s, k in keywords.items() if split in k)  # --eval-split dev: validation's
+    own = next(s for s, k in keywords.items() if split in k)  # "dev" is validation's
     return [f for f, splits in named.items() if own in splits]
 
 
 def _sources(spec: str, split: str, cfg, by_split: bool = False):
-    """(name, records) per file of a local spec, or the one split of a hub dataset. by_split: of a folder
-    whose files are named for splits, those of `split` alone (training reads a folder as datasets does)."""
+    """(name, records) per file of a local spec (by_split: named for `split`), or a hub dataset's split."""
     if os.path.isdir(spec):
         files = data_files(spec)
         if not files:
@@ -134,7 +126,7 @@ def _sources(spec: str, split: str, cfg, by_split: bool = False):
                                     f"{', '.join(os.path.basename(f) for f in files)}"])
             files = named
         folders = [f for f in files if not os.path.isfile(f)]
-        if folders:  # data is read from the files of one folder, never from the folders inside it
+        if folders:
             raise DataError([f"{f}: a folder named like a data file; move it out of {spec}" for f in folders])
         return [(f, read_records(f)) for f in files]
     if is_local(spec):
@@ -143,8 +135,8 @@ def _sources(spec: str, split: str, cfg, by_split: bool = False):
         return [(spec, read_records(spec))]
     try:
         ds = load_dataset(spec, cfg.dataset_config or None, split=split)
-    except Exception as e:  # offline, no such dataset, a typo in a local path: one line, not a traceback
-        if isinstance(e, ValueError) and "split" in str(e).lower():  # 'Unknown split' or 'Bad split'
+    except Exception as e:  # offline, no such dataset, a typo in a local path
+        if isinstance(e, ValueError) and "split" in str(e).lower():
             raise MissingSplit([f"{spec}: {e}"]) from None
         raise DataError([f"{spec}: not a local .jsonl/.json/.parquet file or directory, and the hub could "
                          f"not load it ({type(e).__name__}: {e})"]) from None
@@ -153,8 +145,8 @@ def _sources(spec: str, split: str, cfg, by_split: bool = False):
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
               by_split: bool = False) -> list:
-    """Every record of a source as validated rows, in the format cfg.<format_key> names (--format or
-    --eval-format). DataError lists bad rows, or skip_invalid drops them; what it read is said (`notes`)."""
+    """Every record of a source as validated rows, in the format cfg.<format_key> (or detected); DataError
+    lists bad rows, or skip_invalid drops them; what it read is said and added to `notes`."""
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
@@ -162,7 +154,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
         fmt = forced
         for where, record, problem in records:
             n_records += 1
-            if fmt is None and problem is None:  # each file's format comes from its first readable record
+            if fmt is None and problem is None:  # from each file's first readable record
                 fmt = detect_format(record) if isinstance(record, dict) else None
                 if fmt is None:
                     why = format_help(record) if isinstance(record, dict) else "expected a JSON object"
@@ -178,11 +170,11 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
                 bad += 1
                 problems += [f"{name} {where}: {p}" for p in issues]
                 continue
-            if fmt == "pretokenized":  # errors found at tokenization (ids past the vocabulary) name the line
+            if fmt == "pretokenized":  # errors found at tokenization name the line
                 for row in found:
                     row["where"] = f"{name} {where}"
-            if fmt == "prmbench" and record.get("idx") is not None:  # as PRMBench's harness: the first row
-                kept = [row for row in found if row["id"] not in ids]  # of each id (category_idx) alone
+            if fmt == "prmbench" and record.get("idx") is not None:  # as PRMBench: an id's first row alone
+                kept = [row for row in found if row["id"] not in ids]
                 ids.update(row["id"] for row in kept)
                 repeated, found = repeated + len(found) - len(kept), kept
                 if not kept:
@@ -205,7 +197,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
 
 def to_dataset(rows: list) -> Dataset:
     """An arrow-file-backed Dataset (so datasets.map caches tokenization), keyed by a hash of the rows."""
-    if "input_ids" in rows[0]:  # pre-tokenized: one float column holds -100, hard and soft labels
+    if "input_ids" in rows[0]:
         features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
                     "where": Value("string")}
     else:
@@ -224,8 +216,7 @@ def to_dataset(rows: list) -> Dataset:
     try:
         return Dataset.from_generator(generate, features=Features(features),
                                       fingerprint=digest.hexdigest()[:32])
-    except (OSError, DatasetGenerationError) as e:  # a full disk: the rows could not be written where
-        # datasets keeps them (a write's OSError reaches here wrapped in a DatasetGenerationError)
+    except (OSError, DatasetGenerationError) as e:  # a full disk; datasets wraps the OSError
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
         if not isinstance(cause, OSError):
             raise
@@ -234,8 +225,7 @@ def to_dataset(rows: list) -> Dataset:
 
 
 def cut_after_first_error(row: dict) -> dict:
-    """The row up to and including its first wrong label (False, 0 or 0.0), or as it is without one: stepwise
-    rows lose the steps after it, pre-tokenized rows the tokens after it (labels align with both)."""
+    """The row up to and including its first wrong label (False, 0 or 0.0): steps or tokens."""
     wrong = (i for i, y in enumerate(row["labels"]) if y is not None and y != IGNORE and float(y) == 0.0)
     end = next(wrong, None)
     if end is None:
@@ -245,9 +235,7 @@ def cut_after_first_error(row: dict) -> dict:
 
 
 def read_splits(cfg) -> tuple:
-    """(train, held-out, notes): datasets of rows (prompt, completions, labels, the META columns the data has)
-    and what the read said. Only training rows are cut (--cut-after-first-error): held-out are whole. A step
-    holding the separator stays whole (inner separators are text), as TRL's PRMTrainer tokenizes it."""
+    """(train, held-out, notes): datasets of rows and what the read said; only training rows are cut."""
     cut = lambda r: cut_after_first_error(r) if cfg.cut_after_first_error else r
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
@@ -255,14 +243,13 @@ def read_splits(cfg) -> tuple:
     notes = []
     train = read_rows(cfg.dataset, cfg.train_split, cfg, notes=notes, by_split=True)
     held = None
-    if cfg.eval_dataset:  # its own format, not --dataset's
+    if cfg.eval_dataset:
         held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format", notes=notes, by_split=True)
     elif not is_local(cfg.dataset) or os.path.isdir(cfg.dataset) and split_files(
             cfg.dataset, cfg.eval_split, (cfg.train_split, cfg.eval_split)) is not None:
-        with contextlib.suppress(MissingSplit):  # no such split: hold out a share below
+        with contextlib.suppress(MissingSplit):
             held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes, by_split=True)
-    if held is None:  # split by prompt, so one problem never sits on both sides; pre-tokenized rows carry
-        # no prompt: each is held out on its own (pass --eval-dataset to split them by problem)
+    if held is None:  # split by prompt (pre-tokenized rows: by row), so no problem sits on both sides
         keys = [json.dumps(r["prompt"] if "prompt" in r else r["input_ids"]) for r in train]
         prompts = sorted(set(keys))
         if len(prompts) < 2:
@@ -279,14 +266,14 @@ def read_splits(cfg) -> tuple:
 
 
 def data_digest(spec: str) -> str:
-    """sha256 of a local file or of a folder's data files (names, contents), wherever it is; '' for hub."""
+    """sha256 of a local file or of a folder's data files (names, contents); '' for hub."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = hashlib.sha256()
     folder = os.path.isdir(spec)
     for path in data_files(spec) if folder else [spec]:
         digest.update((os.path.basename(path) if folder else "").encode() + b"\0")
-        if os.path.isfile(path):  # folders named like data files are refused when read, never hashed
+        if os.path.isfile(path):
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)
@@ -294,9 +281,8 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """Where load_splits keeps the validated splits of local files, keyed by their contents, the settings that
-    shape rows and this code: a rerun skips parsing and checking every row (about 30 s for 400k rows; hashing
-    takes about 1 s). None for hub or synthetic data, or caching off. digests: {spec: data_digest(spec)}."""
+    """The cache folder of local files' validated splits, keyed by their data_digest, SHAPING and this code;
+    None for hub or synthetic data, or caching off. digests: {spec: data_digest(spec)}."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
         return None
@@ -308,15 +294,13 @@ def rows_cache(cfg, digests: dict = None):
 
 
 def load_splits(cfg, digests: dict = None) -> tuple:
-    """read_splits, or its result read back from rows_cache when the files and settings are unchanged. An
-    entry is written under a temporary name and renamed whole (runs started together: the first rename wins);
-    a damaged one is read again and replaced; one that cannot be written (a full disk) is left out; the
-    temporary folder of a killed write (its process gone) is removed."""
+    """read_splits, or its result read back from rows_cache; an entry is written whole (the first rename wins)
+    or not at all, a damaged one is replaced, a dead process's temporary folder removed."""
     path = rows_cache(cfg, digests)
     for leftover in glob.glob(glob.escape(path) + ".*.tmp*") if path else []:
         with contextlib.suppress(OSError, ValueError):
             os.kill(int(os.path.basename(leftover).split(".")[1]), 0)
-            continue  # its process lives: still writing
+            continue  # still writing
         shutil.rmtree(leftover, ignore_errors=True)
     if path and (read_back := _read_back(path)):
         return read_back
@@ -328,17 +312,17 @@ def load_splits(cfg, digests: dict = None) -> tuple:
         datasets.DatasetDict(train=train, held=held).save_to_disk(tmp)
         with open(os.path.join(tmp, NOTES), "w") as f:
             json.dump(notes, f)
-        if os.path.exists(path):  # damaged (a good one would have been read back): out of the way first
+        if os.path.exists(path):  # damaged
             with contextlib.suppress(OSError):
                 os.rename(path, tmp + ".old")
-        os.rename(tmp, path)  # fails when another run's rename came first: theirs is as good as ours
+        os.rename(tmp, path)  # fails when another run's came first
     except OSError as e:
         if not os.path.isdir(path):
             say(f"{path}: cannot write the rows cache ({e.strerror or e}); going on without it")
     finally:
         for leftover in (tmp, tmp + ".old"):
             shutil.rmtree(leftover, ignore_errors=True)
-    return _read_back(path, quiet=True) or (train, held)  # the fingerprints tokenization is cached under
+    return _read_back(path, quiet=True) or (train, held)  # the fingerprints tokenization caches under
 
 
 def _read_back(path: str, quiet: bool = False):
@@ -348,11 +332,11 @@ def _read_back(path: str, quiet: bool = False):
     try:
         with open(os.path.join(path, NOTES)) as f:
             notes = json.load(f)
-        if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):  # not what we write
+        if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
             raise ValueError(f"{NOTES} holds no list of messages")
-        splits = datasets.load_from_disk(path)  # memory-mapped, with the same fingerprints every time
+        splits = datasets.load_from_disk(path)
         train, held = splits["train"], splits["held"]
-    except Exception as e:  # a partial or damaged entry: read the source again
+    except Exception as e:
         say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); reading the data")
         return None
     for msg in [] if quiet else notes + [f"(rows read back from {path}: files and settings unchanged)"]:
