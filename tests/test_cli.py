@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import types
@@ -232,3 +233,55 @@ def test_a_bad_value_names_the_flag_as_help_lists_it(argv, message):
     with pytest.raises(UsageError) as e:
         parse_config(argv)
     assert e.value.code == 2 and str(e.value) == message
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--step-separator", ""], "--step-separator '': must not be empty"),
+    (["--batch-size", "-1"], "--batch-size -1: must be >= 0"),
+    (["--lr", "nan"], "--lr nan: must be finite"),
+    (["--lr", "-1"], "--lr -1.0: must be finite and >= 0"),
+    (["--max-steps", "0"], "--max-steps 0: must be -1"),
+    (["--threshold", "1.5"], "--threshold 1.5: must be in [0, 1]"),
+    (["--max-length", "-5"], "--max-length -5: must be >= 1"),
+    (["--eval-fraction", "1.0"], "--eval-fraction 1.0: must be in (0, 1)"),
+    (["--eval-fraction", "0"], "--eval-fraction 0.0: must be in (0, 1)"),
+])
+def test_bad_flags_exit_2_at_start_up(flags, message):
+    from prm.cli import parse_config
+    from prm.errors import UsageError
+    with pytest.raises(UsageError) as e:
+        parse_config(flags)
+    assert e.value.code == 2 and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_paths_exit_2_with_a_message(tmp_path):
+    from prm.cli import parse_config
+    from prm.errors import UsageError
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError) as e:
+        parse_config(["--output-dir", str(tmp_path / "file" / "out")])
+    assert e.value.code == 2 and "not a writable folder" in str(e.value)
+    (tmp_path / "no_config").mkdir()
+    for kw, text in (({"tokenizer": str(tmp_path / "missing")}, "--tokenizer"),
+                     ({"model": str(tmp_path / "no_config")}, "no config.json")):
+        with pytest.raises(UsageError) as e:  # from prm.training.build: train.py's exit_status() makes it exit status 2
+            run_train(tmp_path / "out", max_steps=1, **kw)
+        assert e.value.code == 2 and text in str(e.value)
+    r = subprocess.run([sys.executable, "train.py", "--lr", "nan", "--output-dir", str(tmp_path / "o")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--lr nan" in r.stderr
+
+
+def test_every_error_an_entry_point_reports_survives_pickling_whole():
+    """Rank 0's error reaches the other ranks pickled (prm.core.runtime.decided_by_main): message, type, exit status
+    and fields arrive as built."""
+    import pickle
+
+    from prm.errors import Diverged, Stopped, WriteFailed
+    from prm.readers.sources import DataError, MissingSplit
+    for error in (UsageError("bad flag"), WriteFailed("out: cannot write it: full", cause="full"),
+                  Diverged("loss is nan"), Stopped("stopped by SIGTERM", signal.SIGTERM),
+                  DataError(["a.jsonl line 2: field 'labels': missing"], total_rows=1),
+                  MissingSplit(["d: no data file named for split 'dev'"])):
+        back = pickle.loads(pickle.dumps(error))
+        assert (type(back), str(back), back.code, vars(back)) == (type(error), str(error), error.code, vars(error))

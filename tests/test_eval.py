@@ -247,3 +247,18 @@ def test_real_processbench_rows(model_dir, tmp_path):
     assert out["n_examples"] > 0 and out["n_with_error"] + out["n_without_error"] == out["n_examples"]
     assert [x["first_error"] for x in lines] == [r["label"] for r in rows]
     assert out["outcome_auroc_min"] is not None
+
+
+def test_eval_checks_its_paths_and_dev_set_before_working(tmp_path):
+    from conftest import run_train
+    out = tmp_path / "run"
+    run_train(out, max_steps=1)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError) as e:
+        eval_cli.main(["--model", str(out / "final"), "--predictions", str(tmp_path / "file" / "p.jsonl")])
+    assert e.value.code == 2 and "--predictions" in str(e.value)
+    dev = tmp_path / "all_right.jsonl"
+    dev.write_text(json.dumps({"prompt": "p", "completions": ["1+1=2"], "labels": [True]}) + "\n")
+    with pytest.raises(UsageError) as e:
+        eval_cli.main(["--model", str(out / "final"), "--tune-threshold", str(dev)])
+    assert e.value.code == 2 and "both with and without an error" in str(e.value)

@@ -5,6 +5,7 @@ import math
 import random
 
 import pytest
+import threading
 
 from prm.core.metrics import (auroc, chance_f1, first_error, harmonic_mean, outcome_metrics, processbench_metrics,
                          step_metrics, tune_threshold)
@@ -191,3 +192,12 @@ def test_tuned_threshold_by_hand_and_its_limits():
     with pytest.raises(ValueError):
         tune_threshold([[0.8, 0.2]], [1])
 
+
+def test_auroc_returns_on_nan_scores():
+    from prm.core.metrics import auroc
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(v=auroc([0.1, float("nan"), 0.7], [False, True, True])),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and out["v"] is None

@@ -1,5 +1,6 @@
 """One run per output directory (refuse, --overwrite, --resume auto) and the optional trackers (TensorBoard, W&B)."""
 import json
+import math
 import os
 import sys
 
@@ -190,3 +191,9 @@ def test_wandb_tracker_gets_the_config_and_the_records(tmp_path, monkeypatch):
     assert calls[1] == ("log", {"train/loss": 0.5, "train/acc": 0.75, "train/lr": 1e-3, "train/norm": 1.0,
                                 "train/tok_per_s": 10.0, "train/epoch": 0.0}, 1)
     assert calls[2:] == [("finish",)]
+
+
+def test_metrics_writer_turns_non_finite_numbers_into_null():
+    from prm.training.trainlog import strict_json
+    assert strict_json({"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}}) == \
+        {"a": None, "b": [None, 1.0], "c": {"d": None}}

@@ -517,3 +517,15 @@ def test_a_blank_step_is_an_invalid_row_and_no_step_when_scoring(tmp_path, blank
         read_rows(path, "train", Config())
     assert len(read_rows(path, "train", Config(skip_invalid=True))) == 1
     assert scorer_steps(f"a\n{blank}\nb\n{blank}") == ["a", "b"]
+
+
+def test_encodings_are_named_and_a_bom_is_accepted(tmp_path):
+    from prm.config import Config
+    from prm.readers.sources import DataError, read_rows
+    row = {"prompt": "p", "completions": ["a"], "labels": [True]}
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\n")
+    assert read_rows(str(tmp_path / "bom.jsonl"), "train", Config()) == [row]
+    latin1 = json.dumps({**row, "prompt": "caf\u00e9"}, ensure_ascii=False).encode("latin-1")  # \xe9, not UTF-8
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(row).encode() + b"\n" + latin1 + b"\n")
+    with pytest.raises(DataError, match=r"latin1.jsonl line 2: not UTF-8 text"):
+        read_rows(str(tmp_path / "latin1.jsonl"), "train", Config())

@@ -1,12 +1,17 @@
-"""The hand-written loop: accumulation equivalence, bf16 on CPU, and the default pipeline end to end."""
+"""The hand-written loop: accumulation equivalence, bf16 on CPU, the default pipeline end to end, divergence (exit 3,
+nothing non-finite saved) and signals."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import ROOT, assert_same_run, final_weights, max_weight_diff, read_metrics, run_train
+from prm.errors import PRMError
 
 
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
@@ -74,3 +79,43 @@ def test_auto_dtype_takes_bf16_only_where_the_cpu_runs_it_natively(monkeypatch):
     for forced, expected in (("1", torch.bfloat16), ("0", None)):  # PRM_CPU_BF16 overrides the probes (last: AVX512)
         monkeypatch.setenv("PRM_CPU_BF16", forced)
         assert autocast_dtype(None, cpu) == expected
+
+
+def strict_records(out_dir):
+    """metrics.jsonl parsed strictly: a bare NaN or Infinity fails."""
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def test_divergence_stops_with_status_3_and_saves_no_non_finite_weights(tmp_path, capsys):
+    with pytest.raises(PRMError) as e:
+        # 1e10: packed attention stays finite at the 1e3 that made the padded (masked) path overflow
+        run_train(tmp_path, synthetic_size=400, batch_size=32, lr=1e10, max_steps=20, save_every=1, keep_last=1,
+                  log_every=10)
+    assert e.value.code == 3
+    err = str(e.value)
+    assert "not finite at step" in err and "Lower --lr (now 1e+10)" in err
+    bad = int(err.split("not finite at step ")[1].split()[0])
+    saved = [d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")]
+    assert all(int(d.split("-")[1]) < bad for d in saved)  # nothing saved from the first non-finite step on
+    for d in saved:
+        assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / d / "model.safetensors")).values())
+    assert not os.path.exists(tmp_path / "final")
+    strict_records(tmp_path)  # the NaN loss was written as null
+
+
+def test_signals_keep_their_usual_effect_during_the_final_evaluation(tmp_path, monkeypatch):
+    from prm.training import trainer
+    seen = []
+    real = trainer.Trainer.evaluate
+    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
+                        or real(self))
+    run_train(tmp_path, max_steps=2)
+    assert seen == [signal.SIG_DFL]  # the trainer's flag-only handler is gone: SIGTERM stops the process at once
+    preemption = trainer.Preemption()
+    preemption.signum = signal.SIGTERM  # a second signal in the loop stops at once
+    with pytest.raises(PRMError) as e:
+        preemption.on_signal(signal.SIGTERM, None)
+    assert e.value.code == 128 + signal.SIGTERM
