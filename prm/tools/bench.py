@@ -43,7 +43,8 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H
                     "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
-BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script", "--variants")
+# what a child process is not given (--peak-tflops passes through)
+BENCH_FLAGS = ("--repeats", "--peer-python", "--peer-script", "--variants")
 MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
             "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
             "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
@@ -270,10 +271,9 @@ def _strip_bench_flags(argv: list) -> list:
 
 def repeated(a, cfg: Config, argv: list) -> dict:
     """Fresh processes, ours and the peer's alternating so drift hits both."""
-    peak = ["--peak-tflops", str(a.peak_tflops)] if a.peak_tflops else []
     ours, peer = [], []
     for i in range(a.repeats):
-        jobs = [lambda: ours.append(_child(argv, *peak))]
+        jobs = [lambda: ours.append(_child(argv))]
         if a.peer_python:
             jobs.append(lambda: peer.append(_peer(a, cfg)))
         for job in (jobs if i % 2 == 0 else jobs[::-1]):
@@ -304,10 +304,9 @@ def side_by_side(a, argv: list) -> dict:
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
-    peak = ["--peak-tflops", str(a.peak_tflops)] if a.peak_tflops else []
     out = {}
     for name in names:
-        out[name] = _child(argv, *VARIANTS[name], *peak, "--repeats", str(a.repeats))
+        out[name] = _child(argv, *VARIANTS[name], "--repeats", str(a.repeats))
         print(f"{name}: {out[name]['tokens_per_second']} tok/s", file=sys.stderr, flush=True)
     base = out[names[0]]["tokens_per_second"]
     ratios = {n: round(r["tokens_per_second"] / base, 3) for n, r in out.items()}

@@ -32,7 +32,6 @@ ABANDONED = "abandoned-"
 RUN_FILES = ("metrics.jsonl", "final")
 # also removed by --overwrite
 ALSO_WRITTEN = ("config.train.json", "tensorboard")
-# pid@host of the run that is using an output directory
 LOCK = ".lock"
 
 

@@ -258,7 +258,7 @@ class Trainer:
             inputs = self.micro_batch(idx)
             labels = inputs.pop("labels")  # (B, T); packed: (1, N)
             with self.parallel.grad_sync(last=a == len(micro) - 1):
-                with self.autocast():
+                with torch.autocast(rt.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext():
                     logits = self.parallel.forward(**inputs)  # (B, T, 2); packed: (1, N, 2)
                 # over the labels of the whole global batch: accumulation and ranks weight each label alike
                 loss, ce_sum, n_correct = step_loss(logits, labels, n_labeled)
@@ -294,9 +294,6 @@ class Trainer:
         probs = predict(self.model, self.eval_rows, batch_size=cfg.eval_batch_size, pad_id=self.pad_id,
                         amp_dtype=self.amp_dtype, rt=self.rt, lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
         return report(probs, self.eval_rows, cfg.threshold, self.processbench)
-
-    def autocast(self):
-        return torch.autocast(self.rt.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
 
     def finish(self) -> dict:
         """final/ first (a failed evaluation never costs the weights), then the final evaluation, the model
