@@ -140,7 +140,7 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
-        # before the data: datasets' bars follow it
+        # no bars with --disable-tqdm or without a terminal; before the data: datasets' bars follow it
         self.quiet = progress_off(self.cfg.disable_tqdm)
         # a refused run, resume or model loads no data; bad rows are reported before any weight loads
         self.checkpointer = Checkpointer(self.cfg, rt)

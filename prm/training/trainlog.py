@@ -47,9 +47,11 @@ class TrainLog:
                  check_norm: bool = True, hint: str = ""):
         self.rt, self.out, self.pbar, self.plan = rt, out, out.pbar, plan
         self.n_chunks, self.pack_to, self.check_norm, self.hint = n_chunks, pack_to, check_norm, hint
-        # the first non-finite step (0: none)
+        # (cross-entropy sum, correct) since the last log line, on device
         self.window = torch.zeros(2, device=rt.device)
+        # the first non-finite step (0: none)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)
+        # (step, loss) of the last finite log line
         self.last_finite = None
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
