@@ -2,22 +2,13 @@
 
     python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512
 
-Takes every train.py flag. One run times, in this process, the dataset's tokenization (datasets cache off),
-then prm.training.trainer.train on the same data (its final evaluation, on a 1% held-out share, is not timed).
-tokens_per_second: the trainer's own, non-pad tokens / summed optimizer-step time (its clock stops after the
-log-step sync, so queued CUDA kernels count); steady_tokens_per_second and steady_mfu: from the second
-optimizer step on (no compilation, no warm-up). Memory: CUDA's max allocated, else this process's max RSS,
-which keeps what the C allocator freed: static_memory_mb (the least right after an optimizer step) is then an
-upper bound and activation_memory_mb (peak - static) a lower one. model_state_mb: 16 B per trainable parameter
-(fp32 weights, grads, AdamW's two moments) + 4 B per frozen one; optimizer_state_mb: measured after step one.
-mfu (CUDA only): flops_per_token x tokens/s / bf16 dense peak (--peak-tflops, else by device name), the FLOPs
-of the examples the timed steps trained (causal masking and gradient checkpointing's recompute not counted).
-host_syncs_per_step (CUDA only): host syncs torch's sync debug mode reports between two optimizer steps.
-
---variants padded,packed,packed-compiled: each in fresh processes, side by side, tokens/s against the first.
---repeats N: N fresh processes (max RSS is process-wide), medians and every run's values. --peer-python PY
---peer-script trl_peer.py: a TRL PRMTrainer run (and its tokenization) alternates with each of ours on the
-same model, data, steps, batch and max length; adds its medians and the ratios.
+Takes every train.py flag; times the dataset's tokenization (cache off), then the trainer on the same data.
+tokens_per_second: the trainer's own (non-pad tokens / optimizer-step time); steady_*: from the second step on.
+Memory: CUDA's max allocated, else max RSS (then static_memory_mb is an upper bound, activation_memory_mb a
+lower one). model_state_mb: 16 B per trainable parameter + 4 B per frozen one. mfu (CUDA only): flops_per_token
+x tokens/s / bf16 dense peak. host_syncs_per_step (CUDA only): syncs between two optimizer steps.
+--variants: each in fresh processes, tokens/s against the first. --repeats N: medians of N fresh processes.
+--peer-python/--peer-script: a TRL PRMTrainer run alternates with each of ours; adds its medians and ratios.
 """
 import contextlib
 import json
@@ -47,12 +38,13 @@ from prm.core.runtime import autocast_dtype
 from prm.training.trainer import BatchPlan, train
 from prm.core.varlen import kernel_dtype, supports_packing
 
-# dense bf16 peaks by device name, the more specific names first: PCIe and NVL parts run lower clocks than SXM
+# dense bf16 peaks by device name, the more specific names first
 BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
                     "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
-BENCH_FLAGS = ("--repeats", "--peak-tflops", "--peer-python", "--peer-script", "--variants")
+# what a child process is not given (--peak-tflops passes through)
+BENCH_FLAGS = ("--repeats", "--peer-python", "--peer-script", "--variants")
 MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
             "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
             "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
@@ -83,10 +75,10 @@ def _memory_now(device) -> int:
 
 
 def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
-    """(model FLOPs per trained token, non-embedding parameter count): 6 per weight for the matmuls forward
-    and backward (2 + 4), plus 12 x layers x attention width x s_eff for the attention scores and their use.
-    Under LoRA (lora_trainable: adapter + head parameters) a frozen base weight costs 4 (no weight grad)."""
-    with torch.device("meta"):  # counts the real architecture's parameters without allocating them
+    """(model FLOPs per trained token, non-embedding parameter count): 6 per weight, plus 12 x layers x
+    attention width x s_eff for attention; under LoRA (lora_trainable: adapter + head parameters) a frozen
+    weight costs 4."""
+    with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
     embeddings = [m for m in backbone.modules() if isinstance(m, torch.nn.Embedding)]
     embed = sum(p.numel() for m in embeddings for p in m.parameters())
@@ -103,12 +95,12 @@ def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tup
 def _device_peak(device, override: float) -> float:
     if override:
         return override * 1e12
-    name = torch.cuda.get_device_name(device)  # e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe"
+    name = torch.cuda.get_device_name(device)
     return next((tflops * 1e12 for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), 0.0)
 
 
 def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
-    """Which attention the run's forward takes (backbone: on the meta device), by prm.core.varlen's own test."""
+    """Which attention the run's forward takes, by prm.core.varlen's own test."""
     if not (cfg.packing and supports_packing(backbone)):
         return "sdpa (padded, with a mask)"
     text = model_cfg.get_text_config()
@@ -116,7 +108,7 @@ def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
     amp = autocast_dtype(cfg.dtype, device)
     with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
         half = kernel_dtype(torch.empty((1, 1, 1, head_dim), device=device))
-    kind = str(half).split(".")[-1]  # torch.bfloat16 -> bfloat16
+    kind = str(half).split(".")[-1]
     return f"varlen_attn ({kind})" if half else "sdpa per example (packed, exact fallback)"
 
 
@@ -137,7 +129,7 @@ def counting_syncs(device, seen: dict):
 
 
 def _train_watched(cfg: Config, device) -> tuple:
-    """(final metrics, what a global optimizer-step hook saw, memory before training) of prm.training.trainer.train."""
+    """(final metrics, what an optimizer-step hook saw, memory before training) of a training run."""
     seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
@@ -150,7 +142,7 @@ def _train_watched(cfg: Config, device) -> tuple:
         seen["times"].append(time.perf_counter())  # no sync: the next step's time counts kernels still queued
         seen["syncs"].append(sum("synchroniz" in str(w.message) for w in seen.get("warnings", [])))
 
-    baseline = _memory_now(device)  # before train(): libraries, tokenizer, raw and tokenized data
+    baseline = _memory_now(device)
     handle = register_optimizer_step_post_hook(after_step)
     with tempfile.TemporaryDirectory() as tmp:
         run_cfg = Config(**{**vars(cfg), "output_dir": cfg.output_dir or tmp})
@@ -163,10 +155,10 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization rate, then the real training loop; returns the measurement dict. The FLOPs and the steady
-    rate count the examples the timed steps trained, as the trainer's own batch plan gives them."""
-    cfg = Config(**vars(cfg)).resolve()  # the 0 = auto fields filled in, as train() does
-    datasets.disable_caching()  # both sides tokenize from scratch; nothing is read back from a cache
+    """Tokenization rate, then the training loop; the measurement dict. FLOPs count the examples the timed
+    steps trained, by the trainer's batch plan."""
+    cfg = Config(**vars(cfg)).resolve()
+    datasets.disable_caching()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = tokenizer_for(cfg)
     train_raw, _ = load_splits(cfg)
@@ -175,7 +167,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     tok_seconds = time.perf_counter() - t0
     plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], int(os.environ.get("WORLD_SIZE", 1)))
     model_cfg = hf_config_for(cfg, tokenizer)
-    with torch.device("meta"):  # counts parameters without allocating them
+    with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
     head = 2 * (model_cfg.get_text_config().hidden_size + 1)
     n_total = sum(p.numel() for p in backbone.parameters()) + head
@@ -190,7 +182,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
                                       seen["params"] if cfg.lora_r else None)
     static = min(seen["after_step"]) if seen["after_step"] else 0
     tps = final["train_tokens_per_second"]
-    t = seen["times"]  # steps 2..N: their tokens over the time from the first step's hook to the last one's
+    # steps 2..N: their tokens over the time from the first step's hook to the last one's
+    t = seen["times"]
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
@@ -202,7 +195,6 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "model_state_mb": round((16 * seen["params"] + 4 * (n_total - seen["params"])) / 2**20, 1),
         "optimizer_state_mb": round(seen["optimizer_bytes"] / 2**20, 1), "mfu": None,
         "attention": attention_kernel(cfg, model_cfg, backbone, device),
-        # between the first and the last optimizer step (no log step in between: --log-every is huge here)
         "host_syncs_per_step": round((seen["syncs"][-1] - seen["syncs"][0]) / (len(seen["syncs"]) - 1), 2)
         if cuda and len(seen["syncs"]) > 1 else None,
         "flops_per_token": round(fpt),
@@ -216,7 +208,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "compile": cfg.compile, "packing": cfg.packing, "pack_to": cfg.pack_to, "lora_r": cfg.lora_r,
         "torch": torch.__version__,
     }
-    if cuda:  # model FLOPs utilization over the whole run and from the second step on (None without a peak)
+    if cuda:
         peak_flops = _device_peak(device, peak_tflops)
         out.update({k: round(fpt * rate / peak_flops, 4) if peak_flops and rate else None
                     for k, rate in (("mfu", tps), ("steady_mfu", steady))})
@@ -268,7 +260,8 @@ def _peer(a, cfg: Config) -> dict:
 
 
 def _strip_bench_flags(argv: list) -> list:
-    out, skip = [], False  # skip: the previous item was a bench flag without "=", so this one is its value
+    # skip: the previous item was a bench flag without "=", so this one is its value
+    out, skip = [], False
     for x in argv:
         if not skip and x.split("=", 1)[0] not in BENCH_FLAGS:
             out.append(x)
@@ -277,11 +270,10 @@ def _strip_bench_flags(argv: list) -> list:
 
 
 def repeated(a, cfg: Config, argv: list) -> dict:
-    """Fresh processes, ours and the peer's alternating (first one, then the other) so drift hits both."""
-    peak = ["--peak-tflops", str(a.peak_tflops)] if a.peak_tflops else []
+    """Fresh processes, ours and the peer's alternating so drift hits both."""
     ours, peer = [], []
     for i in range(a.repeats):
-        jobs = [lambda: ours.append(_child(argv, *peak))]
+        jobs = [lambda: ours.append(_child(argv))]
         if a.peer_python:
             jobs.append(lambda: peer.append(_peer(a, cfg)))
         for job in (jobs if i % 2 == 0 else jobs[::-1]):
@@ -312,10 +304,9 @@ def side_by_side(a, argv: list) -> dict:
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
-    peak = ["--peak-tflops", str(a.peak_tflops)] if a.peak_tflops else []
     out = {}
     for name in names:
-        out[name] = _child(argv, *VARIANTS[name], *peak, "--repeats", str(a.repeats))
+        out[name] = _child(argv, *VARIANTS[name], "--repeats", str(a.repeats))
         print(f"{name}: {out[name]['tokens_per_second']} tok/s", file=sys.stderr, flush=True)
     base = out[names[0]]["tokens_per_second"]
     ratios = {n: round(r["tokens_per_second"] / base, 3) for n, r in out.items()}
@@ -338,7 +329,8 @@ def main(argv=None):
         out = run_once(cfg, a.peak_tflops)
     if out is not None:
         print(json.dumps(out), flush=True)
-    if out and out.get("failed"):  # --gpu-check: a failed test fails the command, after the figures print
+    # --gpu-check: a failed test fails the command, after the figures print
+    if out and out.get("failed"):
         raise PRMError(f"--gpu-check: {out['failed']} failed (its output is above)")
     return out
 

@@ -1,9 +1,5 @@
-"""python -m prm.bench --gpu-check: everything a GPU machine must show in one offline command: the CUDA tests
-of tests/test_gpu.py (marked gpu), then padded / packed / packed-compiled (prm.tools.bench --variants) on a random
-Qwen2-0.5B-shaped backbone, batch 8 x 2048, bf16, as one JSON object. Without CUDA it builds the config,
-tokenizer and data, then exits 2; --dry-run does it all on the CPU at a tiny shape (padded and packed:
-inductor's CPU build of the compiled variant takes minutes). Depends on: torch, transformers, prm.training.build,
-prm.core.data, prm.readers.synthetic (prm.tools.bench calls it with its side-by-side runner)."""
+"""python -m prm.bench --gpu-check: the CUDA tests of tests/test_gpu.py, then the bench variants on a random
+Qwen2-0.5B-shaped backbone, as one JSON object, offline. --dry-run does it on the CPU at a tiny shape."""
 import json
 import os
 import random
@@ -19,16 +15,15 @@ from prm.core.data import pad_token_id
 from prm.errors import UsageError
 from prm.readers.synthetic import CHARS, char_tokenizer
 
-# the checkout: prm/tools/gpucheck.py is three levels below it
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QWEN2_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "tokenizers", "qwen2")
-# Qwen/Qwen2-0.5B's config.json, by hand (no hub): 24 layers of 896, 14 query heads and 2 K/V heads of 64
+# Qwen/Qwen2-0.5B's config.json, by hand (no hub)
 SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
              intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
              max_position_embeddings=32768)
 TINY = dict(SHAPE, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             intermediate_size=256, vocab_size=0)  # vocabulary: the tokenizer's
-# batch 8 x 2048 fills an 80-140 GB GPU with a 0.5B model; --pack-to 8 x 2048: every packed step one shape
+# --pack-to 8 x 2048: every packed step one shape
 FLAGS = {"gpu": "--steps 30 --batch-size 8 --max-length 2048 --pack-to 16384 --dtype bf16".split(),
          "dry": "--steps 3 --batch-size 2 --max-length 128 --pack-to 256 --dtype fp32".split()}
 REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu", "steady_mfu",
@@ -49,7 +44,7 @@ def rows(n: int, max_length: int, seed: int = 0) -> list:
 
 
 def write_inputs(path: str, dry: bool) -> tuple:
-    """(model directory: config + tokenizer, weights later; the data file; the bench flags) under path."""
+    """(model directory without weights, the data file, the bench flags) under path."""
     tokenizer = load_tokenizer(QWEN2_TOKENIZER) if os.path.isdir(QWEN2_TOKENIZER) else char_tokenizer()
     shape = TINY if dry else SHAPE
     cfg = Qwen2Config(**{**shape, "vocab_size": max(shape["vocab_size"], len(tokenizer))},
@@ -61,20 +56,21 @@ def write_inputs(path: str, dry: bool) -> tuple:
     flags = FLAGS["dry" if dry else "gpu"]
     value = dict(zip(flags[::2], flags[1::2]))  # every flag takes one value
     steps, batch, max_length = (int(value[flag]) for flag in ("--steps", "--batch-size", "--max-length"))
-    with open(data, "w") as f:  # 1% held out, and a margin: every timed step gets a full batch of fresh rows
+    # 1% held out, and a margin: every timed step gets a full batch
+    with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows(int(steps * batch * 1.25) + 8, max_length))
     return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]
 
 
 def write_weights(model_dir: str, device: str):
-    """Random init (seed 0) on the device, saved beside the config: prm.training.build loads it as any local model."""
+    """Random init (seed 0) on the device, saved beside the config."""
     torch.manual_seed(0)
-    with torch.device(device):  # initializing 0.5B weights on a GPU takes a second, not a minute
+    with torch.device(device):
         AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
 
 
 def run_tests() -> dict:
-    """The gpu-marked cases of tests/test_gpu.py in a subprocess (the checkout's: a package has none)."""
+    """The gpu-marked cases of the checkout's tests/test_gpu.py in a subprocess."""
     path = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.isfile(path):
         return {"returncode": None, "summary": "tests/test_gpu.py absent: run from a checkout"}
@@ -88,11 +84,11 @@ def run_tests() -> dict:
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
     """The whole check; UsageError without CUDA (unless dry), after building what needs no GPU.
-    side_by_side(argv) -> prm.tools.bench's {"variants": {name: figures}, "tokens_per_second_vs_padded": ...}."""
+    side_by_side(argv): prm.tools.bench's runner."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():
-            with open(data) as f:  # what was built, so the message shows the CPU part worked
+            with open(data) as f:
                 n = sum(1 for _ in f)
             raise UsageError(f"--gpu-check needs CUDA (built the Qwen2-0.5B-shaped config, its tokenizer and "
                              f"{n} rows; --dry-run runs it all on the CPU)")

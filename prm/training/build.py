@@ -1,6 +1,5 @@
-"""The one place that builds a run's tokenizer and PRM from its Config: training, resume, eval.py and the
-benchmark all come here. Depends on: torch, transformers, safetensors, prm.core.model, prm.core.lora, prm.core.data,
-prm.training.export, prm.training.sharding, prm.readers.synthetic, prm.core.varlen."""
+"""The one place that builds a run's tokenizer and PRM from its Config, for training, resume, eval.py and the
+benchmark."""
 import glob
 import json
 import os
@@ -23,11 +22,9 @@ POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names
 
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
-    """load(name, **kw), raising a one-line UsageError (exit status 2) instead of a library traceback when the
-    model or tokenizer cannot be found or read (a typo, no config.json, offline, code that needs allowing).
-    weights: a --model folder must be a model's (False: a LoRA or sharded checkpoint, read for its
-    tokenizer)."""
-    # a path, not a hub id ('namespace/name'): else the hub's "Repo id must be in the form ..." hides the typo
+    """load(name, **kw), raising a one-line UsageError instead of a library traceback when it fails.
+    weights: a --model folder must be a model's (False: a checkpoint read for its tokenizer)."""
+    # a path, not a hub id: else the hub's "Repo id must be in the form ..." hides the typo
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         check([] if os.path.exists(name) else [f"{flag} {name}: no such folder"])
     if weights and flag == "--model" and os.path.isdir(name):  # config.json, then the files its index names
@@ -43,8 +40,7 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
 
 
 def outside_weights(path: str) -> list:
-    """Problems with the weight files a sharded model's index names: each must be a regular file inside `path`
-    ("../../outside.safetensors" would load weights from elsewhere)."""
+    """Problems with the weight files a sharded model's index names: each must be a regular file inside `path`."""
     problems, root = [], os.path.realpath(path)
     for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
         try:
@@ -62,9 +58,8 @@ def outside_weights(path: str) -> list:
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *, weights=True):
-    """AutoTokenizer, except that a generic tokenizer.json (the tiny preset's character tokenizer) loads as
-    written: transformers 5 would rebuild it from the vocabulary as the model type's own class
-    (Qwen2Tokenizer), which the character tokenizer survives (prm.readers.synthetic) but without its <unk>."""
+    """AutoTokenizer, except that a generic tokenizer.json (the character tokenizer) loads as written, not
+    rebuilt as the model type's own class (which drops its <unk>)."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
@@ -75,8 +70,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
         tokenizer = loading(flag, name, load, weights=weights, **kw)
     except UsageError:
         raise
-    # ValueError: tokenizer_config.json is not JSON; the rest: JSON but not a tokenizer's ({} lacks
-    # 'added_tokens'; a list has no .get)
+    # not JSON, or JSON but not a tokenizer's
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches need one to pad with
@@ -94,7 +88,7 @@ def tokenizer_for(cfg):
 
 
 def tiny_config(tokenizer):
-    """The offline preset: a 3-layer, 128-wide Qwen2 decoder (about 0.6M parameters plus embeddings)."""
+    """The offline preset: a 3-layer, 128-wide Qwen2 decoder."""
     return Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                        tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
@@ -103,15 +97,14 @@ def tiny_config(tokenizer):
 
 
 def hf_config_for(cfg, tokenizer):
-    """The backbone's transformers config, without building any weight (the benchmark counts its FLOPs)."""
+    """The backbone's transformers config, without building any weight."""
     if cfg.model == "tiny":
         return tiny_config(tokenizer)
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
 
 
 def check_exportable(cfg):
-    """UsageError for a --model that loads but that transformers has no token classifier for (OLMo, OPT,
-    Gemma 3's text model, ...): final/ is saved as one (hf_names), so the run would die at its first save."""
+    """UsageError for a --model that transformers has no token classifier for: final/ is saved as one."""
     if cfg.model == "tiny":
         return
     hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained,
@@ -129,14 +122,13 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
     if name == "tiny":
         cfg = tiny_config(tokenizer)
         return PRM(AutoModel.from_config(cfg, attn_implementation="sdpa"), new_head(cfg))
-    # fp32 master weights whatever the checkpoint's dtype; autocast handles the low-precision compute
+    # fp32 master weights whatever the checkpoint's dtype
     return pretrained(name, trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """PRM.from_pretrained: a 2-label token classifier with every weight from its files (its head flipped if
-    its label 0 means 'correct': ours is 1, for training, scoring and saving alike), else a backbone with a
-    new head (training from a backbone is the one place a head is made; the trainer says so)."""
+    """PRM.from_pretrained: a 2-label token classifier (its head flipped if its label 0 means 'correct': ours
+    is 1), else a backbone with a new head."""
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
     if classifier_only and not is_classifier(hf_cfg):
         raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
@@ -152,10 +144,8 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU: the backbone (pretrained, or 'tiny' from the seed; its dropout off unless
-    --disable-dropout is false), LoRA adapters when --lora-r is set, before .to(device) and DDP, so DDP sees
-    which parameters train. Resume and eval.py rebuild a LoRA checkpoint's frozen base with this same
-    function."""
+    """The run's PRM on CPU: the backbone and, with --lora-r, its adapters (before DDP, so DDP sees which
+    parameters train). Resume and eval.py rebuild a LoRA checkpoint's base with it too."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.disable_dropout:  # as TRL's PRMTrainer; before the adapters, whose --lora-dropout stays
         for module in model.backbone.modules():
@@ -166,41 +156,37 @@ def model_for(cfg, tokenizer) -> PRM:
             apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
         except ValueError as e:  # --lora-targets that match no layer: a bad flag
             raise UsageError(str(e)) from None
-        if cfg.lora_base_dtype == "bf16":  # the frozen base never updates: it needs no fp32 master copy
+        if cfg.lora_base_dtype == "bf16":  # the frozen base needs no fp32 master copy
             for p in model.backbone.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
-    # travels in config.json, so score(), eval.py and other tools read the input as training did
+    # travels in config.json: scoring reads the input as training did
     setattr(model.config, SETTINGS, {"step_separator": cfg.step_separator, "max_length": cfg.max_length,
                                      "max_completion_length": cfg.max_completion_length})
     return set_packing(model, cfg.packing)
 
 
 def set_packing(model: PRM, packing: bool) -> PRM:
-    """With --packing, a backbone that supports it runs prm.core.varlen's attention: every call is then packed (the
-    trainer, predict and score_batch check prm.core.varlen.is_packed). Others keep padding."""
+    """With --packing, a backbone that supports it runs prm.core.varlen's packed attention; others keep padding."""
     if packing and supports_packing(model.backbone):
         use_packed_attention(model.backbone)
     return model
 
 
 def load_trained(cfg, tokenizer_given: bool):
-    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (the model rebuilt from
-    the run's config, then its adapters and head, or its sharded weights) or any 2-label token classifier (as
-    pretrained() reads it); the tokenizer beside it unless --tokenizer is given."""
+    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (rebuilt from the run's
+    config) or any 2-label token classifier; the tokenizer beside it unless --tokenizer is given."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
         run.trust_remote_code = cfg.trust_remote_code  # the user's choice, never the file's
-        # such a checkpoint holds no config.json: its weights come from --model's base and its own files
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model", weights=False)
         model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() sets eval mode
         if sharded:
             load_whole(cfg.model, model, trainable_only=has_lora(model))
         else:
             load_trainable(model, os.path.join(cfg.model, TRAINABLE))
-        # fp32, as a classifier loads: a --lora-base-dtype bf16 base keeps its values, and scoring without
-        # bf16 autocast (PRMReward, eval.py --dtype fp32, a CPU without native bf16) gets no bf16 weight
+        # fp32, as a classifier loads: scoring without bf16 autocast gets no bf16 weight
         return tokenizer, model.float()
     model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))

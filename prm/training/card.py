@@ -1,6 +1,5 @@
-"""The model card (README.md) written into final/: what the model is, how it scores (with a snippet that
-needs only transformers), its metrics, license and versions, and the command. Depends on: huggingface_hub,
-prm.readers.sources."""
+"""The model card (README.md) written into final/: what the model is, how it scores, its metrics, license,
+versions and command."""
 import os
 import re
 import shlex
@@ -79,14 +78,13 @@ def config_command(cfg) -> str:
 
 
 def base_license(model: str) -> str:
-    """The base model's license from the `license:` line of its card (README.md) in a local folder or already
-    in the hub cache; '' when unknown. Never a network call."""
+    """The base model's license from its card in a local folder or the hub cache ('' when unknown); offline."""
     if model == "tiny":
         return ""
     try:
         card = (os.path.join(model, "README.md") if os.path.isdir(model)
                 else try_to_load_from_cache(model, "README.md"))
-    except ValueError:  # not a valid hub id either (huggingface_hub's HFValidationError is a ValueError)
+    except ValueError:  # not a valid hub id either
         return ""
     if not isinstance(card, str) or not os.path.isfile(card):  # None or a "known missing" marker object
         return ""

@@ -1,6 +1,5 @@
-"""A run's output directory, its checkpoints and resume, in one place: the Checkpointer (below), and run_lock, which
-keeps a second run out of the directory. Depends on: torch, prm.training.export, prm.training.files,
-prm.training.sharding, prm.readers.sources, prm.core, prm.errors."""
+"""A run's output directory, its checkpoints and resume: the Checkpointer, and run_lock, which keeps a second run
+out of the directory."""
 import contextlib
 import fcntl
 import hashlib
@@ -26,15 +25,13 @@ from prm.training.sharding import SHARDS, load_shards, save_shards
 
 # written last, with every file's checksum: a checkpoint without it is a crashed save, never resumed
 MARKER = "complete.json"
-# file_digests' entry for a symlink, FIFO or device
 NOT_REGULAR = "not a regular file"
-# the prefix of the checkpoints a resume from an older step sets aside
+# set aside by a resume from an older step
 ABANDONED = "abandoned-"
 # with (abandoned-)checkpoint-*, what makes a directory hold a run
 RUN_FILES = ("metrics.jsonl", "final")
-# a run's files too, which --overwrite removes with the rest
+# also removed by --overwrite
 ALSO_WRITTEN = ("config.train.json", "tensorboard")
-# pid@host of the run that is using an output directory
 LOCK = ".lock"
 
 
@@ -64,13 +61,11 @@ def read_marker(path: str) -> dict:
 
 
 def file_digests(path: str) -> dict:
-    """sha256 of every file under a directory, by relative path; a symlink, FIFO or device gets NOT_REGULAR
-    instead (reading /dev/zero or a FIFO would never end), so a checkpoint holding one fails its checksums."""
+    """sha256 of every file under a directory, by relative path; NOT_REGULAR for a symlink, FIFO or device."""
     out = {}
     for root, _, names in os.walk(path):
         for full in (os.path.join(root, name) for name in names):
             digest = NOT_REGULAR
-            # lstat: a symlink is not followed
             if stat.S_ISREG(os.lstat(full).st_mode):
                 h = hashlib.sha256()
                 with open(full, "rb") as f:
@@ -82,8 +77,7 @@ def file_digests(path: str) -> dict:
 
 
 def damaged_files(path: str) -> list:
-    """Files of a complete checkpoint whose checksum differs from its marker's (missing ones included), then
-    its symlinks, FIFOs and devices (listed in the marker or not)."""
+    """Files whose checksum differs from the marker's (missing ones included), then the not regular ones."""
     expected, found = read_marker(path).get("sha256", {}), file_digests(path)
     strange = {name for name, digest in found.items() if digest == NOT_REGULAR}
     return sorted({name for name, digest in expected.items() if found.get(name) != digest} - strange) + \
@@ -91,8 +85,7 @@ def damaged_files(path: str) -> list:
 
 
 def resolve_resume(resume: str, output_dir: str):
-    """The checkpoint to resume: `resume` itself, or with 'auto' the newest complete one whose files pass
-    their checksums (a damaged one is skipped with a warning); None when there is none."""
+    """`resume` itself, or with 'auto' the newest complete undamaged checkpoint (None: there is none)."""
     if resume != "auto":
         if not os.path.isfile(os.path.join(resume, MARKER)):
             check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
@@ -108,9 +101,8 @@ def resolve_resume(resume: str, output_dir: str):
 
 
 def prepare_output_dir(cfg):
-    """The checkpoint to resume (checksummed; None: a fresh start). A directory holding a run is refused (exit
-    status 2, every file untouched) unless --resume continues a checkpoint of that same run or --overwrite
-    replaces it: then what a run writes there is deleted, and only that (the directory may hold other files)."""
+    """The checkpoint to resume (None: a fresh start). A directory holding a run is refused unless --resume
+    continues that run or --overwrite replaces it (only the run's own files are deleted)."""
     out = cfg.output_dir
     names = os.listdir(out) if os.path.isdir(out) else []
     found = sorted(n for n in names if n in RUN_FILES or n.startswith(("checkpoint-", ABANDONED + "checkpoint-")))
@@ -122,7 +114,6 @@ def prepare_output_dir(cfg):
     shown = [n + "/" if os.path.isdir(os.path.join(out, n)) else n for n in found]
     listing = f"{out} already holds a run ({', '.join(shown)})"
     if cfg.resume:
-        # continuing this very run: its records go on where the checkpoint left them
         if ckpt and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(out):
             return ckpt
         check([f"{listing}, and --resume {cfg.resume} "
@@ -138,9 +129,8 @@ def prepare_output_dir(cfg):
 
 
 def set_aside_after(output_dir: str, step: int):
-    """After a resume from `step`, the checkpoint-<n> directories with n > step belong to the abandoned
-    timeline: renamed to abandoned-checkpoint-<n> (.2, .3 if an earlier resume set one aside already), which
-    prune and resolve_resume ignore, so the new run's checkpoints are the ones kept and resumed."""
+    """Renames checkpoint-<n> with n > step to abandoned-checkpoint-<n>(.2, .3, ...), which prune and resume
+    ignore."""
     moved = []
     for _, name in [(done, name) for done, name in numbered(output_dir) if done > step]:
         target, n = ABANDONED + name, 1
@@ -156,8 +146,7 @@ def set_aside_after(output_dir: str, step: int):
 
 
 def keep_records_until(path: str, step: int):
-    """Drops the records past `step` (and final ones) from metrics.jsonl, so after a resume each step appears
-    once. Rewritten whole (write_text): a full disk keeps the file as it was."""
+    """Drops the records past `step` (and final ones) from metrics.jsonl, so each step appears once."""
     if not os.path.isfile(path):
         return
     kept = []
@@ -165,18 +154,16 @@ def keep_records_until(path: str, step: int):
         for line in f:
             try:
                 rec = json.loads(line)
-            # a line cut short by the crash that made this run resume
+            # cut short by a crash
             except json.JSONDecodeError:
                 continue
             if rec.get("step", 0) <= step and "final" not in rec:
-                # a line the crash left without its newline gets one, or the next record is glued on
                 kept.append(line if line.endswith("\n") else line + "\n")
     write_text(path, "".join(kept))
 
 
 def prune(output_dir: str, keep_last: int):
-    """Removes the complete checkpoints older than the newest keep_last (0: keeps all): after every save, and
-    once final/ is written, since a kill between a save's rename and its pruning leaves one too many."""
+    """Removes the complete checkpoints older than the newest keep_last (0: keeps all)."""
     if keep_last > 0:
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -184,12 +171,9 @@ def prune(output_dir: str, keep_last: int):
 
 @contextlib.contextmanager
 def run_lock(output_dir: str):
-    """Holds <output_dir>/.lock for the life of a run, so a second trainer on the same directory stops at once
-    (exit status 2). The file names its owner (pid@host) and is held with flock: the kernel lets exactly one
-    process hold it, and drops the hold when that process dies, so two runs that take over one stale lock at
-    once cannot both proceed. A lock of this host whose flock is free is stale and taken over, with a warning;
-    one of another host is not (_alive). A directory made here and left empty (the run failed before writing
-    anything, e.g. bad data) goes again."""
+    """Holds <output_dir>/.lock (pid@host, with flock) for the life of a run: a second run there is a UsageError.
+    A lock of this host whose flock is free is stale and taken over; another host's is not. A directory made
+    here and left empty is removed."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK)
@@ -197,18 +181,16 @@ def run_lock(output_dir: str):
     try:
         yield
     finally:
-        # before the hold ends: a process that opened the file meanwhile sees it gone (_hold)
+        # before the hold ends, so a waiting process sees the file gone
         os.remove(path)
         os.close(fd)
         if made:
-            # rmdir removes an empty directory only: one with files stays
             with contextlib.suppress(OSError):
                 os.rmdir(output_dir)
 
 
 def _hold(path: str, output_dir: str) -> int:
-    """An open descriptor of `path` holding its flock, the file naming this process; exit status 2 if another
-    run holds it."""
+    """An open descriptor of `path` holding its flock, the file naming this process."""
     busy = lambda owner: check([f"{output_dir} is in use by another run ({owner or 'starting'}); if none "
                                 f"is, delete {path}"])
     while True:
@@ -222,7 +204,7 @@ def _hold(path: str, output_dir: str) -> int:
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 break
-        # the holder removed the file as we opened it: that hold is on a file nobody else sees
+        # the holder removed the file as we opened it
         os.close(fd)
     owner = os.read(fd, 256).decode(errors="replace").strip()
     if owner and _alive(owner):
@@ -236,17 +218,14 @@ def _hold(path: str, output_dir: str) -> int:
 
 
 def _alive(owner: str) -> bool:
-    """Whether the pid@host that wrote a lock whose flock this process now holds may still run. A process of
-    another host may (flock need not reach across hosts, e.g. on NFS), and so may an owner not of that form.
-    One of this host cannot: it would hold the flock still (the kernel drops a hold only when its process
-    ends). Its pid proves nothing: it may now be another process's, or this very one's (a restarted
-    container reuses the same small pids)."""
+    """Whether the owner of a lock whose flock we now hold may still run: only on another host (flock need not
+    reach across hosts) or if the owner is not pid@host. A pid of this host proves nothing (pids are reused)."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()
 
 
 def rng_state() -> dict:
-    """Every generator the training draws from (data order, dropout), as a checkpoint stores them."""
+    """Every generator the training draws from (data order, dropout)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -254,7 +233,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict):
-    """Restores what rng_state returned; a checkpoint written on a GPU loads on a CPU-only machine too."""
+    """Restores what rng_state returned (a GPU's state loads on a CPU-only machine too)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -262,21 +241,17 @@ def set_rng_state(state: dict):
 
 
 class Checkpointer:
-    """Resume and checkpoints, for the trainer. At start-up, before any data loads, rank 0 alone (once, not once
-    a rank) reads the output directory (prepare_output_dir), hashes the checkpoint and the data files and checks
-    that the checkpoint to resume fits this run. load() takes the trainer's state and, on a resume, restores it;
-    save() writes checkpoint-<step>/ (atomic, checksummed, exact resume), save_final() final/. resume_from: the
-    checkpoint to continue from (None: a fresh start); digests: {"train": sha256, "eval": sha256} of the local data
-    files ('' for hub or synthetic data)."""
+    """Resume and checkpoints. At start-up rank 0 decides the checkpoint to resume (resume_from, None: a fresh
+    start) and hashes the data files (digests: {"train", "eval"}, '' for hub or synthetic data); load() restores
+    the trainer's state on a resume; save() writes checkpoint-<step>/, save_final() final/."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """(the checkpoint to resume, the data digests); UsageError for a directory or checkpoint refused.
-        Settings that define the model, the data or its order (or live in the optimizer state, like --lr) and
-        the data files' contents must equal the checkpoint's; cadence settings may change (said)."""
+        """(the checkpoint to resume, the data digests). The settings that define the model, the data and its
+        order, and the data files' contents, must equal the checkpoint's; UsageError otherwise."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
         digests = {"train": data_digest(cfg.dataset), "eval": data_digest(cfg.eval_dataset)}
@@ -295,17 +270,14 @@ class Checkpointer:
         return path, digests
 
     def load(self, *, parallel, optimizer, scheduler, scaler, tokenizer, plan) -> int:
-        """Takes the trainer's state and returns the step to continue from: 0 for a fresh start; on a resume,
-        the checkpoint's, its weights, optimizer, scheduler, scaler and RNG restored in place (sharded ones by
-        every rank together), the newer checkpoints set aside and the metrics.jsonl records past it dropped.
-        parallel: prm.training.sharding.Parallel; plan: the run's batch plan (its last step, its epochs)."""
+        """The step to continue from (0: a fresh start). On a resume, restores the weights, optimizer, scheduler,
+        scaler and RNG in place and sets aside what the run wrote past the checkpoint."""
         self.parallel, self.optimizer, self.scheduler, self.scaler = parallel, optimizer, scheduler, scaler
         self.tokenizer, self.interval = tokenizer, self.cfg.every("save", plan.steps_per_epoch)
         path, model = self.resume_from, parallel.model
         if not path:
             return 0
         step = read_marker(path)["step"]
-        # its weights would be exported as a run of fewer steps than they saw
         if step > plan.total:
             raise UsageError(f"--resume {path}: the checkpoint is at step {step}, past this run's last step "
                              f"{plan.total} (--max-steps, --epochs): nothing to continue")
@@ -332,8 +304,7 @@ class Checkpointer:
         return bool(self.interval) and step % self.interval == 0
 
     def save(self, step: int):
-        """checkpoint-<step>/, every rank together. Under --fsdp every rank first writes its shards into the
-        temporary directory rank 0 then completes."""
+        """checkpoint-<step>/, every rank together (under --fsdp each writes its shards first)."""
         barrier(self.rt)
         if self.cfg.fsdp:
             tmp = checkpoint_dir(self.cfg.output_dir, step) + ".tmp"
@@ -344,7 +315,6 @@ class Checkpointer:
             try:
                 with reported(checkpoint_dir(self.cfg.output_dir, step)):
                     save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
-            # every rank gets dcp's error: no half-written shards stay
             except WriteFailed:
                 if self.rt.is_main:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -355,9 +325,7 @@ class Checkpointer:
         barrier(self.rt)
 
     def write(self, step: int):
-        """Rank 0's part of checkpoint-<step>: everything resume needs (weights, optimizer, scheduler, scaler,
-        RNG) and what eval.py reads, assembled in a temporary directory and renamed into place. The marker,
-        written last, holds every file's checksum and the data's content digests, which a resume must match."""
+        """Rank 0's part of checkpoint-<step>, written in place; the marker, last, holds every file's checksum."""
         cfg, model = self.cfg, self.parallel.model
         with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
             state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
@@ -376,11 +344,8 @@ class Checkpointer:
         prune(cfg.output_dir, cfg.keep_last)
 
     def save_final(self, step: int) -> str:
-        """final/, written atomically: a plain HF token classifier (adapters merged; a LoRA run's adapter in
-        final/adapter too), tokenizer, config. Returns its path on rank 0, None elsewhere. If final/ cannot be
-        written, the weights trained are not lost with it (kept_instead)."""
+        """final/ (a plain HF token classifier, adapters merged); its path on rank 0, None elsewhere."""
         barrier(self.rt)
-        # a collective: every rank sends its shards
         state = self.parallel.full_state()
         path = os.path.join(self.cfg.output_dir, "final")
         if self.rt.is_main:
@@ -389,14 +354,12 @@ class Checkpointer:
                     write_model_dir(tmp, self.parallel.model, self.tokenizer, self.cfg, state=state)
             except WriteFailed as e:
                 raise WriteFailed(f"{e}; {self.kept_instead(step)}") from e.__cause__
-            # a resumed run may save no checkpoint to prune
             prune(self.cfg.output_dir, self.cfg.keep_last)
         barrier(self.rt)
         return path if self.rt.is_main else None
 
     def kept_instead(self, step: int) -> str:
-        """Where the weights of `step` are when final/ could not be written: in a complete checkpoint, written
-        now if need be (not under --fsdp: rank 0 alone cannot write a sharded one), or lost."""
+        """Where the weights of `step` are when final/ could not be written (a checkpoint written now if need be)."""
         ckpt = checkpoint_dir(self.cfg.output_dir, step)
         if not os.path.isfile(os.path.join(ckpt, MARKER)):
             if self.cfg.fsdp:

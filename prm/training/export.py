@@ -1,5 +1,4 @@
-"""The model directories a run writes (final/, a checkpoint's weights) as transformers and peft read them, and a LoRA
-checkpoint's adapters read back. Depends on: safetensors, prm.core.model, prm.core.lora, prm.errors."""
+"""The model directories a run writes (final/, a checkpoint's weights), as transformers and peft read them."""
 import json
 import os
 
@@ -11,16 +10,13 @@ from prm.errors import UsageError
 
 # LoRA checkpoints: adapters + head only
 TRAINABLE = "trainable.safetensors"
-# LoRA runs: the adapter in peft's format, in a folder of its own: beside config.json, transformers (with peft
-# installed) would load the merged weights and then add the adapter on top of them, applying it twice
+# peft's adapter, in a folder of its own: beside config.json transformers would apply it twice
 ADAPTER = "adapter"
 
 
 def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False, state: dict = None):
-    """What eval.py and transformers read: weights (LoRA folded in, or with trainable_only the adapters and
-    head alone), a LoRA run's adapter in PEFT's format (write_adapter), the tokenizer and the run's config.
-    state: the whole model's weights gathered from shards (Parallel.full_state); default: the model's."""
-    # the frozen base is rebuilt from --model on resume: store only what trains
+    """Weights (LoRA merged, or with trainable_only the adapters and head alone), a LoRA run's adapter, the
+    tokenizer and the config. state: the weights gathered from shards (default: the model's)."""
     if trainable_only:
         os.makedirs(path, exist_ok=True)
         save_file({k: v.contiguous().cpu() for k, v in trainable_state_dict(model).items()},
@@ -36,11 +32,9 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
 
 
 def write_adapter(path: str, model, cfg, state: dict = None):
-    """The adapters and head as peft's save_pretrained writes them, for PeftModel.from_pretrained(
-    AutoModelForTokenClassification.from_pretrained(--model), path); peft is not needed. Our lora_A (r, in),
-    lora_B (out, r) and scale alpha / r are peft's (use_rslora false), so only names change:
-    backbone.<layer>.lora_A -> base_model.model.<prefix>.<layer>.lora_A.weight, and head.weight (trains whole:
-    modules_to_save) -> base_model.model.<head name>.weight. state: as in write_model_dir."""
+    """The adapters and head as peft's save_pretrained writes them (peft not needed). Our lora_A, lora_B and
+    scale are peft's, so only names change: backbone.<layer>.lora_A -> base_model.model.<prefix>.<layer>.lora_A.weight,
+    head.weight -> base_model.model.<head name>.weight (modules_to_save)."""
     _, prefix, head_name = hf_names(model.config)
     tensors = {}
     for key, value in (trainable_state_dict(model) if state is None else state).items():

@@ -1,6 +1,5 @@
-"""Writes that never leave half a file: a failure (a full disk, a read-only folder, an interrupt) ends the run with
-WriteFailed, one line naming the path and the cause (exit status 1), and keeps what was there before.
-Depends on: safetensors, torch, prm.errors."""
+"""Writes that never leave half a file: a failure raises WriteFailed naming the path and the cause, and keeps
+what was there before."""
 import contextlib
 import os
 import shutil
@@ -10,9 +9,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from prm.errors import WriteFailed
 
-# what a failed write raises: OSError from open/write/rename, RuntimeError from torch.save ("file write
-# failed"), SafetensorError from safetensors' save_file ("IoError(... StorageFull ...)"), CheckpointException
-# from dcp.save under --fsdp (a BaseException, holding each failed rank's error)
+# from open/write/rename, torch.save, safetensors' save_file and dcp.save
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError, CheckpointException)
 
 
@@ -23,20 +20,20 @@ def reported(path: str):
         yield
     except WRITE_ERRORS as e:
         error = e
-        # dcp's own text is a traceback per rank: the first failed rank's error instead
+        # dcp's text is a traceback per rank: the first rank's error instead
         if isinstance(e, CheckpointException) and e.failures:
             error = next(iter(e.failures.values()))[0]
         lines = str(error).strip().splitlines()
         cause = (error.strerror if isinstance(error, OSError) else None) or \
             (lines[0] if lines else type(error).__name__)
-        # torch.save's "unexpected pos 320 vs 214" never says "disk full": the free space does
+        # torch.save's message never says "disk full": the free space does
         if not isinstance(error, OSError):
             cause += f" ({free_mib(path)} MiB free there)"
         raise WriteFailed(f"could not write {path}: {cause}", cause=cause) from e
 
 
 def free_mib(path: str) -> str:
-    """Free space on the disk of `path` (or of its nearest existing parent), in MiB; '?' when unknown."""
+    """Free space on the disk of `path` (or its nearest existing parent), in MiB; '?' when unknown."""
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
     try:
@@ -47,16 +44,14 @@ def free_mib(path: str) -> str:
 
 @contextlib.contextmanager
 def written_in_place(path: str, fresh: bool = True):
-    """Yields a temporary directory that replaces the directory `path` once the block succeeds; whatever stops the
-    block, no temporary directory stays and the previous `path` is kept. fresh=False keeps what is already in the
-    temporary directory (the shards every rank wrote)."""
+    """Yields a temporary directory that replaces the directory `path` once the block succeeds, else is removed.
+    fresh=False keeps what the temporary directory holds already (the shards every rank wrote)."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         with reported(path):
             yield tmp
-            # the previous one is set aside only now that the new one is complete
             if os.path.isdir(path):
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(path, old)
@@ -71,8 +66,7 @@ def written_in_place(path: str, fresh: bool = True):
 
 
 def write_text(path: str, text: str):
-    """The file `path` holding `text`, written to a temporary name and renamed: the whole text or the file as it
-    was."""
+    """The file `path` holding `text`, written to a temporary name and renamed."""
     tmp = path + ".tmp"
     try:
         with reported(path):
@@ -86,7 +80,7 @@ def write_text(path: str, text: str):
 
 
 class AppendFile:
-    """A text file opened for appending (metrics.jsonl), each write flushed: on disk even if the run dies next."""
+    """A text file opened for appending, each write flushed."""
 
     def __init__(self, path: str):
         self.path = path

@@ -1,7 +1,5 @@
-"""The model as the training loop runs it (Parallel: plain, compiled, DDP or FSDP2), and FSDP2 for models too
-big for DDP (a full copy of weights, gradients and AdamW state per rank, 16 bytes per trained parameter):
-fully_shard keeps 1/world_size of each, gathering one decoder layer at a time; torch.distributed.checkpoint
-saves and loads the shards. Depends on: torch, prm.errors."""
+"""The model as the training loop runs it (Parallel: plain, compiled, DDP or FSDP2), and FSDP2's shards saved
+and loaded with torch.distributed.checkpoint."""
 import contextlib
 import os
 import warnings
@@ -21,10 +19,8 @@ SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a checkpoint
 
 
 def shard(model: nn.Module, amp_dtype=None) -> nn.Module:
-    """fully_shard every decoder layer (the backbone's longest nn.ModuleList: `layers` in Llama/Qwen2, `h` in
-    GPT-2), then the root (embeddings, final norm, head), in place. With autocast on, layers compute in
-    amp_dtype (all-gathers move half the bytes) and gradients are reduced in fp32, the counterpart of autocast
-    with fp32 master weights; the sharded master weights stay fp32."""
+    """fully_shard every decoder layer (the backbone's longest nn.ModuleList), then the root, in place. With
+    autocast on, layers compute in amp_dtype and gradients are reduced in fp32; master weights stay fp32."""
     stacks = [m for m in model.backbone.modules() if isinstance(m, nn.ModuleList)]
     if not stacks:
         raise ValueError(f"{type(model.backbone).__name__} has no nn.ModuleList of layers to shard")
@@ -36,18 +32,18 @@ def shard(model: nn.Module, amp_dtype=None) -> nn.Module:
 
 
 def _options(trainable_only: bool, **kw) -> StateDictOptions:
-    # LoRA: the frozen base is rebuilt from --model on resume, so only adapters and head are stored
+    # LoRA: the frozen base is rebuilt from --model
     return StateDictOptions(ignore_frozen_params=trainable_only, **kw)
 
 
 def save_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
-    """Every rank writes its shard of the weights and optimizer state into <path>/shards (a collective)."""
+    """Every rank writes its shard of the weights and optimizer state (a collective)."""
     weights, optim = get_state_dict(model, optimizer, options=_options(trainable_only))
     dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=os.path.join(path, SHARDS))
 
 
 def load_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
-    """The inverse of save_shards, resharded to the current world size if it changed (a collective)."""
+    """The inverse of save_shards, resharded to the current world size (a collective)."""
     weights, optim = get_state_dict(model, optimizer, options=_options(trainable_only))
     state = {"model": weights, "optimizer": optim}
     dcp.load(state, checkpoint_id=os.path.join(path, SHARDS))
@@ -58,15 +54,15 @@ def load_shards(path: str, model: nn.Module, optimizer, trainable_only: bool):
 def load_whole(path: str, model: nn.Module, trainable_only: bool):
     """A sharded checkpoint's weights into a model that is not sharded (eval.py), each process on its own."""
     weights = get_model_state_dict(model, options=_options(trainable_only))
-    with warnings.catch_warnings():  # dcp warns that it reads in one process even when no_dist asks for that
+    # dcp warns that no_dist reads in one process, as asked
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load({"model": weights}, checkpoint_id=os.path.join(path, SHARDS), no_dist=True)  # weights only
+        dcp.load({"model": weights}, checkpoint_id=os.path.join(path, SHARDS), no_dist=True)
     set_model_state_dict(model, weights, options=_options(trainable_only, strict=not trainable_only))
 
 
 class Parallel:
-    """The model as the loop runs it: plain, compiled, wrapped in DDP, or sharded with FSDP2 (--fsdp). The
-    loop calls these methods and never asks which; `model` stays the plain PRM (saving, evaluation)."""
+    """The model as the loop runs it: plain, compiled, DDP or FSDP2; `model` stays the plain PRM."""
 
     def __init__(self, model, rt, *, cfg, amp_dtype, packed: bool):
         self.model, self.rt, self.fsdp = model, rt, cfg.fsdp
@@ -75,15 +71,14 @@ class Parallel:
                                              "--nproc_per_node 2+"])
             shard(model, amp_dtype)
         self.forward = model
-        # --compile: for varying widths, one symbolic-shape graph at once, not a static one and a recompile;
-        # packed rows padded to --pack-to repeat their shapes, so a static graph compiles once and stays
+        # a static graph only when rows padded to --pack-to repeat their shapes
         if cfg.compile:
             self.forward = torch.compile(model, dynamic=not (packed and cfg.pack_to))
         if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
             self.forward = DDP(self.forward, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
 
     def grad_sync(self, last: bool):
-        """Gradients are reduced over ranks in the last micro-batch's backward only: it carries the sum."""
+        """Gradients are reduced over ranks in the last micro-batch's backward only."""
         if self.fsdp:
             self.model.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
@@ -95,7 +90,6 @@ class Parallel:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state(self):
-        """Sharded: the whole model's weights as CPU tensors on rank 0 (empty elsewhere; a collective), for
-        the final export. None: the model's own serve."""
+        """Sharded: the whole model's weights on rank 0's CPU (a collective). None: the model's own serve."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options) if self.fsdp else None

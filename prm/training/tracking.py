@@ -1,6 +1,4 @@
-"""Optional experiment trackers: the records of metrics.jsonl, and the config once, sent to TensorBoard or
-Weights & Biases from rank 0. A tracker's package, named as its --report-to value, is imported only when asked
-for. Depends on: prm.errors (and tensorboard or wandb when asked for)."""
+"""Optional experiment trackers: metrics.jsonl's records and the config sent to TensorBoard or W&B from rank 0."""
 import dataclasses
 import os
 
@@ -8,13 +6,12 @@ from prm.errors import check
 
 
 def require(report_to: str):
-    """The tracker's module (None for 'none'); a missing package stops start-up with one line and exit status
-    2. Called on every rank, so under torchrun all ranks stop together, not only the one that would log."""
+    """The tracker's module (None for 'none'); UsageError for a missing package, on every rank."""
     if report_to == "none":
         return None
     try:
         if report_to == "tensorboard":
-            import torch.utils.tensorboard as module  # needs the tensorboard package (ImportError without it)
+            import torch.utils.tensorboard as module
         else:
             import wandb as module
     except ImportError:
@@ -23,8 +20,7 @@ def require(report_to: str):
 
 
 def scalars(record: dict) -> dict:
-    """A metrics.jsonl record -> {tag: number}: train/loss, eval/step_accuracy, final/auroc, ... (None, text
-    and nested reports skipped)."""
+    """A metrics.jsonl record -> {tag: number}: train/loss, eval/step_accuracy, final/auroc, ..."""
     if "final" in record:
         items = {f"final/{k}": v for k, v in record["final"].items()}
     else:
@@ -34,18 +30,17 @@ def scalars(record: dict) -> dict:
 
 
 class Tracker:
-    """Rank 0's link to TensorBoard (event files in <output-dir>/tensorboard/<run name>) or W&B (project from
-    $WANDB_PROJECT, else 'prm'): log() takes each metrics.jsonl record as it is written. resumed_at: the
-    checkpoint's step a resumed run continues from (0: a fresh run)."""
+    """Rank 0's link to TensorBoard (<output-dir>/tensorboard/<run name>) or W&B ($WANDB_PROJECT, else 'prm').
+    resumed_at: the step a resumed run continues from."""
 
     def __init__(self, cfg, resumed_at: int = 0):
         self.kind, module = cfg.report_to, require(cfg.report_to)
         name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
         if self.kind == "tensorboard":
-            # resumed: the events a stopped run wrote past its checkpoint are purged (as in metrics.jsonl)
+            # resumed: the events past the checkpoint are purged
             self.writer = module.SummaryWriter(log_dir=os.path.join(cfg.output_dir, "tensorboard", name),
                                                purge_step=resumed_at + 1 if resumed_at else None)
-            # indented: TensorBoard renders text as markdown, and an indented block stays verbatim
+            # indented: verbatim in TensorBoard's markdown
             self.writer.add_text("config", "\n".join("    " + line for line in cfg.to_json().splitlines()))
         else:
             self.run = module.init(project=os.environ.get("WANDB_PROJECT", "prm"), name=name,

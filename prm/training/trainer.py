@@ -1,7 +1,5 @@
-"""The hand-written training loop: train() over train_step(), the model's parallel wrapping, resume and checkpoints,
-and logging each behind a small component (Parallel, Checkpointer, TrainLog). Depends on: torch, tqdm, transformers,
-prm.*.
-"step" here is an optimizer step (--max-steps, checkpoint-<step>); "n_labeled" counts reasoning steps."""
+"""The training loop: train() over train_step(); parallelism, checkpoints and logging behind Parallel,
+Checkpointer and TrainLog. "step" is an optimizer step; "n_labeled" counts reasoning steps."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -38,24 +36,20 @@ from prm.training.trainlog import MetricsFile, TrainLog, count
 
 
 def train(cfg: Config, command: str = "") -> dict:
-    """Runs one training from cfg as given (resolved here: Config.resolve); returns the final held-out metrics
-    on rank 0, None on the other ranks. command: what started the run, for the model card (default: an
-    equivalent train.py line from cfg)."""
+    """Runs one training; returns the final held-out metrics on rank 0, None elsewhere. command: what started
+    the run, for the model card (default: an equivalent train.py line)."""
     return train_resolved(cfg.resolve(), command or config_command(cfg))
 
 
 def train_resolved(cfg: Config, command: str) -> dict:
-    """train() of a resolved Config (as parse_config returns it): the Trainer takes it as it is."""
-    # a missing tracker package stops the run before anything is written
+    """train() of a resolved Config (as parse_config returns it)."""
     require(cfg.report_to)
     rt = setup()
     try:
-        # rank 0 holds the output directory's lock: a second trainer there stops at once
         with run_lock(cfg.output_dir) if rt.is_main else nullcontext():
-            # Trainer.train() ends at a barrier: no rank tears the group down while another still uses it
             return Trainer(cfg, rt, command).train()
     except BaseException as e:
-        # the traceback's frames hold the model, which holds the process group that teardown ends
+        # the frames hold the model, which holds the process group teardown ends
         traceback.clear_frames(e.__traceback__)
         raise
     finally:
@@ -75,8 +69,8 @@ def make_optimizer(model, cfg: Config, lr: float, device):
 
 
 def make_scheduler(optimizer, cfg: Config, total: int):
-    """transformers' --lr-scheduler-type schedule over `total` steps: a linear warmup from 0 over --warmup-steps
-    (else --warmup-ratio of the steps, rounded up), then its decay; cosine_with_min_lr ends at 10% of --lr."""
+    """transformers' --lr-scheduler-type schedule over `total` steps after --warmup-steps (else --warmup-ratio,
+    rounded up); cosine_with_min_lr ends at 10% of --lr."""
     warmup = int(cfg.warmup_steps) or math.ceil(cfg.warmup_ratio * total)
     extra = {"min_lr_rate": 0.1} if cfg.lr_scheduler_type == "cosine_with_min_lr" else None
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total,
@@ -84,16 +78,15 @@ def make_scheduler(optimizer, cfg: Config, total: int):
 
 
 class BatchPlan:
-    """Which examples each optimizer step trains, for the Trainer and the benchmark alike: global batches of
-    --batch-size x --grad-accum x world size examples, each epoch's drawn anew by prm.core.data.global_batches, a
-    pure function of (seed, epoch), so a resume needs no loader state. lengths, n_labeled: per example, its
-    non-pad tokens and labeled steps (host lists: no device sync)."""
+    """Which examples each optimizer step trains, for the Trainer and the benchmark: each epoch's global batches
+    are a pure function of (seed, epoch), so a resume needs no loader state. lengths, n_labeled: per example,
+    its non-pad tokens and labeled steps (host lists)."""
 
     def __init__(self, cfg: Config, lengths: list, n_labeled: list, world_size: int):
         self.cfg, self.lengths, self.n_labeled = cfg, lengths, n_labeled
         self.global_batch = cfg.batch_size * cfg.grad_accum * world_size
         self.steps_per_epoch = math.ceil(len(lengths) / self.global_batch)
-        # the run's last optimizer step: --max-steps, else --epochs passes over the data (one step at least)
+        # --max-steps, else --epochs passes over the data (one step at least)
         self.total = cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
         self.epoch, self.batches = None, None
 
@@ -114,9 +107,9 @@ class BatchPlan:
 
 
 class Trainer:
-    """Set-up in __init__, top-down, one _setup_* per concern (data, model and parallelism, optimizer, output),
-    the checkpointer deciding, checking and loading a resume; then train(): a loop over train_step()."""
-    cfg: Config  # resolved (Config.resolve): checked, the auto fields filled, as the saved config says
+    """Set-up in __init__, one _setup_* per concern, the checkpointer deciding and loading a resume; then
+    train(): a loop over train_step()."""
+    cfg: Config  # resolved: checked, the auto fields filled
     rt: Runtime  # rank, world size, device
     command: str  # what started the run, for the model card
     quiet: bool  # no progress bars: --disable-tqdm, or stderr is no terminal
@@ -147,17 +140,15 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.say = print if rt.is_main else (lambda *a, **k: None)
-        # no progress bars with --disable-tqdm or without a terminal; set before the data: datasets' bars follow it
+        # no bars with --disable-tqdm or without a terminal; before the data: datasets' bars follow it
         self.quiet = progress_off(self.cfg.disable_tqdm)
-        # first: a refused run or resume loads no data
+        # a refused run, resume or model loads no data; bad rows are reported before any weight loads
         self.checkpointer = Checkpointer(self.cfg, rt)
-        # a model that final/ could not be saved from is refused before the data loads too
         check_exportable(self.cfg)
-        # data before model: bad rows are reported before any weight loads
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
-        # the state a checkpoint holds, handed to the checkpointer: restored in place on a resume
+        # restored in place on a resume
         self.step = self.checkpointer.load(parallel=self.parallel, optimizer=self.optimizer, scaler=self.scaler,
                                            scheduler=self.scheduler, tokenizer=self.tokenizer, plan=self.plan)
         self._setup_output()
@@ -166,7 +157,7 @@ class Trainer:
         cfg, rt, digests = self.cfg, self.rt, self.checkpointer.digests
         self.tokenizer = tokenizer_for(cfg)
         self.pad_id = pad_token_id(self.tokenizer)
-        # rank 0 fills the datasets cache; the other ranks then read it. The files' digests key the rows cache
+        # rank 0 fills the datasets cache, then the other ranks read it
         with main_first(rt):
             train_raw, eval_raw = load_splits(cfg, {cfg.dataset: digests["train"], cfg.eval_dataset: digests["eval"]})
             train_ds, self.train_report = tokenize_dataset(train_raw, self.tokenizer, cfg, is_eval=False,
@@ -188,7 +179,6 @@ class Trainer:
         if cfg.model != "tiny" and not self.checkpointer.resume_from and not is_classifier(self.model.config):
             self.say(f"--model {cfg.model}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 "
                      "at every step)")
-        # --packing on a backbone that supports it
         self.packed = is_packed(self.model)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
@@ -203,17 +193,14 @@ class Trainer:
         cfg = self.cfg
         self.optimizer = make_optimizer(self.model, cfg, cfg.lr, self.rt.device)
         self.scheduler = make_scheduler(self.optimizer, cfg, self.plan.total)
-        # fp16 loss scaling; a no-op otherwise
         self.scaler = torch.amp.GradScaler(self.rt.device.type, enabled=self.amp_dtype == torch.float16)
 
     def _setup_output(self):
         cfg, rt, plan = self.cfg, self.rt, self.plan
         if rt.is_main:
             cfg.save(cfg.output_dir)
-        # steps between evaluations (--eval-every, --eval-strategy); 0: the final one alone
         self.eval_every = cfg.every("eval", plan.steps_per_epoch)
         self.pbar = tqdm(total=plan.total, initial=self.step, desc="train", disable=not rt.is_main or self.quiet)
-        # the records continue from the checkpoint's step: TensorBoard drops the events a stopped run wrote past it
         tracker = Tracker(cfg, self.step) if rt.is_main and cfg.report_to != "none" else None
         self.out = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None, self.pbar,
                                tracker=tracker)
@@ -223,7 +210,7 @@ class Trainer:
                             pack_to=cfg.pack_to if self.packed else None, check_norm=not self.scaler.is_enabled(),
                             hint=hint)
         trainable, n_params = count_parameters(self.model)
-        # every epoch passes over every example once: its non-pad tokens, scaled to the steps this run takes
+        # the non-pad tokens of the steps this run takes
         tokens = sum(plan.lengths) * (plan.total - self.step) / plan.steps_per_epoch
         self.say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
                  f"({100 * trainable / n_params:.2f}%) | {len(self.train_ds)} train examples | global batch "
@@ -239,20 +226,19 @@ class Trainer:
                 # forward backward update
                 sums, norm = self.train_step(batch)
                 self.step += 1
-                # logging: the loss sums stay on device until a log step, which also reads the divergence flag
+                # logging: the loss sums stay on device until a log step
                 log = self.step % self.cfg.log_every == 0 or self.step == self.plan.total
                 self.log.add(self.step, batch, sums, norm, t0=t0, epoch=epoch,
                              lr=self.scheduler.get_last_lr()[0], write=log)
-                # evaluation, preemption, checkpoint: each when its turn comes (finish() evaluates the last step)
+                # evaluation, preemption, checkpoint (finish() evaluates the last step)
                 if self.eval_every and self.step % self.eval_every == 0 and self.step < self.plan.total:
                     self.out.write({"step": self.step, **{f"eval_{k}": v for k, v in self.evaluate().items()}})
-                # every step, though a collective (a device sync): torchrun SIGKILLs 30 s after its SIGTERM
+                # a collective every step: torchrun SIGKILLs 30 s after its SIGTERM
                 stop = preemption.agreed(self.rt)
-                # a stop records the steps since the last log line before the checkpoint it resumes from
                 if stop:
                     self.log.write()
                 if stop or self.checkpointer.due(self.step):
-                    # never a checkpoint of non-finite weights: the divergence flag is read first (a device sync)
+                    # never a checkpoint of non-finite weights (a device sync)
                     self.log.stop_if_diverged()
                     self.checkpointer.save(self.step)
                 if stop:
@@ -262,10 +248,9 @@ class Trainer:
         return self.finish()
 
     def train_step(self, batch: list):
-        """One optimizer step on one global batch: forward and backward on this rank's micro-batches, then
-        clip and update. Returns this rank's (cross-entropy sum, correct) on device, and the gradient norm."""
+        """One optimizer step on one global batch; returns this rank's (cross-entropy sum, correct) on device,
+        and the gradient norm."""
         cfg, rt = self.cfg, self.rt
-        # every rank knows the global batch: no collective
         n_labeled = self.plan.labeled(batch)
         micro = micro_batches(batch, self.plan.lengths, rt.world_size, rt.rank, cfg.grad_accum)
         sums = torch.zeros(2, device=rt.device)
@@ -273,7 +258,7 @@ class Trainer:
             inputs = self.micro_batch(idx)
             labels = inputs.pop("labels")  # (B, T); packed: (1, N)
             with self.parallel.grad_sync(last=a == len(micro) - 1):
-                with self.autocast():
+                with torch.autocast(rt.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext():
                     logits = self.parallel.forward(**inputs)  # (B, T, 2); packed: (1, N, 2)
                 # over the labels of the whole global batch: accumulation and ranks weight each label alike
                 loss, ce_sum, n_correct = step_loss(logits, labels, n_labeled)
@@ -298,25 +283,21 @@ class Trainer:
         cols = self.train_ds[idx]
         rows = [{"input_ids": i, "labels": y} for i, y in zip(cols["input_ids"], cols["labels"])]
         mb = pack(rows, self.pad_id, self.cfg.pack_to) if self.packed else collate(rows, self.pad_id)
-        # page-locked host memory makes the non_blocking copies asynchronous; max_length stays a host int
+        # pinned memory makes the copies asynchronous
         pin = self.rt.device.type == "cuda"
         on_device = lambda v: (v.pin_memory() if pin else v).to(self.rt.device, non_blocking=True)
         return {k: on_device(v) if torch.is_tensor(v) else v for k, v in mb.items()}
 
     def evaluate(self) -> dict:
-        """The held-out metrics, by the same route as eval.py (prm.core.evaluate: predict, then report)."""
+        """The held-out metrics, by eval.py's route."""
         cfg = self.cfg
         probs = predict(self.model, self.eval_rows, batch_size=cfg.eval_batch_size, pad_id=self.pad_id,
                         amp_dtype=self.amp_dtype, rt=self.rt, lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
         return report(probs, self.eval_rows, cfg.threshold, self.processbench)
 
-    def autocast(self):
-        return torch.autocast(self.rt.device.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
-
     def finish(self) -> dict:
         """final/ first (a failed evaluation never costs the weights), then the final evaluation, the model
         card and the last metrics record."""
-        # never an export of non-finite weights
         self.log.stop_if_diverged()
         path = self.checkpointer.save_final(self.step)
         results = self.evaluate()
@@ -331,8 +312,8 @@ class Trainer:
 
 
 class Preemption:
-    """In the loop, SIGTERM/SIGINT finish the optimizer step, save a checkpoint and stop with 128 + signal; a
-    second signal stops at once. Outside the `with` block (set-up, final evaluation): their usual effect."""
+    """In the block, SIGTERM/SIGINT finish the optimizer step, save a checkpoint and stop with 128 + signal; a
+    second signal stops at once."""
     signum: int = None  # the signal received in the loop; None: none
 
     def __enter__(self):

@@ -1,6 +1,5 @@
 """What a training run reports: the log line and metrics.jsonl (MetricsFile), and the running sums behind them
-with the divergence check, the throughput and the time left (TrainLog). Depends on: torch, prm.core,
-prm.training.files, prm.errors."""
+with the divergence check, the throughput and the time left (TrainLog)."""
 import datetime
 import json
 import math
@@ -15,9 +14,8 @@ from prm.training.files import AppendFile
 
 
 class MetricsFile:
-    """Rank 0's metrics.jsonl, appended to (a resume has dropped the records past its checkpoint), each record
-    also sent to the tracker (TensorBoard / W&B) and shown as a log line. path None (the other ranks): writes
-    nothing."""
+    """Rank 0's metrics.jsonl, each record also sent to the tracker and shown as a log line. path None (the
+    other ranks): writes nothing."""
 
     def __init__(self, path, pbar, *, tracker=None):
         self.pbar, self.tracker = pbar, tracker
@@ -40,39 +38,32 @@ class MetricsFile:
 
 
 class TrainLog:
-    """The running (cross-entropy sum, correct) of the steps since the last log line, the first non-finite
-    step, throughput and the time left. The sums and the divergence flag stay on device until a log step; then
-    one all-reduce, the only device sync. plan: the run's BatchPlan (its last step; per example, its tokens and
-    labeled steps). resumed_at: the step this process started from (0: a fresh run). n_chunks: micro-batches of
-    one global batch over all ranks, what padding is counted per. pack_to: the packed row's multiple (0: none),
-    None for padded micro-batches. check_norm: False under fp16, where an inf norm is a GradScaler's skipped
-    step, not a divergence. hint: the advice a divergence message ends with."""
+    """The running (cross-entropy sum, correct) since the last log line, the first non-finite step, throughput
+    and the time left; on device until a log step's one all-reduce. n_chunks: micro-batches of one global
+    batch over all ranks; pack_to: the packed row's multiple (None: padded). check_norm: False under fp16,
+    where an inf norm is a skipped step. hint: the advice a divergence message ends with."""
 
     def __init__(self, rt: Runtime, out: MetricsFile, plan, *, resumed_at: int, n_chunks: int, pack_to: int = None,
                  check_norm: bool = True, hint: str = ""):
         self.rt, self.out, self.pbar, self.plan = rt, out, out.pbar, plan
         self.n_chunks, self.pack_to, self.check_norm, self.hint = n_chunks, pack_to, check_norm, hint
-        # (cross-entropy sum, correct) since the last log line, and the first non-finite step (0: none): on device
+        # (cross-entropy sum, correct) since the last log line, on device
         self.window = torch.zeros(2, device=rt.device)
+        # the first non-finite step (0: none)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)
-        # (step, loss) of the last log line with a finite loss
+        # (step, loss) of the last finite log line
         self.last_finite = None
-        # the same window's labels, tokens and seconds, on the host
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
-        # timed_from: (step, host time) when the time left started counting
         self.timed_from, self.estimated = None, False
-        # the first record's window starts at the resume
         self.since_resume = bool(resumed_at)
-        # (step, norm, epoch, lr) of the window's newest step; None: it is written
+        # (step, norm, epoch, lr) of the window's newest step, until written
         self.unwritten = None
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
         """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = gradient norm."""
-        # non-pad tokens of the global batch, every rank's share
         tokens = self.plan.tokens(batch)
         bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.check_norm else False)
-        # on device: no sync
         self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)
         self.window += sums
         self.window_labeled += self.plan.labeled(batch)
@@ -87,9 +78,8 @@ class TrainLog:
             self.seconds += time.perf_counter() - t0
 
     def write(self, t0: float = None):
-        """The window's record, if it holds a step not written yet: at a log step, and before a stop's
-        checkpoint (a resume drops only the records past it). t0: when this step began, if it is being timed.
-        Every rank calls it together: its all-reduce is a log step's one sync."""
+        """The window's record, if it holds a step not written yet; every rank together. t0: when this step
+        began, if it is being timed."""
         if self.unwritten is None:
             return
         (step, norm, epoch, lr), self.unwritten = self.unwritten, None
@@ -100,7 +90,6 @@ class TrainLog:
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
                "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch}
-        # said, not hidden: its loss is not the whole window an uninterrupted run logs
         if self.since_resume:
             rec["since_resume"], self.since_resume = True, False
         self.out.write(rec)
@@ -113,9 +102,8 @@ class TrainLog:
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
 
     def estimate(self, step: int):
-        """The remaining time, said once, from host wall-clock since this run's first step ended (it pays
-        one-time costs: compilation, allocator warm-up), after 3 more steps or 10 s. No device sync: it reads
-        the clock only, so device work still queued may be missed."""
+        """The remaining time, said once, timed from the end of the first step (which pays compilation) over 3
+        more steps or 10 s; host clock only."""
         now = time.perf_counter()
         self.timed_from = self.timed_from or (step, now)
         done, seconds = step - self.timed_from[0], now - self.timed_from[1]
@@ -126,7 +114,7 @@ class TrainLog:
             self.estimated = True
 
     def stop_if_diverged(self):
-        """Diverged if a step so far was not finite: the flag read now (a device sync), agreed by every rank."""
+        """Diverged if a step so far was not finite (a device sync, agreed by every rank)."""
         if all_reduce_sum((self.bad_step > 0).float().view(1), self.rt).item() > 0:
             self.diverged()
 
@@ -138,8 +126,7 @@ class TrainLog:
                        f"({last}); no checkpoint was written from then on. {self.hint}")
 
     def throughput(self) -> tuple:
-        """(non-pad tokens per second of training, non-pad tokens / tokens processed with padding); None, None
-        (null in metrics.jsonl) when this process trained no step (a resumed run with all its steps done)."""
+        """(non-pad tokens per second, non-pad / padded tokens); None, None when this process trained no step."""
         if not self.total_tokens:
             return None, None
         tokens = self.total_tokens
@@ -147,7 +134,7 @@ class TrainLog:
 
 
 def count(n: float) -> str:
-    """A count as people read it: 950, 18.2k, 1.3M, 3.4G (a small one in full, never 0.0k)."""
+    """A count as people read it: 950, 18.2k, 1.3M, 3.4G."""
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
             return f"{n / size:.1f}{unit}"
@@ -157,7 +144,6 @@ def count(n: float) -> str:
 def log_line(rec: dict) -> str:
     """A metrics.jsonl record as the log shows it; an undefined metric (None) reads 'n/a'."""
     if "loss" in rec:
-        # a window cut short by the resume
         since = " | since resume" if rec.get("since_resume") else ""
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
                 f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s{since}")
