@@ -207,6 +207,15 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
     (["--bf16", "maybe"], "argument --bf16/--no-bf16: expected true or false, got 'maybe'"),
     (["--lr-scheduler-type", "cosine", "--warmup-steps", "2", "--lr-scheduler-type", "constant"],
      "--lr-scheduler-type 'constant': takes no warmup: use constant_with_warmup"),
+    (["--step-separator", ""], "--step-separator '': must not be empty"),
+    (["--batch-size", "-1"], "--batch-size -1: must be >= 0"),
+    (["--lr", "nan"], "--lr nan: must be finite"),
+    (["--lr", "-1"], "--lr -1.0: must be finite and >= 0"),
+    (["--max-steps", "0"], "--max-steps 0: must be -1"),
+    (["--threshold", "1.5"], "--threshold 1.5: must be in [0, 1]"),
+    (["--max-length", "-5"], "--max-length -5: must be >= 1"),
+    (["--eval-fraction", "1.0"], "--eval-fraction 1.0: must be in (0, 1)"),
+    (["--eval-fraction", "0"], "--eval-fraction 0.0: must be in (0, 1)"),
 ])
 def test_refused_flags_say_why_in_one_line(argv, message):
     with pytest.raises(UsageError) as e:
