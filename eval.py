@@ -295,7 +295,8 @@ def main(args=None) -> dict:
             print(json.dumps(out), flush=True)
         barrier(rt)
         if rt.is_main and opts.predictions:  # after the JSON: a failed write loses no figures
-            write_lines(opts.predictions, [json.dumps(line) for line in lines])  # WriteFailed: exit status 1
+            # WriteFailed: exit status 1
+            write_lines(opts.predictions, [json.dumps(line) for line in lines])
         return out
     finally:
         teardown(rt)

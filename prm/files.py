@@ -1,5 +1,5 @@
-"""Files written whole or not at all, and the lock that keeps a second writer out. A failed write raises
-WriteFailed naming the path and the cause, and keeps what was there before. Depends on: safetensors, prm.errors."""
+"""Files written whole or not at all, and the lock that keeps a second writer out. A failed write
+raises WriteFailed naming the path and the cause, and keeps what was there before."""
 import contextlib
 import fcntl
 import os
@@ -14,12 +14,12 @@ from prm.errors import UsageError, WriteFailed
 
 @contextlib.contextmanager
 def reported(path: str):
-    """A write failure inside the block (from open/write/rename, torch.save, safetensors, dcp.save) raises
-    WriteFailed naming `path` and the cause."""
+    """A failed write inside the block (open, torch.save, safetensors, dcp.save) raises WriteFailed
+    naming `path` and the cause."""
     try:
         yield
     except BaseException as e:
-        # dcp.save's CheckpointException (a BaseException) holds a traceback per rank: the first rank's error
+        # dcp.save's CheckpointException (a BaseException) holds each rank's error: the first one
         error = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e
         if not isinstance(error, (OSError, RuntimeError, SafetensorError)):
             raise
@@ -33,7 +33,7 @@ def reported(path: str):
 
 
 def free_mib(path: str) -> str:
-    """Free space on the disk of `path` (or its nearest existing parent), in MiB; '?' when unknown."""
+    """Free space on the disk of `path` (or its nearest existing parent) in MiB; '?' if unknown."""
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
     try:
@@ -43,9 +43,8 @@ def free_mib(path: str) -> str:
 
 
 def write_lines(path: str, lines, mode: str = "w"):
-    """`path` holding `lines`, each ended by a newline: written to a temporary file in its folder, synced and
-    renamed over it. mode 'a' appends in place, as does any write to what is not a regular file (a FIFO,
-    /dev/full)."""
+    """`path` holding `lines`, each ended by a newline: a temporary file in its folder, synced and
+    renamed over it. mode 'a' appends in place, as does a write to a FIFO or device (/dev/full)."""
     direct = mode == "a" or os.path.exists(path) and not os.path.isfile(path)
     tmp = path if direct else f"{path}.tmp{os.getpid()}"
     try:
@@ -64,8 +63,8 @@ def write_lines(path: str, lines, mode: str = "w"):
 
 @contextlib.contextmanager
 def written_in_place(path: str, fresh: bool = True):
-    """Yields a temporary directory that replaces the directory `path` once the block succeeds, else is removed.
-    fresh=False keeps what the temporary directory holds already (the shards every rank wrote)."""
+    """Yields a temporary directory that replaces the directory `path` once the block succeeds, else
+    is removed. fresh=False keeps what it holds already (the shards every rank wrote)."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -87,9 +86,8 @@ def written_in_place(path: str, fresh: bool = True):
 
 @contextlib.contextmanager
 def locked(path: str, lock: str = ""):
-    """Holds `lock` (default PATH.lock: its flock, and pid@host in it) while the block runs: another writer of
-    `path` meanwhile is a UsageError. A lock of this host whose flock is free is stale and taken over; another
-    host's is not (flock need not reach across hosts)."""
+    """Holds `lock` (default PATH.lock: its flock, pid@host in it) while the block runs: another
+    writer of `path` meanwhile is a UsageError. A lock of this host with a free flock is stale."""
     lock = lock or path + ".lock"
     with reported(lock):
         fd = _hold(lock, path)
@@ -105,8 +103,8 @@ def _hold(lock: str, path: str) -> int:
     """An open descriptor of `lock` holding its flock, the file naming this process."""
     def busy(owner):
         os.close(fd)
-        raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for it to end, or "
-                         f"if none is, delete {lock}")
+        raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for it "
+                         f"to end, or if none is, delete {lock}")
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -122,14 +120,14 @@ def _hold(lock: str, path: str) -> int:
     if owner and _alive(owner):
         busy(owner)
     if owner:
-        print(f"warning: taking over the stale lock of {owner} in {lock}", file=sys.stderr, flush=True)
+        print(f"warning: taking over the stale lock of {owner}: {lock}", file=sys.stderr)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}".encode(), 0)
     return fd
 
 
 def _alive(owner: str) -> bool:
-    """Whether the owner of a lock whose flock we now hold may still run: only on another host (flock need not
-    reach across hosts) or if the owner is not pid@host. A pid of this host proves nothing (pids are reused)."""
+    """Whether the owner of a lock whose flock we hold may still run: only on another host (flock
+    need not reach there) or if not pid@host. A pid here proves nothing (pids are reused)."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()

@@ -1,6 +1,5 @@
 """`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
 OmegaPRM's binary search). The API takes any `complete(prompts, n, seed) -> list[list[str]]`."""
-import contextlib
 import dataclasses
 import datetime
 import glob
@@ -228,7 +227,7 @@ def parts(output: str) -> list:
 
 
 def blanks(output: str) -> list:
-    """OUTPUT.blank and its parts' (OUTPUT.part<p>of<m>.blank): the rows whose samples were all blank."""
+    """OUTPUT.blank and OUTPUT.part<p>of<m>.blank: the rows whose samples were all blank."""
     return [output + ".blank", *glob.glob(glob.escape(output) + ".part*of*.blank")]
 
 

@@ -42,7 +42,7 @@ def _write(rows: list, output: str):
     except BrokenPipeError:  # `| head` closed stdout: Python must not complain at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
-    except WriteFailed as e:  # a path that cannot be opened is a wrong one: exit status 2; a full disk: 1
+    except WriteFailed as e:  # a path that cannot be opened is wrong: exit status 2; a full disk: 1
         if isinstance(e.__cause__, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise UsageError(str(e)) from None
         raise

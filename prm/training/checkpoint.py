@@ -61,13 +61,13 @@ def read_marker(path: str) -> dict:
 
 def files_under(path: str) -> list:
     """The relative paths of the files under a directory, sorted."""
-    return sorted(os.path.relpath(os.path.join(root, name), path) for root, _, names in os.walk(path)
-                  for name in names)
+    return sorted(os.path.relpath(os.path.join(root, name), path)
+                  for root, _, names in os.walk(path) for name in names)
 
 
 def file_digests(path: str, names: list = None) -> dict:
-    """sha256 of the files `names` under a directory (default: all), by relative path, several at once;
-    NOT_REGULAR for a symlink, FIFO or device."""
+    """sha256 of the files `names` under a directory (default: all) by relative path, several at
+    once; NOT_REGULAR for a symlink, FIFO or device."""
     def digest(name):
         full = os.path.join(path, name)
         if not stat.S_ISREG(os.lstat(full).st_mode):
@@ -178,8 +178,8 @@ def prune(output_dir: str, keep_last: int):
 
 @contextlib.contextmanager
 def run_lock(output_dir: str):
-    """Holds <output_dir>/.lock (prm.files.locked) for the life of a run: a second run there is a UsageError.
-    A directory made here and left empty is removed."""
+    """Holds <output_dir>/.lock (prm.files.locked) for the life of a run: a second run there is a
+    UsageError. A directory made here and left empty is removed."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
@@ -271,8 +271,8 @@ class Checkpointer:
         return bool(self.interval) and step % self.interval == 0
 
     def save(self, step: int):
-        """checkpoint-<step>/, every rank together: under --fsdp each writes its shards, then checksums a share
-        of them (in parallel: rank 0 alone would take world size times as long)."""
+        """checkpoint-<step>/, every rank together: under --fsdp each writes its shards, then
+        checksums a share of them (rank 0 alone would take world size times as long)."""
         barrier(self.rt)
         shards = {}
         if self.cfg.fsdp:
@@ -296,8 +296,8 @@ class Checkpointer:
         barrier(self.rt)
 
     def write(self, step: int, shards: dict = None):
-        """Rank 0's part of checkpoint-<step>, written in place; the marker, last, holds every file's checksum
-        (shards: those of the files the ranks wrote already)."""
+        """Rank 0's part of checkpoint-<step>, written in place; the marker, last, holds every
+        file's checksum (shards: those of the files the ranks wrote already)."""
         cfg, model, shards = self.cfg, self.parallel.model, shards or {}
         with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
             state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
