@@ -103,7 +103,7 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch loads
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-from prm.training.checkpoint import reported  # noqa: E402
+from prm.files import write_lines  # noqa: E402
 from prm.core.data import pad_token_id  # noqa: E402
 from prm.core.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
 from prm.readers.ingest import tokenize_dataset  # noqa: E402
@@ -295,8 +295,8 @@ def main(args=None) -> dict:
             print(json.dumps(out), flush=True)
         barrier(rt)
         if rt.is_main and opts.predictions:  # after the JSON: a failed write loses no figures
-            with reported(opts.predictions), open(opts.predictions, "w") as f:  # WriteFailed: exit status 1
-                f.writelines(json.dumps(line) + "\n" for line in lines)
+            # WriteFailed: exit status 1
+            write_lines(opts.predictions, [json.dumps(line) for line in lines])
         return out
     finally:
         teardown(rt)

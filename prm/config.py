@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, NamedTuple, Optional, get_args
 
 from prm.errors import UsageError, check
+from prm.files import write_lines
 
 FILE = "config.train.json"
 FORMATS = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench", "candidates",
@@ -264,8 +265,7 @@ class Config:
     def save(self, directory: str):
         """<directory>/config.train.json: saved with every run, checkpoint and final model."""
         os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, FILE), "w") as f:
-            f.write(self.to_json())
+        write_lines(os.path.join(directory, FILE), [self.to_json()])
 
     @classmethod
     def load(cls, directory: str) -> "Config":

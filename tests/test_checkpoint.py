@@ -278,19 +278,20 @@ def test_two_runs_taking_over_one_stale_lock_at_once_cannot_both_proceed(tmp_pat
     """The race, made deterministic: a second run takes the lock over while the first is deciding the lock is stale."""
     import contextlib
     import socket
+    from prm import files
     from prm.training import checkpoint
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / ".lock").write_text(f"{dead.pid}@{socket.gethostname()}")
-    proceeded, second, real = [], contextlib.ExitStack(), checkpoint._alive
+    proceeded, second, real = [], contextlib.ExitStack(), files._alive
 
     def second_run_cuts_in(owner):
-        monkeypatch.setattr(checkpoint, "_alive", real)  # the second run checks for itself, holding the lock if it can
+        monkeypatch.setattr(files, "_alive", real)  # the second run checks for itself, holding the lock if it can
         with contextlib.suppress(PRMError):
             second.enter_context(checkpoint.run_lock(str(tmp_path)))
             proceeded.append("second")
         return real(owner)
-    monkeypatch.setattr(checkpoint, "_alive", second_run_cuts_in)
+    monkeypatch.setattr(files, "_alive", second_run_cuts_in)
     try:
         with contextlib.suppress(PRMError), checkpoint.run_lock(str(tmp_path)):
             proceeded.append("first")

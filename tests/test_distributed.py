@@ -130,13 +130,15 @@ def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_tr
     import torch
     from transformers import AutoModelForTokenClassification
     from prm.training.build import load_trained
-    from prm.training.checkpoint import SHARDS, resolve_resume
+    from prm.training.checkpoint import MARKER, SHARDS, files_under, read_marker, resolve_resume
     from prm.config import Config
     from prm.core.model import PRM
     fsdp = ["--batch-size", "3", "--fsdp"]
     launch(tmp_path / "full", 2, *fsdp, "--save-every", "3", "--keep-last", "0")
     ckpt = tmp_path / "full" / "checkpoint-3"
     assert (ckpt / SHARDS).is_dir() and not (ckpt / "model.safetensors").exists()
+    # each rank's shards checksummed (by the ranks together) with rank 0's own files
+    assert sorted(read_marker(str(ckpt))["sha256"]) == [n for n in files_under(str(ckpt)) if n != MARKER]
     (tmp_path / "full" / "checkpoint-4").mkdir()  # a crashed save: no completion marker
     assert resolve_resume("auto", str(tmp_path / "full")) == str(ckpt)
     hashed = tmp_path / "hashed.txt"  # which rank checksummed which folder: rank 0 alone, once, on resume

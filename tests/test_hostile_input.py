@@ -68,7 +68,7 @@ def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output,
     (tmp_path / "in.jsonl").write_text(ROW + "\n")
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "in.jsonl"), str(tmp_path / output)])
-    assert e.value.code == 2 and f"{tmp_path / output}: cannot write it: {cause}" in capsys.readouterr().err
+    assert e.value.code == 2 and f"could not write {tmp_path / output}: {cause}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -77,7 +77,7 @@ def test_convert_to_a_full_disk_exits_1_a_failed_write(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text(ROW + "\n")
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "in.jsonl"), "/dev/full"])
-    assert e.value.code == 1 and "/dev/full: cannot write it: No space left on device" in capsys.readouterr().err
+    assert e.value.code == 1 and "could not write /dev/full: No space left on device" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("template, cause", [(None, "ValueError: Cannot use chat template"),

@@ -333,7 +333,7 @@ def test_an_output_that_cannot_be_written_is_exit_status_1(tmp_path, capsys):
     data = write_rows(tmp_path / "in.jsonl", ROWS)
     with pytest.raises(SystemExit) as e:
         main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "no" / "out.jsonl")])
-    assert e.value.code == 1 and "out.jsonl.settings: cannot write it" in capsys.readouterr().err
+    assert e.value.code == 1 and "out.jsonl.lock: No such file" in capsys.readouterr().err
 
 
 def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):

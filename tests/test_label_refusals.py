@@ -29,7 +29,7 @@ def test_a_second_run_on_an_output_being_written_is_refused_and_the_first_finish
 
     def meanwhile(prompts, n, seed):  # a second run starts while the first is labeling
         if not seen:
-            with pytest.raises(UsageError, match="out.jsonl: another prm.label run is writing it") as e:
+            with pytest.raises(UsageError, match="out.jsonl is in use by another run") as e:
                 label_file(data, out, random_policy, opts, show=False)
             seen.append(exits(["--policy", "p", "--dataset", data, "--output", out, "--rollouts", "2",
                                "--samples", "2"]))
@@ -37,7 +37,7 @@ def test_a_second_run_on_an_output_being_written_is_refused_and_the_first_finish
         return random_policy(prompts, n, seed)
     label_file(data, out, meanwhile, opts, show=False)
     code, err = seen[0], seen[1][1]
-    assert code == 2 and err.count("\n") == 1 and "another prm.label run is writing it" in err
+    assert code == 2 and err.count("\n") == 1 and "is in use by another run" in err
     assert seen[1][0] == 2 and read(out) == read(tmp_path / "whole.jsonl")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".lock")]
     label_file(data, out, random_policy, opts, show=False)  # the lock went with the run that held it
@@ -57,6 +57,32 @@ def test_a_row_whose_samples_are_all_blank_is_recorded_once_and_not_sampled_agai
     def nothing_left(prompts, n, seed):
         raise AssertionError("every row has its record")
     label_file(data, out, nothing_left, opts, show=False)
+
+
+def test_a_blank_record_cut_by_a_kill_is_dropped_on_resume(tmp_path):
+    data, out = write_rows(tmp_path / "in.jsonl", [{"prompt": "Q\n", "answer": "1"}]), str(tmp_path / "out.jsonl")
+    blank = lambda prompts, n, seed: [[" \n"] * n]
+    label_file(data, out, blank, LabelOptions(samples=2), show=False)
+    whole = read(out + ".blank")
+    (tmp_path / "out.jsonl.blank").write_text(whole[:len(whole) // 2])  # a kill cut its only line
+    label_file(data, out, blank, LabelOptions(samples=2), show=False)  # the row is sampled again
+
+    def nothing_left(prompts, n, seed):
+        raise AssertionError("every row has its record")
+    label_file(data, out, nothing_left, LabelOptions(samples=2), show=False)
+    assert read(out + ".blank") == whole
+
+
+def test_settings_are_written_only_by_the_run_holding_the_lock(tmp_path):
+    """Two first runs started together with other --rollouts: the one that finds the lock taken writes none."""
+    from prm.labeling.label import locked
+    data, out = write_rows(tmp_path / "in.jsonl", ROWS), str(tmp_path / "out.jsonl")
+    with locked(out):  # the other run holds the lock and has not written its settings yet
+        with pytest.raises(UsageError):
+            label_file(data, out, random_policy, LabelOptions(rollouts=2), show=False)
+        assert not os.path.exists(out + ".settings")
+    label_file(data, out, random_policy, LabelOptions(rollouts=3), show=False)
+    assert json.loads(read(out + ".settings"))["rollouts"] == 3
 
 
 def test_an_answer_pattern_gives_its_first_group_that_took_part():
@@ -123,7 +149,7 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     def full_disk(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(WriteFailed, match="o.jsonl.settings: cannot write it: No space left"):
+    with pytest.raises(WriteFailed, match="could not write .*o.jsonl.settings: No space left"):
         label_file(data, str(tmp_path / "o.jsonl"), random_policy, LabelOptions(), show=False)
     assert os.listdir(tmp_path) == ["in.jsonl"]
 

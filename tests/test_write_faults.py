@@ -74,12 +74,12 @@ def test_a_failed_final_export_says_when_the_weights_are_lost(tmp_path, monkeypa
 
 
 def test_a_full_disk_while_appending_metrics_exits_with_one_line(tmp_path, monkeypatch):
-    from prm.training import files
+    from prm import files
 
     class Full:  # metrics.jsonl on a disk that has just filled up
-        def write(self, text):
+        def writelines(self, lines):
             raise OSError(errno.ENOSPC, NO_SPACE)
-        flush = close = lambda self: None
+        __enter__, __exit__ = lambda self: self, lambda self, *exc: None
     real = open
     monkeypatch.setattr(files, "open", lambda path, mode="r", *a, **kw: Full() if mode == "a"
                         else real(path, mode, *a, **kw), raising=False)
@@ -104,7 +104,8 @@ def test_a_real_full_disk(tmp_path):
 
 
 def test_a_full_disk_while_dropping_records_on_resume_keeps_metrics_whole(tmp_path, monkeypatch):
-    from prm.training import checkpoint, files
+    from prm import files
+    from prm.training import checkpoint
     from prm.errors import WriteFailed
     path = tmp_path / "metrics.jsonl"
     records = '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "loss": 0.3}\n'
@@ -142,7 +143,7 @@ def test_records_kept_on_resume_end_with_a_newline(tmp_path):
 
 def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
-    from prm.training.checkpoint import reported
+    from prm.files import reported
     from prm.errors import WriteFailed
     error = CheckpointException("save failed", {0: (OSError(errno.ENOSPC, NO_SPACE), None)})  # as dcp.save raises
     with pytest.raises(WriteFailed) as e:

@@ -1,6 +1,5 @@
 """`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
 OmegaPRM's binary search). The API takes any `complete(prompts, n, seed) -> list[list[str]]`."""
-import contextlib
 import dataclasses
 import datetime
 import glob
@@ -15,11 +14,11 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import regex
-from filelock import FileLock, Timeout
 
 from prm.cli import Parser
 from prm.config import unescape
-from prm.errors import Stopped, UsageError, WriteFailed, check, exit_status
+from prm.errors import Stopped, UsageError, check, exit_status
+from prm.files import locked, write_lines
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, _sources
 
@@ -227,38 +226,9 @@ def parts(output: str) -> list:
     return sorted(p for p in glob.glob(glob.escape(output) + ".part*") if re.search(r"\.part\d+of\d+$", p))
 
 
-def write_lines(path: str, lines: list, mode="w"):
-    """Appends, or writes a temporary file renamed over `path`."""
-    tmp = f"{path}.tmp{os.getpid()}" if mode == "w" else path
-    try:
-        with open(tmp, mode, encoding="utf-8") as f:
-            f.writelines(line + "\n" for line in lines)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise WriteFailed(f"{path}: cannot write it: {e.strerror or e}") from None
-    finally:
-        if tmp != path:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-
-
-@contextlib.contextmanager
-def locked(path: str):
-    """Holds PATH.lock while the block runs: another run writing `path` meanwhile is refused."""
-    lock = FileLock(path + ".lock", timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise UsageError(f"{path}: another prm.label run is writing it; wait for it to end, or pass another "
-                         "--output") from None
-    except OSError as e:
-        raise WriteFailed(f"{path}.lock: cannot write it: {e.strerror or e}") from None
-    try:
-        yield
-    finally:  # removed while held: a run that opened it before is refused
-        with contextlib.suppress(OSError):
-            os.remove(path + ".lock")
-        lock.release()
+def blanks(output: str) -> list:
+    """OUTPUT.blank and OUTPUT.part<p>of<m>.blank: the rows whose samples were all blank."""
+    return [output + ".blank", *glob.glob(glob.escape(output) + ".part*of*.blank")]
 
 
 def read_settings(side: str) -> dict:
@@ -278,19 +248,21 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, rende
     """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share; a run of
     every row merges the parts); render(prompt): the text the policy continues. Returns rollouts spent."""
     from tqdm import tqdm
-    start, (p, m), blank = time.time(), part, output + ".blank"
+    start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
     settings, side = {**dataclasses.asdict(opts), "dataset": digest}, output + ".settings"
-    if not os.path.isfile(side):
-        write_lines(side, [json.dumps(settings, indent=1)])
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
+    blank = own + ".blank"  # its own per part: a cut last line is dropped as the output's is
     with locked(own):
+        if not os.path.isfile(side):
+            write_lines(side, [json.dumps(settings, indent=1)])
         old = read_settings(side)
         diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
         check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
                "it, or pass another --output"] if diff else [])
-        done = finished(output, *parts(output), blank)
-        write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops what a kill cut
+        done = finished(output, *parts(output), *blanks(output))
+        for path in (own, blank) if os.path.isfile(blank) else (own,):  # drops what a kill cut
+            write_lines(path, [line for lines in finished(path).values() for line in lines])
         todo = [(i, r) for i, r in rows if i % m == p and i not in done]
         for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
             write_lines(own, lines := label_row(row, i, complete, render, opts), "a")

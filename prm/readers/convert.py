@@ -1,6 +1,5 @@
 """`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer
 sees. Depends on: prm.cli, prm.config, prm.errors, prm.readers.sources."""
-import contextlib
 import json
 import os
 import sys
@@ -8,6 +7,7 @@ import sys
 from prm.cli import Parser, add_field
 from prm.config import Config
 from prm.errors import UsageError, WriteFailed, exit_status
+from prm.files import write_lines
 from prm.readers.sources import read_rows
 
 
@@ -31,20 +31,19 @@ def main(argv=None):
 
 
 def _write(rows: list, output: str):
+    for row in rows:
+        row.pop("where", None)  # a pre-tokenized row's source line
+    lines = [json.dumps(row, ensure_ascii=False) for row in rows]
     try:
-        stream = contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8")
-    except OSError as e:  # the path given is wrong: exit status 2
-        raise UsageError(f"{output}: cannot write it: {e.strerror or e}") from None
-    try:
-        with stream as out:
-            for row in rows:
-                row.pop("where", None)  # a pre-tokenized row's source line
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        if output == "-":
+            sys.stdout.writelines(line + "\n" for line in lines)
+            return
+        write_lines(output, lines)
     except BrokenPipeError:  # `| head` closed stdout: Python must not complain at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
-    except OSError as e:  # opened but not written (a full disk): exit status 1
-        raise WriteFailed(f"{output}: cannot write it: {e.strerror or e}") from None
-    if output != "-":
-        print(f"wrote {len(rows)} rows to {output}", file=sys.stderr)
-
+    except WriteFailed as e:  # a path that cannot be opened is wrong: exit status 2; a full disk: 1
+        if isinstance(e.__cause__, (FileNotFoundError, IsADirectoryError, PermissionError)):
+            raise UsageError(str(e)) from None
+        raise
+    print(f"wrote {len(rows)} rows to {output}", file=sys.stderr)

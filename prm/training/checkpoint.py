@@ -1,26 +1,25 @@
 """A run's output directory, its checkpoints and resume: the Checkpointer, and run_lock, which keeps a second run
 out of the directory."""
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import socket
 import stat
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from prm.core.lora import has_lora
 from prm.core.model import load_weights
-from prm.core.runtime import barrier, decided_by_main
+from prm.core.runtime import barrier, decided_by_main, gather_objects
 from prm.errors import UsageError, WriteFailed, check
+from prm.files import locked, reported, write_lines, written_in_place
 from prm.readers.sources import data_digest
 from prm.training.export import TRAINABLE, load_trainable, write_model_dir
-from prm.training.files import reported, write_text, written_in_place
 from prm.training.sharding import SHARDS, load_shards, save_shards
 
 # written last, with every file's checksum: a checkpoint without it is a crashed save, never resumed
@@ -60,20 +59,28 @@ def read_marker(path: str) -> dict:
         return json.load(f)
 
 
-def file_digests(path: str) -> dict:
-    """sha256 of every file under a directory, by relative path; NOT_REGULAR for a symlink, FIFO or device."""
-    out = {}
-    for root, _, names in os.walk(path):
-        for full in (os.path.join(root, name) for name in names):
-            digest = NOT_REGULAR
-            if stat.S_ISREG(os.lstat(full).st_mode):
-                h = hashlib.sha256()
-                with open(full, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        h.update(block)
-                digest = h.hexdigest()
-            out[os.path.relpath(full, path)] = digest
-    return out
+def files_under(path: str) -> list:
+    """The relative paths of the files under a directory, sorted."""
+    return sorted(os.path.relpath(os.path.join(root, name), path)
+                  for root, _, names in os.walk(path) for name in names)
+
+
+def file_digests(path: str, names: list = None) -> dict:
+    """sha256 of the files `names` under a directory (default: all) by relative path, several at
+    once; NOT_REGULAR for a symlink, FIFO or device."""
+    def digest(name):
+        full = os.path.join(path, name)
+        if not stat.S_ISREG(os.lstat(full).st_mode):
+            return NOT_REGULAR
+        h = hashlib.sha256()
+        with open(full, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+    names = files_under(path) if names is None else names
+    # hashlib and reads let go of the GIL: the files are hashed in parallel
+    with ThreadPoolExecutor(8) as pool:
+        return dict(zip(names, pool.map(digest, names)))
 
 
 def damaged_files(path: str) -> list:
@@ -158,8 +165,8 @@ def keep_records_until(path: str, step: int):
             except json.JSONDecodeError:
                 continue
             if rec.get("step", 0) <= step and "final" not in rec:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    write_text(path, "".join(kept))
+                kept.append(line.rstrip("\n"))
+    write_lines(path, kept)
 
 
 def prune(output_dir: str, keep_last: int):
@@ -171,57 +178,17 @@ def prune(output_dir: str, keep_last: int):
 
 @contextlib.contextmanager
 def run_lock(output_dir: str):
-    """Holds <output_dir>/.lock (pid@host, with flock) for the life of a run: a second run there is a UsageError.
-    A lock of this host whose flock is free is stale and taken over; another host's is not. A directory made
-    here and left empty is removed."""
+    """Holds <output_dir>/.lock (prm.files.locked) for the life of a run: a second run there is a
+    UsageError. A directory made here and left empty is removed."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, LOCK)
-    fd = _hold(path, output_dir)
     try:
-        yield
+        with locked(output_dir, os.path.join(output_dir, LOCK)):
+            yield
     finally:
-        # before the hold ends, so a waiting process sees the file gone
-        os.remove(path)
-        os.close(fd)
         if made:
             with contextlib.suppress(OSError):
                 os.rmdir(output_dir)
-
-
-def _hold(path: str, output_dir: str) -> int:
-    """An open descriptor of `path` holding its flock, the file naming this process."""
-    busy = lambda owner: check([f"{output_dir} is in use by another run ({owner or 'starting'}); if none "
-                                f"is, delete {path}"])
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 256).decode(errors="replace").strip()
-            os.close(fd)
-            busy(owner)
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
-        # the holder removed the file as we opened it
-        os.close(fd)
-    owner = os.read(fd, 256).decode(errors="replace").strip()
-    if owner and _alive(owner):
-        os.close(fd)
-        busy(owner)
-    if owner:
-        print(f"warning: taking over the stale lock of {owner} in {output_dir}", file=sys.stderr, flush=True)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}".encode(), 0)
-    return fd
-
-
-def _alive(owner: str) -> bool:
-    """Whether the owner of a lock whose flock we now hold may still run: only on another host (flock need not
-    reach across hosts) or if the owner is not pid@host. A pid of this host proves nothing (pids are reused)."""
-    pid, _, host = owner.partition("@")
-    return host != socket.gethostname() or not pid.isdigit()
 
 
 def rng_state() -> dict:
@@ -304,8 +271,10 @@ class Checkpointer:
         return bool(self.interval) and step % self.interval == 0
 
     def save(self, step: int):
-        """checkpoint-<step>/, every rank together (under --fsdp each writes its shards first)."""
+        """checkpoint-<step>/, every rank together: under --fsdp each writes its shards, then
+        checksums a share of them (rank 0 alone would take world size times as long)."""
         barrier(self.rt)
+        shards = {}
         if self.cfg.fsdp:
             tmp = checkpoint_dir(self.cfg.output_dir, step) + ".tmp"
             if self.rt.is_main:
@@ -320,13 +289,16 @@ class Checkpointer:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
             barrier(self.rt)
+            share = file_digests(tmp, files_under(tmp)[self.rt.rank::self.rt.world_size])
+            shards = {k: v for part in gather_objects(share, self.rt) for k, v in part.items()}
         if self.rt.is_main:
-            self.write(step)
+            self.write(step, shards)
         barrier(self.rt)
 
-    def write(self, step: int):
-        """Rank 0's part of checkpoint-<step>, written in place; the marker, last, holds every file's checksum."""
-        cfg, model = self.cfg, self.parallel.model
+    def write(self, step: int, shards: dict = None):
+        """Rank 0's part of checkpoint-<step>, written in place; the marker, last, holds every
+        file's checksum (shards: those of the files the ranks wrote already)."""
+        cfg, model, shards = self.cfg, self.parallel.model, shards or {}
         with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
             state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                      "rng": rng_state()}
@@ -337,10 +309,10 @@ class Checkpointer:
                 write_model_dir(tmp, model, self.tokenizer, cfg, trainable_only=has_lora(model))
                 state["optimizer"] = self.optimizer.state_dict()
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            mine = file_digests(tmp, [n for n in files_under(tmp) if n not in shards])
             marker = {"step": step, "world_size": self.rt.world_size, "data": self.digests or {},
-                      "sha256": file_digests(tmp)}
-            with open(os.path.join(tmp, MARKER), "w") as f:
-                json.dump(marker, f)
+                      "sha256": {**shards, **mine}}
+            write_lines(os.path.join(tmp, MARKER), [json.dumps(marker)])
         prune(cfg.output_dir, cfg.keep_last)
 
     def save_final(self, step: int) -> str:

@@ -7,6 +7,7 @@ from safetensors.torch import load_file, save_file
 from prm.core.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
 from prm.core.model import hf_names
 from prm.errors import UsageError
+from prm.files import write_lines
 
 # LoRA checkpoints: adapters + head only
 TRAINABLE = "trainable.safetensors"
@@ -51,8 +52,7 @@ def write_adapter(path: str, model, cfg, state: dict = None):
               "target_modules": peft_targets(model.backbone), "modules_to_save": [head_name], "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
               "inference_mode": True}
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    write_lines(os.path.join(path, "adapter_config.json"), [json.dumps(config, indent=2)])
 
 
 def load_trainable(model, path: str):

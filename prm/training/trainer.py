@@ -29,7 +29,7 @@ from prm.readers.sources import load_splits
 from prm.training.build import check_exportable, model_for, tokenizer_for
 from prm.training.card import config_command, model_card
 from prm.training.checkpoint import Checkpointer, run_lock
-from prm.training.files import write_text
+from prm.files import write_lines
 from prm.training.sharding import Parallel
 from prm.training.tracking import Tracker, require
 from prm.training.trainlog import MetricsFile, TrainLog, count
@@ -304,7 +304,8 @@ class Trainer:
         results["train_tokens_per_second"], results["padding_efficiency"] = self.log.throughput()
         results["train_data"], results["eval_data"] = self.train_report, self.eval_report
         if self.rt.is_main:
-            write_text(os.path.join(path, "README.md"), model_card(self.cfg, results, self.command))
+            card = model_card(self.cfg, results, self.command)
+            write_lines(os.path.join(path, "README.md"), [card.removesuffix("\n")])
             self.out.write({"step": self.step, "final": results}, echo=False)
             self.out.close()
         barrier(self.rt)

@@ -10,7 +10,7 @@ import torch
 from prm.core.data import padded_tokens
 from prm.core.runtime import Runtime, all_reduce_sum
 from prm.errors import Diverged
-from prm.training.files import AppendFile
+from prm.files import write_lines
 
 
 class MetricsFile:
@@ -18,21 +18,18 @@ class MetricsFile:
     other ranks): writes nothing."""
 
     def __init__(self, path, pbar, *, tracker=None):
-        self.pbar, self.tracker = pbar, tracker
-        self.file = AppendFile(path) if path else None
+        self.pbar, self.tracker, self.path = pbar, tracker, path
 
     def write(self, rec: dict, echo: bool = True):
-        if self.file is None:
+        if self.path is None:
             return
-        self.file.write(json.dumps(strict_json(rec), allow_nan=False) + "\n")
+        write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
         if self.tracker is not None:
             self.tracker.log(rec)
         if echo:
             self.pbar.write(log_line(rec))
 
     def close(self):
-        if self.file is not None:
-            self.file.close()
         if self.tracker is not None:
             self.tracker.close()
 
