@@ -327,6 +327,7 @@ class Generator:
 
     def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
+        self.stops = {}  # stop string -> its stopping criteria
 
     def tokenizer(self):
         """The policy's tokenizer, with its model, loaded at the first row."""
@@ -362,8 +363,11 @@ class Generator:
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
         if o.temperature > 0:
             sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
+        if stop and stop not in self.stops:  # built once: it reads the whole vocabulary
+            from transformers import StoppingCriteriaList, StopStringCriteria
+            self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
         if stop:
-            sampling.update(stop_strings=[stop], tokenizer=tok)
+            sampling.update(stopping_criteria=self.stops[stop])
         copies = n if o.temperature > 0 else 1  # greedy: one text
         flat, out, usage = [p for p in prompts for _ in range(copies)], [], []
         for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
