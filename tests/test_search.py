@@ -108,12 +108,12 @@ def write_problems(path, n=5, **extra):
     return str(path)
 
 
-def run(tmp_path, name="out.jsonl", propose=None, rows=5, **opts):
+def run(tmp_path, name="out.jsonl", propose=None, rows=5, count=lambda q, text: 0, **opts):
     """search_file's summary and output lines."""
     out = str(tmp_path / name)
     summary = search_file(write_problems(tmp_path / "p.jsonl", rows), out,
                           propose or scripted_policy(), scripted_score, SearchOptions(**opts),
-                          show=False)
+                          count=count, show=False)
     with open(out) as f:
         return summary, [json.loads(line) for line in f]
 
@@ -167,14 +167,32 @@ def test_pick_majority_best_of_n_weighted():
 
 
 def test_sampled_methods_take_the_first_n_and_count_their_costs(tmp_path):
-    _, records = run(tmp_path, methods=("majority", "best-of-n", "weighted"), n=(1, 3), problems=2)
+    _, records = run(tmp_path, methods=("majority", "best-of-n", "weighted"), n=(1, 3), problems=2,
+                     count=lambda question, text: len(question + text))
     for r in records:
-        assert len(r["samples"]) == 3 and all(c["policy_tokens"] > 0 for c in r["samples"])
+        texts = [proposal(f"problem {r['row']}:{SEP}", j, None) for j in range(3)]
+        assert [c["policy_tokens"] for c in r["samples"]] == list(map(len, texts))
+        question = f"problem {r['row']}:"
+        assert [c["prm_tokens"] for c in r["samples"]] == [len(question + t) for t in texts]
         for x in r["results"]:
             first = r["samples"][:x["n"]]
             assert x["policy_tokens"] == sum(c["policy_tokens"] for c in first)
+            prm = sum(c["prm_tokens"] for c in first)
+            assert x["prm_tokens"] == (prm if x["method"] != "majority" else 0)
             assert x["answer"] == first[pick(first, x["method"], "last")]["answer"]
-            assert x["prm_tokens"] == 0  # count() is not given: no PRM tokens counted
+
+
+def test_a_policy_giving_too_few_texts_or_a_chat_prompt_without_render_is_refused(tmp_path):
+    few = lambda prefixes, n, seed, stop: [["the answer is 1"] * (n - 1) for _ in prefixes]  # noqa
+    with pytest.raises(UsageError, match=r"propose\(\) must give 4 texts for each of its 2 "):
+        run(tmp_path, "few.jsonl", few, rows=2, methods=("beam",), n=(4,), beam_width=4)
+    data = write_problems(tmp_path / "chat.jsonl", 1)
+    chat = [{"role": "user", "content": "problem 0:"}]
+    with open(data, "w") as f:
+        f.write(json.dumps({"prompt": chat, "answer": "0"}) + "\n")
+    with pytest.raises(UsageError, match="a chat prompt needs render="):
+        search_file(data, str(tmp_path / "c.jsonl"), scripted_policy(), scripted_score,
+                    SearchOptions(), show=False)
 
 
 def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
@@ -187,13 +205,14 @@ def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
              ("the answer is 0", "eos", 1), ("s" + SEP, "max_steps", 3)]
     for k, (text, end, steps) in enumerate(cases):
         _, records = run(tmp_path, f"{k}.jsonl", policy(text), problems=2, methods=("beam", "dvts"),
-                         n=(2, 4), beam_width=2, max_steps=3)
+                         n=(2, 4), beam_width=2, max_steps=3, count=lambda q, t: 11)
         for x in (x for r in records for x in r["results"]):
             # beam and dvts alike: N/M beams from the root, each proposing M; all ending alike
             beams = x["n"] // 2 if end == "max_steps" else x["n"]
             assert x["ends"] == {end: beams}
             assert {len(c["steps"]) for c in x["candidates"]} == {steps}
             assert x["policy_tokens"] == 5 * x["n"] * max(steps, 1)
+            assert x["prm_tokens"] == (end != "empty") * x["n"] * max(steps, 1) * 11
 
 
 @pytest.fixture(scope="module")

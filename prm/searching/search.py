@@ -14,7 +14,7 @@ import time
 
 from prm.cli import Parser
 from prm.core.metrics import AGGREGATES, solution_score
-from prm.errors import Stopped, check, exit_status
+from prm.errors import Stopped, UsageError, check, exit_status
 from prm.labeling.label import (Generator, LabelOptions, _opt, extract_answer, finished, judge,
                                 locked, normalize, read_input, read_settings, write_lines)
 from prm.readers.formats import split_steps
@@ -82,6 +82,14 @@ class SearchOptions:
                   "(0, 1]"]))
 
 
+def proposed(propose, prefixes: list, n: int, seed: int, stop) -> tuple:
+    """(texts, usage: per text (tokens, cut by max_new_tokens)) of one propose call, checked."""
+    outs = propose(prefixes, n, seed, stop)
+    if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
+        raise UsageError(f"propose() must give {n} texts for each of its {len(prefixes)} prefixes")
+    return outs, getattr(propose, "usage", None) or [[(0, False)] * n for _ in prefixes]
+
+
 def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
     """A finished solution: steps and their scores, answer and whether it is right, how it ended."""
     text = opts.step_separator.join(steps)
@@ -145,9 +153,9 @@ def grow(trees: list, block: list, propose, score, count, opts, seed):
         t.groups = [[] for _ in t.groups]
     for width in sorted({t.width for t, _, _ in live}):
         keys, start = [k for k in live if k[0].width == width], time.time()
-        outs = propose([block[t.problem].text + "".join(s + sep for s in live[t, g, j][0])
-                        for t, g, j in keys], width, seed(), sep)
-        usage = getattr(propose, "usage", None) or [[(0, False)] * width for _ in keys]
+        prefixes = [block[t.problem].text + "".join(s + sep for s in live[t, g, j][0])
+                    for t, g, j in keys]
+        outs, usage = proposed(propose, prefixes, width, seed(), sep)
         took = (time.time() - start) / len(keys)
         for (t, g, j), texts, use in zip(keys, outs, usage):
             steps, scores = live[t, g, j]
@@ -179,8 +187,7 @@ def grow(trees: list, block: list, propose, score, count, opts, seed):
 def sample(block: list, records: list, propose, score, count, opts, seed):
     """max(N) solutions per problem in one propose and one PRM call; each N takes the first N."""
     methods, top, start = [m for m in opts.methods if m in SAMPLED], max(opts.n), time.time()
-    outs = propose([p.text for p in block], top, seed(), None)
-    usage = getattr(propose, "usage", None) or [[(0, False)] * top for _ in block]
+    outs, usage = proposed(propose, [p.text for p in block], top, seed(), None)
     policy_s, start = (time.time() - start) / len(block), time.time()
     probs = score([p.row["prompt"] for p in block], outs) if set(methods) - {"majority"} else \
         [[[]] * top for _ in block]
@@ -258,9 +265,12 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
         for b in range(0, len(rows), opts.problems):
             if all(i in done for i, _ in rows[b:b + opts.problems]):
                 continue
+            texts = [render(row["prompt"]) for _, row in rows[b:b + opts.problems]]
+            check([] if all(isinstance(t, str) for t in texts) else
+                  ["a chat prompt needs render= (e.g. Generator(...).render: its chat template)"])
             block = [Problem(i, row, text + ("" if text[-1:].isspace() else sep),
                              judge(str(row[opts.answer_field]), opts))
-                     for i, row in rows[b:b + opts.problems] for text in [render(row["prompt"])]]
+                     for (i, row), text in zip(rows[b:b + opts.problems], texts)]
             for seed in opts.seeds:
                 for rec in search_block(block, propose, score, count, opts, seed):
                     if rec["row"] not in done:
