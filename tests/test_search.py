@@ -12,7 +12,7 @@ import pytest
 
 from prm.errors import UsageError
 from prm.labeling.label import extract_answer
-from prm.searching.search import SearchOptions, main, pick, search_file
+from prm.searching.search import Problem, SearchOptions, main, pick, search_block, search_file
 
 SEP = "\n"
 
@@ -152,6 +152,21 @@ def test_beams_stay_in_their_problem_and_beam_and_dvts_differ(tmp_path):
     assert any(results[k] != results[k[0], "dvts", k[2]] for k in results if k[1] == "beam")
     ends = collections.Counter(c["end"] for x in results.values() for c in x)
     assert set(ends) == {"eos", "empty", "cut", "max_steps"}  # every kind of end happens
+
+
+def test_a_problem_is_done_as_soon_as_its_beams_end(tmp_path):
+    log = []
+
+    def propose(prefixes, n, seed, stop):  # problem 0 answers at once, problem 1 never ends
+        log.append(prefixes)
+        return [["the answer is 0" if p.startswith("problem 0") else "s" + SEP] * n
+                for p in prefixes]
+    block = [Problem(i, {"prompt": f"problem {i}:", "answer": "0"}, f"problem {i}:{SEP}", bool)
+             for i in range(2)]
+    opts = SearchOptions(methods=("beam",), n=(2,), beam_width=2, max_steps=5)
+    got = [(r["row"], len(log)) for r in search_block(block, propose, scripted_score,
+                                                       lambda q, t: 0, opts, 0)]
+    assert got == [(0, 1), (1, 5)] and [len(call) for call in log] == [2, 1, 1, 1, 1]
 
 
 def test_pick_majority_best_of_n_weighted():

@@ -227,16 +227,17 @@ def search_block(block: list, propose, score, count, opts, seed: int):
                     t.ends["max_steps"] += 1
                     t.done.append(candidate(steps, scores, "max_steps", block[t.problem], opts))
                 t.groups = []
-        for p in sorted(q for q in pending if not any(t.groups for t in trees if t.problem == q)):
-            pending.remove(p)
+        live = {t.problem for t in trees if any(t.groups)}
+        for p in sorted(pending - live):
             for t in (t for t in trees if t.problem == p):
                 records[p]["results"].append(result(
                     t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
                     ends=dict(t.ends), candidates=t.done))
             yield records[p]
+        pending &= live
         if not pending:
             return
-        grow([t for t in trees if t.groups], block, propose, score, count, opts, seed_of)
+        grow([t for t in trees if any(t.groups)], block, propose, score, count, opts, seed_of)
 
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
