@@ -325,6 +325,7 @@ def exits(argv: list, capsys) -> tuple:
     (["--n", "1,6"], "--n 6: not a multiple of --beam-width 4 (beam and dvts keep N/M beams)"),
     (["--methods", "beam,greedy"], "--methods: unknown 'greedy' (expected some of majority, "),
     (["--n", "0"], "--n 0: a budget must be at least 1"),
+    (["--n", "1,a"], "argument --n: invalid comma_list value: '1,a'"),
     (["--max-steps", "0"], "--max-steps must be at least 1"),
     (["--answer-pattern", "("], "--answer-pattern '(': not a regular expression"),
     (["--top-p", "0"], "--top-p 0 in (0, 1]"),

@@ -33,7 +33,9 @@ def _shared(name: str, **meta):
 
 
 def _list(kind):
-    return lambda text: tuple(kind(x.strip()) for x in text.split(","))
+    def comma_list(text: str) -> tuple:  # argparse's error names it
+        return tuple(kind(x.strip()) for x in text.split(","))
+    return comma_list
 
 
 @dataclasses.dataclass
