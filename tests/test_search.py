@@ -283,6 +283,10 @@ def test_generator_ends_each_text_after_its_first_stop_and_counts_tokens(models)
             # the same samples, each ended at its first stop; the tokens made, no more
             assert t == (f[:f.index(stop) + 1] if stop in f else f)
             assert (k, cut) == (free_k, free_cut) if stop not in f else k <= free_k and not cut
+    greedy = Generator(LabelOptions(policy=models[0], max_new_tokens=5, temperature=0.0),
+                       device=torch.device("cpu"))
+    assert greedy(prompts, 3, 0) and len(greedy.usage) == 2
+    assert all(use[0][0] > 0 and [k for k, _ in use[1:]] == [0, 0] for use in greedy.usage)
 
 
 def timeless(records: list) -> list:

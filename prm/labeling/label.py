@@ -384,7 +384,8 @@ class Generator:
                 head, found, _ = text.partition(stop) if stop else (text, "", "")
                 out.append(head + found)
                 usage.append((k, k == o.max_new_tokens and last != tok.eos_token_id and not found))
-        self.usage = [usage[i * copies:(i + 1) * copies] * (n // copies)
+        # greedy: the copies of a prompt's one text cost no tokens
+        self.usage = [usage[i * copies:(i + 1) * copies] + [(0, usage[i][1])] * (n // copies - 1)
                       for i in range(len(prompts))]
         return [out[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]
 
