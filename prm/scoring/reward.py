@@ -89,7 +89,7 @@ class PRMReward:
                 ("device", cuda, "a device this torch has (it has no CUDA)"),
                 ("step_separator", step_separator != "", "a non-empty string")):
             if not ok:
-                raise ValueError(f"{name} {locals()[name]!r}: expected {expected}")
+                raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")  # a ValueError
         scorer = ScorerOptions(**scoring).scorer
         if isinstance(model, str):
             tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **scoring)
