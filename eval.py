@@ -268,6 +268,9 @@ def table(blocks: dict, *, threshold: float) -> str:
             n = "/".join(map(str, b["candidates_per_problem"]))
             lines.append(f"{name}: best-of-N accuracy with all {n} candidates: "
                          + ", ".join(f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items()))
+            if b.get("candidates_with_answer") == 0:
+                lines.append(f"{name}: weighted_vote, majority_vote n/a (no candidate has an "
+                             "extractable answer)")
         if "prmbench" in b:
             pb = b["prmbench"]
             lines.append(f"{name}: PRMScore {cell(pb['prmscore'])} (f1 {cell(pb['f1'])}, "

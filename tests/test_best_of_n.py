@@ -119,13 +119,14 @@ def test_eval_best_of_n_is_recomputable_from_predictions(model_dir, tmp_path):
     assert len(lines) == 15 and [x["group"] for x in lines[:6]] == ["100"] * 5 + ["101"]
     assert [x["id"] for x in lines[:2]] == ["100/0", "100/1"] and lines[3]["response_answer"] is None
     assert out["n_problems"] == 3 and out["candidates_per_problem"] == [5]
+    assert out["candidates_with_answer"] == 12  # candidate 3 of each has none
     assert out["best_of_n"] == recompute(lines, draws=3, seed=5)
     assert set(out["best_of_n"]["min"]) == {"1", "2", "4", "all"}
     assert out["best_of_n"]["random"]["1"] == pytest.approx(3 / 5)  # candidates 0, 2, 4 of each are right
     assert out["n_steps"] == 0  # no step labels in this file: candidates are judged by their final answer
 
 
-def test_flat_rows_are_grouped_by_prompt(model_dir, tmp_path):
+def test_flat_rows_are_grouped_by_prompt(model_dir, tmp_path, capsys):
     path, pred = str(tmp_path / "flat.jsonl"), str(tmp_path / "pred.jsonl")
     rows = [{"prompt": f"count {k % 2}:", "completions": ["1+1=2", f"2+1={3 + k % 3}"], "labels": [True, k % 3 == 0],
              "final_answer_correct": k % 3 == 0} for k in range(6)]
@@ -136,6 +137,10 @@ def test_flat_rows_are_grouped_by_prompt(model_dir, tmp_path):
     assert out["n_problems"] == 2 and {x["group"] for x in lines} == {"count 0:", "count 1:"}
     assert out["best_of_n"] == recompute(lines) and "weighted_vote" not in out["best_of_n"]  # no answers given
     assert out["best_of_n"]["oracle"]["all"] == 1.0  # k = 0 (count 0:) and k = 3 (count 1:) are right
+    # the votes left out are said to be so, in the JSON and the table
+    assert out["candidates_with_answer"] == 0
+    assert "flat: weighted_vote, majority_vote n/a (no candidate has an extractable answer)" in \
+        capsys.readouterr().err
 
 
 def test_best_of_n_without_outcomes_stops_with_a_message(model_dir, tmp_path):

@@ -8,6 +8,7 @@ import sys
 import urllib.request
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -93,6 +94,40 @@ def test_bad_arguments_are_refused(model_dir, loaded):
         PRMReward(loaded[0])
     with pytest.raises(ValueError, match="2 prompts for 1 completions"):
         PRMReward(model_dir)(PROMPTS[:2], COMPLETIONS[:1])
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": -1}, "batch_size -1: expected an int > 0"),
+    ({"batch_size": 0}, "batch_size 0: expected an int > 0"),
+    ({"step_separator": ""}, "step_separator '': expected a non-empty string"),
+    pytest.param({"device": "cuda"}, r"device 'cuda': expected a device this torch has \(it has no "
+                 r"CUDA\)", marks=NO_CUDA)])
+def test_bad_settings_are_refused_by_name(model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PRMReward(model_dir, **kwargs)
+
+
+@pytest.mark.parametrize("prompt, completion, message", [
+    (None, "1+1=2", "completion 1: the prompt None: expected a string or a list of messages"),
+    (5, "1+1=2", "completion 1: the prompt 5: expected"),
+    ([{"role": "user"}], "1+1=2", r"completion 1: the prompt \[\{'role': 'user'\}\]: expected"),
+    ("p:", None, "completion 1: the completion None: expected"),
+    ("p:", {"content": "1"}, r"completion 1: the completion \{'content': '1'\}: expected")])
+def test_unreadable_prompts_and_completions_are_named(model_dir, prompt, completion, message):
+    with pytest.raises(ValueError, match=message):
+        PRMReward(model_dir, device="cpu")([PROMPTS[0], prompt], [COMPLETIONS[0], completion])
+
+
+def test_each_assistant_message_ends_a_step(model_dir):
+    reward = PRMReward(model_dir, device="cpu")
+    messages = [{"role": "assistant", "content": c} for c in ("3+1=4", "4+1=5")]
+    (steps,) = reward.step_scores(["count from 3:"], [messages])
+    text = reward.text(messages)
+    assert [text[a:b] for a, b, _ in steps] == ["3+1=4", "4+1=5"]  # not one step "3+1=44+1=5"
+    assert reward(["count from 3:"], [messages]) == reward(["count from 3:"], ["3+1=4\n4+1=5"])
 
 
 def test_a_chat_template_failing_on_one_prompt_names_its_completion(model_dir):

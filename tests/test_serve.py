@@ -256,7 +256,7 @@ def test_a_failure_while_scoring_is_a_500_and_the_next_request_is_served(port, r
                                                                           capsys):
     def broken(*a, **kw):
         raise RuntimeError("CUDA out of memory")
-    monkeypatch.setattr(reward, "step_probs", broken)
+    monkeypatch.setattr(reward, "step_scores", broken)
     assert request(port, body=GOOD) == (500, {"error": "scoring failed: RuntimeError: CUDA out of memory"})
     assert "Traceback" in capsys.readouterr().err  # the server's log says where
     monkeypatch.undo()
@@ -337,6 +337,27 @@ def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):
     # 14 prompt tokens (BOS + 13 characters) + 6 per step: one step fits in 25 tokens
     out = serve.Scorer(PRMReward(model_dir, device="cpu", max_length=25))(GOOD)
     assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [1, 1, 1]}
+
+
+def test_a_query_of_many_tiny_steps_tokenizes_only_the_steps_that_fit(reward, monkeypatch):
+    """A request's work is bounded by --max-length x --max-batch, not by its body: steps past the
+    length budget are never tokenized (an 8 MB body of "a\\n" held the model for half a minute)."""
+    from prm.core import evaluate
+    tokenized, tokenize = [], evaluate.tokenize_batch
+
+    def counting(batch, *args, **kwargs):
+        tokenized.extend(map(len, batch["completions"]))
+        return tokenize(batch, *args, **kwargs)
+    monkeypatch.setattr(evaluate, "tokenize_batch", counting)
+    cut = serve.Scorer(PRMReward(reward.model, tokenizer=reward.tokenizer, device="cpu",
+                                 max_length=40))
+    with pytest.warns(UserWarning, match="2 of 2 completions truncated"):
+        out = cut({"query": ["q:\n" + "a\n" * 5000] * 2, "prompts": ["q:"] * 2})
+    assert tokenized == [40, 40]  # steps handed to the tokenizer per query: not 5,000
+    with pytest.warns(UserWarning, match="1 of 1 completions truncated"):
+        fits = cut.reward(["q:"], ["\n" + "a\n" * 40])  # the same steps scored: only cut ones lost
+    assert out["rewards"] == pytest.approx(fits * 2, abs=1e-6)
+    assert out["extra_logs"]["steps"] == [5000, 5000]
 
 
 def test_step_separator_and_max_length_flags_reach_the_reward(model_dir, monkeypatch, capsys):

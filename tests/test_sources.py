@@ -481,10 +481,11 @@ def test_validated_rows_are_read_back_while_files_and_settings_are_unchanged(tmp
 
 def scorer_steps(text: str, separator: str = "\n") -> list:
     """The steps PRMReward (and so prm.scoring.serve) scores in a completion."""
+    from prm.readers.formats import step_spans
     from prm.scoring.reward import PRMReward
     scorer = PRMReward.__new__(PRMReward)  # no model needed to split a text
     scorer.step_separator = separator
-    return scorer.steps(text)
+    return [text[a:b] for a, b in step_spans(scorer.text(text), separator)]  # as step_scores splits
 
 
 def test_a_training_step_holding_the_separator_stays_whole_as_trl_tokenizes_it(tmp_path):

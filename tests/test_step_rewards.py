@@ -125,7 +125,7 @@ def test_a_tokenizer_built_here_places_rewards_inside_merged_and_split_tokens(mo
                                                    "w", "\ufffd", "\ufffd", "\n", "<eos>"]
     (steps,) = reward.step_scores(PROMPTS[:1], [text])
     assert [(a, b) for a, b, _ in steps] == [(1, 5), (6, 10), (11, 13)]
-    (rewards,) = reward.token_rewards(PROMPTS[:1], [text], ids, policy)
+    (rewards,) = reward.token_rewards(PROMPTS[:1], [text], ids, policy, "step")
     assert {k: v for k, v in enumerate(rewards) if v} == {4: steps[0][2], 9: steps[1][2], 12: steps[2][2]}
 
 
@@ -155,6 +155,22 @@ def test_bad_input_is_refused_with_the_row_named(model_dir):
         reward.token_rewards(PROMPTS[:1], ROWS[:2], ids, policy)
     with pytest.raises(ValueError, match="1 prompts for 2 completions"):
         reward.step_scores(PROMPTS[:1], ROWS[:2])
+    one = reward.step_scores(PROMPTS[:1], ROWS[:1])
+    with pytest.raises(ValueError, match="1 scores for 2 completions"):  # not fewer rows, silently
+        reward.token_rewards(PROMPTS[:2], ROWS[:2], ids, policy, scores=one)
+    for bad in ("7", 7.0, -1, 10 ** 9, len(policy)):  # 259 ids: 0 to 258
+        message = rf"completion 1: completion_ids hold {bad!r}: expected the tokenizer's ids, 0 to "
+        with pytest.raises(ValueError, match=message + "258"):
+            reward.token_rewards(PROMPTS[:2], ROWS[:2], [ids[0], ids[1][:3] + [bad]], policy)
+
+
+def test_the_default_shaping_sums_to_the_lowest_step_p_whatever_the_number_of_steps(model_dir):
+    """min (PURE's): a policy gains nothing by adding steps, as with `step` (the sum of the P)."""
+    reward, policy = PRMReward(model_dir, device="cpu"), built_tokenizer()
+    texts = ["1+1=2\n2+1=3\n3+1=4\n", "1+1=2\n2+1=3\n3+1=4\n4+1=6\n"]
+    rows = reward.token_rewards(PROMPTS[:2], texts, policy_ids(policy, texts), policy)
+    lowest = [min(p for *_, p in steps) for steps in reward.step_scores(PROMPTS[:2], texts)]
+    assert [sum(row) for row in rows] == pytest.approx(lowest, abs=1e-6)
 
 
 def test_a_completion_with_no_scored_step_gets_zeros(model_dir):
@@ -163,7 +179,8 @@ def test_a_completion_with_no_scored_step_gets_zeros(model_dir):
     ids = policy_ids(policy, texts)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing cut: no warning
-        rewards = PRMReward(model_dir, device="cpu").token_rewards(PROMPTS[:3], texts, ids, policy)
+        rewards = PRMReward(model_dir, device="cpu").token_rewards(PROMPTS[:3], texts, ids, policy,
+                                                                   "step")
     assert rewards[0] == [0.0] and rewards[1] == [0.0] * 4 and sum(v != 0 for v in rewards[2]) == 3
     with pytest.warns(UserWarning, match="1 with no step that fits") as caught:
         cut = PRMReward(model_dir, device="cpu", max_length=1).token_rewards(PROMPTS[:1], texts[2:], ids[2:], policy)

@@ -1,17 +1,102 @@
 """prm.scoring.verl_manager in verl 0.9.1's reward loop: loaded by path as verl's config selects it, a DataProto
 batch of left-padded prompts and right-padded responses through run_single (each sample, concurrently, as verl's
 worker runs them) and assemble_rm_scores. Runs where verl imports (a separate virtual environment:
-../shared/tools/verl_venv.sh; PYTHONPATH=the project), skipped elsewhere. Depends on: pytest, torch, verl, prm."""
+../shared/tools/verl_venv.sh; PYTHONPATH=the project), skipped elsewhere; the manager's own reading
+of a sample (padding, raw_prompt, default shaping, prm not importable) on a stand-in for verl's base
+class, everywhere.
+Depends on: pytest, torch, verl, prm."""
 import asyncio
+import importlib.util
 import os
+import re
+import sys
+import types
 
 import pytest
+import torch
 
-verl = pytest.importorskip("verl", reason="verl does not import here: it runs in its own virtual environment "
-                                          "(../shared/tools/verl_venv.sh)")
+from conftest import ROOT
+from test_step_rewards import PROMPTS, ROWS, SHAPINGS, built_tokenizer, policy_ids
 
-from conftest import ROOT  # noqa: E402
-from test_step_rewards import PROMPTS, ROWS, SHAPINGS, built_tokenizer, policy_ids  # noqa: E402
+MANAGER = os.path.join(ROOT, "prm", "scoring", "verl_manager.py")
+
+
+class RewardManagerBase:
+    """verl's base class, as much of it as the manager uses."""
+    _class_initialized = False
+
+    def __init__(self, config, tokenizer, compute_score=None):
+        self.config, self.tokenizer = config, tokenizer
+        self.init_class(config, tokenizer)
+
+    @classmethod
+    def init_class(cls, config, tokenizer):
+        cls._class_initialized = True
+
+
+def load_manager(monkeypatch):
+    """PRMRewardManager loaded by path, as verl loads it, on the stand-in base class."""
+    name = "verl.experimental.reward_loop.reward_manager.base"
+    for k in range(1, 6):
+        module = types.ModuleType("stand-in")
+        monkeypatch.setitem(sys.modules, ".".join(name.split(".")[:k]), module)
+    sys.modules[name].RewardManagerBase = RewardManagerBase
+    spec = importlib.util.spec_from_file_location("verl_manager_under_test", MANAGER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PRMRewardManager
+
+
+def sample(response: list, pad: int, left: bool, raw_prompt) -> types.SimpleNamespace:
+    """One sample as run_single reads it: two prompt tokens, the response padded to 24 tokens."""
+    fill = [pad] * (24 - len(response))
+    ids, mask = (fill + response, [0] * len(fill) + [1] * len(response)) if left else \
+        (response + fill, [1] * len(response) + [0] * len(fill))
+    batch = {"prompts": torch.tensor([pad, pad]), "responses": torch.tensor(ids),  # (P,), (R,)
+             "attention_mask": torch.tensor([1, 1] + mask)}  # (P + R,)
+    return types.SimpleNamespace(batch=batch, non_tensor_batch={"raw_prompt": raw_prompt})
+
+
+@pytest.fixture
+def manager(monkeypatch, model_dir):
+    config = types.SimpleNamespace(reward={"reward_kwargs": {"model": model_dir, "device": "cpu"}})
+    return load_manager(monkeypatch)(config, built_tokenizer())
+
+
+def run(manager, item) -> dict:
+    return asyncio.run(manager.run_single([item]))
+
+
+def test_left_padded_responses_are_read_and_rewarded_on_their_own_tokens(manager):
+    policy, chat = manager.tokenizer, [{"role": "user", "content": PROMPTS[0]}]
+    ids = policy_ids(policy, ROWS[:1])[0]
+    right, left = (sample(ids, policy.pad_token_id, side, chat) for side in (False, True))
+    got = [run(manager, s)["reward_score"] for s in (right, left)]
+    assert got[0] == got[1] == manager.reward.token_rewards([chat], ROWS[:1], [ids], policy)[0]
+    data = types.SimpleNamespace(batch={k: torch.stack([s.batch[k] for s in (right, left)])
+                                        for k in ("responses", "attention_mask")})
+    rm_scores = type(manager).assemble_rm_scores(data, got)  # (2, 24)
+    pads = [0.0] * (24 - len(ids))
+    assert rm_scores.tolist() == [pytest.approx(got[0] + pads), pytest.approx(pads + got[0])]
+
+
+def test_a_raw_prompt_string_is_its_text_and_other_shapes_are_one_line(manager):
+    policy, ids = manager.tokenizer, policy_ids(manager.tokenizer, ROWS[:1])[0]
+    out = run(manager, sample(ids, policy.pad_token_id, False, PROMPTS[0]))
+    want = manager.reward.token_rewards(PROMPTS[:1], ROWS[:1], [ids], policy)
+    assert [out["reward_score"]] == want
+    # the default shaping (min): the rewards sum to the lowest step P, however many steps there are
+    assert sum(out["reward_score"]) == pytest.approx(out["reward_extra_info"]["prm_min"], abs=1e-6)
+    message = r"completion 0: the prompt \{'role'.*\}: expected a string or a list of messages"
+    with pytest.raises(ValueError, match=message):
+        run(manager, sample(ids, policy.pad_token_id, False, {"role": "user", "content": "q"}))
+
+
+def test_prm_not_importable_in_verls_python_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prm.scoring.reward", None)  # as where prm is not installed
+    with pytest.raises(ImportError, match=r"in verl's python: install prm there \(pip install -e "
+                                          + re.escape(ROOT) + r"\)"):
+        load_manager(monkeypatch)
 
 
 def batch(policy, with_messages: bool):
@@ -35,6 +120,8 @@ def batch(policy, with_messages: bool):
 
 @pytest.mark.parametrize("shaping, with_messages", [("step", True), ("delta", False), ("min", True)])
 def test_verl_rm_scores_hold_each_steps_reward_on_its_token(model_dir, shaping, with_messages):
+    verl = pytest.importorskip("verl", reason="verl does not import here: it runs in its own "
+                                              "virtual environment (../shared/tools/verl_venv.sh)")
     from omegaconf import OmegaConf
     from verl.trainer.ppo.reward import load_reward_manager
     from prm.scoring.reward import PRMReward

@@ -98,10 +98,12 @@ def candidate_groups(step_probs: list, rows: list) -> list:
 
 
 def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> dict:
-    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ..., "candidates_per_problem": [...]}."""
+    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ..., "candidates_per_problem": [...],
+    "candidates_with_answer": ...} (none: no voting methods)."""
     groups = candidate_groups(step_probs, rows)
     return {"best_of_n": best_of_n(groups, draws=draws, seed=seed), "n_problems": len(groups),
-            "candidates_per_problem": sorted({len(g) for g in groups})}
+            "candidates_per_problem": sorted({len(g) for g in groups}),
+            "candidates_with_answer": sum(c["answer"] is not None for g in groups for c in g)}
 
 
 @torch.inference_mode()

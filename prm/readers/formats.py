@@ -92,8 +92,10 @@ def is_blank(text: str) -> bool:
 
 def step_spans(text: str, separator: str) -> list:
     """(start, end) of each non-blank piece between separators."""
-    starts = itertools.accumulate((len(p) + len(separator) for p in text.split(separator)), initial=0)
-    return [(a, a + len(p)) for a, p in zip(starts, text.split(separator)) if not is_blank(p)]
+    pieces = text.split(separator)
+    starts = itertools.accumulate((len(p) + len(separator) for p in pieces), initial=0)
+    blank = {p for p in set(pieces) if is_blank(p)}  # each distinct piece checked once
+    return [(a, a + len(p)) for a, p in zip(starts, pieces) if p not in blank]
 
 
 def split_steps(text: str, separator: str) -> list:

@@ -11,7 +11,7 @@ import torch
 from prm.config import FILE, Config
 from prm.errors import UsageError
 from prm.core.evaluate import score_batch
-from prm.readers.formats import split_steps, step_spans
+from prm.readers.formats import step_spans
 from prm.core.metrics import AGGREGATES
 from prm.core.model import input_settings
 from prm.scoring import ScorerOptions
@@ -45,6 +45,23 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
     return lambda c: bisect.bisect_right(range(len(ids) + 1), c, key=covered) - 1
 
 
+def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores=None):
+    """ValueError naming the first unreadable argument and its completion index."""
+    for name, value in (("prompts", prompts), ("completion_ids", ids), ("scores", scores)):
+        if value is not None and len(value) != len(completions):
+            raise ValueError(f"{len(value)} {name} for {len(completions)} completions")
+    for i, pair in enumerate(zip(prompts, completions)):
+        for name, x in zip(("prompt", "completion"), pair):
+            if not isinstance(x, (str, list)) or isinstance(x, list) and not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in x):
+                raise ValueError(f"completion {i}: the {name} {x!r:.80}: expected a string or a "
+                                 "list of messages with a 'content' string")
+        bad = [t for t in (ids[i] if ids else []) if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"completion {i}: completion_ids hold {bad[0]!r:.40}: expected the "
+                             f"tokenizer's ids, 0 to {vocab - 1}")
+
+
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
     """(tokenizer, model, run config) of a model directory, read as eval.py reads it; scoring: ScorerOptions."""
     saved = os.path.isfile(os.path.join(path, FILE))
@@ -64,10 +81,15 @@ class PRMReward:
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
                  trust_remote_code: bool = False, **scoring):
-        if aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
-        if not isinstance(trust_remote_code, bool):  # the string "false" would be true
-            raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
+        cuda = not str(device).startswith("cuda") or torch.cuda.is_available()
+        for name, ok, expected in (
+                ("aggregate", aggregate in AGGREGATES, "one of " + ", ".join(AGGREGATES)),
+                ("trust_remote_code", isinstance(trust_remote_code, bool), "True or False"),
+                ("batch_size", isinstance(batch_size, int) and batch_size > 0, "an int > 0"),
+                ("device", cuda, "a device this torch has (it has no CUDA)"),
+                ("step_separator", step_separator != "", "a non-empty string")):
+            if not ok:
+                raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")  # a ValueError
         scorer = ScorerOptions(**scoring).scorer
         if isinstance(model, str):
             tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **scoring)
@@ -85,16 +107,12 @@ class PRMReward:
         self.aggregate, self.batch_size = aggregate, batch_size
         self.__name__ = f"prm_{aggregate}"  # TRL's logged column
 
-    @staticmethod
-    def text(completion) -> str:
-        """A completion's text: a string, or the assistant's contents of a list of messages, joined."""
+    def text(self, completion) -> str:
+        """A completion's text: a string, or its assistant messages' contents, each a step's end."""
         if isinstance(completion, str):
             return completion
-        return "".join(m["content"] for m in completion if m.get("role", "assistant") == "assistant")
-
-    def steps(self, completion) -> list:
-        """The completion's steps as training keeps them."""
-        return split_steps(self.text(completion), self.step_separator)
+        return self.step_separator.join(m["content"] for m in completion
+                                        if m.get("role", "assistant") == "assistant")
 
     def prompt(self, prompt):
         """Messages for the chat template, as in training; without one, their text."""
@@ -115,23 +133,33 @@ class PRMReward:
 
     def step_probs(self, prompts: list, completions: list) -> list:
         """P(correct) per step of each completion; steps past max_length unscored, with a warning."""
-        if len(prompts) != len(completions):
-            raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
-        solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]
-        todo = [i for i, (_, steps) in enumerate(solutions) if steps]
+        scores = self.step_scores(prompts, completions)
+        return [[p for *_, p in steps if p is not None] for steps in scores]
+
+    def step_scores(self, prompts: list, completions: list) -> list:
+        """Per completion, (start, end, p) per step: its span of `text(completion)` and P(correct),
+        None if cut."""
+        refuse_bad_input(prompts, completions)
+        texts = [self.text(c) for c in completions]
+        spans = [step_spans(text, self.step_separator) for text in texts]
+        todo = [i for i, s in enumerate(spans) if s]
+        cap = self.max_length or None  # a step takes a token at least: later ones are not tokenized
+        solutions = [(self.prompt(prompts[i]), [texts[i][a:b] for a, b in spans[i][:cap]])
+                     for i in todo]
         try:
-            probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
+            probs = score_batch(self.model, self.tokenizer, solutions, self.step_separator,
                                 max_length=self.max_length, batch_size=self.batch_size)
         except Exception:  # a template failure said as such, else as it is
-            self.template_failure({i: solutions[i][0] for i in todo})
+            self.template_failure({i: prompt for i, (prompt, _) in zip(todo, solutions)})
             raise
         scored = dict(zip(todo, probs))
-        cut = [ps for i, ps in scored.items() if len(ps) < len(solutions[i][1])]
+        cut = [ps for i, ps in scored.items() if len(ps) < len(spans[i])]
         if cut:
             warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
                           f"steps are unscored), {cut.count([])} with no step that fits (reward "
                           f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
-        return [scored.get(i, []) for i in range(len(solutions))]
+        return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, scored.get(i, []))]
+                for i, s in enumerate(spans)]
 
     def score(self, questions: list, outputs: list) -> list:
         """search-and-learn's PRM interface: outputs[i][j], a solution to questions[i] (its steps
@@ -143,20 +171,15 @@ class PRMReward:
         ends = list(itertools.accumulate(map(len, outputs), initial=0))
         return [probs[a:b] for a, b in zip(ends, ends[1:])]
 
-    def step_scores(self, prompts: list, completions: list) -> list:
-        """Per completion, (start, end, p) per step: its span of `text(completion)` and P(correct), None if cut."""
-        spans = [step_spans(self.text(c), self.step_separator) for c in completions]
-        probs = self.step_probs(prompts, completions)
-        return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, ps)] for s, ps in zip(spans, probs)]
-
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
-                      shaping: str = "step", *, scores: list = None) -> list:
+                      shaping: str = "min", *, scores: list = None) -> list:
         """Per completion, a float per token of completion_ids: each scored step's SHAPINGS value on the token
-        holding its last character, 0.0 elsewhere. scores: step_scores' answer, if already computed."""
+        holding its last character, 0.0 elsewhere. scores: step_scores' answer, if already computed.
+        The default, min (PURE's), sums to the lowest P: unlike step's sum, it pays nothing for more
+        steps."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
-        if len(completion_ids) != len(completions):
-            raise ValueError(f"{len(completion_ids)} completion_ids for {len(completions)} completions")
+        refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)
         holders = [token_holders(tokenizer, ids, self.text(c), i)
                    for i, (c, ids) in enumerate(zip(completions, completion_ids))]
         scores = scores if scores is not None else self.step_scores(prompts, completions)

@@ -7,18 +7,23 @@
 
 Each response's rewards fill its row of `rm_scores`, the aggregate goes in reward_extra_info."""
 import asyncio
+import os
 import threading
 
 import torch
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
-from prm.scoring.reward import PRMReward
+try:
+    from prm.scoring.reward import PRMReward
+except ModuleNotFoundError as e:  # verl loads this file by path: prm must import in verl's python
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise ImportError(f"{e} in verl's python: install prm there (pip install -e {root})") from e
 
 
 class PRMRewardManager(RewardManagerBase):
     """run_single -> {"reward_score": a float per response token, "reward_extra_info": {aggregate name: value}}."""
     reward: PRMReward = None  # one per process (init_class)
-    shaping = "step"
+    shaping = "min"  # token_rewards' default
     lock = threading.Lock()
 
     def __init__(self, config, tokenizer, compute_score=None, **kwargs):  # kwargs: verl's reward-model routing
@@ -32,7 +37,7 @@ class PRMRewardManager(RewardManagerBase):
         if "model" not in kwargs:
             raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR (a train.py output or any "
                              "2-label token classifier)")
-        cls.shaping = kwargs.pop("shaping", "step")
+        cls.shaping = kwargs.pop("shaping", cls.shaping)
         cls.reward = PRMReward(kwargs.pop("model"), **kwargs)
         super().init_class(config, tokenizer)
 
@@ -49,19 +54,20 @@ class PRMRewardManager(RewardManagerBase):
     async def run_single(self, data) -> dict:
         item = data[-1:][0]  # as verl's own managers read it
         responses, mask = item.batch["responses"], item.batch["attention_mask"]  # (R,), (P + R,)
-        ids = responses[:int(mask[-responses.shape[-1]:].sum())].tolist()  # right-padded
+        ids = responses[mask[-responses.shape[-1]:].bool()].tolist()  # left- or right-padded
         prompt = item.non_tensor_batch.get("raw_prompt")
         if prompt is None:  # the prompt's own tokens, left-padded
             prompt_ids = item.batch["prompts"]  # (P,)
             prompt = self.tokenizer.decode(prompt_ids[mask[:len(prompt_ids)].bool()], skip_special_tokens=True)
-        else:  # chat messages: a list, or verl's numpy array of them
+        elif not isinstance(prompt, (str, dict)):  # chat messages: a list or verl's numpy array
             prompt = list(prompt)
         return await asyncio.get_running_loop().run_in_executor(None, self.score, prompt, ids)
 
     @classmethod
     def assemble_rm_scores(cls, data, scores: list) -> torch.Tensor:
-        """(batch, response_length) rm_scores: each sample's token rewards from its first response token."""
+        """(batch, response_length) rm_scores: each sample's token rewards on its own tokens."""
         rm_scores = torch.zeros_like(data.batch["responses"], dtype=torch.float32)  # (B, R)
+        kept = data.batch["attention_mask"][:, -rm_scores.shape[1]:].bool()  # (B, R)
         for i, rewards in enumerate(scores):
-            rm_scores[i, :len(rewards)] = torch.tensor(rewards, dtype=torch.float32)
+            rm_scores[i, kept[i]] = torch.tensor(rewards, dtype=torch.float32)
         return rm_scores
