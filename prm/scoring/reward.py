@@ -46,15 +46,16 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
-    """(tokenizer, model, run config) of a model directory, read as eval.py reads it; scoring: ScorerOptions."""
+    """(tokenizer, model, run config, row builder: scorers.load's) of a model directory, read as
+    eval.py reads it; scoring: ScorerOptions."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model = path
     cfg.trust_remote_code = trust_remote_code
-    tokenizer, model = load(cfg, False, ScorerOptions(**scoring))
+    tokenizer, model, tokenize = load(cfg, False, ScorerOptions(**scoring))
     if not saved:
         cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
-    return tokenizer, model, cfg
+    return tokenizer, model, cfg, tokenize
 
 
 class PRMReward:
@@ -68,9 +69,10 @@ class PRMReward:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
             raise ValueError(f"trust_remote_code {trust_remote_code!r}: expected True or False")
-        scorer = ScorerOptions(**scoring).scorer
+        scorer, self.tokenize = ScorerOptions(**scoring).scorer, None
         if isinstance(model, str):
-            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **scoring)
+            tokenizer, model, cfg, self.tokenize = load_reward_model(model, trust_remote_code,
+                                                                     **scoring)
         elif scorer not in ("auto", "classifier"):
             raise ValueError(f"scorer {scorer!r} reads a model directory; "
                              "prm.scoring.scorers.load gives a loaded one")
@@ -120,8 +122,9 @@ class PRMReward:
         solutions = [(self.prompt(p), self.steps(c)) for p, c in zip(prompts, completions)]
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]
         try:
-            probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
-                                max_length=self.max_length, batch_size=self.batch_size)
+            probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo],
+                                self.step_separator, max_length=self.max_length,
+                                batch_size=self.batch_size, tokenize=self.tokenize)
         except Exception:  # a template failure said as such, else as it is
             self.template_failure({i: solutions[i][0] for i in todo})
             raise
