@@ -145,6 +145,7 @@ class Evaluator:
     rt: Runtime
     tokenizer: object
     model: object
+    tokenize: object = None  # a published PRM's row builder (load_scorer's), None: tokenize_batch
 
     def sets(self, sources: list) -> dict:
         """{subset name: tokenized rows}, every row kept; a row without a best-of-N `group` gets its prompt."""
@@ -155,9 +156,10 @@ class Evaluator:
             raw = {name: load_eval(self.cfg, s)
                    for name, s in list(zip(names, sources)) or [("held-out", "")]}
             for name, ds in raw.items():
-                sets[name] = rows = tokenize_dataset(ds, self.tokenizer, self.cfg, is_eval=True,
-                                                     desc=f"tokenize {name}", num_proc=self.cfg.num_proc,
-                                                     drop_unlabeled=False)[0].to_list()
+                sets[name] = rows = tokenize_dataset(
+                    ds, self.tokenizer, self.cfg, is_eval=True, desc=f"tokenize {name}",
+                    num_proc=self.cfg.num_proc, drop_unlabeled=False, tokenize=self.tokenize,
+                )[0].to_list()
                 if "prompt" in ds.column_names:
                     for row, prompt in zip(rows, ds["prompt"][:]):
                         row["group"] = row.get("group") or (prompt if isinstance(prompt, str)
@@ -285,9 +287,9 @@ def main(args=None) -> dict:
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
         bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # a published PRM's weights too
-        tokenizer, model = load_scorer(cfg, opts.tokenizer_given, opts.scoring,
-                                       dtype=torch.bfloat16 if bf16 else torch.float32)
-        ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device))
+        tokenizer, model, tokenize = load_scorer(cfg, opts.tokenizer_given, opts.scoring,
+                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
+        ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device), tokenize)
         head = tuned_threshold(ev, opts) if opts.tune_threshold else {"threshold": cfg.threshold}
         t = head["threshold"]
         blocks, lines = evaluate(ev, opts, t)

@@ -178,7 +178,8 @@ def test_a_published_prm_holds_bf16_weights_where_eval_py_runs_bf16(dirs, pb_fil
     flags = ["--scorer", "step-tag", "--step-tag", TAG, "--max-length", "300"]
     _, fp32 = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags)
     _, bf16 = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags, "--dtype", "bf16")  # the last --dtype wins
-    assert [{p.dtype for p in model.parameters()} for _, model in loaded] == [{torch.float32}, {torch.bfloat16}]
+    dtypes = [{p.dtype for p in model.parameters()} for _, model, _ in loaded]
+    assert dtypes == [{torch.float32}, {torch.bfloat16}]
     assert [p for ps in bf16 for p in ps] == pytest.approx([p for ps in fp32 for p in ps], abs=0.02)
 
 

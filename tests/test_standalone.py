@@ -134,19 +134,59 @@ def test_prm_imports_run_one_way():
     assert not circles, " ; ".join(" -> ".join(c) for c in circles)
 
 
-def test_core_folder_imports_nothing_else_of_prm(tmp_path):
-    """The reference folder copies whole under any name: its modules import one another and nothing else of prm."""
+# a researcher's script beside a copy of prm/core/ (as mycore): tokenize, collate, train, evaluate
+RESEARCHER = """
+import sys
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import AutoModel, PreTrainedTokenizerFast, Qwen2Config
+from mycore.data import collate, tokenize_example
+from mycore.evaluate import predict, report
+from mycore.model import PRM, new_head, step_loss
+
+vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "q", "+", "=", "\\n", *"0123456789"])}
+t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+t.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\\s\\S]"), behavior="isolated")  # a token a char
+tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<bos>")
+data = [{"prompt": f"q{a}", "completions": [f"{a}+1={a + 1}", f"{a + 1}+1={a + 2 + a % 2}"],
+         "labels": [True, a % 2 == 0]} for a in range(8)]
+rows = [tokenize_example(r, tok) for r in data]
+batch = collate(rows, tok.pad_token_id)
+torch.manual_seed(0)
+cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+model = PRM(AutoModel.from_config(cfg), new_head(cfg))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+n_labeled = int((batch["labels"] != -100).sum())
+losses = []
+for _ in range(15):
+    logits = model(batch["input_ids"], batch["attention_mask"])  # (B, T, 2)
+    loss = step_loss(logits, batch["labels"], n_labeled)[0]
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+assert losses[-1] < 0.8 * losses[0], losses
+m = report(predict(model, rows, batch_size=4, pad_id=tok.pad_token_id, progress=False), rows)
+assert m["n_examples"] == 8 and m["n_steps"] == 16 and m["auroc"] is not None, m
+assert m["step_accuracy"] > 0.5, m
+assert not any(k == "prm" or k.startswith("prm.") for k in sys.modules)
+"""
+
+
+def test_a_copy_of_the_core_folder_alone_trains_and_evaluates(tmp_path):
+    """The README's promise: prm/core/ copied alone into another repo (any name) tokenizes rows with
+    tokenize_example, trains with step_loss and evaluates with predict and report; its modules
+    import one another and nothing else of prm."""
     outside = {m: sorted(d for d in deps if not d.startswith("prm.core."))
                for m, deps in module_imports().items() if m.startswith("prm.core")}
     assert not any(outside.values()), outside
-    shutil.copytree(os.path.join(ROOT, "prm", "core"), tmp_path / "prmref")
-    script = ("import sys\nfrom prmref.evaluate import report\n"
-              "m = report([[0.9, 0.2]], [{'step_labels': [1, 0]}])\n"
-              "assert m['n_steps'] == 2 and m['step_accuracy'] == 1.0, m\n"
-              "assert not any(k == 'prm' or k.startswith('prm.') for k in sys.modules)\n")
+    shutil.copytree(os.path.join(ROOT, "prm", "core"), tmp_path / "mycore")
+    (tmp_path / "train_prm.py").write_text(RESEARCHER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-E", "-s", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=180)
+    # -E: no PYTHONPATH; -s: no user site; the script's folder (the researcher's repo) heads sys.path
+    proc = subprocess.run([sys.executable, "-E", "-s", "train_prm.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -14,6 +14,12 @@ import random
 import torch
 
 IGNORE = -100  # the label of a position that ends no labeled step: the loss skips it
+# The row contract: a tokenized row's columns and types ([t]: a list of t). tokenize_example makes
+# them all, and they are all the rest reads: collate and pack input_ids and labels; step_loss the
+# labels and the labeled steps' count (n_labeled); predict step_ends; report step_labels (each
+# step's given label, cut steps too: steps_kept < their count); batch plans length.
+COLUMNS = {"input_ids": ["int32"], "labels": ["float32"], "steps_kept": "int32", "length": "int32",
+           "step_ends": ["int32"], "n_labeled": "int32", "step_labels": ["float64"]}
 
 
 def label_problem(y):
@@ -33,16 +39,13 @@ def normalize_label(label):
     return label if isinstance(label, float) else int(label)
 
 
-def with_bos(ids: list, tokenizer) -> list:
-    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
-
-
 def prompt_ids(prompt, tokenizer) -> list:
     """BOS (if any) + prompt ids; a list of {role, content} goes through the chat template."""
     if isinstance(prompt, list):  # the template writes its own special tokens
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return with_bos(tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def separator_ids(tokenizer, step_separator: str) -> list:
@@ -53,72 +56,62 @@ def separator_ids(tokenizer, step_separator: str) -> list:
     return ids
 
 
-def assemble(prompt: list, steps: list, sep: list, labels: list, *, max_length=None,
+def make_row(ids: list, ends: list, labels: list, *, first: int = 0, max_length=None,
              max_completion_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """Tokenized pieces joined, each step's label on its last separator token; truncation drops whole steps
-    past max_completion_length step tokens (0/None: no cap) or max_length. step_ends: kept steps' last tokens."""
-    labels = [normalize_label(y) for y in labels]
-    if len(steps) != len(labels):
-        raise ValueError(f"{len(steps)} steps but {len(labels)} labels")
+    """The row (COLUMNS) from whole input ids, each step's label position (`ends`) and its label;
+    first: the steps' first token. Truncation keeps whole steps: those ending within max_length
+    tokens and max_completion_length tokens from first (0/None: no cap); none kept: the prompt."""
+    step_labels = [normalize_label(y) for y in labels]
+    if len(ends) != len(step_labels):
+        raise ValueError(f"{len(ends)} steps but {len(labels)} labels")
     if train_on_last_step_only and not is_eval:
         # an unscored last step after a wrong one is wrong too
-        last = 0 if labels[-1] == IGNORE and 0 in labels else labels[-1]
-        labels = [IGNORE] * (len(labels) - 1) + [last]
-    input_ids, out_labels, ends = list(prompt), [IGNORE] * len(prompt), []
-    for step, label in zip(steps, labels):
-        piece = step + sep
-        if max_completion_length and len(input_ids) - len(prompt) + len(piece) > max_completion_length:
-            break
-        if max_length is not None and len(input_ids) + len(piece) > max_length:
-            break
-        input_ids += piece
-        out_labels += [IGNORE] * (len(piece) - 1) + [label]
-        ends.append(len(input_ids) - 1)
-    if max_length is not None and not ends:  # even the prompt may not fit: keep nothing labeled
-        input_ids, out_labels = input_ids[:max_length], out_labels[:max_length]
-    return {"input_ids": input_ids, "labels": out_labels, "steps_kept": len(ends), "step_ends": ends}
+        last = 0 if step_labels[-1] == IGNORE and 0 in step_labels else step_labels[-1]
+        step_labels = [IGNORE] * (len(step_labels) - 1) + [last]
+    kept = [e for e in ends if (max_length is None or e < max_length)
+            and not (max_completion_length and e - first >= max_completion_length)]
+    ids = ids[:kept[-1] + 1] if kept else ids[:first][:max_length]
+    out = [IGNORE] * len(ids)
+    for e, y in zip(kept, step_labels):
+        out[e] = y
+    return {"input_ids": ids, "labels": out, "steps_kept": len(kept), "step_ends": kept,
+            "length": len(ids), "n_labeled": len(out) - out.count(IGNORE),
+            "step_labels": [None if y is None else float(y) for y in labels]}
 
 
 def tokenize_example(example, tokenizer, step_separator="\n", max_length=None, train_on_last_step_only=False,
                      is_eval=False, max_completion_length=None) -> dict:
-    """One row {prompt, completions, labels} -> {input_ids, labels, steps_kept, step_ends}; plain lists.
+    """One row {prompt, completions, labels} -> its tokenized row (COLUMNS, plain lists).
 
     Example (a tokenizer with BOS id 1 and one id per character; separator "\\n" = id 9):
 
         {"prompt": "q", "completions": ["ab", "c"], "labels": [True, False]}
         input_ids: [ 1,    q,    a,    b,  9,    c,  9]
         labels:    [-100, -100, -100, -100, 1, -100, 0]   steps_kept: 2, step_ends: [4, 6]
+        length: 7, n_labeled: 2, step_labels: [1.0, 0.0]
 
     Each step and the separator are tokenized on their own (joined text merges differently with BPE)."""
-    steps = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in example["completions"]]
-    return assemble(prompt_ids(example["prompt"], tokenizer), steps, separator_ids(tokenizer, step_separator),
-                    example["labels"], max_length=max_length, max_completion_length=max_completion_length,
+    sep, steps = separator_ids(tokenizer, step_separator), example["completions"]
+    ids = prompt_ids(example["prompt"], tokenizer)
+    first, ends = len(ids), []
+    for step in tokenizer(steps, add_special_tokens=False)["input_ids"] if steps else []:
+        ids += step + sep
+        ends.append(len(ids) - 1)
+    return make_row(ids, ends, example["labels"], first=first, max_length=max_length,
+                    max_completion_length=max_completion_length,
                     train_on_last_step_only=train_on_last_step_only, is_eval=is_eval)
 
 
-def tokenize_batch(batch: dict, tokenizer, step_separator="\n", max_length=None,
-                   train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
-    """tokenize_example over columns (for datasets.map), adding length, n_labeled and step_labels."""
-    sep = separator_ids(tokenizer, step_separator)
-    plain = all(isinstance(p, str) for p in batch["prompt"])
-    start = len(batch["prompt"]) if plain else 0  # plain prompts go first in the steps' tokenizer call
-    texts = list(batch["prompt"])[:start] + [s for steps in batch["completions"] for s in steps]
-    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"] if texts \
-        else []
-    prompts = [with_bos(x, tokenizer) for x in ids[:start]] if plain else \
-        [prompt_ids(p, tokenizer) for p in batch["prompt"]]
-    out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
-                           "step_labels")}
-    for prompt, steps, labels in zip(prompts, batch["completions"], batch["labels"]):
-        row = assemble(prompt, ids[start:start + len(steps)], sep, labels, max_length=max_length,
-                       max_completion_length=max_completion_length,
-                       train_on_last_step_only=train_on_last_step_only, is_eval=is_eval)
-        start += len(steps)
-        row.update(length=len(row["input_ids"]), n_labeled=len(row["labels"]) - row["labels"].count(IGNORE),
-                   step_labels=[None if y is None else float(y) for y in labels])
-        for k in out:
-            out[k].append(row[k])
-    return out
+def tokenize_batch(batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
+    """tokenize_example over columns (for datasets.map); kw: its keywords."""
+    examples = zip(batch["prompt"], batch["completions"], batch["labels"])
+    return columns([tokenize_example({"prompt": p, "completions": c, "labels": y}, tokenizer,
+                                     step_separator, **kw) for p, c, y in examples])
+
+
+def columns(rows: list) -> dict:
+    """Rows -> {column: values}, datasets.map's batched form."""
+    return {k: [r[k] for r in rows] for k in COLUMNS}
 
 
 def collate(rows: list, pad_id: int) -> dict:

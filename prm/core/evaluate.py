@@ -107,35 +107,33 @@ def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> 
 
 
 @torch.inference_mode()
-def score(model, tokenizer, prompt, steps: list, step_separator: str = None, *, max_length=None,
-          max_completion_length=None) -> list:
-    """P(correct) for each step of one solution (see score_batch)."""
-    return score_batch(model, tokenizer, [(prompt, steps)], step_separator, max_length=max_length,
-                       max_completion_length=max_completion_length)[0]
+def score(model, tokenizer, prompt, steps: list, step_separator: str = None, **kw) -> list:
+    """P(correct) for each step of one solution; kw: score_batch's."""
+    return score_batch(model, tokenizer, [(prompt, steps)], step_separator, **kw)[0]
 
 
 @torch.inference_mode()
 def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *, max_length=None,
                 max_completion_length=None, batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(),
-                progress: bool = False) -> list:
+                progress: bool = False, tokenize=None) -> list:
     """[(prompt, steps), ...] -> [[P(correct) per step], ...], tokenized as in training. The separator and
     length caps default to the model's saved ones (else "\n", no caps); 0: no cap. Steps cut by a cap get no
-    score: each list is a prefix."""
+    score: each list is a prefix. tokenize: the row builder over columns, tokenize_batch (None) or a
+    published PRM's own (prm.scoring.scorers.load gives it)."""
     saved = input_settings(getattr(model, "config", None))
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
     # 0 -> None, tokenize_batch's "no cap"
     max_length = (max_length if max_length is not None else saved.get("max_length")) or None
     max_completion_length = (max_completion_length if max_completion_length is not None
                              else saved.get("max_completion_length")) or None
-    tokenize_input = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own input
     rows = []
     for start in range(0, len(solutions), 256):
         chunk = solutions[start:start + 256]
         batch = {"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
                  "labels": [[None] * len(s) for _, s in chunk]}  # no truth: every step end scored
-        cols = tokenize_input(batch, tokenizer, sep, max_length, is_eval=True,
-                              max_completion_length=max_completion_length)
-        rows += [{"input_ids": ids, "labels": y, "step_ends": e}
-                 for ids, y, e in zip(cols["input_ids"], cols["labels"], cols["step_ends"])]
+        cols = (tokenize or tokenize_batch)(batch, tokenizer, sep, is_eval=True,
+                                            max_length=max_length,
+                                            max_completion_length=max_completion_length)
+        rows += [dict(zip(cols, row)) for row in zip(*cols.values())]
     return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer), amp_dtype=amp_dtype,
                    rt=rt, progress=progress)

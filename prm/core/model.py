@@ -62,10 +62,7 @@ class PRM(nn.Module):
             hf = saved_weights(name, auto=AutoModelForTokenClassification, **kw)
             return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
         backbone = AutoModel.from_pretrained(name, **kw)
-        head = new_head(backbone.config)
-        # every step starts at P(correct) = 0.5, not at the one confident verdict a random head gives all
-        nn.init.zeros_(head.weight)
-        return cls(backbone, head)
+        return cls(backbone, new_head(backbone.config))
 
 
 def saved_weights(name: str, *, auto, **kw):
@@ -107,6 +104,9 @@ def add_legacy_keys(config_path: str):
 
 
 def new_head(config) -> nn.Linear:
+    """A fresh head, drawn as transformers draws a token classifier's (weight normal with std
+    initializer_range, bias 0): a run from a backbone starts as TRL's PRMTrainer (with
+    AutoModelForTokenClassification) does."""
     head = nn.Linear(config.get_text_config().hidden_size, 2)
     nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
     nn.init.zeros_(head.bias)

@@ -1,4 +1,5 @@
-"""Device, autocast dtype and torchrun plumbing for training and evaluation. Depends on: torch."""
+"""Device, autocast dtype and torchrun plumbing for training and evaluation. Depends on: torch;
+progress_off also imports datasets and transformers, when it turns their progress bars off."""
 import contextlib
 import gc
 import os

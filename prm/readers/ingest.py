@@ -6,13 +6,14 @@ import pyarrow.compute as pc
 from datasets import Features, Sequence, Value
 from datasets.fingerprint import Hasher
 
-from prm.core.data import IGNORE, assemble, normalize_label, tokenize_batch
+from prm.core.data import (COLUMNS, IGNORE, columns, make_row, normalize_label, tokenize_batch,
+                           tokenize_example)
 from prm.errors import UsageError, WriteFailed
 from prm.readers.sources import META, DataError, say
 
-COLUMNS = {"input_ids": Sequence(Value("int32")), "labels": Sequence(Value("float32")),
-           "steps_kept": Value("int32"), "step_ends": Sequence(Value("int32")), "length": Value("int32"),
-           "n_labeled": Value("int32"), "step_labels": Sequence(Value("float64"))}
+# the row contract's columns in Arrow
+FEATURES = {k: Sequence(Value(t[0])) if isinstance(t, list) else Value(t)
+            for k, t in COLUMNS.items()}
 AUTO_PROC_ROWS = 20_000  # --num-proc 0 starts several processes from this many rows
 
 
@@ -24,21 +25,22 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, desc: str = "tokenize",
-                     drop_unlabeled: bool = True):
-    """(dataset, report) by datasets.map(tokenize_batch or cut_pretokenized); rows without a labeled step are
-    dropped and counted, unless drop_unlabeled=False (evaluation: rows line up with the source)."""
-    features = Features({**COLUMNS, **{k: v for k, v in ds.features.items() if k in META}})
+                     drop_unlabeled: bool = True, tokenize=None):
+    """(dataset, report) by datasets.map(tokenize, by default tokenize_batch, or cut_pretokenized);
+    rows without a labeled step are dropped and counted, unless drop_unlabeled=False (evaluation:
+    rows line up with the source). tokenize: a published PRM's own (prm.scoring.scorers.load's)."""
+    features = Features({**FEATURES, **{k: v for k, v in ds.features.items() if k in META}})
     if "input_ids" in ds.column_names:
         check_pretokenized(ds, tokenizer, cfg)
         fn, fingerprint = cut_pretokenized, None
         kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
                       train_on_last_step_only=cfg.train_on_last_step_only)
     else:
-        fn = getattr(tokenizer, "prm_rows", tokenize_batch)  # a published PRM's own row builder
+        fn = tokenize or tokenize_batch
         kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
                       max_completion_length=cfg.max_completion_length,
                       train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
-        fingerprint = map_fingerprint(ds, tokenizer, kwargs)
+        fingerprint = map_fingerprint(ds, tokenizer, kwargs, fn)
     n_proc = processes(num_proc, len(ds))
     try:
         tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
@@ -60,7 +62,7 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
             f"{bad[0][1]}")
         keep = sorted(set(range(len(ds))) - {i for i, _ in bad})
         tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc,
-                                       desc=desc)
+                                       desc=desc, tokenize=tokenize)
         return tok, {**report, "examples_dropped": report["examples_dropped"] + len(bad)}
     arrow = tok.with_format("arrow")  # steps cut by a length cap, in every row
     n_cut = _total(pc.list_value_length(arrow["step_labels"])) - _total(arrow["steps_kept"])
@@ -91,14 +93,13 @@ def template_problems(ds, tokenizer, which: str) -> list:
     return out
 
 
-def map_fingerprint(ds, tokenizer, kwargs: dict) -> str:
+def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str:
     """map's fingerprint from data, tokenizer, settings and code: cheaper than datasets' dill hash."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     tok = Hasher.hash(tokenizer) if backend is None else hashlib.sha256(backend.to_str().encode()).hexdigest()
-    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None),
-               getattr(tokenizer, "prm_rows", 0))
+    special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
     settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
-    code = [Hasher.hash(f) for f in (tokenize_batch, assemble, normalize_label)]
+    code = [Hasher.hash(f) for f in (tokenize, tokenize_example, make_row, normalize_label)]
     return Hasher.hash([ds._fingerprint, tok, special, settings, code])
 
 
@@ -119,20 +120,12 @@ def check_pretokenized(ds, tokenizer, cfg):
                          for i in bad])
 
 
-def cut_pretokenized(batch: dict, max_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """Pre-tokenized rows cut after max_length tokens, as tokenize_batch returns them (labels mark steps)."""
-    out = {k: [] for k in COLUMNS}
-    for ids, labels in zip(batch["input_ids"], batch["labels"]):
-        ids, cut = ids[:max_length], labels[:max_length]
-        ends = [i for i, y in enumerate(cut) if y != IGNORE]
-        if train_on_last_step_only and not is_eval:
-            last = max((i for i, y in enumerate(labels) if y != IGNORE), default=-1)
-            cut = [y if i == last else IGNORE for i, y in enumerate(cut)]
-        row = dict(input_ids=ids, labels=cut, steps_kept=len(ends), step_ends=ends, length=len(ids),
-                   n_labeled=len(cut) - cut.count(IGNORE), step_labels=[y for y in labels if y != IGNORE])
-        for k in COLUMNS:
-            out[k].append(row[k])
-    return out
+def cut_pretokenized(batch: dict, **kw) -> dict:
+    """Pre-tokenized rows as tokenize_batch returns them: each labeled token ends a step, cut by
+    make_row (kw: its keywords; no prompt known: a row keeping no step keeps no token)."""
+    ends = [[i for i, y in enumerate(labels) if y != IGNORE] for labels in batch["labels"]]
+    return columns([make_row(ids, e, [labels[i] for i in e], **kw)
+                    for ids, labels, e in zip(batch["input_ids"], batch["labels"], ends)])
 
 
 def dataset_report(tok, n_rows_in: int, steps_truncated: int, steps_with_separator: int) -> dict:

@@ -63,15 +63,16 @@ def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
-    """(tokenizer, model, run config) of a model directory, read as eval.py reads it; scoring: ScorerOptions."""
+    """(tokenizer, model, run config, row builder: scorers.load's) of a model directory, read as
+    eval.py reads it; scoring: ScorerOptions."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model = path
     cfg.trust_remote_code = trust_remote_code
-    tokenizer, model = load(cfg, False, ScorerOptions(**scoring))
+    tokenizer, model, tokenize = load(cfg, False, ScorerOptions(**scoring))
     if not saved:
         cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
-    return tokenizer, model, cfg
+    return tokenizer, model, cfg, tokenize
 
 
 class PRMReward:
@@ -90,9 +91,10 @@ class PRMReward:
                 ("step_separator", step_separator != "", "a non-empty string")):
             if not ok:
                 raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")  # a ValueError
-        scorer = ScorerOptions(**scoring).scorer
+        scorer, self.tokenize = ScorerOptions(**scoring).scorer, None
         if isinstance(model, str):
-            tokenizer, model, cfg = load_reward_model(model, trust_remote_code, **scoring)
+            tokenizer, model, cfg, self.tokenize = load_reward_model(model, trust_remote_code,
+                                                                     **scoring)
         elif scorer not in ("auto", "classifier"):
             raise ValueError(f"scorer {scorer!r} reads a model directory; "
                              "prm.scoring.scorers.load gives a loaded one")
@@ -148,7 +150,8 @@ class PRMReward:
                      for i in todo]
         try:
             probs = score_batch(self.model, self.tokenizer, solutions, self.step_separator,
-                                max_length=self.max_length, batch_size=self.batch_size)
+                                max_length=self.max_length, batch_size=self.batch_size,
+                                tokenize=self.tokenize)
         except Exception:  # a template failure said as such, else as it is
             self.template_failure({i: prompt for i, (prompt, _) in zip(todo, solutions)})
             raise

@@ -1,5 +1,5 @@
 """Published PRMs read as their authors read them: per family a row builder (input_ids and the positions read
-as step scores), carried as the tokenizer's `prm_rows`, and a model giving (B, T, 2) logits, [bad, good].
+as step scores), which `load` returns, and a model giving (B, T, 2) logits, [bad, good].
 - classifier: a token-classification head (ours, TRL's).
 - qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, the steps each ended by <extra_0>; its own code.
 - step-tag (Math-Shepherd): problem, then the steps each ended by " " + a tag; LM logits at each tag.
@@ -14,7 +14,7 @@ import torch.nn as nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from prm.training.build import load_tokenizer, load_trained, loading
-from prm.core.data import IGNORE, normalize_label
+from prm.core.data import columns, make_row
 from prm.core.model import PRM, saved_weights
 from prm.errors import UsageError
 from prm.scoring import FAMILIES, ScorerOptions
@@ -65,19 +65,16 @@ class Family:
     bad_id: int = -1
     code: str = CODE
 
-    def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", max_length=None,
-                       train_on_last_step_only=False, is_eval=False, max_completion_length=None) -> dict:
-        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build it."""
-        out = {k: [] for k in ("input_ids", "labels", "steps_kept", "step_ends", "length", "n_labeled",
-                               "step_labels")}
+    def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
+        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build it
+        (kw: make_row's; the family's own text ends the steps, not step_separator)."""
+        rows = []
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
             problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat prompt's user turns
                 m["content"] for m in prompt if m.get("role", "user") == "user")
             ids, reads, first = BUILDERS[self.name](self, tokenizer, problem, list(steps))
-            row = cut(ids, reads, first, labels, max_length, max_completion_length)
-            for k in out:
-                out[k].append(row[k])
-        return out
+            rows.append(make_row(ids, reads, labels, first=first, **kw))
+        return columns(rows)
 
 
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
@@ -169,19 +166,6 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
 BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_row}
 
 
-def cut(ids: list, reads: list, first: int, labels: list, max_length=None, max_completion_length=None):
-    """A row cut after the last step whose read position fits in max_length and max_completion_length."""
-    kept = [p for p in reads if (max_length is None or p < max_length)
-            and not (max_completion_length and p - first >= max_completion_length)]
-    ids = ids[:kept[-1] + 1] if kept else ids[:max_length]
-    out = [IGNORE] * len(ids)
-    for p, y in zip(kept, labels):
-        out[p] = normalize_label(y)
-    return {"input_ids": ids, "labels": out, "steps_kept": len(kept), "step_ends": kept, "length": len(ids),
-            "n_labeled": len(out) - out.count(IGNORE),
-            "step_labels": [None if y is None else float(y) for y in labels]}
-
-
 class FirstOutput(nn.Module):
     """A model with its own code (Qwen2.5-Math-PRM) whose first output is read as (B, T, 2) logits."""
 
@@ -210,14 +194,16 @@ def lm_head_rows(lm, ids: list) -> PRM:
 
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, dtype=torch.float32) -> tuple:
-    """(tokenizer carrying the row builder, model giving (B, T, 2) logits); published weights in `dtype`."""
+    """(tokenizer, model giving (B, T, 2) logits, the family's row builder for tokenize_dataset's
+    and score_batch's `tokenize`: None for a classifier, read as trained); published weights in
+    `dtype`."""
     name = detect(cfg.model, opts.scorer)
     settings = dict(step_tag=opts.step_tag, good_token=opts.good_token, bad_token=opts.bad_token)
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
     if name == "classifier":  # refuses the flags it ignores
         family(None, name, **settings)
-        return load_trained(cfg, tokenizer_given)
+        return (*load_trained(cfg, tokenizer_given), None)
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code,
                                flag)
@@ -233,5 +219,4 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, d
         model = lm_head_rows(model, [fam.bad_id, fam.good_id])
         if cfg.packing and supports_packing(model.backbone):
             use_packed_attention(model.backbone)
-    tokenizer.prm_rows = fam.tokenize_batch
-    return tokenizer, model.eval()
+    return tokenizer, model.eval(), fam.tokenize_batch

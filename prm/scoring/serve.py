@@ -113,7 +113,8 @@ class Scorer:
         # the template's text before and after a user turn's question, () without a template
         probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right)
         self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else ()
-        self.published = hasattr(tok, "prm_rows")  # builds its own input around the plain question
+        # a published PRM builds its own input around the plain question
+        self.published = reward.tokenize is not None
 
     def question(self, prompt: str):
         """A prompt that is the chat template around one user turn as that turn (a published PRM: its text)."""

@@ -177,8 +177,8 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         self.model = model_for(cfg, self.tokenizer).to(rt.device)
         if cfg.model != "tiny" and not self.checkpointer.resume_from and not is_classifier(self.model.config):
-            self.say(f"--model {cfg.model}: a backbone: the PRM head is new (zero weights: P(correct) = 0.5 "
-                     "at every step)")
+            self.say(f"--model {cfg.model}: a backbone: the PRM head is new (drawn as transformers "
+                     "draws a classifier's)")
         self.packed = is_packed(self.model)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
