@@ -15,7 +15,7 @@ from prm.errors import PRMError
 
 
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
-    # batches not grouped by length: micro-batches hold different numbers of labels, so dividing each
+    # batches not grouped by length: micro-batches hold different label counts, so dividing each
     # by its own count instead of the whole step's shows (grouped, the counts are equal)
     run_train(tmp_path / "big", batch_size=8, grad_accum=1, group_by_length=False)
     run_train(tmp_path / "acc", batch_size=4, grad_accum=2, group_by_length=False)
