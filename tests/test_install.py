@@ -22,8 +22,8 @@ def test_pyproject_dependencies_are_requirements_txt():
 
 
 def test_the_readmes_set_up_installs_the_package_and_ci_runs_its_lines():
-    """The README's set-up installs the checkout itself beside a CPU torch (so `import prm` works from any
-    folder), and .ci/run runs exactly its install and test lines."""
+    """The README's set-up installs the checkout itself beside a CPU torch (so `import prm` works
+    from any folder), and .ci/run runs exactly its install and test lines."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     lines = readme.split("## Set up", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].splitlines()

@@ -24,7 +24,7 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
 
 def test_bf16_autocast_steps_on_cpu_follow_the_fp32_steps(tmp_path):
     """From the same weights and batches, bf16 autocast only rounds (conftest's bf16 bounds;
-    measured: losses 3.5e-3 relative apart, 0.34% of the weights apart by over 10% of lr x steps)."""
+    measured: losses 3.5e-3 relative apart, 0.34% of the weights over 10% of lr x steps apart)."""
     final = run_train(tmp_path / "bf16", dtype="bf16", max_steps=4)
     run_train(tmp_path / "fp32", dtype="fp32", max_steps=4)
     assert_same_run(tmp_path / "fp32", tmp_path / "bf16", lr=1e-3, steps=4, precision="bf16")
