@@ -313,6 +313,8 @@ def test_every_schedule_equals_hf_get_scheduler_at_every_step(name, warmup):
     import torch
     from transformers import TrainingArguments, get_scheduler
     if name == "constant" and warmup:  # refused: HF's constant ignores any warmup
+        with pytest.raises(UsageError, match="takes no warmup: use constant_with_warmup"):
+            Config(lr_scheduler_type=name, **warmup).resolve()
         return
     total, ours = 10, lr_shares(Config(lr_scheduler_type=name, **warmup))
     # transformers 5 spells a warmup ratio as a warmup_steps below 1 (its TrainingArguments needs accelerate)

@@ -78,8 +78,9 @@ def test_scores_match_the_scoring_api(model_dir, pb_file, tmp_path):
     run(model_dir, "--dataset", pb_file, "--predictions", pred_path)
     model = PRM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    raw = processbench_rows(7)
-    for line, r in zip(read_jsonl(pred_path), raw):
+    raw, lines = processbench_rows(7), read_jsonl(pred_path)
+    assert len(lines) == len(raw)
+    for line, r in zip(lines, raw):
         assert line["step_probs"] == pytest.approx(score(model, tokenizer, r["problem"], r["steps"]), abs=1e-5)
 
 

@@ -1,6 +1,7 @@
 """The package installs: pip builds the checkout's tracked files into a fresh virtual environment (offline: no build
 isolation, no dependencies fetched), and PRMReward imports from another folder. Depends on: pytest, git, pip."""
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,22 @@ def test_pyproject_dependencies_are_requirements_txt():
         required = [line for line in f if not line.lstrip().startswith("#")]
     assert sorted(project["dependencies"] + project["optional-dependencies"]["test"]) == \
         sorted(line.strip() for line in required if line.strip())
+
+
+def test_the_readmes_set_up_installs_the_package_and_ci_runs_its_lines():
+    """The README's set-up installs the checkout itself beside a CPU torch (so `import prm` works
+    from any folder), and .ci/run runs exactly its install and test lines."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    lines = readme.split("## Set up", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    setup, tests = lines[0], lines[-1]
+    pip = shlex.split(setup.split(" && ")[1])
+    assert pip[:2] == [".venv/bin/pip", "install"] and "torch==2.13.0" in pip
+    assert "." in pip  # the project (`-e .` or `.`), not only its requirements
+    assert tests.endswith("-m pytest -q -rs tests")
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = [line for line in f.read().splitlines() if line and not line.startswith("#")]
+    assert ci[-2:] == [setup, tests]
 
 
 def test_installed_package_scores_from_another_folder(tmp_path, model_dir):

@@ -142,45 +142,63 @@ def evaluate(path, pb_file, tmp_path, *args):
         return out, [json.loads(line)["step_probs"] for line in f]
 
 
-def same_as_recipe(probs, recipe):
-    """Every scored step equals the recipe's (truncated rows: their kept steps); some rows are cut."""
+def same_as_recipe(path, pb_file, tmp_path, flags, recipe):
+    """eval.py scores every step of every row as the recipe does (lengths first: none dropped), and
+    cut by --max-length 300 a prefix of each row (some rows cut); returns the cut run's figures."""
     want = [recipe(r["problem"], r["steps"]) for r in ROWS]
-    assert [len(w) for w in want] == [len(r["steps"]) for r in ROWS]
-    for got, full in zip(probs, want):
-        assert got == pytest.approx(full[:len(got)], abs=1e-6)
-    assert any(0 < len(p) < len(r["steps"]) for p, r in zip(probs, ROWS)), "no row truncated: lower --max-length"
-    assert sum(map(len, probs)) > 0
+    _, whole = evaluate(path, pb_file, tmp_path, *flags, "--max-length", "4096")
+    assert [len(p) for p in whole] == [len(w) for w in want] == [len(r["steps"]) for r in ROWS]
+    out, cut = evaluate(path, pb_file, tmp_path, *flags, "--max-length", "300")
+    for got, kept, full in zip(whole, cut, want):
+        assert got == pytest.approx(full, abs=1e-6)
+        assert kept == pytest.approx(full[:len(kept)], abs=1e-6)
+    assert any(0 < len(p) < len(r["steps"]) for p, r in zip(cut, ROWS)), "no row cut: lower 300"
+    return out
 
 
 @pytest.mark.parametrize("packing", [[], ["--packing"]])
 def test_step_tag_equals_math_shepherds_recipe(dirs, pb_file, tmp_path, packing):
-    out, probs = evaluate(dirs["step-tag"], pb_file, tmp_path, "--scorer", "step-tag", "--step-tag", TAG,
-                          "--max-length", "300", *packing)
-    same_as_recipe(probs, lambda p, s: math_shepherd(dirs["step-tag"], p, s))
+    flags = ["--scorer", "step-tag", "--step-tag", TAG, *packing]
+    out = same_as_recipe(dirs["step-tag"], pb_file, tmp_path, flags,
+                         lambda p, s: math_shepherd(dirs["step-tag"], p, s))
     assert out["examples_truncated"] > 0 and "f1" in out
 
 
 def test_chat_turns_equals_rlhflows_recipe(dirs, pb_file, tmp_path):
-    out, probs = evaluate(dirs["chat-turns"], pb_file, tmp_path, "--scorer", "chat-turns", "--max-length", "300")
-    same_as_recipe(probs, lambda p, s: rlhflow(dirs["chat-turns"], p, s))
+    same_as_recipe(dirs["chat-turns"], pb_file, tmp_path, ["--scorer", "chat-turns"],
+                   lambda p, s: rlhflow(dirs["chat-turns"], p, s))
 
 
 def test_qwen_prm_equals_its_model_card_and_runs_its_code_only_when_allowed(dirs, pb_file, tmp_path):
     with pytest.raises(UsageError, match="--trust-remote-code"):  # detected from its architectures
         evaluate(dirs["qwen-prm"], pb_file, tmp_path)
-    out, probs = evaluate(dirs["qwen-prm"], pb_file, tmp_path, "--trust-remote-code", "--max-length", "300")
-    same_as_recipe(probs, lambda p, s: qwen_card(dirs["qwen-prm"], p, s))
+    same_as_recipe(dirs["qwen-prm"], pb_file, tmp_path, ["--trust-remote-code"],
+                   lambda p, s: qwen_card(dirs["qwen-prm"], p, s))
 
 
+# bf16 keeps 8 bits (u = 2^-8) of every weight and activation: the logit gap moves by a few u of
+# the logits' size (|l| < 2.7 here; measured 0.031 = 3u|l|), and P = sigmoid(gap) by at most a
+# quarter of that: bound 4u (measured 7.3e-3). The head is scaled up so that P spreads over
+# 0.57-0.79 (unscaled: 0.503-0.511, where a constant 0.5 or a reordered score would pass).
 def test_a_published_prm_holds_bf16_weights_where_eval_py_runs_bf16(dirs, pb_file, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = str(tmp_path / "spread")
+    model = AutoModelForCausalLM.from_pretrained(dirs["step-tag"])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(dirs["step-tag"]).save_pretrained(path)
     loaded, load = [], eval_cli.load_scorer
     monkeypatch.setattr(eval_cli, "load_scorer", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
     flags = ["--scorer", "step-tag", "--step-tag", TAG, "--max-length", "300"]
-    _, fp32 = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags)
-    _, bf16 = evaluate(dirs["step-tag"], pb_file, tmp_path, *flags, "--dtype", "bf16")  # the last --dtype wins
-    dtypes = [{p.dtype for p in model.parameters()} for _, model, _ in loaded]
-    assert dtypes == [{torch.float32}, {torch.bfloat16}]
-    assert [p for ps in bf16 for p in ps] == pytest.approx([p for ps in fp32 for p in ps], abs=0.02)
+    fp32, bf16 = ([p for ps in evaluate(path, pb_file, tmp_path, *flags, *dtype)[1] for p in ps]
+                  for dtype in ([], ["--dtype", "bf16"]))  # the last --dtype wins
+    assert [{p.dtype for p in model.parameters()} for _, model, _ in loaded] == [{torch.float32}, {torch.bfloat16}]
+    tol = 4 * 2 ** -8
+    assert max(fp32) - min(fp32) > 8 * tol  # spread: a constant or reordered score misses by more
+    worst = max(abs(a - b) for a, b in zip(bf16, fp32))
+    print(f"bf16 against fp32: {worst:.2e} apart at most; fp32 P: {min(fp32):.3f}-{max(fp32):.3f}")
+    assert len(bf16) == len(fp32) and worst <= tol
 
 
 def test_swapping_the_good_and_bad_tokens_changes_the_f1(dirs, pb_file, tmp_path):

@@ -15,15 +15,19 @@ from prm.errors import PRMError
 
 
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
-    run_train(tmp_path / "big", batch_size=8, grad_accum=1)
-    run_train(tmp_path / "acc", batch_size=4, grad_accum=2)
+    # batches not grouped by length: micro-batches hold different label counts, so dividing each
+    # by its own count instead of the whole step's shows (grouped, the counts are equal)
+    run_train(tmp_path / "big", batch_size=8, grad_accum=1, group_by_length=False)
+    run_train(tmp_path / "acc", batch_size=4, grad_accum=2, group_by_length=False)
     assert_same_run(tmp_path / "big", tmp_path / "acc", lr=1e-3, steps=4)  # fp32 (small_config): one sum split in 2
 
 
-def test_bf16_autocast_step_runs_on_cpu(tmp_path):
-    final = run_train(tmp_path, dtype="bf16", max_steps=2)
-    losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
-    assert len(losses) == 2 and all(0 < x < 10 for x in losses)
+def test_bf16_autocast_steps_on_cpu_follow_the_fp32_steps(tmp_path):
+    """From the same weights and batches, bf16 autocast only rounds (conftest's bf16 bounds;
+    measured: losses 3.5e-3 relative apart, 0.34% of the weights over 10% of lr x steps apart)."""
+    final = run_train(tmp_path / "bf16", dtype="bf16", max_steps=4)
+    run_train(tmp_path / "fp32", dtype="fp32", max_steps=4)
+    assert_same_run(tmp_path / "fp32", tmp_path / "bf16", lr=1e-3, steps=4, precision="bf16")
     assert 0.0 <= final["step_accuracy"] <= 1.0
 
 
