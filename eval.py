@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass, fields, replace
 
-from prm.cli import Parser, add_field, writable
+from prm.cli import Parser, add_field, add_fields, writable
 from prm.config import FILE, Config
 from prm.errors import UsageError, check, exit_status
 from prm.scoring import ScorerOptions
@@ -53,7 +53,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "their prompt); correctness: final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    ScorerOptions.add_flags(p)
+    add_fields(p, ScorerOptions)
     run = p.add_argument_group("run settings", "how to read and score the data; each not given comes from the "
                                "run's config.train.json (else config.json's 'prm', else the training default)")
     for name in SCORING:

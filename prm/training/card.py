@@ -84,7 +84,7 @@ def base_license(model: str) -> str:
     try:
         card = (os.path.join(model, "README.md") if os.path.isdir(model)
                 else try_to_load_from_cache(model, "README.md"))
-        found = isinstance(card, str) and os.path.isfile(card)  # not None nor a "known missing" marker
+        found = isinstance(card, str) and os.path.isfile(card)  # not None nor a "missing" marker
         return str(ModelCard.load(card).data.license or "") if found else ""
     except (ValueError, yaml.YAMLError):  # not a hub id; front matter that is not a mapping
         return ""
@@ -101,7 +101,8 @@ def model_card(cfg, metrics: dict, command: str) -> str:
     # hub metadata names hub models and datasets only
     hub = [d for d in (cfg.dataset, cfg.eval_dataset) if d and d != "synthetic" and not is_local(d)]
     data = ModelCardData(library_name="transformers", pipeline_tag="token-classification",
-                         tags=["process-reward-model", "prm"], license=license or None, datasets=hub or None,
+                         tags=["process-reward-model", "prm"], license=license or None,
+                         datasets=hub or None,
                          base_model=None if tiny or os.path.exists(cfg.model) else cfg.model)
     method = (f"LoRA (rank {cfg.lora_r}, alpha {cfg.lora_alpha:g}, dropout {cfg.lora_dropout:g}, targets "
               f"`{cfg.lora_targets}`), merged into the weights; the 2-way head fully trained") if cfg.lora_r \
