@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass, fields, replace
 
-from prm.cli import Parser, add_field, add_fields, writable
+from prm.cli import Parser, add_field, add_fields, parsed, writable
 from prm.config import FILE, Config
 from prm.errors import UsageError, check, exit_status
 from prm.scoring import ScorerOptions
@@ -118,8 +118,8 @@ from prm.readers.sources import load_eval  # noqa: E402
 def settings(args: argparse.Namespace) -> tuple:
     """(Config, Options): the settings given, else the run's config.train.json, else config.json's "prm"."""
     given = dict(vars(args))
-    scoring = ScorerOptions(**{f.name: given.pop(f.name) for f in fields(ScorerOptions)})
-    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given}, scoring=scoring,
+    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
+                   scoring=parsed(ScorerOptions, args),
                    tokenizer_given="tokenizer" in given, format_given="format" in given)
     if os.path.isfile(os.path.join(args.model, FILE)):
         base = Config.load(args.model).__dict__
