@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass, fields, replace
 
-from prm.cli import Parser, add_field, writable
+from prm.cli import Parser, add_field, add_fields, parsed, writable
 from prm.config import FILE, Config
 from prm.errors import UsageError, check, exit_status
 from prm.scoring import ScorerOptions
@@ -53,7 +53,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
                         "their prompt); correctness: final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
                    help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
-    ScorerOptions.add_flags(p)
+    add_fields(p, ScorerOptions)
     run = p.add_argument_group("run settings", "how to read and score the data; each not given comes from the "
                                "run's config.train.json (else config.json's 'prm', else the training default)")
     for name in SCORING:
@@ -118,8 +118,8 @@ from prm.readers.sources import load_eval  # noqa: E402
 def settings(args: argparse.Namespace) -> tuple:
     """(Config, Options): the settings given, else the run's config.train.json, else config.json's "prm"."""
     given = dict(vars(args))
-    scoring = ScorerOptions(**{f.name: given.pop(f.name) for f in fields(ScorerOptions)})
-    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given}, scoring=scoring,
+    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
+                   scoring=parsed(ScorerOptions, args),
                    tokenizer_given="tokenizer" in given, format_given="format" in given)
     if os.path.isfile(os.path.join(args.model, FILE)):
         base = Config.load(args.model).__dict__

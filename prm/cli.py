@@ -122,11 +122,13 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_field(container, f, suppress: bool = False, switch_value: bool = True):
-    """Field f as --its-name on container (a parser or group), also under its underscore spelling and its `trl`
-    names; --help lists the dashed ones. suppress: an absent flag leaves no attribute. switch_value False: a
-    bool's switch takes no true/false, so a positional may follow it."""
-    meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type")}
+def add_field(container, f, *, suppress: bool = False, switch_value: bool = True, help: str = None):
+    """Field f (prm.config.opt) as --its-name on container (a parser or group); a Config field
+    also under its underscore spelling and `trl` names; --help lists the dashed ones. suppress: an
+    absent flag leaves no attribute. switch_value False: a bool's switch takes no true/false, so a
+    positional may follow it. help: another text (argparse.SUPPRESS: hidden)."""
+    meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type", "required")}
+    meta.update({} if help is None else {"help": help})
     # None is auto: a flag that takes the word auto shows it
     default = "auto" if f.default is None and "auto" in meta.get("choices", ()) else f.default
     default = argparse.SUPPRESS if suppress or default is None else default
@@ -134,28 +136,34 @@ def add_field(container, f, suppress: bool = False, switch_value: bool = True):
         meta.update(action=Setter, convert=bool, nargs="?" if switch_value else 0)
     else:
         meta.setdefault("type", kind(f))
-    plain = [f.name] + [t for t in f.metadata["trl"] if isinstance(t, str)]
+    trl = f.metadata.get("trl")
+    plain = [f.name] + [t for t in trl or () if isinstance(t, str)]
     dashed = list(dict.fromkeys("--" + n.replace("_", "-") for n in plain))
     # flag: how errors name the field, whichever of its names was given
     container.add_argument(*dashed, **meta, dest=f.name, default=default).flag = dashed[0]
     hidden = dict(dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    underscored = [s for s in ("--" + n for n in plain) if s not in dashed]
+    underscored = [s for s in ("--" + n for n in plain) if s not in dashed and trl is not None]
     if underscored:
         container.add_argument(*underscored, **{**meta, **hidden}).flag = dashed[0]
-    for conv in (t for t in f.metadata["trl"] if not isinstance(t, str)):
+    for conv in (t for t in trl or () if not isinstance(t, str)):
         spellings = dict.fromkeys(["--" + conv.name, "--" + conv.name.replace("_", "-")])
         container.add_argument(*spellings, action=Setter, convert=conv.convert, nargs=conv.nargs, keep=conv.keep,
                                **hidden)
 
 
-def build_parser(cls=Config, description: str = "") -> argparse.ArgumentParser:
-    """Every field of cls as a flag, in order; a field whose metadata names a section starts a group."""
-    p = Parser(description=description)
+def add_fields(parser, cls, **kw) -> argparse.ArgumentParser:
+    """Each field of the dataclass cls as a flag (add_field with kw); a `section` starts a group."""
+    group = parser
     for f in fields(cls):
         if "section" in f.metadata:
-            group = p.add_argument_group(f.metadata["section"])
-        add_field(group, f)
-    return p
+            group = parser.add_argument_group(f.metadata["section"])
+        add_field(group, f, **kw)
+    return parser
+
+
+def parsed(cls, args):
+    """The dataclass cls of a command line parsed with add_fields(parser, cls)."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 def writable(path: str) -> bool:
@@ -203,6 +211,8 @@ def read_config_file(path: str) -> dict:
     """{field: value} from a YAML or JSON file keyed by any spelling a flag takes; UsageError naming the file."""
     def fail(what: str):
         raise UsageError(f"--config {path}: {what}")
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() for ever
+        fail("not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f, object_pairs_hook=unique_keys) if path.endswith(".json") else \
@@ -243,8 +253,9 @@ def read_config_file(path: str) -> dict:
 
 def parse_config(argv=None) -> Config:
     """train.py's command line, resolved: flags given win over --config FILE, which wins over the defaults."""
-    p = build_parser(description="Train a process reward model. Every flag also takes its underscore "
-                     "spelling (--max_length) and, where it has one, TRL's name (--learning_rate).")
+    p = add_fields(Parser(description="Train a process reward model. Every flag also takes its "
+                          "underscore spelling (--max_length) and, where it has one, TRL's name "
+                          "(--learning_rate)."), Config)
     p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, keys as in "
                    "config.train.json; flags given here override it")
     unset = object()  # left alone by argparse when its flag is absent

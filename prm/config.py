@@ -71,12 +71,17 @@ def target_list(value) -> str:
     return "*" if names == ["all-linear"] else ",".join(names)
 
 
+def opt(default, help, **kw):
+    """A field of an options dataclass and its flag (prm.cli.add_fields): help; add_argument's
+    choices, type, required; section: starts a --help group."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
 def _opt(default, help, *, rules: str, trl=(), **kw):
-    """A field with its help and rules (words of RULES, "" for none); trl: its TRL / HF names (a Conv converts
-    the value); section: starts a --help group."""
+    """An opt with its rules (words of RULES, "" for none); trl: its TRL / HF names (a Conv
+    converts the value)."""
     assert set(rules.split()) <= RULES, rules
-    meta = {"help": help, "rules": frozenset(rules.split()), "trl": trl, **kw}
-    return field(default=default, metadata=meta)
+    return opt(default, help, rules=frozenset(rules.split()), trl=trl, **kw)
 
 
 @dataclass

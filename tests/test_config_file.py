@@ -148,3 +148,17 @@ def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column_and_exit_2(tm
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"error: --config {tmp_path / 'bad.yaml'}: line 3, column 1: could not find "
                                "expected ':' (while scanning a simple key at line 2, column 1)"), r.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_config_that_is_no_regular_file_is_refused_at_once(tmp_path, kind):
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    path = tmp_path / "run.yaml"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()  # nobody writes the FIFO: open() waits
+    r = subprocess.run([sys.executable, "train.py", "--config", str(path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"error: --config {path}: not a regular file\n"

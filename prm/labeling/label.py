@@ -15,38 +15,36 @@ from types import SimpleNamespace
 
 import regex
 
-from prm.cli import Parser
-from prm.config import unescape
+from prm.cli import Parser, add_fields, parsed
+from prm.config import opt, unescape
 from prm.errors import Stopped, UsageError, check, exit_status
 from prm.files import locked, write_lines
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, _sources
 
 
-def _opt(default, help, **kw):
-    meta = {"help": help, "default": default, "type": type(default), **kw}  # add_argument's keywords
-    return dataclasses.field(default=default, metadata=meta)
-
-
 @dataclasses.dataclass
 class LabelOptions:
     """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused."""
-    rollouts: int = _opt(8, "continuations rolled out from each step's prefix")
-    label: str = _opt("soft", "soft: the share of right rollouts; hard: 1 if any", choices=["soft", "hard"])
-    search: str = _opt("all", "all: roll out every step's prefix; binary: search the first step no rollout "
-                       "rescues (1 before, 0 at, null after)", choices=["all", "binary"])
-    samples: int = _opt(4, "solutions sampled for a row without 'completions'")
-    step_separator: str = _opt("\n", "what ends each step (escapes such as \\n understood)", type=unescape)
-    answer_field: str = _opt("answer", "the column holding the reference final answer")
-    answer_pattern: str = _opt("", "regex whose last match (its first group that took part) is the answer; "
-                               "default: the last \\boxed{}, 'the answer is ...' or number")
-    checker: str = _opt("exact", "exact: normalized match; or math-verify", choices=["exact", "math-verify"])
-    seed: int = _opt(0, "each row is seeded from it and the row's index")
-    policy: str = _opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
-    temperature: float = _opt(0.7, "sampling temperature; 0: greedy")
-    top_p: float = _opt(1.0, "nucleus sampling share")
-    max_new_tokens: int = _opt(512, "tokens per rollout or sampled solution")
-    batch_size: int = _opt(16, "sequences per generate call")
+    rollouts: int = opt(8, "continuations rolled out from each step's prefix")
+    label: str = opt("soft", "soft: the share of right rollouts; hard: 1 if any",
+                     choices=["soft", "hard"])
+    search: str = opt("all", "all: roll out every step's prefix; binary: search the first step no "
+                      "rollout rescues (1 before, 0 at, null after)", choices=["all", "binary"])
+    samples: int = opt(4, "solutions sampled for a row without 'completions'")
+    step_separator: str = opt("\n", "what ends each step (escapes such as \\n understood)",
+                              type=unescape)
+    answer_field: str = opt("answer", "the column holding the reference final answer")
+    answer_pattern: str = opt("", "regex whose last match (its first group that took part) is the "
+                              "answer; default: the last \\boxed{}, 'the answer is ...' or number")
+    checker: str = opt("exact", "exact: normalized match; or math-verify",
+                       choices=["exact", "math-verify"])
+    seed: int = opt(0, "each row is seeded from it and the row's index")
+    policy: str = opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
+    temperature: float = opt(0.7, "sampling temperature; 0: greedy")
+    top_p: float = opt(1.0, "nucleus sampling share")
+    max_new_tokens: int = opt(512, "tokens per rollout or sampled solution")
+    batch_size: int = opt(16, "sequences per generate call")
 
     def __post_init__(self):
         """Refuses what would fail only after the policy loads."""
@@ -371,16 +369,14 @@ def main(argv=None):
         p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
         p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit 2")
         p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
-        for f in dataclasses.fields(LabelOptions):
-            p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
-        a = p.parse_args(argv)
+        a = add_fields(p, LabelOptions).parse_args(argv)
         if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or not int(m.group(1)) < int(m.group(2)):
             p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
         if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
             p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
         if not (a.temperature >= 0 and 0 < a.top_p <= 1):  # else transformers refuses after the policy loads
             p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} in (0, 1]")
-        opts = LabelOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(LabelOptions)})
+        opts = parsed(LabelOptions, a)
         shard, shards = map(int, m.groups())
         import torch
         import torch.distributed as dist

@@ -1,6 +1,5 @@
 """Read train/held-out rows from a hub name, a .jsonl/.json/.parquet file or a folder, validated, cached."""
 import contextlib
-import glob
 import hashlib
 import inspect
 import json
@@ -9,12 +8,12 @@ import random
 import re
 import shutil
 import sys
-import uuid
 
 import datasets
-from datasets import Dataset, Features, List, Value, load_dataset
+from datasets import Dataset, DatasetInfo, Features, List, Value, load_dataset
 from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
 from datasets.exceptions import DatasetGenerationError
+from datasets.fingerprint import Hasher
 
 from prm.config import Config
 from prm.core.data import IGNORE
@@ -28,7 +27,6 @@ SHOWN = 15  # problems listed before "... and N more"
 WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
          "hub split")
 SHAPING = Config.names_with("rows")  # the settings that shape rows: part of the rows cache's key
-NOTES = "said.json"  # what the read said, in a rows cache entry
 
 
 class DataError(UsageError):
@@ -195,8 +193,9 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
     return rows
 
 
-def to_dataset(rows: list) -> Dataset:
-    """An arrow-file-backed Dataset (so datasets.map caches tokenization), keyed by a hash of the rows."""
+def to_dataset(rows: list, *, cache_dir=None, fingerprint=None, notes=None) -> Dataset:
+    """An arrow-file-backed Dataset (so datasets.map caches tokenization) in cache_dir (default:
+    datasets'), keyed by fingerprint (default: a hash of the rows); notes: in its info."""
     if "input_ids" in rows[0]:
         features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
                     "where": Value("string")}
@@ -214,8 +213,9 @@ def to_dataset(rows: list) -> Dataset:
         for r in rows:
             yield {k: r.get(k) for k in features}
     try:
-        return Dataset.from_generator(generate, features=Features(features),
-                                      fingerprint=digest.hexdigest()[:32])
+        return Dataset.from_generator(generate, features=Features(features), cache_dir=cache_dir,
+                                      fingerprint=fingerprint or digest.hexdigest()[:32],
+                                      info=DatasetInfo(description=json.dumps(notes)))
     except (OSError, DatasetGenerationError) as e:  # a full disk; datasets wraps the OSError
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
         if not isinstance(cause, OSError):
@@ -234,8 +234,9 @@ def cut_after_first_error(row: dict) -> dict:
     return {**row, key: row[key][:end + 1], "labels": row["labels"][:end + 1]}
 
 
-def read_splits(cfg) -> tuple:
-    """(train, held-out, notes): datasets of rows and what the read said; only training rows are cut."""
+def read_splits(cfg, cache_dir: str = None) -> tuple:
+    """(train, held-out, notes): datasets of rows (in cache_dir, see to_dataset) and what the read
+    said; only training rows are cut."""
     cut = lambda r: cut_after_first_error(r) if cfg.cut_after_first_error else r
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
@@ -262,7 +263,10 @@ def read_splits(cfg) -> tuple:
         notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
                      f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
-    return to_dataset([cut(r) for r in train]), to_dataset(held), notes
+    key = cache_dir and os.path.basename(cache_dir)  # see _read_back
+    at = lambda split: dict(cache_dir=cache_dir, fingerprint=key and f"{key}-{split}")
+    return (to_dataset([cut(r) for r in train], **at("train")),
+            to_dataset(held, **at("held"), notes=notes), notes)
 
 
 def data_digest(spec: str) -> str:
@@ -286,60 +290,42 @@ def rows_cache(cfg, digests: dict = None):
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
         return None
-    digest = hashlib.sha256(json.dumps([[getattr(cfg, k) for k in SHAPING], [inspect.getsource(m) for m in (
-        sys.modules[__name__], sys.modules[to_rows.__module__])]]).encode())
-    for spec in specs:
-        digest.update(((digests or {}).get(spec) or data_digest(spec)).encode())
-    return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", digest.hexdigest()[:32])
+    # this module's and formats' code: datasets' Hasher does not follow a function's callees
+    code = [inspect.getsource(sys.modules[m]) for m in (__name__, to_rows.__module__)]
+    key = [[getattr(cfg, k) for k in SHAPING], code]
+    key += [(digests or {}).get(s) or data_digest(s) for s in specs]
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", Hasher.hash(key))
 
 
 def load_splits(cfg, digests: dict = None) -> tuple:
-    """read_splits, or its result read back from rows_cache; an entry is written whole (the first rename wins)
-    or not at all, a damaged one is replaced, a dead process's temporary folder removed."""
+    """read_splits, or its datasets read back from rows_cache, where datasets' own cache keeps them:
+    each written whole under its lock (a killed writer's folder taken over by the next), held-out
+    last with the read's notes."""
     path = rows_cache(cfg, digests)
-    for leftover in glob.glob(glob.escape(path) + ".*.tmp*") if path else []:
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int(os.path.basename(leftover).split(".")[1]), 0)
-            continue  # still writing
-        shutil.rmtree(leftover, ignore_errors=True)
-    if path and (read_back := _read_back(path)):
-        return read_back
-    train, held, notes = read_splits(cfg)
-    if not path:
-        return train, held
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        datasets.DatasetDict(train=train, held=held).save_to_disk(tmp)
-        with open(os.path.join(tmp, NOTES), "w") as f:
-            json.dump(notes, f)
-        if os.path.exists(path):  # damaged
-            with contextlib.suppress(OSError):
-                os.rename(path, tmp + ".old")
-        os.rename(tmp, path)  # fails when another run's came first
-    except OSError as e:
-        if not os.path.isdir(path):
-            say(f"{path}: cannot write the rows cache ({e.strerror or e}); going on without it")
-    finally:
-        for leftover in (tmp, tmp + ".old"):
-            shutil.rmtree(leftover, ignore_errors=True)
-    return _read_back(path, quiet=True) or (train, held)  # the fingerprints tokenization caches under
+    return os.path.isdir(path or "") and _read_back(path) or read_splits(cfg, cache_dir=path)[:2]
 
 
-def _read_back(path: str, quiet: bool = False):
-    """(train, held) of a complete cache entry, its notes said again; None when none or a damaged one."""
-    if not os.path.isdir(path):
-        return None
+def _not_cached():
+    raise LookupError("no such split in the rows cache")
+
+
+def _read_back(path: str):
+    """(train, held) of a cache entry, its notes said again; None for a partial or damaged one (this
+    removed)."""
     try:
-        with open(os.path.join(path, NOTES)) as f:
-            notes = json.load(f)
+        train, held = (Dataset.from_generator(_not_cached, cache_dir=path,
+                                              fingerprint=f"{os.path.basename(path)}-{split}")
+                       for split in ("train", "held"))
+        notes = json.loads(held.info.description)
         if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
-            raise ValueError(f"{NOTES} holds no list of messages")
-        splits = datasets.load_from_disk(path)
-        train, held = splits["train"], splits["held"]
+            raise ValueError("its notes are no list of messages")
+    except DatasetGenerationError:  # _not_cached: a split not there (yet)
+        return None
     except Exception as e:
         say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); reading the data")
+        shutil.rmtree(path, ignore_errors=True)
         return None
-    for msg in [] if quiet else notes + [f"(rows read back from {path}: files and settings unchanged)"]:
+    for msg in notes + [f"(rows read back from {path}: files and settings unchanged)"]:
         say(msg)
     return train, held
 

@@ -22,10 +22,11 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import fields
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prm.cli import Parser
+from prm.cli import Parser, add_field, parsed
 from prm.config import unescape
 from prm.errors import UsageError, exit_status
 from prm.readers.formats import decode, read_json
@@ -302,8 +303,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
-    ScorerOptions.add_flags(p, "how the model scores steps (eval.py --help); --step-tag, --good-token, "
-                            "--bad-token too")
+    for f in fields(ScorerOptions):  # eval.py --help says what they do
+        add_field(p, f, help="how the model scores steps (eval.py --help); --step-tag, "
+                  "--good-token, --bad-token too" if f.name == "scorer" else argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
         p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "
@@ -323,7 +325,8 @@ def main(argv=None):
         args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            step_separator=args.step_separator, max_length=args.max_length,
-                           trust_remote_code=args.trust_remote_code, **vars(ScorerOptions.of(args)))
+                           trust_remote_code=args.trust_remote_code,
+                           **vars(parsed(ScorerOptions, args)))
         try:
             server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
                                  max_body=args.max_body_bytes, max_batch=args.max_batch,

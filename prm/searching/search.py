@@ -12,10 +12,11 @@ import statistics
 import sys
 import time
 
-from prm.cli import Parser
+from prm.cli import Parser, add_fields, parsed
+from prm.config import opt
 from prm.core.metrics import AGGREGATES, solution_score
 from prm.errors import Stopped, UsageError, check, exit_status
-from prm.labeling.label import (Generator, LabelOptions, _opt, extract_answer, finished, judge,
+from prm.labeling.label import (Generator, LabelOptions, extract_answer, finished, judge,
                                 locked, normalize, read_input, read_settings, write_lines)
 from prm.readers.formats import split_steps
 from prm.scoring import ScorerOptions
@@ -41,20 +42,20 @@ def _list(kind):
 @dataclasses.dataclass
 class SearchOptions:
     """What decides the results: kept in OUTPUT.settings; a rerun with others is refused."""
-    methods: tuple = _opt(SAMPLED + TREES, "comma list of majority, best-of-n, weighted (the three "
+    methods: tuple = opt(SAMPLED + TREES, "comma list of majority, best-of-n, weighted (the three "
                           "share their samples), beam, dvts", type=_list(str))
-    n: tuple = _opt((1, 4, 16), "budgets N, comma list: solutions sampled (max(N) once, the first "
+    n: tuple = opt((1, 4, 16), "budgets N, comma list: solutions sampled (max(N) once, the first "
                     "N taken), or beams", type=_list(int))
-    beam_width: int = _opt(4, "M: beam keeps the best N/M beams, each extended M ways; dvts grows "
+    beam_width: int = opt(4, "M: beam keeps the best N/M beams, each extended M ways; dvts grows "
                            "N/M subtrees of M, each kept by its best (N below M: M = N)")
-    aggregate: str = _opt("last", "a solution's or prefix's score from its step scores (eval.py's)",
+    aggregate: str = opt("last", "a solution's or prefix's score from its step scores (eval.py's)",
                           choices=list(AGGREGATES))
-    select: str = _opt("weighted", "how beam and dvts pick among their finished beams",
+    select: str = opt("weighted", "how beam and dvts pick among their finished beams",
                        choices=SAMPLED)
-    max_steps: int = _opt(40, "steps a beam takes at most")
-    seeds: tuple = _opt((0,), "comma list; several: the summary's mean and range over them",
+    max_steps: int = opt(40, "steps a beam takes at most")
+    seeds: tuple = opt((0,), "comma list; several: the summary's mean and range over them",
                         type=_list(int))
-    problems: int = _opt(8, "problems searched together, their beams in the same calls, seeded "
+    problems: int = opt(8, "problems searched together, their beams in the same calls, seeded "
                          "from the seed and the first one's index (a rerun redoes an unfinished "
                          "group)")
     policy: str = _shared("policy", help="the policy (a Hugging Face name or folder)")
@@ -325,19 +326,16 @@ def main(argv=None):
                        "seed; a rerun continues it")
         p.add_argument("--model", required=True, help="the PRM, as eval.py's --model: a directory "
                        "written by train.py or any 2-label token classifier")
-        ScorerOptions.add_flags(p)
+        add_fields(p, ScorerOptions)
         p.add_argument("--skip-invalid", action="store_true",
                        help="leave out invalid rows, not exit 2")
         p.add_argument("--trust-remote-code", action="store_true",
                        help="allow the models' own code")
-        for f in dataclasses.fields(SearchOptions):
-            p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
-        a = p.parse_args(argv)
-        opts = SearchOptions(**{f.name: getattr(a, f.name)
-                                for f in dataclasses.fields(SearchOptions)})
+        a = add_fields(p, SearchOptions).parse_args(argv)
+        opts = parsed(SearchOptions, a)
         problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
         from prm.scoring.reward import PRMReward
-        scoring = dataclasses.asdict(ScorerOptions.of(a))
+        scoring = dataclasses.asdict(parsed(ScorerOptions, a))
         reward = PRMReward(a.model, opts.aggregate, batch_size=opts.batch_size,  # before the policy
                            trust_remote_code=a.trust_remote_code, **scoring)
         if reward.step_separator != opts.step_separator:

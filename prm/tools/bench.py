@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import AutoModel
 
 from prm.training.build import hf_config_for, tokenizer_for
-from prm.cli import build_parser
+from prm.cli import Parser, add_fields
 from prm.config import Config
 from prm.errors import PRMError, UsageError
 from prm.tools.gpucheck import gpu_check
@@ -51,7 +51,7 @@ MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padd
 
 
 def parser():
-    p = build_parser(Config, description=__doc__.splitlines()[0])
+    p = add_fields(Parser(description=__doc__.splitlines()[0]), Config)
     p.add_argument("--steps", dest="max_steps", type=int, help="optimizer steps to time (= --max-steps)")
     p.add_argument("--repeats", type=int, default=1, help="fresh processes to run; medians are reported")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 dense peak for MFU (0: by name)")

@@ -1,12 +1,12 @@
 """The model card (README.md) written into final/: what the model is, how it scores, its metrics, license,
 versions and command."""
 import os
-import re
 import shlex
 import sys
 from importlib.metadata import version
 
-from huggingface_hub import try_to_load_from_cache
+import yaml
+from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from prm.readers.sources import is_local
 
@@ -84,14 +84,10 @@ def base_license(model: str) -> str:
     try:
         card = (os.path.join(model, "README.md") if os.path.isdir(model)
                 else try_to_load_from_cache(model, "README.md"))
-    except ValueError:  # not a valid hub id either
+        found = isinstance(card, str) and os.path.isfile(card)  # not None nor a "missing" marker
+        return str(ModelCard.load(card).data.license or "") if found else ""
+    except (ValueError, yaml.YAMLError):  # not a hub id; front matter that is not a mapping
         return ""
-    if not isinstance(card, str) or not os.path.isfile(card):  # None or a "known missing" marker object
-        return ""
-    with open(card, encoding="utf-8") as f:
-        front = f.read().split("---")  # YAML front matter sits between the first two --- lines
-    found = re.search(r"^license:\s*(\S+)", front[1], re.M) if len(front) > 2 else None
-    return found.group(1).strip("'\"") if found else ""
 
 
 def model_card(cfg, metrics: dict, command: str) -> str:
@@ -99,16 +95,15 @@ def model_card(cfg, metrics: dict, command: str) -> str:
     tiny = cfg.model == "tiny"
     base = "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if tiny else \
         f"`{cfg.model}`"
-    header = ["---", "library_name: transformers", "pipeline_tag: token-classification",
-              "tags: [process-reward-model, prm]"]
-    header += [] if tiny or os.path.exists(cfg.model) else [f"base_model: {cfg.model}"]  # hub ids only
     license = base_license(cfg.model)
-    header += [f"license: {license}"] if license else []
     license_text = license or ("none: no base model (random initialization)" if tiny else
                                "unknown (not in a local or cached card of the base model): see its own card")
-    # hub metadata names hub datasets only
+    # hub metadata names hub models and datasets only
     hub = [d for d in (cfg.dataset, cfg.eval_dataset) if d and d != "synthetic" and not is_local(d)]
-    header += (["datasets:"] + [f"- {d}" for d in hub] if hub else []) + ["---"]
+    data = ModelCardData(library_name="transformers", pipeline_tag="token-classification",
+                         tags=["process-reward-model", "prm"], license=license or None,
+                         datasets=hub or None,
+                         base_model=None if tiny or os.path.exists(cfg.model) else cfg.model)
     method = (f"LoRA (rank {cfg.lora_r}, alpha {cfg.lora_alpha:g}, dropout {cfg.lora_dropout:g}, targets "
               f"`{cfg.lora_targets}`), merged into the weights; the 2-way head fully trained") if cfg.lora_r \
         else "full fine-tuning of every weight"
@@ -116,8 +111,8 @@ def model_card(cfg, metrics: dict, command: str) -> str:
     table = ["| metric | value |", "|---|---|"] + [
         f"| {k} | {'n/a' if v is None else f'{v:.4f}' if isinstance(v, float) else v} |" for k, v in rows]
     held_out = f"`{cfg.eval_dataset}`" if cfg.eval_dataset else "the held-out part of the training source"
-    return "\n".join(header + [
-        "", "# Process reward model", "",
+    body = "\n".join([
+        "# Process reward model", "",
         f"A process reward model (PRM) trained from {base} on `{cfg.dataset}` with `prm`, "
         f"by {method}. For every step of a solution it gives the probability that the step is correct.",
         "", "## How it scores", "",
@@ -147,3 +142,5 @@ def model_card(cfg, metrics: dict, command: str) -> str:
         "", "## Command", "", "```bash", command, "```", "",
         "## Citations", "", "Process supervision was introduced and studied in:", "",
         "```bibtex", CITATIONS, "```", ""])
+    template = "---\n{{ card_data }}\n---\n\n{{ body }}"  # the front matter, then the text
+    return str(ModelCard.from_template(data, template_str=template, body=body))
