@@ -16,6 +16,7 @@ sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
 from prm.errors import UsageError  # noqa: E402
+from prm.readers.formats import split_steps  # noqa: E402
 from prm.scoring.reward import PRMReward  # noqa: E402
 
 TAG = "ки"
@@ -317,7 +318,8 @@ COMPLETIONS = ["\n".join(ROWS[0]["steps"][:2]), "\n".join(ROWS[1]["steps"][:3])]
 
 def test_prm_reward_and_the_server_with_a_step_tag_model(dirs, tmp_path):
     reward = PRMReward(dirs["step-tag"], "min", "cpu", scorer="step-tag", step_tag=TAG)
-    want = [min(math_shepherd(dirs["step-tag"], p, reward.steps(c))) for p, c in zip(PROMPTS, COMPLETIONS)]
+    want = [min(math_shepherd(dirs["step-tag"], p, split_steps(c, "\n")))
+            for p, c in zip(PROMPTS, COMPLETIONS)]
     assert reward(PROMPTS, COMPLETIONS) == pytest.approx(want, abs=1e-6)
     with pytest.raises(ValueError, match="reads a model directory"):
         PRMReward(reward.model, tokenizer=reward.tokenizer, scorer="step-tag")
