@@ -1,5 +1,5 @@
-"""Metrics PRM papers report over a whole set: step classes, AUROC, ProcessBench's first error,
-outcome AUROC, best-of-N, PRMBench's PRMScore. Depends on: stdlib only."""
+"""Metrics PRM papers report: step classes, AUROC, ProcessBench, best-of-N, PRMBench's PRMScore.
+Depends on: stdlib only."""
 import bisect
 import math
 import random
@@ -8,12 +8,11 @@ from itertools import groupby
 
 
 def _ratio(a, b):
-    """None when nothing was counted: an undefined metric is null, never 0 or 1."""
     return a / b if b else None
 
 
 def auroc(scores: list, positives: list):
-    """P(a positive outscores a negative), ties half; None: a class empty or a score NaN."""
+    """P(a positive outscores a negative), ties half; None: a class empty or a NaN."""
     if any(s != s for s in scores):
         return None
     n_pos = sum(map(bool, positives))
@@ -31,8 +30,7 @@ def auroc(scores: list, positives: list):
 
 
 def step_metrics(probs: list, labels: list, threshold: float = 0.5) -> dict:
-    """Accuracy, per-class precision/recall/F1 (class 0: wrong step), positive rate, AUROC.
-    Predicted correct: P(correct) >= threshold; truly correct: label >= 0.5."""
+    """Accuracy, per-class precision/recall/F1 (class 0: wrong step), AUROC."""
     truth = [y >= 0.5 for y in labels]
     n = Counter(zip(truth, (p >= threshold for p in probs)))  # (truth, predicted) -> steps
     out = {"n_steps": len(truth), "step_accuracy": _ratio(n[0, 0] + n[1, 1], len(truth)),
@@ -46,7 +44,7 @@ def step_metrics(probs: list, labels: list, threshold: float = 0.5) -> dict:
 
 
 def first_error(probs: list, threshold: float = 0.5) -> int:
-    """ProcessBench's prediction: the first step with P(correct) < threshold; -1: none."""
+    """The first step with P(correct) < threshold; -1: none."""
     return next((i for i, p in enumerate(probs) if p < threshold), -1)
 
 
@@ -57,7 +55,7 @@ def harmonic_mean(a, b):
 
 
 def processbench_metrics(predicted: list, truth: list) -> dict:
-    """First-error indices (-1: none) -> accuracy with and without an error, and their F1."""
+    """First-error indices (-1: none) -> accuracy with and without an error, their F1."""
     hits_error = [p == t for p, t in zip(predicted, truth) if t >= 0]
     hits_correct = [p == -1 for p, t in zip(predicted, truth) if t < 0]
     acc_error = _ratio(sum(hits_error), len(hits_error))
@@ -68,8 +66,7 @@ def processbench_metrics(predicted: list, truth: list) -> dict:
 
 
 def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
-    """ProcessBench F1 of flagging each step wrong with probability q (best q on a 1/grid grid):
-    an error at t is hit with (1-q)^t q, an error-free solution of n steps passes with (1-q)^n."""
+    """ProcessBench F1 of flagging each step wrong with probability q (the best q)."""
     n_errors, n_passes = sum(t >= 0 for t in truth), sum(t < 0 for t in truth)
     if not n_errors or not n_passes:
         return None
@@ -83,19 +80,17 @@ def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
 
 AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1],
               "mean": lambda ps: sum(ps) / len(ps)}
-VOTE_AGGREGATE = "min"  # weighted voting sums this score of each candidate per answer
 BEST_OF_N_METHODS = (*AGGREGATES, "weighted_vote", "majority_vote", "oracle", "random")
 
 
 def outcome_metrics(step_probs: list, final_correct: list) -> dict:
-    """AUROC of each aggregate of step scores against final correctness."""
     kept = [(ps, bool(y)) for ps, y in zip(step_probs, final_correct) if ps and y is not None]
     return {f"outcome_auroc_{name}": auroc([agg(ps) for ps, _ in kept], [y for _, y in kept])
             for name, agg in AGGREGATES.items()}
 
 
 def _hit_interval(probs: list, truth: int):
-    """(lo, hi): first_error(probs, t) == truth for lo < t <= hi; None: for no t."""
+    """(lo, hi): first_error(probs, t) == truth for lo < t <= hi."""
     if truth < 0:
         return -math.inf, min(probs, default=math.inf)
     if truth >= len(probs):
@@ -105,13 +100,12 @@ def _hit_interval(probs: list, truth: int):
 
 
 def tune_threshold(step_probs: list, truth: list):
-    """(threshold, f1): the exact maximum of ProcessBench F1, at the middle of the best stretch
-    between two ends of the hit intervals, where alone F1 changes (ties: nearest 0.5)."""
+    """(threshold, f1) of the best ProcessBench F1, mid-way between two hit-interval ends."""
     n_error = sum(t >= 0 for t in truth)
     n_correct = len(truth) - n_error
     if not n_error or not n_correct:
         raise ValueError("tuning the threshold needs solutions with and without an error")
-    intervals = {True: [], False: []}  # has an error -> hit intervals
+    intervals = {True: [], False: []}  # has an error -> (lo, hi)
     for probs, t in zip(step_probs, truth):
         interval = _hit_interval(probs, t)
         if interval:
@@ -123,31 +117,28 @@ def tune_threshold(step_probs: list, truth: list):
         return bisect.bisect_left(lows, t) - bisect.bisect_left(highs, t)
 
     points = sorted({x for lows, highs in ends.values() for x in lows + highs if math.isfinite(x)})
-    best = None
-    for j, right in enumerate(points):  # the stretch (points[j-1], right] predicts alike
-        t = right if j == 0 else (points[j - 1] + right) / 2
-        t = t if j == 0 or t > points[j - 1] else right  # two adjacent floats have no middle
+    best, left = None, -math.inf
+    for right in points:  # the stretch (left, right] predicts alike
+        t = (left + right) / 2
+        t, left = t if t > left else right, right  # the first stretch, two adjacent floats: right
         f1 = harmonic_mean(hits(True, t) / n_error, hits(False, t) / n_correct)
         if best is None or (f1, -abs(t - 0.5)) > (best[1], -abs(best[0] - 0.5)):
             best = (t, f1)
     return best if best else (0.5, 0.0)
 
 
-def solution_score(step_probs: list, how: str) -> float:
-    """One number per solution; with no scored step it ranks last."""
+def solution_score(step_probs: list, how: str) -> float:  # no scored step: ranks last
     return AGGREGATES[how](step_probs) if step_probs else -math.inf
 
 
 def _expected_hit(values: list, correct: list) -> float:
-    """Expected accuracy of taking the highest value, ties at random."""
     top = max(values)
     tied = [c for v, c in zip(values, correct) if v == top]
     return sum(tied) / len(tied)
 
 
 def pick_accuracy(cands: list, method: str) -> float:
-    """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer"}).
-    *_vote: the answer with the highest score sum or count (no answer: no vote)."""
+    """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer"})."""
     correct = [bool(c["correct"]) for c in cands]
     if method in AGGREGATES:
         return _expected_hit([solution_score(c["step_probs"], method) for c in cands], correct)
@@ -159,7 +150,7 @@ def pick_accuracy(cands: list, method: str) -> float:
     weighted = method == "weighted_vote"
     for c, ok in zip(cands, correct):
         if c.get("answer") is not None:
-            votes[c["answer"]] += solution_score(c["step_probs"], VOTE_AGGREGATE) if weighted else 1
+            votes[c["answer"]] += solution_score(c["step_probs"], "min") if weighted else 1
             right[c["answer"]].append(ok)
     if not votes:
         return 0.0
@@ -168,7 +159,7 @@ def pick_accuracy(cands: list, method: str) -> float:
 
 
 def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
-    """Index lists of `size` of n: each draw shuffles, cuts disjoint subsets, the rest sits out."""
+    """Each draw shuffles range(n) and cuts disjoint subsets; the rest sits out."""
     if size >= n:
         return [list(range(n))]
     out = []
@@ -180,8 +171,7 @@ def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
 
 
 def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
-    """{method: {"1": acc, ..., "all": acc}}: per N, the mean over problems (groups: their
-    candidates) of the mean accuracy over their subsets of N."""
+    """{method: {"1": acc, ..., "all": acc}}: mean accuracy over problems and subsets of N."""
     if not groups or not all(groups):
         raise ValueError("best-of-N needs at least one problem, each with a candidate")
     largest = max(len(g) for g in groups)
@@ -201,8 +191,7 @@ def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
 
 def prmbench_metrics(step_probs: list, step_ok: list, categories: list,
                      threshold: float = 0.5) -> dict:
-    """PRMScore (mean F1 of correct and of wrong steps), overall and per category, over
-    labeled steps (step_ok: None unlabeled). Category "correct" is out of the overall figure."""
+    """PRMScore, overall (but category "correct") and per category, over labeled steps."""
     pooled = defaultdict(list)  # category -> [(P(correct), correct)]
     for ps, ok, cat in zip(step_probs, step_ok, categories):
         pooled[cat] += [(p, y) for p, y in zip(ps, ok) if y is not None]
