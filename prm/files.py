@@ -1,5 +1,4 @@
-"""Files written whole or not at all, and the lock that keeps a second writer out. A failed write
-raises WriteFailed naming the path and the cause, and keeps what was there before."""
+"""Files written whole or not at all (else WriteFailed), and a lock against a second writer."""
 import contextlib
 import fcntl
 import os
@@ -14,12 +13,11 @@ from prm.errors import UsageError, WriteFailed
 
 @contextlib.contextmanager
 def reported(path: str):
-    """A failed write inside the block (open, torch.save, safetensors, dcp.save) raises WriteFailed
-    naming `path` and the cause."""
+    """A failed write in the block: WriteFailed."""
     try:
         yield
     except BaseException as e:
-        # dcp.save's CheckpointException (a BaseException) holds each rank's error: the first one
+        # dcp.save's CheckpointException (a BaseException) holds each rank's error
         error = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e
         if not isinstance(error, (OSError, RuntimeError, SafetensorError)):
             raise
@@ -33,7 +31,7 @@ def reported(path: str):
 
 
 def free_mib(path: str) -> str:
-    """Free space on the disk of `path` (or its nearest existing parent) in MiB; '?' if unknown."""
+    """Free MiB on the disk of `path` or its nearest parent; '?': unknown."""
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
     try:
@@ -43,8 +41,7 @@ def free_mib(path: str) -> str:
 
 
 def write_lines(path: str, lines, mode: str = "w"):
-    """`path` holding `lines`, each ended by a newline: a temporary file in its folder, synced and
-    renamed over it. mode 'a' appends in place, as does a write to a FIFO or device (/dev/full)."""
+    """Via a synced temporary file renamed over `path`; mode 'a', a FIFO, a device: in place."""
     direct = mode == "a" or os.path.exists(path) and not os.path.isfile(path)
     tmp = path if direct else f"{path}.tmp{os.getpid()}"
     try:
@@ -63,8 +60,7 @@ def write_lines(path: str, lines, mode: str = "w"):
 
 @contextlib.contextmanager
 def written_in_place(path: str, fresh: bool = True):
-    """Yields a temporary directory that replaces the directory `path` once the block succeeds, else
-    is removed. fresh=False keeps what it holds already (the shards every rank wrote)."""
+    """A temporary directory that replaces `path` if the block succeeds."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -86,8 +82,7 @@ def written_in_place(path: str, fresh: bool = True):
 
 @contextlib.contextmanager
 def locked(path: str, lock: str = ""):
-    """Holds `lock` (default PATH.lock: its flock, pid@host in it) while the block runs: another
-    writer of `path` meanwhile is a UsageError. A lock of this host with a free flock is stale."""
+    """Holds `lock` (PATH.lock: flock, pid@host) for the block; another writer: UsageError."""
     lock = lock or path + ".lock"
     with reported(lock):
         fd = _hold(lock, path)
@@ -100,7 +95,6 @@ def locked(path: str, lock: str = ""):
 
 
 def _hold(lock: str, path: str) -> int:
-    """An open descriptor of `lock` holding its flock, the file naming this process."""
     def busy(owner):
         os.close(fd)
         raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for it "
@@ -110,13 +104,13 @@ def _hold(lock: str, path: str) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            busy(os.read(fd, 256).decode(errors="replace").strip())
+            busy(_owner(fd))
         with contextlib.suppress(FileNotFoundError):
             if os.stat(lock).st_ino == os.fstat(fd).st_ino:
                 break
         # the holder removed the file as we opened it
         os.close(fd)
-    owner = os.read(fd, 256).decode(errors="replace").strip()
+    owner = _owner(fd)
     if owner and _alive(owner):
         busy(owner)
     if owner:
@@ -126,8 +120,12 @@ def _hold(lock: str, path: str) -> int:
     return fd
 
 
+def _owner(fd: int) -> str:
+    return os.read(fd, 256).decode(errors="replace").strip()
+
+
 def _alive(owner: str) -> bool:
-    """Whether the owner of a lock whose flock we hold may still run: only on another host (flock
-    need not reach there) or if not pid@host. A pid here proves nothing (pids are reused)."""
+    """Whether a lock's owner may run though we hold its flock: not pid@host, or on another host
+    (flock need not reach there). A pid here proves nothing (pids are reused)."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()

@@ -1,4 +1,4 @@
-"""LoRA in plain PyTorch: adapters on chosen nn.Linear layers, merged back for export. Depends on: torch."""
+"""LoRA in plain PyTorch. Depends on: torch."""
 import fnmatch
 import math
 
@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 
 class LoRALinear(nn.Linear):
-    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T, W and b frozen, B zero at first (the base model).
-    The frozen `weight`/`bias` keep their names, so a merged state dict has the plain model's layout."""
+    """y = x W^T + b + (alpha / r) * dropout(x) A^T B^T; W, b frozen, same names; B starts 0."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a second weight
@@ -19,36 +18,34 @@ class LoRALinear(nn.Linear):
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=dev))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=dev))  # (out, r)
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as the LoRA paper's code
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as LoRA's code
         self.scale = alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x):
-        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., r) -> (..., out)
+        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., out)
         return F.linear(x, self.weight, self.bias) + self.scale * update
 
     def merged_weight(self) -> torch.Tensor:
-        """The plain layer's weight equal to this one."""
         return merge(self.weight, self.lora_A, self.lora_B, self.scale)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, r={self.lora_A.shape[0]}, scale={self.scale:g}"
+        r = self.lora_A.shape[0]
+        return f"{self.in_features}, {self.out_features}, r={r}, scale={self.scale:g}"
 
 
 def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, targets: str) -> list:
-    """Freezes the backbone and swaps the nn.Linear layers whose full name or last part (`q_proj`) matches a
-    glob of `targets` for LoRALinear, in place. Returns their names; none is an error (GPT-2's Conv1D layers,
-    for instance, are no nn.Linear)."""
+    """Freezes the backbone; LoRALinear for each nn.Linear whose name (or last part) matches."""
     patterns = [p.strip() for p in targets.split(",") if p.strip()]
     backbone.requires_grad_(False)
     linear = [(n, m) for n, m in backbone.named_modules()
               if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)]
-    chosen = [(n, m) for n, m in linear
-              if any(fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n.rsplit(".", 1)[-1], p) for p in patterns)]
+    match = lambda n, p: fnmatch.fnmatchcase(n, p) or fnmatch.fnmatchcase(n.rsplit(".", 1)[-1], p)
+    chosen = [(n, m) for n, m in linear if any(match(n, p) for p in patterns)]
     if not chosen:
         seen = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
-        raise ValueError(f"--lora-targets {targets!r} matches no nn.Linear layer of this backbone; its "
-                         f"linear layers end in: {', '.join(seen) or 'none (it uses another layer type)'}")
+        raise ValueError(f"--lora-targets {targets!r} matches no nn.Linear layer of this backbone; "
+                         f"its linear layers end in: {', '.join(seen) or 'none'}")
     for name, module in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = backbone.get_submodule(parent_name) if parent_name else backbone
@@ -57,13 +54,13 @@ def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, target
 
 
 def merge(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
-    """W + scale * B A, computed in fp32 whatever the parameters' dtype."""
+    # in fp32 whatever the parameters' dtype
     delta = lora_B.float() @ lora_A.float()  # (out, in)
     return (weight.float() + scale * delta).to(weight.dtype)
 
 
 def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
-    """The state dict (or `state`, its keys gathered elsewhere) with the adapters folded into their weights."""
+    """The state dict (or `state`) with the adapters merged."""
     state = dict(module.state_dict() if state is None else state)
     for name, m in module.named_modules():
         if isinstance(m, LoRALinear):
@@ -74,7 +71,7 @@ def merged_state_dict(module: nn.Module, state: dict = None) -> dict:
 
 
 def peft_targets(module: nn.Module) -> list:
-    """PEFT's target_modules for exactly the adapted layers: last parts (`q_proj`) if unambiguous, else names."""
+    """PEFT's target_modules: last parts (`q_proj`) if unambiguous."""
     chosen = {n for n, m in module.named_modules() if isinstance(m, LoRALinear)}
     short = {n.rsplit(".", 1)[-1] for n in chosen}
     same_short = {n for n, _ in module.named_modules() if n.rsplit(".", 1)[-1] in short}
@@ -82,7 +79,6 @@ def peft_targets(module: nn.Module) -> list:
 
 
 def trainable_state_dict(model: nn.Module) -> dict:
-    """The parameters that train (adapters and head): what a LoRA checkpoint resumes from."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -91,6 +87,5 @@ def has_lora(model: nn.Module) -> bool:
 
 
 def count_parameters(model: nn.Module) -> tuple:
-    """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())

@@ -1,5 +1,5 @@
-"""Metrics PRM papers report, counted over the whole set: step classes, AUROC, ProcessBench's first error,
-outcome ranking, best-of-N, PRMBench's PRMScore. Depends on: stdlib only."""
+"""Metrics PRM papers report: step classes, AUROC, ProcessBench, best-of-N, PRMBench's PRMScore.
+Depends on: stdlib only."""
 import bisect
 import math
 import random
@@ -8,12 +8,11 @@ from itertools import groupby
 
 
 def _ratio(a, b):
-    """None when nothing was counted: an undefined metric prints as null, never as 0 or 1."""
     return a / b if b else None
 
 
 def auroc(scores: list, positives: list):
-    """P(a random positive outscores a random negative), ties half; None if a class is empty or a score NaN."""
+    """P(a positive outscores a negative), ties half; None: a class empty or a NaN."""
     if any(s != s for s in scores):
         return None
     n_pos = sum(map(bool, positives))
@@ -21,8 +20,8 @@ def auroc(scores: list, positives: list):
     if n_pos == 0 or n_neg == 0:
         return None
     wins, negs_below = 0.0, 0
-    for _, group in groupby(sorted(zip(scores, positives)), key=lambda pair: pair[0]):  # equal scores
-        labels = [y for _, y in group]
+    for _, group in groupby(sorted(zip(scores, positives)), key=lambda pair: pair[0]):
+        labels = [y for _, y in group]  # of equal scores
         group_pos = sum(map(bool, labels))
         group_neg = len(labels) - group_pos
         wins += group_pos * (negs_below + 0.5 * group_neg)
@@ -31,10 +30,9 @@ def auroc(scores: list, positives: list):
 
 
 def step_metrics(probs: list, labels: list, threshold: float = 0.5) -> dict:
-    """Accuracy, per-class precision/recall/F1 (class 0: wrong step), positive rate (the accuracy of always
-    answering "correct"), AUROC. Predicted correct: P(correct) >= threshold; truly correct: label >= 0.5."""
+    """Accuracy, per-class precision/recall/F1 (class 0: wrong step), AUROC."""
     truth = [y >= 0.5 for y in labels]
-    n = Counter(zip(truth, (p >= threshold for p in probs)))  # (truly correct, predicted correct) -> steps
+    n = Counter(zip(truth, (p >= threshold for p in probs)))  # (truth, predicted) -> steps
     out = {"n_steps": len(truth), "step_accuracy": _ratio(n[0, 0] + n[1, 1], len(truth)),
            "positive_rate": _ratio(sum(truth), len(truth))}
     for cls in (0, 1):
@@ -46,7 +44,7 @@ def step_metrics(probs: list, labels: list, threshold: float = 0.5) -> dict:
 
 
 def first_error(probs: list, threshold: float = 0.5) -> int:
-    """ProcessBench's prediction: the index of the first step with P(correct) < threshold; -1: none."""
+    """The first step with P(correct) < threshold; -1: none."""
     return next((i for i, p in enumerate(probs) if p < threshold), -1)
 
 
@@ -57,44 +55,42 @@ def harmonic_mean(a, b):
 
 
 def processbench_metrics(predicted: list, truth: list) -> dict:
-    """First-error indices (-1: none) -> accuracy with and without an error, and ProcessBench's F1 of the two."""
+    """First-error indices (-1: none) -> accuracy with and without an error, their F1."""
     hits_error = [p == t for p, t in zip(predicted, truth) if t >= 0]
     hits_correct = [p == -1 for p, t in zip(predicted, truth) if t < 0]
     acc_error = _ratio(sum(hits_error), len(hits_error))
     acc_correct = _ratio(sum(hits_correct), len(hits_correct))
-    return {"acc_error": acc_error, "acc_correct": acc_correct, "f1": harmonic_mean(acc_error, acc_correct),
+    return {"acc_error": acc_error, "acc_correct": acc_correct,
+            "f1": harmonic_mean(acc_error, acc_correct),
             "n_with_error": len(hits_error), "n_without_error": len(hits_correct)}
 
 
 def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
-    """ProcessBench F1 of a scorer that flags each step wrong at random with probability q (the best q on a
-    grid of 1/grid): a first error at t is hit with probability (1-q)^t q, an error-free solution of n steps
-    passes with (1-q)^n. An F1 near this one comes from the threshold, not from ranking the steps."""
+    """ProcessBench F1 of flagging each step wrong with probability q (the best q)."""
     n_errors, n_passes = sum(t >= 0 for t in truth), sum(t < 0 for t in truth)
     if not n_errors or not n_passes:
         return None
     hittable = Counter(t for t, n in zip(truth, n_steps) if 0 <= t < n)  # error index -> solutions
-    passes = Counter(n for t, n in zip(truth, n_steps) if t < 0)  # step count -> error-free solutions
+    passes = Counter(n for t, n in zip(truth, n_steps) if t < 0)  # steps -> error-free solutions
     def f1(q):
         hit = sum(c * (1 - q) ** t * q for t, c in hittable.items()) / n_errors
         return harmonic_mean(hit, sum(c * (1 - q) ** n for n, c in passes.items()) / n_passes)
     return max(f1(k / grid) for k in range(1, grid))
 
 
-AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1], "mean": lambda ps: sum(ps) / len(ps)}
-VOTE_AGGREGATE = "min"  # weighted voting sums this score of each candidate per answer
+AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1],
+              "mean": lambda ps: sum(ps) / len(ps)}
 BEST_OF_N_METHODS = (*AGGREGATES, "weighted_vote", "majority_vote", "oracle", "random")
 
 
 def outcome_metrics(step_probs: list, final_correct: list) -> dict:
-    """AUROC of each aggregate of step scores against final correctness, over scored solutions with an outcome."""
     kept = [(ps, bool(y)) for ps, y in zip(step_probs, final_correct) if ps and y is not None]
     return {f"outcome_auroc_{name}": auroc([agg(ps) for ps, _ in kept], [y for _, y in kept])
             for name, agg in AGGREGATES.items()}
 
 
 def _hit_interval(probs: list, truth: int):
-    """(lo, hi): first_error(probs, t) == truth for lo < t <= hi; None: for no t (e.g. an unscored error)."""
+    """(lo, hi): first_error(probs, t) == truth for lo < t <= hi."""
     if truth < 0:
         return -math.inf, min(probs, default=math.inf)
     if truth >= len(probs):
@@ -104,13 +100,12 @@ def _hit_interval(probs: list, truth: int):
 
 
 def tune_threshold(step_probs: list, truth: list):
-    """(threshold, f1): the exact maximum of ProcessBench F1 over thresholds. F1 changes only at the ends of
-    the solutions' hit intervals: the middle of the best stretch between two ends wins (ties: nearest 0.5)."""
+    """(threshold, f1) of the best ProcessBench F1, mid-way between two hit-interval ends."""
     n_error = sum(t >= 0 for t in truth)
     n_correct = len(truth) - n_error
     if not n_error or not n_correct:
-        raise ValueError("tuning the threshold needs solutions both with and without an error")
-    intervals = {True: [], False: []}  # has an error -> hit intervals
+        raise ValueError("tuning the threshold needs solutions with and without an error")
+    intervals = {True: [], False: []}  # has an error -> (lo, hi)
     for probs, t in zip(step_probs, truth):
         interval = _hit_interval(probs, t)
         if interval:
@@ -122,32 +117,28 @@ def tune_threshold(step_probs: list, truth: list):
         return bisect.bisect_left(lows, t) - bisect.bisect_left(highs, t)
 
     points = sorted({x for lows, highs in ends.values() for x in lows + highs if math.isfinite(x)})
-    best = None
-    for j, right in enumerate(points):  # the stretch (points[j-1], right] predicts alike
-        t = right if j == 0 else (points[j - 1] + right) / 2
-        t = t if j == 0 or t > points[j - 1] else right  # two adjacent floats have no middle
+    best, left = None, -math.inf
+    for right in points:  # the stretch (left, right] predicts alike
+        t = (left + right) / 2
+        t, left = t if t > left else right, right  # the first stretch, two adjacent floats: right
         f1 = harmonic_mean(hits(True, t) / n_error, hits(False, t) / n_correct)
         if best is None or (f1, -abs(t - 0.5)) > (best[1], -abs(best[0] - 0.5)):
             best = (t, f1)
     return best if best else (0.5, 0.0)
 
 
-def solution_score(step_probs: list, how: str) -> float:
-    """One number per solution from its step scores; with no scored step it ranks last."""
+def solution_score(step_probs: list, how: str) -> float:  # no scored step: ranks last
     return AGGREGATES[how](step_probs) if step_probs else -math.inf
 
 
 def _expected_hit(values: list, correct: list) -> float:
-    """Expected accuracy of taking the candidate with the highest value, ties broken at random."""
     top = max(values)
     tied = [c for v, c in zip(values, correct) if v == top]
     return sum(tied) / len(tied)
 
 
 def pick_accuracy(cands: list, method: str) -> float:
-    """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer"}).
-    An aggregate: the best score; weighted_vote, majority_vote: the answer with the highest score sum or count
-    (a candidate without an answer has no vote; none: wrong); oracle: any correct; random: the mean."""
+    """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer"})."""
     correct = [bool(c["correct"]) for c in cands]
     if method in AGGREGATES:
         return _expected_hit([solution_score(c["step_probs"], method) for c in cands], correct)
@@ -155,20 +146,20 @@ def pick_accuracy(cands: list, method: str) -> float:
         return float(any(correct))
     if method == "random":
         return sum(correct) / len(correct)
-    votes, right = defaultdict(float), defaultdict(list)  # answer -> vote total, its candidates' correct
+    votes, right = defaultdict(float), defaultdict(list)  # answer -> votes, its candidates' correct
     weighted = method == "weighted_vote"
     for c, ok in zip(cands, correct):
         if c.get("answer") is not None:
-            votes[c["answer"]] += solution_score(c["step_probs"], VOTE_AGGREGATE) if weighted else 1
+            votes[c["answer"]] += solution_score(c["step_probs"], "min") if weighted else 1
             right[c["answer"]].append(ok)
     if not votes:
         return 0.0
-    return _expected_hit(list(votes.values()), [sum(r) / len(r) for r in right.values()])  # same key order
+    # votes and right share their key order
+    return _expected_hit(list(votes.values()), [sum(r) / len(r) for r in right.values()])
 
 
 def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
-    """Index lists of `size` of n candidates: each draw shuffles them and cuts disjoint subsets (a remainder
-    sits out), so every candidate is used equally often."""
+    """Each draw shuffles range(n) and cuts disjoint subsets; the rest sits out."""
     if size >= n:
         return [list(range(n))]
     out = []
@@ -180,39 +171,37 @@ def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
 
 
 def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
-    """{method: {"1": acc, "2": acc, ..., "all": acc}}: per N, the mean over problems of the mean accuracy over
-    their subsets of N candidates (all, if fewer). groups: per problem, its candidates ({"step_probs",
-    "correct", "answer"}) in a fixed order. Voting methods need a candidate with an answer."""
+    """{method: {"1": acc, ..., "all": acc}}: mean accuracy over problems and subsets of N."""
     if not groups or not all(groups):
-        raise ValueError("best-of-N needs at least one problem, each with at least one candidate")
+        raise ValueError("best-of-N needs at least one problem, each with a candidate")
     largest = max(len(g) for g in groups)
     sizes = [2 ** k for k in range(largest.bit_length()) if 2 ** k < largest] + [largest]
     voting = any(c.get("answer") is not None for g in groups for c in g)
     methods = [m for m in BEST_OF_N_METHODS if voting or not m.endswith("_vote")]
     out = {m: {} for m in methods}
     for size in sizes:
-        rng = random.Random(f"{seed}/{size}")  # one stream per N: adding an N changes no other figure
-        picks = [[[g[i] for i in idx] for idx in _subsets(len(g), size, draws, rng)] for g in groups]
+        rng = random.Random(f"{seed}/{size}")  # one stream per N
+        picks = [[[g[i] for i in idx] for idx in _subsets(len(g), size, draws, rng)]
+                 for g in groups]
         for m in methods:
-            per_group = [sum(pick_accuracy(s, m) for s in subsets) / len(subsets) for subsets in picks]
+            per_group = [sum(pick_accuracy(s, m) for s in subs) / len(subs) for subs in picks]
             out[m]["all" if size == largest else str(size)] = sum(per_group) / len(per_group)
     return out
 
 
-def prmbench_metrics(step_probs: list, step_ok: list, categories: list, threshold: float = 0.5) -> dict:
-    """PRMScore, the mean of the F1s of correct and of erroneous steps, overall and per error category, over
-    the labeled, scored steps (step_ok: per solution, True/False per step, None: unlabeled). Category
-    "correct" (the error-free originals) is kept out of the overall figure, as PRMBench does; None is in it."""
+def prmbench_metrics(step_probs: list, step_ok: list, categories: list,
+                     threshold: float = 0.5) -> dict:
+    """PRMScore, overall (but category "correct") and per category, over labeled steps."""
     pooled = defaultdict(list)  # category -> [(P(correct), correct)]
     for ps, ok, cat in zip(step_probs, step_ok, categories):
         pooled[cat] += [(p, y) for p, y in zip(ps, ok) if y is not None]
     overall = [pair for cat, pairs in pooled.items() if cat != "correct" for pair in pairs]
     pooled.pop(None, None)
-    return {**_prmscore(overall, threshold),
-            "categories": {cat: _prmscore(pairs, threshold) for cat, pairs in sorted(pooled.items())}}
+    per_cat = {cat: _prmscore(pairs, threshold) for cat, pairs in sorted(pooled.items())}
+    return {**_prmscore(overall, threshold), "categories": per_cat}
 
 
 def _prmscore(pairs: list, threshold: float) -> dict:
     m = step_metrics([p for p, _ in pairs], [y for _, y in pairs], threshold)
-    score = None if m["f1_1"] is None or m["f1_0"] is None else 0.5 * m["f1_1"] + 0.5 * m["f1_0"]
+    score = None if None in (m["f1_1"], m["f1_0"]) else 0.5 * m["f1_1"] + 0.5 * m["f1_0"]
     return {"prmscore": score, "f1": m["f1_1"], "f1_neg": m["f1_0"], "n_steps": m["n_steps"]}

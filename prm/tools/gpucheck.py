@@ -1,5 +1,4 @@
-"""python -m prm.bench --gpu-check: the CUDA tests of tests/test_gpu.py, then the bench variants on a random
-Qwen2-0.5B-shaped backbone, as one JSON object, offline. --dry-run does it on the CPU at a tiny shape."""
+"""python -m prm.bench --gpu-check: tests/test_gpu.py, then bench on a random Qwen2-0.5B."""
 import json
 import os
 import random
@@ -17,12 +16,12 @@ from prm.readers.synthetic import CHARS, char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QWEN2_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "tokenizers", "qwen2")
-# Qwen/Qwen2-0.5B's config.json, by hand (no hub)
-SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-             intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-             max_position_embeddings=32768)
-TINY = dict(SHAPE, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            intermediate_size=256, vocab_size=0)  # vocabulary: the tokenizer's
+# Qwen/Qwen2-0.5B's config.json
+SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+             num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+             tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768)
+TINY = dict(SHAPE, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, intermediate_size=256, vocab_size=0)  # 0: the tokenizer's
 # --pack-to 8 x 2048: every packed step one shape
 FLAGS = {"gpu": "--steps 30 --batch-size 8 --max-length 2048 --pack-to 16384 --dtype bf16".split(),
          "dry": "--steps 3 --batch-size 2 --max-length 128 --pack-to 256 --dtype fp32".split()}
@@ -31,21 +30,22 @@ REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu",
 
 
 def rows(n: int, max_length: int, seed: int = 0) -> list:
-    """Synthetic rows of realistic lengths (max_length / 8 to max_length characters), 2-12 steps each."""
+    """Rows of max_length / 8 to max_length characters, 2-12 steps each."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         size, k = rng.randint(max_length // 8, max_length), rng.randint(2, 12)
-        steps = [f"step {j}: " + "".join(rng.choice(CHARS[:-1]) for _ in range(size // (k + 1)))  # no "\n"
-                 for j in range(k)]
+        steps = [f"step {j}: " + "".join(rng.choice(CHARS[:-1]) for _ in range(size // (k + 1)))
+                 for j in range(k)]  # no "\n"
         out.append({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:],
                     "labels": [rng.random() < 0.7 for _ in steps[1:]]})
     return out
 
 
 def write_inputs(path: str, dry: bool) -> tuple:
-    """(model directory without weights, the data file, the bench flags) under path."""
-    tokenizer = load_tokenizer(QWEN2_TOKENIZER) if os.path.isdir(QWEN2_TOKENIZER) else char_tokenizer()
+    """(model directory, data file, bench flags)."""
+    qwen2 = os.path.isdir(QWEN2_TOKENIZER)
+    tokenizer = load_tokenizer(QWEN2_TOKENIZER) if qwen2 else char_tokenizer()
     shape = TINY if dry else SHAPE
     cfg = Qwen2Config(**{**shape, "vocab_size": max(shape["vocab_size"], len(tokenizer))},
                       pad_token_id=pad_token_id(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -55,27 +55,25 @@ def write_inputs(path: str, dry: bool) -> tuple:
     tokenizer.save_pretrained(model_dir)
     flags = FLAGS["dry" if dry else "gpu"]
     value = dict(zip(flags[::2], flags[1::2]))  # every flag takes one value
-    steps, batch, max_length = (int(value[flag]) for flag in ("--steps", "--batch-size", "--max-length"))
     # 1% held out, and a margin: every timed step gets a full batch
+    n_rows = int(int(value["--steps"]) * int(value["--batch-size"]) * 1.25) + 8
     with open(data, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows(int(steps * batch * 1.25) + 8, max_length))
+        f.writelines(json.dumps(r) + "\n" for r in rows(n_rows, int(value["--max-length"])))
     return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]
 
 
 def write_weights(model_dir: str, device: str):
-    """Random init (seed 0) on the device, saved beside the config."""
     torch.manual_seed(0)
     with torch.device(device):
         AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
 
 
 def run_tests() -> dict:
-    """The gpu-marked cases of the checkout's tests/test_gpu.py in a subprocess."""
     path = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.isfile(path):
         return {"returncode": None, "summary": "tests/test_gpu.py absent: run from a checkout"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", path], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", path],
+                       cwd=ROOT, capture_output=True, text=True)
     lines = r.stdout.strip().splitlines()
     print(r.stdout[-6000:], file=sys.stderr, flush=True)
     return {"returncode": r.returncode, "summary": lines[-1] if lines else r.stderr[-500:],
@@ -83,23 +81,23 @@ def run_tests() -> dict:
 
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
-    """The whole check; UsageError without CUDA (unless dry), after building what needs no GPU.
-    side_by_side(argv): prm.tools.bench's runner."""
+    """UsageError without CUDA (unless dry). side_by_side: bench's runner."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():
             with open(data) as f:
                 n = sum(1 for _ in f)
-            raise UsageError(f"--gpu-check needs CUDA (built the Qwen2-0.5B-shaped config, its tokenizer and "
-                             f"{n} rows; --dry-run runs it all on the CPU)")
+            raise UsageError(f"--gpu-check needs CUDA (built the model config, tokenizer, {n} rows;"
+                             " --dry-run runs it on the CPU)")
         write_weights(model_dir, "cpu" if dry else "cuda")
         tests = run_tests()
         argv += ["--variants", "padded,packed" if dry else "padded,packed,packed-compiled"]
         bench = side_by_side(argv)
+    variants = bench["variants"]
     out = {"tests": tests, "shape": TINY if dry else SHAPE, "flags": argv[4:],
-           "variants": {n: {k: r.get(k) for k in REPORTED} for n, r in bench["variants"].items()},
+           "variants": {n: {k: r.get(k) for k in REPORTED} for n, r in variants.items()},
            "tokens_per_second_vs_padded": bench["tokens_per_second_vs_padded"],
-           "device": next(iter(bench["variants"].values()))["device"], "torch": torch.__version__}
+           "device": next(iter(variants.values()))["device"], "torch": torch.__version__}
     if tests["returncode"] not in (0, None):
         out["failed"] = "tests/test_gpu.py"
     return out

@@ -1,5 +1,4 @@
-"""What a training run reports: the log line and metrics.jsonl (MetricsFile), and the running sums behind them
-with the divergence check, the throughput and the time left (TrainLog)."""
+"""metrics.jsonl and log lines (MetricsFile); the sums behind them, divergence, time left."""
 import datetime
 import json
 import math
@@ -14,8 +13,7 @@ from prm.files import write_lines
 
 
 class MetricsFile:
-    """Rank 0's metrics.jsonl, each record also sent to the tracker and shown as a log line. path None (the
-    other ranks): writes nothing."""
+    """Rank 0's metrics.jsonl, tracker and log lines; path None: no-op."""
 
     def __init__(self, path, pbar, *, tracker=None):
         self.pbar, self.tracker, self.path = pbar, tracker, path
@@ -35,36 +33,33 @@ class MetricsFile:
 
 
 class TrainLog:
-    """The running (cross-entropy sum, correct) since the last log line, the first non-finite step, throughput
-    and the time left; on device until a log step's one all-reduce. n_chunks: micro-batches of one global
-    batch over all ranks; pack_to: the packed row's multiple (None: padded). check_norm: False under fp16,
-    where an inf norm is a skipped step. hint: the advice a divergence message ends with."""
+    """Sums since the last log line, on device until a log step's all-reduce. check_norm: False
+    under fp16 (inf norm: a skipped step)."""
 
-    def __init__(self, rt: Runtime, out: MetricsFile, plan, *, resumed_at: int, n_chunks: int, pack_to: int = None,
-                 check_norm: bool = True, hint: str = ""):
+    def __init__(self, rt: Runtime, out: MetricsFile, plan, *, resumed_at: int, n_chunks: int,
+                 pack_to: int = None, check_norm: bool = True, hint: str = ""):
         self.rt, self.out, self.pbar, self.plan = rt, out, out.pbar, plan
-        self.n_chunks, self.pack_to, self.check_norm, self.hint = n_chunks, pack_to, check_norm, hint
-        # (cross-entropy sum, correct) since the last log line, on device
-        self.window = torch.zeros(2, device=rt.device)
-        # the first non-finite step (0: none)
-        self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)
-        # (step, loss) of the last finite log line
-        self.last_finite = None
+        self.n_chunks, self.pack_to = n_chunks, pack_to
+        self.check_norm, self.hint = check_norm, hint
+        self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct)
+        self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
+        self.last_finite = None  # (step, loss) of the last finite log line
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
         self.total_tokens, self.total_padded, self.total_seconds = 0, 0, 0.0
         self.timed_from, self.estimated = None, False
         self.since_resume = bool(resumed_at)
-        # (step, norm, epoch, lr) of the window's newest step, until written
-        self.unwritten = None
+        self.unwritten = None  # (step, norm, epoch, lr) of a step not logged yet
 
-    def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float, write: bool):
-        """One optimizer step done: sums = this rank's (cross-entropy sum, correct), norm = gradient norm."""
+    def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float,
+            write: bool):
+        """sums: this rank's (cross-entropy sum, correct) of an optimizer step."""
         tokens = self.plan.tokens(batch)
         bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.check_norm else False)
         self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)
         self.window += sums
         self.window_labeled += self.plan.labeled(batch)
-        self.tokens, self.total_tokens = self.tokens + tokens, self.total_tokens + tokens
+        self.tokens += tokens
+        self.total_tokens += tokens
         self.total_padded += padded_tokens(batch, self.plan.lengths, self.n_chunks, self.pack_to)
         self.pbar.update(1)
         self.estimate(step)
@@ -75,8 +70,7 @@ class TrainLog:
             self.seconds += time.perf_counter() - t0
 
     def write(self, t0: float = None):
-        """The window's record, if it holds a step not written yet; every rank together. t0: when this step
-        began, if it is being timed."""
+        """Logs the window's unwritten step, all ranks together."""
         if self.unwritten is None:
             return
         (step, norm, epoch, lr), self.unwritten = self.unwritten, None
@@ -86,12 +80,13 @@ class TrainLog:
             self.seconds += time.perf_counter() - t0
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
-               "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds, "epoch": epoch}
+               "norm": stats[2] / self.rt.world_size, "tok_per_s": self.tokens / self.seconds,
+               "epoch": epoch}
         if self.since_resume:
             rec["since_resume"], self.since_resume = True, False
         self.out.write(rec)
-        if math.isfinite(stats[0] / n):
-            self.last_finite = (step, stats[0] / n)
+        if math.isfinite(rec["loss"]):
+            self.last_finite = (step, rec["loss"])
         if stats[3] > 0:
             self.diverged()
         self.window.zero_()
@@ -99,8 +94,7 @@ class TrainLog:
         self.window_labeled, self.tokens, self.seconds = 0, 0, 0.0
 
     def estimate(self, step: int):
-        """The remaining time, said once, timed from the end of the first step (which pays compilation) over 3
-        more steps or 10 s; host clock only."""
+        """Says the time left once, timed after the first step (compiling)."""
         now = time.perf_counter()
         self.timed_from = self.timed_from or (step, now)
         done, seconds = step - self.timed_from[0], now - self.timed_from[1]
@@ -111,27 +105,29 @@ class TrainLog:
             self.estimated = True
 
     def stop_if_diverged(self):
-        """Diverged if a step so far was not finite (a device sync, agreed by every rank)."""
+        """Diverged if a step so far was not finite (syncs every rank)."""
         if all_reduce_sum((self.bad_step > 0).float().view(1), self.rt).item() > 0:
             self.diverged()
 
     def diverged(self):
         step = int(self.bad_step)
-        last = f"last finite loss {self.last_finite[1]:.4g} at step {self.last_finite[0]}" \
-            if self.last_finite else "no finite loss logged before it"
-        raise Diverged(f"the loss or gradient norm is not finite at step {step or '? (on another rank)'} "
-                       f"({last}); no checkpoint was written from then on. {self.hint}")
+        last = "no finite loss logged before it"
+        if self.last_finite:
+            last = "last finite loss {1:.4g} at step {0}".format(*self.last_finite)
+        raise Diverged(f"the loss or gradient norm is not finite at step "
+                       f"{step or '? (on another rank)'} ({last}); no checkpoint was written "
+                       f"from then on. {self.hint}")
 
     def throughput(self) -> tuple:
-        """(non-pad tokens per second, non-pad / padded tokens); None, None when this process trained no step."""
-        if not self.total_tokens:
-            return None, None
+        """(non-pad tokens/s, non-pad / padded tokens)."""
         tokens = self.total_tokens
+        if not tokens:
+            return None, None
         return tokens / max(self.total_seconds, 1e-9), tokens / max(self.total_padded, 1)
 
 
 def count(n: float) -> str:
-    """A count as people read it: 950, 18.2k, 1.3M, 3.4G."""
+    """950, 18.2k, 1.3M, 3.4G."""
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
             return f"{n / size:.1f}{unit}"
@@ -139,17 +135,18 @@ def count(n: float) -> str:
 
 
 def log_line(rec: dict) -> str:
-    """A metrics.jsonl record as the log shows it; an undefined metric (None) reads 'n/a'."""
+    """A metrics.jsonl record as a log line; None reads 'n/a'."""
     if "loss" in rec:
         since = " | since resume" if rec.get("since_resume") else ""
-        return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | lr {rec['lr']:.2e} | "
-                f"norm {rec['norm']:.2f} | {count(rec['tok_per_s'])} tok/s{since}")
+        return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | "
+                f"lr {rec['lr']:.2e} | norm {rec['norm']:.2f} | "
+                f"{count(rec['tok_per_s'])} tok/s{since}")
     shown = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
     return " | ".join(f"{k} {shown(v)}" for k, v in rec.items())
 
 
 def strict_json(x):
-    """NaN and infinity become null, so metrics.jsonl stays strict JSON."""
+    """NaN and infinity -> null (strict JSON)."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
