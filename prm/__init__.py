@@ -19,6 +19,7 @@ _HOME = {
     "train": "prm.training.trainer", "Trainer": "prm.training.trainer",
     "PRMReward": "prm.scoring.reward", "load_reward_model": "prm.scoring.reward",
     "label_file": "prm.labeling.label", "LabelOptions": "prm.labeling.label",
+    "search_file": "prm.searching.search", "SearchOptions": "prm.searching.search",
 }
 __all__ = sorted(_HOME)
 

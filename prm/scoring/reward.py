@@ -133,6 +133,16 @@ class PRMReward:
                           f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
         return [scored.get(i, []) for i in range(len(solutions))]
 
+    def score(self, questions: list, outputs: list) -> list:
+        """search-and-learn's PRM interface: outputs[i][j], a solution to questions[i] (its steps split at
+        step_separator); the answer's [i][j], that solution's step scores (P(correct) per step)."""
+        if len(questions) != len(outputs):
+            raise ValueError(f"{len(questions)} questions for {len(outputs)} lists of outputs")
+        probs = self.step_probs([q for q, texts in zip(questions, outputs) for _ in texts],
+                                [text for texts in outputs for text in texts])
+        ends = list(itertools.accumulate(map(len, outputs), initial=0))
+        return [probs[a:b] for a, b in zip(ends, ends[1:])]
+
     def step_scores(self, prompts: list, completions: list) -> list:
         """Per completion, (start, end, p) per step: its span of `text(completion)` and P(correct), None if cut."""
         spans = [step_spans(self.text(c), self.step_separator) for c in completions]

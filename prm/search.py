@@ -1,0 +1,5 @@
+"""`python -m prm.search`: PRM-guided search of a policy's answers. The code: prm/searching/search.py."""
+from prm.searching.search import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Searching with a PRM: best-of-N, weighted vote, beam search, DVTS (`python -m prm.search`)."""

@@ -1,0 +1,347 @@
+"""`python -m prm.search`: a policy's answers chosen with a PRM, among sampled solutions (best-of-n,
+weighted vote) or step by step (beam search, DVTS); majority vote is the baseline. The API takes any
+policy `propose(prefixes, n, seed, stop) -> list[list[str]]` and any PRM `score(questions, outputs)`
+of search-and-learn's shape (PRMReward.score)."""
+import collections
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+
+from prm.cli import Parser
+from prm.core.metrics import AGGREGATES, solution_score
+from prm.errors import Stopped, check, exit_status
+from prm.labeling.label import (Generator, LabelOptions, _opt, extract_answer, finished, judge,
+                                locked, normalize, read_input, read_settings, write_lines)
+from prm.readers.formats import split_steps
+from prm.scoring import ScorerOptions
+
+SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
+COSTS = ("policy_tokens", "prm_tokens", "seconds")
+# a problem searched: its input row, the text the policy continues, right(text) -> bool
+Problem = collections.namedtuple("Problem", "index row text right")
+
+
+def _shared(name: str, **meta):
+    """LabelOptions' field `name`: prm.label's flag and default (meta: changes to its help, ...)."""
+    f = LabelOptions.__dataclass_fields__[name]
+    return dataclasses.field(default=f.default, metadata={**f.metadata, **meta})
+
+
+def _list(kind):
+    return lambda text: tuple(kind(x.strip()) for x in text.split(","))
+
+
+@dataclasses.dataclass
+class SearchOptions:
+    """What decides the results: kept in OUTPUT.settings; a rerun with others is refused."""
+    methods: tuple = _opt(SAMPLED + TREES, "comma list of majority, best-of-n, weighted (the three "
+                          "share their samples), beam, dvts", type=_list(str))
+    n: tuple = _opt((1, 4, 16), "budgets N, comma list: solutions sampled (max(N) once, the first "
+                    "N taken), or beams", type=_list(int))
+    beam_width: int = _opt(4, "M: beam keeps the best N/M beams, each extended M ways; dvts grows "
+                           "N/M subtrees of M, each kept by its best (N below M: M = N)")
+    aggregate: str = _opt("last", "a solution's or prefix's score from its step scores (eval.py's)",
+                          choices=list(AGGREGATES))
+    select: str = _opt("weighted", "how beam and dvts pick among their finished beams",
+                       choices=SAMPLED)
+    max_steps: int = _opt(40, "steps a beam takes at most")
+    seeds: tuple = _opt((0,), "comma list; several: the summary's mean and range over them",
+                        type=_list(int))
+    problems: int = _opt(8, "problems searched together, their beams in the same calls, seeded "
+                         "from the seed and the first one's index (a rerun redoes an unfinished "
+                         "group)")
+    policy: str = _shared("policy", help="the policy (a Hugging Face name or folder)")
+    temperature: float = _shared("temperature")
+    top_p: float = _shared("top_p")
+    max_new_tokens: int = _shared("max_new_tokens", help="tokens per sampled solution or beam step")
+    batch_size: int = _shared("batch_size", help="sequences per generate or PRM call")
+    step_separator: str = _shared("step_separator")
+    answer_field: str = _shared("answer_field")
+    answer_pattern: str = _shared("answer_pattern")
+    checker: str = _shared("checker")
+
+    def __post_init__(self):
+        """Refuses what would fail only after the models load."""
+        LabelOptions.__post_init__(self)
+        m, known = self.beam_width, SAMPLED + TREES
+        small = ("beam_width", "max_steps", "problems", "batch_size", "max_new_tokens")
+        check([f"--methods: unknown {x!r} (expected some of {', '.join(known)})"
+               for x in self.methods if x not in known]
+              + [f"--{k.replace('_', '-')} must be at least 1" for k in small
+                 if getattr(self, k) < 1]
+              + [f"--n {n}: a budget must be at least 1" for n in self.n if n < 1]
+              + [f"--n {n}: not a multiple of --beam-width {m} (beam and dvts keep N/M beams)"
+                 for n in self.n if n > m and n % m and set(self.methods) & set(TREES)]
+              + ([] if self.temperature >= 0 and 0 < self.top_p <= 1 else
+                 [f"--temperature {self.temperature:g} must be >= 0, --top-p {self.top_p:g} in "
+                  "(0, 1]"]))
+
+
+def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
+    """A finished solution: steps and their scores, answer and whether it is right, how it ended."""
+    text = opts.step_separator.join(steps)
+    return {"steps": list(steps), "scores": scores,
+            "answer": extract_answer(text, opts.answer_pattern),
+            "correct": bool(problem.right(text)), "end": end}
+
+
+def pick(cands: list, how: str, aggregate: str):
+    """The index of the candidate `how` picks (None: none): best-of-n, the best aggregate; majority
+    and weighted, the first of the answer with the most candidates, or the highest sum of
+    aggregates."""
+    if how == "best-of-n":
+        values = [solution_score(c["scores"], aggregate) for c in cands]
+        return values.index(max(values)) if cands else None
+    votes, first = collections.defaultdict(float), {}
+    for i, c in enumerate(cands):
+        if c["answer"] is not None:
+            key = normalize(c["answer"])
+            first.setdefault(key, i)
+            weight = AGGREGATES[aggregate](c["scores"]) if c["scores"] else 0
+            votes[key] += 1 if how == "majority" else weight
+    return first[max(votes, key=votes.get)] if votes else None
+
+
+def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
+    i = pick(cands, how, opts.aggregate)
+    return {"method": method, "n": n, "answer": None if i is None else cands[i]["answer"],
+            "correct": i is not None and cands[i]["correct"], **more}
+
+
+@dataclasses.dataclass(eq=False)
+class Tree:
+    """One beam search or DVTS of one problem: groups of survivors ((steps, their scores)), each
+    extended `width` ways; of each group's new unfinished beams, the best `keep` survive."""
+    problem: int
+    method: str
+    n: int
+    width: int
+    keep: int
+    groups: list
+    done: list = dataclasses.field(default_factory=list)
+    ends: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    cost: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def plant(problem: int, method: str, n: int, width: int) -> Tree:
+    """beam: one group of N/M empty beams, keeping N/M; dvts: N/M groups of one, each keeping 1."""
+    if method == "beam":
+        return Tree(problem, method, n, width, n // width, [[((), [])] * (n // width)])
+    return Tree(problem, method, n, width, 1, [[((), [])] for _ in range(n // width)])
+
+
+def grow(trees: list, block: list, propose, score, count, opts, seed):
+    """One step of every live tree: each survivor proposes its next step (one propose call per
+    width); the PRM scores every new prefix (one call); each group keeps its best; finished beams
+    are kept."""
+    sep, new, live = opts.step_separator, collections.defaultdict(list), {}
+    for t in trees:
+        live.update({(t, g, j): b for g, group in enumerate(t.groups) for j, b in enumerate(group)})
+        t.groups = [[] for _ in t.groups]
+    for width in sorted({t.width for t, _, _ in live}):
+        keys, start = [k for k in live if k[0].width == width], time.time()
+        outs = propose([block[t.problem].text + "".join(s + sep for s in live[t, g, j][0])
+                        for t, g, j in keys], width, seed(), sep)
+        usage = getattr(propose, "usage", None) or [[(0, False)] * width for _ in keys]
+        took = (time.time() - start) / len(keys)
+        for (t, g, j), texts, use in zip(keys, outs, usage):
+            steps, scores = live[t, g, j]
+            t.cost["seconds"] += took
+            for text, (tokens, cut) in zip(texts, use):
+                t.cost["policy_tokens"] += tokens
+                head, found, _ = text.partition(sep)
+                if head.strip():
+                    new[t, g].append((steps + (head,), "" if found else "cut" if cut else "eos"))
+                else:  # an empty step ends the beam as it was
+                    t.ends["empty"] += 1
+                    t.done.append(candidate(steps, scores, "empty", block[t.problem], opts))
+    keys, start = list(new), time.time()
+    texts = [[sep.join(steps) for steps, _ in new[k]] for k in keys]
+    probs = score([block[t.problem].row["prompt"] for t, _ in keys], texts) if keys else []
+    took = (time.time() - start) / max(1, sum(map(len, texts)))
+    for (t, g), ps, ts in zip(keys, probs, texts):
+        t.cost["prm_tokens"] += sum(count(block[t.problem].row["prompt"], text) for text in ts)
+        t.cost["seconds"] += took * len(ts)
+        for (steps, end), p in zip(new[t, g], ps):
+            if end:
+                t.ends[end] += 1
+                t.done.append(candidate(steps, p, end, block[t.problem], opts))
+        going = [(steps, p) for (steps, end), p in zip(new[t, g], ps) if not end]
+        going.sort(key=lambda b: -solution_score(b[1], opts.aggregate))  # stable: ties keep order
+        t.groups[g] = going[:t.keep]
+
+
+def sample(block: list, records: list, propose, score, count, opts, seed):
+    """max(N) solutions per problem in one propose and one PRM call; each N takes the first N."""
+    methods, top, start = [m for m in opts.methods if m in SAMPLED], max(opts.n), time.time()
+    outs = propose([p.text for p in block], top, seed(), None)
+    usage = getattr(propose, "usage", None) or [[(0, False)] * top for _ in block]
+    policy_s, start = (time.time() - start) / len(block), time.time()
+    probs = score([p.row["prompt"] for p in block], outs) if set(methods) - {"majority"} else \
+        [[[]] * top for _ in block]
+    prm_s = (time.time() - start) / len(block)
+    for p, rec, texts, use, ps in zip(block, records, outs, usage, probs):
+        rec["samples"] = [{**candidate(split_steps(text, opts.step_separator), s, "cut" if cut else
+                                       "eos", p, opts),
+                           "policy_tokens": k, "prm_tokens": count(p.row["prompt"], text)}
+                          for text, (k, cut), s in zip(texts, use, ps)]
+        for m, n in itertools.product(methods, opts.n):
+            first, prm = rec["samples"][:n], m != "majority"
+            rec["results"].append(result(
+                m, n, first, m, opts, policy_tokens=sum(c["policy_tokens"] for c in first),
+                prm_tokens=sum(c["prm_tokens"] for c in first) if prm else 0,
+                seconds=(policy_s + prm_s * prm) * n / top))
+
+
+def search_block(block: list, propose, score, count, opts, seed: int):
+    """Yields each problem's record ({row, seed, answer, samples, results}) as its searches end; the
+    problems of `block` share every call."""
+    calls = itertools.count()
+
+    def seed_of():  # a call's seed: from the seed, the block's first problem and the call's number
+        return (seed * 1_000_003 + block[0].index) * 1_000 + next(calls)
+    records = [{"row": p.index, "lines": len(opts.seeds), "seed": seed,
+                **({"id": p.row["id"]} if "id" in p.row else {}),
+                "answer": str(p.row[opts.answer_field]), "results": []} for p in block]
+    if set(opts.methods) & set(SAMPLED):
+        sample(block, records, propose, score, count, opts, seed_of)
+    trees = [plant(p, m, n, min(n, opts.beam_width)) for p in range(len(block))
+             for m, n in itertools.product([m for m in opts.methods if m in TREES], opts.n)]
+    pending = set(range(len(block)))
+    for step in range(opts.max_steps + 1):
+        if step == opts.max_steps:  # the survivors end here
+            for t in trees:
+                for steps, scores in (b for group in t.groups for b in group):
+                    t.ends["max_steps"] += 1
+                    t.done.append(candidate(steps, scores, "max_steps", block[t.problem], opts))
+                t.groups = []
+        for p in sorted(q for q in pending if not any(t.groups for t in trees if t.problem == q)):
+            pending.remove(p)
+            for t in (t for t in trees if t.problem == p):
+                records[p]["results"].append(result(
+                    t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
+                    ends=dict(t.ends), candidates=t.done))
+            yield records[p]
+        if not pending:
+            return
+        grow([t for t in trees if t.groups], block, propose, score, count, opts, seed_of)
+
+
+def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
+                render=lambda prompt: prompt, count=lambda question, text: 0, settings: dict = None,
+                skip_invalid=False, show=True) -> dict:
+    """Searches every problem (dataset: a path, or read_input's answer) at every seed into `output`,
+    a line per problem and seed appended as it ends; a rerun continues it (redoing an unfinished
+    block of problems whole, for the same results), refused with other settings. render(prompt): the
+    text the policy continues; count(question, text): the PRM's tokens. Returns summary()."""
+    from tqdm import tqdm
+    rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
+    settings = json.loads(json.dumps({**dataclasses.asdict(opts), **(settings or {}),
+                                      "dataset": digest}))
+    side, sep = output + ".settings", opts.step_separator
+    if not os.path.isfile(side):
+        write_lines(side, [json.dumps(settings, indent=1)])
+    with locked(output):
+        old = read_settings(side)
+        diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
+        check([f"{output} was searched with other settings: {', '.join(diff)}; rerun with those to "
+               "continue it, or pass another --output"] if diff else [])
+        done = finished(output)
+        write_lines(output, [line for lines in done.values() for line in lines])  # drops a cut line
+        bar = tqdm(total=len(rows) * len(opts.seeds), initial=len(done) * len(opts.seeds),
+                   desc="searching", disable=not show or None)
+        for b in range(0, len(rows), opts.problems):
+            if all(i in done for i, _ in rows[b:b + opts.problems]):
+                continue
+            block = [Problem(i, row, text + ("" if text[-1:].isspace() else sep),
+                             judge(str(row[opts.answer_field]), opts))
+                     for i, row in rows[b:b + opts.problems] for text in [render(row["prompt"])]]
+            for seed in opts.seeds:
+                for rec in search_block(block, propose, score, count, opts, seed):
+                    if rec["row"] not in done:
+                        write_lines(output, [json.dumps(rec, ensure_ascii=False)], "a")
+                        bar.update()
+        bar.close()
+    with open(output, encoding="utf-8") as f:
+        return summary([json.loads(line) for line in f], opts)
+
+
+def summary(records: list, opts) -> dict:
+    """{problems, seeds, results: {method: {N: {accuracy, min, max, policy_tokens, prm_tokens,
+    seconds}}}}: accuracy over each seed's problems, its mean, min and max over seeds; mean
+    costs."""
+    by = collections.defaultdict(list)  # (method, N, seed) -> results
+    for r in records:
+        for x in r["results"]:
+            by[x["method"], x["n"], r["seed"]].append(x)
+    out = {}
+    for m, n in itertools.product(opts.methods, opts.n):
+        accs = [statistics.fmean(x["correct"] for x in by[m, n, s])
+                for s in opts.seeds if by[m, n, s]]
+        flat = [x for s in opts.seeds for x in by[m, n, s]]
+        if flat:
+            costs = {k: statistics.fmean(x[k] for x in flat) for k in COSTS}
+            out.setdefault(m, {})[str(n)] = {"accuracy": statistics.fmean(accs), "min": min(accs),
+                                             "max": max(accs), **costs}
+    return {"problems": len({r["row"] for r in records}), "seeds": list(opts.seeds), "results": out}
+
+
+def table(out: dict) -> str:
+    """summary() as text: accuracy, its range over seeds, mean costs; a row per method and N."""
+    lines = [f"{'method':<10}{'N':>5}{'accuracy':>10}{'seed range':>14}"
+             + "".join(f"{c:>14}" for c in COSTS)]
+    for m, by_n in out["results"].items():
+        for n, r in by_n.items():
+            spread = f"{r['min']:.3f}-{r['max']:.3f}"
+            lines.append(f"{m:<10}{n:>5}{r['accuracy']:>10.3f}{spread:>14}"
+                         + "".join(f"{r[c]:>14.4g}" for c in COSTS))
+    return "\n".join(lines + [f"{out['problems']} problems, seeds {out['seeds']}"])
+
+
+def main(argv=None):
+    with exit_status():  # a bad flag too: one line and exit status 2
+        p = Parser(prog="python -m prm.search", description="Search a policy's answers with a PRM.")
+        p.add_argument("--dataset", required=True, help="problems with a reference answer, read as "
+                       "prm.label reads its input")
+        p.add_argument("--output", required=True, help="the .jsonl written, a line per problem and "
+                       "seed; a rerun continues it")
+        p.add_argument("--model", required=True, help="the PRM, as eval.py's --model: a directory "
+                       "written by train.py or any 2-label token classifier")
+        ScorerOptions.add_flags(p)
+        p.add_argument("--skip-invalid", action="store_true",
+                       help="leave out invalid rows, not exit 2")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="allow the models' own code")
+        for f in dataclasses.fields(SearchOptions):
+            p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
+        a = p.parse_args(argv)
+        opts = SearchOptions(**{f.name: getattr(a, f.name)
+                                for f in dataclasses.fields(SearchOptions)})
+        problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
+        from prm.scoring.reward import PRMReward
+        scoring = dataclasses.asdict(ScorerOptions.of(a))
+        reward = PRMReward(a.model, opts.aggregate, batch_size=opts.batch_size,  # before the policy
+                           trust_remote_code=a.trust_remote_code, **scoring)
+        if reward.step_separator != opts.step_separator:
+            print(f"note: the PRM splits steps at {reward.step_separator!r}, the policy ends them "
+                  f"at {opts.step_separator!r}", file=sys.stderr)
+        gen, tok = Generator(opts, device=reward.device, trust_remote_code=a.trust_remote_code), \
+            reward.tokenizer
+
+        def count(question, text):  # the PRM's tokens: the problem's and the solution's text
+            question = question if isinstance(question, str) else \
+                "\n".join(m["content"] for m in question)
+            return len(tok(question + reward.step_separator + text)["input_ids"])
+        try:
+            out = search_file(problems, a.output, gen, reward.score, opts, render=gen.render,
+                              count=count, settings={"model": a.model, **scoring})
+        except KeyboardInterrupt:
+            raise Stopped("stopped by SIGINT; run the same command again to continue",
+                          signal.SIGINT) from None
+        print(table(out), file=sys.stderr)
+        print(json.dumps(out), flush=True)

@@ -1,0 +1,224 @@
+"""prm.searching.search: beam search and DVTS against a brute-force reference on a scripted policy and PRM,
+beams kept within their problem, broken policies, tokens counted, resume after a kill, bad input refused
+before any model loads, PRMReward.score's shape, every method end to end with tiny Hugging Face models."""
+import collections
+import hashlib
+import json
+import os
+import random
+
+import pytest
+
+from prm.errors import UsageError
+from prm.labeling.label import extract_answer
+from prm.searching.search import SearchOptions, main, pick, search_file
+
+SEP = "\n"
+
+
+def proposal(prefix: str, j: int, stop, seed=0) -> str:
+    """The scripted policy's j-th text from `prefix`: a step, a final answer, an empty step or a cut one;
+    each names its problem (p<index>)."""
+    rng = random.Random(f"{prefix}|{j}|{seed}")
+    r, a, p = rng.random(), rng.randrange(3), "p" + prefix.split()[1][:-1]
+    if stop is None:  # a whole solution
+        return f"s{a}{j}{p}{SEP}{p}: the answer is {a}"
+    if r < 0.08:
+        return rng.choice(["", SEP, " " + SEP])
+    if r < 0.13:
+        return f"cut{a}{p}"  # usage marks it cut by max_new_tokens
+    if r < 0.35 or prefix.count(SEP) > 6:
+        return f"{p}: so the answer is {a}"
+    return f"s{a}{j}{p}{SEP}"
+
+
+def scripted_policy(log=None, seeded=False, stop_after=None):
+    """propose() of proposal(): the k-th copy of a prefix in a call gets its texts k*n .. k*n + n - 1; `log`
+    keeps each call's prefixes; the call after `stop_after` calls raises KeyboardInterrupt."""
+    calls = []
+
+    def propose(prefixes, n, seed, stop):
+        if stop_after is not None and len(calls) >= stop_after:
+            raise KeyboardInterrupt
+        calls.append(list(prefixes))
+        if log is not None:
+            log.append(list(prefixes))
+        seen = collections.Counter()
+        outs = []
+        for p in prefixes:
+            seen[p] += 1
+            outs.append([proposal(p, (seen[p] - 1) * n + j, stop, seed * seeded) for j in range(n)])
+        propose.usage = [[(len(t), t.startswith("cut")) for t in ts] for ts in outs]
+        return outs
+    return propose
+
+
+def step_score(question: str, steps: list) -> float:
+    return int(hashlib.sha256(repr((question, steps)).encode()).hexdigest()[:8], 16) / 16 ** 8
+
+
+def scripted_score(questions, outputs):
+    """P per step: a hash of the question and the steps up to it."""
+    steps = [[[s for s in text.split(SEP) if s.strip()] for text in texts] for texts in outputs]
+    return [[[step_score(q, s[:k + 1]) for k in range(len(s))] for s in ss] for q, ss in zip(questions, steps)]
+
+
+def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps: int) -> tuple:
+    """(the prefixes extended, the finished beams' steps sorted, the weighted vote's answer) of one problem
+    searched alone, written as plainly as the method reads."""
+    w = min(n, m)
+    groups = [[()] * (n // w)] if method == "beam" else [[()] for _ in range(n // w)]
+    keep = n // w if method == "beam" else 1
+    extended, done = [], []
+    for _ in range(max_steps):
+        seen = collections.Counter()
+        for gi, group in enumerate(groups):
+            going = []
+            for beam in group:
+                prefix = text + "".join(s + SEP for s in beam)
+                extended.append(prefix)
+                seen[prefix] += 1
+                for j in range(w):
+                    head, found, _ = proposal(prefix, (seen[prefix] - 1) * w + j, SEP).partition(SEP)
+                    if not head.strip():
+                        done.append(beam)
+                    elif found:
+                        going.append(beam + (head,))
+                    else:
+                        done.append(beam + (head,))
+            going.sort(key=lambda b: -step_score(question, list(b)))
+            groups[gi] = going[:keep]
+    done += [b for g in groups for b in g]
+    votes = collections.defaultdict(float)
+    for beam in done:
+        answer = extract_answer(SEP.join(beam))
+        if answer is not None:
+            votes[answer] += step_score(question, list(beam)) if beam else 0
+    return extended, sorted(map(list, done)), max(votes, key=votes.get) if votes else None
+
+
+def write_problems(path, n=5, **extra):
+    rows = [{"id": f"p{i}", "prompt": f"problem {i}:", "answer": str(i % 3), **extra} for i in range(n)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+def run(tmp_path, name="out.jsonl", propose=None, rows=5, **opts):
+    """search_file's summary and output lines."""
+    out = str(tmp_path / name)
+    summary = search_file(write_problems(tmp_path / "p.jsonl", rows), out, propose or scripted_policy(),
+                          scripted_score, SearchOptions(**opts), show=False)
+    with open(out) as f:
+        return summary, [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("method,n", [("beam", 8), ("dvts", 8), ("beam", 4), ("dvts", 2), ("beam", 1)])
+def test_beam_and_dvts_equal_a_brute_force_reference(tmp_path, method, n):
+    log = []
+    _, records = run(tmp_path, propose=scripted_policy(log), methods=(method,), n=(n,), beam_width=2,
+                     max_steps=5, problems=3)
+    assert sorted(r["row"] for r in records) == list(range(5))
+    want = []
+    for r in records:
+        [x] = r["results"]
+        extended, done, answer = brute_force(f"problem {r['row']}:{SEP}", f"problem {r['row']}:", method, n,
+                                             2, 5)
+        assert sorted(c["steps"] for c in x["candidates"]) == done
+        assert x["answer"] == answer and x["correct"] == (answer == str(r["row"] % 3))
+        assert sum(x["ends"].values()) == len(done)
+        want += extended
+    # the same beams survive each step: the prefixes extended are the reference's
+    assert sorted(p for call in log for p in call) == sorted(want)
+    for call in log:  # one step per call, the beams of its group of problems only
+        assert len({p.count(SEP) for p in call}) == 1 and len({int(p.split()[1][:-1]) // 3 for p in call}) == 1
+
+
+def test_beams_stay_in_their_problem_and_beam_and_dvts_differ(tmp_path):
+    _, records = run(tmp_path, methods=("beam", "dvts", "weighted"), n=(1, 4, 8), beam_width=2, max_steps=5,
+                     problems=3)
+    for r in records:
+        cands = [c for x in r["results"] for c in x.get("candidates", [])] + r["samples"]
+        assert cands and all(f"p{r['row']}" in step for c in cands for step in c["steps"])
+    results = {(r["row"], x["method"], x["n"]): x["candidates"] for r in records for x in r["results"]
+               if "candidates" in x}
+    assert any(results[k] != results[k[0], "dvts", k[2]] for k in results if k[1] == "beam")
+    ends = collections.Counter(c["end"] for x in results.values() for c in x)
+    assert set(ends) == {"eos", "empty", "cut", "max_steps"}  # the scripted policy's every kind of end
+
+
+def test_pick_majority_best_of_n_weighted():
+    cands = [{"answer": "1", "scores": [0.9, 0.2]}, {"answer": "2", "scores": [0.5, 0.6]},
+             {"answer": " 2", "scores": [0.1, 0.3]}, {"answer": None, "scores": [1.0, 1.0]},
+             {"answer": "1.", "scores": [0.5, 0.45]}]
+    assert pick(cands, "majority", "last") == 0  # "1" and "1." tie with "2" and " 2": the first answer
+    assert pick(cands, "best-of-n", "last") == 3 and pick(cands[:3], "best-of-n", "min") == 1
+    assert pick(cands, "weighted", "last") == 1  # 0.6 + 0.3 > 0.2 + 0.45
+    assert pick(cands, "weighted", "min") == 0  # 0.2 + 0.45 > 0.5 + 0.1
+    assert pick([{"answer": None, "scores": []}], "majority", "last") is None
+    assert pick([], "best-of-n", "min") is None
+
+
+def test_sampled_methods_take_the_first_n_and_count_their_costs(tmp_path):
+    _, records = run(tmp_path, methods=("majority", "best-of-n", "weighted"), n=(1, 3), problems=2)
+    for r in records:
+        assert len(r["samples"]) == 3 and all(c["policy_tokens"] > 0 for c in r["samples"])
+        for x in r["results"]:
+            first = r["samples"][:x["n"]]
+            assert x["policy_tokens"] == sum(c["policy_tokens"] for c in first)
+            assert x["answer"] == first[pick(first, x["method"], "last")]["answer"]
+            assert x["prm_tokens"] == 0  # count() is not given: no PRM tokens counted
+
+
+def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
+    def policy(text):
+        def propose(prefixes, n, seed, stop):
+            propose.usage = [[(5, text == "no end")] * n for _ in prefixes]
+            return [[text] * n for _ in prefixes]
+        return propose
+    cases = [("", "empty", 0), (SEP, "empty", 0), (" \t" + SEP, "empty", 0), ("no end", "cut", 1),
+             ("the answer is 0", "eos", 1), ("s" + SEP, "max_steps", 3)]
+    for k, (text, end, steps) in enumerate(cases):
+        _, records = run(tmp_path, f"{k}.jsonl", policy(text), problems=2, methods=("beam", "dvts"),
+                         n=(2, 4), beam_width=2, max_steps=3)
+        for x in (x for r in records for x in r["results"]):
+            # beam and dvts alike: N/M beams from the root, each proposing M; all ending alike
+            beams = x["n"] // 2 if end == "max_steps" else x["n"]
+            assert x["ends"] == {end: beams} and {len(c["steps"]) for c in x["candidates"]} == {steps}
+            assert x["policy_tokens"] == 5 * x["n"] * max(steps, 1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(policy, PRM): a tiny random causal LM and a tiny PRM, both with the character tokenizer."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from prm.readers.synthetic import char_tokenizer
+    from prm.training.build import tiny_config
+    from test_reward import save_tiny
+    policy, tokenizer = str(tmp_path_factory.mktemp("policy")), char_tokenizer()
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_config(tokenizer)).save_pretrained(policy)
+    tokenizer.save_pretrained(policy)
+    return policy, save_tiny(str(tmp_path_factory.mktemp("prm")))
+
+
+def test_every_method_end_to_end_with_hugging_face_models(models, tmp_path, capsys):
+    policy, prm = models
+    data, out = write_problems(tmp_path / "p.jsonl", 3), str(tmp_path / "out.jsonl")
+    argv = ["--dataset", data, "--output", out, "--policy", policy, "--model", prm, "--n", "1,2",
+            "--beam-width", "2", "--max-new-tokens", "6", "--max-steps", "2", "--problems", "2",
+            "--step-separator", "=", "--temperature", "1.0"]
+    main(argv)
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["problems"] == 3 and set(summary["results"]) == {"majority", "best-of-n", "weighted", "beam",
+                                                                  "dvts"}
+    assert all(set(by_n) == {"1", "2"} for by_n in summary["results"].values())
+    with open(out) as f:
+        records = [json.loads(line) for line in f]
+    for x in (x for r in records for x in r["results"]):
+        assert x["policy_tokens"] > 0 and (x["prm_tokens"] > 0) == (x["method"] != "majority")
+        for c in x.get("candidates", []):  # a step ended at the separator, or the beam ended there
+            assert all("=" not in s for s in c["steps"]) and c["end"] in ("eos", "cut", "empty", "max_steps")
+    main(argv)  # the finished file: nothing searched again, the same summary
+    assert json.loads(capsys.readouterr().out) == summary
