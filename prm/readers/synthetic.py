@@ -36,13 +36,14 @@ def make_rows(n: int, seed: int) -> list:
             labels.append(slip < 0 or s < slip)
             x = y
         rows.append({"id": f"synthetic-{seed}-{i}", "prompt": f"count {n_steps} steps from {start}:",
-                     "completions": steps, "labels": labels, "answer": str((start + n_steps) % 10)})
+                     "completions": steps, "labels": labels,
+                     "answer": str((start + n_steps) % 10)})
     return rows
 
 
 def step_truth(prompt: str, steps: list) -> list:
-    """Whether each step of a solution to a `make_rows` prompt is right: it follows the chain from the start,
-    within the count; the last step right only if it ends on the answer."""
+    """Whether each step of a solution to a `make_rows` prompt is right: it follows the chain from
+    the start, within the count; the last step right only if it ends on the answer."""
     count, x = map(int, re.findall(r"\d+", prompt))
     truth = []
     for k, step in enumerate(steps):
