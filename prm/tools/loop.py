@@ -150,17 +150,19 @@ def bench(folder: str, rows: int, test: int, quality_rows: int):
         out = done.stdout.strip().splitlines()[-1] if name == "search" else out
     with open(os.path.join(folder, "labels.jsonl"), encoding="utf-8") as f:
         solved = [json.loads(line) for line in f]
-    slips = [s.startswith(f"{SLIP}+1=") and s != f"{SLIP}+1={SLIP + 1}" for x in solved
-             for s in x["completions"] if s.startswith(f"{SLIP}+1=")]
+    slips = [s != f"{SLIP}+1={SLIP + 1}" for x in solved for s in x["completions"]
+             if s.startswith(f"{SLIP}+1=")]
     print("times: " + "; ".join(times))
     right = share([all(step_truth(x["prompt"], x["completions"])) for x in solved])
     print(f"policy: {right:.3f} of {len(solved)} sampled solutions right; from {SLIP} it slips in "
           f"{share(slips):.3f}")
     print("".join(f"{h:>9}" for h in ("rollouts", "label", "search", "right", "prec", "recall",
                                         "spent")))
+    start, cpu = time.time(), time.process_time()
     for q in label_quality(folder, os.path.join(folder, "policy"), quality_rows):
         print(f"{q['rollouts']:>9}{q['label']:>9}{q['search']:>9}{q['right_side']:>9.3f}"
               f"{q['precision']:>9.3f}{q['recall']:>9.3f}{q['rollouts_per_solution']:>9.1f}")
+    print(f"label grid {time.time() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU")
     print(table(json.loads(out)))
 
 
