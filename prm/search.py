@@ -1,4 +1,4 @@
-"""`python -m prm.search`: PRM-guided search of a policy's answers. The code: prm/searching/search.py."""
+"""`python -m prm.search`: PRM-guided search. The code: prm/searching/search.py."""
 from prm.searching.search import main
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""prm.searching.search: beam search and DVTS against a brute-force reference on a scripted policy and PRM,
-beams kept within their problem, broken policies, tokens counted, resume after a kill, bad input refused
-before any model loads, PRMReward.score's shape, every method end to end with tiny Hugging Face models."""
+"""prm.searching.search: beam search and DVTS against a brute-force reference on a scripted policy
+and PRM, beams kept within their problem, broken policies, tokens counted, resume after a kill, bad
+input refused before any model loads, PRMReward.score's shape, every method end to end with tiny
+Hugging Face models."""
 import collections
 import hashlib
 import json
@@ -11,14 +12,14 @@ import pytest
 
 from prm.errors import UsageError
 from prm.labeling.label import extract_answer
-from prm.searching.search import SearchOptions, main, pick, search_file
+from prm.searching.search import Problem, SearchOptions, main, pick, search_block, search_file
 
 SEP = "\n"
 
 
 def proposal(prefix: str, j: int, stop, seed=0) -> str:
-    """The scripted policy's j-th text from `prefix`: a step, a final answer, an empty step or a cut one;
-    each names its problem (p<index>)."""
+    """The scripted policy's j-th text from `prefix`: a step, a final answer, an empty step or a cut
+    one; each names its problem (p<index>)."""
     rng = random.Random(f"{prefix}|{j}|{seed}")
     r, a, p = rng.random(), rng.randrange(3), "p" + prefix.split()[1][:-1]
     if stop is None:  # a whole solution
@@ -33,8 +34,8 @@ def proposal(prefix: str, j: int, stop, seed=0) -> str:
 
 
 def scripted_policy(log=None, seeded=False, stop_after=None):
-    """propose() of proposal(): the k-th copy of a prefix in a call gets its texts k*n .. k*n + n - 1; `log`
-    keeps each call's prefixes; the call after `stop_after` calls raises KeyboardInterrupt."""
+    """propose() of proposal(): the k-th copy of a prefix in a call gets texts k*n .. k*n + n - 1;
+    `log` keeps each call's prefixes; the call after `stop_after` calls raises KeyboardInterrupt."""
     calls = []
 
     def propose(prefixes, n, seed, stop):
@@ -60,12 +61,13 @@ def step_score(question: str, steps: list) -> float:
 def scripted_score(questions, outputs):
     """P per step: a hash of the question and the steps up to it."""
     steps = [[[s for s in text.split(SEP) if s.strip()] for text in texts] for texts in outputs]
-    return [[[step_score(q, s[:k + 1]) for k in range(len(s))] for s in ss] for q, ss in zip(questions, steps)]
+    return [[[step_score(q, s[:k + 1]) for k in range(len(s))] for s in ss]
+            for q, ss in zip(questions, steps)]
 
 
 def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps: int) -> tuple:
-    """(the prefixes extended, the finished beams' steps sorted, the weighted vote's answer) of one problem
-    searched alone, written as plainly as the method reads."""
+    """(the prefixes extended, the finished beams' steps sorted, the weighted vote's answer) of one
+    problem searched alone, written as plainly as the method reads."""
     w = min(n, m)
     groups = [[()] * (n // w)] if method == "beam" else [[()] for _ in range(n // w)]
     keep = n // w if method == "beam" else 1
@@ -79,7 +81,8 @@ def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps
                 extended.append(prefix)
                 seen[prefix] += 1
                 for j in range(w):
-                    head, found, _ = proposal(prefix, (seen[prefix] - 1) * w + j, SEP).partition(SEP)
+                    out = proposal(prefix, (seen[prefix] - 1) * w + j, SEP)
+                    head, found, _ = out.partition(SEP)
                     if not head.strip():
                         done.append(beam)
                     elif found:
@@ -98,32 +101,35 @@ def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps
 
 
 def write_problems(path, n=5, **extra):
-    rows = [{"id": f"p{i}", "prompt": f"problem {i}:", "answer": str(i % 3), **extra} for i in range(n)]
+    rows = [{"id": f"p{i}", "prompt": f"problem {i}:", "answer": str(i % 3), **extra}
+            for i in range(n)]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return str(path)
 
 
-def run(tmp_path, name="out.jsonl", propose=None, rows=5, **opts):
+def run(tmp_path, name="out.jsonl", propose=None, rows=5, count=lambda q, text: 0, **opts):
     """search_file's summary and output lines."""
     out = str(tmp_path / name)
-    summary = search_file(write_problems(tmp_path / "p.jsonl", rows), out, propose or scripted_policy(),
-                          scripted_score, SearchOptions(**opts), show=False)
+    summary = search_file(write_problems(tmp_path / "p.jsonl", rows), out,
+                          propose or scripted_policy(), scripted_score, SearchOptions(**opts),
+                          count=count, show=False)
     with open(out) as f:
         return summary, [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("method,n", [("beam", 8), ("dvts", 8), ("beam", 4), ("dvts", 2), ("beam", 1)])
+@pytest.mark.parametrize("method,n",
+                         [("beam", 8), ("dvts", 8), ("beam", 4), ("dvts", 2), ("beam", 1)])
 def test_beam_and_dvts_equal_a_brute_force_reference(tmp_path, method, n):
     log = []
-    _, records = run(tmp_path, propose=scripted_policy(log), methods=(method,), n=(n,), beam_width=2,
-                     max_steps=5, problems=3)
+    _, records = run(tmp_path, propose=scripted_policy(log), methods=(method,), n=(n,),
+                     beam_width=2, max_steps=5, problems=3)
     assert sorted(r["row"] for r in records) == list(range(5))
     want = []
     for r in records:
         [x] = r["results"]
-        extended, done, answer = brute_force(f"problem {r['row']}:{SEP}", f"problem {r['row']}:", method, n,
-                                             2, 5)
+        question = f"problem {r['row']}:"
+        extended, done, answer = brute_force(question + SEP, question, method, n, 2, 5)
         assert sorted(c["steps"] for c in x["candidates"]) == done
         assert x["answer"] == answer and x["correct"] == (answer == str(r["row"] % 3))
         assert sum(x["ends"].values()) == len(done)
@@ -131,27 +137,43 @@ def test_beam_and_dvts_equal_a_brute_force_reference(tmp_path, method, n):
     # the same beams survive each step: the prefixes extended are the reference's
     assert sorted(p for call in log for p in call) == sorted(want)
     for call in log:  # one step per call, the beams of its group of problems only
-        assert len({p.count(SEP) for p in call}) == 1 and len({int(p.split()[1][:-1]) // 3 for p in call}) == 1
+        assert len({p.count(SEP) for p in call}) == 1
+        assert len({int(p.split()[1][:-1]) // 3 for p in call}) == 1
 
 
 def test_beams_stay_in_their_problem_and_beam_and_dvts_differ(tmp_path):
-    _, records = run(tmp_path, methods=("beam", "dvts", "weighted"), n=(1, 4, 8), beam_width=2, max_steps=5,
-                     problems=3)
+    _, records = run(tmp_path, methods=("beam", "dvts", "weighted"), n=(1, 4, 8), beam_width=2,
+                     max_steps=5, problems=3)
     for r in records:
         cands = [c for x in r["results"] for c in x.get("candidates", [])] + r["samples"]
         assert cands and all(f"p{r['row']}" in step for c in cands for step in c["steps"])
-    results = {(r["row"], x["method"], x["n"]): x["candidates"] for r in records for x in r["results"]
-               if "candidates" in x}
+    results = {(r["row"], x["method"], x["n"]): x["candidates"]
+               for r in records for x in r["results"] if "candidates" in x}
     assert any(results[k] != results[k[0], "dvts", k[2]] for k in results if k[1] == "beam")
     ends = collections.Counter(c["end"] for x in results.values() for c in x)
-    assert set(ends) == {"eos", "empty", "cut", "max_steps"}  # the scripted policy's every kind of end
+    assert set(ends) == {"eos", "empty", "cut", "max_steps"}  # every kind of end happens
+
+
+def test_a_problem_is_done_as_soon_as_its_beams_end(tmp_path):
+    log = []
+
+    def propose(prefixes, n, seed, stop):  # problem 0 answers at once, problem 1 never ends
+        log.append(prefixes)
+        return [["the answer is 0" if p.startswith("problem 0") else "s" + SEP] * n
+                for p in prefixes]
+    block = [Problem(i, {"prompt": f"problem {i}:", "answer": "0"}, f"problem {i}:{SEP}", bool)
+             for i in range(2)]
+    opts = SearchOptions(methods=("beam",), n=(2,), beam_width=2, max_steps=5)
+    got = [(r["row"], len(log)) for r in search_block(block, propose, scripted_score,
+                                                       lambda q, t: 0, opts, 0)]
+    assert got == [(0, 1), (1, 5)] and [len(call) for call in log] == [2, 1, 1, 1, 1]
 
 
 def test_pick_majority_best_of_n_weighted():
     cands = [{"answer": "1", "scores": [0.9, 0.2]}, {"answer": "2", "scores": [0.5, 0.6]},
              {"answer": " 2", "scores": [0.1, 0.3]}, {"answer": None, "scores": [1.0, 1.0]},
              {"answer": "1.", "scores": [0.5, 0.45]}]
-    assert pick(cands, "majority", "last") == 0  # "1" and "1." tie with "2" and " 2": the first answer
+    assert pick(cands, "majority", "last") == 0  # "1", "1." tie with "2", " 2": the first answer
     assert pick(cands, "best-of-n", "last") == 3 and pick(cands[:3], "best-of-n", "min") == 1
     assert pick(cands, "weighted", "last") == 1  # 0.6 + 0.3 > 0.2 + 0.45
     assert pick(cands, "weighted", "min") == 0  # 0.2 + 0.45 > 0.5 + 0.1
@@ -160,14 +182,32 @@ def test_pick_majority_best_of_n_weighted():
 
 
 def test_sampled_methods_take_the_first_n_and_count_their_costs(tmp_path):
-    _, records = run(tmp_path, methods=("majority", "best-of-n", "weighted"), n=(1, 3), problems=2)
+    _, records = run(tmp_path, methods=("majority", "best-of-n", "weighted"), n=(1, 3), problems=2,
+                     count=lambda question, text: len(question + text))
     for r in records:
-        assert len(r["samples"]) == 3 and all(c["policy_tokens"] > 0 for c in r["samples"])
+        texts = [proposal(f"problem {r['row']}:{SEP}", j, None) for j in range(3)]
+        assert [c["policy_tokens"] for c in r["samples"]] == list(map(len, texts))
+        question = f"problem {r['row']}:"
+        assert [c["prm_tokens"] for c in r["samples"]] == [len(question + t) for t in texts]
         for x in r["results"]:
             first = r["samples"][:x["n"]]
             assert x["policy_tokens"] == sum(c["policy_tokens"] for c in first)
+            prm = sum(c["prm_tokens"] for c in first)
+            assert x["prm_tokens"] == (prm if x["method"] != "majority" else 0)
             assert x["answer"] == first[pick(first, x["method"], "last")]["answer"]
-            assert x["prm_tokens"] == 0  # count() is not given: no PRM tokens counted
+
+
+def test_a_policy_giving_too_few_texts_or_a_chat_prompt_without_render_is_refused(tmp_path):
+    few = lambda prefixes, n, seed, stop: [["the answer is 1"] * (n - 1) for _ in prefixes]  # noqa
+    with pytest.raises(UsageError, match=r"propose\(\) must give 4 texts for each of its 2 "):
+        run(tmp_path, "few.jsonl", few, rows=2, methods=("beam",), n=(4,), beam_width=4)
+    data = write_problems(tmp_path / "chat.jsonl", 1)
+    chat = [{"role": "user", "content": "problem 0:"}]
+    with open(data, "w") as f:
+        f.write(json.dumps({"prompt": chat, "answer": "0"}) + "\n")
+    with pytest.raises(UsageError, match="a chat prompt needs render="):
+        search_file(data, str(tmp_path / "c.jsonl"), scripted_policy(), scripted_score,
+                    SearchOptions(), show=False)
 
 
 def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
@@ -180,12 +220,14 @@ def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
              ("the answer is 0", "eos", 1), ("s" + SEP, "max_steps", 3)]
     for k, (text, end, steps) in enumerate(cases):
         _, records = run(tmp_path, f"{k}.jsonl", policy(text), problems=2, methods=("beam", "dvts"),
-                         n=(2, 4), beam_width=2, max_steps=3)
+                         n=(2, 4), beam_width=2, max_steps=3, count=lambda q, t: 11)
         for x in (x for r in records for x in r["results"]):
             # beam and dvts alike: N/M beams from the root, each proposing M; all ending alike
             beams = x["n"] // 2 if end == "max_steps" else x["n"]
-            assert x["ends"] == {end: beams} and {len(c["steps"]) for c in x["candidates"]} == {steps}
+            assert x["ends"] == {end: beams}
+            assert {len(c["steps"]) for c in x["candidates"]} == {steps}
             assert x["policy_tokens"] == 5 * x["n"] * max(steps, 1)
+            assert x["prm_tokens"] == (end != "empty") * x["n"] * max(steps, 1) * 11
 
 
 @pytest.fixture(scope="module")
@@ -211,14 +253,121 @@ def test_every_method_end_to_end_with_hugging_face_models(models, tmp_path, caps
             "--step-separator", "=", "--temperature", "1.0"]
     main(argv)
     summary = json.loads(capsys.readouterr().out)
-    assert summary["problems"] == 3 and set(summary["results"]) == {"majority", "best-of-n", "weighted", "beam",
-                                                                  "dvts"}
+    assert summary["problems"] == 3
+    assert set(summary["results"]) == {"majority", "best-of-n", "weighted", "beam", "dvts"}
     assert all(set(by_n) == {"1", "2"} for by_n in summary["results"].values())
     with open(out) as f:
         records = [json.loads(line) for line in f]
     for x in (x for r in records for x in r["results"]):
         assert x["policy_tokens"] > 0 and (x["prm_tokens"] > 0) == (x["method"] != "majority")
         for c in x.get("candidates", []):  # a step ended at the separator, or the beam ended there
-            assert all("=" not in s for s in c["steps"]) and c["end"] in ("eos", "cut", "empty", "max_steps")
+            assert all("=" not in s for s in c["steps"])
+            assert c["end"] in ("eos", "cut", "empty", "max_steps")
     main(argv)  # the finished file: nothing searched again, the same summary
     assert json.loads(capsys.readouterr().out) == summary
+
+
+def test_generator_ends_each_text_after_its_first_stop_and_counts_tokens(models):
+    import torch
+    from prm.labeling.label import Generator, LabelOptions
+    gen = Generator(LabelOptions(policy=models[0], max_new_tokens=12, temperature=1.0),
+                    device=torch.device("cpu"))
+    prompts = ["problem 1:\n", "problem 2:\n"]
+    free, free_usage = gen(prompts, 3, 0), gen.usage
+    stop = free[0][0][2]  # the first text ends after its third character
+    texts = gen(prompts, 3, 0, stop)
+    assert texts[0][0] == free[0][0][:free[0][0].index(stop) + 1]
+    assert any(cut for use in free_usage for _, cut in use)  # 12 tokens, no EOS: cut
+    for ts, fs, use, free_use in zip(texts, free, gen.usage, free_usage):
+        for t, f, (k, cut), (free_k, free_cut) in zip(ts, fs, use, free_use):
+            # the same samples, each ended at its first stop; the tokens made, no more
+            assert t == (f[:f.index(stop) + 1] if stop in f else f)
+            assert (k, cut) == (free_k, free_cut) if stop not in f else k <= free_k and not cut
+    greedy = Generator(LabelOptions(policy=models[0], max_new_tokens=5, temperature=0.0),
+                       device=torch.device("cpu"))
+    assert greedy(prompts, 3, 0) and len(greedy.usage) == 2
+    assert all(use[0][0] > 0 and [k for k, _ in use[1:]] == [0, 0] for use in greedy.usage)
+
+
+def timeless(records: list) -> list:
+    """The records without their seconds (the one figure a rerun changes)."""
+    return sorted(json.dumps({**r, "results": [{**x, "seconds": 0} for x in r["results"]]})
+                  for r in records)
+
+
+def test_a_rerun_after_a_kill_continues_to_the_same_results(tmp_path):
+    opts = dict(methods=("majority", "best-of-n", "weighted", "beam", "dvts"), n=(1, 4),
+                beam_width=2, max_steps=4, problems=2, seeds=(0, 1))
+    whole, records = run(tmp_path, "whole.jsonl", scripted_policy(seeded=True), **opts)
+    seeds = [[r for r in records if r["seed"] == s] for s in (0, 1)]
+    assert timeless(seeds[0]) != timeless([{**r, "seed": 0} for r in seeds[1]])  # seeds matter
+    out = tmp_path / "out.jsonl"
+    for calls in (8, 20):  # killed twice, part of the way
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path, "out.jsonl", scripted_policy(seeded=True, stop_after=calls), **opts)
+        assert 0 < len(out.read_text().splitlines()) < len(records)
+    with open(out, "a") as f:
+        f.write('{"row": 4, "lines": 2, "se')  # a line a kill cut short
+    again, resumed = run(tmp_path, "out.jsonl", scripted_policy(seeded=True), **opts)
+    assert timeless(resumed) == timeless(records)
+    assert {m: {n: {k: v for k, v in r.items() if k != "seconds"} for n, r in by_n.items()}
+            for m, by_n in again["results"].items()} == \
+        {m: {n: {k: v for k, v in r.items() if k != "seconds"} for n, r in by_n.items()}
+         for m, by_n in whole["results"].items()}
+    with pytest.raises(UsageError, match="searched with other settings: max_steps 4 \\(now 3\\)"):
+        run(tmp_path, "out.jsonl", **{**opts, "max_steps": 3})
+
+
+def exits(argv: list, capsys) -> tuple:
+    """(main's exit status, its stderr lines)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--n", "1,6"], "--n 6: not a multiple of --beam-width 4 (beam and dvts keep N/M beams)"),
+    (["--methods", "beam,greedy"], "--methods: unknown 'greedy' (expected some of majority, "),
+    (["--n", "0"], "--n 0: a budget must be at least 1"),
+    (["--n", "1,a"], "argument --n: invalid comma_list value: '1,a'"),
+    (["--max-steps", "0"], "--max-steps must be at least 1"),
+    (["--answer-pattern", "("], "--answer-pattern '(': not a regular expression"),
+    (["--top-p", "0"], "--top-p 0 in (0, 1]"),
+])
+def test_bad_flags_exit_2_before_any_model_loads(tmp_path, capsys, flags, message):
+    out = str(tmp_path / "o.jsonl")
+    argv = ["--dataset", write_problems(tmp_path / "p.jsonl"), "--output", out, "--policy",
+            "no-such-policy", "--model", "no-such-prm"]
+    code, err = exits(argv + flags, capsys)
+    assert code == 2 and len(err) == 1 and message in err[0] and os.listdir(tmp_path) == ["p.jsonl"]
+    # a budget below the width is searched with width N; without beam and dvts, no width
+    assert SearchOptions(n=(1, 2, 4)) and SearchOptions(methods=("weighted",), n=(6,))
+
+
+def test_no_reference_answer_or_a_prm_that_cannot_score_exits_2_first(models, tmp_path, capsys):
+    data = write_problems(tmp_path / "p.jsonl", 2)
+    with open(data, "a") as f:
+        f.write(json.dumps({"prompt": "problem 2:"}) + "\n")
+    base = ["--output", str(tmp_path / "o.jsonl"), "--policy", "no-such-policy"]
+    code, err = exits(base + ["--dataset", data, "--model", "no-such-prm"], capsys)
+    assert code == 2 and "line 3: field 'answer': missing" in "\n".join(err)
+    good = write_problems(tmp_path / "good.jsonl", 2)
+    code, err = exits(base + ["--dataset", good, "--model", models[1], "--scorer", "step-tag"],
+                      capsys)
+    assert code == 2 and err[-1].startswith("error: --scorer step-tag needs --step-tag")
+    code, err = exits(base + ["--dataset", good, "--model", str(tmp_path / "none")], capsys)
+    assert code == 2 and "none" in err[-1] and "no-such-policy" not in err[-1]
+
+
+def test_prm_reward_score_has_search_and_learns_shape(models):
+    from prm.scoring.reward import PRMReward
+    reward = PRMReward(models[1], device="cpu")
+    questions = ["count from 1:", "count from 7:", "count from 3:"]
+    outputs = [["1+1=2\n2+1=3", "1+1=3"], [], ["3+1=4\n4+1=5\n5+1=7"]]
+    got = reward.score(questions, outputs)
+    assert [[len(steps) for steps in out] for out in got] == [[2, 1], [], [3]]
+    alone = [reward.step_probs([q], [o])[0] for q, outs in zip(questions, outputs) for o in outs]
+    assert [p for out in got for steps in out for p in steps] == \
+        pytest.approx([p for steps in alone for p in steps], abs=1e-6)
+    with pytest.raises(ValueError, match="3 questions for 2 lists of outputs"):
+        reward.score(questions, outputs[:2])

@@ -327,6 +327,7 @@ class Generator:
 
     def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
+        self.stops = {}  # stop string -> its stopping criteria
 
     def tokenizer(self):
         """The policy's tokenizer, with its model, loaded at the first row."""
@@ -355,30 +356,37 @@ class Generator:
                              f"{' '.join(str(e).split())}") from None
 
     def __call__(self, prompts: list, n: int, seed: int, stop: str = None) -> list:
-        """n texts per prompt, each ended after its first `stop` if given; `usage`: per text, (tokens
-        generated, whether max_new_tokens cut it: no EOS, no stop)."""
+        """n texts per prompt, each ended after its first `stop` if given; `usage`: per text,
+        (tokens generated, whether max_new_tokens cut it: no EOS, no stop)."""
         import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
         if o.temperature > 0:
             sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
+        if stop and stop not in self.stops:  # built once: it reads the whole vocabulary
+            from transformers import StoppingCriteriaList, StopStringCriteria
+            self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
         if stop:
-            sampling.update(stop_strings=[stop], tokenizer=tok)
+            sampling.update(stopping_criteria=self.stops[stop])
         copies = n if o.temperature > 0 else 1  # greedy: one text
         flat, out, usage = [p for p in prompts for _ in range(copies)], [], []
         for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
             enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
             with torch.no_grad():
-                new = self.model.generate(**enc, **sampling)[:, enc["input_ids"].shape[1]:]  # (B, new)
+                ids = self.model.generate(**enc, **sampling)  # (B, T + new)
+            new = ids[:, enc["input_ids"].shape[1]:]  # (B, new)
             # a finished sequence is padded: its tokens end at its last non-pad one
-            made = ((new != tok.pad_token_id) * torch.arange(1, new.shape[1] + 1, device=d)).amax(1)  # (B,)
+            at = torch.arange(1, new.shape[1] + 1, device=d)  # (new,)
+            made = ((new != tok.pad_token_id) * at).amax(1)  # (B,)
             for text, k, last in zip(tok.batch_decode(new, skip_special_tokens=True), made.tolist(),
                                      new[:, -1].tolist()):
                 head, found, _ = text.partition(stop) if stop else (text, "", "")
                 out.append(head + found)
                 usage.append((k, k == o.max_new_tokens and last != tok.eos_token_id and not found))
-        self.usage = [usage[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]
+        # greedy: the copies of a prompt's one text cost no tokens
+        self.usage = [usage[i * copies:(i + 1) * copies] + [(0, usage[i][1])] * (n // copies - 1)
+                      for i in range(len(prompts))]
         return [out[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]
 
 

@@ -134,8 +134,8 @@ class PRMReward:
         return [scored.get(i, []) for i in range(len(solutions))]
 
     def score(self, questions: list, outputs: list) -> list:
-        """search-and-learn's PRM interface: outputs[i][j], a solution to questions[i] (its steps split at
-        step_separator); the answer's [i][j], that solution's step scores (P(correct) per step)."""
+        """search-and-learn's PRM interface: outputs[i][j], a solution to questions[i] (its steps
+        split at step_separator); the answer's [i][j], that solution's P(correct) per step."""
         if len(questions) != len(outputs):
             raise ValueError(f"{len(questions)} questions for {len(outputs)} lists of outputs")
         probs = self.step_probs([q for q, texts in zip(questions, outputs) for _ in texts],

@@ -14,7 +14,7 @@ import time
 
 from prm.cli import Parser
 from prm.core.metrics import AGGREGATES, solution_score
-from prm.errors import Stopped, check, exit_status
+from prm.errors import Stopped, UsageError, check, exit_status
 from prm.labeling.label import (Generator, LabelOptions, _opt, extract_answer, finished, judge,
                                 locked, normalize, read_input, read_settings, write_lines)
 from prm.readers.formats import split_steps
@@ -33,7 +33,9 @@ def _shared(name: str, **meta):
 
 
 def _list(kind):
-    return lambda text: tuple(kind(x.strip()) for x in text.split(","))
+    def comma_list(text: str) -> tuple:  # argparse's error names it
+        return tuple(kind(x.strip()) for x in text.split(","))
+    return comma_list
 
 
 @dataclasses.dataclass
@@ -80,6 +82,14 @@ class SearchOptions:
               + ([] if self.temperature >= 0 and 0 < self.top_p <= 1 else
                  [f"--temperature {self.temperature:g} must be >= 0, --top-p {self.top_p:g} in "
                   "(0, 1]"]))
+
+
+def proposed(propose, prefixes: list, n: int, seed: int, stop) -> tuple:
+    """(texts, usage: per text (tokens, cut by max_new_tokens)) of one propose call, checked."""
+    outs = propose(prefixes, n, seed, stop)
+    if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
+        raise UsageError(f"propose() must give {n} texts for each of its {len(prefixes)} prefixes")
+    return outs, getattr(propose, "usage", None) or [[(0, False)] * n for _ in prefixes]
 
 
 def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
@@ -145,9 +155,9 @@ def grow(trees: list, block: list, propose, score, count, opts, seed):
         t.groups = [[] for _ in t.groups]
     for width in sorted({t.width for t, _, _ in live}):
         keys, start = [k for k in live if k[0].width == width], time.time()
-        outs = propose([block[t.problem].text + "".join(s + sep for s in live[t, g, j][0])
-                        for t, g, j in keys], width, seed(), sep)
-        usage = getattr(propose, "usage", None) or [[(0, False)] * width for _ in keys]
+        prefixes = [block[t.problem].text + "".join(s + sep for s in live[t, g, j][0])
+                    for t, g, j in keys]
+        outs, usage = proposed(propose, prefixes, width, seed(), sep)
         took = (time.time() - start) / len(keys)
         for (t, g, j), texts, use in zip(keys, outs, usage):
             steps, scores = live[t, g, j]
@@ -179,8 +189,7 @@ def grow(trees: list, block: list, propose, score, count, opts, seed):
 def sample(block: list, records: list, propose, score, count, opts, seed):
     """max(N) solutions per problem in one propose and one PRM call; each N takes the first N."""
     methods, top, start = [m for m in opts.methods if m in SAMPLED], max(opts.n), time.time()
-    outs = propose([p.text for p in block], top, seed(), None)
-    usage = getattr(propose, "usage", None) or [[(0, False)] * top for _ in block]
+    outs, usage = proposed(propose, [p.text for p in block], top, seed(), None)
     policy_s, start = (time.time() - start) / len(block), time.time()
     probs = score([p.row["prompt"] for p in block], outs) if set(methods) - {"majority"} else \
         [[[]] * top for _ in block]
@@ -220,16 +229,17 @@ def search_block(block: list, propose, score, count, opts, seed: int):
                     t.ends["max_steps"] += 1
                     t.done.append(candidate(steps, scores, "max_steps", block[t.problem], opts))
                 t.groups = []
-        for p in sorted(q for q in pending if not any(t.groups for t in trees if t.problem == q)):
-            pending.remove(p)
+        live = {t.problem for t in trees if any(t.groups)}
+        for p in sorted(pending - live):
             for t in (t for t in trees if t.problem == p):
                 records[p]["results"].append(result(
                     t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
                     ends=dict(t.ends), candidates=t.done))
             yield records[p]
+        pending &= live
         if not pending:
             return
-        grow([t for t in trees if t.groups], block, propose, score, count, opts, seed_of)
+        grow([t for t in trees if any(t.groups)], block, propose, score, count, opts, seed_of)
 
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
@@ -258,9 +268,12 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
         for b in range(0, len(rows), opts.problems):
             if all(i in done for i, _ in rows[b:b + opts.problems]):
                 continue
+            texts = [render(row["prompt"]) for _, row in rows[b:b + opts.problems]]
+            check([] if all(isinstance(t, str) for t in texts) else
+                  ["a chat prompt needs render= (e.g. Generator(...).render: its chat template)"])
             block = [Problem(i, row, text + ("" if text[-1:].isspace() else sep),
                              judge(str(row[opts.answer_field]), opts))
-                     for i, row in rows[b:b + opts.problems] for text in [render(row["prompt"])]]
+                     for (i, row), text in zip(rows[b:b + opts.problems], texts)]
             for seed in opts.seeds:
                 for rec in search_block(block, propose, score, count, opts, seed):
                     if rec["row"] not in done:
