@@ -1,6 +1,7 @@
 """The offline default: a character tokenizer built in code and a step-labelled counting task.
 Depends on: tokenizers, transformers."""
 import random
+import re
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -34,9 +35,22 @@ def make_rows(n: int, seed: int) -> list:
             steps.append(f"{x}+1={y}")
             labels.append(slip < 0 or s < slip)
             x = y
-        rows.append({"id": f"synthetic-{seed}-{i}", "prompt": f"count from {start}:", "completions": steps,
-                     "labels": labels})
+        rows.append({"id": f"synthetic-{seed}-{i}", "prompt": f"count {n_steps} steps from {start}:",
+                     "completions": steps, "labels": labels,
+                     "answer": str((start + n_steps) % 10)})
     return rows
+
+
+def step_truth(prompt: str, steps: list) -> list:
+    """Whether each step of a solution to a `make_rows` prompt is right: it follows the chain from
+    the start, within the count; the last step right only if it ends on the answer."""
+    count, x = map(int, re.findall(r"\d+", prompt))
+    truth = []
+    for k, step in enumerate(steps):
+        ok = (not truth or truth[-1]) and k < count and step == f"{x}+1={(x + 1) % 10}"
+        truth.append(ok and (k + 1 < len(steps) or k + 1 == count))
+        x = (x + 1) % 10
+    return truth
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):

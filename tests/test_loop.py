@@ -1,0 +1,98 @@
+"""The loop (prm.tools.loop) at tiny sizes: a policy, its Monte-Carlo labels, a PRM, search."""
+import json
+import re
+
+import pytest
+
+from prm.labeling.label import LabelOptions, label_file
+from prm.readers.synthetic import make_rows, step_truth
+
+
+def counter(prompts, n, seed):
+    """A policy that never slips: from the prefix's last number, the steps the prompt has left."""
+    out = []
+    for p in prompts:
+        count, x = map(int, re.findall(r"\d+", p.split("\n")[0]))
+        done = re.findall(r"=(\d)", p)
+        x = int(done[-1]) if done else x
+        steps = [f"{(x + k) % 10}+1={(x + k + 1) % 10}\n" for k in range(count - len(done))]
+        out.append(["".join(steps)] * n)
+    return out
+
+
+@pytest.mark.parametrize("label,search", [("soft", "all"), ("hard", "all"), ("hard", "binary")])
+def test_mc_labels_are_1_before_the_known_first_error_0_at_and_after(tmp_path, label, search):
+    rows = make_rows(40, 1)
+    assert all(step_truth(r["prompt"], r["completions"]) == r["labels"] for r in rows)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    opts = LabelOptions(policy="counter", rollouts=3, label=label, search=search)
+    label_file(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), counter, opts, show=False)
+    for r, line in zip(rows, (tmp_path / "out.jsonl").read_text().splitlines()):
+        n = len(r["labels"])
+        first = r["labels"].index(False) if False in r["labels"] else n
+        after = [0.0] * (n - first) if search == "all" else ([0.0] + [None] * n)[:n - first]
+        assert json.loads(line)["labels"] == [1.0] * first + after  # binary: unlabeled after it
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    """policy (2 optimizer steps) -> prm.label -> train.py's trainer (2 steps): the folder."""
+    from prm.config import Config
+    from prm.labeling.label import main as label
+    from prm.tools.loop import train_policy, write_problems
+    from prm.training.trainer import train
+    tmp = tmp_path_factory.mktemp("loop")
+    write_problems(str(tmp), rows=3, test=3)
+    train_policy(str(tmp / "policy"), steps=2, batch=4)
+    label(["--policy", str(tmp / "policy"), "--dataset", str(tmp / "label.jsonl"), "--output",
+           str(tmp / "labels.jsonl"), "--rollouts", "2", "--samples", "2", "--max-new-tokens", "12",
+           "--temperature", "1.0"])
+    train(Config(model=str(tmp / "policy"), dataset=str(tmp / "labels.jsonl"), max_steps=2,
+                 output_dir=str(tmp / "prm"), batch_size=4, dtype="fp32", lr=1e-3,
+                 eval_fraction=0.3))
+    return tmp
+
+
+def search(loop, out):
+    from prm.searching.search import main
+    main(["--policy", str(loop / "policy"), "--model", str(loop / "prm" / "final"), "--dataset",
+          str(loop / "test.jsonl"), "--output", str(out), "--n", "1,4", "--beam-width", "2",
+          "--seeds", "0,1", "--max-new-tokens", "12", "--temperature", "1.0"])
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_search_repeats_its_results_and_counts_policy_and_prm_tokens(loop, tmp_path):
+    first, again = search(loop, tmp_path / "a.jsonl"), search(loop, tmp_path / "b.jsonl")
+    results = [x for r in first for x in r["results"]]
+    timeless = [{k: v for k, v in x.items() if k != "seconds"} for r in again for x in r["results"]]
+    assert [{k: v for k, v in x.items() if k != "seconds"} for x in results] == timeless
+    assert {x["method"] for x in results} == {"majority", "best-of-n", "weighted", "beam", "dvts"}
+    for x in results:  # a tree whose first steps all came out empty: nothing scored
+        trees = any(c["steps"] for c in x.get("candidates", []))
+        scored = x["method"] in ("best-of-n", "weighted") or trees
+        assert x["policy_tokens"] > 0 and (x["prm_tokens"] > 0) == scored
+
+
+def test_each_beam_grows_from_its_own_problem_only(loop, tmp_path):
+    import torch
+    from prm.labeling.label import Generator
+    from prm.scoring.reward import PRMReward
+    from prm.searching.search import SearchOptions, search_file
+    opts = SearchOptions(policy=str(loop / "policy"), methods=("beam", "dvts"), n=(4,),
+                         beam_width=2, max_new_tokens=12, temperature=1.0)
+    gen, made = Generator(opts, device=torch.device("cpu")), {}
+
+    def propose(prefixes, n, seed, stop):  # the policy, recording each prefix's next steps
+        texts = gen(prefixes, n, seed, stop)
+        propose.usage = gen.usage
+        for p, ts in zip(prefixes, texts):
+            made.setdefault(p, set()).update(t.partition(stop)[0] for t in ts)
+        return texts
+    search_file(str(loop / "test.jsonl"), str(tmp_path / "s.jsonl"), propose,
+                PRMReward(str(loop / "prm" / "final")).score, opts, show=False)
+    prompts = [json.loads(x)["prompt"] for x in (loop / "test.jsonl").read_text().splitlines()]
+    assert len(set(prompts)) > 1
+    for r in map(json.loads, (tmp_path / "s.jsonl").read_text().splitlines()):
+        for steps in (c["steps"] for x in r["results"] for c in x["candidates"]):
+            assert all(s in made[prompts[r["row"]] + "\n" + "".join(t + "\n" for t in steps[:j])]
+                       for j, s in enumerate(steps))
