@@ -81,8 +81,7 @@ class SearchOptions:
 
 
 def proposed(propose, prefixes: list, n: int, seed: int, stop) -> tuple:
-    """(texts, usage: per text (tokens, cut by max_new_tokens), seconds per prefix) of one propose
-    call, checked."""
+    """(texts, usage: per text (tokens, cut by max_new_tokens), seconds per prefix), checked."""
     start, outs = time.time(), propose(prefixes, n, seed, stop)
     if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
         raise UsageError(f"propose() must give {n} texts for each of its {len(prefixes)} prefixes")
@@ -91,7 +90,7 @@ def proposed(propose, prefixes: list, n: int, seed: int, stop) -> tuple:
 
 
 def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
-    """A finished solution: steps and their scores, answer and whether it is right, how it ended."""
+    """A finished solution: steps, scores, answer, whether it is right, how it ended."""
     text = opts.step_separator.join(steps)
     return {"steps": list(steps), "scores": scores,
             "answer": extract_answer(text, opts.answer_pattern),
@@ -99,8 +98,8 @@ def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
 
 
 def pick(cands: list, how: str, aggregate: str):
-    """The index of the candidate `how` picks (None: none): best-of-n, the best aggregate; majority,
-    weighted: the first of the answer with the most candidates, or the highest aggregate sum."""
+    """The index of the candidate `how` picks, or None: best-of-n, the best aggregate; majority and
+    weighted, the first of the answer with the most candidates or the highest aggregate sum."""
     if how == "best-of-n":
         values = [solution_score(c["scores"], aggregate) for c in cands]
         return values.index(max(values)) if cands else None
@@ -134,23 +133,19 @@ class Tree:
         self.groups = [[((), [])] * self.keep for _ in range(groups)]
         self.done, self.ends, self.cost = [], collections.Counter(), collections.Counter()
 
-    @property
-    def live(self) -> bool:
-        return any(self.groups)
-
     def end(self, steps, scores, how: str, opts):
         self.ends[how] += 1
         self.done.append(candidate(steps, scores, how, self.problem, opts))
 
 
 def grow(trees: list, propose, score, count, opts, seeds):
-    """One step of every tree: each survivor proposes its next step (a propose call per width),
-    the PRM scores every new prefix (one call), each group keeps its best; finished beams end."""
+    """One step of every tree: its survivors propose (a call per width), the PRM scores the new
+    prefixes (one call), each group keeps its best."""
     sep, new = opts.step_separator, collections.defaultdict(list)
     old = [(t, g, beam) for t in trees for g, group in enumerate(t.groups) for beam in group]
     for t in trees:
         t.groups = [[] for _ in t.groups]
-    for width in sorted({t.width for t in trees}):
+    for width in sorted({t.width for t, _, _ in old}):
         beams = [b for b in old if b[0].width == width]
         prefixes = [t.problem.text + "".join(s + sep for s in steps) for t, _, (steps, _) in beams]
         outs, usage, took = proposed(propose, prefixes, width, next(seeds), sep)
@@ -181,15 +176,14 @@ def grow(trees: list, propose, score, count, opts, seeds):
 
 
 def sample(block: list, records: dict, propose, score, count, opts, seeds):
-    """max(N) solutions per problem in one propose and one PRM call; each N takes the first N."""
+    """max(N) solutions per problem, in one propose and one PRM call; N takes the first N."""
     methods, top = [m for m in opts.methods if m in SAMPLED], max(opts.n)
     outs, usage, policy_s = proposed(propose, [p.text for p in block], top, next(seeds), None)
     start = time.time()
     probs = score([p.row["prompt"] for p in block], outs) if set(methods) - {"majority"} else \
         [[[]] * top for _ in block]
     prm_s = (time.time() - start) / len(block)
-    for p, texts, use, ps in zip(block, outs, usage, probs):
-        rec = records[p.index]
+    for p, rec, texts, use, ps in zip(block, records.values(), outs, usage, probs):
         rec["samples"] = [{**candidate(split_steps(text, opts.step_separator), s,
                                        "cut" if cut else "eos", p, opts),
                            "policy_tokens": k, "prm_tokens": count(p.row["prompt"], text)}
@@ -203,8 +197,7 @@ def sample(block: list, records: dict, propose, score, count, opts, seeds):
 
 
 def search_block(block: list, propose, score, count, opts, seed: int):
-    """Yields each problem's record ({row, seed, answer, samples, results}) as its searches end; the
-    problems of `block` share every call."""
+    """Yields each problem's record as its searches end; the problems of `block` share calls."""
     # a call's seed: from the seed, the block's first problem and the call's number
     seeds = itertools.count((seed * 1_000_003 + block[0].index) * 1_000)
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
@@ -215,30 +208,28 @@ def search_block(block: list, propose, score, count, opts, seed: int):
     kinds = list(itertools.product([m for m in opts.methods if m in TREES], opts.n))
     trees = {p.index: [Tree(p, m, n, min(n, opts.beam_width)) for m, n in kinds] for p in block}
     for step in range(opts.max_steps + 1):
-        if step == opts.max_steps:  # the survivors end here
-            for t in itertools.chain(*trees.values()):
+        for i, ts in list(trees.items()):
+            if step < opts.max_steps and any(g for t in ts for g in t.groups):
+                continue
+            for t in ts:  # at max_steps, the survivors end
                 for steps, scores in itertools.chain(*t.groups):
                     t.end(steps, scores, "max_steps", opts)
-                t.groups = []
-        for i, ts in list(trees.items()):
-            if not any(t.live for t in ts):
-                records[i]["results"] += [result(
-                    t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
-                    ends=dict(t.ends), candidates=t.done) for t in ts]
-                del trees[i]
-                yield records[i]
+            records[i]["results"] += [result(
+                t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
+                ends=dict(t.ends), candidates=t.done) for t in ts]
+            del trees[i]
+            yield records[i]
         if not trees:
             return
-        grow([t for ts in trees.values() for t in ts if t.live], propose, score, count, opts, seeds)
+        grow(list(itertools.chain(*trees.values())), propose, score, count, opts, seeds)
 
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 render=lambda prompt: prompt, count=lambda question, text: 0, settings: dict = None,
                 skip_invalid=False, show=True) -> dict:
-    """Searches every problem (dataset: a path, or read_input's answer) at every seed, a line per
-    problem and seed appended to `output`; a rerun continues it, refused with other settings.
-    render(prompt): the text the policy continues; count(question, text): the PRM's tokens.
-    Returns summary()."""
+    """Searches every problem (dataset: a path or read_input's answer) at every seed into `output`;
+    a rerun continues it. render(prompt): the text the policy continues; count(question, text): the
+    PRM's tokens. Returns summary()."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     settings = json.loads(json.dumps({**dataclasses.asdict(opts), **(settings or {}),
@@ -260,7 +251,7 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 continue
             texts = [render(row["prompt"]) for _, row in chunk]
             check([] if all(isinstance(t, str) for t in texts) else
-                  ["a chat prompt needs render= (e.g. Generator(...).render: its chat template)"])
+                  ["a chat prompt needs render= (e.g. Generator(...).render)"])
             block = [Problem(i, row, text + ("" if text[-1:].isspace() else opts.step_separator),
                              judge(str(row[opts.answer_field]), opts))
                      for (i, row), text in zip(chunk, texts)]
@@ -275,8 +266,8 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
 
 
 def summary(records: list, opts) -> dict:
-    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS}}}}: the mean, min and
-    max over seeds of the accuracy over problems; mean costs."""
+    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS}}}}: accuracy's mean
+    and range over seeds, mean costs."""
     by = collections.defaultdict(list)  # (method, N, seed) -> results
     for r in records:
         for x in r["results"]:
@@ -294,7 +285,7 @@ def summary(records: list, opts) -> dict:
 
 
 def table(out: dict) -> str:
-    """summary() as text: accuracy, its range over seeds, mean costs; a row per method and N."""
+    """summary() as text, a row per method and N."""
     lines = [f"{'method':<10}{'N':>5}{'accuracy':>10}{'seed range':>14}"
              + "".join(f"{c:>14}" for c in COSTS)]
     for m, by_n in out["results"].items():
@@ -314,10 +305,8 @@ def main(argv=None):
                        "seed; a rerun continues it")
         p.add_argument("--model", required=True, help="the PRM, as eval.py's --model")
         ScorerOptions.add_flags(p)
-        p.add_argument("--skip-invalid", action="store_true",
-                       help="leave out invalid rows, not exit 2")
-        p.add_argument("--trust-remote-code", action="store_true",
-                       help="allow the models' own code")
+        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows")
+        p.add_argument("--trust-remote-code", action="store_true", help="allow the models' code")
         fields = dataclasses.fields(SearchOptions)
         for f in fields:
             p.add_argument("--" + f.name.replace("_", "-"), **f.metadata)
