@@ -1,5 +1,5 @@
-"""A trained PRM as the reward of an RL trainer: one float per completion, as TRL's GRPOTrainer calls it
-(`reward_funcs=[PRMReward("out/final")]`), or each step's score on the policy's own tokens (token_rewards)."""
+"""A trained PRM as an RL reward: a float per completion, as TRL's GRPOTrainer calls it
+(`reward_funcs=[PRMReward("out/final")]`), or per token (token_rewards)."""
 import bisect
 import functools
 import itertools
@@ -21,24 +21,25 @@ EMPTY_REWARD = 0.0  # a completion with no step scored
 
 
 def suffix_minima(ps: list) -> list:
-    """PURE's min-form credit (arXiv 2504.15275): the sum from any step to the end is the minimum P there."""
+    """PURE's min-form credit (arXiv 2504.15275): each suffix sums to its lowest P."""
     m = list(itertools.accumulate(reversed(ps), min))[::-1] + [0.0]
     return [a - b for a, b in zip(m, m[1:])]
 
 
-# the steps' rewards from their P(correct): their own; P_k - P_(k-1) (potential-based, sums to the last P); min form
-SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] + ps[:-1])], "min": suffix_minima}
+# a step's reward from the P(correct)s: its own; P_k - P_(k-1) (sums to the last P); min form
+SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] + ps[:-1])],
+            "min": suffix_minima}
 
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
-    """char index -> index of the token of ids whose decoding completes that character of text; ValueError
+    """char index -> index of the token of ids that completes that character of text; ValueError
     naming the row if ids do not decode to text."""
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
-        raise ValueError(f"completion {row}: completion_ids do not decode to its text (from character {at}: "
-                         f"{whole[at:at + 30]!r}, not {text[at:at + 30]!r}): pass the policy's own ids and "
-                         "tokenizer")
+        raise ValueError(f"completion {row}: completion_ids do not decode to its text (from "
+                         f"character {at}: {whole[at:at + 30]!r}, not {text[at:at + 30]!r}): "
+                         "pass the policy's own ids and tokenizer")
 
     def covered(k):  # the characters of text that ids[:k] surely decode to
         return len(os.path.commonprefix([decode(k), text]))
@@ -46,7 +47,7 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
 
 
 def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores=None):
-    """ValueError naming the first unreadable argument and its completion index."""
+    """ValueError naming the first unreadable argument and its completion."""
     for name, value in (("prompts", prompts), ("completion_ids", ids), ("scores", scores)):
         if value is not None and len(value) != len(completions):
             raise ValueError(f"{len(value)} {name} for {len(completions)} completions")
@@ -63,12 +64,10 @@ def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
-    """(tokenizer, model, run config, row builder: scorers.load's) of a model directory, read as
-    eval.py reads it; scoring: ScorerOptions."""
+    """(tokenizer, model, run config, row builder) of a model directory, as eval.py reads it."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
-    cfg.model = path
-    cfg.trust_remote_code = trust_remote_code
+    cfg.model, cfg.trust_remote_code = path, trust_remote_code
     tokenizer, model, tokenize = load(cfg, False, ScorerOptions(**scoring))
     if not saved:
         cfg = Config.from_dict({**cfg.__dict__, **input_settings(model.config)})
@@ -76,8 +75,8 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
 
 
 class PRMReward:
-    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in training, then
-    aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring: ScorerOptions' fields."""
+    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in
+    training, aggregated. model: a directory, or a loaded PRM with `tokenizer=`."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
@@ -110,37 +109,37 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL's logged column
 
     def text(self, completion) -> str:
-        """A completion's text: a string, or its assistant messages' contents, each a step's end."""
+        """A string, or the assistant messages' contents, each ending a step."""
         if isinstance(completion, str):
             return completion
         return self.step_separator.join(m["content"] for m in completion
                                         if m.get("role", "assistant") == "assistant")
 
     def prompt(self, prompt):
-        """Messages for the chat template, as in training; without one, their text."""
+        """Messages for the chat template; without one, their text."""
         if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
             return prompt
         return "\n".join(m["content"] for m in prompt)
 
     def template_failure(self, prompts: dict):
-        """UsageError naming the first completion ({index: prompt}) whose chat prompt the template refuses."""
+        """UsageError naming the first completion ({index: prompt}) whose prompt the template
+        refuses."""
         for i, prompt in prompts.items():
-            if isinstance(prompt, str):
-                continue
             try:
-                self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                if not isinstance(prompt, str):
+                    self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                       add_generation_prompt=True)
             except Exception as e:
-                raise UsageError(f"completion {i}: the tokenizer's chat template fails on its prompt: "
-                                 f"{type(e).__name__}: {str(e).strip()[:200]}") from e
+                raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
+                                 f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
 
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; steps past max_length unscored, with a warning."""
-        scores = self.step_scores(prompts, completions)
-        return [[p for *_, p in steps if p is not None] for steps in scores]
+        """P(correct) per step of each completion; steps past max_length unscored (a warning)."""
+        return [[p for *_, p in steps if p is not None]
+                for steps in self.step_scores(prompts, completions)]
 
     def step_scores(self, prompts: list, completions: list) -> list:
-        """Per completion, (start, end, p) per step: its span of `text(completion)` and P(correct),
-        None if cut."""
+        """Per completion, (start, end, P(correct) or None if cut) per step of text(completion)."""
         refuse_bad_input(prompts, completions)
         texts = [self.text(c) for c in completions]
         spans = [step_spans(text, self.step_separator) for text in texts]
@@ -158,15 +157,15 @@ class PRMReward:
         scored = dict(zip(todo, probs))
         cut = [ps for i, ps in scored.items() if len(ps) < len(spans[i])]
         if cut:
-            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
-                          f"steps are unscored), {cut.count([])} with no step that fits (reward "
-                          f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
+            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated "
+                          f"(their cut steps are unscored), {cut.count([])} with no step that fits "
+                          f"(reward {EMPTY_REWARD}); raise max_length (now {self.max_length})",
+                          stacklevel=2)
         return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, scored.get(i, []))]
                 for i, s in enumerate(spans)]
 
     def score(self, questions: list, outputs: list) -> list:
-        """search-and-learn's PRM interface: outputs[i][j], a solution to questions[i] (its steps
-        split at step_separator); the answer's [i][j], that solution's P(correct) per step."""
+        """search-and-learn's PRM interface: per question, per output, P(correct) per step."""
         if len(questions) != len(outputs):
             raise ValueError(f"{len(questions)} questions for {len(outputs)} lists of outputs")
         probs = self.step_probs([q for q, texts in zip(questions, outputs) for _ in texts],
@@ -176,18 +175,17 @@ class PRMReward:
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "min", *, scores: list = None) -> list:
-        """Per completion, a float per token of completion_ids: each scored step's SHAPINGS value on the token
-        holding its last character, 0.0 elsewhere. scores: step_scores' answer, if already computed.
-        The default, min (PURE's), sums to the lowest P: unlike step's sum, it pays nothing for more
-        steps."""
+        """Per completion, a float per token of completion_ids: each scored step's SHAPINGS value on
+        the token holding its last character; scores: step_scores' answer, if known. min (PURE's)
+        sums to the lowest P: more steps earn nothing."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
         refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)
         holders = [token_holders(tokenizer, ids, self.text(c), i)
                    for i, (c, ids) in enumerate(zip(completions, completion_ids))]
-        scores = scores if scores is not None else self.step_scores(prompts, completions)
         out = []
-        for steps, holder, ids in zip(scores, holders, completion_ids):
+        for steps, holder, ids in zip(scores or self.step_scores(prompts, completions), holders,
+                                      completion_ids):
             scored = [(end, p) for _, end, p in steps if p is not None]
             row = [0.0] * len(ids)
             for (end, _), value in zip(scored, SHAPINGS[shaping]([p for _, p in scored])):
@@ -200,5 +198,5 @@ class PRMReward:
         return self.aggregated(self.step_probs(prompts, completions))
 
     def aggregated(self, step_probs: list) -> list:
-        """The aggregate of each list of step probabilities, EMPTY_REWARD for an empty one."""
+        """Each list's aggregate, EMPTY_REWARD if empty."""
         return [float(AGGREGATES[self.aggregate](ps)) if ps else EMPTY_REWARD for ps in step_probs]

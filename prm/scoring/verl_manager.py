@@ -1,11 +1,11 @@
-"""A reward manager for verl 0.9.1's reward loop: a PRM's step scores on the policy's own response tokens
-(PRMReward.token_rewards). verl loads it by path (prm never imports verl); selected by
+"""verl 0.9.1's reward manager: a PRM's step scores on the policy's response tokens
+(PRMReward.token_rewards). verl loads it by path (prm never imports verl):
 
     reward.reward_manager.source=importlib reward.reward_manager.name=PRMRewardManager
     reward.reward_manager.module.path=/path/to/prm/scoring/verl_manager.py
-    +reward.reward_kwargs.model=out/final  # and any PRMReward keyword (aggregate, device, scorer, ...), shaping
+    +reward.reward_kwargs.model=out/final  # and any PRMReward keyword; shaping
 
-Each response's rewards fill its row of `rm_scores`, the aggregate goes in reward_extra_info."""
+Each response's rewards fill its row of `rm_scores`; the aggregate goes in reward_extra_info."""
 import asyncio
 import os
 import threading
@@ -21,12 +21,12 @@ except ModuleNotFoundError as e:  # verl loads this file by path: prm must impor
 
 
 class PRMRewardManager(RewardManagerBase):
-    """run_single -> {"reward_score": a float per response token, "reward_extra_info": {aggregate name: value}}."""
+    """run_single -> {"reward_score": a float per response token, "reward_extra_info": {...}}."""
     reward: PRMReward = None  # one per process (init_class)
     shaping = "min"  # token_rewards' default
     lock = threading.Lock()
 
-    def __init__(self, config, tokenizer, compute_score=None, **kwargs):  # kwargs: verl's reward-model routing
+    def __init__(self, config, tokenizer, compute_score=None, **kwargs):  # kwargs: verl's routing
         super().__init__(config, tokenizer, compute_score)
 
     @classmethod
@@ -35,19 +35,18 @@ class PRMRewardManager(RewardManagerBase):
             return
         kwargs = dict(config.reward.get("reward_kwargs") or {})
         if "model" not in kwargs:
-            raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR (a train.py output or any "
-                             "2-label token classifier)")
+            raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR (a train.py "
+                             "output or any 2-label token classifier)")
         cls.shaping = kwargs.pop("shaping", cls.shaping)
         cls.reward = PRMReward(kwargs.pop("model"), **kwargs)
         super().init_class(config, tokenizer)
 
     def score(self, prompt, ids: list) -> dict:
-        """One sample's answer to run_single, one at a time."""
         with self.lock:
             completion = self.tokenizer.decode(ids, skip_special_tokens=True)
             scores = self.reward.step_scores([prompt], [completion])
-            rewards = self.reward.token_rewards([prompt], [completion], [ids], self.tokenizer, self.shaping,
-                                                scores=scores)[0]
+            rewards = self.reward.token_rewards([prompt], [completion], [ids], self.tokenizer,
+                                                self.shaping, scores=scores)[0]
         aggregate = self.reward.aggregated([[p for *_, p in scores[0] if p is not None]])[0]
         return {"reward_score": rewards, "reward_extra_info": {self.reward.__name__: aggregate}}
 
@@ -58,7 +57,8 @@ class PRMRewardManager(RewardManagerBase):
         prompt = item.non_tensor_batch.get("raw_prompt")
         if prompt is None:  # the prompt's own tokens, left-padded
             prompt_ids = item.batch["prompts"]  # (P,)
-            prompt = self.tokenizer.decode(prompt_ids[mask[:len(prompt_ids)].bool()], skip_special_tokens=True)
+            prompt = self.tokenizer.decode(prompt_ids[mask[:len(prompt_ids)].bool()],
+                                           skip_special_tokens=True)
         elif not isinstance(prompt, (str, dict)):  # chat messages: a list or verl's numpy array
             prompt = list(prompt)
         return await asyncio.get_running_loop().run_in_executor(None, self.score, prompt, ids)

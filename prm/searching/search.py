@@ -1,7 +1,6 @@
-"""`python -m prm.search`: a policy's answers chosen with a PRM, among sampled solutions (best-of-n,
-weighted vote) or step by step (beam search, DVTS); majority vote is the baseline. The API takes any
-policy `propose(prefixes, n, seed, stop) -> list[list[str]]` and any PRM `score(questions, outputs)`
-of search-and-learn's shape (PRMReward.score)."""
+"""`python -m prm.search`: a policy's answers picked by a PRM among sampled solutions (best-of-n,
+weighted vote) or step by step (beam search, DVTS); majority vote is the baseline. Any policy
+`propose(prefixes, n, seed, stop) -> list[list[str]]`, any PRM `score(questions, outputs)`."""
 import collections
 import dataclasses
 import itertools
@@ -28,7 +27,7 @@ Problem = collections.namedtuple("Problem", "index row text right")
 
 
 def _shared(name: str, **meta):
-    """LabelOptions' field `name`: prm.label's flag and default (meta: changes to its help, ...)."""
+    """prm.label's option `name`: its flag and default (meta: what differs)."""
     f = LabelOptions.__dataclass_fields__[name]
     return dataclasses.field(default=f.default, metadata={**f.metadata, **meta})
 
@@ -42,22 +41,19 @@ def _list(kind):
 @dataclasses.dataclass
 class SearchOptions:
     """What decides the results: kept in OUTPUT.settings; a rerun with others is refused."""
-    methods: tuple = opt(SAMPLED + TREES, "comma list of majority, best-of-n, weighted (the three "
-                          "share their samples), beam, dvts", type=_list(str))
-    n: tuple = opt((1, 4, 16), "budgets N, comma list: solutions sampled (max(N) once, the first "
-                    "N taken), or beams", type=_list(int))
-    beam_width: int = opt(4, "M: beam keeps the best N/M beams, each extended M ways; dvts grows "
-                           "N/M subtrees of M, each kept by its best (N below M: M = N)")
-    aggregate: str = opt("last", "a solution's or prefix's score from its step scores (eval.py's)",
-                          choices=list(AGGREGATES))
-    select: str = opt("weighted", "how beam and dvts pick among their finished beams",
-                       choices=SAMPLED)
+    methods: tuple = opt(SAMPLED + TREES, "comma list of majority, best-of-n, weighted (sharing "
+                         "samples), beam, dvts", type=_list(str))
+    n: tuple = opt((1, 4, 16), "comma list of budgets N: solutions sampled, or beams",
+                   type=_list(int))
+    beam_width: int = opt(4, "M: beam keeps N/M beams, each extended M ways; dvts grows N/M "
+                          "subtrees of M (M = N for N < M)")
+    aggregate: str = opt("last", "a solution's score from its step scores",
+                         choices=list(AGGREGATES))
+    select: str = opt("weighted", "how beam and dvts pick a finished beam", choices=SAMPLED)
     max_steps: int = opt(40, "steps a beam takes at most")
-    seeds: tuple = opt((0,), "comma list; several: the summary's mean and range over them",
-                        type=_list(int))
-    problems: int = opt(8, "problems searched together, their beams in the same calls, seeded "
-                         "from the seed and the first one's index (a rerun redoes an unfinished "
-                         "group)")
+    seeds: tuple = opt((0,), "comma list; the summary's mean and range are over them",
+                       type=_list(int))
+    problems: int = opt(8, "problems searched together, sharing calls and seeds")
     policy: str = _shared("policy", help="the policy (a Hugging Face name or folder)")
     temperature: float = _shared("temperature")
     top_p: float = _shared("top_p")
@@ -86,15 +82,16 @@ class SearchOptions:
 
 
 def proposed(propose, prefixes: list, n: int, seed: int, stop) -> tuple:
-    """(texts, usage: per text (tokens, cut by max_new_tokens)) of one propose call, checked."""
-    outs = propose(prefixes, n, seed, stop)
+    """(texts, usage: per text (tokens, cut by max_new_tokens), seconds per prefix), checked."""
+    start, outs = time.time(), propose(prefixes, n, seed, stop)
     if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
         raise UsageError(f"propose() must give {n} texts for each of its {len(prefixes)} prefixes")
-    return outs, getattr(propose, "usage", None) or [[(0, False)] * n for _ in prefixes]
+    usage = getattr(propose, "usage", None) or [[(0, False)] * n for _ in prefixes]
+    return outs, usage, (time.time() - start) / len(prefixes)
 
 
 def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
-    """A finished solution: steps and their scores, answer and whether it is right, how it ended."""
+    """A finished solution: steps, scores, answer, whether it is right, how it ended."""
     text = opts.step_separator.join(steps)
     return {"steps": list(steps), "scores": scores,
             "answer": extract_answer(text, opts.answer_pattern),
@@ -102,9 +99,8 @@ def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
 
 
 def pick(cands: list, how: str, aggregate: str):
-    """The index of the candidate `how` picks (None: none): best-of-n, the best aggregate; majority
-    and weighted, the first of the answer with the most candidates, or the highest sum of
-    aggregates."""
+    """The index of the candidate `how` picks, or None: best-of-n, the best aggregate; majority and
+    weighted, the first of the answer with the most candidates or the highest aggregate sum."""
     if how == "best-of-n":
         values = [solution_score(c["scores"], aggregate) for c in cands]
         return values.index(max(values)) if cands else None
@@ -113,8 +109,7 @@ def pick(cands: list, how: str, aggregate: str):
         if c["answer"] is not None:
             key = normalize(c["answer"])
             first.setdefault(key, i)
-            weight = AGGREGATES[aggregate](c["scores"]) if c["scores"] else 0
-            votes[key] += 1 if how == "majority" else weight
+            votes[key] += 1 if how == "majority" else AGGREGATES[aggregate](c["scores"] or [0])
     return first[max(votes, key=votes.get)] if votes else None
 
 
@@ -127,41 +122,35 @@ def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
 @dataclasses.dataclass(eq=False)
 class Tree:
     """One beam search or DVTS of one problem: groups of survivors ((steps, their scores)), each
-    extended `width` ways; of each group's new unfinished beams, the best `keep` survive."""
-    problem: int
+    extended `width` ways; of a group's new unfinished beams, the best `keep` survive."""
+    problem: Problem
     method: str
     n: int
     width: int
-    keep: int
-    groups: list
-    done: list = dataclasses.field(default_factory=list)
-    ends: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    cost: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def __post_init__(self):  # beam: a group of N/M beams, keeping N/M; dvts: N/M groups of one
+        k = self.n // self.width
+        self.keep, groups = (k, 1) if self.method == "beam" else (1, k)
+        self.groups = [[((), [])] * self.keep for _ in range(groups)]
+        self.done, self.ends, self.cost = [], collections.Counter(), collections.Counter()
+
+    def end(self, steps, scores, how: str, opts):
+        self.ends[how] += 1
+        self.done.append(candidate(steps, scores, how, self.problem, opts))
 
 
-def plant(problem: int, method: str, n: int, width: int) -> Tree:
-    """beam: one group of N/M empty beams, keeping N/M; dvts: N/M groups of one, each keeping 1."""
-    if method == "beam":
-        return Tree(problem, method, n, width, n // width, [[((), [])] * (n // width)])
-    return Tree(problem, method, n, width, 1, [[((), [])] for _ in range(n // width)])
-
-
-def grow(trees: list, block: list, propose, score, count, opts, seed):
-    """One step of every live tree: each survivor proposes its next step (one propose call per
-    width); the PRM scores every new prefix (one call); each group keeps its best; finished beams
-    are kept."""
-    sep, new, live = opts.step_separator, collections.defaultdict(list), {}
+def grow(trees: list, propose, score, count, opts, seeds):
+    """One step of every tree: its survivors propose (a call per width), the PRM scores the new
+    prefixes (one call), each group keeps its best."""
+    sep, new = opts.step_separator, collections.defaultdict(list)
+    old = [(t, g, beam) for t in trees for g, group in enumerate(t.groups) for beam in group]
     for t in trees:
-        live.update({(t, g, j): b for g, group in enumerate(t.groups) for j, b in enumerate(group)})
         t.groups = [[] for _ in t.groups]
-    for width in sorted({t.width for t, _, _ in live}):
-        keys, start = [k for k in live if k[0].width == width], time.time()
-        prefixes = [block[t.problem].text + "".join(s + sep for s in live[t, g, j][0])
-                    for t, g, j in keys]
-        outs, usage = proposed(propose, prefixes, width, seed(), sep)
-        took = (time.time() - start) / len(keys)
-        for (t, g, j), texts, use in zip(keys, outs, usage):
-            steps, scores = live[t, g, j]
+    for width in sorted({t.width for t, _, _ in old}):
+        beams = [b for b in old if b[0].width == width]
+        prefixes = [t.problem.text + "".join(s + sep for s in steps) for t, _, (steps, _) in beams]
+        outs, usage, took = proposed(propose, prefixes, width, next(seeds), sep)
+        for (t, g, (steps, scores)), texts, use in zip(beams, outs, usage):
             t.cost["seconds"] += took
             for text, (tokens, cut) in zip(texts, use):
                 t.cost["policy_tokens"] += tokens
@@ -169,35 +158,35 @@ def grow(trees: list, block: list, propose, score, count, opts, seed):
                 if head.strip():
                     new[t, g].append((steps + (head,), "" if found else "cut" if cut else "eos"))
                 else:  # an empty step ends the beam as it was
-                    t.ends["empty"] += 1
-                    t.done.append(candidate(steps, scores, "empty", block[t.problem], opts))
+                    t.end(steps, scores, "empty", opts)
     keys, start = list(new), time.time()
     texts = [[sep.join(steps) for steps, _ in new[k]] for k in keys]
-    probs = score([block[t.problem].row["prompt"] for t, _ in keys], texts) if keys else []
+    probs = score([t.problem.row["prompt"] for t, _ in keys], texts) if keys else []
     took = (time.time() - start) / max(1, sum(map(len, texts)))
     for (t, g), ps, ts in zip(keys, probs, texts):
-        t.cost["prm_tokens"] += sum(count(block[t.problem].row["prompt"], text) for text in ts)
+        t.cost["prm_tokens"] += sum(count(t.problem.row["prompt"], text) for text in ts)
         t.cost["seconds"] += took * len(ts)
+        going = []
         for (steps, end), p in zip(new[t, g], ps):
             if end:
-                t.ends[end] += 1
-                t.done.append(candidate(steps, p, end, block[t.problem], opts))
-        going = [(steps, p) for (steps, end), p in zip(new[t, g], ps) if not end]
+                t.end(steps, p, end, opts)
+            else:
+                going.append((steps, p))
         going.sort(key=lambda b: -solution_score(b[1], opts.aggregate))  # stable: ties keep order
         t.groups[g] = going[:t.keep]
 
 
-def sample(block: list, records: list, propose, score, count, opts, seed):
-    """max(N) solutions per problem in one propose and one PRM call; each N takes the first N."""
-    methods, top, start = [m for m in opts.methods if m in SAMPLED], max(opts.n), time.time()
-    outs, usage = proposed(propose, [p.text for p in block], top, seed(), None)
-    policy_s, start = (time.time() - start) / len(block), time.time()
+def sample(block: list, records: dict, propose, score, count, opts, seeds):
+    """max(N) solutions per problem, in one propose and one PRM call; N takes the first N."""
+    methods, top = [m for m in opts.methods if m in SAMPLED], max(opts.n)
+    outs, usage, policy_s = proposed(propose, [p.text for p in block], top, next(seeds), None)
+    start = time.time()
     probs = score([p.row["prompt"] for p in block], outs) if set(methods) - {"majority"} else \
         [[[]] * top for _ in block]
     prm_s = (time.time() - start) / len(block)
-    for p, rec, texts, use, ps in zip(block, records, outs, usage, probs):
-        rec["samples"] = [{**candidate(split_steps(text, opts.step_separator), s, "cut" if cut else
-                                       "eos", p, opts),
+    for p, rec, texts, use, ps in zip(block, records.values(), outs, usage, probs):
+        rec["samples"] = [{**candidate(split_steps(text, opts.step_separator), s,
+                                       "cut" if cut else "eos", p, opts),
                            "policy_tokens": k, "prm_tokens": count(p.row["prompt"], text)}
                           for text, (k, cut), s in zip(texts, use, ps)]
         for m, n in itertools.product(methods, opts.n):
@@ -209,52 +198,44 @@ def sample(block: list, records: list, propose, score, count, opts, seed):
 
 
 def search_block(block: list, propose, score, count, opts, seed: int):
-    """Yields each problem's record ({row, seed, answer, samples, results}) as its searches end; the
-    problems of `block` share every call."""
-    calls = itertools.count()
-
-    def seed_of():  # a call's seed: from the seed, the block's first problem and the call's number
-        return (seed * 1_000_003 + block[0].index) * 1_000 + next(calls)
-    records = [{"row": p.index, "lines": len(opts.seeds), "seed": seed,
-                **({"id": p.row["id"]} if "id" in p.row else {}),
-                "answer": str(p.row[opts.answer_field]), "results": []} for p in block]
+    """Yields each problem's record as its searches end; the problems of `block` share calls."""
+    # a call's seed: from the seed, the block's first problem and the call's number
+    seeds = itertools.count((seed * 1_000_003 + block[0].index) * 1_000)
+    records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
+                         **({"id": p.row["id"]} if "id" in p.row else {}),
+                         "answer": str(p.row[opts.answer_field]), "results": []} for p in block}
     if set(opts.methods) & set(SAMPLED):
-        sample(block, records, propose, score, count, opts, seed_of)
-    trees = [plant(p, m, n, min(n, opts.beam_width)) for p in range(len(block))
-             for m, n in itertools.product([m for m in opts.methods if m in TREES], opts.n)]
-    pending = set(range(len(block)))
+        sample(block, records, propose, score, count, opts, seeds)
+    kinds = list(itertools.product([m for m in opts.methods if m in TREES], opts.n))
+    trees = {p.index: [Tree(p, m, n, min(n, opts.beam_width)) for m, n in kinds] for p in block}
     for step in range(opts.max_steps + 1):
-        if step == opts.max_steps:  # the survivors end here
-            for t in trees:
-                for steps, scores in (b for group in t.groups for b in group):
-                    t.ends["max_steps"] += 1
-                    t.done.append(candidate(steps, scores, "max_steps", block[t.problem], opts))
-                t.groups = []
-        live = {t.problem for t in trees if any(t.groups)}
-        for p in sorted(pending - live):
-            for t in (t for t in trees if t.problem == p):
-                records[p]["results"].append(result(
-                    t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
-                    ends=dict(t.ends), candidates=t.done))
-            yield records[p]
-        pending &= live
-        if not pending:
+        for i, ts in list(trees.items()):
+            if step < opts.max_steps and any(g for t in ts for g in t.groups):
+                continue
+            for t in ts:  # at max_steps, the survivors end
+                for steps, scores in itertools.chain(*t.groups):
+                    t.end(steps, scores, "max_steps", opts)
+            records[i]["results"] += [result(
+                t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
+                ends=dict(t.ends), candidates=t.done) for t in ts]
+            del trees[i]
+            yield records[i]
+        if not trees:
             return
-        grow([t for t in trees if any(t.groups)], block, propose, score, count, opts, seed_of)
+        grow(list(itertools.chain(*trees.values())), propose, score, count, opts, seeds)
 
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 render=lambda prompt: prompt, count=lambda question, text: 0, settings: dict = None,
                 skip_invalid=False, show=True) -> dict:
-    """Searches every problem (dataset: a path, or read_input's answer) at every seed into `output`,
-    a line per problem and seed appended as it ends; a rerun continues it (redoing an unfinished
-    block of problems whole, for the same results), refused with other settings. render(prompt): the
-    text the policy continues; count(question, text): the PRM's tokens. Returns summary()."""
+    """Searches every problem (dataset: a path or read_input's answer) at every seed into `output`;
+    a rerun continues it. render(prompt): the text the policy continues; count(question, text): the
+    PRM's tokens. Returns summary()."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     settings = json.loads(json.dumps({**dataclasses.asdict(opts), **(settings or {}),
                                       "dataset": digest}))
-    side, sep = output + ".settings", opts.step_separator
+    side, size = output + ".settings", opts.problems
     if not os.path.isfile(side):
         write_lines(side, [json.dumps(settings, indent=1)])
     with locked(output):
@@ -266,15 +247,15 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
         write_lines(output, [line for lines in done.values() for line in lines])  # drops a cut line
         bar = tqdm(total=len(rows) * len(opts.seeds), initial=len(done) * len(opts.seeds),
                    desc="searching", disable=not show or None)
-        for b in range(0, len(rows), opts.problems):
-            if all(i in done for i, _ in rows[b:b + opts.problems]):
+        for chunk in (rows[b:b + size] for b in range(0, len(rows), size)):
+            if all(i in done for i, _ in chunk):
                 continue
-            texts = [render(row["prompt"]) for _, row in rows[b:b + opts.problems]]
+            texts = [render(row["prompt"]) for _, row in chunk]
             check([] if all(isinstance(t, str) for t in texts) else
-                  ["a chat prompt needs render= (e.g. Generator(...).render: its chat template)"])
-            block = [Problem(i, row, text + ("" if text[-1:].isspace() else sep),
+                  ["a chat prompt needs render= (e.g. Generator(...).render)"])
+            block = [Problem(i, row, text + ("" if text[-1:].isspace() else opts.step_separator),
                              judge(str(row[opts.answer_field]), opts))
-                     for (i, row), text in zip(rows[b:b + opts.problems], texts)]
+                     for (i, row), text in zip(chunk, texts)]
             for seed in opts.seeds:
                 for rec in search_block(block, propose, score, count, opts, seed):
                     if rec["row"] not in done:
@@ -286,9 +267,8 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
 
 
 def summary(records: list, opts) -> dict:
-    """{problems, seeds, results: {method: {N: {accuracy, min, max, policy_tokens, prm_tokens,
-    seconds}}}}: accuracy over each seed's problems, its mean, min and max over seeds; mean
-    costs."""
+    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS}}}}: accuracy's mean
+    and range over seeds, mean costs."""
     by = collections.defaultdict(list)  # (method, N, seed) -> results
     for r in records:
         for x in r["results"]:
@@ -297,16 +277,16 @@ def summary(records: list, opts) -> dict:
     for m, n in itertools.product(opts.methods, opts.n):
         accs = [statistics.fmean(x["correct"] for x in by[m, n, s])
                 for s in opts.seeds if by[m, n, s]]
-        flat = [x for s in opts.seeds for x in by[m, n, s]]
-        if flat:
-            costs = {k: statistics.fmean(x[k] for x in flat) for k in COSTS}
-            out.setdefault(m, {})[str(n)] = {"accuracy": statistics.fmean(accs), "min": min(accs),
-                                             "max": max(accs), **costs}
+        if accs:
+            flat = [x for s in opts.seeds for x in by[m, n, s]]
+            out.setdefault(m, {})[str(n)] = {
+                "accuracy": statistics.fmean(accs), "min": min(accs), "max": max(accs),
+                **{k: statistics.fmean(x[k] for x in flat) for k in COSTS}}
     return {"problems": len({r["row"] for r in records}), "seeds": list(opts.seeds), "results": out}
 
 
 def table(out: dict) -> str:
-    """summary() as text: accuracy, its range over seeds, mean costs; a row per method and N."""
+    """summary() as text, a row per method and N."""
     lines = [f"{'method':<10}{'N':>5}{'accuracy':>10}{'seed range':>14}"
              + "".join(f"{c:>14}" for c in COSTS)]
     for m, by_n in out["results"].items():
@@ -320,17 +300,14 @@ def table(out: dict) -> str:
 def main(argv=None):
     with exit_status():  # a bad flag too: one line and exit status 2
         p = Parser(prog="python -m prm.search", description="Search a policy's answers with a PRM.")
-        p.add_argument("--dataset", required=True, help="problems with a reference answer, read as "
-                       "prm.label reads its input")
+        p.add_argument("--dataset", required=True, help="problems with a reference answer, as "
+                       "prm.label reads them")
         p.add_argument("--output", required=True, help="the .jsonl written, a line per problem and "
                        "seed; a rerun continues it")
-        p.add_argument("--model", required=True, help="the PRM, as eval.py's --model: a directory "
-                       "written by train.py or any 2-label token classifier")
+        p.add_argument("--model", required=True, help="the PRM, as eval.py's --model")
         add_fields(p, ScorerOptions)
-        p.add_argument("--skip-invalid", action="store_true",
-                       help="leave out invalid rows, not exit 2")
-        p.add_argument("--trust-remote-code", action="store_true",
-                       help="allow the models' own code")
+        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows")
+        p.add_argument("--trust-remote-code", action="store_true", help="allow the models' code")
         a = add_fields(p, SearchOptions).parse_args(argv)
         opts = parsed(SearchOptions, a)
         problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
@@ -339,15 +316,14 @@ def main(argv=None):
         reward = PRMReward(a.model, opts.aggregate, batch_size=opts.batch_size,  # before the policy
                            trust_remote_code=a.trust_remote_code, **scoring)
         if reward.step_separator != opts.step_separator:
-            print(f"note: the PRM splits steps at {reward.step_separator!r}, the policy ends them "
-                  f"at {opts.step_separator!r}", file=sys.stderr)
-        gen, tok = Generator(opts, device=reward.device, trust_remote_code=a.trust_remote_code), \
-            reward.tokenizer
+            print(f"note: the PRM splits steps at {reward.step_separator!r}, the policy at "
+                  f"{opts.step_separator!r}", file=sys.stderr)
+        gen = Generator(opts, device=reward.device, trust_remote_code=a.trust_remote_code)
 
         def count(question, text):  # the PRM's tokens: the problem's and the solution's text
             question = question if isinstance(question, str) else \
                 "\n".join(m["content"] for m in question)
-            return len(tok(question + reward.step_separator + text)["input_ids"])
+            return len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
         try:
             out = search_file(problems, a.output, gen, reward.score, opts, render=gen.render,
                               count=count, settings={"model": a.model, **scoring})
