@@ -363,6 +363,17 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(flag, capsys):
     assert e.value.code == 2 and err.startswith(f"error: unrecognized arguments: {flag} 3") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("flags, message", [(["--port", "99999"], "--port 99999: expected 0 to 6"),
+                                            (["--port", "-1"], "--port -1: expected 0 to 65535"),
+                                            (["--device", "cuda:99"], "--device cuda:99: ")])
+def test_a_bad_port_or_device_is_one_line_and_exit_status_2_before_the_model_loads(flags, message,
+                                                                                   capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "never-loaded"] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("flags, message", [(["--host", "127.0.0.1"], "cannot listen on 127.0.0.1:"),
                                             (["--batch-size", "0"], "--batch-size must be at least 1")])
 def test_a_busy_port_or_a_bad_batch_size_is_one_line_and_exit_status_2(model_dir, flags, message):

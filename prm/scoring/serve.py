@@ -25,6 +25,8 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
+
 from prm.cli import Parser
 from prm.config import unescape
 from prm.errors import UsageError, exit_status
@@ -309,6 +311,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--max-connections at least 1")
     if args.batch_size < 1:
         p.error("--batch-size must be at least 1")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: expected 0 to 65535 (0: a free one)")
+    try:  # a device this torch build lacks: one line, not torch's assertion
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as e:
+        p.error(f"--device {args.device}: {str(e).strip().splitlines()[0]}")
     if args.max_length is not None and args.max_length < 1:
         p.error("--max-length must be at least 1")
     if args.step_separator == "":
