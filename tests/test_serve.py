@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from prm.readers.formats import split_steps
 from prm.scoring import serve
@@ -339,16 +340,20 @@ def test_extra_logs_count_the_steps_cut_by_the_max_length(model_dir):
     assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [1, 1, 1]}
 
 
-def test_step_separator_and_max_length_flags_reach_the_reward(model_dir, monkeypatch, capsys):
+def test_step_separator_max_length_and_dtype_flags_reach_the_reward(model_dir, monkeypatch, capsys):
     served = []
 
     def no_server(reward, *args, **kwargs):  # the settings are all that is checked: nothing is bound
         served.append(reward)
         raise OSError("not bound")
     monkeypatch.setattr(serve, "make_server", no_server)
-    with pytest.raises(SystemExit):
-        serve.main(["--model", model_dir, "--device", "cpu", "--step-separator", "\\n\\n", "--max-length", "25"])
-    assert (served[0].step_separator, served[0].max_length) == ("\n\n", 25)
+    monkeypatch.setenv("PRM_CPU_BF16", "1")  # a bf16-native CPU: the default is bf16, as eval.py's
+    for flags in ([], ["--step-separator", "\\n\\n", "--max-length", "25", "--dtype", "fp32"]):
+        with pytest.raises(SystemExit):
+            serve.main(["--model", model_dir, "--device", "cpu"] + flags)
+    assert served[0].amp_dtype == torch.bfloat16
+    assert (served[1].step_separator, served[1].max_length) == ("\n\n", 25)
+    assert served[1].amp_dtype is None
     for flags in (["--max-length", "0"], ["--step-separator", ""]):
         with pytest.raises(SystemExit) as e:
             serve.main(["--model", model_dir] + flags)

@@ -14,6 +14,7 @@ from prm.core.evaluate import score_batch
 from prm.readers.formats import split_steps, step_spans
 from prm.core.metrics import AGGREGATES
 from prm.core.model import input_settings
+from prm.core.runtime import autocast_dtype
 from prm.scoring import ScorerOptions
 from prm.scoring.scorers import load
 
@@ -59,11 +60,12 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
 
 class PRMReward:
     """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in training, then
-    aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring: ScorerOptions' fields."""
+    aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring: ScorerOptions'
+    fields; dtype: eval.py's --dtype (default: the run's, else auto)."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
-                 trust_remote_code: bool = False, **scoring):
+                 trust_remote_code: bool = False, dtype: str = None, **scoring):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate {aggregate!r}: expected one of {', '.join(AGGREGATES)}")
         if not isinstance(trust_remote_code, bool):  # the string "false" would be true
@@ -84,6 +86,12 @@ class PRMReward:
         self.max_length = max_length if max_length is not None else cfg.max_length
         self.aggregate, self.batch_size = aggregate, batch_size
         self.__name__ = f"prm_{aggregate}"  # TRL's logged column
+        if dtype not in (None, "auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype {dtype!r}: expected auto, fp32, bf16 or fp16")
+        self.amp_dtype = autocast_dtype(None if dtype == "auto" else dtype or cfg.dtype,
+                                        self.device)
+        if self.amp_dtype == torch.bfloat16 and hasattr(tokenizer, "prm_rows"):  # as eval.py's
+            self.model.to(torch.bfloat16)
 
     @staticmethod
     def text(completion) -> str:
@@ -121,7 +129,8 @@ class PRMReward:
         todo = [i for i, (_, steps) in enumerate(solutions) if steps]
         try:
             probs = score_batch(self.model, self.tokenizer, [solutions[i] for i in todo], self.step_separator,
-                                max_length=self.max_length, batch_size=self.batch_size)
+                                max_length=self.max_length, batch_size=self.batch_size,
+                                amp_dtype=self.amp_dtype)
         except Exception:  # a template failure said as such, else as it is
             self.template_failure({i: solutions[i][0] for i in todo})
             raise

@@ -296,6 +296,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past it get no "
                    "score (default: the model's own, else 1024)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="autocast, as eval.py's (default: the run's, else auto)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config says)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its whole "
@@ -330,7 +332,8 @@ def main(argv=None):
         args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            step_separator=args.step_separator, max_length=args.max_length,
-                           trust_remote_code=args.trust_remote_code, **vars(ScorerOptions.of(args)))
+                           trust_remote_code=args.trust_remote_code, dtype=args.dtype,
+                           **vars(ScorerOptions.of(args)))
         try:
             server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
                                  max_body=args.max_body_bytes, max_batch=args.max_batch,
