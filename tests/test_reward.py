@@ -35,6 +35,12 @@ def save_tiny(path, separator=None):
     return path
 
 
+@pytest.fixture(autouse=True)
+def fp32(monkeypatch):
+    """The references here are fp32: --dtype auto too, whatever the CPU (--cpu-bf16)."""
+    monkeypatch.setenv("PRM_CPU_BF16", "0")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny(str(tmp_path_factory.mktemp("model")))
