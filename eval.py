@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields, replace
 
 from prm.cli import Parser, add_field, add_fields, parsed, writable
 from prm.config import FILE, Config
-from prm.errors import UsageError, check, exit_status
+from prm.errors import UsageError, check, exit_status, overwrites
 from prm.scoring import ScorerOptions
 
 # the run settings eval.py takes (how data is read and scored); the rest comes from the run
@@ -127,7 +127,7 @@ def settings(args: argparse.Namespace) -> tuple:
         try:
             base = input_settings(AutoConfig.from_pretrained(args.model, trust_remote_code=given.get(
                 "trust_remote_code", False)))
-        except (OSError, ValueError):  # load_scorer says why
+        except Exception:  # unreadable: load_scorer says why
             base = {}
     if opts.datasets and "format" not in given:  # new files: format auto
         given["format"] = None
@@ -135,6 +135,9 @@ def settings(args: argparse.Namespace) -> tuple:
     cfg = Config.from_dict({**base, "trust_remote_code": False, "lora_base_dtype": "fp32", **given}).resolve()
     check([] if opts.datasets else
           tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset]))
+    read = [("--dataset", d) for d in opts.datasets or [cfg.eval_dataset or cfg.dataset]]
+    check(overwrites([("--predictions", opts.predictions)],
+                     read + [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]))
     return cfg, opts
 
 

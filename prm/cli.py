@@ -268,6 +268,6 @@ def parse_config(argv=None) -> Config:
             print(f"note: --config {path}: {key} ignored: only --{key.replace('_', '-')} on the command line "
                   "sets it", file=sys.stderr)
     cfg = Config(**{**from_file, **given}).resolve()
-    out_ok = writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
+    out_ok = cfg.output_dir and writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
     check([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"])
     return cfg

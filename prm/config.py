@@ -238,7 +238,9 @@ class Config:
         need(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0", "lr", "weight_decay",
              "max_grad_norm", "lora_alpha", "adam_epsilon")  # NaN fails every comparison
         need(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1", "max_steps")
-        need(lambda v: math.isfinite(v) and v > 0, "must be finite and > 0", "epochs")
+        # beyond: an overflow in the step count or the batches' index lists
+        need(lambda v: 0 < v < 2 ** 31, "must be > 0 and below 2^31", "epochs")
+        need(lambda v: v <= 2 ** 24, "must be at most 2^24", "batch_size", "grad_accum")
         need(lambda v: 0 <= v < 1, "must be in [0, 1)", "lora_dropout", "adam_beta1", "adam_beta2")
         need(lambda v: 0 <= v <= 1, "must be in [0, 1]", "threshold", "warmup_ratio")
         need(lambda v: 0 < v < 1, "must be in (0, 1)", "eval_fraction")

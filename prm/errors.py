@@ -1,6 +1,7 @@
 """The errors that end a command, each with its exit status. Library code raises them; the entry points turn
 one into a one-line message and its status through `exit_status()`. Depends on: the standard library."""
 import contextlib
+import os
 import sys
 
 
@@ -42,6 +43,15 @@ def check(problems: list):
     """Raises UsageError with every problem on one line; returns when there is none."""
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def overwrites(written: list, read: list) -> list:
+    """For check(): the first (flag, path) written that is, holds or lies in a (flag, path) read."""
+    real = os.path.realpath
+    return [f"{wf} {w} would overwrite {rf} {r}, which it reads: choose another path"
+            for wf, w in written for rf, r in read
+            if w and r and os.path.exists(w) and os.path.exists(r)
+            and os.path.commonpath([real(w), real(r)]) in (real(w), real(r))][:1]
 
 
 @contextlib.contextmanager

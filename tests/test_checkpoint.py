@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, final_weights, read_metrics, run_train
-from prm.errors import PRMError
+from prm.errors import PRMError, UsageError
 from prm.training.checkpoint import MARKER, resolve_resume
 
 
@@ -237,6 +237,32 @@ def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeyp
 HOLD = ("import fcntl, os, socket, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
         "fcntl.flock(fd, fcntl.LOCK_EX)\nos.write(fd, f'{os.getpid()}@{socket.gethostname()}'.encode())\n"
         "print('held', flush=True)\ntime.sleep(600)\n")
+
+
+def test_overwrite_never_deletes_the_model_the_run_reads(tmp_path):
+    run_train(tmp_path, max_steps=1)
+    final = tmp_path / "final"
+    with pytest.raises(UsageError) as e:
+        run_train(tmp_path, max_steps=1, model=str(final), overwrite=True)
+    assert str(e.value) == f"--output-dir {final} would overwrite --model {final}, which it " \
+                           "reads: choose another path"
+    assert (final / "model.safetensors").is_file() and (tmp_path / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("name", ["final", "checkpoint-3"])
+def test_overwrite_refuses_a_symlinked_run_folder_and_deletes_nothing(tmp_path, name):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("x")
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / name).symlink_to(elsewhere)
+    with pytest.raises(UsageError) as e:
+        run_train(out, max_steps=1, overwrite=True)
+    assert str(e.value) == f"--overwrite: {out / name} is a symbolic link to a folder: remove it " \
+                           "yourself (nothing deleted)"
+    assert sorted(os.listdir(out)) == sorted(["metrics.jsonl", name])
+    assert (out / name / "keep.txt").is_file()
 
 
 def test_a_locked_output_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):

@@ -216,6 +216,9 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
     (["--max-length", "-5"], "--max-length -5: must be >= 1"),
     (["--eval-fraction", "1.0"], "--eval-fraction 1.0: must be in (0, 1)"),
     (["--eval-fraction", "0"], "--eval-fraction 0.0: must be in (0, 1)"),
+    (["--output-dir", ""], "--output-dir : not a writable folder"),
+    (["--epochs", "1e308"], "--epochs 1e+308: must be > 0 and below 2^31"),
+    (["--grad-accum", str(10 ** 20)], f"--grad-accum {10 ** 20}: must be at most 2^24"),
 ])
 def test_refused_flags_say_why_in_one_line(argv, message):
     with pytest.raises(UsageError) as e:

@@ -207,6 +207,35 @@ def test_a_predictions_path_that_cannot_be_opened_is_refused_before_the_model_lo
         f" {os.path.dirname(path)}" if why == "no such folder" else "")
 
 
+def test_predictions_over_a_file_eval_reads_are_refused(model_dir, pb_file, tmp_path):
+    model = shutil.copytree(model_dir, tmp_path / "m")
+    data = shutil.copy(pb_file, str(tmp_path / "d.json"))
+    config = str(model / "config.json")
+    for over, read in [(data, f"--dataset {data}"), (config, f"--model {model}")]:
+        before = open(over, "rb").read()
+        with pytest.raises(UsageError) as e:
+            eval_cli.main(["--model", str(model), "--dataset", data, "--predictions", over])
+        assert e.value.code == 2 and str(e.value) == \
+            f"--predictions {over} would overwrite {read}, which it reads: choose another path"
+        assert open(over, "rb").read() == before
+
+
+def test_a_tokenizer_larger_than_the_models_embeddings_is_refused_before_any_forward(
+        model_dir, tmp_path, monkeypatch):
+    from prm.readers.synthetic import char_tokenizer
+    tok, path, data = char_tokenizer(), str(tmp_path / "tok"), tmp_path / "d.jsonl"
+    tok.add_tokens(["<big>"])  # an id past the model's embeddings
+    tok.save_pretrained(path)
+    row = {"prompt": "p <big>", "completions": ["1+1=2"], "labels": [True]}
+    data.write_text(json.dumps(row) + "\n")
+    monkeypatch.setattr(eval_cli, "predict", lambda *a, **k: pytest.fail("a forward ran"))
+    with pytest.raises(UsageError) as e:
+        run(model_dir, "--tokenizer", path, "--dataset", str(data))
+    n = len(tok)
+    assert e.value.code == 2 and str(e.value) == \
+        f"--tokenizer {path}: {n} tokens, more than --model {model_dir}'s {n - 1} embeddings"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_failed_predictions_write_comes_after_the_json_and_exits_1(model_dir, pb_file, capsys):
     with pytest.raises(WriteFailed) as e:

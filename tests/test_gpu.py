@@ -184,11 +184,11 @@ def test_eval_bf16_matches_cpu_fp32(tmp_path, model_dir, device):
 
 @marked(needs_cuda)
 def test_reward_on_cuda_matches_cpu(model_dir):
-    """PRMReward runs without autocast: fp32 on both, so within test_packing's fp32 bound (1e-5)."""
+    """PRMReward with dtype fp32 (no autocast) on both: within test_packing's fp32 bound (1e-5)."""
     from prm.scoring.reward import PRMReward
     prompts, completions = ["count from 3:", "count from 7:"], ["3+1=4\n4+1=5\n5+1=7", "7+1=8"]
-    cpu = PRMReward(model_dir, device="cpu", aggregate="mean")(prompts, completions)
-    cuda = PRMReward(model_dir, device="cuda", aggregate="mean")(prompts, completions)
+    cpu = PRMReward(model_dir, device="cpu", aggregate="mean", dtype="fp32")(prompts, completions)
+    cuda = PRMReward(model_dir, device="cuda", aggregate="mean", dtype="fp32")(prompts, completions)
     assert max(abs(a - b) for a, b in zip(cpu, cuda)) <= 1e-5
 
 

@@ -44,6 +44,14 @@ def test_a_second_run_on_an_output_being_written_is_refused_and_the_first_finish
     assert read(out) == read(tmp_path / "whole.jsonl")
 
 
+def test_an_output_that_is_the_dataset_is_refused_before_anything_is_written(tmp_path, capsys):
+    data = write_rows(tmp_path / "in.jsonl", ROWS)
+    assert exits(["--policy", "no/such/policy", "--dataset", data, "--output", data]) == 2
+    assert capsys.readouterr().err == f"error: --output {data} would overwrite --dataset {data}, " \
+                                      "which it reads: choose another path\n"
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
 def test_a_row_whose_samples_are_all_blank_is_recorded_once_and_not_sampled_again(tmp_path, capsys):
     rows = [{"prompt": "blank\n", "answer": "1"}, {"prompt": "Q\n", "answer": "1", "completions": ["a", "1"]}]
     data, out, opts = write_rows(tmp_path / "in.jsonl", rows), str(tmp_path / "out.jsonl"), LabelOptions(samples=3)

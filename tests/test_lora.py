@@ -188,7 +188,8 @@ def test_a_bf16_frozen_base_halves_its_memory_trains_and_scores_without_bf16_aut
         out = str(tmp_path / f"{d}.jsonl")
         eval_cli.main(["--model", str(tmp_path / d), "--dtype", "fp32", "--predictions", out])
         preds[d] = [p for line in open(out) for p in json.loads(line)["step_probs"]]
-        rewards[d] = PRMReward(str(tmp_path / d), device="cpu")(["count from 1:"], ["1+1=2\n2+2=4\n"])
+        reward = PRMReward(str(tmp_path / d), device="cpu", dtype="fp32")
+        rewards[d] = reward(["count from 1:"], ["1+1=2\n2+2=4\n"])
     # the same model up to final/'s merged weights, rounded to bf16 (5e-4 apart measured)
     assert len(preds["final"]) > 0 and preds["checkpoint-3"] == pytest.approx(preds["final"], abs=5e-3)
     assert rewards["checkpoint-3"] == pytest.approx(rewards["final"], abs=5e-3)

@@ -43,6 +43,9 @@ class Payload:
 HEADS = {"no_head": {}, "no_mlp": {}, "head_3xH": {"score.weight": torch.zeros(3, 128), "score.bias": torch.zeros(3)},
          "head_2xH/2": {"score.weight": torch.zeros(2, 64), "score.bias": torch.zeros(2)}}
 MADE_UP = "no saved weight of the model's shape for "
+CUT = "config.json has no place for 12 saved weights, the first " \
+      "model.layers.2.input_layernorm.weight: is its num_hidden_layers wrong?"
+LAYERS = "cannot load it: `num_hidden_layers` (2) must be equal to the number of `layer_types` (3)"
 
 
 def broken_copy(model_dir, tmp_path, kind: str) -> str:
@@ -69,6 +72,11 @@ def broken_copy(model_dir, tmp_path, kind: str) -> str:
         config = json.loads((path / "config.json").read_text())
         config["id2label"], config["label2id"] = {"0": "a", "1": "b", "2": "c"}, {"a": 0, "b": 1, "c": 2}
         (path / "config.json").write_text(json.dumps(config))
+    elif kind in ("one_layer_less", "layer_types_disagree"):  # the weights hold 3 layers
+        config = json.loads((path / "config.json").read_text())
+        config["num_hidden_layers"] = 2  # and layer_types too with one_layer_less
+        config["layer_types"] = config["layer_types"][:2 if kind == "one_layer_less" else 3]
+        (path / "config.json").write_text(json.dumps(config))
     return str(path)
 
 
@@ -91,7 +99,10 @@ def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_pa
 
 @pytest.mark.parametrize("kind, message", [("no_head", MADE_UP + "score.bias, score.weight: transformers would "
                                                                    "make them up at random"),
-                                           ("no_pad_nor_eos", "the tokenizer has neither a pad nor an EOS token")])
+                                           ("no_pad_nor_eos",
+                                            "the tokenizer has neither a pad nor an EOS token"),
+                                           ("one_layer_less", CUT),
+                                           ("layer_types_disagree", LAYERS)])
 def test_eval_py_and_prm_reward_refuse_a_model_they_would_score_at_random(model_dir, tmp_path, kind, message):
     from prm.scoring.reward import PRMReward
     path = broken_copy(model_dir, tmp_path, kind)
@@ -100,6 +111,21 @@ def test_eval_py_and_prm_reward_refuse_a_model_they_would_score_at_random(model_
     assert r.returncode == 2 and f"error: --model {path}: {message}" in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(UsageError, match=message.split(":")[0]):
         PRMReward(path, device="cpu")
+
+
+def test_a_backbone_with_fewer_layers_in_its_config_than_in_its_weights_is_refused(tmp_path):
+    """Another task's head (a causal LM's lm_head) is left out; a layer dropped is refused."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from prm.core.model import PRM, NotAPRM
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    assert isinstance(PRM.from_pretrained(str(tmp_path)), PRM)
+    config.num_hidden_layers, config.layer_types = 2, config.layer_types[:2]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(NotAPRM) as e:
+        PRM.from_pretrained(str(tmp_path))
+    assert str(e.value) == f"{tmp_path}: {CUT}"
 
 
 @pytest.mark.parametrize("kind", ["no_head", "head_2xH/2", "three_labels"])

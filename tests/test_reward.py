@@ -36,6 +36,12 @@ def save_tiny(path, separator=None):
     return path
 
 
+@pytest.fixture(autouse=True)
+def fp32(monkeypatch):
+    """The references here are fp32: --dtype auto too, whatever the CPU (--cpu-bf16)."""
+    monkeypatch.setenv("PRM_CPU_BF16", "0")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny(str(tmp_path_factory.mktemp("model")))
@@ -62,6 +68,27 @@ def test_the_runs_own_step_separator_is_used(tmp_path, loaded):
     model, tok = loaded  # the same seed-0 weights
     got = reward(["count from 1:"], ["1+1=2 ; 2+1=3 ; "])
     assert got == pytest.approx([min(score(model, tok, "count from 1:", ["1+1=2", "2+1=3"], " ; "))], abs=1e-6)
+
+
+def test_step_scores_equal_eval_py_predictions_in_its_default_precision(model_dir, tmp_path,
+                                                                         monkeypatch):
+    """On a bf16-native CPU (simulated), eval.py's default is bf16 autocast: PRMReward's too."""
+    import eval as eval_cli
+    monkeypatch.setenv("PRM_CPU_BF16", "1")
+    data, pred = tmp_path / "d.jsonl", tmp_path / "p.jsonl"
+    rows = [{"prompt": p, "completions": s, "labels": [True] * len(s)}
+            for p, s in zip(PROMPTS, STEPS)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    eval_cli.main(["--model", model_dir, "--dataset", str(data), "--predictions", str(pred)])
+    want = [json.loads(line)["step_probs"] for line in pred.read_text().splitlines()]
+
+    def probs(**kw):
+        scores = PRMReward(model_dir, device="cpu", **kw).step_scores(PROMPTS, COMPLETIONS)
+        return [[p for *_, p in steps] for steps in scores]
+    assert probs() == want and probs(dtype="bf16") == want
+    fp32 = probs(dtype="fp32")
+    # the precision shows in these scores: the test above can fail
+    assert max(abs(a - b) for x, y in zip(fp32, want) for a, b in zip(x, y)) > 1e-6
 
 
 def test_conversational_prompts_and_completions(model_dir, loaded):

@@ -316,7 +316,8 @@ PROMPTS = [ROWS[0]["problem"], ROWS[1]["problem"]]
 COMPLETIONS = ["\n".join(ROWS[0]["steps"][:2]), "\n".join(ROWS[1]["steps"][:3])]
 
 
-def test_prm_reward_and_the_server_with_a_step_tag_model(dirs, tmp_path):
+def test_prm_reward_and_the_server_with_a_step_tag_model(dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PRM_CPU_BF16", "0")  # an fp32 reference: auto is fp32 on any CPU
     reward = PRMReward(dirs["step-tag"], "min", "cpu", scorer="step-tag", step_tag=TAG)
     want = [min(math_shepherd(dirs["step-tag"], p, split_steps(c, "\n")))
             for p, c in zip(PROMPTS, COMPLETIONS)]

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from prm.readers.formats import split_steps
 from prm.scoring import serve
@@ -360,16 +361,20 @@ def test_a_query_of_many_tiny_steps_tokenizes_only_the_steps_that_fit(reward, mo
     assert out["extra_logs"]["steps"] == [5000, 5000]
 
 
-def test_step_separator_and_max_length_flags_reach_the_reward(model_dir, monkeypatch, capsys):
+def test_step_separator_max_length_and_dtype_flags_reach_the_reward(model_dir, monkeypatch, capsys):
     served = []
 
     def no_server(reward, *args, **kwargs):  # the settings are all that is checked: nothing is bound
         served.append(reward)
         raise OSError("not bound")
     monkeypatch.setattr(serve, "make_server", no_server)
-    with pytest.raises(SystemExit):
-        serve.main(["--model", model_dir, "--device", "cpu", "--step-separator", "\\n\\n", "--max-length", "25"])
-    assert (served[0].step_separator, served[0].max_length) == ("\n\n", 25)
+    monkeypatch.setenv("PRM_CPU_BF16", "1")  # a bf16-native CPU: the default is bf16, as eval.py's
+    for flags in ([], ["--step-separator", "\\n\\n", "--max-length", "25", "--dtype", "fp32"]):
+        with pytest.raises(SystemExit):
+            serve.main(["--model", model_dir, "--device", "cpu"] + flags)
+    assert served[0].amp_dtype == torch.bfloat16
+    assert (served[1].step_separator, served[1].max_length) == ("\n\n", 25)
+    assert served[1].amp_dtype is None
     for flags in (["--max-length", "0"], ["--step-separator", ""]):
         with pytest.raises(SystemExit) as e:
             serve.main(["--model", model_dir] + flags)
@@ -382,6 +387,17 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(flag, capsys):
         serve.main(["--model", "never-loaded", flag, "3"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"error: unrecognized arguments: {flag} 3") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags, message", [(["--port", "99999"], "--port 99999: expected 0 to 6"),
+                                            (["--port", "-1"], "--port -1: expected 0 to 65535"),
+                                            (["--device", "cuda:99"], "--device cuda:99: ")])
+def test_a_bad_port_or_device_is_one_line_and_exit_status_2_before_the_model_loads(flags, message,
+                                                                                   capsys):
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "never-loaded"] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flags, message", [(["--host", "127.0.0.1"], "cannot listen on 127.0.0.1:"),

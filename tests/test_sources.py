@@ -1,6 +1,7 @@
 """Local files and directories, the bad-input matrix (exit status 2, row named), soft and chat data, training."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -208,6 +209,16 @@ def test_bad_input_in_a_subprocess_has_no_traceback():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "label_string.jsonl line 2: field 'labels'" in r.stderr and r.stdout == ""
+
+
+def test_convert_refuses_to_write_over_its_input(tmp_path, capsys):
+    data = shutil.copy(os.path.join(FIX, "stepwise_train.jsonl"), tmp_path)
+    before = open(data).read()
+    with pytest.raises(SystemExit) as e:
+        convert_main([data, data])
+    assert e.value.code == 2 and open(data).read() == before
+    assert capsys.readouterr().err == \
+        f"error: output {data} would overwrite input {data}, which it reads: choose another path\n"
 
 
 def test_convert_takes_every_spelling_of_its_flags_and_a_bad_one_is_one_line(tmp_path):

@@ -49,6 +49,12 @@ def tokenizer(name):
     return AutoTokenizer.from_pretrained(path)
 
 
+@pytest.fixture(autouse=True)
+def fp32(monkeypatch):
+    """The references here are fp32: --dtype auto too, whatever the CPU (--cpu-bf16)."""
+    monkeypatch.setenv("PRM_CPU_BF16", "0")
+
+
 @pytest.fixture(scope="module")
 def prm_dirs(tmp_path_factory):
     """{tokenizer name: a saved tiny PRM (seed 0) on it}, made on first use."""

@@ -14,7 +14,7 @@ SETTINGS = "prm"  # config.json key of the input settings trained with (step_sep
 
 
 class NotAPRM(ValueError):
-    """A token classifier that cannot score as saved: not 2 labels, or weights missing from its files."""
+    """A model that cannot run as saved: a classifier of not 2 labels, or weights not all loaded."""
 
 
 class PRM(nn.Module):
@@ -61,18 +61,26 @@ class PRM(nn.Module):
                 raise NotAPRM(f"{name}: a PRM needs 2 labels, this checkpoint has {cfg.num_labels}")
             hf = saved_weights(name, auto=AutoModelForTokenClassification, **kw)
             return cls(getattr(hf, hf.base_model_prefix), getattr(hf, _head_name(hf)))
-        backbone = AutoModel.from_pretrained(name, **kw)
+        backbone = saved_weights(name, auto=AutoModel, **kw)
         return cls(backbone, new_head(backbone.config))
 
 
 def saved_weights(name: str, *, auto, **kw):
-    """auto.from_pretrained(name, **kw), or NotAPRM naming the weights with no saved tensor of their shape."""
+    """auto.from_pretrained(name, **kw), or NotAPRM naming the weights with no saved tensor of their
+    shape or the first saved tensor of its modules it has no place for."""
     model, info = auto.from_pretrained(name, output_loading_info=True, ignore_mismatched_sizes=True, **kw)
     bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
                                                 for k, saved, want in info["mismatched_keys"])
     if bad:
         raise NotAPRM(f"{name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
                       f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random")
+    # another task's head (a causal LM's lm_head) is none of the model's modules: left out
+    own, prefix = {n for n, _ in model.named_children()}, model.base_model_prefix + "."
+    extra = sorted(k for k in info["unexpected_keys"]
+                   if own & {k.split(".")[0], k.removeprefix(prefix).split(".")[0]})
+    if extra:
+        raise NotAPRM(f"{name}: config.json has no place for {len(extra)} saved weights, the first "
+                      f"{extra[0]}: is its num_hidden_layers wrong?")
     return model
 
 

@@ -17,7 +17,7 @@ import regex
 
 from prm.cli import Parser, add_fields, parsed
 from prm.config import opt, unescape
-from prm.errors import Stopped, UsageError, check, exit_status
+from prm.errors import Stopped, UsageError, check, exit_status, overwrites
 from prm.files import locked, write_lines
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, _sources
@@ -305,13 +305,15 @@ class Generator:
             import torch
             from transformers import AutoModelForCausalLM
             from prm.training.build import load_tokenizer, loading
+            from prm.core.model import saved_weights
             from prm.core.runtime import autocast_dtype
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
             tok.padding_side, tok.pad_token, bos = "left", tok.pad_token or tok.eos_token, tok.bos_token_id
             self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
             dtype = autocast_dtype(None, self.device) or torch.float32
-            self.model = loading("--policy", self.opts.policy, AutoModelForCausalLM.from_pretrained,
-                                 trust_remote_code=self.trust, dtype=dtype).to(self.device).eval()
+            self.model = loading("--policy", self.opts.policy, saved_weights,
+                                 auto=AutoModelForCausalLM, trust_remote_code=self.trust,
+                                 dtype=dtype).to(self.device).eval()
         return self.tok
 
     def render(self, prompt) -> str:
@@ -376,6 +378,8 @@ def main(argv=None):
             p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
         if not (a.temperature >= 0 and 0 < a.top_p <= 1):  # else transformers refuses after the policy loads
             p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} in (0, 1]")
+        check(overwrites([("--output", a.output)],
+                         [("--dataset", a.dataset), ("--policy", a.policy)]))
         opts = parsed(LabelOptions, a)
         shard, shards = map(int, m.groups())
         import torch

@@ -6,7 +6,7 @@ import sys
 
 from prm.cli import Parser, add_field
 from prm.config import Config
-from prm.errors import UsageError, WriteFailed, exit_status
+from prm.errors import UsageError, WriteFailed, check, exit_status, overwrites
 from prm.files import write_lines
 from prm.readers.sources import read_rows
 
@@ -25,6 +25,7 @@ def main(argv=None):
     p.add_argument("--split", default="train", help="hub split to convert")
     with exit_status():
         a = p.parse_args(argv)
+        check(overwrites([("output", a.output)], [("input", a.input)]))
         cfg = Config(format=a.format, neutral_label=a.neutral_label, skip_invalid=a.skip_invalid,
                      dataset_config=a.dataset_config)
         _write(read_rows(a.input, a.split, cfg), a.output)

@@ -14,6 +14,7 @@ from prm.core.evaluate import score_batch
 from prm.readers.formats import step_spans
 from prm.core.metrics import AGGREGATES
 from prm.core.model import input_settings
+from prm.core.runtime import autocast_dtype
 from prm.scoring import ScorerOptions
 from prm.scoring.scorers import load
 
@@ -76,18 +77,21 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
 
 class PRMReward:
     """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in
-    training, aggregated. model: a directory, or a loaded PRM with `tokenizer=`."""
+    training, aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring:
+    ScorerOptions' fields; dtype: eval.py's --dtype (default: the run's, else auto)."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
-                 trust_remote_code: bool = False, **scoring):
+                 trust_remote_code: bool = False, dtype: str = None, **scoring):
         cuda = not str(device).startswith("cuda") or torch.cuda.is_available()
         for name, ok, expected in (
                 ("aggregate", aggregate in AGGREGATES, "one of " + ", ".join(AGGREGATES)),
                 ("trust_remote_code", isinstance(trust_remote_code, bool), "True or False"),
                 ("batch_size", isinstance(batch_size, int) and batch_size > 0, "an int > 0"),
                 ("device", cuda, "a device this torch has (it has no CUDA)"),
-                ("step_separator", step_separator != "", "a non-empty string")):
+                ("step_separator", step_separator != "", "a non-empty string"),
+                ("dtype", dtype in (None, "auto", "fp32", "bf16", "fp16"),
+                 "auto, fp32, bf16 or fp16")):
             if not ok:
                 raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")  # a ValueError
         scorer, self.tokenize = ScorerOptions(**scoring).scorer, None
@@ -107,6 +111,10 @@ class PRMReward:
         self.max_length = max_length if max_length is not None else cfg.max_length
         self.aggregate, self.batch_size = aggregate, batch_size
         self.__name__ = f"prm_{aggregate}"  # TRL's logged column
+        self.amp_dtype = autocast_dtype(None if dtype == "auto" else dtype or cfg.dtype,
+                                        self.device)
+        if self.amp_dtype == torch.bfloat16 and self.tokenize:  # a published PRM, as eval.py's
+            self.model.to(torch.bfloat16)
 
     def text(self, completion) -> str:
         """A string, or the assistant messages' contents, each ending a step."""
@@ -150,7 +158,7 @@ class PRMReward:
         try:
             probs = score_batch(self.model, self.tokenizer, solutions, self.step_separator,
                                 max_length=self.max_length, batch_size=self.batch_size,
-                                tokenize=self.tokenize)
+                                tokenize=self.tokenize, amp_dtype=self.amp_dtype)
         except Exception:  # a template failure said as such, else as it is
             self.template_failure({i: prompt for i, (prompt, _) in zip(todo, solutions)})
             raise

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from prm.training.build import load_tokenizer, load_trained, loading
 from prm.core.data import columns, make_row
 from prm.core.model import PRM, saved_weights
-from prm.errors import UsageError
+from prm.errors import UsageError, check
 from prm.scoring import FAMILIES, ScorerOptions
 from prm.core.varlen import supports_packing, use_packed_attention
 
@@ -32,7 +32,7 @@ def detect(model: str, scorer) -> str:
         return scorer
     try:  # no code runs: Qwen's PRMs declare a known model type
         archs = AutoConfig.from_pretrained(model).architectures or []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: load_trained says why
+    except Exception:  # unreadable: load_trained says why
         return "classifier"
     return "qwen-prm" if any(str(a).endswith("ForProcessRewardModel") for a in archs) else "classifier"
 
@@ -201,10 +201,10 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, d
     settings = dict(step_tag=opts.step_tag, good_token=opts.good_token, bad_token=opts.bad_token)
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
+    flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     if name == "classifier":  # refuses the flags it ignores
         family(None, name, **settings)
-        return (*load_trained(cfg, tokenizer_given), None)
-    flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
+        return (*embeddable(*load_trained(cfg, tokenizer_given), cfg, flag), None)
     tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code,
                                flag)
     fam = family(tokenizer, name, **settings)
@@ -219,4 +219,12 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, d
         model = lm_head_rows(model, [fam.bad_id, fam.good_id])
         if cfg.packing and supports_packing(model.backbone):
             use_packed_attention(model.backbone)
-    return tokenizer, model.eval(), fam.tokenize_batch
+    return (*embeddable(tokenizer, model.eval(), cfg, flag), fam.tokenize_batch)
+
+
+def embeddable(tokenizer, model, cfg, flag: str) -> tuple:
+    """(tokenizer, model); UsageError if the tokenizer (of `flag`) has ids past the embeddings."""
+    rows, path = model.config.get_text_config().vocab_size, getattr(cfg, flag[2:])
+    check([] if len(tokenizer) <= rows else [f"{flag} {path}: {len(tokenizer)} tokens, more than "
+                                             f"--model {cfg.model}'s {rows} embeddings"])
+    return tokenizer, model

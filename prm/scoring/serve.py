@@ -26,6 +26,8 @@ from dataclasses import fields
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
+
 from prm.cli import Parser, add_field, parsed
 from prm.config import unescape
 from prm.errors import UsageError, exit_status
@@ -296,6 +298,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past it get no "
                    "score (default: the model's own, else 1024)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="autocast, as eval.py's (default: the run's, else auto)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the model directory's own Python files run (off: whatever its config says)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its whole "
@@ -312,6 +316,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--max-connections at least 1")
     if args.batch_size < 1:
         p.error("--batch-size must be at least 1")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: expected 0 to 65535 (0: a free one)")
+    try:  # a device this torch build lacks: one line, not torch's assertion
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as e:
+        p.error(f"--device {args.device}: {str(e).strip().splitlines()[0]}")
     if args.max_length is not None and args.max_length < 1:
         p.error("--max-length must be at least 1")
     if args.step_separator == "":
@@ -325,7 +335,7 @@ def main(argv=None):
         args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
                            step_separator=args.step_separator, max_length=args.max_length,
-                           trust_remote_code=args.trust_remote_code,
+                           trust_remote_code=args.trust_remote_code, dtype=args.dtype,
                            **vars(parsed(ScorerOptions, args)))
         try:
             server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,

@@ -6,6 +6,7 @@ import os
 import pickle
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
@@ -34,9 +35,12 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
         return load(name, **kw)
     except NotAPRM as e:  # its own message: it loads, but cannot score as saved
         raise UsageError(f"{flag} {e}") from None
-    # SafetensorError: a truncated file; UnpicklingError: a pickled .bin that weights_only refuses
-    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:
-        raise UsageError(f"{flag} {name}: cannot load it: {str(e).strip().splitlines()[0]}") from None
+    # SafetensorError: a truncated file; UnpicklingError: a pickled .bin that weights_only refuses;
+    # StrictDataclassError: a config.json its class refuses (why: its cause)
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError,
+            StrictDataclassError) as e:
+        why = str(e.__cause__ if isinstance(e, StrictDataclassError) else e).strip()
+        raise UsageError(f"{flag} {name}: cannot load it: {why.splitlines()[0]}") from None
 
 
 def outside_weights(path: str) -> list:

@@ -16,7 +16,7 @@ import torch
 from prm.core.lora import has_lora
 from prm.core.model import load_weights
 from prm.core.runtime import barrier, decided_by_main, gather_objects
-from prm.errors import UsageError, WriteFailed, check
+from prm.errors import UsageError, WriteFailed, check, overwrites
 from prm.files import locked, reported, write_lines, written_in_place
 from prm.readers.sources import data_digest
 from prm.training.export import TRAINABLE, load_trainable, write_model_dir
@@ -115,6 +115,12 @@ def prepare_output_dir(cfg):
     found = sorted(n for n in names if n in RUN_FILES or n.startswith(("checkpoint-", ABANDONED + "checkpoint-")))
     if cfg.overwrite and cfg.resume:
         check(["--overwrite and --resume exclude each other: replace the run, or continue it"])
+    # what --overwrite deletes, else what the run replaces at its end
+    doomed = [os.path.join(out, n)
+              for n in (found + list(ALSO_WRITTEN) if cfg.overwrite else ["final"])]
+    read = [("--" + k.replace("_", "-"), getattr(cfg, k))
+            for k in ("model", "dataset", "eval_dataset")]
+    check(overwrites([("--output-dir", p) for p in doomed], read))
     ckpt = resolve_resume(cfg.resume, out) if cfg.resume else None
     if not found:
         return ckpt
@@ -130,8 +136,10 @@ def prepare_output_dir(cfg):
     if not cfg.overwrite:
         check([f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or choose another "
                "--output-dir"])
-    for name in found + [n for n in ALSO_WRITTEN if os.path.exists(os.path.join(out, n))]:
-        path = os.path.join(out, name)
+    links = [p for p in doomed if os.path.islink(p) and os.path.isdir(p)]  # rmtree refuses them
+    check([f"--overwrite: {p} is a symbolic link to a folder: remove it yourself (nothing deleted)"
+           for p in links[:1]])
+    for path in (p for p in doomed if os.path.lexists(p)):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
