@@ -1,4 +1,4 @@
-"""Evaluation (predict, then report) for the trainer and eval.py; the scoring API; best-of-N reports.
+"""Evaluation (predict, then report) for training and eval.py; the scoring API; best-of-N reports.
 Depends on: torch, tqdm, data, metrics, model, runtime, varlen."""
 import contextlib
 
@@ -16,21 +16,21 @@ from .varlen import is_packed
 @torch.inference_mode()
 def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Runtime = Runtime(),
             progress: bool = True, lockstep: bool = False) -> list:
-    """P(correct) at each `step_ends` position of each tokenized row, rows in input order ([]: no step end),
-    batches dealt to ranks and gathered on all. lockstep: every rank runs as many forwards (a sharded model
-    needs every rank in each)."""
+    """P(correct) at each `step_ends` position of each tokenized row, in input order ([]: none),
+    batches dealt to ranks and gathered on all. lockstep: every rank runs as many forwards (a
+    sharded model needs every rank in each)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     todo = [i for i, r in enumerate(rows) if r["step_ends"]]
-    every = eval_batches([len(rows[i]["input_ids"]) for i in todo], batch_size)  # all ranks' batches
+    every = eval_batches([len(rows[i]["input_ids"]) for i in todo], batch_size)  # all ranks'
     batches = every[rt.rank::rt.world_size]
     if lockstep and todo:  # the spare forwards rerun the first batch and drop its output
         batches += [None] * (-(-len(every) // rt.world_size) - len(batches))
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     local = {}
-    # disable=None: a bar on a terminal only
-    for batch in tqdm(batches, desc="eval", disable=not (progress and rt.is_main) or None, leave=False):
+    off = not (progress and rt.is_main) or None  # None: a bar on a terminal only
+    for batch in tqdm(batches, desc="eval", disable=off, leave=False):
         idx = [todo[j] for j in (batch or every[0])]
         probs = _forward(model, [rows[i] for i in idx], pad_id, amp, device)
         for b, i in enumerate(idx if batch else []):
@@ -52,20 +52,22 @@ def _forward(model, rows: list, pad_id: int, amp, device) -> list:
 
 
 def true_first_error(row: dict) -> int:
-    """The row's `first_error`, else its first step labeled wrong (unlabeled ones skipped), else -1."""
+    """The row's `first_error`, else its first step labeled wrong, else -1."""
     if row.get("first_error") is not None:
         return row["first_error"]
     return next((i for i, y in enumerate(row["step_labels"]) if y is not None and y < 0.5), -1)
 
 
-def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: bool = False) -> dict:
-    """Every metric of one set from predict's output and the rows' step_labels (None: unlabeled, kept out of
-    the step metrics) and optional first_error, final_answer_correct, PRMBench `category`. A row with no
-    scored step is dropped from every metric; a truncated one is kept."""
+def report(step_probs: list, rows: list, threshold: float = 0.5,
+           processbench: bool = False) -> dict:
+    """Every metric of one set from predict's output, the rows' step_labels (None: unlabeled) and
+    optional first_error, final_answer_correct, PRMBench `category`. A row with no scored step is
+    dropped from every metric; a truncated one is kept."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
     scores, kept_rows = [ps for ps, _ in kept], [row for _, row in kept]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
-    out = {"n_examples": len(kept), **step_metrics([p for p, _ in pairs], [y for _, y in pairs], threshold),
+    probs, truth = [p for p, _ in pairs], [y for _, y in pairs]
+    out = {"n_examples": len(kept), **step_metrics(probs, truth, threshold),
            "examples_dropped": len(rows) - len(kept),
            "examples_truncated": sum(len(ps) < len(row["step_labels"]) for ps, row in kept)}
     if processbench:
@@ -83,17 +85,18 @@ def report(step_probs: list, rows: list, threshold: float = 0.5, processbench: b
 
 
 def candidate_groups(step_probs: list, rows: list) -> list:
-    """One list of candidates per problem (`group`), in input order; each row must know its outcome."""
+    """A list of candidates per problem (`group`), in input order; each must know its outcome."""
     groups = {}
     for i, (ps, row) in enumerate(zip(step_probs, rows)):
         if row.get("final_answer_correct") is None:
-            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or a "
-                             "candidate's 'label') for every solution")
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or "
+                             "a candidate's 'label') for every solution")
         if row.get("group") is None:
-            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each solution (a "
-                             "prompt, or the candidates format's question)")
-        groups.setdefault(row["group"], []).append({"step_probs": ps, "correct": row["final_answer_correct"],
-                                                    "answer": row.get("response_answer")})
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each "
+                             "solution (a prompt, or the candidates format's question)")
+        groups.setdefault(row["group"], []).append({
+            "step_probs": ps, "correct": row["final_answer_correct"],
+            "answer": row.get("response_answer")})
     return list(groups.values())
 
 
@@ -114,12 +117,12 @@ def score(model, tokenizer, prompt, steps: list, step_separator: str = None, **k
 
 @torch.inference_mode()
 def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *, max_length=None,
-                max_completion_length=None, batch_size: int = 16, amp_dtype=None, rt: Runtime = Runtime(),
-                progress: bool = False, tokenize=None) -> list:
-    """[(prompt, steps), ...] -> [[P(correct) per step], ...], tokenized as in training. The separator and
-    length caps default to the model's saved ones (else "\n", no caps); 0: no cap. Steps cut by a cap get no
-    score: each list is a prefix. tokenize: the row builder over columns, tokenize_batch (None) or a
-    published PRM's own (prm.scoring.scorers.load gives it)."""
+                max_completion_length=None, batch_size: int = 16, amp_dtype=None,
+                rt: Runtime = Runtime(), progress: bool = False, tokenize=None) -> list:
+    """[(prompt, steps), ...] -> [[P(correct) per step], ...], tokenized as in training. Separator
+    and length caps default to the model's saved ones (else "\n", no caps); 0: no cap. Steps cut
+    by a cap get no score. tokenize: the row builder over columns, tokenize_batch (None) or a
+    published PRM's own (prm.scoring.scorers.load's)."""
     saved = input_settings(getattr(model, "config", None))
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
     # 0 -> None, tokenize_batch's "no cap"
@@ -135,5 +138,5 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
                                             max_length=max_length,
                                             max_completion_length=max_completion_length)
         rows += [dict(zip(cols, row)) for row in zip(*cols.values())]
-    return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer), amp_dtype=amp_dtype,
-                   rt=rt, progress=progress)
+    return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
+                   amp_dtype=amp_dtype, rt=rt, progress=progress)

@@ -1,5 +1,5 @@
-"""Device, autocast dtype and torchrun plumbing for training and evaluation. Depends on: torch;
-progress_off also imports datasets and transformers, when it turns their progress bars off."""
+"""Device, autocast dtype and torchrun plumbing. Depends on: torch (progress_off: datasets and
+transformers too)."""
 import contextlib
 import gc
 import os
@@ -27,11 +27,11 @@ class Runtime:
 
 
 def setup() -> Runtime:
-    """Under torchrun: one process per device, nccl on CUDA, gloo on CPU. Else: no process group."""
+    """Under torchrun: a process per device, nccl on CUDA, gloo on CPU. Else: no process group."""
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" not in os.environ:
         return Runtime(device=torch.device("cuda" if cuda else "cpu"))
-    rank, local_rank, world = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -40,10 +40,10 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
-    """Destroys the process group, and so gloo's threads, while the interpreter is whole: alive at shutdown, one
-    releasing a finished collective's tensor needs the GIL and aborts the rank. The group outlives
-    destroy_process_group while held: by a model in reference cycles (collected here) or by the DeviceMesh that
-    fully_shard made, which torch's DTensor caches keep (made to let go of it here)."""
+    """Destroys the process group (and gloo's threads: alive at shutdown, one releasing a tensor
+    needs the GIL and aborts the rank) while the interpreter is whole. The group outlives
+    destroy_process_group while held by a model in reference cycles (collected here) or by
+    fully_shard's DeviceMesh, which DTensor caches keep (let go of here)."""
     if rt.distributed and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -53,11 +53,11 @@ def teardown(rt: Runtime):
 
 
 def autocast_dtype(name, device: torch.device):
-    """The autocast dtype of fp32 (None), bf16 or fp16; name None: bf16 where the device runs it natively
-    (CUDA with bf16, CPUs with AMX or AVX512-BF16), else fp32."""
+    """The autocast dtype of fp32 (None), bf16 or fp16; name None: bf16 where the device runs it
+    natively (CUDA with bf16, CPUs with AMX or AVX512-BF16), else fp32."""
     if name is None:
-        ok = cpu_has_bf16() if device.type == "cpu" else device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if ok else None
+        cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if (cpu_has_bf16() if device.type == "cpu" else cuda) else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
@@ -77,7 +77,7 @@ def gather_objects(obj, rt: Runtime) -> list:
 
 
 def decided_by_main(rt: Runtime, decide):
-    """decide() run by rank 0 alone; its value, or the exception it raised, reaches every rank."""
+    """decide() run by rank 0 alone; its value or exception reaches every rank."""
     if not rt.distributed:
         return decide()
     box = [None]
@@ -109,7 +109,7 @@ def main_first(rt: Runtime):
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matrix units on this CPU (torch.cpu's private probes); PRM_CPU_BF16=1 or 0 overrides."""
+    """Native bf16 matrix units on this CPU (torch.cpu's probes); PRM_CPU_BF16=1/0 overrides."""
     if os.environ.get("PRM_CPU_BF16") in ("0", "1"):
         return os.environ["PRM_CPU_BF16"] == "1"
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
@@ -117,7 +117,7 @@ def cpu_has_bf16() -> bool:
 
 
 def progress_off(disable: bool) -> bool:
-    """Whether progress bars (also datasets' and transformers') stay off: when asked or stderr is no terminal."""
+    """Whether progress bars (datasets' and transformers' too) stay off: if asked or no terminal."""
     off = disable or not sys.stderr.isatty()
     if off:
         import datasets

@@ -1,12 +1,9 @@
-"""Attention over packed rows: examples back to back in one row, each attending only to itself.
-`use_packed_attention(backbone)` registers it with transformers' AttentionInterface and switches a
-decoder to it (a plain saved config); it then takes data.pack's tensors. The kernel: PyTorch's
-varlen flash attention on CUDA in bf16/fp16, else causal SDPA per example. Depends on: torch,
-transformers. What it buys: transformers' own SDPA path keeps packed examples apart too
-(position_ids from 0 per example, no attention mask, no cache: checked on transformers 5.24), but
-with an N x N block-diagonal mask: N^2 bytes (1 GiB at 32k tokens), every score between examples
-computed, no flash kernel. Here: no mask, each example's own scores only (16 examples of 256
-tokens on a CPU: 0.12 s, not 1.8 s)."""
+"""Attention over packed rows (data.pack's): examples back to back, each attending to itself.
+use_packed_attention(backbone) registers it with transformers' AttentionInterface. The kernel:
+PyTorch's varlen flash attention on CUDA in bf16/fp16, else causal SDPA per example. Depends on:
+torch, transformers. Transformers' own SDPA keeps packed examples apart too, but with an N x N
+mask (1 GiB at 32k tokens) and every score between examples computed; here each example's own
+only (16 examples of 256 tokens on a CPU: 0.12 s, not 1.8 s)."""
 import functools
 import inspect
 
@@ -23,21 +20,23 @@ except ImportError:
 
 
 def kernel_dtype(query):
-    """The flash kernel's half dtype; None where only the fallback runs (CPU, fp32, head dim > 256). Under
+    """The flash kernel's dtype; None where the fallback runs (CPU, fp32, head dim > 256). Under
     autocast, RoPE hands over fp32 queries: the kernel runs in the autocast dtype, as SDPA would."""
     if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
         return None
-    if query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):  # flash needs Ampere
+    if query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):  # pre-Ampere
         return None
     if query.dtype in (torch.bfloat16, torch.float16):
         return query.dtype
-    return torch.get_autocast_dtype(KERNEL_DEVICE) if torch.is_autocast_enabled(KERNEL_DEVICE) else None
+    if torch.is_autocast_enabled(KERNEL_DEVICE):
+        return torch.get_autocast_dtype(KERNEL_DEVICE)
+    return None
 
 
 @functools.lru_cache
 def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
-    """(keyword arguments for causal attention, whether K/V must be repeated) for this varlen_attn: torch 2.10
-    takes is_causal, later ones a window, (-1, 0) causal; grouped-query heads are native with enable_gqa."""
+    """(causal attention's keywords, whether K/V must be repeated) for this varlen_attn: torch
+    2.10 takes is_causal, later ones a window, (-1, 0) causal; enable_gqa: native grouped heads."""
     params = inspect.signature(fn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     gqa = n_heads != n_kv_heads
@@ -47,8 +46,8 @@ def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
 
 
 def per_example_sdpa(q, k, v, cu_seqlens, scale, window=None):
-    """Causal SDPA on each example's slice, over its last `window` keys (its own included) when given.
-    q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
+    """Causal SDPA on each example's slice, over its last `window` keys (its own included) if
+    given. q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
     bounds = cu_seqlens.tolist()
     gqa = q.shape[0] != k.shape[0]
     out = torch.empty_like(q)  # (H, N, D)
@@ -58,27 +57,30 @@ def per_example_sdpa(q, k, v, cu_seqlens, scale, window=None):
             i = torch.arange(e - s, device=q.device)
             band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)  # (n, n)
         if e > s:  # 4-D (1, H, n, D): 3-D takes the slow math kernel on CPU
-            out[:, s:e] = F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e],
-                                                         attn_mask=band, is_causal=band is None, scale=scale,
-                                                         enable_gqa=gqa)[0]
+            qs, ks, vs = (x[None, :, s:e] for x in (q, k, v))
+            out[:, s:e] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, scale=scale,
+                                                         is_causal=band is None, enable_gqa=gqa)[0]
     return out
 
 
-def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """For AttentionInterface: query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
-        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q (data.pack's output)")
+        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q "
+                         "(data.pack's output)")
     if not getattr(module, "is_causal", True) or dropout:
-        raise ValueError("packed attention supports causal attention without attention dropout only: --no-packing")
+        raise ValueError("packed attention supports causal attention without attention dropout "
+                         "only: --no-packing")
     window = kwargs.get("sliding_window")
     dtype = kernel_dtype(query)
     kw, repeat = kernel_options(varlen_attn, query.shape[1], key.shape[1]) if dtype else ({}, False)
-    if dtype is None or window is not None and "window_size" not in kw:  # torch 2.10's kernel: no window
+    if dtype is None or window is not None and "window_size" not in kw:  # 2.10's: no window
         out = per_example_sdpa(query[0], key[0], value[0], cu, scaling, window)  # (H, N, D)
         return out.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D)
     if window is not None:
-        kw = {**kw, "window_size": (window - 1, 0)}  # flash's left count excludes the query's own key
+        kw = {**kw, "window_size": (window - 1, 0)}  # the left count excludes the query's key
     q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, H, D)
     if repeat:  # each K/V head serves H / Hkv query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
@@ -89,19 +91,19 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def supports_packing(backbone) -> bool:
-    """True for decoders whose attention goes through transformers' AttentionInterface, is causal everywhere
+    """True for decoders whose attention goes through AttentionInterface, is causal everywhere
     and has no attention dropout (GPT-2's default has)."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
     dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
     # the kernels lack Gemma 2's logit soft-capping and gpt-oss's attention sinks
     unsupported = getattr(backbone.config, "attn_logit_softcapping", None) or \
         any(hasattr(m, "sinks") for m in backbone.modules())
-    return bool(getattr(backbone, "_supports_attention_backend", False) and causal and all(causal)
-                and not any(dropout) and not unsupported)
+    return bool(getattr(backbone, "_supports_attention_backend", False) and causal
+                and all(causal) and not any(dropout) and not unsupported)
 
 
 def is_packed(model) -> bool:
-    """Whether the model (a PRM or a backbone) runs packed attention, so must be called with packed rows."""
+    """Whether the model (a PRM or a backbone) runs packed attention, so takes packed rows."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 

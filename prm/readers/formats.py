@@ -1,4 +1,4 @@
-"""Read JSON safely, detect a record's format, convert it to stepwise or pre-tokenized rows and check them."""
+"""Read JSON safely, detect a record's format, make stepwise or pre-tokenized rows, check them."""
 import difflib
 import itertools
 import json
@@ -35,7 +35,7 @@ def decode(data: bytes) -> tuple:
 
 
 def read_json(text: str) -> tuple:
-    """(value, problem, line) of one JSON text: malformed, too deep, too long a number, or field_problem's."""
+    """(value, problem, line) of a JSON text: malformed, too deep, a too long number, a field's."""
     repeated = []
 
     def pairs_hook(pairs: list) -> dict:
@@ -63,20 +63,22 @@ class _Repeated(dict):  # a JSON object that gave one key twice
 
 def field_problem(value, field: str = ""):
     """"field 'x': ..." for the first key given twice or lone surrogate in value, else None."""
-    todo = [(field, value)]  # no recursion: any depth json reads
+    todo = [(field, value)]  # a loop: any depth json reads
     while todo:
         field, value = todo.pop()
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as e:
-                return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} (position {e.start}) is not text"
+                return (f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} "
+                        f"(position {e.start}) is not text")
         if isinstance(value, _Repeated):
             where = f"{field}.{value.key}" if field else value.key
             return f"field '{where}': given twice in one object (which value is meant?)"
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        todo += reversed([(f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k), v)
-                          for k, v in items])
+        if isinstance(value, dict):  # from JSON: text keys
+            todo += reversed([(f"{field}.{k}" if field else k, v) for k, v in value.items()])
+        elif isinstance(value, list):
+            todo += reversed([(f"{field}[{k}]", v) for k, v in enumerate(value)])
     return None
 
 
@@ -125,7 +127,8 @@ def _need(record: dict, key: str, kind=None, what: str = "", where: str = ""):
         raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
     if key not in record:
         near = difflib.get_close_matches(key, [str(k) for k in record], 1, 0.6)
-        raise BadField(where + key, "missing" + (f" (found '{near[0]}': misnamed?)" if near else ""))
+        near = f" (found '{near[0]}': misnamed?)" if near else ""
+        raise BadField(where + key, "missing" + near)
     value = record[key]
     if kind is not None and not isinstance(value, kind):
         raise BadField(where + key, f"expected {what}, got {_kind(value)}")
@@ -137,11 +140,12 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
-    """The row and its META columns, so a converted file reads back as its source (`id`: to_rows')."""
-    row = {"prompt": _need(r, "prompt"), "completions": _need(r, "completions"), "labels": _need(r, "labels")}
+    """The row and its META columns: a converted file reads back as its source (`id`: to_rows')."""
+    row = {k: _need(r, k) for k in FORMATS["stepwise"]}
     if r.get("first_error") is not None:
         steps = row["completions"]
-        row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
+        n = len(steps) if isinstance(steps, list) else 0
+        row.update(_benchmark_columns(r, "first_error", n))
     for col, kind in META.items():
         if col not in row and col != "id" and r.get(col) is not None:
             python_type, what = KINDS[kind]
@@ -162,7 +166,7 @@ def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
-    """`input`: question + "Step 1: ... ки\\nStep 2: ... ки"; `label`: it with +/- for each tag, or a list."""
+    """`input`: question + "Step 1: ... ки\\nStep 2: ... ки"; `label`: +/- per tag, or a list."""
     text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
     _tagged_steps(text, "input")
     parts = text.split(STEP_TAG)
@@ -171,8 +175,8 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
         for k, part in enumerate(parts[:-1]):
             mark = label[pos + len(part):pos + len(part) + 1]
             if label[pos:pos + len(part)] != part or mark not in ("+", "-"):
-                raise BadField("label", f"does not match 'input' at step {k + 1}: expected the same text "
-                                        f"with + or - in place of each '{STEP_TAG}'")
+                raise BadField("label", f"does not match 'input' at step {k + 1}: expected the "
+                                        f"same text with + or - in place of each '{STEP_TAG}'")
             labels.append(mark == "+")
             pos += len(part) + 1
     elif isinstance(label, list):
@@ -182,15 +186,16 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
                                 + _kind(label))
     question, marker, first = parts[0].rpartition("Step 1:")
     if not marker:
-        raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the question from the "
-                                "first step")
-    return [{"prompt": question.strip(), "completions": [s.strip() for s in [marker + first] + parts[1:-1]],
-             "labels": labels}]
+        raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the "
+                                "question from the first step")
+    steps = [s.strip() for s in [marker + first] + parts[1:-1]]
+    return [{"prompt": question.strip(), "completions": steps, "labels": labels}]
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """A row per rated alternative not chosen (the trajectory so far + it), and the trajectory of chosen or
-    human steps up to where the labeler stopped, unless the last row holds it; none from a bad_problem."""
+    """A row per rated alternative not chosen (the trajectory so far + it), and the trajectory of
+    chosen or human steps to where the labeler stopped, unless the last row holds it; none from a
+    bad_problem."""
     problem = _need(_need(r, "question", dict, "an object with 'problem'"), "problem", str, "text")
     label = _need(r, "label", dict, "an object with 'steps'")
     steps = _need(label, "steps", list, "a list")
@@ -201,18 +206,21 @@ def from_prm800k(r: dict, neutral: str) -> list:
     for k, step in enumerate(steps):
         where = f"label.steps[{k}]"
         if not isinstance(step, dict) or not isinstance(step.get("completions") or [], list):
-            raise BadField(where, f"expected an object with a list of completions, got {_kind(step)}")
+            raise BadField(where, "expected an object with a list of completions, got "
+                                  + _kind(step))
         options, chosen = step.get("completions") or [], step.get("chosen_completion")
         for i, c in enumerate(options):
             rating = c.get("rating") if isinstance(c, dict) else "not an object"
-            if type(rating) not in (int, type(None)) or rating not in rate:  # type(): True is no rating
-                raise BadField(f"{where}.completions[{i}].rating", f"expected -1, 0, 1 or null in {_kind(c)}")
+            if type(rating) not in (int, type(None)) or rating not in rate:  # True is no rating
+                raise BadField(f"{where}.completions[{i}].rating",
+                               f"expected -1, 0, 1 or null in {_kind(c)}")
             if i != chosen and rate[rating] is not None:
                 rows.append({"prompt": problem, "completions": texts + [c.get("text")],
                              "labels": labels + [rate[rating]]})
         if chosen is not None:
-            if type(chosen) is not int or not 0 <= chosen < len(options):  # type(): True is no index
-                raise BadField(f"{where}.chosen_completion", f"{chosen!r} is not an index of its completions")
+            if type(chosen) is not int or not 0 <= chosen < len(options):  # True is no index
+                raise BadField(f"{where}.chosen_completion",
+                               f"{chosen!r} is not an index of its completions")
             texts.append(options[chosen].get("text"))
             labels.append(rate[options[chosen].get("rating")])
         elif isinstance(step.get("human_completion"), dict):
@@ -235,7 +243,8 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben as ProcessBench: question and options, steps without "Step k: ", a 1-based first error or "N/A"."""
+    """Mr-Ben as ProcessBench: question and options, steps without "Step k: ", first error 1-based
+    or "N/A"."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
     first = _need(r, "Model_Solution_First_Error_Step")
@@ -258,12 +267,14 @@ def _tagged_steps(text: str, field: str) -> list:
     if len(parts) < 2:
         raise BadField(field, f"no '{STEP_TAG}' step tag")
     if parts[-1].strip():
-        raise BadField(field, f"text after the last '{STEP_TAG}' step tag: {parts[-1].strip()[:40]!r}")
+        tail = parts[-1].strip()[:40]
+        raise BadField(field, f"text after the last '{STEP_TAG}' step tag: {tail!r}")
     return [s.strip() for s in parts[:-1]]
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """A row per sampled solution (step-tagged `response` or `steps`), in one `group`; `label`: answer correct."""
+    """A row per sampled solution (step-tagged `response`, or `steps`), all in one `group`;
+    `label`: the answer is correct."""
     question = _need(r, "question", str, "text")
     outputs = _need(r, "outputs", list, "a list of candidate solutions")
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
@@ -273,10 +284,12 @@ def from_candidates(r: dict, neutral: str) -> list:
         if isinstance(o, dict) and "steps" in o:
             steps = _need(o, "steps", list, "a list of steps", where)
         else:
-            steps = _tagged_steps(_need(o, "response", str, "text with step tags", where), where + "response")
+            text = _need(o, "response", str, "text with step tags", where)
+            steps = _tagged_steps(text, where + "response")
         correct = _need(o, "label", bool, "true/false (is the final answer correct?)", where)
-        answer = None if o.get("response_answer") is None else _need(o, "response_answer", str,
-                                                                      "the final answer as text", where)
+        answer = o.get("response_answer")
+        if answer is not None:
+            answer = _need(o, "response_answer", str, "the final answer as text", where)
         labels = o["step_labels"] if o.get("step_labels") is not None else [None] * len(steps)
         rows.append({"prompt": question, "completions": steps, "labels": labels,
                      "final_answer_correct": correct, "response_answer": answer, "group": group,
@@ -285,8 +298,8 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution, its 1-based `error_steps` wrong (indices past the end ignored, as PRMBench's
-    harness does), the others correct; a redundancy row also gives the original, category "correct"."""
+    """The modified solution, its 1-based `error_steps` wrong (those past the end ignored, as in
+    PRMBench's harness), the rest correct; a redundancy row also gives the original ("correct")."""
     steps = _unnumbered(_need(r, "modified_process", list, "a list of steps"))
     errors = _need(r, "error_steps", list, "a list of 1-based step indices")
     for e in errors:
@@ -294,8 +307,9 @@ def from_prmbench(r: dict, neutral: str) -> list:
             raise BadField("error_steps", f"{_kind(e)} is not a 1-based step index")
     within = [e for e in errors if e <= len(steps)]
     if errors and not within:
-        raise BadField("error_steps", f"every error step {errors} is past the end of 'modified_process' "
-                                      f"({len(steps)} steps, 1-based): no step would be labeled wrong")
+        raise BadField("error_steps", f"every error step {errors} is past the end of "
+                                      f"'modified_process' ({len(steps)} steps, 1-based): "
+                                      "no step would be labeled wrong")
     category = _need(r, "classification", str, "the error category")
     key = r.get("idx", "")
     rows = [{"prompt": _need(r, "modified_question", str, "text"), "completions": steps,
@@ -310,9 +324,9 @@ def from_prmbench(r: dict, neutral: str) -> list:
 
 
 def _unnumbered(steps: list) -> list:
-    """PRMBench's remove_step_prefix (a leading "k." or "Step k." dropped); a step that is only one stays."""
-    bare = [re.sub(r"^(Step\s*\d+\.\s*|\d+\.\s*)", "", s.strip(), flags=re.IGNORECASE) if isinstance(s, str)
-            else s for s in steps]
+    """PRMBench's remove_step_prefix (a leading "k." or "Step k." dropped) but for a bare prefix."""
+    prefix = re.compile(r"^(Step\s*\d+\.\s*|\d+\.\s*)", re.IGNORECASE)
+    bare = [prefix.sub("", s.strip()) if isinstance(s, str) else s for s in steps]
     return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
 
 
@@ -328,7 +342,9 @@ CONVERTERS = {name: globals()[f"from_{name}"] for name in FORMATS}
 
 def _first_bad(bad: list, message: str, more: str = " more") -> list:
     """[the message of the first bad (index, what) and how many more], or []."""
-    return [message.format(*bad[0]) + (f" ({len(bad) - 1}{more})" if len(bad) > 1 else "")] if bad else []
+    if not bad:
+        return []
+    return [message.format(*bad[0]) + (f" ({len(bad) - 1}{more})" if len(bad) > 1 else "")]
 
 
 def row_problems(row: dict) -> list:
@@ -338,10 +354,11 @@ def row_problems(row: dict) -> list:
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                  and isinstance(m.get("content"), str) for m in prompt):
-            out.append("field 'prompt': a conversational prompt must be a non-empty list of {role, content} "
-                       "strings")
+            out.append("field 'prompt': a conversational prompt must be a non-empty list of "
+                       "{role, content} strings")
     elif not isinstance(prompt, str):
-        out.append(f"field 'prompt': expected text or a list of {{role, content}}, got {_kind(prompt)}")
+        out.append("field 'prompt': expected text or a list of {role, content}, got "
+                   + _kind(prompt))
     if not isinstance(steps, list) or not steps:
         out.append(f"field 'completions': expected a non-empty list of steps, got {_kind(steps)}")
     else:
@@ -354,19 +371,20 @@ def row_problems(row: dict) -> list:
     out += _first_bad(bad, "field 'labels': label {}: {}")
     if isinstance(steps, list) and steps and len(labels) != len(steps):
         out.append(f"field 'labels': {len(labels)} labels for {len(steps)} steps")
-    elif labels and not bad and all(y is None for y in labels) and "group" not in row:  # not best-of-N
+    elif labels and not bad and all(y is None for y in labels) and "group" not in row:  # best-of-N
         out.append("field 'labels': no step is labeled")
     return out
 
 
 def token_problems(row: dict) -> list:
-    """Every problem of one pre-tokenized row, as "field 'x': ..." strings; padding only trails the row."""
+    """Every problem of one pre-tokenized row, as "field 'x': ..." strings; padding only trails."""
     ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
     out = []
     if not isinstance(ids, list) or not ids:
         out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
     else:  # type(): True is no token id; the column is int64
-        bad = [(i, _kind(x)) for i, x in enumerate(ids) if type(x) is not int or not 0 <= x < 2 ** 63]
+        bad = [(i, _kind(x)) for i, x in enumerate(ids)
+               if type(x) is not int or not 0 <= x < 2 ** 63]
         out += _first_bad(bad, "field 'input_ids': position {}: {} is not a token id (an int >= 0)")
     if not isinstance(labels, list):
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
@@ -377,30 +395,32 @@ def token_problems(row: dict) -> list:
         return out + [f"field 'labels': {len(labels)} labels for {len(ids)} input_ids"]
     n = len(labels)
     if mask is not None:
-        if not isinstance(mask, list) or len(mask) != n or any(type(m) not in (int, bool) or m not in (0, 1)
-                                                                for m in mask):
+        if not isinstance(mask, list) or len(mask) != n or any(
+                type(m) not in (int, bool) or m not in (0, 1) for m in mask):
             return out + [f"field 'attention_mask': expected {n} zeros and ones, got {_kind(mask)}"]
         n = sum(mask)
         if any(mask[n:]):
-            return out + ["field 'attention_mask': expected ones then zeros (right padding); left or inner "
-                          "padding is not supported"]
+            return out + ["field 'attention_mask': expected ones then zeros (right padding); "
+                          "left or inner padding is not supported"]
         padded = [i for i in range(n, len(labels)) if labels[i] != IGNORE]
         if padded and not bad:
-            out.append(f"field 'labels': position {padded[0]} is padding (attention_mask 0) but has a label")
+            out.append(f"field 'labels': position {padded[0]} is padding (attention_mask 0) "
+                       "but has a label")
     if not bad and all(y == IGNORE for y in labels[:n]):
         out.append("field 'labels': no position is labeled (every label is -100)")
     return out
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) for one raw record in format `fmt`; the rows are valid only without problems."""
+    """(rows, problems) of one raw record in format `fmt`; rows are valid only without problems."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:
         rows = CONVERTERS[fmt](record, neutral)
     except BadField as e:
         return [], [str(e)]
-    problems = [p for row in rows for p in (token_problems if fmt == "pretokenized" else row_problems)(row)]
+    check = token_problems if fmt == "pretokenized" else row_problems
+    problems = [p for row in rows for p in check(row)]
     if problems:
         return [], sorted(set(problems), key=problems.index)
     for n, row in enumerate(rows):
@@ -412,7 +432,8 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
             row["input_ids"] = row["input_ids"][:end]
             row["labels"] = [y if isinstance(y, float) else int(y) for y in row["labels"][:end]]
         else:  # 0/1 labels become bools, floats stay floats
-            row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in row["labels"]]
+            labels = row["labels"]
+            row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in labels]
             if isinstance(row["prompt"], list):
-                row["prompt"] = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+                row["prompt"] = [{k: m[k] for k in ("role", "content")} for m in row["prompt"]]
     return rows, []

@@ -1,4 +1,4 @@
-"""Stepwise or pre-tokenized datasets -> the tokenized rows (COLUMNS) the loop reads, and the data report."""
+"""Stepwise or pre-tokenized datasets -> tokenized rows (COLUMNS), and the data report."""
 import hashlib
 import os
 
@@ -21,14 +21,15 @@ def processes(num_proc: int, n_rows: int) -> int:
     """--num-proc, or for 0 one process per usable core (at most 8) from AUTO_PROC_ROWS rows on."""
     if num_proc or n_rows < AUTO_PROC_ROWS:
         return num_proc or 1
-    return min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
+    usable = getattr(os, "sched_getaffinity", None)
+    return min(len(usable(0)) if usable else os.cpu_count() or 1, 8)
 
 
-def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, desc: str = "tokenize",
-                     drop_unlabeled: bool = True, tokenize=None):
+def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
+                     desc: str = "tokenize", drop_unlabeled: bool = True, tokenize=None):
     """(dataset, report) by datasets.map(tokenize, by default tokenize_batch, or cut_pretokenized);
-    rows without a labeled step are dropped and counted, unless drop_unlabeled=False (evaluation:
-    rows line up with the source). tokenize: a published PRM's own (prm.scoring.scorers.load's)."""
+    rows without a labeled step are dropped and counted, unless drop_unlabeled=False (rows line up
+    with the source). tokenize: a published PRM's own (prm.scoring.scorers.load's)."""
     features = Features({**FEATURES, **{k: v for k, v in ds.features.items() if k in META}})
     if "input_ids" in ds.column_names:
         check_pretokenized(ds, tokenizer, cfg)
@@ -37,17 +38,19 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
                       train_on_last_step_only=cfg.train_on_last_step_only)
     else:
         fn = tokenize or tokenize_batch
-        kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator, max_length=cfg.max_length,
-                      max_completion_length=cfg.max_completion_length,
+        kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator,
+                      max_length=cfg.max_length, max_completion_length=cfg.max_completion_length,
                       train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
         fingerprint = map_fingerprint(ds, tokenizer, kwargs, fn)
     n_proc = processes(num_proc, len(ds))
     try:
         tok = ds.map(fn, fn_kwargs=kwargs, batched=True, batch_size=256, features=features,
                      remove_columns=[c for c in ds.column_names if c not in META],
-                     num_proc=n_proc if n_proc > 1 else None, desc=desc, new_fingerprint=fingerprint)
+                     num_proc=n_proc if n_proc > 1 else None, desc=desc,
+                     new_fingerprint=fingerprint)
     except OSError as e:
-        raise WriteFailed(f"cannot write tokenized rows to the datasets cache: {e.strerror or e}") from None
+        raise WriteFailed("cannot write tokenized rows to the datasets cache: "
+                          f"{e.strerror or e}") from None
     except Exception:
         which = "held-out" if is_eval else "training"
         bad = template_problems(ds, tokenizer, which)
@@ -58,19 +61,22 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0, de
                              f"{bad[0][1]}")
         if not (cfg.skip_invalid and drop_unlabeled):
             raise DataError([p for _, p in bad], total_rows=len(bad)) from None
-        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render (--skip-invalid): "
-            f"{bad[0][1]}")
+        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render "
+            f"(--skip-invalid): {bad[0][1]}")
         keep = sorted(set(range(len(ds))) - {i for i, _ in bad})
-        tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval, num_proc=num_proc,
-                                       desc=desc, tokenize=tokenize)
+        tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval,
+                                       num_proc=num_proc, desc=desc, tokenize=tokenize)
         return tok, {**report, "examples_dropped": report["examples_dropped"] + len(bad)}
     arrow = tok.with_format("arrow")  # steps cut by a length cap, in every row
     n_cut = _total(pc.list_value_length(arrow["step_labels"])) - _total(arrow["steps_kept"])
-    kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True, desc="drop unlabeled")
-    with_separator = _total(pc.match_substring(pc.list_flatten(ds.with_format("arrow")["completions"]),
-                                               cfg.step_separator)) if "completions" in ds.column_names else 0
-    return (kept if drop_unlabeled else tok), dataset_report(kept, n_rows_in=len(ds), steps_truncated=n_cut,
-                                                             steps_with_separator=with_separator)
+    kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True,
+                      desc="drop unlabeled")
+    with_sep = 0
+    if "completions" in ds.column_names:
+        steps = pc.list_flatten(ds.with_format("arrow")["completions"])
+        with_sep = _total(pc.match_substring(steps, cfg.step_separator))
+    return (kept if drop_unlabeled else tok), dataset_report(
+        kept, n_rows_in=len(ds), steps_truncated=n_cut, steps_with_separator=with_sep)
 
 
 def _total(values) -> int:
@@ -78,7 +84,7 @@ def _total(values) -> int:
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
-    """(index, message) of each row whose chat prompt the tokenizer's chat template cannot render."""
+    """(index, message) of each row whose chat prompt the tokenizer's template cannot render."""
     if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
     name, out = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, []
@@ -87,16 +93,20 @@ def template_problems(ds, tokenizer, which: str) -> list:
         try:
             tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         except Exception as e:
-            out.append((i, f"{which} row {i}{f' (id {id_})' if id_ else ''}: field 'prompt': a chat prompt "
-                           f"(list of role/content) needs the tokenizer's chat template; tokenizer {name}: "
+            row = f"{which} row {i}" + (f" (id {id_})" if id_ else "")
+            out.append((i, f"{row}: field 'prompt': a chat prompt (list of role/content) needs "
+                           f"the tokenizer's chat template; tokenizer {name}: "
                            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
     return out
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str:
-    """map's fingerprint from data, tokenizer, settings and code: cheaper than datasets' dill hash."""
+    """map's fingerprint from data, tokenizer, settings and code: cheaper than dill's hash."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    tok = Hasher.hash(tokenizer) if backend is None else hashlib.sha256(backend.to_str().encode()).hexdigest()
+    if backend is None:
+        tok = Hasher.hash(tokenizer)
+    else:
+        tok = hashlib.sha256(backend.to_str().encode()).hexdigest()
     special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
     settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
     code = [Hasher.hash(f) for f in (tokenize, tokenize_example, make_row, normalize_label)]
@@ -104,20 +114,23 @@ def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str
 
 
 def check_pretokenized(ds, tokenizer, cfg):
-    """DataError for pre-tokenized rows with ids past the tokenizer's vocabulary, or --max-completion-length."""
+    """DataError for pre-tokenized rows with ids past the vocabulary, or --max-completion-length."""
     if cfg.max_completion_length:
-        raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows carry no "
-                         "prompt/step boundary to apply it to; set it to 0 and cap them with --max-length"])
+        raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows "
+                         "carry no prompt/step boundary to apply it to; set it to 0 and cap them "
+                         "with --max-length"])
     n_vocab, bad, offset = len(tokenizer), [], 0
     for chunk in ds.with_format("arrow")["input_ids"].chunks:
-        over = pc.filter(pc.list_parent_indices(chunk), pc.greater_equal(pc.list_flatten(chunk), n_vocab))
+        over = pc.greater_equal(pc.list_flatten(chunk), n_vocab)
+        over = pc.filter(pc.list_parent_indices(chunk), over)
         bad += [offset + i for i in pc.unique(over).to_pylist()]
         offset += len(chunk)
     if bad:
-        where = ds["where"][:] if "where" in ds.column_names else [f"row {i}" for i in range(len(ds))]
-        raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is out of the "
-                         f"tokenizer's {n_vocab} tokens: was it tokenized with another tokenizer?"
-                         for i in bad])
+        where = (ds["where"][:] if "where" in ds.column_names
+                 else [f"row {i}" for i in range(len(ds))])
+        raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is "
+                         f"out of the tokenizer's {n_vocab} tokens: was it tokenized with another "
+                         "tokenizer?" for i in bad])
 
 
 def cut_pretokenized(batch: dict, **kw) -> dict:
