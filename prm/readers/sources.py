@@ -1,4 +1,4 @@
-"""Read train/held-out rows from a hub name, a .jsonl/.json/.parquet file or a folder, validated, cached."""
+"""Validated, cached train/held-out rows of a hub dataset or a .jsonl/.json/.parquet file/folder."""
 import contextlib
 import hashlib
 import inspect
@@ -18,19 +18,19 @@ from datasets.fingerprint import Hasher
 from prm.config import Config
 from prm.core.data import IGNORE
 from prm.errors import UsageError, WriteFailed
-from prm.readers.formats import (FORMATS, META, decode, detect_format, field_problem, format_help, read_json,
-                                 to_rows)
+from prm.readers.formats import (FORMATS, META, decode, detect_format, field_problem, format_help,
+                                 read_json, to_rows)
 from prm.readers.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more"
-WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet file or a "
-         "hub split")
+WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet "
+         "file or a hub split")
 SHAPING = Config.names_with("rows")  # the settings that shape rows: part of the rows cache's key
 
 
 class DataError(UsageError):
-    """Problems with the input data, one "<source> <line|row> N: field 'x': ..." line each: exit status 2."""
+    """Bad input data, one "<source> <line|row> N: field 'x': ..." line per problem."""
 
     def __init__(self, problems: list, total_rows: int = 0):
         self.problems, self.total_rows = problems, total_rows
@@ -57,7 +57,7 @@ def is_local(spec: str) -> bool:
 
 
 def read_records(path: str):
-    """(where, record, problem) per row of a local file; a bad JSONL line is named by its number."""
+    """(where, record, problem) per row of a local file."""
     if path.lower().endswith(".parquet"):
         try:
             ds = Dataset.from_parquet(path)
@@ -71,7 +71,7 @@ def read_records(path: str):
     if path.lower().endswith(".json"):
         data, problem, line = read_json(text)
         if data is None and problem and (text.lstrip().startswith("[") or line is None):
-            raise DataError([f"{path}" + (f" line {line}" if line else "") + f": {problem}"])
+            raise DataError([f"{path}{f' line {line}' if line else ''}: {problem}"])
         pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
         if isinstance(data, dict) and any(data.values()) and all(
                 isinstance(v, list) and all(isinstance(r, dict) for r in v) for v in data.values()):
@@ -80,52 +80,55 @@ def read_records(path: str):
         if pairs is not None:
             return [(where, r, problem and field_problem(r)) for where, r in pairs]
         if isinstance(data, dict) and "\n" in text.strip():
-            raise DataError([f"{path}: one JSON object; expected an array of records, an object of such "
-                             "arrays, or JSON Lines"])
+            raise DataError([f"{path}: one JSON object; expected an array of records, an "
+                             "object of such arrays, or JSON Lines"])
     # not splitlines(): U+2028 may sit raw inside a JSON string
-    return [(f"line {n}", *read_json(line)[:2]) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    lines = enumerate(text.split("\n"), 1)
+    return [(f"line {n}", *read_json(line)[:2]) for n, line in lines if line.strip()]
 
 
 def data_files(folder: str) -> list:
-    """The sorted paths of a folder's entries named like data files."""
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.lower().endswith(LOCAL_EXT))
+    """A folder's entries named like data files, sorted."""
+    names = (f for f in os.listdir(folder) if f.lower().endswith(LOCAL_EXT))
+    return sorted(os.path.join(folder, f) for f in names)
 
 
 def split_files(folder: str, split: str, names: tuple = ()) -> list:
-    """The folder's files named for `split` as datasets names them (None: no file is named for a split)."""
-    words = lambda f: set(re.split(f"[{NON_WORDS_CHARS}]+", os.path.basename(f).lower()))
+    """The folder's files named for `split`, as datasets names them; None: no file names a split."""
+    paths = {os.path.basename(f): f for f in data_files(folder)}
     keywords = {str(s): set(k) for s, k in SPLIT_KEYWORDS.items()}
     keywords.update((s, {s}) for s in {*names, split} - set().union(*keywords.values()))
-    named = {f: [s for s, k in keywords.items() if k & words(f)] for f in data_files(folder)}
-    unnamed = [os.path.basename(f) for f, splits in named.items() if not splits]
+    words = lambda f: set(re.split(f"[{NON_WORDS_CHARS}]+", f.lower()))
+    named = {f: [s for s, k in keywords.items() if k & words(f)] for f in paths}
+    unnamed = [f for f, splits in named.items() if not splits]
     if len(unnamed) == len(named):
         return None
     if unnamed:
-        one = os.path.basename(next(f for f, splits in named.items() if splits))
-        raise DataError([f"{folder}: {', '.join(unnamed)} named for no split beside files that are (as "
-                         f"{one}): name each for its split (train-..., test-...), or no file for one"])
-    twice = [f"{os.path.basename(f)} ({' and '.join(s)})" for f, s in named.items() if len(s) > 1]
+        one = next(f for f, splits in named.items() if splits)
+        raise DataError([f"{folder}: {', '.join(unnamed)} named for no split beside files that are "
+                         f"(as {one}): name each for its split (train-..., test-...), or none"])
+    twice = [f"{f} ({' and '.join(s)})" for f, s in named.items() if len(s) > 1]
     if twice:
-        raise DataError([f"{folder}: {', '.join(twice)} named for more than one split: its rows would be read "
-                         "by each; name it for one"])
+        raise DataError([f"{folder}: {', '.join(twice)} named for more than one split: its rows "
+                         "would be read by each; name it for one"])
     own = next(s for s, k in keywords.items() if split in k)  # "dev" is validation's
-    return [f for f, splits in named.items() if own in splits]
+    return [paths[f] for f, splits in named.items() if own in splits]
 
 
 def _sources(spec: str, split: str, cfg, by_split: bool = False):
-    """(name, records) per file of a local spec (by_split: named for `split`), or a hub dataset's split."""
+    """(name, records) per file of a local spec (by_split: named for `split`), or a hub split."""
     if os.path.isdir(spec):
         files = data_files(spec)
         if not files:
-            raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this directory"])
-        if by_split and (named := split_files(spec, split, (cfg.train_split, cfg.eval_split))) is not None:
-            if not named:
-                raise MissingSplit([f"{spec}: no data file named for split {split!r} among "
-                                    f"{', '.join(os.path.basename(f) for f in files)}"])
-            files = named
+            raise DataError([f"{spec}: no .jsonl/.json/.parquet files in this folder"])
+        named = split_files(spec, split, (cfg.train_split, cfg.eval_split)) if by_split else None
+        if named == []:
+            among = ", ".join(os.path.basename(f) for f in files)
+            raise MissingSplit([f"{spec}: no data file named for split {split!r} among {among}"])
+        files = named or files
         folders = [f for f in files if not os.path.isfile(f)]
         if folders:
-            raise DataError([f"{f}: a folder named like a data file; move it out of {spec}" for f in folders])
+            raise DataError([f"{f}: a folder named like a data file; move it out" for f in folders])
         return [(f, read_records(f)) for f in files]
     if is_local(spec):
         if not os.path.isfile(spec):
@@ -136,15 +139,15 @@ def _sources(spec: str, split: str, cfg, by_split: bool = False):
     except Exception as e:  # offline, no such dataset, a typo in a local path
         if isinstance(e, ValueError) and "split" in str(e).lower():
             raise MissingSplit([f"{spec}: {e}"]) from None
-        raise DataError([f"{spec}: not a local .jsonl/.json/.parquet file or directory, and the hub could "
-                         f"not load it ({type(e).__name__}: {e})"]) from None
+        raise DataError([f"{spec}: no local .jsonl/.json/.parquet file or folder, nor loaded "
+                         f"from the hub ({type(e).__name__}: {e})"]) from None
     return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
 
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
               by_split: bool = False) -> list:
-    """Every record of a source as validated rows, in the format cfg.<format_key> (or detected); DataError
-    lists bad rows, or skip_invalid drops them; what it read is said and added to `notes`."""
+    """A source's records as validated rows in format cfg.<format_key> (or detected); DataError
+    lists bad rows unless skip_invalid; what was read is said and added to `notes`."""
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
@@ -153,17 +156,19 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
         for where, record, problem in records:
             n_records += 1
             if fmt is None and problem is None:  # from each file's first readable record
-                fmt = detect_format(record) if isinstance(record, dict) else None
+                if not isinstance(record, dict):
+                    raise DataError([f"{name} {where}: expected a JSON object"])
+                fmt = detect_format(record)
                 if fmt is None:
-                    why = format_help(record) if isinstance(record, dict) else "expected a JSON object"
-                    raise DataError([f"{name} {where}: {why}"])
+                    raise DataError([f"{name} {where}: {format_help(record)}"])
                 formats.setdefault(fmt, "detected from columns " + ", ".join(FORMATS[fmt]))
             found, issues = ([], [problem]) if problem else to_rows(record, fmt, cfg.neutral_label)
             if found and rows and ("input_ids" in found[0]) != ("input_ids" in rows[0]):
                 issues = ["pre-tokenized and text rows are mixed in one dataset"]
             elif found and rows and "prompt" in rows[0] and \
                     isinstance(found[0]["prompt"], list) != isinstance(rows[0]["prompt"], list):
-                issues = ["field 'prompt': plain-text and conversational prompts are mixed in one dataset"]
+                issues = ["field 'prompt': plain-text and conversational prompts are mixed in one "
+                          "dataset"]
             if issues:
                 bad += 1
                 problems += [f"{name} {where}: {p}" for p in issues]
@@ -171,7 +176,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
             if fmt == "pretokenized":  # errors found at tokenization name the line
                 for row in found:
                     row["where"] = f"{name} {where}"
-            if fmt == "prmbench" and record.get("idx") is not None:  # as PRMBench: an id's first row alone
+            if fmt == "prmbench" and record.get("idx") is not None:  # PRMBench's: an id's first row
                 kept = [row for row in found if row["id"] not in ids]
                 ids.update(row["id"] for row in kept)
                 repeated, found = repeated + len(found) - len(kept), kept
@@ -182,82 +187,84 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
     if bad and not cfg.skip_invalid:
         raise DataError(problems, total_rows=bad)
     note = f"; {empty} records gave no labeled example" if empty else ""
-    note += f"; {repeated} rows of a PRMBench id read before dropped, as its harness does" if repeated else ""
-    skipped = f"; skipped {bad} invalid records (--skip-invalid), the first: {problems[0]}" if bad else ""
+    if repeated:
+        note += f"; {repeated} rows of a PRMBench id read before dropped, as its harness does"
+    if bad:
+        note += f"; skipped {bad} invalid records (--skip-invalid), the first: {problems[0]}"
     said = (f"{spec}: format {', '.join(f'{k} ({v})' for k, v in formats.items())}; "
-            f"{n_records} records -> {len(rows)} examples{note}{skipped}")
+            f"{n_records} records -> {len(rows)} examples{note}")
     say(said)
-    (notes if notes is not None else []).append(said)
+    if notes is not None:
+        notes.append(said)
     if not rows:
         raise DataError([f"{spec}: no usable rows"])
     return rows
 
 
 def to_dataset(rows: list, *, cache_dir=None, fingerprint=None, notes=None) -> Dataset:
-    """An arrow-file-backed Dataset (so datasets.map caches tokenization) in cache_dir (default:
-    datasets'), keyed by fingerprint (default: a hash of the rows); notes: in its info."""
+    """An arrow-backed Dataset (so datasets.map caches tokenization) in cache_dir, keyed by
+    fingerprint (default: a hash of the rows), `notes` in its info."""
     if "input_ids" in rows[0]:
         features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
                     "where": Value("string")}
     else:
-        label_type = "float64" if any(isinstance(y, float) for r in rows for y in r["labels"]) else "bool"
+        soft = any(isinstance(y, float) for r in rows for y in r["labels"])
+        chat = isinstance(rows[0]["prompt"], list)
         features = {"prompt": List({"role": Value("string"), "content": Value("string")})
-                    if isinstance(rows[0]["prompt"], list) else Value("string"),
-                    "completions": List(Value("string")), "labels": List(Value(label_type))}
+                    if chat else Value("string"), "completions": List(Value("string")),
+                    "labels": List(Value("float64" if soft else "bool"))}
     features.update({col: Value(kind) for col, kind in META.items() if any(col in r for r in rows)})
-    digest = hashlib.sha256(json.dumps(list(features)).encode())
-    for r in rows:
-        digest.update(json.dumps(r, sort_keys=True).encode())
 
     def generate():
         for r in rows:
             yield {k: r.get(k) for k in features}
     try:
         return Dataset.from_generator(generate, features=Features(features), cache_dir=cache_dir,
-                                      fingerprint=fingerprint or digest.hexdigest()[:32],
+                                      fingerprint=fingerprint or Hasher.hash([features, rows]),
                                       info=DatasetInfo(description=json.dumps(notes)))
     except (OSError, DatasetGenerationError) as e:  # a full disk; datasets wraps the OSError
         cause = e if isinstance(e, OSError) else e.__cause__ or e.__context__
         if not isinstance(cause, OSError):
             raise
-        raise WriteFailed(f"cannot write the rows to the datasets cache {datasets.config.HF_DATASETS_CACHE}: "
-                          f"{cause.strerror or cause}") from None
+        where = datasets.config.HF_DATASETS_CACHE
+        why = cause.strerror or cause
+        raise WriteFailed(f"cannot write rows to the datasets cache {where}: {why}") from None
 
 
 def cut_after_first_error(row: dict) -> dict:
-    """The row up to and including its first wrong label (False, 0 or 0.0): steps or tokens."""
-    wrong = (i for i, y in enumerate(row["labels"]) if y is not None and y != IGNORE and float(y) == 0.0)
-    end = next(wrong, None)
+    """The row's steps or tokens up to its first wrong label (False, 0 or 0.0)."""
+    labels = row["labels"]
+    end = next((i for i, y in enumerate(labels) if y not in (None, IGNORE) and float(y) == 0), None)
     if end is None:
         return row
     key = "completions" if "completions" in row else "input_ids"
-    return {**row, key: row[key][:end + 1], "labels": row["labels"][:end + 1]}
+    return {**row, key: row[key][:end + 1], "labels": labels[:end + 1]}
 
 
 def read_splits(cfg, cache_dir: str = None) -> tuple:
-    """(train, held-out, notes): datasets of rows (in cache_dir, see to_dataset) and what the read
-    said; only training rows are cut."""
+    """(train, held-out, notes): Datasets of rows in cache_dir, and what the read said."""
     cut = lambda r: cut_after_first_error(r) if cfg.cut_after_first_error else r
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
         return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held), []
-    notes = []
-    train = read_rows(cfg.dataset, cfg.train_split, cfg, notes=notes, by_split=True)
-    held = None
+    notes, held = [], None
+    read = lambda src, split, fmt="format": read_rows(src, split, cfg, fmt, notes=notes,
+                                                       by_split=True)
+    train = read(cfg.dataset, cfg.train_split)
     if cfg.eval_dataset:
-        held = read_rows(cfg.eval_dataset, cfg.eval_split, cfg, "eval_format", notes=notes, by_split=True)
+        held = read(cfg.eval_dataset, cfg.eval_split, "eval_format")
     elif not is_local(cfg.dataset) or os.path.isdir(cfg.dataset) and split_files(
             cfg.dataset, cfg.eval_split, (cfg.train_split, cfg.eval_split)) is not None:
         with contextlib.suppress(MissingSplit):
-            held = read_rows(cfg.dataset, cfg.eval_split, cfg, notes=notes, by_split=True)
-    if held is None:  # split by prompt (pre-tokenized rows: by row), so no problem sits on both sides
+            held = read(cfg.dataset, cfg.eval_split)
+    if held is None:  # split by prompt (pre-tokenized: by row), so no problem is on both sides
         keys = [json.dumps(r["prompt"] if "prompt" in r else r["input_ids"]) for r in train]
         prompts = sorted(set(keys))
-        if len(prompts) < 2:
-            raise DataError([f"only {len(prompts)} distinct prompt: nothing to hold out; pass "
-                             "--eval-dataset"])
+        n = len(prompts)
+        if n < 2:
+            raise DataError([f"only {n} distinct prompt: nothing to hold out; pass --eval-dataset"])
         random.Random(cfg.seed).shuffle(prompts)
-        chosen = set(prompts[:min(len(prompts) - 1, max(1, round(len(prompts) * cfg.eval_fraction)))])
+        chosen = set(prompts[:min(n - 1, max(1, round(n * cfg.eval_fraction)))])
         train, held = ([r for r, k in zip(train, keys) if k not in chosen],
                        [r for r, k in zip(train, keys) if k in chosen])
         notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
@@ -270,7 +277,7 @@ def read_splits(cfg, cache_dir: str = None) -> tuple:
 
 
 def data_digest(spec: str) -> str:
-    """sha256 of a local file or of a folder's data files (names, contents); '' for hub."""
+    """sha256 of a local file or a folder's data files (names, contents); '' for hub."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
     digest = hashlib.sha256()
@@ -285,10 +292,11 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """The cache folder of local files' validated splits, keyed by their data_digest, SHAPING and this code;
-    None for hub or synthetic data, or caching off. digests: {spec: data_digest(spec)}."""
+    """The cache folder of local files' splits, keyed by data_digest, SHAPING and this code; None
+    for hub or synthetic data or caching off. digests: {spec: data_digest(spec)}."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
-    if not datasets.is_caching_enabled() or not all(is_local(s) and os.path.exists(s) for s in specs):
+    local = all(is_local(s) and os.path.exists(s) for s in specs)
+    if not (local and datasets.is_caching_enabled()):
         return None
     # this module's and formats' code: datasets' Hasher does not follow a function's callees
     code = [inspect.getsource(sys.modules[m]) for m in (__name__, to_rows.__module__)]
@@ -298,9 +306,8 @@ def rows_cache(cfg, digests: dict = None):
 
 
 def load_splits(cfg, digests: dict = None) -> tuple:
-    """read_splits, or its datasets read back from rows_cache, where datasets' own cache keeps them:
-    each written whole under its lock (a killed writer's folder taken over by the next), held-out
-    last with the read's notes."""
+    """read_splits, or its datasets read back from rows_cache (written by datasets under its lock,
+    held-out last, with the notes)."""
     path = rows_cache(cfg, digests)
     return os.path.isdir(path or "") and _read_back(path) or read_splits(cfg, cache_dir=path)[:2]
 
@@ -310,8 +317,7 @@ def _not_cached():
 
 
 def _read_back(path: str):
-    """(train, held) of a cache entry, its notes said again; None for a partial or damaged one (this
-    removed)."""
+    """(train, held) of a cache entry, notes said again; None if partial or damaged (removed)."""
     try:
         train, held = (Dataset.from_generator(_not_cached, cache_dir=path,
                                               fingerprint=f"{os.path.basename(path)}-{split}")
@@ -322,7 +328,7 @@ def _read_back(path: str):
     except DatasetGenerationError:  # _not_cached: a split not there (yet)
         return None
     except Exception as e:
-        say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); reading the data")
+        say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); rereading")
         shutil.rmtree(path, ignore_errors=True)
         return None
     for msg in notes + [f"(rows read back from {path}: files and settings unchanged)"]:
@@ -331,7 +337,7 @@ def _read_back(path: str):
 
 
 def load_eval(cfg, whole: str = ""):
-    """`whole`: all of that source; otherwise the held-out set a run used, rebuilt from its config."""
+    """`whole`: all of that source; else the held-out set a run used, rebuilt from its config."""
     if whole and whole != "synthetic":
         return to_dataset(read_rows(whole, cfg.eval_split, cfg))
     return load_splits(cfg)[1]

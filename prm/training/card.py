@@ -1,4 +1,4 @@
-"""The model card (README.md) written into final/: what the model is, how it scores, its metrics, license,
+"""The model card (README.md) in final/: what the model is, how it scores, its metrics, license,
 versions and command."""
 import os
 import shlex
@@ -10,25 +10,42 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from prm.readers.sources import is_local
 
-CITATIONS = """\
-@article{uesato2022solving,
-  title   = {Solving math word problems with process- and outcome-based feedback},
-  author  = {Uesato, Jonathan and Kushman, Nate and Kumar, Ramana and Song, Francis and Siegel, Noah and
-             Wang, Lisa and Creswell, Antonia and Irving, Geoffrey and Higgins, Irina},
-  journal = {arXiv preprint arXiv:2211.14275},
-  year    = {2022}
-}
+# the card, a jinja template; its usage example uses plain transformers + torch, tokenizing as
+# prm.core.data.tokenize_example does
+TEMPLATE = '''---
+{{ card_data }}
+---
 
-@article{lightman2023lets,
-  title   = {Let's Verify Step by Step},
-  author  = {Lightman, Hunter and Kosaraju, Vineet and Burda, Yura and Edwards, Harri and Baker, Bowen and
-             Lee, Teddy and Leike, Jan and Schulman, John and Sutskever, Ilya and Cobbe, Karl},
-  journal = {arXiv preprint arXiv:2305.20050},
-  year    = {2023}
-}"""
+# Process reward model
 
-# the card's usage example: plain transformers + torch, tokenizing as prm.core.data.tokenize_example does
-SNIPPET = '''\
+A process reward model (PRM) trained from \
+{{ "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if tiny \
+else "`%s`" % cfg.model }} on `{{ cfg.dataset }}` with `prm`, by \
+{% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha {{ g(cfg.lora_alpha) }}, dropout \
+{{ g(cfg.lora_dropout) }}, targets `{{ cfg.lora_targets }}`), merged into the weights; the 2-way \
+head fully trained{% else %}full fine-tuning of every weight{% endif %}. For every step of a \
+solution it gives the probability that the step is correct.
+
+## How it scores
+
+- Architecture: the backbone plus a linear head with 2 outputs per token; it loads with \
+`AutoModelForTokenClassification`.
+- Labels: class 1 = `correct`, class 0 = `incorrect` (`id2label` in `config.json`); \
+P(correct) = softmax(logits)[..., 1].
+- Step separator: `{{ sep }}`, also in `config.json` under `prm` with the length caps.
+- Tokens: the prompt's ids (BOS first only if the tokenizer has one), then for each step \
+ids(step) + ids(separator), each piece tokenized on its own without special tokens. A step's \
+score is read at the LAST token of its separator; scores elsewhere mean nothing. Build inputs \
+exactly this way (`prm.core.data.tokenize_example`, `prm.core.evaluate.score`): joining the text \
+and tokenizing it once gives other ids with BPE tokenizers.
+- Training: {{ cfg.batch_size }} examples per device x {{ cfg.grad_accum }} accumulation steps, \
+peak learning rate {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
+example{{ " and %d tokens of steps" % cfg.max_completion_length if cfg.max_completion_length }}\
+{{ ", on the last step's label only" if cfg.train_on_last_step_only }}.
+
+## Use with transformers only
+
+```python
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
@@ -39,7 +56,8 @@ sep = model.config.prm["step_separator"]  # what training appended to every step
 
 
 def score(prompt: str, steps: list) -> list:
-    """P(correct) per step. Each piece is tokenized on its own; a step's score is read at its separator's last
+    """P(correct) per step. Each piece is tokenized on its own; a step's score is read at its \
+separator's last
     token. (Training also dropped whole steps past model.config.prm["max_length"] tokens.)"""
     piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + piece(prompt)
@@ -52,13 +70,62 @@ def score(prompt: str, steps: list) -> list:
     return probs[ends].tolist()
 
 
-print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))'''
+print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))
+```
 
-NOT_HELD_OUT = ("train_tokens_per_second", "padding_efficiency")  # training figures; the first varies per run
+The same with this package: `prm.core.evaluate.score(model, tokenizer, prompt, steps)`.
+
+## Held-out metrics
+
+On {{ "`%s`" % cfg.eval_dataset if cfg.eval_dataset \
+else "the held-out part of the training source" }}; a step counts as predicted correct when \
+P(correct) >= {{ g(cfg.threshold) }}; class 0 = incorrect step.
+
+{{ table }}
+
+## License and versions
+
+- Base model license: {{ license or ("none: no base model (random initialization)" if tiny \
+else "unknown (not in a local or cached card of the base model): see its own card") }}.
+- Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}.
+
+## Command
+
+```bash
+{{ command }}
+```
+
+## Citations
+
+Process supervision was introduced and studied in:
+
+```bibtex
+@article{uesato2022solving,
+  title   = {Solving math word problems with process- and outcome-based feedback},
+  author  = {Uesato, Jonathan and Kushman, Nate and Kumar, Ramana and Song, Francis and \
+Siegel, Noah and
+             Wang, Lisa and Creswell, Antonia and Irving, Geoffrey and Higgins, Irina},
+  journal = {arXiv preprint arXiv:2211.14275},
+  year    = {2022}
+}
+
+@article{lightman2023lets,
+  title   = {Let's Verify Step by Step},
+  author  = {Lightman, Hunter and Kosaraju, Vineet and Burda, Yura and Edwards, Harri and \
+Baker, Bowen and
+             Lee, Teddy and Leike, Jan and Schulman, John and Sutskever, Ilya and Cobbe, Karl},
+  journal = {arXiv preprint arXiv:2305.20050},
+  year    = {2023}
+}
+```
+
+'''  # jinja drops the last newline
+
+NOT_HELD_OUT = ("train_tokens_per_second", "padding_efficiency")  # training figures, not metrics
 
 
 def launch_command(argv=None, env=None) -> str:
-    """The command line; under torchrun, the torchrun line that started it (rendezvous flags omitted)."""
+    """The command line; under torchrun, the torchrun line that started it (no rendezvous flags)."""
     argv, env = list(sys.argv if argv is None else argv), os.environ if env is None else env
     if "LOCAL_WORLD_SIZE" in env:
         local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
@@ -68,17 +135,18 @@ def launch_command(argv=None, env=None) -> str:
 
 
 def config_command(cfg) -> str:
-    """An equivalent `python train.py` line for a run started from Python: every non-default setting."""
+    """A `python train.py` line for a run started from Python: every non-default setting."""
     default, args = type(cfg)(), []
     for name, value in vars(cfg).items():
         if value != getattr(default, name):
             flag = "--" + name.replace("_", "-")
-            args += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+            bool_flag = flag if value else "--no-" + flag[2:]
+            args += [bool_flag] if isinstance(value, bool) else [flag, str(value)]
     return "python " + shlex.join(["train.py"] + args)
 
 
 def base_license(model: str) -> str:
-    """The base model's license from its card in a local folder or the hub cache ('' when unknown); offline."""
+    """The base model's license from its card in a local folder or the hub cache, or ''; offline."""
     if model == "tiny":
         return ""
     try:
@@ -91,56 +159,19 @@ def base_license(model: str) -> str:
 
 
 def model_card(cfg, metrics: dict, command: str) -> str:
-    """Deterministic markdown: the same run gives the same text byte for byte (no dates, no timings)."""
+    """Deterministic markdown: the same run gives the same text (no dates, no timings)."""
     tiny = cfg.model == "tiny"
-    base = "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if tiny else \
-        f"`{cfg.model}`"
     license = base_license(cfg.model)
-    license_text = license or ("none: no base model (random initialization)" if tiny else
-                               "unknown (not in a local or cached card of the base model): see its own card")
     # hub metadata names hub models and datasets only
     hub = [d for d in (cfg.dataset, cfg.eval_dataset) if d and d != "synthetic" and not is_local(d)]
     data = ModelCardData(library_name="transformers", pipeline_tag="token-classification",
                          tags=["process-reward-model", "prm"], license=license or None,
                          datasets=hub or None,
                          base_model=None if tiny or os.path.exists(cfg.model) else cfg.model)
-    method = (f"LoRA (rank {cfg.lora_r}, alpha {cfg.lora_alpha:g}, dropout {cfg.lora_dropout:g}, targets "
-              f"`{cfg.lora_targets}`), merged into the weights; the 2-way head fully trained") if cfg.lora_r \
-        else "full fine-tuning of every weight"
-    rows = [(k, v) for k, v in metrics.items() if k not in NOT_HELD_OUT and not isinstance(v, (dict, list))]
-    table = ["| metric | value |", "|---|---|"] + [
-        f"| {k} | {'n/a' if v is None else f'{v:.4f}' if isinstance(v, float) else v} |" for k, v in rows]
-    held_out = f"`{cfg.eval_dataset}`" if cfg.eval_dataset else "the held-out part of the training source"
-    body = "\n".join([
-        "# Process reward model", "",
-        f"A process reward model (PRM) trained from {base} on `{cfg.dataset}` with `prm`, "
-        f"by {method}. For every step of a solution it gives the probability that the step is correct.",
-        "", "## How it scores", "",
-        "- Architecture: the backbone plus a linear head with 2 outputs per token; it loads with "
-        "`AutoModelForTokenClassification`.",
-        "- Labels: class 1 = `correct`, class 0 = `incorrect` (`id2label` in `config.json`); "
-        "P(correct) = softmax(logits)[..., 1].",
-        f"- Step separator: `{cfg.step_separator!r}`, also in `config.json` under `prm` with the length "
-        "caps.",
-        "- Tokens: the prompt's ids (BOS first only if the tokenizer has one), then for each step ids(step) "
-        "+ ids(separator), each piece tokenized on its own without special tokens. A step's score is read at "
-        "the LAST token of its separator; scores elsewhere mean nothing. Build inputs exactly this way "
-        "(`prm.core.data.tokenize_example`, `prm.core.evaluate.score`): joining the text and tokenizing it once gives "
-        "other ids with BPE tokenizers.",
-        f"- Training: {cfg.batch_size} examples per device x {cfg.grad_accum} accumulation steps, peak "
-        f"learning rate {cfg.lr:g}, seed {cfg.seed}; at most {cfg.max_length} tokens per example"
-        + (f" and {cfg.max_completion_length} tokens of steps" if cfg.max_completion_length else "")
-        + (", on the last step's label only" if cfg.train_on_last_step_only else "") + ".",
-        "", "## Use with transformers only", "", "```python", SNIPPET, "```", "",
-        "The same with this package: `prm.core.evaluate.score(model, tokenizer, prompt, steps)`.",
-        "", "## Held-out metrics", "",
-        f"On {held_out}; a step counts as predicted correct when P(correct) >= {cfg.threshold:g}; "
-        "class 0 = incorrect step.", ""] + table + [
-        "", "## License and versions", "",
-        f"- Base model license: {license_text}.",
-        f"- Trained with torch {version('torch')}, transformers {version('transformers')}.",
-        "", "## Command", "", "```bash", command, "```", "",
-        "## Citations", "", "Process supervision was introduced and studied in:", "",
-        "```bibtex", CITATIONS, "```", ""])
-    template = "---\n{{ card_data }}\n---\n\n{{ body }}"  # the front matter, then the text
-    return str(ModelCard.from_template(data, template_str=template, body=body))
+    shown = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}
+    rows = [f"| {k} | {'n/a' if v is None else f'{v:.4f}' if isinstance(v, float) else v} |"
+            for k, v in shown.items() if k not in NOT_HELD_OUT]
+    return str(ModelCard.from_template(
+        data, template_str=TEMPLATE, cfg=cfg, tiny=tiny, sep=repr(cfg.step_separator),
+        table="\n".join(["| metric | value |", "|---|---|"] + rows), license=license,
+        command=command, version=version, g=lambda x: f"{x:g}"))
