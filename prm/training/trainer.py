@@ -113,7 +113,7 @@ class Trainer:
     train_ds: object  # datasets.Dataset of input_ids, labels
     eval_rows: list
     processbench: bool  # the held-out rows carry a first error
-    reports: dict  # tokenize_dataset's, of both splits
+    reports: dict  # tokenize_dataset's
     model: torch.nn.Module  # the plain PRM
     packed: bool  # else padded
     amp_dtype: torch.dtype  # None: fp32
@@ -163,7 +163,7 @@ class Trainer:
             raise UsageError(
                 f"no training example has a labeled step left (--max-length {cfg.max_length}, "
                 f"--max-completion-length {cfg.max_completion_length}): see the report")
-        # [:] because datasets 5 returns a lazy Column, whose every [i] slices Arrow
+        # [:]: datasets 5 returns a lazy Column, whose every [i] slices Arrow
         self.plan = BatchPlan(cfg, train_ds["length"][:], train_ds["n_labeled"][:], rt.world_size)
         self.train_ds = train_ds.select_columns(["input_ids", "labels"])
         self.eval_rows = eval_ds.to_list()
@@ -199,9 +199,8 @@ class Trainer:
         tracker = Tracker(cfg, self.step) if main and cfg.report_to != "none" else None
         path = os.path.join(cfg.output_dir, "metrics.jsonl") if main else None
         self.out = MetricsFile(path, self.pbar, tracker=tracker)
-        hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps"
-        if cfg.dtype == "fp16":
-            hint += "; or train in bf16 instead of fp16"
+        fp16 = "; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""
+        hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps{fp16}"
         self.log = TrainLog(
             rt, self.out, plan, resumed_at=self.step, n_chunks=rt.world_size * cfg.grad_accum,
             pack_to=cfg.pack_to if self.packed else None, check_norm=not self.scaler.is_enabled(),
@@ -313,12 +312,10 @@ class Trainer:
 
 
 class Preemption:
-    """In the block, SIGTERM/SIGINT finish the step, save a checkpoint and stop (128 + signal); a
-    second signal stops at once."""
+    """In the block, SIGTERM/SIGINT checkpoint after the step and stop; a second stops at once."""
     signum: int = None  # received in the block
 
     def __enter__(self):
-        self.signum = None
         self.old = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
