@@ -1,5 +1,5 @@
-"""PRM = a transformers backbone + a linear 2-way head; the per-step loss; saved and loaded as a standard HF
-token classifier. Depends on: torch, transformers (and its safetensors)."""
+"""PRM = a transformers backbone + a linear 2-way head; the per-step loss; saved and loaded as a
+standard HF token classifier. Depends on: torch, transformers (and its safetensors)."""
 import json
 import os
 
@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
 ID2LABEL = {0: "incorrect", 1: "correct"}
-SETTINGS = "prm"  # config.json key of the input settings trained with (step_separator, max_length, ...)
+SETTINGS = "prm"  # config.json key of the input settings trained with (step_separator, ...)
 
 
 class NotAPRM(ValueError):
@@ -33,18 +33,21 @@ class PRM(nn.Module):
         return self.head(h)  # (B, T, 2)
 
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
-        """Writes a checkpoint that AutoModelForTokenClassification.from_pretrained loads as is. backbone_state,
-        head_state: the weights to write (default: the modules' own), e.g. lora.merged_state_dict's."""
+        """A checkpoint AutoModelForTokenClassification.from_pretrained loads as is. backbone_state,
+        head_state: the weights to write (default: the modules' own), e.g. merged_state_dict's."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
         if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them
-            raise ValueError("the backbone has unmerged adapters: pass backbone_state=merged_state_dict(backbone)")
+            raise ValueError("the backbone has unmerged adapters: pass "
+                             "backbone_state=merged_state_dict(backbone)")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
-        cfg.num_labels, cfg.id2label, cfg.label2id = 2, dict(ID2LABEL), {v: k for k, v in ID2LABEL.items()}
+        cfg.num_labels, cfg.id2label = 2, dict(ID2LABEL)
+        cfg.label2id = {v: k for k, v in ID2LABEL.items()}
         arch, prefix, head_name = hf_names(cfg)
         cfg.architectures = [arch]
         out = {f"{prefix}.{k}": v for k, v in state.items()}
-        out.update({f"{head_name}.{k}": v for k, v in (head_state or self.head.state_dict()).items()})
+        head_state = head_state or self.head.state_dict()
+        out.update({f"{head_name}.{k}": v for k, v in head_state.items()})
         save_file({k: v.detach().contiguous().cpu() for k, v in out.items()},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         cfg.save_pretrained(path)
@@ -86,7 +89,8 @@ def saved_weights(name: str, *, auto, **kw):
 
 def is_classifier(config) -> bool:
     """Whether a transformers config is a token classifier's, not a bare backbone's."""
-    return any(a.endswith("ForTokenClassification") for a in getattr(config, "architectures", None) or [])
+    archs = getattr(config, "architectures", None) or []
+    return any(a.endswith("ForTokenClassification") for a in archs)
 
 
 def input_settings(config) -> dict:
@@ -95,7 +99,8 @@ def input_settings(config) -> dict:
 
 
 def add_legacy_keys(config_path: str):
-    """Adds transformers 4's keys: rope_theta (else 10000, wrong for Qwen2), rope_scaling, torch_dtype."""
+    """Adds transformers 4's rope_theta (its default 10000 is wrong for Qwen2), rope_scaling and
+    torch_dtype."""
     with open(config_path) as f:
         d = json.load(f)
     rope = d.get("rope_parameters")
@@ -113,8 +118,7 @@ def add_legacy_keys(config_path: str):
 
 def new_head(config) -> nn.Linear:
     """A fresh head, drawn as transformers draws a token classifier's (weight normal with std
-    initializer_range, bias 0): a run from a backbone starts as TRL's PRMTrainer (with
-    AutoModelForTokenClassification) does."""
+    initializer_range, bias 0): a run from a backbone starts as TRL's PRMTrainer's does."""
     head = nn.Linear(config.get_text_config().hidden_size, 2)
     nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
     nn.init.zeros_(head.bias)
@@ -122,13 +126,14 @@ def new_head(config) -> nn.Linear:
 
 
 def step_loss(logits, labels, n_labeled):
-    """(loss, ce_sum, n_correct): the summed cross-entropy against [1-p, p] over labeled steps, divided by
-    n_labeled, the labeled steps of the WHOLE optimizer step (all micro-batches and ranks); 0 when none.
-    labels: (B, T) float, -100 where unlabeled, soft in between 0 and 1. ce_sum, n_correct: for logging."""
+    """(loss, ce_sum, n_correct): the cross-entropy against [1-p, p] summed over labeled steps, over
+    n_labeled, the labeled steps of the WHOLE optimizer step (all micro-batches and ranks); 0 when
+    none. labels: (B, T) float, -100 where unlabeled, soft in [0, 1]. ce_sum, n_correct: to log."""
     mask = labels != -100  # (B, T)
     logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, no host sync
     p = torch.where(mask, labels, 0.0)  # (B, T)
-    ce_sum = torch.where(mask, -(p * logp[..., 1] + (1 - p) * logp[..., 0]), 0.0).sum()  # over (B, T)
+    ce = -(p * logp[..., 1] + (1 - p) * logp[..., 0])  # (B, T)
+    ce_sum = torch.where(mask, ce, 0.0).sum()
     n_correct = (((logp[..., 1] >= logp[..., 0]) == (p >= 0.5)) & mask).sum()
     n = n_labeled.clamp(min=1) if torch.is_tensor(n_labeled) else max(n_labeled, 1)
     return ce_sum / n, ce_sum.detach(), n_correct
@@ -139,7 +144,8 @@ def enable_activation_checkpointing(backbone):
     if hasattr(backbone, "activation_checkpointing_enable"):  # transformers 5
         backbone.activation_checkpointing_enable({"use_reentrant": False})
     else:
-        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kw = {"use_reentrant": False}
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
 def _head_name(hf) -> str:
@@ -151,7 +157,7 @@ def _head_name(hf) -> str:
 
 
 def hf_names(config):
-    """(HF token-classification class name, backbone key prefix, head key prefix) for this config."""
+    """(HF token classifier class name, backbone key prefix, head key prefix) of this config."""
     with torch.device("meta"):
         hf = AutoModelForTokenClassification.from_config(config)
     return type(hf).__name__, hf.base_model_prefix, _head_name(hf)
