@@ -17,6 +17,8 @@ class MetricsFile:
 
     def __init__(self, path, pbar, *, tracker=None):
         self.pbar, self.tracker, self.path = pbar, tracker, path
+        if path:  # there from the start, even if the run ends before its first record
+            write_lines(path, [], "a")
 
     def write(self, rec: dict, echo: bool = True):
         if self.path is None:
