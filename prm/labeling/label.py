@@ -71,8 +71,7 @@ def extract_answer(text: str, pattern: str = ""):
             found = list(regex.finditer(pattern, text, timeout=2.0))
         except TimeoutError:
             raise UsageError(f"--answer-pattern {pattern!r}: no result within 2 s on a text of "
-                             f"{len(text)} characters; use one that backtracks less (no nested "
-                             "repeats)") from None
+                             f"{len(text)} characters; avoid nested repeats") from None
         m = found[-1] if found else None
         return m and next((g for g in m.groups() if g is not None), m.group(0))
     start, depth = text.rfind("\\boxed{"), 0
@@ -166,8 +165,7 @@ def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> li
     """The output lines of one row: its completions, or opts.samples sampled solutions."""
     text, sep = render(row["prompt"]), opts.step_separator
     if not isinstance(text, str):
-        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render: "
-                         "the policy's chat template)")
+        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render)")
     text += "" if text[-1:].isspace() else sep  # the first step starts on its own
     seed = (opts.seed * 1_000_003 + index) * 1_000
     answer, rid = str(row[opts.answer_field]), row.get("id")
@@ -354,13 +352,13 @@ class Generator:
         import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
-                        do_sample=False)
+                        do_sample=o.temperature > 0)
         if o.temperature > 0:
-            sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
-        if stop and stop not in self.stops:  # built once: it reads the whole vocabulary
-            from transformers import StoppingCriteriaList, StopStringCriteria
-            self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
+            sampling.update(temperature=o.temperature, top_p=o.top_p, top_k=0)
         if stop:
+            if stop not in self.stops:  # built once: it reads the whole vocabulary
+                from transformers import StoppingCriteriaList, StopStringCriteria
+                self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
             sampling.update(stopping_criteria=self.stops[stop])
         copies, size = n if o.temperature > 0 else 1, o.batch_size  # greedy: one text
         flat, out, usage = [p for p in prompts for _ in range(copies)], [], []
