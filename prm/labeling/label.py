@@ -386,14 +386,12 @@ def main(argv=None):
     with exit_status():  # a bad flag too: one line and exit status 2
         p = Parser(prog="python -m prm.label",
                    description="Label solution steps by Monte-Carlo policy rollouts.")
-        p.add_argument("--dataset", required=True,
-                       help="a .jsonl/.json/.parquet file or a folder of them")
+        p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or folder")
         p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
         p.add_argument("--shard", default="0/1",
                        help="i/n: every n-th row from the i-th; no --shard merges")
         p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows")
-        p.add_argument("--trust-remote-code", action="store_true",
-                       help="allow the policy's own model code")
+        p.add_argument("--trust-remote-code", action="store_true", help="run the policy's code")
         a = add_fields(p, LabelOptions).parse_args(argv)
         if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or int(m.group(1)) >= int(m.group(2)):
             p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
