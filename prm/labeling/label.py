@@ -1,5 +1,5 @@
-"""`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft/hard estimate,
-OmegaPRM's binary search). The API takes any `complete(prompts, n, seed) -> list[list[str]]`."""
+"""`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft or
+hard estimate, OmegaPRM's binary search). The API takes any `complete(prompts, n, seed)`."""
 import dataclasses
 import datetime
 import glob
@@ -34,13 +34,13 @@ class LabelOptions:
     samples: int = opt(4, "solutions sampled for a row without 'completions'")
     step_separator: str = opt("\n", "what ends each step (escapes such as \\n understood)",
                               type=unescape)
-    answer_field: str = opt("answer", "the column holding the reference final answer")
+    answer_field: str = opt("answer", "the column of the reference final answer")
     answer_pattern: str = opt("", "regex whose last match (its first group that took part) is the "
                               "answer; default: the last \\boxed{}, 'the answer is ...' or number")
     checker: str = opt("exact", "exact: normalized match; or math-verify",
                        choices=["exact", "math-verify"])
     seed: int = opt(0, "each row is seeded from it and the row's index")
-    policy: str = opt("", "the model rolled out (a Hugging Face name or folder)", required=True)
+    policy: str = opt("", "the model rolled out (a hub name or folder)", required=True)
     temperature: float = opt(0.7, "sampling temperature; 0: greedy")
     top_p: float = opt(1.0, "nucleus sampling share")
     max_new_tokens: int = opt(512, "tokens per rollout or sampled solution")
@@ -51,8 +51,10 @@ class LabelOptions:
         try:
             regex.compile(self.answer_pattern)
         except regex.error as e:
-            raise UsageError(f"--answer-pattern {self.answer_pattern!r}: not a regular expression ({e})") from None
-        check([] if self.step_separator else ["--step-separator must not be empty: it ends each step"])
+            raise UsageError(f"--answer-pattern {self.answer_pattern!r}: not a regular "
+                             f"expression ({e})") from None
+        check([] if self.step_separator else
+              ["--step-separator must not be empty: it ends each step"])
         if self.checker == "math-verify":
             try:
                 import math_verify  # noqa: F401 (judge uses it)
@@ -62,29 +64,30 @@ class LabelOptions:
 
 
 def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its first group that took part, else all of it; within 2 s), else of
-    \\boxed{...}, "answer is ...", a number."""
+    """The last match of `pattern` (its first group that took part, else all of it; within 2 s),
+    else of \\boxed{...}, "answer is ...", a number."""
     if pattern:
         try:
             found = list(regex.finditer(pattern, text, timeout=2.0))
         except TimeoutError:
-            raise UsageError(f"--answer-pattern {pattern!r}: no result within 2 s on a text of {len(text)} "
-                             "characters; use one that backtracks less (no nested repeats)") from None
-        return next((g for g in found[-1].groups() if g is not None), found[-1].group(0)) if found else None
+            raise UsageError(f"--answer-pattern {pattern!r}: no result within 2 s on a text of "
+                             f"{len(text)} characters; avoid nested repeats") from None
+        m = found[-1] if found else None
+        return m and next((g for g in m.groups() if g is not None), m.group(0))
     start, depth = text.rfind("\\boxed{"), 0
     for j in range(start + 6, len(text) if start >= 0 else 0):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[start + 7:j]
-    said = [m.end() for m in re.finditer(r"answer is:?\s*", text, re.I)]
+    ends = [m.end() for m in re.finditer(r"answer is:?\s*", text, re.I)]
     # the rest of its line or sentence, less a closing period
-    said = re.split(r"\n|\.\s", text[said[-1]:], maxsplit=1)[0].rstrip().removesuffix(".") if said else ""
+    said = re.split(r"\n|\.\s", text[ends[-1]:], maxsplit=1)[0] if ends else ""
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return said or (numbers[-1].rstrip(",") if numbers else None)
+    return said.rstrip().removesuffix(".") or (numbers[-1].rstrip(",") if numbers else None)
 
 
 def normalize(answer: str) -> str:
-    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, a trailing period, "x =", 1,000's comma."""
+    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma."""
     s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                      ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
@@ -95,7 +98,8 @@ def normalize(answer: str) -> str:
 
 def _number(s: str):
     """The exact value of an integer, decimal, a/b or \\frac{a}{b}; None for anything else."""
-    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
+    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}"
+                     r"|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
     if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int(): compared as text
         return None
     if m.group(2) is not None:
@@ -104,16 +108,16 @@ def _number(s: str):
 
 
 def same_answer(found, reference) -> bool:
-    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is never right."""
+    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
     a, b = normalize(str(found)), normalize(str(reference))
     return found is not None and (a == b or (_number(a) is not None and _number(a) == _number(b)))
 
 
 def judge(reference: str, opts: LabelOptions):
-    """right(text, before="") -> bool: text's answer, else before + text's last one, matches the reference."""
+    """right(text, before=""): text's answer, else before + text's last one, is the reference."""
     def answer(text, before=""):
         own = extract_answer(text, opts.answer_pattern)
-        return own if own is not None or not before else extract_answer(before + text, opts.answer_pattern)
+        return extract_answer(before + text, opts.answer_pattern) if own is None and before else own
     if opts.checker == "math-verify":
         from math_verify import parse, verify
         gold = parse("\\boxed{" + reference + "}")
@@ -122,8 +126,9 @@ def judge(reference: str, opts: LabelOptions):
     return lambda text, before="": same_answer(answer(text, before), reference)
 
 
-def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions, seed: int) -> list:
-    """{labels, rollouts, successes} per solution (a list of steps); its last step judged by its answer."""
+def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions,
+                    seed: int) -> list:
+    """{labels, rollouts, successes} per solution (a list of steps); the last by its answer."""
     sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
@@ -133,61 +138,68 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
         calls.append(prompts := [text + b for b in before])
         outs = complete(prompts, n, seed + len(calls))
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
-            raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} prompts")
+            raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} "
+                             "prompts")
         for (i, k), b, texts in zip(todo, before, outs):
             tries[i][k - 1], wins[i][k - 1] = n, sum(right(t, b) for t in texts)
-    if opts.search == "binary":  # the first error is a step in lo..hi; all solutions advance in one call
+    if opts.search == "binary":  # the first error is a step in lo..hi; one call per round
         lo, hi = [1] * len(solutions), [len(s) for s in solutions]
         while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
                        if lo[i] < hi[i] and not final[i]]:
             roll(todo)
             for i, k in todo:
                 lo[i], hi[i] = (k + 1, hi[i]) if wins[i][k - 1] else (lo[i], k)
-        labels = [[True] * len(s) if final[i] else [True] * (hi[i] - 1) + [False] + [None] * (len(s) - hi[i])
+        labels = [[True] * len(s) if final[i] else
+                  [True] * (hi[i] - 1) + [False] + [None] * (len(s) - hi[i])
                   for i, s in enumerate(solutions)]
     else:
         if todo := [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]:
             roll(todo)
         soft = opts.label == "soft"
-        labels = [[w / n if soft else w > 0 for w in wins[i][:-1]] + [float(final[i]) if soft else final[i]]
-                  for i in range(len(solutions))]
+        labels = [[w / n if soft else w > 0 for w in ws[:-1]] + [float(f) if soft else f]
+                  for ws, f in zip(wins, final)]
     return [{"labels": y, "rollouts": t, "successes": w} for y, t, w in zip(labels, tries, wins)]
 
 
 def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> list:
     """The output lines of one row: its completions, or opts.samples sampled solutions."""
-    text, seed, sep = render(row["prompt"]), (opts.seed * 1_000_003 + index) * 1_000, opts.step_separator
+    text, sep = render(row["prompt"]), opts.step_separator
     if not isinstance(text, str):
-        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render: the "
-                         "policy's chat template)")
+        raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render)")
     text += "" if text[-1:].isspace() else sep  # the first step starts on its own
-    answer, given, rid = str(row[opts.answer_field]), row.get("completions") is not None, row.get("id")
-    solutions = [row["completions"]] if given else [s for s in (split_steps(d, sep) for d in
-                                                                complete([text], opts.samples, seed)[0]) if s]
+    seed = (opts.seed * 1_000_003 + index) * 1_000
+    answer, rid = str(row[opts.answer_field]), row.get("id")
+    given = row.get("completions") is not None
+    drawn = [] if given else complete([text], opts.samples, seed)[0]
+    solutions = [row["completions"]] if given else [s for d in drawn if (s := split_steps(d, sep))]
     found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
-    ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"} for j in range(len(solutions))]
-    return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer, "row": index,
-                        "lines": len(solutions), **i}, ensure_ascii=False)
+    ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"}
+           for j in range(len(solutions))]
+    return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer,
+                        "row": index, "lines": len(solutions), **i}, ensure_ascii=False)
             for steps, res, i in zip(solutions, found, ids)]
 
 
 def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
-    """([(index, row)] of the valid rows, a digest of all); bad rows raise DataError or are skipped."""
+    """([(index, row)] of the valid rows, a digest of all); bad rows: DataError, or skipped."""
     rows, problems, bad, digest = [], [], 0, hashlib.sha256()
     sources = _sources(spec, "train", SimpleNamespace(dataset_config=None))
-    for index, (name, (where, r, problem)) in enumerate((nm, rec) for nm, recs in sources for rec in recs):
+    records = ((name, rec) for name, recs in sources for rec in recs)
+    for index, (name, (where, r, problem)) in enumerate(records):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
         issues = [problem] if problem else input_problems(r, opts.answer_field)
-        if not issues and rows and isinstance(r["prompt"], list) != isinstance(rows[0][1]["prompt"], list):
-            issues = ["field 'prompt': plain-text and conversational prompts are mixed in one dataset (training "
-                      "refuses such an output)"]
+        chat = not issues and isinstance(r["prompt"], list)
+        if not issues and rows and chat != isinstance(rows[0][1]["prompt"], list):
+            issues = ["field 'prompt': plain-text and conversational prompts are mixed in one "
+                      "dataset (training refuses such an output)"]
         problems.extend(f"{name} {where}: {p}" for p in issues)
         bad += bool(issues)
         rows += [] if issues else [(index, r)]
     if bad and not skip_invalid:
         raise DataError(problems, total_rows=bad)
     if bad:
-        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}", file=sys.stderr)
+        print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}",
+              file=sys.stderr)
     return rows, digest.hexdigest()[:16]
 
 
@@ -198,8 +210,8 @@ def input_problems(r, field: str) -> list:
     out = row_problems({"prompt": r.get("prompt"), "completions": ["-"] if steps is None else steps,
                         "labels": [True] * (len(steps) if isinstance(steps, list) else 1)})
     if type(answer) not in (str, int, float) or not str(answer).strip():
-        got = "missing" if field not in r else f"expected the reference answer (text, number), got {answer!r}"
-        out.append(f"field '{field}': {got[:110]}")
+        got = f"expected the reference answer (text, number), got {answer!r}"
+        out.append(f"field '{field}': {got[:110] if field in r else 'missing'}")
     return out
 
 
@@ -216,12 +228,13 @@ def finished(*paths: str) -> dict:
             except (ValueError, KeyError, TypeError):
                 raise UsageError(f"{path} line {n}: not a line prm.label writes; pass another "
                                  "--output") from None
-        rows = {**{k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]}, **rows}
+        rows = {k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]} | rows
     return rows
 
 
 def parts(output: str) -> list:
-    return sorted(p for p in glob.glob(glob.escape(output) + ".part*") if re.search(r"\.part\d+of\d+$", p))
+    found = glob.glob(glob.escape(output) + ".part*")
+    return sorted(p for p in found if re.search(r"\.part\d+of\d+$", p))
 
 
 def blanks(output: str) -> list:
@@ -229,35 +242,36 @@ def blanks(output: str) -> list:
     return [output + ".blank", *glob.glob(glob.escape(output) + ".part*of*.blank")]
 
 
-def read_settings(side: str) -> dict:
+def check_settings(output: str, settings: dict, verb: str):
+    """Writes OUTPUT.settings at the first run; refuses a rerun with other settings."""
+    side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
+    if not os.path.isfile(side):
+        write_lines(side, [json.dumps(now, indent=1)])
     try:
         with open(side, encoding="utf-8") as f:
             old = json.load(f)
         if not isinstance(old, dict):
             raise ValueError(f"a JSON {type(old).__name__}, not an object")
-        return old
     except ValueError as e:  # cut short, not JSON, not UTF-8
-        raise UsageError(f"{side}: not the settings prm.label writes ({e}); restore it, or pass another "
-                         "--output") from None
+        raise UsageError(f"{side}: not the settings prm.label writes ({e}); restore it, or pass "
+                         "another --output") from None
+    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in now.items() if old.get(k) != v]
+    check([f"{output} was {verb} with other settings: {', '.join(diff)}; rerun with those to "
+           "continue it, or pass another --output"] if diff else [])
 
 
-def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, render=lambda prompt: prompt,
-               part=(0, 1), skip_invalid=False, show=True) -> int:
-    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a share; a run of
-    every row merges the parts); render(prompt): the text the policy continues. Returns rollouts spent."""
+def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
+               render=lambda prompt: prompt, part=(0, 1), skip_invalid=False, show=True) -> int:
+    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a
+    share; a run of all rows merges the parts); render(prompt): the text the policy continues.
+    Returns rollouts spent."""
     from tqdm import tqdm
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
-    settings, side = {**dataclasses.asdict(opts), "dataset": digest}, output + ".settings"
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
     blank = own + ".blank"  # its own per part: a cut last line is dropped as the output's is
     with locked(own):
-        if not os.path.isfile(side):
-            write_lines(side, [json.dumps(settings, indent=1)])
-        old = read_settings(side)
-        diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
-        check([f"{output} was labeled with other settings: {', '.join(diff)}; rerun with those to continue "
-               "it, or pass another --output"] if diff else [])
+        check_settings(output, {**dataclasses.asdict(opts), "dataset": digest}, "labeled")
         done = finished(output, *parts(output), *blanks(output))
         for path in (own, blank) if os.path.isfile(blank) else (own,):  # drops what a kill cut
             write_lines(path, [line for lines in finished(path).values() for line in lines])
@@ -265,20 +279,22 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *, rende
         for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
             write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
             if not lines:
-                write_lines(blank, [json.dumps({"row": i, "lines": 1, "blank_samples": opts.samples})], "a")
-                bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank; no line written, the row "
-                          f"is listed in {blank} and not sampled again", file=sys.stderr)
+                mark = {"row": i, "lines": 1, "blank_samples": opts.samples}
+                write_lines(blank, [json.dumps(mark)], "a")
+                bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank; no line "
+                          f"written, listed in {blank}, not sampled again", file=sys.stderr)
             spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
             bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
         if m == 1:
             merge(output, spent, time.time() - start, show)
         elif show:
-            print(f"{own}: {len(todo)} rows, {spent} rollouts, {time.time() - start:.0f} s", file=sys.stderr)
+            print(f"{own}: {len(todo)} rows, {spent} rollouts, {time.time() - start:.0f} s",
+                  file=sys.stderr)
     return spent
 
 
 def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
-    """Writes the finished rows of `output` and its parts into `output` in order; removes the parts."""
+    """Writes the finished rows of `output` and its parts into `output` in order, less the parts."""
     rows = finished(output, *(old := parts(output)))
     write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
@@ -286,17 +302,18 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
     solutions = [json.loads(line) for line in lines]
     labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
     if show:
-        print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps labeled "
-              f"({sum(y >= 0.5 for y in labels) / max(1, len(labels)):.0%} at least 0.5), "
-              f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run: {spent} rollouts, "
-              f"{seconds:.0f} s", file=sys.stderr, flush=True)
+        print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps "
+              f"labeled ({sum(y >= 0.5 for y in labels) / max(1, len(labels)):.0%} at least 0.5), "
+              f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run: {spent} "
+              f"rollouts, {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 class Generator:
-    """complete() by a transformers causal LM: batched, left-padded, seeded; bf16 where native, else fp32."""
+    """complete() by a transformers causal LM: batched, left-padded, seeded; bf16 where native."""
 
     def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
-        self.opts, self.device, self.trust, self.tok, self.model = opts, device, trust_remote_code, None, None
+        self.opts, self.device, self.trust = opts, device, trust_remote_code
+        self.tok = self.model = None
         self.stops = {}  # stop string -> its stopping criteria
 
     def tokenizer(self):
@@ -308,8 +325,10 @@ class Generator:
             from prm.core.model import saved_weights
             from prm.core.runtime import autocast_dtype
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
-            tok.padding_side, tok.pad_token, bos = "left", tok.pad_token or tok.eos_token, tok.bos_token_id
-            self.bos = tok.bos_token if bos is not None and tok("x")["input_ids"][:1] == [bos] else ""
+            tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
+            bos = tok.bos_token_id
+            adds = bos is not None and tok("x")["input_ids"][:1] == [bos]
+            self.bos = tok.bos_token if adds else ""
             dtype = autocast_dtype(None, self.device) or torch.float32
             self.model = loading("--policy", self.opts.policy, saved_weights,
                                  auto=AutoModelForCausalLM, trust_remote_code=self.trust,
@@ -317,13 +336,13 @@ class Generator:
         return self.tok
 
     def render(self, prompt) -> str:
-        """Text as the tokenizer starts it (its BOS if it adds one); chat messages through its template."""
+        """Text as the tokenizer starts it (its BOS if it adds one); chat by its template."""
         from jinja2 import TemplateError
         tok = self.tokenizer()
         try:
             return self.bos + prompt if isinstance(prompt, str) else \
                 tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        except (ValueError, TemplateError) as e:  # no chat template, or one that refuses these messages
+        except (ValueError, TemplateError) as e:  # no chat template, or one that refuses these
             raise UsageError(f"--policy {self.opts.policy}: cannot render a chat prompt: "
                              f"{' '.join(str(e).split())}") from None
 
@@ -332,17 +351,18 @@ class Generator:
         (tokens generated, whether max_new_tokens cut it: no EOS, no stop)."""
         import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
-        sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id, do_sample=False)
+        sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
+                        do_sample=o.temperature > 0)
         if o.temperature > 0:
-            sampling.update(do_sample=True, temperature=o.temperature, top_p=o.top_p, top_k=0)
-        if stop and stop not in self.stops:  # built once: it reads the whole vocabulary
-            from transformers import StoppingCriteriaList, StopStringCriteria
-            self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
+            sampling.update(temperature=o.temperature, top_p=o.top_p, top_k=0)
         if stop:
+            if stop not in self.stops:  # built once: it reads the whole vocabulary
+                from transformers import StoppingCriteriaList, StopStringCriteria
+                self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
             sampling.update(stopping_criteria=self.stops[stop])
-        copies = n if o.temperature > 0 else 1  # greedy: one text
+        copies, size = n if o.temperature > 0 else 1, o.batch_size  # greedy: one text
         flat, out, usage = [p for p in prompts for _ in range(copies)], [], []
-        for c, batch in enumerate(flat[s:s + o.batch_size] for s in range(0, len(flat), o.batch_size)):
+        for c, batch in enumerate(flat[s:s + size] for s in range(0, len(flat), size)):
             enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
             torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
             with torch.no_grad():
@@ -366,18 +386,21 @@ def main(argv=None):
     with exit_status():  # a bad flag too: one line and exit status 2
         p = Parser(prog="python -m prm.label",
                    description="Label solution steps by Monte-Carlo policy rollouts.")
-        p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or a folder of them")
+        p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or folder")
         p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
-        p.add_argument("--shard", default="0/1", help="i/n: every n-th row from the i-th; no --shard merges")
-        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows, not exit 2")
-        p.add_argument("--trust-remote-code", action="store_true", help="allow the policy's own model code")
+        p.add_argument("--shard", default="0/1",
+                       help="i/n: every n-th row from the i-th; no --shard merges")
+        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows")
+        p.add_argument("--trust-remote-code", action="store_true", help="run the policy's code")
         a = add_fields(p, LabelOptions).parse_args(argv)
-        if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or not int(m.group(1)) < int(m.group(2)):
+        if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or int(m.group(1)) >= int(m.group(2)):
             p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
         if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
             p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
-        if not (a.temperature >= 0 and 0 < a.top_p <= 1):  # else transformers refuses after the policy loads
-            p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} in (0, 1]")
+        # else transformers refuses after the policy loads
+        if not (a.temperature >= 0 and 0 < a.top_p <= 1):
+            p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} "
+                    "in (0, 1]")
         check(overwrites([("--output", a.output)],
                          [("--dataset", a.dataset), ("--policy", a.policy)]))
         opts = parsed(LabelOptions, a)
@@ -388,8 +411,10 @@ def main(argv=None):
         rt = setup()
         try:
             # ranks end at different times: a group that does not time out
-            wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
-            gen, start = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code), time.time()
+            wait = rt.distributed and dist.new_group(backend="gloo",
+                                                     timeout=datetime.timedelta(days=7))
+            gen = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code)
+            start = time.time()
             spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
                                skip_invalid=a.skip_invalid,
                                part=(shard * rt.world_size + rt.rank, shards * rt.world_size))
@@ -399,7 +424,7 @@ def main(argv=None):
                     with locked(a.output):
                         merge(a.output, int(total), time.time() - start)
         except KeyboardInterrupt:
-            raise Stopped("stopped by SIGINT; run the same command again to continue", signal.SIGINT) from None
+            raise Stopped("stopped by SIGINT; run the same command again to continue",
+                          signal.SIGINT) from None
         finally:
             teardown(rt)
-

@@ -1,5 +1,5 @@
-"""`python -m prm.convert INPUT [OUTPUT.jsonl]`: write any supported dataset as the stepwise JSONL the trainer
-sees. Depends on: prm.cli, prm.config, prm.errors, prm.readers.sources."""
+"""`python -m prm.convert INPUT [OUTPUT.jsonl]`: any supported dataset as the stepwise JSONL the
+trainer sees. Depends on: prm.cli, prm.config, prm.errors, prm.files, prm.readers.sources."""
 import json
 import os
 import sys
@@ -14,20 +14,20 @@ from prm.readers.sources import read_rows
 def main(argv=None):
     opts = Config.__dataclass_fields__
     p = Parser(usage="%(prog)s input [output] [options]", description=(
-        "Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, labels; null = unlabeled "
-        "step), validating every row. Pre-tokenized rows (input_ids, labels) pass through validated, right "
-        "padding stripped."))
+        "Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, labels; null = "
+        "unlabeled step), validating every row. Pre-tokenized rows (input_ids, labels) pass "
+        "through validated, right padding stripped."))
     p.add_argument("input", help=opts["dataset"].metadata["help"].replace("'synthetic', ", ""))
-    p.add_argument("output", nargs="?", default="-",
-                   help="output .jsonl file; '-' writes to stdout")
-    for name in ("format", "neutral_label", "skip_invalid", "dataset_config"):
-        add_field(p, opts[name], switch_value=False)  # `--skip-invalid INPUT`: INPUT is not its value
+    p.add_argument("output", nargs="?", default="-", help="a .jsonl file; '-': stdout")
+    names = ("format", "neutral_label", "skip_invalid", "dataset_config")
+    for name in names:
+        # `--skip-invalid INPUT`: INPUT is not its value
+        add_field(p, opts[name], switch_value=False)
     p.add_argument("--split", default="train", help="hub split to convert")
     with exit_status():
         a = p.parse_args(argv)
         check(overwrites([("output", a.output)], [("input", a.input)]))
-        cfg = Config(format=a.format, neutral_label=a.neutral_label, skip_invalid=a.skip_invalid,
-                     dataset_config=a.dataset_config)
+        cfg = Config(**{k: getattr(a, k) for k in names})
         _write(read_rows(a.input, a.split, cfg), a.output)
 
 

@@ -10,12 +10,13 @@ CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 
 def char_tokenizer():
-    """One token per character of CHARS plus <pad>/<bos>/<eos>/<unk>: a byte-level BPE without merges, as
-    AutoTokenizer rebuilds it for a saved qwen2 model."""
+    """One token per character of CHARS plus <pad>/<bos>/<eos>/<unk>: a byte-level BPE without
+    merges, as AutoTokenizer rebuilds it for a saved qwen2 model."""
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     names = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]  # " " -> "Ġ", "\n" -> "Ċ"
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(specials + names)}, [], unk_token="<unk>"))
+    vocab = {t: i for i, t in enumerate(specials + names)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
@@ -23,8 +24,9 @@ def char_tokenizer():
 
 
 def make_rows(n: int, seed: int) -> list:
-    """Chains of one-digit `x+1=y` steps (mod 10), each from the previous result; half of them with one slip
-    (y off by one). The slip and every later step are wrong: the model must read the earlier steps."""
+    """Chains of one-digit `x+1=y` steps (mod 10), each from the previous result; half of them with
+    one slip (y off by one). The slip and every later step are wrong: the model must read the
+    earlier steps."""
     rng, rows = random.Random(seed), []
     for i in range(n):
         start, n_steps = rng.randrange(10), rng.randint(3, 6)
@@ -35,9 +37,9 @@ def make_rows(n: int, seed: int) -> list:
             steps.append(f"{x}+1={y}")
             labels.append(slip < 0 or s < slip)
             x = y
-        rows.append({"id": f"synthetic-{seed}-{i}", "prompt": f"count {n_steps} steps from {start}:",
-                     "completions": steps, "labels": labels,
-                     "answer": str((start + n_steps) % 10)})
+        prompt = f"count {n_steps} steps from {start}:"
+        rows.append({"id": f"synthetic-{seed}-{i}", "prompt": prompt, "completions": steps,
+                     "labels": labels, "answer": str((start + n_steps) % 10)})
     return rows
 
 
@@ -54,8 +56,8 @@ def step_truth(prompt: str, steps: list) -> list:
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):
-    """(train, held-out) rows, a function of (n, seed): held out, every row of a seeded share of the distinct
-    solutions (at least one), so none copies a training row."""
+    """(train, held-out) rows, a function of (n, seed): held out, every row of a seeded share of
+    the distinct solutions (at least one), so none copies a training row."""
     rows = make_rows(n, seed)
     distinct = sorted({tuple(r["completions"]) for r in rows})
     random.Random(seed).shuffle(distinct)

@@ -5,7 +5,6 @@ import collections
 import dataclasses
 import itertools
 import json
-import os
 import signal
 import statistics
 import sys
@@ -15,8 +14,8 @@ from prm.cli import Parser, add_fields, parsed
 from prm.config import opt
 from prm.core.metrics import AGGREGATES, solution_score
 from prm.errors import Stopped, UsageError, check, exit_status
-from prm.labeling.label import (Generator, LabelOptions, extract_answer, finished, judge,
-                                locked, normalize, read_input, read_settings, write_lines)
+from prm.labeling.label import (Generator, LabelOptions, check_settings, extract_answer, finished,
+                                judge, locked, normalize, read_input, write_lines)
 from prm.readers.formats import split_steps
 from prm.scoring import ScorerOptions
 
@@ -233,16 +232,10 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
     PRM's tokens. Returns summary()."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
-    settings = json.loads(json.dumps({**dataclasses.asdict(opts), **(settings or {}),
-                                      "dataset": digest}))
-    side, size = output + ".settings", opts.problems
-    if not os.path.isfile(side):
-        write_lines(side, [json.dumps(settings, indent=1)])
+    size = opts.problems
     with locked(output):
-        old = read_settings(side)
-        diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
-        check([f"{output} was searched with other settings: {', '.join(diff)}; rerun with those to "
-               "continue it, or pass another --output"] if diff else [])
+        check_settings(output, {**dataclasses.asdict(opts), **(settings or {}), "dataset": digest},
+                       "searched")
         done = finished(output)
         write_lines(output, [line for lines in done.values() for line in lines])  # drops a cut line
         bar = tqdm(total=len(rows) * len(opts.seeds), initial=len(done) * len(opts.seeds),

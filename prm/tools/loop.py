@@ -64,8 +64,8 @@ def train_policy(output: str, *, steps: int = 300, batch: int = 32, lr: float = 
 
 
 def write_problems(folder: str, *, rows: int, test: int, seed: int = 0):
-    """FOLDER/label.jsonl (rows) and FOLDER/test.jsonl (test): make_rows' prompts and answers, no
-    solution; the test ones from a held-out quarter of the 40 distinct prompts."""
+    """FOLDER/label.jsonl (rows) and FOLDER/test.jsonl (test): make_rows' prompts and answers;
+    the test ones from a held-out quarter of the 40 distinct prompts."""
     prompts = sorted({r["prompt"] for r in make_rows(400, seed)})
     random.Random(seed).shuffle(prompts)
     held, drawn = set(prompts[:len(prompts) // 4]), make_rows(20 * (rows + test), seed)
@@ -77,9 +77,9 @@ def write_problems(folder: str, *, rows: int, test: int, seed: int = 0):
 
 
 def label_quality(folder: str, policy: str, rows: int) -> list:
-    """Monte-Carlo labels of the first `rows` problems of FOLDER/label.jsonl against step_truth:
-    per (rollouts, label, search), the share of labeled steps on the right side of 0.5, the first
-    wrong step's precision and recall, and rollouts per solution."""
+    """Monte-Carlo labels of FOLDER/label.jsonl's first `rows` problems against step_truth, per
+    (rollouts, label, search): the share of labeled steps on the right side of 0.5, the first
+    wrong step's precision and recall, rollouts per solution."""
     from prm.labeling.label import Generator, LabelOptions, label_file
     with open(os.path.join(folder, "label.jsonl"), encoding="utf-8") as f:
         problems = f.readlines()[:rows]
@@ -170,7 +170,7 @@ def main(argv=None):
     with exit_status():
         p = Parser(prog="python -m prm.tools.loop", description=__doc__.splitlines()[0])
         p.add_argument("stage", choices=["policy", "bench"])
-        p.add_argument("folder", help="where policy, problems, labels, PRM and search results go")
+        p.add_argument("folder", help="for policy, problems, labels, PRM and search results")
         p.add_argument("--rows", type=int, default=200, help="problems to label")
         p.add_argument("--test", type=int, default=40, help="held-out problems to search")
         p.add_argument("--quality-rows", type=int, default=25, help="problems of the label grid")
