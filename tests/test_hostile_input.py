@@ -62,10 +62,12 @@ def test_surrogate_pairs_and_repeated_keys_in_separate_objects_are_read(tmp_path
     assert [r["completions"] for r in rows] == [["\U0001F600 fine"], ["a"]]
 
 
-@pytest.mark.parametrize("output, cause", [(".", "Is a directory"), ("missing/out.jsonl", "No such file or directory")])
+@pytest.mark.parametrize("output, cause", [("folder", "Is a directory"),
+                                           ("missing/out.jsonl", "No such file or directory")])
 def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output, cause, capsys):
     from prm.readers.convert import main
     (tmp_path / "in.jsonl").write_text(ROW + "\n")
+    (tmp_path / "folder").mkdir()  # a folder apart from the input's (one holding it is refused first)
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "in.jsonl"), str(tmp_path / output)])
     assert e.value.code == 2 and f"could not write {tmp_path / output}: {cause}" in capsys.readouterr().err
