@@ -64,8 +64,7 @@ class Setter(argparse.Action):
 
 
 def nearest(name: str, names: list):
-    """The one of names a mistyped name meant: difflib's closest whose words each near one of
-    name's, or None."""
+    """The name a typo meant: difflib's closest whose words each near one of name's, or None."""
     def words(text: str) -> list:
         return [w for w in re.split(r"[-_]+", text.lower()) if w]
 
@@ -87,9 +86,8 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """A bad flag raises a one-line UsageError: an unsupported TRL/HF flag says what to do
-    instead, an unknown one names the nearest flag, a bad value names its field's flag, a field
-    set under two names is refused. No prefix abbreviations: with the aliases, a prefix often
-    fits several spellings."""
+    instead, an unknown one names the nearest flag, a bad value its field's flag; a field set
+    under two names is refused. No abbreviations: with the aliases, a prefix often fits several."""
 
     def __init__(self, usage: str = "%(prog)s [options]", **kw):
         kw.setdefault("formatter_class", Formatter)
@@ -130,9 +128,9 @@ class Parser(argparse.ArgumentParser):
 def add_field(container, f, *, suppress: bool = False, switch_value: bool = True,
               help: str = None):
     """Field f (prm.config.opt) as --its-name on container (a parser or group); a Config field
-    also under its underscore spelling and `trl` names; --help lists the dashed ones. suppress: an
-    absent flag leaves no attribute. switch_value False: a bool's switch takes no true/false, so a
-    positional may follow it. help: another text (argparse.SUPPRESS: hidden)."""
+    also under its underscore spelling and `trl` names (--help lists the dashed ones). suppress:
+    an absent flag sets nothing. switch_value False: a switch takes no true/false, so a positional
+    may follow it. help: another text (argparse.SUPPRESS: hidden)."""
     meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type", "required")}
     meta.update({} if help is None else {"help": help})
     # None is auto: a flag that takes the word auto shows it
@@ -173,8 +171,7 @@ def parsed(cls, args):
 
 
 def writable(path: str) -> bool:
-    """Whether path can be written: its nearest existing part is a writable folder (or path
-    itself)."""
+    """Whether path's nearest existing part is a writable folder (or path itself)."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
@@ -182,8 +179,7 @@ def writable(path: str) -> bool:
 
 
 class BoundedLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key given twice in a mapping and more than 20 aliases (a 'billion
-    laughs' bomb)."""
+    """SafeLoader refusing a key given twice and over 20 aliases (a 'billion laughs' bomb)."""
     aliases = 0
 
     def compose_node(self, parent, index):
@@ -217,8 +213,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def read_config_file(path: str) -> dict:
-    """{field: value} from a YAML or JSON file keyed by any spelling a flag takes; UsageError
-    naming the file."""
+    """{field: value} from a YAML or JSON file keyed by any of the flags' spellings."""
     def fail(what: str):
         raise UsageError(f"--config {path}: {what}")
     if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() for ever
@@ -267,8 +262,7 @@ def read_config_file(path: str) -> dict:
 
 
 def parse_config(argv=None) -> Config:
-    """train.py's command line, resolved: flags given win over --config FILE, which wins over
-    the defaults."""
+    """train.py's command line, resolved: flags given win over --config FILE, then defaults."""
     p = add_fields(Parser(description="Train a process reward model. Every flag also takes its "
                           "underscore spelling (--max_length) and, where it has one, TRL's name "
                           "(--learning_rate)."), Config)

@@ -47,9 +47,9 @@ def preview(value) -> str:
 
 
 class Conv(NamedTuple):
-    """A TRL/HF name setting a field through a conversion. nargs "?": a switch (convert gets a
-    bool); "+": a list. keep: values a false switch leaves alone (`--bf16 --fp16 false`) and a
-    true one refuses."""
+    """A TRL/HF name setting a field through convert. nargs "?": a switch (convert gets a bool);
+    "+": a list. keep: values a false switch leaves alone (`--bf16 --fp16 false`), a true one
+    refuses."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -85,7 +85,7 @@ def _opt(default, help, *, rules: str = "", trl=(), **kw):
 
 
 def _switch(name: str, other: str) -> Conv:
-    """TRL's --bf16 / --fp16 [BOOL]: true is that dtype, false fp32 unless the other is set."""
+    """TRL's --bf16 / --fp16 [BOOL]: true is that dtype, false fp32 (or the other's)."""
     return Conv(name, lambda on: name if on else "fp32", "?", keep=(other,))
 
 
@@ -247,8 +247,7 @@ class Config:
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
-        # as HF's: strategy steps without an interval evaluates every --log-every steps, saves
-        # every 500
+        # as HF's: strategy steps without an interval: eval every --log-every steps, save every 500
         eval_every = self.eval_every or self.log_every * (self.eval_strategy == "steps")
         save_every = self.save_every or 500 * (self.save_strategy == "steps")
         return dataclasses.replace(
@@ -264,8 +263,7 @@ class Config:
         return 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
-        """Steps between evaluations (kind "eval") or checkpoints ("save") of a resolved config;
-        0: none."""
+        """Steps between evaluations (kind "eval") or checkpoints ("save"); 0: none."""
         steps = {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}
         return steps[getattr(self, kind + "_strategy")]
 
@@ -282,8 +280,8 @@ class Config:
         need(lambda v: v >= 0, "must be >= 0", "batch_size", "eval_batch_size", "warmup_steps",
              "max_completion_length", "eval_every", "save_every", "keep_last", "lora_r",
              "pack_to", "num_proc")
-        # inf % 1 is nan
-        need(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)", "warmup_steps")
+        need(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)",  # inf % 1: nan
+             "warmup_steps")
         need(lambda v: v >= 1, "must be >= 1", "grad_accum", "max_length", "log_every",
              "synthetic_size")
         need(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0", "lr",
@@ -308,8 +306,7 @@ class Config:
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:
-        """(refused changes from the checkpoint's settings, harmless ones), each
-        '--flag new (was old)'."""
+        """(refused changes from the checkpoint's settings, harmless ones): '--x new (was old)'."""
         def fmt(name):
             new, old = (preview(getattr(c, name)) for c in (self, saved))
             return f"{flag(name)} {new} (was {old})"
@@ -332,8 +329,7 @@ class Config:
 
     @classmethod
     def load(cls, directory: str) -> "Config":
-        """A saved run's settings; UsageError naming the file (and field) for bad JSON or a wrong
-        type."""
+        """A saved run's settings; UsageError naming the file (and field) when unreadable."""
         path = os.path.join(directory, FILE)
         try:
             with open(path) as f:
