@@ -1,5 +1,5 @@
-"""The errors that end a command, each with its exit status. Library code raises them; the entry points turn
-one into a one-line message and its status through `exit_status()`. Depends on: the standard library."""
+"""The errors that end a command, each with its exit status. Library code raises them; the entry
+points turn one into a one-line message and its status through `exit_status()`."""
 import contextlib
 import os
 import sys
@@ -16,7 +16,8 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A failed write (a full disk, a read-only folder): exit status 1; cause: the reason without the path."""
+    """A failed write (a full disk, a read-only folder): exit status 1; cause: the reason without
+    the path."""
 
     def __init__(self, message: str, cause: str = None):
         super().__init__(message)
@@ -56,7 +57,8 @@ def overwrites(written: list, read: list) -> list:
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError becomes 'error: <message>' (Stopped: the message) and its exit status."""
+    """For entry points: a PRMError becomes 'error: <message>' (Stopped: the message) and its exit
+    status."""
     try:
         yield
     except PRMError as e:
