@@ -2,13 +2,13 @@
 
     python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512
 
-Takes every train.py flag; times the dataset's tokenization (cache off), then the trainer on the same data.
-tokens_per_second: the trainer's own (non-pad tokens / optimizer-step time); steady_*: from the second step on.
-Memory: CUDA's max allocated, else max RSS (then static_memory_mb is an upper bound, activation_memory_mb a
-lower one). model_state_mb: 16 B per trainable parameter + 4 B per frozen one. mfu (CUDA only): flops_per_token
-x tokens/s / bf16 dense peak. host_syncs_per_step (CUDA only): syncs between two optimizer steps.
---variants: each in fresh processes, tokens/s against the first. --repeats N: medians of N fresh processes.
---peer-python/--peer-script: a TRL PRMTrainer run alternates with each of ours; adds its medians and ratios.
+Takes every train.py flag; times the tokenization (cache off), then the trainer on the same data.
+tokens_per_second: the trainer's (non-pad tokens / optimizer-step time); steady_*: from step 2 on.
+Memory: CUDA's max allocated, else max RSS (static_memory_mb then an upper bound,
+activation_memory_mb a lower one). model_state_mb: 16 B per trainable parameter + 4 B per frozen.
+CUDA only: mfu (flops_per_token x tokens/s / bf16 dense peak), host_syncs_per_step.
+--variants: each in fresh processes, tokens/s against the first. --repeats N: medians of N runs.
+--peer-python/--peer-script: a TRL PRMTrainer run alternates with each of ours (medians, ratios).
 """
 import contextlib
 import json
@@ -39,8 +39,9 @@ from prm.training.trainer import BatchPlan, train
 from prm.core.varlen import kernel_dtype, supports_packing
 
 # dense bf16 peaks by device name, the more specific names first
-BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
-                    "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,
+                    "H200": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+                    "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
 # what a child process is not given (--peak-tflops passes through)
@@ -48,20 +49,23 @@ BENCH_FLAGS = ("--repeats", "--peer-python", "--peer-script", "--variants")
 MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
             "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
             "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
+# the run's settings each result names, after its dtype
+REPORTED = ("group_by_length", "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
 
 
 def parser():
     p = add_fields(Parser(description=__doc__.splitlines()[0]), Config)
-    p.add_argument("--steps", dest="max_steps", type=int, help="optimizer steps to time (= --max-steps)")
-    p.add_argument("--repeats", type=int, default=1, help="fresh processes to run; medians are reported")
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 dense peak for MFU (0: by name)")
-    p.add_argument("--peer-python", default="", help="python of a venv with trl==1.13.0 (runs the TRL peer)")
-    p.add_argument("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
-    p.add_argument("--variants", default="", help=f"comma-separated, run side by side in fresh processes, "
-                   f"each with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
-    p.add_argument("--gpu-check", action="store_true", help="the CUDA tests, then the variants on a random "
-                   "Qwen2-0.5B-shaped model (prm.tools.gpucheck; other flags ignored); exit 2 without CUDA")
-    p.add_argument("--dry-run", action="store_true", help="with --gpu-check: all on the CPU at a tiny shape")
+    arg = p.add_argument
+    arg("--steps", dest="max_steps", type=int, help="optimizer steps to time (= --max-steps)")
+    arg("--repeats", type=int, default=1, help="fresh processes to run; medians are reported")
+    arg("--peak-tflops", type=float, default=0.0, help="bf16 dense peak for MFU (0: by name)")
+    arg("--peer-python", default="", help="python of a venv with trl==1.13.0 (runs the TRL peer)")
+    arg("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
+    arg("--variants", default="", help=f"comma-separated, run side by side in fresh processes, "
+        f"each with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
+    arg("--gpu-check", action="store_true", help="the CUDA tests, then the variants on a random "
+        "Qwen2-0.5B-shaped model (prm.tools.gpucheck; other flags ignored); exit 2 without CUDA")
+    arg("--dry-run", action="store_true", help="with --gpu-check: all on the CPU at a tiny shape")
     p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
     return p
 
@@ -75,9 +79,9 @@ def _memory_now(device) -> int:
 
 
 def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
-    """(model FLOPs per trained token, non-embedding parameter count): 6 per weight, plus 12 x layers x
-    attention width x s_eff for attention; under LoRA (lora_trainable: adapter + head parameters) a frozen
-    weight costs 4."""
+    """(model FLOPs per trained token, non-embedding parameter count): 6 per weight, plus 12 x
+    layers x attention width x s_eff for attention; under LoRA (lora_trainable: adapter + head
+    parameters) a frozen weight costs 4."""
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
     embeddings = [m for m in backbone.modules() if isinstance(m, torch.nn.Embedding)]
@@ -86,10 +90,18 @@ def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tup
     d = text.hidden_size
     head = 2 * d + 2  # the 2-way head
     n = sum(p.numel() for p in backbone.parameters()) - embed + head
-    width = text.num_attention_heads * (getattr(text, "head_dim", None) or d // text.num_attention_heads)
+    width = text.num_attention_heads * head_dim(text)
     s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
     weights = 6 * n if lora_trainable is None else 4 * (n - head) + 6 * lora_trainable
     return weights + 12 * text.num_hidden_layers * width * s_eff, n
+
+
+def head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _mb(n: int) -> float:
+    return round(n / 2**20, 1)
 
 
 def _device_peak(device, override: float) -> float:
@@ -103,18 +115,17 @@ def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
     """Which attention the run's forward takes, by prm.core.varlen's own test."""
     if not (cfg.packing and supports_packing(backbone)):
         return "sdpa (padded, with a mask)"
-    text = model_cfg.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dim = head_dim(model_cfg.get_text_config())
     amp = autocast_dtype(cfg.dtype, device)
     with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
-        half = kernel_dtype(torch.empty((1, 1, 1, head_dim), device=device))
+        half = kernel_dtype(torch.empty((1, 1, 1, dim), device=device))
     kind = str(half).split(".")[-1]
     return f"varlen_attn ({kind})" if half else "sdpa per example (packed, exact fallback)"
 
 
 @contextlib.contextmanager
 def counting_syncs(device, seen: dict):
-    """CUDA: the host syncs torch's sync debug mode reports, into seen["warnings"]; else nothing."""
+    """CUDA: the host syncs torch's sync debug mode reports, into seen["warnings"]."""
     if device.type != "cuda":
         yield
         return
@@ -129,25 +140,28 @@ def counting_syncs(device, seen: dict):
 
 
 def _train_watched(cfg: Config, device) -> tuple:
-    """(final metrics, what an optimizer-step hook saw, memory before training) of a training run."""
+    """(final metrics, what an optimizer-step hook saw, memory before training) of a run."""
     seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
         seen["steps"] += 1
         if seen["steps"] == 1:
             seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
-            seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values() for t in st.values()
-                                          if torch.is_tensor(t))
+            seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values()
+                                          for t in st.values() if torch.is_tensor(t))
         seen["after_step"].append(_memory_now(device))
-        seen["times"].append(time.perf_counter())  # no sync: the next step's time counts kernels still queued
-        seen["syncs"].append(sum("synchroniz" in str(w.message) for w in seen.get("warnings", [])))
+        # no sync: the next step's time counts kernels still queued
+        seen["times"].append(time.perf_counter())
+        warned = seen.get("warnings", [])
+        seen["syncs"].append(sum("synchroniz" in str(w.message) for w in warned))
 
     baseline = _memory_now(device)
     handle = register_optimizer_step_post_hook(after_step)
     with tempfile.TemporaryDirectory() as tmp:
         run_cfg = Config(**{**vars(cfg), "output_dir": cfg.output_dir or tmp})
         try:
-            with contextlib.redirect_stdout(sys.stderr), counting_syncs(device, seen):  # stdout: JSON only
+            # stdout: JSON only
+            with contextlib.redirect_stdout(sys.stderr), counting_syncs(device, seen):
                 final = train(run_cfg)
         finally:
             handle.remove()
@@ -155,8 +169,8 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization rate, then the training loop; the measurement dict. FLOPs count the examples the timed
-    steps trained, by the trainer's batch plan."""
+    """Tokenization rate, then the training loop; the measurement dict. FLOPs count the examples
+    the timed steps trained, by the trainer's batch plan."""
     cfg = Config(**vars(cfg)).resolve()
     datasets.disable_caching()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,7 +179,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t0 = time.perf_counter()
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
-    plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], int(os.environ.get("WORLD_SIZE", 1)))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
@@ -178,34 +193,33 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if cuda else (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
     batches = [plan.batch(step)[1] for step in range(seen["steps"])]
+    trainable = seen["params"]
     fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
-                                      seen["params"] if cfg.lora_r else None)
+                                      trainable if cfg.lora_r else None)
     static = min(seen["after_step"]) if seen["after_step"] else 0
     tps = final["train_tokens_per_second"]
     # steps 2..N: their tokens over the time from the first step's hook to the last one's
-    t = seen["times"]
+    t, syncs = seen["times"], seen["syncs"]
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
-        "padding_efficiency": round(final["padding_efficiency"], 4), "peak_memory_mb": round(peak / 2**20, 1),
+        "padding_efficiency": round(final["padding_efficiency"], 4), "peak_memory_mb": _mb(peak),
         "memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
-        "static_memory_mb": round(static / 2**20, 1),
-        "activation_memory_mb": round((peak - static) / 2**20, 1),
-        "baseline_memory_mb": round(baseline / 2**20, 1),
-        "model_state_mb": round((16 * seen["params"] + 4 * (n_total - seen["params"])) / 2**20, 1),
-        "optimizer_state_mb": round(seen["optimizer_bytes"] / 2**20, 1), "mfu": None,
+        "static_memory_mb": _mb(static), "activation_memory_mb": _mb(peak - static),
+        "baseline_memory_mb": _mb(baseline),
+        "model_state_mb": _mb(16 * trainable + 4 * (n_total - trainable)),
+        "optimizer_state_mb": _mb(seen["optimizer_bytes"]), "mfu": None,
         "attention": attention_kernel(cfg, model_cfg, backbone, device),
-        "host_syncs_per_step": round((seen["syncs"][-1] - seen["syncs"][0]) / (len(seen["syncs"]) - 1), 2)
-        if cuda and len(seen["syncs"]) > 1 else None,
+        "host_syncs_per_step": round((syncs[-1] - syncs[0]) / (len(syncs) - 1), 2)
+        if cuda and len(syncs) > 1 else None,
         "flops_per_token": round(fpt),
-        "params": n_total, "trainable_params": seen["params"], "params_non_embedding": n_nonembed,
+        "params": n_total, "trainable_params": trainable, "params_non_embedding": n_nonembed,
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
         "tokenize_tokens_per_second": round(sum(plan.lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
-        "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"], "batch_size": cfg.batch_size,
-        "grad_accum": cfg.grad_accum, "max_length": cfg.max_length, "dtype": cfg.dtype or "auto",
-        "group_by_length": cfg.group_by_length, "gradient_checkpointing": cfg.gradient_checkpointing,
-        "compile": cfg.compile, "packing": cfg.packing, "pack_to": cfg.pack_to, "lora_r": cfg.lora_r,
+        "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"],
+        **{k: getattr(cfg, k) for k in ("batch_size", "grad_accum", "max_length")},
+        "dtype": cfg.dtype or "auto", **{k: getattr(cfg, k) for k in REPORTED},
         "torch": torch.__version__,
     }
     if cuda:
@@ -228,9 +242,9 @@ ds = load_dataset("json", data_files=data, split="train")
 feats = features.Features({"labels": features.Sequence(features.Value("int64")),
                            "input_ids": features.Sequence(features.Value("int64"))})
 t0 = time.perf_counter()  # the same map call PRMTrainer.__init__ makes
-ds.map(PRMTrainer.tokenize_row, fn_kwargs=dict(tokenizer=tok, step_separator="\n", max_length=max_length,
-       max_completion_length=None, train_on_last_step_only=False, is_eval=False), remove_columns=ds.features,
-       features=feats)
+ds.map(PRMTrainer.tokenize_row, fn_kwargs=dict(tokenizer=tok, step_separator="\n",
+       max_length=max_length, max_completion_length=None, train_on_last_step_only=False,
+       is_eval=False), remove_columns=ds.features, features=feats)
 print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
 """
 
@@ -238,7 +252,8 @@ print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
 def _run(cmd: list) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise PRMError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise PRMError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
+                       f"{r.stderr[-3000:]}")
     return r.stdout
 
 
@@ -250,10 +265,12 @@ def _child(argv: list, *flags) -> dict:
 
 def _peer(a, cfg: Config) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [a.peer_python, a.peer_script, cfg.model, cfg.dataset, tmp, "--steps", str(cfg.max_steps),
-               "--batch", str(cfg.batch_size), "--max-length", str(cfg.max_length)]
+        cmd = [a.peer_python, a.peer_script, cfg.model, cfg.dataset, tmp,
+               "--steps", str(cfg.max_steps), "--batch", str(cfg.batch_size),
+               "--max-length", str(cfg.max_length)]
         train_out = _run(cmd + (["--gc"] if cfg.gradient_checkpointing else []))
-    tok_out = _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset, str(cfg.max_length)])
+    tok_out = _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset,
+                    str(cfg.max_length)])
     return {"tokens_per_second": float(re.search(r"tok_per_s=([\d.]+)", train_out).group(1)),
             "tokenize_rows_per_second":
                 float(re.search(r"tokenize_rows_per_second=([\d.]+)", tok_out).group(1))}
@@ -291,9 +308,9 @@ def repeated(a, cfg: Config, argv: list) -> dict:
         for k in ("tokens_per_second", "tokenize_rows_per_second"):
             out[f"peer_{k}"] = round(statistics.median(r[k] for r in peer), 1)
             out[f"runs_peer_{k}"] = [r[k] for r in peer]
-        out["speedup_tokens_per_second"] = round(out["tokens_per_second"] / out["peer_tokens_per_second"], 3)
-        out["speedup_tokenize"] = round(
-            out["tokenize_rows_per_second"] / out["peer_tokenize_rows_per_second"], 3)
+        for k, name in (("tokens_per_second", "tokens_per_second"),
+                        ("tokenize_rows_per_second", "tokenize")):
+            out[f"speedup_{name}"] = round(out[k] / out[f"peer_{k}"], 3)
         if cfg.dtype != "fp32":
             out["note"] = "the peer always trains in fp32"
     return out

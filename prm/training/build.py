@@ -1,5 +1,4 @@
-"""The one place that builds a run's tokenizer and PRM from its Config, for training, resume, eval.py and the
-benchmark."""
+"""Builds a run's tokenizer and PRM from its Config: training, resume, eval.py, the benchmark."""
 import glob
 import json
 import os
@@ -8,7 +7,8 @@ import pickle
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast,
+                          Qwen2Config)
 
 from prm.training.export import TRAINABLE, load_trainable
 from prm.core.data import pad_token_id
@@ -19,16 +19,18 @@ from prm.training.sharding import SHARDS, load_whole
 from prm.readers.synthetic import char_tokenizer
 from prm.core.varlen import supports_packing, use_packed_attention
 
-POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}  # id2label names meaning "this step is right"
+# id2label names meaning "this step is right"
+POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}
 
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
-    """load(name, **kw), raising a one-line UsageError instead of a library traceback when it fails.
+    """load(name, **kw), with a one-line UsageError instead of a library traceback.
     weights: a --model folder must be a model's (False: a checkpoint read for its tokenizer)."""
     # a path, not a hub id: else the hub's "Repo id must be in the form ..." hides the typo
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         check([] if os.path.exists(name) else [f"{flag} {name}: no such folder"])
-    if weights and flag == "--model" and os.path.isdir(name):  # config.json, then the files its index names
+    if weights and flag == "--model" and os.path.isdir(name):
+        # config.json, then the files its index names
         check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
     try:
@@ -44,13 +46,14 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
 
 
 def outside_weights(path: str) -> list:
-    """Problems with the weight files a sharded model's index names: each must be a regular file inside `path`."""
+    """Problems with the weight files a sharded index names: each must be a file inside `path`."""
     problems, root = [], os.path.realpath(path)
     for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
         try:
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # garbage, not an index
+        # garbage, not an index
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             problems.append(f"{index}: not a sharded-weights index with a weight_map "
                             f"({type(e).__name__}: {e})")
             continue
@@ -61,25 +64,29 @@ def outside_weights(path: str) -> list:
     return problems
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *, weights=True):
-    """AutoTokenizer, except that a generic tokenizer.json (the character tokenizer) loads as written, not
-    rebuilt as the model type's own class (which drops its <unk>)."""
+def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *,
+                   weights=True):
+    """AutoTokenizer; a generic tokenizer.json (the character tokenizer) loads as written, not
+    rebuilt as the model type's class (which drops its <unk>)."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
         if os.path.isfile(saved):
             with open(saved) as f:
-                if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                generic = ("TokenizersBackend", "PreTrainedTokenizerFast")
+                if json.load(f).get("tokenizer_class") in generic:
                     load, kw = PreTrainedTokenizerFast.from_pretrained, {}
         tokenizer = loading(flag, name, load, weights=weights, **kw)
     except UsageError:
         raise
     # not JSON, or JSON but not a tokenizer's
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches need one to pad with
-        raise UsageError(f"{flag} {name}: the tokenizer has neither a pad nor an EOS token: set pad_token in "
-                         f"its tokenizer_config.json{', or pass --tokenizer' if flag == '--model' else ''}")
+        why = f"{type(e).__name__}: {e}"
+        raise UsageError(f"{flag} {name}: cannot load its tokenizer: {why}") from None
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches pad with one
+        raise UsageError(f"{flag} {name}: the tokenizer has neither a pad nor an EOS token: set "
+                         "pad_token in its tokenizer_config.json"
+                         + (", or pass --tokenizer" if flag == "--model" else ""))
     return tokenizer
 
 
@@ -93,8 +100,9 @@ def tokenizer_for(cfg):
 
 def tiny_config(tokenizer):
     """The offline preset: a 3-layer, 128-wide Qwen2 decoder."""
-    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=4096,
                        tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        attention_dropout=0.0)
@@ -108,7 +116,7 @@ def hf_config_for(cfg, tokenizer):
 
 
 def check_exportable(cfg):
-    """UsageError for a --model that transformers has no token classifier for: final/ is saved as one."""
+    """UsageError for a --model with no transformers token classifier: final/ is saved as one."""
     if cfg.model == "tiny":
         return
     hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained,
@@ -116,8 +124,9 @@ def check_exportable(cfg):
     try:
         hf_names(hf_cfg)
     except ValueError:
-        raise UsageError(f"--model {cfg.model}: model type {hf_cfg.model_type!r} has no transformers token "
-                         "classifier, the form final/ is saved in: it cannot be trained here") from None
+        why = (f"model type {hf_cfg.model_type!r} has no transformers token classifier, the form "
+               "final/ is saved in: it cannot be trained here")
+        raise UsageError(f"--model {cfg.model}: {why}") from None
 
 
 def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
@@ -131,15 +140,16 @@ def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """PRM.from_pretrained: a 2-label token classifier (its head flipped if its label 0 means 'correct': ours
-    is 1), else a backbone with a new head."""
-    hf_cfg = loading("--model", name, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code)
+    """PRM.from_pretrained: a 2-label token classifier (head flipped if its label 0 means 'correct':
+    ours is 1), else a backbone with a new head."""
+    remote = {"trust_remote_code": trust_remote_code}
+    hf_cfg = loading("--model", name, AutoConfig.from_pretrained, **remote)
     if classifier_only and not is_classifier(hf_cfg):
         raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
                          f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
-    model = loading("--model", name, PRM.from_pretrained, trust_remote_code=trust_remote_code, **kw)
+    model = loading("--model", name, PRM.from_pretrained, **remote, **kw)
     names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
-    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # a checkpoint that put 'correct' first
+    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # 'correct' first
         with torch.no_grad():
             model.head.weight.copy_(model.head.weight.flip(0))
             if model.head.bias is not None:
@@ -148,8 +158,8 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU: the backbone and, with --lora-r, its adapters (before DDP, so DDP sees which
-    parameters train). Resume and eval.py rebuild a LoRA checkpoint's base with it too."""
+    """The run's PRM on CPU: the backbone and, with --lora-r, its adapters (before DDP, so DDP sees
+    which parameters train). Resume and eval.py rebuild a LoRA checkpoint's base with it too."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.disable_dropout:  # as TRL's PRMTrainer; before the adapters, whose --lora-dropout stays
         for module in model.backbone.modules():
@@ -157,7 +167,8 @@ def model_for(cfg, tokenizer) -> PRM:
                 module.p = 0.0
     if cfg.lora_r:
         try:
-            apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+            apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                       cfg.lora_targets)
         except ValueError as e:  # --lora-targets that match no layer: a bad flag
             raise UsageError(str(e)) from None
         if cfg.lora_base_dtype == "bf16":  # the frozen base needs no fp32 master copy
@@ -165,27 +176,27 @@ def model_for(cfg, tokenizer) -> PRM:
                 if not p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
     # travels in config.json: scoring reads the input as training did
-    setattr(model.config, SETTINGS, {"step_separator": cfg.step_separator, "max_length": cfg.max_length,
-                                     "max_completion_length": cfg.max_completion_length})
+    keys = ("step_separator", "max_length", "max_completion_length")
+    setattr(model.config, SETTINGS, {k: getattr(cfg, k) for k in keys})
     return set_packing(model, cfg.packing)
 
 
 def set_packing(model: PRM, packing: bool) -> PRM:
-    """With --packing, a backbone that supports it runs prm.core.varlen's packed attention; others keep padding."""
+    """With --packing, a backbone that supports it runs varlen's packed attention; others pad."""
     if packing and supports_packing(model.backbone):
         use_packed_attention(model.backbone)
     return model
 
 
 def load_trained(cfg, tokenizer_given: bool):
-    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (rebuilt from the run's
-    config) or any 2-label token classifier; the tokenizer beside it unless --tokenizer is given."""
+    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (rebuilt
+    from the run's config) or any 2-label token classifier; its own tokenizer unless --tokenizer."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
         run.trust_remote_code = cfg.trust_remote_code  # the user's choice, never the file's
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model", weights=False)
-        model = model_for(run, tokenizer)  # its LoRA dropout is off in evaluation: predict() sets eval mode
+        model = model_for(run, tokenizer)  # LoRA dropout is off: predict() sets eval mode
         if sharded:
             load_whole(cfg.model, model, trainable_only=has_lora(model))
         else:

@@ -1,5 +1,5 @@
-"""A run's output directory, its checkpoints and resume: the Checkpointer, and run_lock, which keeps a second run
-out of the directory."""
+"""A run's output directory, checkpoints and resume: the Checkpointer, and run_lock, which keeps a
+second run out of the directory."""
 import contextlib
 import hashlib
 import json
@@ -40,34 +40,31 @@ def checkpoint_dir(output_dir: str, step: int) -> str:
 
 def numbered(output_dir: str) -> list:
     """(step, name) of the checkpoint-<step> directories in output_dir, by step."""
-    found = []
-    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        if m := re.fullmatch(r"checkpoint-(\d+)", name):
-            found.append((int(m.group(1)), name))
-    return sorted(found)
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return sorted((int(n.split("-")[1]), n) for n in names if re.fullmatch(r"checkpoint-\d+", n))
 
 
 def complete_checkpoints(output_dir: str) -> list:
-    """checkpoint-<step> directories holding the completion marker, oldest first."""
+    """checkpoint-<step> directories holding the marker, oldest first."""
     return [os.path.join(output_dir, name) for _, name in numbered(output_dir)
             if os.path.isfile(os.path.join(output_dir, name, MARKER))]
 
 
 def read_marker(path: str) -> dict:
-    """A complete checkpoint's marker: step, world_size, data (content digests), sha256 (of every file)."""
+    """A complete checkpoint's marker: step, world_size, data (content digests), sha256."""
     with open(os.path.join(path, MARKER)) as f:
         return json.load(f)
 
 
 def files_under(path: str) -> list:
-    """The relative paths of the files under a directory, sorted."""
+    """The sorted relative paths of the files under a directory."""
     return sorted(os.path.relpath(os.path.join(root, name), path)
                   for root, _, names in os.walk(path) for name in names)
 
 
 def file_digests(path: str, names: list = None) -> dict:
-    """sha256 of the files `names` under a directory (default: all) by relative path, several at
-    once; NOT_REGULAR for a symlink, FIFO or device."""
+    """sha256 of the files `names` under a directory (default: all) by relative path;
+    NOT_REGULAR for a symlink, FIFO or device."""
     def digest(name):
         full = os.path.join(path, name)
         if not stat.S_ISREG(os.lstat(full).st_mode):
@@ -84,35 +81,37 @@ def file_digests(path: str, names: list = None) -> dict:
 
 
 def damaged_files(path: str) -> list:
-    """Files whose checksum differs from the marker's (missing ones included), then the not regular ones."""
+    """Files whose checksum differs from the marker's (missing ones included), then the not
+    regular ones."""
     expected, found = read_marker(path).get("sha256", {}), file_digests(path)
     strange = {name for name, digest in found.items() if digest == NOT_REGULAR}
-    return sorted({name for name, digest in expected.items() if found.get(name) != digest} - strange) + \
-        [f"{name} ({NOT_REGULAR})" for name in sorted(strange)]
+    differ = {name for name, digest in expected.items() if found.get(name) != digest}
+    return sorted(differ - strange) + [f"{name} ({NOT_REGULAR})" for name in sorted(strange)]
 
 
 def resolve_resume(resume: str, output_dir: str):
-    """`resume` itself, or with 'auto' the newest complete undamaged checkpoint (None: there is none)."""
+    """`resume` itself, or with 'auto' the newest complete undamaged checkpoint (None: none)."""
     if resume != "auto":
         if not os.path.isfile(os.path.join(resume, MARKER)):
             check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
-        if damaged := damaged_files(resume):
-            check([f"--resume {resume}: damaged checkpoint (checksum mismatch): {', '.join(damaged)}"])
+        if damaged := ", ".join(damaged_files(resume)):
+            check([f"--resume {resume}: damaged checkpoint (checksum mismatch): {damaged}"])
         return resume
     for path in reversed(complete_checkpoints(output_dir)):
-        if not (damaged := damaged_files(path)):
+        if not (damaged := ", ".join(damaged_files(path))):
             return path
-        print(f"warning: skipping damaged checkpoint {path} (checksum mismatch: {', '.join(damaged)})",
+        print(f"warning: skipping damaged checkpoint {path} (checksum mismatch: {damaged})",
               file=sys.stderr, flush=True)
     return None
 
 
 def prepare_output_dir(cfg):
-    """The checkpoint to resume (None: a fresh start). A directory holding a run is refused unless --resume
-    continues that run or --overwrite replaces it (only the run's own files are deleted)."""
+    """The checkpoint to resume (None: a fresh start). A directory holding a run is refused unless
+    --resume continues it or --overwrite replaces it (deleting only the run's files)."""
     out = cfg.output_dir
     names = os.listdir(out) if os.path.isdir(out) else []
-    found = sorted(n for n in names if n in RUN_FILES or n.startswith(("checkpoint-", ABANDONED + "checkpoint-")))
+    starts = ("checkpoint-", ABANDONED + "checkpoint-")
+    found = sorted(n for n in names if n in RUN_FILES or n.startswith(starts))
     if cfg.overwrite and cfg.resume:
         check(["--overwrite and --resume exclude each other: replace the run, or continue it"])
     # what --overwrite deletes, else what the run replaces at its end
@@ -129,13 +128,13 @@ def prepare_output_dir(cfg):
     if cfg.resume:
         if ckpt and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(out):
             return ckpt
-        check([f"{listing}, and --resume {cfg.resume} "
-               + ("finds no complete checkpoint in it to continue from" if cfg.resume == "auto"
-                  else "is a checkpoint of another directory")
-               + "; pass --overwrite (without --resume) to replace it, or choose another --output-dir"])
+        why = ("finds no complete checkpoint in it to continue from" if cfg.resume == "auto"
+               else "is a checkpoint of another directory")
+        check([f"{listing}, and --resume {cfg.resume} {why}; pass --overwrite (without --resume) "
+               "to replace it, or choose another --output-dir"])
     if not cfg.overwrite:
-        check([f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or choose another "
-               "--output-dir"])
+        check([f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or "
+               "choose another --output-dir"])
     links = [p for p in doomed if os.path.islink(p) and os.path.isdir(p)]  # rmtree refuses them
     check([f"--overwrite: {p} is a symbolic link to a folder: remove it yourself (nothing deleted)"
            for p in links[:1]])
@@ -144,10 +143,10 @@ def prepare_output_dir(cfg):
 
 
 def set_aside_after(output_dir: str, step: int):
-    """Renames checkpoint-<n> with n > step to abandoned-checkpoint-<n>(.2, .3, ...), which prune and resume
-    ignore."""
+    """Renames checkpoint-<n> with n > step to abandoned-checkpoint-<n>(.2, .3, ...), which prune
+    and resume ignore."""
     moved = []
-    for _, name in [(done, name) for done, name in numbered(output_dir) if done > step]:
+    for name in [name for done, name in numbered(output_dir) if done > step]:
         target, n = ABANDONED + name, 1
         while os.path.exists(os.path.join(output_dir, target)):
             n += 1
@@ -156,12 +155,12 @@ def set_aside_after(output_dir: str, step: int):
             os.replace(os.path.join(output_dir, name), os.path.join(output_dir, target))
         moved.append(f"{name} -> {target}")
     if moved:
-        print(f"warning: resumed at step {step}, so the newer checkpoints are set aside in {output_dir}: "
-              f"{', '.join(moved)}", file=sys.stderr, flush=True)
+        print(f"warning: resumed at step {step}, so the newer checkpoints are set aside in "
+              f"{output_dir}: {', '.join(moved)}", file=sys.stderr, flush=True)
 
 
 def keep_records_until(path: str, step: int):
-    """Drops the records past `step` (and final ones) from metrics.jsonl, so each step appears once."""
+    """Drops the records past `step` (and final ones) from metrics.jsonl: each step appears once."""
     if not os.path.isfile(path):
         return
     kept = []
@@ -169,8 +168,7 @@ def keep_records_until(path: str, step: int):
         for line in f:
             try:
                 rec = json.loads(line)
-            # cut short by a crash
-            except json.JSONDecodeError:
+            except json.JSONDecodeError:  # cut short by a crash
                 continue
             if rec.get("step", 0) <= step and "final" not in rec:
                 kept.append(line.rstrip("\n"))
@@ -186,8 +184,8 @@ def prune(output_dir: str, keep_last: int):
 
 @contextlib.contextmanager
 def run_lock(output_dir: str):
-    """Holds <output_dir>/.lock (prm.files.locked) for the life of a run: a second run there is a
-    UsageError. A directory made here and left empty is removed."""
+    """Holds <output_dir>/.lock for the run: a second run there is a UsageError. A directory made
+    here and left empty is removed."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
@@ -216,46 +214,49 @@ def set_rng_state(state: dict):
 
 
 class Checkpointer:
-    """Resume and checkpoints. At start-up rank 0 decides the checkpoint to resume (resume_from, None: a fresh
-    start) and hashes the data files (digests: {"train", "eval"}, '' for hub or synthetic data); load() restores
-    the trainer's state on a resume; save() writes checkpoint-<step>/, save_final() final/."""
+    """Resume and checkpoints. At start-up rank 0 picks the checkpoint to resume (resume_from,
+    None: a fresh start) and hashes the data files (digests: {"train", "eval"}, '' for hub or
+    synthetic data)."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """(the checkpoint to resume, the data digests). The settings that define the model, the data and its
-        order, and the data files' contents, must equal the checkpoint's; UsageError otherwise."""
+        """(the checkpoint to resume, the data digests). The settings defining the model, the data
+        and its order, and the data files' contents must equal the checkpoint's, else UsageError."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
         digests = {"train": data_digest(cfg.dataset), "eval": data_digest(cfg.eval_dataset)}
         if not path:
             return None, digests
         marker = read_marker(path)
-        bad, changed = cfg.resume_conflicts(type(cfg).load(path), marker.get("world_size", 1), self.rt.world_size)
+        bad, changed = cfg.resume_conflicts(type(cfg).load(path), marker.get("world_size", 1),
+                                            self.rt.world_size)
         for split, spec in (("train", cfg.dataset), ("eval", cfg.eval_dataset)):
             saved = marker.get("data", {}).get(split)
             if saved and digests[split] and saved != digests[split]:
                 bad.append(f"{spec} changed since the checkpoint (its contents differ)")
-        check([f"--resume {path}: the checkpoint does not fit this model and data; these settings differ: "
-               f"{'; '.join(bad)}. Use the checkpoint's, or start a new run"] if bad else [])
+        if bad:
+            check([f"--resume {path}: the checkpoint does not fit this model and data; these "
+                   f"settings differ: {'; '.join(bad)}. Use the checkpoint's, or start a new run"])
         if changed:
             print(f"resuming with changed settings: {'; '.join(changed)}")
         return path, digests
 
     def load(self, *, parallel, optimizer, scheduler, scaler, tokenizer, plan) -> int:
-        """The step to continue from (0: a fresh start). On a resume, restores the weights, optimizer, scheduler,
-        scaler and RNG in place and sets aside what the run wrote past the checkpoint."""
-        self.parallel, self.optimizer, self.scheduler, self.scaler = parallel, optimizer, scheduler, scaler
+        """The step to continue from (0: a fresh start); on a resume, restores the trainer's state
+        in place and sets aside what was written past the checkpoint."""
+        self.parallel, self.optimizer = parallel, optimizer
+        self.scheduler, self.scaler = scheduler, scaler
         self.tokenizer, self.interval = tokenizer, self.cfg.every("save", plan.steps_per_epoch)
         path, model = self.resume_from, parallel.model
         if not path:
             return 0
         step = read_marker(path)["step"]
         if step > plan.total:
-            raise UsageError(f"--resume {path}: the checkpoint is at step {step}, past this run's last step "
-                             f"{plan.total} (--max-steps, --epochs): nothing to continue")
+            raise UsageError(f"--resume {path}: the checkpoint is at step {step}, past this run's "
+                             f"last step {plan.total} (--max-steps, --epochs): nothing to continue")
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
         if os.path.isdir(os.path.join(path, SHARDS)):
             load_shards(path, model, optimizer, trainable_only=has_lora(model))
@@ -280,17 +281,18 @@ class Checkpointer:
 
     def save(self, step: int):
         """checkpoint-<step>/, every rank together: under --fsdp each writes its shards, then
-        checksums a share of them (rank 0 alone would take world size times as long)."""
+        checksums a share of them (faster than rank 0 alone)."""
         barrier(self.rt)
         shards = {}
         if self.cfg.fsdp:
-            tmp = checkpoint_dir(self.cfg.output_dir, step) + ".tmp"
+            path = checkpoint_dir(self.cfg.output_dir, step)
+            tmp = path + ".tmp"
             if self.rt.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier(self.rt)
             model = self.parallel.model
             try:
-                with reported(checkpoint_dir(self.cfg.output_dir, step)):
+                with reported(path):
                     save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
             except WriteFailed:
                 if self.rt.is_main:
@@ -304,8 +306,8 @@ class Checkpointer:
         barrier(self.rt)
 
     def write(self, step: int, shards: dict = None):
-        """Rank 0's part of checkpoint-<step>, written in place; the marker, last, holds every
-        file's checksum (shards: those of the files the ranks wrote already)."""
+        """Rank 0's part of checkpoint-<step>; the marker, last, holds every file's checksum
+        (shards: those of the files the ranks wrote)."""
         cfg, model, shards = self.cfg, self.parallel.model, shards or {}
         with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
             state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
@@ -324,7 +326,7 @@ class Checkpointer:
         prune(cfg.output_dir, cfg.keep_last)
 
     def save_final(self, step: int) -> str:
-        """final/ (a plain HF token classifier, adapters merged); its path on rank 0, None elsewhere."""
+        """final/ (a plain HF token classifier, adapters merged); its path on rank 0, else None."""
         barrier(self.rt)
         state = self.parallel.full_state()
         path = os.path.join(self.cfg.output_dir, "final")
@@ -339,7 +341,7 @@ class Checkpointer:
         return path if self.rt.is_main else None
 
     def kept_instead(self, step: int) -> str:
-        """Where the weights of `step` are when final/ could not be written (a checkpoint written now if need be)."""
+        """Where the weights of `step` are when final/ failed (writing a checkpoint if need be)."""
         ckpt = checkpoint_dir(self.cfg.output_dir, step)
         if not os.path.isfile(os.path.join(ckpt, MARKER)):
             if self.cfg.fsdp:
@@ -347,6 +349,7 @@ class Checkpointer:
             try:
                 self.write(step)
             except WriteFailed as e:
-                return f"{ckpt} could not be written either ({e.cause}): the weights of step {step} are lost"
-        return (f"the weights of step {step} are kept in {ckpt}: free space, then export final/ with "
-                "--resume auto")
+                return (f"{ckpt} could not be written either ({e.cause}): the weights of step "
+                        f"{step} are lost")
+        return (f"the weights of step {step} are kept in {ckpt}: free space, then export final/ "
+                "with --resume auto")
