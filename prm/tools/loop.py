@@ -168,7 +168,7 @@ def bench(folder: str, rows: int, test: int, quality_rows: int):
 
 def main(argv=None):
     with exit_status():
-        p = Parser(prog="python -m prm.tools.loop", description=__doc__.splitlines()[0])
+        p = Parser(prog="python -m prm.tools.loop", description=__doc__.split("\n\n")[0])
         p.add_argument("stage", choices=["policy", "bench"])
         p.add_argument("folder", help="for policy, problems, labels, PRM and search results")
         p.add_argument("--rows", type=int, default=200, help="problems to label")
