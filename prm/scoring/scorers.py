@@ -30,8 +30,7 @@ with open(__file__, "rb") as _f:  # in every Family: a change of this file is a 
 
 
 def detect(model: str, scorer) -> str:
-    """scorer; auto: qwen-prm if the model's config names a *ForProcessRewardModel, else
-    classifier."""
+    """scorer; auto: qwen-prm for a *ForProcessRewardModel in the config, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:  # no code runs: Qwen's PRMs declare a known model type
@@ -83,8 +82,7 @@ class Family:
 
 
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
-    """The family's settings, checked: each token one token of the tokenizer, no flag it does not
-    read."""
+    """The family's settings, checked: each token one of the tokenizer's, no flag it ignores."""
     lm = name in ("step-tag", "chat-turns")
     given = (("--step-tag", step_tag != "", name == "step-tag"),
              ("--good-token", good_token != "+", lm), ("--bad-token", bad_token != "-", lm))
@@ -198,8 +196,7 @@ class FirstOutput(nn.Module):
 
 
 def lm_head_rows(lm, ids: list) -> PRM:
-    """A causal LM as a PRM whose head is its LM head's rows `ids` alone ([bad, good]: (B, T, 2)
-    logits)."""
+    """A causal LM as a PRM whose head is its LM head's rows `ids` ([bad, good]: (B, T, 2))."""
     head = lm.get_output_embeddings()
     rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device,
                      head.weight.dtype)
@@ -213,8 +210,8 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
     """(tokenizer, model giving (B, T, 2) logits, the family's row builder for tokenize_dataset's
     and score_batch's `tokenize`: None for a classifier, read as trained); published weights in
     `dtype`."""
-    name = detect(cfg.model, opts.scorer)
-    settings = dict(step_tag=opts.step_tag, good_token=opts.good_token, bad_token=opts.bad_token)
+    settings = dataclasses.asdict(opts)
+    name = detect(cfg.model, settings.pop("scorer"))
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"

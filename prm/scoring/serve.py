@@ -7,8 +7,8 @@ the rest of the query). With "step_rewards": true, also per query [start, end, P
 step, indexed in the query as sent (P null: cut by --max-length). Texts lose the tokenizer's
 padding and EOS at both ends and its BOS at the start, as OpenRLHF's server does. Without
 "prompts", a prompt ends with the chat template's last assistant-turn start, else at the first
-step separator. A prompt that is exactly the chat template around one user turn is read as that
-turn. GET /health answers {"status": "ok", ...}.
+step separator. A prompt that is the chat template around one user turn is read as that turn.
+GET /health answers {"status": "ok", ...}.
 
 A thread per connection, up to --max-connections (more: 503), the model one request at a time.
 Errors are {"error": message}: not all read within --timeout s: 408; a body over
@@ -115,17 +115,17 @@ class Scorer:
         self.marker = opened[len(closed):] if closed and opened.startswith(closed) else ""
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
-        # the template's text before and after a user turn's question, () without a template
+        # the template's text before and after a user turn's question; no prompt starts with PROBE
         probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right)
-        self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else ()
+        self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else (PROBE, "")
         # a published PRM builds its own input around the plain question
         self.published = reward.tokenize is not None
 
     def question(self, prompt: str):
-        """A prompt that is the chat template around one user turn as that turn (a published PRM:
-        its text)."""
-        head, tail = self.frame or ("", "")
-        if not self.frame or not (prompt.startswith(head) and prompt.endswith(tail)):
+        """A prompt that is the chat template around one user turn as that turn (its text for a
+        published PRM)."""
+        head, tail = self.frame
+        if not (prompt.startswith(head) and prompt.endswith(tail)):
             return prompt
         text = prompt[len(head):len(prompt) - len(tail)]
         # one turn only: re-rendering gives the prompt back
