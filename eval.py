@@ -12,7 +12,7 @@ from prm.config import FILE, Config
 from prm.errors import UsageError, check, exit_status, overwrites
 from prm.scoring import ScorerOptions
 
-# the run settings eval.py takes (how data is read and scored); the rest comes from the run
+# the run settings eval.py takes (how data is read and scored); the rest: the run's
 SCORING = Config.names_with("scoring")
 # the table's columns (chance_f1: F1 of random flags)
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
@@ -118,8 +118,7 @@ from prm.readers.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options): the settings given, else the run's config.train.json, else config.json's
-    "prm"."""
+    """(Config, Options): given, else the run's config.train.json, else config.json's "prm"."""
     given = dict(vars(args))
     opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
                    scoring=parsed(ScorerOptions, args),
@@ -265,8 +264,7 @@ def cell(v) -> str:
 
 
 def table(blocks: dict, *, threshold: float) -> str:
-    """The headline figures, a row per subset; the threshold, why each 'n/a', best-of-N,
-    PRMScore."""
+    """The headline figures per subset; the threshold, why each 'n/a', best-of-N, PRMScore."""
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
     width = max(len("subset"), *map(len, blocks))
     rows = [["subset", *cols]]
@@ -295,8 +293,7 @@ def table(blocks: dict, *, threshold: float) -> str:
 
 
 def main(args=None) -> dict:
-    """Warnings and the table on stderr, the JSON on stdout; returns it. args: parsed, or
-    strings to parse."""
+    """Warnings and the table to stderr, the JSON to stdout (returned). args: parsed or strings."""
     cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
