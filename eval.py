@@ -1,6 +1,6 @@
-"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1, outcome AUROC,
-PRMBench's PRMScore, best-of-N. A table goes to stderr; stdout's last line is one JSON object, flat for one
-data set, {"subsets": {name: ...}, "mean_f1": ...} for several."""
+"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1,
+outcome AUROC, PRMBench's PRMScore, best-of-N. A table goes to stderr; stdout's last line is one
+JSON object, flat for one data set, {"subsets": {name: ...}, "mean_f1": ...} for several."""
 import argparse
 import json
 import os
@@ -12,7 +12,7 @@ from prm.config import FILE, Config
 from prm.errors import UsageError, check, exit_status, overwrites
 from prm.scoring import ScorerOptions
 
-# the run settings eval.py takes (how data is read and scored); the rest comes from the run
+# the run settings eval.py takes (how data is read and scored); the rest: the run's
 SCORING = Config.names_with("scoring")
 # the table's columns (chance_f1: F1 of random flags)
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
@@ -34,35 +34,36 @@ class Options:
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
-    """eval.py's own options first; then the run settings it takes, each not given coming from the run."""
+    """eval.py's own options, then the run settings it takes (each not given: the run's)."""
     p = Parser(usage="%(prog)s --model DIR [options]", description=__doc__)
-    p.add_argument("--model", default=argparse.SUPPRESS, help="a directory written by train.py (final/ or a "
-                   "checkpoint) or any 2-label token-classification model; required")
+    p.add_argument("--model", default=argparse.SUPPRESS, help="a train.py output (final/ or a "
+                   "checkpoint) or any 2-label token classifier; required")
     p.add_argument("--dataset", dest="datasets", nargs="+", default=[], metavar="SOURCE",
-                   help="sources, each evaluated whole (default: the run's held-out set); several: a block each, "
-                        "and their mean F1")
-    p.add_argument("--predictions", default="", metavar="OUT_JSONL", help="write one JSON line per example: "
-                   "id, per-step P(correct), truth, predicted first error")
+                   help="sources, each evaluated whole (default: the run's held-out set); "
+                        "several: a block each, and their mean F1")
+    p.add_argument("--predictions", default="", metavar="OUT_JSONL", help="a JSON line per "
+                   "example: id, per-step P(correct), truth, predicted first error")
     p.add_argument("--processbench", action="store_true",
-                   help="ProcessBench metrics even when the data has no first_error column (from the labels)")
+                   help="ProcessBench metrics without a first_error column (from the labels)")
     p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
-                   help="use the threshold maximizing ProcessBench F1 on this set (never a --dataset; read with "
-                        "--format if given, else auto); its metrics there: the output's 'dev' block")
+                   help="use the threshold maximizing ProcessBench F1 on this set (never a "
+                        "--dataset; read with --format if given, else auto); its metrics: 'dev'")
     p.add_argument("--best-of-n", action="store_true",
-                   help="best-of-N accuracy per method and N; a problem's candidates share its 'group' (else "
-                        "their prompt); correctness: final_answer_correct")
+                   help="best-of-N accuracy per method and N; a problem's candidates share its "
+                        "'group' (else their prompt); correctness: final_answer_correct")
     p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
-                   help="seeded shuffles (--seed) per N, each cut into disjoint subsets of N candidates")
+                   help="seeded shuffles (--seed) per N, each cut into disjoint sets of N")
     add_fields(p, ScorerOptions)
-    run = p.add_argument_group("run settings", "how to read and score the data; each not given comes from the "
-                               "run's config.train.json (else config.json's 'prm', else the training default)")
+    run = p.add_argument_group("run settings", "how to read and score the data; each not given "
+                               "comes from the run's config.train.json (else config.json's 'prm', "
+                               "else the training default)")
     for name in SCORING:
         add_field(run, Config.__dataclass_fields__[name], suppress=True)
     return p
 
 
 def predictions_problem(path: str) -> str:
-    """Why --predictions cannot be written ('' when it can), told before the evaluation; no folder is made."""
+    """Why --predictions cannot be written ('' when it can); no folder is made."""
     folder = os.path.dirname(os.path.abspath(path))
     if not path or os.path.isdir(folder) and not os.path.isdir(path) and writable(path):
         return ""
@@ -72,13 +73,14 @@ def predictions_problem(path: str) -> str:
 
 
 def tuned_on_reported(tune: str, reported: list) -> list:
-    """[the problem] if the --tune-threshold file is one of the reported sources (files or folders), else []."""
-    files = [f for spec in reported for f in ([os.path.join(spec, n) for n in os.listdir(spec)]
-                                              if os.path.isdir(spec) else [spec])]
+    """[the problem] if the --tune-threshold file is one of the reported sources, else []."""
+    files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
+             for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
     if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
         return []
-    return [f"--tune-threshold {tune} is also read for the reported set ({', '.join(reported)}): a threshold "
-            "tuned on the set it is reported on flatters it; tune on a separate dev set"]
+    return [f"--tune-threshold {tune} is also read for the reported set "
+            f"({', '.join(reported)}): a threshold tuned on the set it is reported on flatters it; "
+            "tune on a separate dev set"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_eval_parser()
     args = p.parse_args(argv)
     if "model" not in args:
-        p.error("--model is required: a directory written by train.py or any 2-label token classifier")
+        p.error("--model is required: a train.py output or any 2-label token classifier")
     if args.best_of_n_draws < 1:
         p.error(f"--best-of-n-draws {args.best_of_n_draws}: must be at least 1")
     if problem := predictions_problem(args.predictions):
@@ -109,14 +111,14 @@ from prm.core.evaluate import best_of_n_report, predict, report, true_first_erro
 from prm.readers.ingest import tokenize_dataset  # noqa: E402
 from prm.core.metrics import first_error, tune_threshold  # noqa: E402
 from prm.core.model import input_settings  # noqa: E402
-from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first, progress_off, setup,  # noqa: E402
-                         teardown)
+from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first,  # noqa: E402
+                              progress_off, setup, teardown)
 from prm.scoring.scorers import load as load_scorer  # noqa: E402
 from prm.readers.sources import load_eval  # noqa: E402
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options): the settings given, else the run's config.train.json, else config.json's "prm"."""
+    """(Config, Options): given, else the run's config.train.json, else config.json's "prm"."""
     given = dict(vars(args))
     opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
                    scoring=parsed(ScorerOptions, args),
@@ -125,14 +127,15 @@ def settings(args: argparse.Namespace) -> tuple:
         base = Config.load(args.model).__dict__
     else:
         try:
-            base = input_settings(AutoConfig.from_pretrained(args.model, trust_remote_code=given.get(
-                "trust_remote_code", False)))
+            trust = given.get("trust_remote_code", False)
+            base = input_settings(AutoConfig.from_pretrained(args.model, trust_remote_code=trust))
         except Exception:  # unreadable: load_scorer says why
             base = {}
     if opts.datasets and "format" not in given:  # new files: format auto
         given["format"] = None
     # a model's code runs only if the command line says so; a LoRA base scores in fp32
-    cfg = Config.from_dict({**base, "trust_remote_code": False, "lora_base_dtype": "fp32", **given}).resolve()
+    fixed = {"trust_remote_code": False, "lora_base_dtype": "fp32"}
+    cfg = Config.from_dict({**base, **fixed, **given}).resolve()
     check([] if opts.datasets else
           tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset]))
     read = [("--dataset", d) for d in opts.datasets or [cfg.eval_dataset or cfg.dataset]]
@@ -143,7 +146,7 @@ def settings(args: argparse.Namespace) -> tuple:
 
 @dataclass
 class Evaluator:
-    """The model under evaluation on this rank: reads data sets and scores their rows as the run did."""
+    """The model under evaluation on this rank: reads data sets, scores rows as the run did."""
     cfg: Config
     rt: Runtime
     tokenizer: object
@@ -151,7 +154,7 @@ class Evaluator:
     tokenize: object = None  # a published PRM's row builder (load_scorer's), None: tokenize_batch
 
     def sets(self, sources: list) -> dict:
-        """{subset name: tokenized rows}, every row kept; a row without a best-of-N `group` gets its prompt."""
+        """{subset name: tokenized rows}, every row kept; a row with no `group` gets its prompt."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
         names = names if len(set(names)) == len(names) else sources
         sets = {}
@@ -165,8 +168,8 @@ class Evaluator:
                 )[0].to_list()
                 if "prompt" in ds.column_names:
                     for row, prompt in zip(rows, ds["prompt"][:]):
-                        row["group"] = row.get("group") or (prompt if isinstance(prompt, str)
-                                                            else json.dumps(prompt))
+                        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+                        row["group"] = row.get("group") or text
         return sets
 
     def probs(self, rows: list) -> list:
@@ -178,7 +181,7 @@ class Evaluator:
 
 
 def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
-    """The threshold maximizing ProcessBench F1 on the --tune-threshold set, and its metrics there (`dev`)."""
+    """The threshold maximizing ProcessBench F1 on --tune-threshold's set; its metrics (`dev`)."""
     path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else None
     dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
@@ -187,26 +190,30 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
         t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
     except ValueError as e:  # e.g. a dev set without a single wrong solution
         raise UsageError(f"--tune-threshold {path}: {e}") from None
-    return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1, "dev": report(probs, dev, t, True)}
+    return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1,
+            "dev": report(probs, dev, t, True)}
 
 
 def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
     """({subset name: its report}, the --predictions lines: one per row, of every subset)."""
     blocks, lines = {}, []
     for name, rows in ev.sets(opts.datasets).items():
-        pb = opts.processbench or ev.cfg.format == "processbench" or bool(rows and "first_error" in rows[0])
+        pb = (opts.processbench or ev.cfg.format == "processbench"
+              or bool(rows and "first_error" in rows[0]))
         probs = ev.probs(rows)
         blocks[name] = report(probs, rows, threshold, pb)
         if opts.best_of_n:
             try:
-                blocks[name].update(best_of_n_report(probs, rows, draws=opts.best_of_n_draws,
-                                                     seed=ev.cfg.seed))
+                blocks[name].update(best_of_n_report(
+                    probs, rows, draws=opts.best_of_n_draws, seed=ev.cfg.seed))
             except ValueError as e:  # rows without a known outcome or problem
                 raise UsageError(f"{name}: {e}") from None
         for i, (ps, row) in enumerate(zip(probs, rows)):
-            line = {"subset": name, "id": row.get("id", i), "step_probs": ps, "labels": row["step_labels"]}
+            line = {"subset": name, "id": row.get("id", i), "step_probs": ps,
+                    "labels": row["step_labels"]}
             if pb:
-                line.update(first_error_pred=first_error(ps, threshold), first_error=true_first_error(row))
+                line.update(first_error_pred=first_error(ps, threshold),
+                            first_error=true_first_error(row))
             if row.get("final_answer_correct") is not None:
                 line["final_answer_correct"] = row["final_answer_correct"]
             if opts.best_of_n:
@@ -225,17 +232,18 @@ def mean_f1(blocks: dict):
 
 
 def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
-    """Warnings about the figures: steps cut by the length caps, a verdict that never varies."""
+    """Warnings: steps cut by the length caps, a verdict that never varies."""
     out, cap = [], f" or --max-completion-length (now {cfg.max_completion_length})"
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
-            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (their cut steps are "
-                       f"unscored), {b['examples_dropped']} dropped (no step fits); raise --max-length (now "
-                       f"{cfg.max_length})" + (cap if cfg.max_completion_length else ""))
+            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (their cut "
+                       f"steps are unscored), {b['examples_dropped']} dropped (no step fits); "
+                       f"raise --max-length (now {cfg.max_length})"
+                       + (cap if cfg.max_completion_length else ""))
         if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):  # a class never predicted
             verdict = "correct" if b["precision_0"] is None else "wrong"
-            out.append(f"warning: {name}: every labeled step is predicted {verdict} at threshold "
-                       f"{threshold:g}: its step_accuracy is the share of that class")
+            out.append(f"warning: {name}: every labeled step is predicted {verdict} at "
+                       f"threshold {threshold:g}: its step_accuracy is the share of that class")
     return out
 
 
@@ -256,10 +264,11 @@ def cell(v) -> str:
 
 
 def table(blocks: dict, *, threshold: float) -> str:
-    """The headline figures, a row per subset; the threshold, why each 'n/a', best-of-N and PRMScore."""
+    """The headline figures per subset; the threshold, why each 'n/a', best-of-N, PRMScore."""
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
     width = max(len("subset"), *map(len, blocks))
-    rows = [["subset", *cols]] + [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
+    rows = [["subset", *cols]]
+    rows += [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
     if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:
         rows.append(["mean", cell(mean_f1(blocks))] + [""] * (len(cols) - 1))
     lines = [f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows]
@@ -271,8 +280,8 @@ def table(blocks: dict, *, threshold: float) -> str:
         lines += [f"{name}: {', '.join(cs)} n/a ({why})" for why, cs in undefined.items()]
         if "best_of_n" in b:
             n = "/".join(map(str, b["candidates_per_problem"]))
-            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: "
-                         + ", ".join(f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items()))
+            accs = (f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
+            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: " + ", ".join(accs))
             if b.get("candidates_with_answer") == 0:
                 lines.append(f"{name}: weighted_vote, majority_vote n/a (no candidate has an "
                              "extractable answer)")
@@ -284,14 +293,15 @@ def table(blocks: dict, *, threshold: float) -> str:
 
 
 def main(args=None) -> dict:
-    """Warnings and the table on stderr, the JSON on stdout; returns it. args: parsed, or strings to parse."""
+    """Warnings and the table to stderr, the JSON to stdout (returned). args: parsed or strings."""
     cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
-        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # a published PRM's weights too
+        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16
+        dtype = torch.bfloat16 if bf16 else torch.float32  # a published PRM's weights too
         tokenizer, model, tokenize = load_scorer(cfg, opts.tokenizer_given, opts.scoring,
-                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
+                                                 dtype=dtype)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device), tokenize)
         head = tuned_threshold(ev, opts) if opts.tune_threshold else {"threshold": cfg.threshold}
         t = head["threshold"]
@@ -299,11 +309,11 @@ def main(args=None) -> dict:
         out = {**head, **next(iter(blocks.values()))} if len(blocks) == 1 else \
             {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
         if rt.is_main:
-            print("\n".join([*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]), file=sys.stderr)
+            report_lines = [*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]
+            print("\n".join(report_lines), file=sys.stderr)
             print(json.dumps(out), flush=True)
         barrier(rt)
         if rt.is_main and opts.predictions:  # after the JSON: a failed write loses no figures
-            # WriteFailed: exit status 1
             write_lines(opts.predictions, [json.dumps(line) for line in lines])
         return out
     finally:

@@ -1,9 +1,12 @@
-"""Published PRMs read as their authors read them: per family a row builder (input_ids and the positions read
-as step scores), which `load` returns, and a model giving (B, T, 2) logits, [bad, good].
+"""Published PRMs read as their authors read them: per family a row builder (input_ids and the
+positions read as step scores), which `load` returns, and a model giving (B, T, 2) logits,
+[bad, good].
 - classifier: a token-classification head (ours, TRL's).
-- qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, the steps each ended by <extra_0>; its own code.
-- step-tag (Math-Shepherd): problem, then the steps each ended by " " + a tag; LM logits at each tag.
-- chat-turns (RLHFlow): a user turn per step, each answered by the good token; LM logits where it is predicted."""
+- qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, each step ended by <extra_0>; its
+  own code.
+- step-tag (Math-Shepherd): problem, then each step ended by " " + a tag; LM logits at each tag.
+- chat-turns (RLHFlow): a user turn per step, each answered by the good token; LM logits where
+  it is predicted."""
 import bisect
 import dataclasses
 import hashlib
@@ -22,19 +25,20 @@ from prm.core.varlen import supports_packing, use_packed_attention
 
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
-with open(__file__, "rb") as _f:  # in every Family: a change of this file is a new datasets cache
+with open(__file__, "rb") as _f:  # in every Family: a change of this file is a new cache
     CODE = hashlib.sha256(_f.read()).hexdigest()
 
 
 def detect(model: str, scorer) -> str:
-    """scorer; for auto: qwen-prm if the model's config names a *ForProcessRewardModel, else classifier."""
+    """scorer; auto: qwen-prm for a *ForProcessRewardModel in the config, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:  # no code runs: Qwen's PRMs declare a known model type
         archs = AutoConfig.from_pretrained(model).architectures or []
     except Exception:  # unreadable: load_trained says why
         return "classifier"
-    return "qwen-prm" if any(str(a).endswith("ForProcessRewardModel") for a in archs) else "classifier"
+    qwen = any(str(a).endswith("ForProcessRewardModel") for a in archs)
+    return "qwen-prm" if qwen else "classifier"
 
 
 def shown(tokenizer, ids: list) -> list:
@@ -46,11 +50,11 @@ def one_token(tokenizer, flag: str, text: str) -> int:
     """The id of text, one known token of the tokenizer, else UsageError."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits into "
-                         f"{len(ids)}, {shown(tokenizer, ids)}")
+        raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
+                         f"into {len(ids)}, {shown(tokenizer, ids)}")
     if ids[0] == tokenizer.unk_token_id:
-        raise UsageError(f"{flag} {text!r} is not in the model's vocabulary: its tokenizer reads it as its "
-                         f"unknown token {tokenizer.unk_token!r}")
+        raise UsageError(f"{flag} {text!r} is not in the model's vocabulary: its tokenizer reads "
+                         f"it as its unknown token {tokenizer.unk_token!r}")
     return ids[0]
 
 
@@ -66,11 +70,11 @@ class Family:
     code: str = CODE
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
-        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build it
-        (kw: make_row's; the family's own text ends the steps, not step_separator)."""
+        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build
+        it (kw: make_row's; the family's own text ends the steps, not step_separator)."""
         rows = []
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
-            problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat prompt's user turns
+            problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat's user turns
                 m["content"] for m in prompt if m.get("role", "user") == "user")
             ids, reads, first = BUILDERS[self.name](self, tokenizer, problem, list(steps))
             rows.append(make_row(ids, reads, labels, first=first, **kw))
@@ -78,36 +82,38 @@ class Family:
 
 
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
-    """The family's settings, checked: each token one token of the tokenizer, no flag it does not read."""
+    """The family's settings, checked: each token one of the tokenizer's, no flag it ignores."""
     lm = name in ("step-tag", "chat-turns")
-    given = (("--step-tag", step_tag != "", name == "step-tag"), ("--good-token", good_token != "+", lm),
-             ("--bad-token", bad_token != "-", lm))
+    given = (("--step-tag", step_tag != "", name == "step-tag"),
+             ("--good-token", good_token != "+", lm), ("--bad-token", bad_token != "-", lm))
     unread = [flag for flag, set_, read in given if set_ and not read]
     if unread:
-        raise UsageError(f"{', '.join(unread)}: not read by --scorer {name} (only step-tag reads --step-tag; "
-                         "step-tag and chat-turns read --good-token and --bad-token)")
+        raise UsageError(f"{', '.join(unread)}: not read by --scorer {name} (only step-tag reads "
+                         "--step-tag; step-tag and chat-turns read --good-token and --bad-token)")
     if name == "classifier":
         return Family(name)
     if name == "qwen-prm":  # checked before asking to run the model's code
-        return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, "--scorer qwen-prm: is --model a Qwen PRM? "
-                                                                  "Its step separator", QWEN_SEP))
+        flag = "--scorer qwen-prm: is --model a Qwen PRM? Its step separator"
+        return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, flag, QWEN_SEP))
     if name == "step-tag" and not step_tag:
         raise UsageError("--scorer step-tag needs --step-tag, the token that ends every step "
                          "(Math-Shepherd's: 'ки')")
     if name == "chat-turns" and not getattr(tokenizer, "chat_template", None):
-        raise UsageError("--scorer chat-turns needs the tokenizer's chat template: this tokenizer has none")
+        raise UsageError("--scorer chat-turns needs the tokenizer's chat template: this tokenizer "
+                         "has none")
     tag_id = one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1
-    good_id, bad_id = one_token(tokenizer, "--good-token", good_token), one_token(tokenizer, "--bad-token", bad_token)
+    good_id = one_token(tokenizer, "--good-token", good_token)
+    bad_id = one_token(tokenizer, "--bad-token", bad_token)
     if good_id == bad_id:
-        raise UsageError(f"--good-token {good_token!r} and --bad-token {bad_token!r} are one token: every step "
-                         "would score 0.5")
+        raise UsageError(f"--good-token {good_token!r} and --bad-token {bad_token!r} are one "
+                         "token: every step would score 0.5")
     return Family(name, step_tag, good_token, tag_id, good_id, bad_id)
 
 
-def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *, first_char: int,
-           shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids of text, the position (+ shift) of the `token_id` token ending at each of `ends`, the first
-    step's first token)."""
+def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *,
+           first_char: int, shift: int = 0, special: bool = True) -> tuple:
+    """(input_ids of text, the position (+ shift) of the `token_id` token ending at each of
+    `ends`, the first step's first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
@@ -117,8 +123,8 @@ def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str
         if j is None or ids[j] != token_id:
             start = end - len(mark) - 1
             pieces = shown(tokenizer, [i for i, (s, e) in zip(ids, spans) if e > start and s < end])
-            raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its own ends "
-                             f"the step: there {text[start:end]!r} tokenizes as {pieces}")
+            raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its "
+                             f"own ends the step: there {text[start:end]!r} tokenizes as {pieces}")
         reads.append(j + shift)
     return ids, reads, bisect.bisect_right([e for _, e in spans], first_char)
 
@@ -130,10 +136,11 @@ def qwen_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     at = text.rfind(content)
     if at < 0:
-        raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text, so its "
-                         f"{fam.tag} step ends cannot be found")
+        raise UsageError("--scorer qwen-prm: the chat template changes the assistant's text, so "
+                         f"its {fam.tag} step ends cannot be found")
     ends = list(itertools.accumulate((len(s) + len(fam.tag) for s in steps), initial=at))[1:]
-    return locate(tokenizer, text, ends, fam.tag_id, "qwen-prm's step separator", fam.tag, first_char=at)
+    return locate(tokenizer, text, ends, fam.tag_id, "qwen-prm's step separator", fam.tag,
+                  first_char=at)
 
 
 def step_tag_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
@@ -141,7 +148,8 @@ def step_tag_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     for k, step in enumerate(steps):
         text += ("\n" if k else "") + step + " " + fam.tag
         ends.append(len(text))
-    return locate(tokenizer, text, ends, fam.tag_id, "--step-tag", fam.tag, first_char=len(problem) + 1)
+    return locate(tokenizer, text, ends, fam.tag_id, "--step-tag", fam.tag,
+                  first_char=len(problem) + 1)
 
 
 def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
@@ -152,22 +160,23 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     text = tokenizer.apply_chat_template(turns, tokenize=False) if turns else ""
     ends = []
     for k in range(len(steps)):
-        head = tokenizer.apply_chat_template(turns[:2 * k + 1], tokenize=False, add_generation_prompt=True)
+        head = tokenizer.apply_chat_template(turns[:2 * k + 1], tokenize=False,
+                                             add_generation_prompt=True)
         if not text.startswith(head + fam.good):
-            raise UsageError(f"--scorer chat-turns: the chat template does not render turn {2 * k + 2} (the "
-                             f"assistant's {fam.good!r} after step {k + 1}) where the conversation up to it "
-                             "ends: it cannot hold a step boundary")
+            raise UsageError(f"--scorer chat-turns: the chat template does not render turn "
+                             f"{2 * k + 2} (the assistant's {fam.good!r} after step {k + 1}) where "
+                             "the conversation up to it ends: it cannot hold a step boundary")
         ends.append(len(head) + len(fam.good))
     at = text.find(problem + " " + steps[0]) if steps else -1
-    return locate(tokenizer, text, ends, fam.good_id, "--good-token", fam.good, shift=-1, special=False,
-                  first_char=at + len(problem) + 1 if at >= 0 else 0)
+    return locate(tokenizer, text, ends, fam.good_id, "--good-token", fam.good, shift=-1,
+                  special=False, first_char=at + len(problem) + 1 if at >= 0 else 0)
 
 
 BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_row}
 
 
 class FirstOutput(nn.Module):
-    """A model with its own code (Qwen2.5-Math-PRM) whose first output is read as (B, T, 2) logits."""
+    """A model with its own code (Qwen2.5-Math-PRM); its first output read as (B, T, 2) logits."""
 
     def __init__(self, model):
         super().__init__()
@@ -180,39 +189,44 @@ class FirstOutput(nn.Module):
     def forward(self, input_ids, attention_mask=None):
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
         if logits.dim() != 3 or logits.shape[-1] != 2:
-            raise UsageError(f"--scorer qwen-prm: the model's first output has shape {tuple(logits.shape)}, not "
-                             "(batch, tokens, 2): is it a Qwen2.5-Math-PRM-style model?")
+            raise UsageError("--scorer qwen-prm: the model's first output has shape "
+                             f"{tuple(logits.shape)}, not (batch, tokens, 2): is it a "
+                             "Qwen2.5-Math-PRM-style model?")
         return logits
 
 
 def lm_head_rows(lm, ids: list) -> PRM:
-    """A causal LM as a PRM whose head is its LM head's rows `ids` alone ([bad, good]: (B, T, 2) logits)."""
+    """A causal LM as a PRM whose head is its LM head's rows `ids` ([bad, good]: (B, T, 2))."""
     head = lm.get_output_embeddings()
-    rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device, head.weight.dtype)
-    rows.load_state_dict({k: v[ids] for k, v in head.state_dict().items()})  # weight (2, H), bias (2,)
+    rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device,
+                     head.weight.dtype)
+    # weight (2, H), bias (2,)
+    rows.load_state_dict({k: v[ids] for k, v in head.state_dict().items()})
     return PRM(lm.base_model, rows)
 
 
-def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *, dtype=torch.float32) -> tuple:
+def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
+         dtype=torch.float32) -> tuple:
     """(tokenizer, model giving (B, T, 2) logits, the family's row builder for tokenize_dataset's
     and score_batch's `tokenize`: None for a classifier, read as trained); published weights in
     `dtype`."""
-    name = detect(cfg.model, opts.scorer)
-    settings = dict(step_tag=opts.step_tag, good_token=opts.good_token, bad_token=opts.bad_token)
+    settings = dataclasses.asdict(opts)
+    name = detect(cfg.model, settings.pop("scorer"))
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     if name == "classifier":  # refuses the flags it ignores
         family(None, name, **settings)
         return (*embeddable(*load_trained(cfg, tokenizer_given), cfg, flag), None)
-    tokenizer = load_tokenizer(cfg.tokenizer if flag == "--tokenizer" else cfg.model, cfg.trust_remote_code,
-                               flag)
+    path = cfg.tokenizer if flag == "--tokenizer" else cfg.model
+    tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
     fam = family(tokenizer, name, **settings)
     if name == "qwen-prm" and not cfg.trust_remote_code:
-        raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add --trust-remote-code")
+        raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add "
+                         "--trust-remote-code")
     auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
-    model = loading("--model", cfg.model, saved_weights, auto=auto, trust_remote_code=cfg.trust_remote_code,
-                    dtype=dtype)
+    model = loading("--model", cfg.model, saved_weights, auto=auto,
+                    trust_remote_code=cfg.trust_remote_code, dtype=dtype)
     if name == "qwen-prm":
         model = FirstOutput(model)
     else:

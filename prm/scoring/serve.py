@@ -1,17 +1,19 @@
-"""`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward model protocol
-(`--remote_rm_url http://HOST:P/get_reward`).
+"""`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward
+model protocol (`--remote_rm_url http://HOST:P/get_reward`).
 
-POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...], "scores": [...],
-"extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt, the rest of the query). With
-"step_rewards": true, also per query [start, end, P(correct)] per step, indexed in the query as sent (P null: a
-step cut by --max-length). Texts lose the tokenizer's padding and EOS at both ends and its BOS at the start, as
-OpenRLHF's server does. Without "prompts", a query's prompt ends with the chat template's last assistant-turn
-start, else at the first step separator. A prompt that is exactly the chat template around one user turn is read
-as that turn. GET /health answers {"status": "ok", ...}.
+POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...],
+"scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt,
+the rest of the query). With "step_rewards": true, also per query [start, end, P(correct)] per
+step, indexed in the query as sent (P null: cut by --max-length). Texts lose the tokenizer's
+padding and EOS at both ends and its BOS at the start, as OpenRLHF's server does. Without
+"prompts", a prompt ends with the chat template's last assistant-turn start, else at the first
+step separator. A prompt that is the chat template around one user turn is read as that turn.
+GET /health answers {"status": "ok", ...}.
 
-A thread per connection, up to --max-connections (more: 503), the model one request at a time. Errors are
-{"error": message}: a request not all read within --timeout s: 408; a body over --max-body-bytes or over
---max-batch queries: 413; no Content-Length: 411; a bad request: 400; a scoring failure: 500."""
+A thread per connection, up to --max-connections (more: 503), the model one request at a time.
+Errors are {"error": message}: not all read within --timeout s: 408; a body over
+--max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad request: 400;
+a scoring failure: 500."""
 import argparse
 import contextlib
 import io
@@ -39,7 +41,7 @@ PATH, HEALTH = "/get_reward", "/health"
 PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
 MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64
 LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
-          "max_batch": (MAX_BATCH, "more queries in one request get a 413 (the model is held while scoring)"),
+          "max_batch": (MAX_BATCH, "more queries per request get a 413 (scoring holds the model)"),
           "max_connections": (MAX_CONNECTIONS, "connections served at once; more get a 503")}
 BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
 BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
@@ -96,7 +98,7 @@ def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
 
 
 def prompt_end(query: str, marker: str, separator: str) -> int:
-    """Where the prompt of a query sent without it ends: after the last marker, else at the first separator."""
+    """Where a query's unsent prompt ends: after the last marker, else at the first separator."""
     if marker and marker in query:
         return query.rindex(marker) + len(marker)
     return query.find(separator) if separator in query else len(query)
@@ -113,17 +115,19 @@ class Scorer:
         self.marker = opened[len(closed):] if closed and opened.startswith(closed) else ""
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
-        # the template's text before and after a user turn's question, () without a template
+        # the template's text before and after a user turn's question; no prompt starts with PROBE
         probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right)
-        self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else ()
+        self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else (PROBE, "")
         # a published PRM builds its own input around the plain question
         self.published = reward.tokenize is not None
 
     def question(self, prompt: str):
-        """A prompt that is the chat template around one user turn as that turn (a published PRM: its text)."""
-        if not self.frame or not (prompt.startswith(self.frame[0]) and prompt.endswith(self.frame[1])):
+        """A prompt that is the chat template around one user turn as that turn (its text for a
+        published PRM)."""
+        head, tail = self.frame
+        if not (prompt.startswith(head) and prompt.endswith(tail)):
             return prompt
-        text = prompt[len(self.frame[0]):len(prompt) - len(self.frame[1])]
+        text = prompt[len(head):len(prompt) - len(tail)]
         # one turn only: re-rendering gives the prompt back
         whole = strip_tokens(user_turn(self.reward.tokenizer, text), self.left, self.right)
         if whole != prompt or any(end and end in text for end in self.frame):
@@ -136,8 +140,8 @@ class Scorer:
             raise BadRequest("expected a JSON object with 'query' (and 'prompts')")
         queries = texts(data, "query")
         if len(queries) > self.max_batch:
-            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per request "
-                             "(--max-batch)", 413)
+            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per "
+                             "request (--max-batch)", 413)
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
         if data.get("prompts") is None:
             prompts = [q[:prompt_end(q, self.marker, self.reward.step_separator)] for q in queries]
@@ -147,28 +151,33 @@ class Scorer:
                 raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
             bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
             if bad:
-                raise BadRequest(f"query {bad[0]} does not start with its prompt ({len(bad)} such queries)")
-        return [self.question(p) for p in prompts], [q[len(p):] for q, p in zip(queries, prompts)]
+                raise BadRequest(f"query {bad[0]} does not start with its prompt "
+                                 f"({len(bad)} such queries)")
+        completions = [q[len(p):] for q, p in zip(queries, prompts)]
+        return [self.question(p) for p in prompts], completions
 
     def __call__(self, data) -> dict:
         prompts, completions = self.split(data)
         if not isinstance(data.get("step_rewards", False), bool):
-            raise BadRequest(f"field 'step_rewards': expected true or false, got {data['step_rewards']!r:.40}")
+            raise BadRequest("field 'step_rewards': expected true or false, "
+                             f"got {data['step_rewards']!r:.40}")
         with self.lock:
             scores = self.reward.step_scores(prompts, completions)
         probs = [[p for *_, p in steps if p is not None] for steps in scores]
         rewards = self.reward.aggregated(probs)
         # OpenRLHF's serve_rm keys
-        out = {"rewards": rewards, "scores": rewards,
-               "extra_logs": {"steps": [len(steps) for steps in scores], "steps_scored": [len(ps) for ps in probs]}}
+        logs = {"steps": [len(steps) for steps in scores], "steps_scored": [len(p) for p in probs]}
+        out = {"rewards": rewards, "scores": rewards, "extra_logs": logs}
         if data.get("step_rewards"):  # offsets in the query as sent
-            ends = [len(strip_tokens(q, [], self.right)) - len(c) for q, c in zip(data["query"], completions)]
-            out["step_rewards"] = [[[a + at, b + at, p] for a, b, p in steps] for steps, at in zip(scores, ends)]
+            ends = [len(strip_tokens(q, [], self.right)) - len(c)
+                    for q, c in zip(data["query"], completions)]
+            out["step_rewards"] = [[[a + at, b + at, p] for a, b, p in steps]
+                                   for steps, at in zip(scores, ends)]
         return out
 
 
 class Deadline(socket.SocketIO):
-    """A connection's reading side giving EOF (and `expired`) `timeout` s after connecting, however slowly."""
+    """A connection's reading side giving EOF (and `expired`) `timeout` s after connecting."""
 
     def __init__(self, handler):
         super().__init__(handler.connection, "rb")
@@ -194,18 +203,23 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile.close()
         self.rfile = io.BufferedReader(Deadline(self))
 
+    def known(self, path: str, other: str, allow: str) -> bool:
+        """Whether the request is for `path`: else a 405 (`other` takes `allow`) or a 404 sent."""
+        at = self.path.rstrip("/")
+        if at == other:
+            self.reply(405, {"error": f"{self.command} {other}: use {allow}"}, allow=allow)
+        elif at != path:
+            self.reply(404, {"error": f"unknown path {self.path}; GET {HEALTH} or POST to {PATH}"})
+        return at == path
+
     def do_GET(self):
-        if self.path.rstrip("/") == PATH:
-            return self.reply(405, {"error": f"GET {PATH}: POST to it"}, allow="POST")
-        if self.path.rstrip("/") != HEALTH:
-            return self.reply(404, {"error": f"unknown path {self.path}; GET {HEALTH} or POST {PATH}"})
-        self.reply(200, {"status": "ok", "model": self.model_name, "aggregate": self.scorer.reward.aggregate})
+        if self.known(HEALTH, PATH, "POST"):
+            aggregate = self.scorer.reward.aggregate
+            self.reply(200, {"status": "ok", "model": self.model_name, "aggregate": aggregate})
 
     def do_POST(self):
-        if self.path.rstrip("/") == HEALTH:
-            return self.reply(405, {"error": f"POST {HEALTH}: GET it"}, allow="GET")
-        if self.path.rstrip("/") != PATH:
-            return self.reply(404, {"error": f"unknown path {self.path}; POST to {PATH}"})
+        if not self.known(PATH, HEALTH, "GET"):
+            return
         try:
             payload = self.scorer(parse(self.body()))
         except BadRequest as e:
@@ -216,27 +230,31 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, payload)
 
     def body(self) -> bytes:
-        """The whole request body, within the timeout; its Content-Length checked before a byte of it is read."""
+        """The whole request body, within the timeout; its Content-Length checked first."""
         headers, limit = self.headers.get_all("Content-Length"), self.max_body
         if not headers:
             raise BadRequest("Content-Length is required", 411)
         if len({h.strip() for h in headers}) > 1:
             raise BadRequest(f"{len(headers)} different Content-Length headers")
         digits = headers[0].strip()
-        if not (digits.isascii() and digits.isdigit()):  # int() would take '-5', '+5', '1_0' and non-ASCII digits
+        # int() would take '-5', '+5', '1_0' and non-ASCII digits
+        if not (digits.isascii() and digits.isdigit()):
             raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
-        if len(digits.lstrip("0")) > 18 or int(digits) > limit:  # 18 digits: int() never meets its digit limit
-            raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} (--max-body-bytes)", 413)
+        # 18 digits: int() never meets its digit limit
+        if len(digits.lstrip("0")) > 18 or int(digits) > limit:
+            raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} "
+                             "(--max-body-bytes)", 413)
         size = int(digits)
         body = self.rfile.read(size)
         if len(body) < size and self.expired:
             raise BadRequest(f"the request did not arrive within {self.timeout} s (--timeout)", 408)
         if len(body) < size:
-            raise BadRequest(f"the body ended after {len(body)} of its {size} bytes (Content-Length)")
+            raise BadRequest(f"the body ended after {len(body)} of its {size} bytes "
+                             "(Content-Length)")
         return body
 
     def send_error(self, code, message=None, explain=None):
-        """The standard library's own errors (unknown method, bad request line, long headers) as JSON."""
+        """The standard library's errors (bad method, request line, long headers) as JSON."""
         self.close_connection = True
         if self.expired:
             code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
@@ -255,7 +273,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """A thread per connection, up to max_connections at once; one more is answered 503 and closed."""
+    """A thread per connection, up to max_connections at once; one more gets a 503."""
     request_queue_size = 128
     slots: threading.BoundedSemaphore
 
@@ -277,8 +295,9 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
                 timeout: float = 30.0, max_body: int = MAX_BODY, max_batch: int = MAX_BATCH,
                 max_connections: int = MAX_CONNECTIONS):
     """The server, bound and not yet serving (port 0: a free one, in server.server_port)."""
-    handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch), "model_name": name,
-                                           "timeout": timeout, "max_body": max_body})
+    handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch),
+                                           "model_name": name, "timeout": timeout,
+                                           "max_body": max_body})
     server = Server((host, port), handler)
     server.slots = threading.BoundedSemaphore(max_connections)
     return server
@@ -286,24 +305,26 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; a bad flag or value raises UsageError (one line, exit status 2)."""
-    p = Parser(prog="python -m prm.serve", usage="%(prog)s --model DIR [options]", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a train.py output or any 2-label token classifier")
+    p = Parser(prog="python -m prm.serve", usage="%(prog)s --model DIR [options]",
+               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="a train.py output or any 2-label token classifier")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
     p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--step-separator", type=unescape, help="what ends each step (escapes such as \\n "
-                   "understood); default: the model's own (its run's, else config.json's 'prm'), else \\n")
-    p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past it get no "
-                   "score (default: the model's own, else 1024)")
+    p.add_argument("--step-separator", type=unescape, help="what ends each step (escapes such as "
+                   "\\n understood); default: the model's own (its run's, else config.json's "
+                   "'prm'), else \\n")
+    p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past "
+                   "it get no score (default: the model's own, else 1024)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast, as eval.py's (default: the run's, else auto)")
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the model directory's own Python files run (off: whatever its config says)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its whole "
-                   "request, however slowly; then a 408 (default: %(default)s)")
+                   help="let the model directory's own Python files run")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its "
+                   "whole request, however slowly; then a 408 (default: %(default)s)")
     for key, (default, text) in LIMITS.items():
         p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
                        help=text + " (default: %(default)s)")
@@ -311,9 +332,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         add_field(p, f, help="how the model scores steps (eval.py --help); --step-tag, "
                   "--good-token, --bad-token too" if f.name == "scorer" else argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not (math.isfinite(args.timeout) and args.timeout > 0) or min(vars(args)[k] for k in LIMITS) < 1:
-        p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, --max-batch and "
-                "--max-connections at least 1")
+    timeout_ok = math.isfinite(args.timeout) and args.timeout > 0
+    if not timeout_ok or min(vars(args)[k] for k in LIMITS) < 1:
+        p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, "
+                "--max-batch and --max-connections at least 1")
     if args.batch_size < 1:
         p.error("--batch-size must be at least 1")
     if not 0 <= args.port <= 65535:
@@ -338,11 +360,12 @@ def main(argv=None):
                            trust_remote_code=args.trust_remote_code, dtype=args.dtype,
                            **vars(parsed(ScorerOptions, args)))
         try:
-            server = make_server(reward, args.host, args.port, name=args.model, timeout=args.timeout,
-                                 max_body=args.max_body_bytes, max_batch=args.max_batch,
-                                 max_connections=args.max_connections)
+            server = make_server(reward, args.host, args.port, name=args.model,
+                                 timeout=args.timeout, max_body=args.max_body_bytes,
+                                 max_batch=args.max_batch, max_connections=args.max_connections)
         except OSError as e:
-            raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+            why = e.strerror or e
+            raise UsageError(f"cannot listen on {args.host}:{args.port}: {why}") from None
         print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
         try:
             server.serve_forever()
