@@ -104,7 +104,7 @@ def tune_threshold(step_probs: list, truth: list):
     n_error = sum(t >= 0 for t in truth)
     n_correct = len(truth) - n_error
     if not n_error or not n_correct:
-        raise ValueError("tuning the threshold needs solutions with and without an error")
+        raise ValueError("tuning the threshold needs solutions both with and without an error")
     intervals = {True: [], False: []}  # has an error -> (lo, hi)
     for probs, t in zip(step_probs, truth):
         interval = _hit_interval(probs, t)
