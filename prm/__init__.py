@@ -15,11 +15,11 @@ _HOME = {
     "score": "prm.core.evaluate", "score_batch": "prm.core.evaluate",
     "step_metrics": "prm.core.metrics", "processbench_metrics": "prm.core.metrics",
     "apply_lora": "prm.core.lora",
-    "load_tokenizer": "prm.training.build", "load_trained": "prm.training.build",
+    "load_tokenizer": "prm.loading", "load_trained": "prm.loading",
     "train": "prm.training.trainer", "Trainer": "prm.training.trainer",
     "PRMReward": "prm.scoring.reward", "load_reward_model": "prm.scoring.reward",
-    "label_file": "prm.labeling.label", "LabelOptions": "prm.labeling.label",
-    "search_file": "prm.searching.search", "SearchOptions": "prm.searching.search",
+    "label_file": "prm.label", "LabelOptions": "prm.label",
+    "search_file": "prm.search", "SearchOptions": "prm.search",
 }
 __all__ = sorted(_HOME)
 

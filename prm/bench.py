@@ -1,7 +1,362 @@
-"""`python -m prm.bench`: time the real training loop; `--gpu-check` for a GPU machine. The code: prm/tools/."""
-from prm.errors import exit_status
-from prm.tools.bench import main
+"""Benchmark the real training loop for a fixed number of steps and print one JSON line.
+
+    python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512
+
+Takes every train.py flag; times the tokenization (cache off), then the trainer on the same data.
+tokens_per_second: the trainer's (non-pad tokens / optimizer-step time); steady_*: from step 2 on.
+Memory: CUDA's max allocated, else max RSS (static_memory_mb then an upper bound,
+activation_memory_mb a lower one). model_state_mb: 16 B per trainable parameter + 4 B per frozen.
+CUDA only: mfu (flops_per_token x tokens/s / bf16 dense peak), host_syncs_per_step.
+--variants: each in fresh processes, tokens/s against the first. --repeats N: medians of N runs.
+--peer-python/--peer-script: a TRL PRMTrainer run alternates with each of ours (medians, ratios).
+"""
+import contextlib
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import datasets
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from transformers import AutoModel
+
+from prm.loading import hf_config_for, tokenizer_for
+from prm.cli import Parser, add_fields
+from prm.config import Config
+from prm.errors import PRMError, UsageError, exit_status
+from prm.tools.gpucheck import gpu_check
+from prm.readers.ingest import tokenize_dataset
+from prm.readers.sources import load_splits
+from prm.core.runtime import autocast_dtype
+from prm.training.trainer import BatchPlan, train
+from prm.core.varlen import kernel_dtype, supports_packing
+
+# dense bf16 peaks by device name, the more specific names first
+BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,
+                    "H200": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+                    "A10": 125.0}
+VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
+            "packed-compiled": ["--packing", "--compile"]}
+# what a child process is not given (--peak-tflops passes through)
+BENCH_FLAGS = ("--repeats", "--peer-python", "--peer-script", "--variants")
+MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
+            "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
+            "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
+# the run's settings each result names, after its dtype
+REPORTED = ("group_by_length", "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
+
+
+def parser():
+    p = add_fields(Parser(description=__doc__.splitlines()[0]), Config)
+    arg = p.add_argument
+    arg("--steps", dest="max_steps", type=int, help="optimizer steps to time (= --max-steps)")
+    arg("--repeats", type=int, default=1, help="fresh processes to run; medians are reported")
+    arg("--peak-tflops", type=float, default=0.0, help="bf16 dense peak for MFU (0: by name)")
+    arg("--peer-python", default="", help="python of a venv with trl==1.13.0 (runs the TRL peer)")
+    arg("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
+    arg("--variants", default="", help=f"comma-separated, run side by side in fresh processes, "
+        f"each with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
+    arg("--gpu-check", action="store_true", help="the CUDA tests, then the variants on a random "
+        "Qwen2-0.5B-shaped model (prm.tools.gpucheck; other flags ignored); exit 2 without CUDA")
+    arg("--dry-run", action="store_true", help="with --gpu-check: all on the CPU at a tiny shape")
+    p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
+    return p
+
+
+def _memory_now(device) -> int:
+    """Allocated (CUDA) or resident (CPU) bytes now."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:  # the resident set, in pages
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
+    """(model FLOPs per trained token, non-embedding parameter count): 6 per weight, plus 12 x
+    layers x attention width x s_eff for attention; under LoRA (lora_trainable: adapter + head
+    parameters) a frozen weight costs 4."""
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(model_cfg)
+    embeddings = [m for m in backbone.modules() if isinstance(m, torch.nn.Embedding)]
+    embed = sum(p.numel() for m in embeddings for p in m.parameters())
+    text = model_cfg.get_text_config()
+    d = text.hidden_size
+    head = 2 * d + 2  # the 2-way head
+    n = sum(p.numel() for p in backbone.parameters()) - embed + head
+    width = text.num_attention_heads * head_dim(text)
+    s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
+    weights = 6 * n if lora_trainable is None else 4 * (n - head) + 6 * lora_trainable
+    return weights + 12 * text.num_hidden_layers * width * s_eff, n
+
+
+def head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _mb(n: int) -> float:
+    return round(n / 2**20, 1)
+
+
+def _device_peak(device, override: float) -> float:
+    if override:
+        return override * 1e12
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), 0.0)
+
+
+def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
+    """Which attention the run's forward takes, by prm.core.varlen's own test."""
+    if not (cfg.packing and supports_packing(backbone)):
+        return "sdpa (padded, with a mask)"
+    dim = head_dim(model_cfg.get_text_config())
+    amp = autocast_dtype(cfg.dtype, device)
+    with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
+        half = kernel_dtype(torch.empty((1, 1, 1, dim), device=device))
+    kind = str(half).split(".")[-1]
+    return f"varlen_attn ({kind})" if half else "sdpa per example (packed, exact fallback)"
+
+
+@contextlib.contextmanager
+def counting_syncs(device, seen: dict):
+    """CUDA: the host syncs torch's sync debug mode reports, into seen["warnings"]."""
+    if device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen["warnings"] = caught
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def _train_watched(cfg: Config, device) -> tuple:
+    """(final metrics, what an optimizer-step hook saw, memory before training) of a run."""
+    seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
+
+    def after_step(optimizer, args, kwargs):
+        seen["steps"] += 1
+        if seen["steps"] == 1:
+            seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+            seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values()
+                                          for t in st.values() if torch.is_tensor(t))
+        seen["after_step"].append(_memory_now(device))
+        # no sync: the next step's time counts kernels still queued
+        seen["times"].append(time.perf_counter())
+        warned = seen.get("warnings", [])
+        seen["syncs"].append(sum("synchroniz" in str(w.message) for w in warned))
+
+    baseline = _memory_now(device)
+    handle = register_optimizer_step_post_hook(after_step)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cfg = Config(**{**vars(cfg), "output_dir": cfg.output_dir or tmp})
+        try:
+            # stdout: JSON only
+            with contextlib.redirect_stdout(sys.stderr), counting_syncs(device, seen):
+                final = train(run_cfg)
+        finally:
+            handle.remove()
+    return final, seen, baseline
+
+
+def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
+    """Tokenization rate, then the training loop; the measurement dict. FLOPs count the examples
+    the timed steps trained, by the trainer's batch plan."""
+    cfg = Config(**vars(cfg)).resolve()
+    datasets.disable_caching()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = tokenizer_for(cfg)
+    train_raw, _ = load_splits(cfg)
+    t0 = time.perf_counter()
+    tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
+    tok_seconds = time.perf_counter() - t0
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
+    model_cfg = hf_config_for(cfg, tokenizer)
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(model_cfg)
+    head = 2 * (model_cfg.get_text_config().hidden_size + 1)
+    n_total = sum(p.numel() for p in backbone.parameters()) + head
+    final, seen, baseline = _train_watched(cfg, device)
+    if final is None:  # not rank 0 under torchrun: rank 0 reports
+        return None
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) if cuda else (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+    batches = [plan.batch(step)[1] for step in range(seen["steps"])]
+    trainable = seen["params"]
+    fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
+                                      trainable if cfg.lora_r else None)
+    static = min(seen["after_step"]) if seen["after_step"] else 0
+    tps = final["train_tokens_per_second"]
+    # steps 2..N: their tokens over the time from the first step's hook to the last one's
+    t, syncs = seen["times"], seen["syncs"]
+    steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
+    out = {
+        "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
+        "padding_efficiency": round(final["padding_efficiency"], 4), "peak_memory_mb": _mb(peak),
+        "memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
+        "static_memory_mb": _mb(static), "activation_memory_mb": _mb(peak - static),
+        "baseline_memory_mb": _mb(baseline),
+        "model_state_mb": _mb(16 * trainable + 4 * (n_total - trainable)),
+        "optimizer_state_mb": _mb(seen["optimizer_bytes"]), "mfu": None,
+        "attention": attention_kernel(cfg, model_cfg, backbone, device),
+        "host_syncs_per_step": round((syncs[-1] - syncs[0]) / (len(syncs) - 1), 2)
+        if cuda and len(syncs) > 1 else None,
+        "flops_per_token": round(fpt),
+        "params": n_total, "trainable_params": trainable, "params_non_embedding": n_nonembed,
+        "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
+        "tokenize_tokens_per_second": round(sum(plan.lengths) / tok_seconds, 1),
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
+        "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"],
+        **{k: getattr(cfg, k) for k in ("batch_size", "grad_accum", "max_length")},
+        "dtype": cfg.dtype or "auto", **{k: getattr(cfg, k) for k in REPORTED},
+        "torch": torch.__version__,
+    }
+    if cuda:
+        peak_flops = _device_peak(device, peak_tflops)
+        out.update({k: round(fpt * rate / peak_flops, 4) if peak_flops and rate else None
+                    for k, rate in (("mfu", tps), ("steady_mfu", steady))})
+        out["peak_tflops"] = peak_flops / 1e12 or None
+    return out
+
+
+PEER_TOKENIZE = r"""
+import sys, time, datasets
+from datasets import features, load_dataset
+from transformers import AutoTokenizer
+from trl.experimental.prm import PRMTrainer
+datasets.disable_caching()
+model, data, max_length = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = AutoTokenizer.from_pretrained(model)
+ds = load_dataset("json", data_files=data, split="train")
+feats = features.Features({"labels": features.Sequence(features.Value("int64")),
+                           "input_ids": features.Sequence(features.Value("int64"))})
+t0 = time.perf_counter()  # the same map call PRMTrainer.__init__ makes
+ds.map(PRMTrainer.tokenize_row, fn_kwargs=dict(tokenizer=tok, step_separator="\n",
+       max_length=max_length, max_completion_length=None, train_on_last_step_only=False,
+       is_eval=False), remove_columns=ds.features, features=feats)
+print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
+"""
+
+
+def _run(cmd: list) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise PRMError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
+                       f"{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def _child(argv: list, *flags) -> dict:
+    """The JSON line of a fresh `python -m prm.bench` with argv's training flags, then `flags`."""
+    cmd = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv), *flags]
+    return json.loads(_run(cmd).strip().splitlines()[-1])
+
+
+def _peer(a, cfg: Config) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [a.peer_python, a.peer_script, cfg.model, cfg.dataset, tmp,
+               "--steps", str(cfg.max_steps), "--batch", str(cfg.batch_size),
+               "--max-length", str(cfg.max_length)]
+        train_out = _run(cmd + (["--gc"] if cfg.gradient_checkpointing else []))
+    tok_out = _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset,
+                    str(cfg.max_length)])
+    return {"tokens_per_second": float(re.search(r"tok_per_s=([\d.]+)", train_out).group(1)),
+            "tokenize_rows_per_second":
+                float(re.search(r"tokenize_rows_per_second=([\d.]+)", tok_out).group(1))}
+
+
+def _strip_bench_flags(argv: list) -> list:
+    # skip: the previous item was a bench flag without "=", so this one is its value
+    out, skip = [], False
+    for x in argv:
+        if not skip and x.split("=", 1)[0] not in BENCH_FLAGS:
+            out.append(x)
+        skip = not skip and x in BENCH_FLAGS
+    return out
+
+
+def repeated(a, cfg: Config, argv: list) -> dict:
+    """Fresh processes, ours and the peer's alternating so drift hits both."""
+    ours, peer = [], []
+    for i in range(a.repeats):
+        jobs = [lambda: ours.append(_child(argv))]
+        if a.peer_python:
+            jobs.append(lambda: peer.append(_peer(a, cfg)))
+        for job in (jobs if i % 2 == 0 else jobs[::-1]):
+            job()
+        versus = f", peer {peer[-1]['tokens_per_second']} tok/s" if peer else ""
+        print(f"run {i + 1}/{a.repeats}: ours {ours[-1]['tokens_per_second']} tok/s{versus}",
+              file=sys.stderr, flush=True)
+    out = dict(ours[0])
+    for k in MEASURED:
+        if out.get(k) is not None:
+            out[k] = round(statistics.median(r[k] for r in ours), 4)
+    out.update(repeats=a.repeats, runs_tokens_per_second=[r["tokens_per_second"] for r in ours],
+               runs_peak_memory_mb=[r["peak_memory_mb"] for r in ours])
+    if peer:
+        for k in ("tokens_per_second", "tokenize_rows_per_second"):
+            out[f"peer_{k}"] = round(statistics.median(r[k] for r in peer), 1)
+            out[f"runs_peer_{k}"] = [r[k] for r in peer]
+        for k, name in (("tokens_per_second", "tokens_per_second"),
+                        ("tokenize_rows_per_second", "tokenize")):
+            out[f"speedup_{name}"] = round(out[k] / out[f"peer_{k}"], 3)
+        if cfg.dtype != "fp32":
+            out["note"] = "the peer always trains in fp32"
+    return out
+
+
+def side_by_side(a, argv: list) -> dict:
+    """Each variant in fresh processes (--repeats each) with the same flags plus its own."""
+    names = a.variants.split(",")
+    if not set(names) <= set(VARIANTS):
+        raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
+    out = {}
+    for name in names:
+        out[name] = _child(argv, *VARIANTS[name], "--repeats", str(a.repeats))
+        print(f"{name}: {out[name]['tokens_per_second']} tok/s", file=sys.stderr, flush=True)
+    base = out[names[0]]["tokens_per_second"]
+    ratios = {n: round(r["tokens_per_second"] / base, 3) for n, r in out.items()}
+    return {"variants": out, f"tokens_per_second_vs_{names[0]}": ratios}
+
+
+def main(argv=None):
+    with exit_status():
+        return run(argv)
+
+
+def run(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parser().parse_args(argv)
+    cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__}).resolve()
+    if a.peer_python and not a.peer_script:
+        raise UsageError("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
+    if a.gpu_check:
+        out = gpu_check(lambda args: side_by_side(parser().parse_args(args), args), dry=a.dry_run)
+    elif a.variants:
+        out = side_by_side(a, argv)
+    elif a.repeats > 1 or a.peer_python:
+        out = repeated(a, cfg, argv)
+    else:
+        out = run_once(cfg, a.peak_tflops)
+    if out is not None:
+        print(json.dumps(out), flush=True)
+    # --gpu-check: a failed test fails the command, after the figures print
+    if out and out.get("failed"):
+        raise PRMError(f"--gpu-check: {out['failed']} failed (its output is above)")
+    return out
+
+
 
 if __name__ == "__main__":
-    with exit_status():
-        main()
+    main()

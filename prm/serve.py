@@ -1,5 +1,380 @@
-"""`python -m prm.serve`: the reward server (OpenRLHF's remote reward protocol). The code: prm/scoring/serve.py."""
-from prm.scoring.serve import main
+"""`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward
+model protocol (`--remote_rm_url http://HOST:P/get_reward`).
+
+POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...],
+"scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt,
+the rest of the query). With "step_rewards": true, also per query [start, end, P(correct)] per
+step, indexed in the query as sent (P null: cut by --max-length). Texts lose the tokenizer's
+padding and EOS at both ends and its BOS at the start, as OpenRLHF's server does. Without
+"prompts", a prompt ends with the chat template's last assistant-turn start, else at the first
+step separator. A prompt that is the chat template around one user turn is read as that turn.
+GET /health answers {"status": "ok", ...}.
+
+A thread per connection, up to --max-connections (more: 503), the model one request at a time.
+Errors are {"error": message}: not all read within --timeout s: 408; a body over
+--max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad request: 400;
+a scoring failure: 500."""
+import argparse
+import contextlib
+import io
+import json
+import math
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import fields
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from prm.cli import Parser, add_field, parsed
+from prm.config import unescape
+from prm.errors import UsageError, exit_status
+from prm.readers.formats import decode, read_json
+from prm.scoring import ScorerOptions
+from prm.scoring.reward import PRMReward
+
+PATH, HEALTH = "/get_reward", "/health"
+PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
+MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64
+LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
+          "max_batch": (MAX_BATCH, "more queries per request get a 413 (scoring holds the model)"),
+          "max_connections": (MAX_CONNECTIONS, "connections served at once; more get a 503")}
+BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
+BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(BUSY), BUSY)
+
+
+class BadRequest(ValueError):
+    """What is wrong with a request, answered with its status as {"error": message}."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def parse(body: bytes):
+    """The body as JSON, read as the data files are, else BadRequest."""
+    text, problem, line = decode(body)
+    value, problem, line = (None, problem, line) if problem else read_json(text)
+    if problem:
+        raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
+    return value
+
+
+def texts(data: dict, key: str) -> list:
+    """data[key], checked to be a list of strings."""
+    value = data.get(key)
+    if not isinstance(value, list):
+        raise BadRequest(f"field '{key}': expected a list of strings, got {type(value).__name__}")
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise BadRequest(f"field '{key}': item {i} is {type(text).__name__}, not a string")
+    return value
+
+
+def strip_tokens(text: str, left: list, right: list) -> str:
+    """text without any run of `left` tokens at its start or `right` ones at its end."""
+    start, end = 0, len(text)
+    while tok := next((t for t in left if text.startswith(t, start, end)), ""):
+        start += len(tok)
+    while tok := next((t for t in right if text.endswith(t, start, end)), ""):
+        end -= len(tok)
+    return text[start:end]
+
+
+def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
+    """The chat template's rendering of one user turn holding text; "" if there is none."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception:  # a template refusing a lone user message
+        return ""
+
+
+def prompt_end(query: str, marker: str, separator: str) -> int:
+    """Where a query's unsent prompt ends: after the last marker, else at the first separator."""
+    if marker and marker in query:
+        return query.rindex(marker) + len(marker)
+    return query.find(separator) if separator in query else len(query)
+
+
+class Scorer:
+    """The /get_reward answer to a parsed body; one request at a time."""
+
+    def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
+        self.reward, self.lock, self.max_batch = reward, threading.Lock(), max_batch
+        tok = reward.tokenizer
+        # what the chat template writes to open the assistant's turn ("" if nothing)
+        closed, opened = user_turn(tok, "q", False), user_turn(tok, "q")
+        self.marker = opened[len(closed):] if closed and opened.startswith(closed) else ""
+        self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
+        self.left = self.right + [t for t in (tok.bos_token,) if t]
+        # the template's text before and after a user turn's question; no prompt starts with PROBE
+        probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right)
+        self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else (PROBE, "")
+        # a published PRM builds its own input around the plain question
+        self.published = reward.tokenize is not None
+
+    def question(self, prompt: str):
+        """A prompt that is the chat template around one user turn as that turn (its text for a
+        published PRM)."""
+        head, tail = self.frame
+        if not (prompt.startswith(head) and prompt.endswith(tail)):
+            return prompt
+        text = prompt[len(head):len(prompt) - len(tail)]
+        # one turn only: re-rendering gives the prompt back
+        whole = strip_tokens(user_turn(self.reward.tokenizer, text), self.left, self.right)
+        if whole != prompt or any(end and end in text for end in self.frame):
+            return prompt
+        return text if self.published else [{"role": "user", "content": text}]
+
+    def split(self, data) -> tuple:
+        """(prompts, completions) of a /get_reward body, stripped of padding, EOS and BOS."""
+        if not isinstance(data, dict):
+            raise BadRequest("expected a JSON object with 'query' (and 'prompts')")
+        queries = texts(data, "query")
+        if len(queries) > self.max_batch:
+            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per "
+                             "request (--max-batch)", 413)
+        queries = [strip_tokens(q, self.left, self.right) for q in queries]
+        if data.get("prompts") is None:
+            prompts = [q[:prompt_end(q, self.marker, self.reward.step_separator)] for q in queries]
+        else:
+            prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
+            if len(queries) != len(prompts):
+                raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
+            bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
+            if bad:
+                raise BadRequest(f"query {bad[0]} does not start with its prompt "
+                                 f"({len(bad)} such queries)")
+        completions = [q[len(p):] for q, p in zip(queries, prompts)]
+        return [self.question(p) for p in prompts], completions
+
+    def __call__(self, data) -> dict:
+        prompts, completions = self.split(data)
+        if not isinstance(data.get("step_rewards", False), bool):
+            raise BadRequest("field 'step_rewards': expected true or false, "
+                             f"got {data['step_rewards']!r:.40}")
+        with self.lock:
+            scores = self.reward.step_scores(prompts, completions)
+        probs = [[p for *_, p in steps if p is not None] for steps in scores]
+        rewards = self.reward.aggregated(probs)
+        # OpenRLHF's serve_rm keys
+        logs = {"steps": [len(steps) for steps in scores], "steps_scored": [len(p) for p in probs]}
+        out = {"rewards": rewards, "scores": rewards, "extra_logs": logs}
+        if data.get("step_rewards"):  # offsets in the query as sent
+            ends = [len(strip_tokens(q, [], self.right)) - len(c)
+                    for q, c in zip(data["query"], completions)]
+            out["step_rewards"] = [[[a + at, b + at, p] for a, b, p in steps]
+                                   for steps, at in zip(scores, ends)]
+        return out
+
+
+class Deadline(socket.SocketIO):
+    """A connection's reading side giving EOF (and `expired`) `timeout` s after connecting."""
+
+    def __init__(self, handler):
+        super().__init__(handler.connection, "rb")
+        self.handler, self.end = handler, time.monotonic() + handler.timeout
+
+    def readinto(self, buffer):
+        left = self.end - time.monotonic()
+        if left > 0 and not self.handler.expired:
+            self.handler.connection.settimeout(left)
+            with contextlib.suppress(TimeoutError):
+                return super().readinto(buffer)
+        self.handler.expired = True
+        return 0
+
+
+class Handler(BaseHTTPRequestHandler):
+    """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body)."""
+    expired = False
+    default_request_version = "HTTP/1.0"  # an answer to a cut request line has a status line
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()
+        self.rfile = io.BufferedReader(Deadline(self))
+
+    def known(self, path: str, other: str, allow: str) -> bool:
+        """Whether the request is for `path`: else a 405 (`other` takes `allow`) or a 404 sent."""
+        at = self.path.rstrip("/")
+        if at == other:
+            self.reply(405, {"error": f"{self.command} {other}: use {allow}"}, allow=allow)
+        elif at != path:
+            self.reply(404, {"error": f"unknown path {self.path}; GET {HEALTH} or POST to {PATH}"})
+        return at == path
+
+    def do_GET(self):
+        if self.known(HEALTH, PATH, "POST"):
+            aggregate = self.scorer.reward.aggregate
+            self.reply(200, {"status": "ok", "model": self.model_name, "aggregate": aggregate})
+
+    def do_POST(self):
+        if not self.known(PATH, HEALTH, "GET"):
+            return
+        try:
+            payload = self.scorer(parse(self.body()))
+        except BadRequest as e:
+            return self.reply(e.status, {"error": str(e)})
+        except Exception as e:  # the server serves on
+            traceback.print_exc(file=sys.stderr)
+            return self.reply(500, {"error": f"scoring failed: {type(e).__name__}: {e}"})
+        self.reply(200, payload)
+
+    def body(self) -> bytes:
+        """The whole request body, within the timeout; its Content-Length checked first."""
+        headers, limit = self.headers.get_all("Content-Length"), self.max_body
+        if not headers:
+            raise BadRequest("Content-Length is required", 411)
+        if len({h.strip() for h in headers}) > 1:
+            raise BadRequest(f"{len(headers)} different Content-Length headers")
+        digits = headers[0].strip()
+        # int() would take '-5', '+5', '1_0' and non-ASCII digits
+        if not (digits.isascii() and digits.isdigit()):
+            raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
+        # 18 digits: int() never meets its digit limit
+        if len(digits.lstrip("0")) > 18 or int(digits) > limit:
+            raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} "
+                             "(--max-body-bytes)", 413)
+        size = int(digits)
+        body = self.rfile.read(size)
+        if len(body) < size and self.expired:
+            raise BadRequest(f"the request did not arrive within {self.timeout} s (--timeout)", 408)
+        if len(body) < size:
+            raise BadRequest(f"the body ended after {len(body)} of its {size} bytes "
+                             "(Content-Length)")
+        return body
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's errors (bad method, request line, long headers) as JSON."""
+        self.close_connection = True
+        if self.expired:
+            code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
+        self.reply(code, {"error": message or HTTPStatus(code).phrase})
+
+    def reply(self, status: int, payload: dict, *, allow: str = ""):
+        body = json.dumps(payload).encode()
+        self.connection.settimeout(self.timeout)  # the deadline may have shortened it
+        self.send_response(status)
+        if allow:
+            self.send_header("Allow", allow)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class Server(ThreadingHTTPServer):
+    """A thread per connection, up to max_connections at once; one more gets a 503."""
+    request_queue_size = 128
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request, client_address):
+        if self.slots.acquire(blocking=False):
+            return super().process_request(request, client_address)
+        with contextlib.suppress(OSError):
+            request.sendall(BUSY)
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
+                timeout: float = 30.0, max_body: int = MAX_BODY, max_batch: int = MAX_BATCH,
+                max_connections: int = MAX_CONNECTIONS):
+    """The server, bound and not yet serving (port 0: a free one, in server.server_port)."""
+    handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch),
+                                           "model_name": name, "timeout": timeout,
+                                           "max_body": max_body})
+    server = Server((host, port), handler)
+    server.slots = threading.BoundedSemaphore(max_connections)
+    return server
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; a bad flag or value raises UsageError (one line, exit status 2)."""
+    p = Parser(prog="python -m prm.serve", usage="%(prog)s --model DIR [options]",
+               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="a train.py output or any 2-label token classifier")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
+    p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--step-separator", type=unescape, help="what ends each step (escapes such as "
+                   "\\n understood); default: the model's own (its run's, else config.json's "
+                   "'prm'), else \\n")
+    p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past "
+                   "it get no score (default: the model's own, else 1024)")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="autocast, as eval.py's (default: the run's, else auto)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the model directory's own Python files run")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its "
+                   "whole request, however slowly; then a 408 (default: %(default)s)")
+    for key, (default, text) in LIMITS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
+                       help=text + " (default: %(default)s)")
+    for f in fields(ScorerOptions):  # eval.py --help says what they do
+        add_field(p, f, help="how the model scores steps (eval.py --help); --step-tag, "
+                  "--good-token, --bad-token too" if f.name == "scorer" else argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    timeout_ok = math.isfinite(args.timeout) and args.timeout > 0
+    if not timeout_ok or min(vars(args)[k] for k in LIMITS) < 1:
+        p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, "
+                "--max-batch and --max-connections at least 1")
+    if args.batch_size < 1:
+        p.error("--batch-size must be at least 1")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: expected 0 to 65535 (0: a free one)")
+    try:  # a device this torch build lacks: one line, not torch's assertion
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as e:
+        p.error(f"--device {args.device}: {str(e).strip().splitlines()[0]}")
+    if args.max_length is not None and args.max_length < 1:
+        p.error("--max-length must be at least 1")
+    if args.step_separator == "":
+        p.error("--step-separator must not be empty: its last token carries the step's score")
+    return args
+
+
+def main(argv=None):
+    """Serves until interrupted; a bad flag, model or address is one line, status 2."""
+    with exit_status():
+        args = parse_args(argv)
+        reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
+                           step_separator=args.step_separator, max_length=args.max_length,
+                           trust_remote_code=args.trust_remote_code, dtype=args.dtype,
+                           **vars(parsed(ScorerOptions, args)))
+        try:
+            server = make_server(reward, args.host, args.port, name=args.model,
+                                 timeout=args.timeout, max_body=args.max_body_bytes,
+                                 max_batch=args.max_batch, max_connections=args.max_connections)
+        except OSError as e:
+            why = e.strerror or e
+            raise UsageError(f"cannot listen on {args.host}:{args.port}: {why}") from None
+        print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            print("stopped", file=sys.stderr)
+        finally:
+            server.server_close()
+
+
 
 if __name__ == "__main__":
     main()

@@ -122,7 +122,7 @@ def assert_same_run(a, b, *, lr: float, steps: int, precision: str = "fp32"):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A saved tiny PRM (random weights, seed 0) with its character tokenizer: what eval.py reads."""
-    from prm.training.build import build_model
+    from prm.loading import build_model
     from prm.readers.synthetic import char_tokenizer
     path = str(tmp_path_factory.mktemp("model"))
     tokenizer = char_tokenizer()

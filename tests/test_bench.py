@@ -1,4 +1,4 @@
-"""prm.tools.bench: one tiny in-process run returns every documented key; the FLOPs formula and the flag stripping."""
+"""prm.bench: one tiny in-process run returns every documented key; the FLOPs formula and the flag stripping."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from prm.tools.bench import BF16_PEAK_TFLOPS, _strip_bench_flags, flops_per_token, parser, run_once
+from prm.bench import BF16_PEAK_TFLOPS, _strip_bench_flags, flops_per_token, parser, run_once
 from prm.config import Config
 
 
@@ -51,7 +51,7 @@ def test_lora_counts_4_flops_per_frozen_weight():
                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0)])
 def test_device_peak_by_exact_name(monkeypatch, name, peak):
     import torch
-    from prm.tools.bench import _device_peak
+    from prm.bench import _device_peak
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert _device_peak(None, 0.0) == peak * 1e12 and "H100 PCIe" in BF16_PEAK_TFLOPS
 

@@ -245,7 +245,7 @@ def test_bad_paths_exit_2_with_a_message(tmp_path):
     (tmp_path / "no_config").mkdir()
     for kw, text in (({"tokenizer": str(tmp_path / "missing")}, "--tokenizer"),
                      ({"model": str(tmp_path / "no_config")}, "no config.json")):
-        with pytest.raises(UsageError) as e:  # from prm.training.build: train.py's exit_status() makes it exit status 2
+        with pytest.raises(UsageError) as e:  # from prm.loading: train.py's exit_status() makes it exit status 2
             run_train(tmp_path / "out", max_steps=1, **kw)
         assert e.value.code == 2 and text in str(e.value)
     r = subprocess.run([sys.executable, "train.py", "--lr", "nan", "--output-dir", str(tmp_path / "o")], cwd=ROOT,

@@ -151,7 +151,7 @@ def test_the_data_report_counts_the_steps_holding_the_separator(char_tok):
 
 
 def test_scoring_uses_the_completion_cap(char_tok):
-    from prm.training.build import build_model
+    from prm.loading import build_model
     from prm.core.evaluate import score, score_batch
     model = build_model("tiny", char_tok, seed=0)
     steps = ["1+1=2", "2+1=3", "3+1=4"]

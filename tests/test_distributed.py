@@ -82,7 +82,7 @@ def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
     assert_same_run(tmp_path / "one", tmp_path / "two", lr=1e-3, steps=5)
     assert one["n_examples"] == two["n_examples"] == 7  # 7 rows, batch 4: the ranks run 1 and 2 batches, in lockstep
     if lora:  # eval.py reads the sharded LoRA checkpoint as it reads the 1-process run's adapters and head
-        from prm.training.build import load_trained
+        from prm.loading import load_trained
         from prm.config import Config
         sharded, whole = (load_trained(Config(model=str(tmp_path / run / "checkpoint-5")), False)[1]
                           for run in ("two", "one"))
@@ -132,7 +132,7 @@ runpy.run_path({train!r}, run_name="__main__")
 def test_fsdp_sharded_checkpoint_resumes_exactly_evaluates_and_final_loads_in_transformers(tmp_path):
     import torch
     from transformers import AutoModelForTokenClassification
-    from prm.training.build import load_trained
+    from prm.loading import load_trained
     from prm.training.checkpoint import MARKER, SHARDS, files_under, read_marker, resolve_resume
     from prm.config import Config
     from prm.core.model import PRM

@@ -11,7 +11,7 @@ import torch
 
 import eval as eval_cli
 from conftest import SHARED, run_train
-from prm.training.build import load_tokenizer
+from prm.loading import load_tokenizer
 from prm.core.evaluate import score
 from prm.core.model import PRM, add_legacy_keys
 from prm.readers.synthetic import make_rows
@@ -148,7 +148,7 @@ def test_wrapper_loads_a_foreign_hf_token_classifier(tmp_path):
 
 
 def test_scoring_api_equals_evaluation_probabilities(char_tok):
-    from prm.training.build import build_model
+    from prm.loading import build_model
     from prm.core.data import pad_token_id, tokenize_example
     from prm.core.evaluate import predict, score, score_batch
     from prm.readers.synthetic import make_rows

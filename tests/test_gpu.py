@@ -144,9 +144,9 @@ def test_compile_with_pack_to_compiles_once(tmp_path, monkeypatch, device):
 @marked(needs_cuda)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_no_host_sync_in_a_training_step(tmp_path, compiled):
-    """After a warm-up step, one Trainer.train_step (packed, bf16) makes no host sync: prm.tools.bench's sync counting
+    """After a warm-up step, one Trainer.train_step (packed, bf16) makes no host sync: prm.bench's sync counting
     (torch's sync debug mode, "warn"), every sync named by where it happened."""
-    from prm.tools.bench import counting_syncs
+    from prm.bench import counting_syncs
     tr, plan = trainer_on(tmp_path, "cuda", compile=compiled, pack_to=256 if compiled else 0, batch_size=4)
     tr.train_step(plan[0])  # lazy initializations (cuBLAS handles, the kernel's options, compilation) sync once
     seen = {}

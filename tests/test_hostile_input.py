@@ -65,7 +65,7 @@ def test_surrogate_pairs_and_repeated_keys_in_separate_objects_are_read(tmp_path
 @pytest.mark.parametrize("output, cause", [("folder", "Is a directory"),
                                            ("missing/out.jsonl", "No such file or directory")])
 def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output, cause, capsys):
-    from prm.readers.convert import main
+    from prm.convert import main
     (tmp_path / "in.jsonl").write_text(ROW + "\n")
     (tmp_path / "folder").mkdir()  # a folder apart from the input's (one holding it is refused first)
     with pytest.raises(SystemExit) as e:
@@ -75,7 +75,7 @@ def test_convert_to_an_unwritable_output_exits_2_with_the_path(tmp_path, output,
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_convert_to_a_full_disk_exits_1_a_failed_write(tmp_path, capsys):
-    from prm.readers.convert import main
+    from prm.convert import main
     (tmp_path / "in.jsonl").write_text(ROW + "\n")
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "in.jsonl"), "/dev/full"])
@@ -142,15 +142,15 @@ def test_a_chat_template_that_raises_on_a_later_row_names_it_or_skips_it(skip, c
 
 
 def test_the_json_reader_keeps_no_process_state_and_serves_data_and_server_alike():
-    import prm.scoring.serve
+    import prm.serve
     import prm.readers.sources
     from prm.readers.formats import read_json
     assert not any(hasattr(prm.readers.sources, name) for name in ("SAID", "_REPEATS", "_loads", "exit_on_data_error"))
     value, problem, _ = read_json('{"a": 1, "a": 2}')
     assert problem == "field 'a': given twice in one object (which value is meant?)"
     assert read_json('{"a": 1}') == ({"a": 1}, None, None)  # the earlier repeat left nothing behind
-    with pytest.raises(prm.scoring.serve.BadRequest, match="the body: field 'a': given twice in one object"):
-        prm.scoring.serve.parse(b'{"a": 1, "a": 2}')
+    with pytest.raises(prm.serve.BadRequest, match="the body: field 'a': given twice in one object"):
+        prm.serve.parse(b'{"a": 1, "a": 2}')
 
 
 def test_bad_data_is_a_usage_error_with_the_same_message(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""prm.labeling.label: answer extraction, the Monte-Carlo estimate and the binary search against scripted policies,
+"""prm.label: answer extraction, the Monte-Carlo estimate and the binary search against scripted policies,
 resumable and sharded output files, the generate path with a tiny random model (torchrun included), train.py
 on its output."""
 import json
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, read_metrics, small_config
 from prm.errors import PRMError, UsageError
-from prm.labeling.label import LabelOptions, extract_answer, judge, label_file, label_solutions, main, same_answer
+from prm.label import LabelOptions, extract_answer, judge, label_file, label_solutions, main, same_answer
 from prm.readers.sources import DataError
 
 
@@ -222,7 +222,7 @@ def policy_dir(tmp_path_factory):
     """A tiny random causal LM (the tiny preset's Qwen2 shape) with the character tokenizer."""
     import torch
     from transformers import Qwen2ForCausalLM
-    from prm.training.build import tiny_config
+    from prm.loading import tiny_config
     from prm.readers.synthetic import char_tokenizer
     path = str(tmp_path_factory.mktemp("policy"))
     tokenizer = char_tokenizer()
@@ -281,7 +281,7 @@ def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_p
 
 def test_generator_renders_text_and_chat_prompts(policy_dir):
     import torch
-    from prm.labeling.label import Generator
+    from prm.label import Generator
     gen = Generator(LabelOptions(policy=policy_dir), device=torch.device("cpu"))
     assert gen.render("count:") == "count:"  # the character tokenizer adds no BOS of its own
     with pytest.raises(UsageError, match="cannot render a chat prompt"):
@@ -293,7 +293,7 @@ def test_generator_renders_text_and_chat_prompts(policy_dir):
 
 def test_a_chat_template_that_refuses_the_messages_is_a_usage_error(policy_dir):
     import torch
-    from prm.labeling.label import Generator
+    from prm.label import Generator
     gen = Generator(LabelOptions(policy=policy_dir), device=torch.device("cpu"))
     gen.tokenizer().chat_template = ("{% for m in messages %}{% if m.role != 'user' %}{{ raise_exception('only "
                                      "user turns') }}{% endif %}{{ m.content }}{% endfor %}")
@@ -308,7 +308,7 @@ def test_a_chat_template_that_refuses_the_messages_is_a_usage_error(policy_dir):
 
 def test_greedy_decoding_generates_each_prompt_once(policy_dir):
     import torch
-    from prm.labeling.label import Generator
+    from prm.label import Generator
     gen = Generator(LabelOptions(policy=policy_dir, temperature=0.0, max_new_tokens=4), device=torch.device("cpu"))
     gen.tokenizer()
     generate, rows = gen.model.generate, []
@@ -320,7 +320,7 @@ def test_greedy_decoding_generates_each_prompt_once(policy_dir):
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_the_policy_holds_bf16_weights_where_bf16_is_native_else_fp32(policy_dir, monkeypatch, native):
     import torch
-    from prm.labeling.label import Generator
+    from prm.label import Generator
     monkeypatch.setenv("PRM_CPU_BF16", native)  # the probe prm.core.runtime.autocast_dtype reads
     gen = Generator(LabelOptions(policy=policy_dir, max_new_tokens=3), device=torch.device("cpu"))
     texts = gen(["count:"], 2, 0)
@@ -351,7 +351,7 @@ def test_help_shows_the_newline_separator_as_an_escape(capsys):
 
 
 def test_rollout_prompts_start_each_step_on_its_own_and_drop_blank_sampled_steps():
-    from prm.labeling.label import label_row
+    from prm.label import label_row
     complete, log = scripted(lambda p, n: n)
     lines = label_row({"prompt": "What is 1+1?", "answer": "1", "completions": ["1+1", "so 1"]}, 0, complete,
                       lambda prompt: prompt, LabelOptions(rollouts=1))

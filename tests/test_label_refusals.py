@@ -1,4 +1,4 @@
-"""prm.labeling.label under hostile input: a second run on one output, blank samples, odd patterns and numbers,
+"""prm.label under hostile input: a second run on one output, blank samples, odd patterns and numbers,
 flags and rows refused before anything is written, a damaged settings file, failed writes and Ctrl-C, each one
 line and its exit status. Depends on: pytest, prm."""
 import errno
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from prm.errors import UsageError, WriteFailed
-from prm.labeling.label import LabelOptions, extract_answer, judge, label_file, main, same_answer
+from prm.label import LabelOptions, extract_answer, judge, label_file, main, same_answer
 from test_label import ROWS, random_policy, read, scripted, write_rows
 
 
@@ -83,7 +83,7 @@ def test_a_blank_record_cut_by_a_kill_is_dropped_on_resume(tmp_path):
 
 def test_settings_are_written_only_by_the_run_holding_the_lock(tmp_path):
     """Two first runs started together with other --rollouts: the one that finds the lock taken writes none."""
-    from prm.labeling.label import locked
+    from prm.label import locked
     data, out = write_rows(tmp_path / "in.jsonl", ROWS), str(tmp_path / "out.jsonl")
     with locked(out):  # the other run holds the lock and has not written its settings yet
         with pytest.raises(UsageError):
@@ -163,7 +163,7 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_continues(tmp_path, capsys, monkeypatch):
-    import prm.labeling.label as label
+    import prm.label as label
     data, out = write_rows(tmp_path / "in.jsonl", ROWS), str(tmp_path / "out.jsonl")
 
     class Interrupted:  # the policy: Ctrl-C arrives inside its third generate call

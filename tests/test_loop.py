@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from prm.labeling.label import LabelOptions, label_file
+from prm.label import LabelOptions, label_file
 from prm.readers.synthetic import make_rows, step_truth
 
 
@@ -38,7 +38,7 @@ def test_mc_labels_are_1_before_the_known_first_error_0_at_and_after(tmp_path, l
 def loop(tmp_path_factory):
     """policy (2 optimizer steps) -> prm.label -> train.py's trainer (2 steps): the folder."""
     from prm.config import Config
-    from prm.labeling.label import main as label
+    from prm.label import main as label
     from prm.tools.loop import train_policy, write_problems
     from prm.training.trainer import train
     tmp = tmp_path_factory.mktemp("loop")
@@ -54,7 +54,7 @@ def loop(tmp_path_factory):
 
 
 def search(loop, out):
-    from prm.searching.search import main
+    from prm.search import main
     main(["--policy", str(loop / "policy"), "--model", str(loop / "prm" / "final"), "--dataset",
           str(loop / "test.jsonl"), "--output", str(out), "--n", "1,4", "--beam-width", "2",
           "--seeds", "0,1", "--max-new-tokens", "12", "--temperature", "1.0"])
@@ -75,9 +75,9 @@ def test_search_repeats_its_results_and_counts_policy_and_prm_tokens(loop, tmp_p
 
 def test_each_beam_grows_from_its_own_problem_only(loop, tmp_path):
     import torch
-    from prm.labeling.label import Generator
+    from prm.label import Generator
     from prm.scoring.reward import PRMReward
-    from prm.searching.search import SearchOptions, search_file
+    from prm.search import SearchOptions, search_file
     opts = SearchOptions(policy=str(loop / "policy"), methods=("beam", "dvts"), n=(4,),
                          beam_width=2, max_new_tokens=12, temperature=1.0)
     gen, made = Generator(opts, device=torch.device("cpu")), {}

@@ -10,7 +10,7 @@ from conftest import final_weights, read_metrics, run_train
 from prm.training.export import TRAINABLE
 from prm.core.data import collate, tokenize_example
 from prm.core.lora import LoRALinear, apply_lora, count_parameters, merged_state_dict
-from prm.training.build import build_model, model_for
+from prm.loading import build_model, model_for
 from prm.config import Config
 from prm.errors import UsageError
 from prm.core.model import PRM, step_loss
@@ -167,7 +167,7 @@ def test_eval_py_reads_lora_and_full_checkpoints_like_final(tmp_path):
 
 
 def test_a_bf16_frozen_base_halves_its_memory_trains_and_scores_without_bf16_autocast(char_tok, tmp_path):
-    from prm.training.build import model_for
+    from prm.loading import model_for
     from prm.config import Config
     cfg = Config(lora_r=4, lora_base_dtype="bf16", dtype="bf16").resolve()
     model = model_for(cfg, char_tok)

@@ -7,7 +7,7 @@ import torch
 from prm.core.data import collate, tokenize_example
 from prm.core.metrics import step_metrics
 from prm.core.lora import apply_lora
-from prm.training.build import build_model
+from prm.loading import build_model
 from prm.core.model import enable_activation_checkpointing, step_loss
 from prm.readers.synthetic import make_rows
 
@@ -139,7 +139,7 @@ def test_the_backbone_trains_without_dropout_by_default_as_in_trl(tmp_path, char
     """TRL's disable_dropout (default true) zeroes every nn.Dropout of a GPT-2-style backbone (dropout 0.1); false
     keeps the model's. --lora-dropout is the adapters' own either way."""
     from transformers import GPT2Config, GPT2Model
-    from prm.training.build import model_for
+    from prm.loading import model_for
     from prm.config import Config
     from prm.core.lora import LoRALinear
     gpt2 = GPT2Config(vocab_size=len(char_tok), n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
-from prm.training.build import build_model
+from prm.loading import build_model
 from prm.errors import UsageError
 
 
@@ -29,7 +29,7 @@ def test_a_sharded_index_naming_weights_outside_the_directory_is_refused(model_d
 
 @pytest.mark.parametrize("path", ["/no/such/final", "./runs/none/final", "runs/none/final", "~/none"])
 def test_a_model_path_that_does_not_exist_is_no_such_folder_not_a_bad_repo_id(path):
-    from prm.training.build import load_trained
+    from prm.loading import load_trained
     from prm.config import Config
     with pytest.raises(UsageError) as e:
         load_trained(Config(model=path), tokenizer_given=False)
@@ -89,7 +89,7 @@ def broken_copy(model_dir, tmp_path, kind: str) -> str:
                                            ("no_mlp", MADE_UP + "model.layers.1.mlp.down_proj.weight, "
                                                                 "model.layers.1.mlp.gate_proj.weight, ")])
 def test_a_damaged_model_directory_exits_2_with_path_and_cause(model_dir, tmp_path, kind, message):
-    from prm.training.build import load_trained
+    from prm.loading import load_trained
     from prm.config import Config
     path = broken_copy(model_dir, tmp_path, kind)
     with pytest.raises(UsageError) as e:
@@ -132,7 +132,7 @@ def test_a_backbone_with_fewer_layers_in_its_config_than_in_its_weights_is_refus
 def test_prm_from_pretrained_never_scores_with_made_up_weights(model_dir, tmp_path, kind):
     from prm.core.model import PRM, NotAPRM
     path = broken_copy(model_dir, tmp_path, kind)
-    with pytest.raises(NotAPRM) as e:  # the README's Score snippet loads this way, without prm.training.build's checks
+    with pytest.raises(NotAPRM) as e:  # the README's Score snippet loads this way, without prm.loading's checks
         PRM.from_pretrained(path)
     said = str(e.value)
     assert said.startswith(f"{path}: ") and ("no saved weight" in said or "2 labels" in said)
@@ -159,7 +159,7 @@ def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_fiel
                                                ("tokenizer_config.json", "{garbage", "JSONDecodeError"),
                                                ("tokenizer_config.json", "[1]", "AttributeError")])
 def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir, tmp_path, name, text, cause):
-    from prm.training.build import load_tokenizer
+    from prm.loading import load_tokenizer
     path = tmp_path / "model"
     shutil.copytree(model_dir, path)
     (path / name).write_text(text)
@@ -169,9 +169,9 @@ def test_garbage_tokenizer_files_exit_2_naming_the_directory_and_cause(model_dir
 
 
 def test_every_tokenizer_load_refuses_one_with_neither_pad_nor_eos(model_dir, tmp_path):
-    from prm.training.build import load_tokenizer
+    from prm.loading import load_tokenizer
     path = broken_copy(model_dir, tmp_path, "no_pad_nor_eos")
-    for flag in ("--tokenizer", "--policy"):  # training, published-PRM scorers and prm.labeling.label load through it
+    for flag in ("--tokenizer", "--policy"):  # training, published-PRM scorers and prm.label load through it
         with pytest.raises(UsageError) as e:
             load_tokenizer(path, False, flag)
         assert str(e.value).startswith(f"{flag} {path}: the tokenizer has neither a pad nor an EOS token")
@@ -196,7 +196,7 @@ def test_training_from_a_backbone_says_once_that_the_head_is_new_and_a_resume_do
     from transformers import AutoModel
 
     from conftest import run_train
-    from prm.training.build import tiny_config
+    from prm.loading import tiny_config
     from prm.readers.synthetic import char_tokenizer
     tokenizer, base = char_tokenizer(), tmp_path / "backbone"
     AutoModel.from_config(tiny_config(tokenizer)).save_pretrained(base)

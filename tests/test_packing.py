@@ -23,7 +23,7 @@ ROWS = {"prompt": ["Q: 2+2?", "x", "A long question about numbers and their sums
 
 
 def tiny_model(tokenizer, packing: bool, lora: bool = False, checkpointing: bool = False):
-    from prm.training.build import model_for
+    from prm.loading import model_for
     from prm.config import Config
     from prm.core.model import enable_activation_checkpointing
     model = model_for(Config(lora_r=4 if lora else 0, lora_alpha=8.0, packing=packing), tokenizer)
@@ -98,7 +98,7 @@ def test_default_packs_the_tiny_preset(tmp_path):
     run_train(tmp_path, max_steps=1)
     assert json.loads((tmp_path / "config.train.json").read_text())["packing"] is True
     assert "prm_packed" not in (tmp_path / "final" / "config.json").read_text()  # a stock, portable config
-    from prm.training.build import build_model, set_packing
+    from prm.loading import build_model, set_packing
     from prm.readers.synthetic import char_tokenizer
     assert is_packed(set_packing(build_model("tiny", char_tokenizer(), 0), True))
 

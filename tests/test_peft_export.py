@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import final_weights, run_train
-from prm.training.build import build_model
+from prm.loading import build_model
 from prm.training.export import ADAPTER
 from prm.config import Config
 from prm.core.lora import apply_lora, peft_targets

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT, read_metrics, run_train
 from prm.config import Config
-from prm.readers.convert import main as convert_main
+from prm.convert import main as convert_main
 from prm.core.data import IGNORE, tokenize_example
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import DataError, load_eval, load_splits, read_rows

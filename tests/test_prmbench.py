@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import eval as eval_cli  # noqa: E402
-from prm.training.build import build_model  # noqa: E402
+from prm.loading import build_model  # noqa: E402
 from prm.config import Config  # noqa: E402
 from prm.core.data import pad_token_id  # noqa: E402
 from prm.core.evaluate import predict, report  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from prm.training.build import build_model, load_tokenizer  # noqa: E402
+from prm.loading import build_model, load_tokenizer  # noqa: E402
 from prm.config import Config  # noqa: E402
 from prm.errors import UsageError  # noqa: E402
 from prm.core.evaluate import score  # noqa: E402

@@ -1,5 +1,5 @@
 """Published PRM families (prm.scoring.scorers) against plain, separate implementations of their authors' recipes, on real
-ProcessBench rows (tests/fixtures), through eval.py, PRMReward and prm.scoring.serve; the one-token and template checks.
+ProcessBench rows (tests/fixtures), through eval.py, PRMReward and prm.serve; the one-token and template checks.
 Tiny random models in each family's structure; the Qwen2 tokenizer from ../shared. Depends on: pytest, torch, prm."""
 import json
 import os
@@ -343,7 +343,7 @@ def test_prm_reward_and_the_server_with_a_step_tag_model(dirs, tmp_path, monkeyp
 
 
 def test_the_server_reads_a_prompt_in_the_prms_own_template_as_its_question(dirs):
-    from prm.scoring.serve import Scorer
+    from prm.serve import Scorer
     reward = PRMReward(dirs["step-tag"], "min", "cpu", scorer="step-tag", step_tag=TAG)
     scorer, tok = Scorer(reward), reward.tokenizer
     chat = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)

@@ -1,4 +1,4 @@
-"""prm.searching.search: beam search and DVTS against a brute-force reference on a scripted policy
+"""prm.search: beam search and DVTS against a brute-force reference on a scripted policy
 and PRM, beams kept within their problem, broken policies, tokens counted, resume after a kill, bad
 input refused before any model loads, PRMReward.score's shape, every method end to end with tiny
 Hugging Face models."""
@@ -11,8 +11,8 @@ import random
 import pytest
 
 from prm.errors import UsageError
-from prm.labeling.label import extract_answer
-from prm.searching.search import Problem, SearchOptions, main, pick, search_block, search_file
+from prm.label import extract_answer
+from prm.search import Problem, SearchOptions, main, pick, search_block, search_file
 
 SEP = "\n"
 
@@ -236,7 +236,7 @@ def models(tmp_path_factory):
     import torch
     from transformers import Qwen2ForCausalLM
     from prm.readers.synthetic import char_tokenizer
-    from prm.training.build import tiny_config
+    from prm.loading import tiny_config
     from test_reward import save_tiny
     policy, tokenizer = str(tmp_path_factory.mktemp("policy")), char_tokenizer()
     torch.manual_seed(0)
@@ -269,7 +269,7 @@ def test_every_method_end_to_end_with_hugging_face_models(models, tmp_path, caps
 
 def test_generator_ends_each_text_after_its_first_stop_and_counts_tokens(models):
     import torch
-    from prm.labeling.label import Generator, LabelOptions
+    from prm.label import Generator, LabelOptions
     gen = Generator(LabelOptions(policy=models[0], max_new_tokens=12, temperature=1.0),
                     device=torch.device("cpu"))
     prompts = ["problem 1:\n", "problem 2:\n"]

@@ -1,4 +1,4 @@
-"""prm.scoring.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries, no prompts); under bad clients:
+"""prm.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries, no prompts); under bad clients:
 idle and slow ones held open while 8 others are answered, every malformed request a JSON 4xx, a scoring failure a
 500, each followed by a good answer. In-process servers on free ports. Depends on: pytest, prm."""
 import contextlib
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prm.readers.formats import split_steps
-from prm.scoring import serve
+from prm import serve
 from prm.scoring.reward import EMPTY_REWARD, PRMReward
 
 PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]

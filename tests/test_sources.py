@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 
 from prm.config import Config
-from prm.readers.convert import main as convert_main
+from prm.convert import main as convert_main
 from prm.core.data import IGNORE, collate, normalize_label
 from prm.readers.ingest import tokenize_dataset
 from prm.core.model import step_loss
@@ -491,7 +491,7 @@ def test_validated_rows_are_read_back_while_files_and_settings_are_unchanged(tmp
 
 
 def scorer_steps(text: str, separator: str = "\n") -> list:
-    """The steps PRMReward (and so prm.scoring.serve) scores in a completion."""
+    """The steps PRMReward (and so prm.serve) scores in a completion."""
     from prm.readers.formats import step_spans
     from prm.scoring.reward import PRMReward
     scorer = PRMReward.__new__(PRMReward)  # no model needed to split a text

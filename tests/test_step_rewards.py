@@ -58,7 +58,7 @@ def fp32(monkeypatch):
 @pytest.fixture(scope="module")
 def prm_dirs(tmp_path_factory):
     """{tokenizer name: a saved tiny PRM (seed 0) on it}, made on first use."""
-    from prm.training.build import build_model
+    from prm.loading import build_model
     made = {}
 
     def get(name):

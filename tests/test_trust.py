@@ -1,4 +1,4 @@
-"""A model directory never allows its own code: PRMReward, prm.scoring.serve, eval.py and train.py load a hostile directory
+"""A model directory never allows its own code: PRMReward, prm.serve, eval.py and train.py load a hostile directory
 (config.train.json saying trust_remote_code, auto_maps naming a file beside the weights) without running that file,
 even were transformers to ask (the answer would be yes); the user's own --trust-remote-code does run it.
 Depends on: pytest, transformers, prm."""
@@ -9,7 +9,7 @@ import socketserver
 import pytest
 
 import eval as eval_cli
-from prm.scoring import serve
+from prm import serve
 from prm.cli import parse_config
 from prm.config import Config
 from prm.scoring.reward import PRMReward

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from prm.training.build import load_tokenizer, load_trained, loading
+from prm.loading import load_tokenizer, load_trained, loading
 from prm.core.data import columns, make_row
 from prm.core.model import PRM, saved_weights
 from prm.errors import UsageError, check

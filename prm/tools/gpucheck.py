@@ -9,7 +9,7 @@ import tempfile
 import torch
 from transformers import AutoModel, Qwen2Config
 
-from prm.training.build import load_tokenizer
+from prm.loading import load_tokenizer
 from prm.core.data import pad_token_id
 from prm.errors import UsageError
 from prm.readers.synthetic import CHARS, char_tokenizer

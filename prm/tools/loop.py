@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from prm.cli import Parser
 from prm.errors import exit_status
 from prm.readers.synthetic import char_tokenizer, make_rows, step_truth
-from prm.training.build import tiny_config
+from prm.loading import tiny_config
 
 SLIP, SLIP_RATE, NOISE = 7, 0.6, 0.05  # from 7 the policy writes 9 w.p. 0.6; else x + 2 w.p. 0.05
 LABEL_OPTS = {"max_new_tokens": 40, "batch_size": 256}  # a solution: at most 37 tokens
@@ -80,7 +80,7 @@ def label_quality(folder: str, policy: str, rows: int) -> list:
     """Monte-Carlo labels of FOLDER/label.jsonl's first `rows` problems against step_truth, per
     (rollouts, label, search): the share of labeled steps on the right side of 0.5, the first
     wrong step's precision and recall, rollouts per solution."""
-    from prm.labeling.label import Generator, LabelOptions, label_file
+    from prm.label import Generator, LabelOptions, label_file
     with open(os.path.join(folder, "label.jsonl"), encoding="utf-8") as f:
         problems = f.readlines()[:rows]
     gen, found = None, []
@@ -138,7 +138,7 @@ def commands(folder: str, *, rows: int, test: int) -> list:
 
 def bench(folder: str, rows: int, test: int, quality_rows: int):
     """Runs the four stages in fresh processes (wall and CPU seconds each); prints every figure."""
-    from prm.searching.search import table
+    from prm.search import table
     times, out = [], None
     for name, argv in commands(folder, rows=rows, test=test):
         print("$ python " + " ".join(argv), file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ from prm.core.varlen import is_packed
 from prm.errors import Stopped, UsageError
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
-from prm.training.build import check_exportable, model_for, tokenizer_for
+from prm.loading import check_exportable, model_for, tokenizer_for
 from prm.training.card import config_command, model_card
 from prm.training.checkpoint import Checkpointer, run_lock
 from prm.files import write_lines

@@ -1,1 +1,0 @@
-"""Making step labels: Monte-Carlo rollouts of a policy (`python -m prm.label`)."""
