@@ -5,10 +5,10 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
-from prm.cli import Parser, add_field, add_fields, parsed, writable
-from prm.config import FILE, Config
+from prm.cli import Parser, parsed, writable
+from prm.config import FILE, Checked, Config, at_least, opt
 from prm.errors import UsageError, check, exit_status, overwrites
 from prm.scoring import ScorerOptions
 
@@ -20,45 +20,43 @@ STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
 
 
 @dataclass(frozen=True)
-class Options:
-    """eval.py's own options; the run settings it takes make a Config."""
-    datasets: list
-    predictions: str
-    processbench: bool
-    tune_threshold: str
-    best_of_n: bool
-    best_of_n_draws: int
-    scoring: ScorerOptions
-    tokenizer_given: bool  # on the command line
-    format_given: bool
+class Options(Checked):
+    """eval.py's own flags; the run settings it takes make a Config."""
+    model: str = opt("", "a train.py output (final/ or a checkpoint) or any 2-label token "
+                     "classifier", required=True)
+    datasets: tuple = opt((), "sources, each evaluated whole (default: the run's held-out set); "
+                          "several: a block each, and their mean F1", flag="--dataset", nargs="+",
+                          metavar="SOURCE")
+    predictions: str = opt("", "a JSON line per example: id, per-step P(correct), truth, "
+                           "predicted first error", metavar="OUT_JSONL")
+    processbench: bool = opt(False, "ProcessBench metrics without a first_error column (from the "
+                             "labels)")
+    tune_threshold: str = opt("", "use the threshold maximizing ProcessBench F1 on this set "
+                              "(never a --dataset; read with --format if given, else auto); its "
+                              "metrics: 'dev'", metavar="DEV_FILE")
+    best_of_n: bool = opt(False, "best-of-N accuracy per method and N; a problem's candidates "
+                          "share its 'group' (else their prompt); correctness: "
+                          "final_answer_correct")
+    best_of_n_draws: int = opt(8, "seeded shuffles (--seed) per N, each cut into disjoint sets "
+                               "of N", metavar="K", check=at_least(1))
+    scoring: ScorerOptions = ScorerOptions()  # these three: no flags, set by settings()
+    tokenizer_given: bool = False
+    format_given: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        problem = predictions_problem(self.predictions)
+        check(([problem] if problem else []) + tuned_on_reported(self.tune_threshold,
+                                                                 self.datasets))
 
 
-def build_eval_parser() -> argparse.ArgumentParser:
-    """eval.py's own options, then the run settings it takes (each not given: the run's)."""
-    p = Parser(usage="%(prog)s --model DIR [options]", description=__doc__)
-    p.add_argument("--model", default=argparse.SUPPRESS, help="a train.py output (final/ or a "
-                   "checkpoint) or any 2-label token classifier; required")
-    p.add_argument("--dataset", dest="datasets", nargs="+", default=[], metavar="SOURCE",
-                   help="sources, each evaluated whole (default: the run's held-out set); "
-                        "several: a block each, and their mean F1")
-    p.add_argument("--predictions", default="", metavar="OUT_JSONL", help="a JSON line per "
-                   "example: id, per-step P(correct), truth, predicted first error")
-    p.add_argument("--processbench", action="store_true",
-                   help="ProcessBench metrics without a first_error column (from the labels)")
-    p.add_argument("--tune-threshold", default="", metavar="DEV_FILE",
-                   help="use the threshold maximizing ProcessBench F1 on this set (never a "
-                        "--dataset; read with --format if given, else auto); its metrics: 'dev'")
-    p.add_argument("--best-of-n", action="store_true",
-                   help="best-of-N accuracy per method and N; a problem's candidates share its "
-                        "'group' (else their prompt); correctness: final_answer_correct")
-    p.add_argument("--best-of-n-draws", type=int, default=8, metavar="K",
-                   help="seeded shuffles (--seed) per N, each cut into disjoint sets of N")
-    add_fields(p, ScorerOptions)
+def build_eval_parser() -> Parser:
+    """eval.py's own flags, then the run settings it takes (each not given: the run's)."""
+    p = Parser(Options, ScorerOptions, description=__doc__)
     run = p.add_argument_group("run settings", "how to read and score the data; each not given "
                                "comes from the run's config.train.json (else config.json's 'prm', "
                                "else the training default)")
-    for name in SCORING:
-        add_field(run, Config.__dataclass_fields__[name], suppress=True)
+    p.add_fields(Config, SCORING, group=run)
     return p
 
 
@@ -84,17 +82,9 @@ def tuned_on_reported(tune: str, reported: list) -> list:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line; the run settings not given are absent from it."""
-    p = build_eval_parser()
-    args = p.parse_args(argv)
-    if "model" not in args:
-        p.error("--model is required: a train.py output or any 2-label token classifier")
-    if args.best_of_n_draws < 1:
-        p.error(f"--best-of-n-draws {args.best_of_n_draws}: must be at least 1")
-    if problem := predictions_problem(args.predictions):
-        p.error(problem)
-    for problem in tuned_on_reported(args.tune_threshold, args.datasets):
-        p.error(problem)
+    """The command line, its own flags checked; the run settings given are in `given`."""
+    args = build_eval_parser().parse_args(argv)
+    parsed(Options, args)
     return args
 
 
@@ -119,22 +109,22 @@ from prm.readers.sources import load_eval  # noqa: E402
 
 def settings(args: argparse.Namespace) -> tuple:
     """(Config, Options): given, else the run's config.train.json, else config.json's "prm"."""
-    given = dict(vars(args))
-    opts = Options(**{f.name: given.pop(f.name) for f in fields(Options) if f.name in given},
-                   scoring=parsed(ScorerOptions, args),
-                   tokenizer_given="tokenizer" in given, format_given="format" in given)
-    if os.path.isfile(os.path.join(args.model, FILE)):
-        base = Config.load(args.model).__dict__
+    given = {k: v for k, v in args.given.items() if k in SCORING}
+    vars(args).update(scoring=parsed(ScorerOptions, args), tokenizer_given="tokenizer" in given,
+                      format_given="format" in given)
+    opts = parsed(Options, args)
+    if os.path.isfile(os.path.join(opts.model, FILE)):
+        base = Config.load(opts.model).__dict__
     else:
         try:
             trust = given.get("trust_remote_code", False)
-            base = input_settings(AutoConfig.from_pretrained(args.model, trust_remote_code=trust))
+            base = input_settings(AutoConfig.from_pretrained(opts.model, trust_remote_code=trust))
         except Exception:  # unreadable: load_scorer says why
             base = {}
     if opts.datasets and "format" not in given:  # new files: format auto
         given["format"] = None
     # a model's code runs only if the command line says so; a LoRA base scores in fp32
-    fixed = {"trust_remote_code": False, "lora_base_dtype": "fp32"}
+    fixed = {"model": opts.model, "trust_remote_code": False, "lora_base_dtype": "fp32"}
     cfg = Config.from_dict({**base, **fixed, **given}).resolve()
     check([] if opts.datasets else
           tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset]))

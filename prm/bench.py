@@ -28,8 +28,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import AutoModel
 
 from prm.loading import hf_config_for, tokenizer_for
-from prm.cli import Parser, add_fields
-from prm.config import Config
+from dataclasses import dataclass
+
+from prm.cli import Parser
+from prm.config import Config, opt
 from prm.errors import PRMError, UsageError, exit_status
 from prm.tools.gpucheck import gpu_check
 from prm.readers.ingest import tokenize_dataset
@@ -53,19 +55,24 @@ MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padd
 REPORTED = ("group_by_length", "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
 
 
+@dataclass
+class BenchOptions:
+    """prm.bench's own flags; the rest are train.py's."""
+    steps: int = opt(20, "optimizer steps to time (= --max-steps)", dest="max_steps",
+                     section="benchmark")
+    repeats: int = opt(1, "fresh processes to run; medians are reported")
+    peak_tflops: float = opt(0.0, "bf16 dense peak for MFU (0: by name)")
+    peer_python: str = opt("", "python of a venv with trl==1.13.0 (runs the TRL peer)")
+    peer_script: str = opt("", "path to shared/tools/bench/trl_peer.py")
+    variants: str = opt("", "comma-separated, run side by side in fresh processes, each with the "
+                        f"given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
+    gpu_check: bool = opt(False, "the CUDA tests, then the variants on a random Qwen2-0.5B-shaped "
+                          "model (prm.tools.gpucheck; other flags ignored); exit 2 without CUDA")
+    dry_run: bool = opt(False, "with --gpu-check: all on the CPU at a tiny shape")
+
+
 def parser():
-    p = add_fields(Parser(description=__doc__.splitlines()[0]), Config)
-    arg = p.add_argument
-    arg("--steps", dest="max_steps", type=int, help="optimizer steps to time (= --max-steps)")
-    arg("--repeats", type=int, default=1, help="fresh processes to run; medians are reported")
-    arg("--peak-tflops", type=float, default=0.0, help="bf16 dense peak for MFU (0: by name)")
-    arg("--peer-python", default="", help="python of a venv with trl==1.13.0 (runs the TRL peer)")
-    arg("--peer-script", default="", help="path to shared/tools/bench/trl_peer.py")
-    arg("--variants", default="", help=f"comma-separated, run side by side in fresh processes, "
-        f"each with the given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
-    arg("--gpu-check", action="store_true", help="the CUDA tests, then the variants on a random "
-        "Qwen2-0.5B-shaped model (prm.tools.gpucheck; other flags ignored); exit 2 without CUDA")
-    arg("--dry-run", action="store_true", help="with --gpu-check: all on the CPU at a tiny shape")
+    p = Parser(Config, BenchOptions, description=__doc__.splitlines()[0])
     p.set_defaults(max_steps=20, eval_fraction=0.01, log_every=10**9, save_every=0, output_dir="")
     return p
 

@@ -1,5 +1,5 @@
-"""Config's command line (its fields as flags, also under underscore and TRL's / HF's names;
-one-line errors) and its --config files (YAML or JSON)."""
+"""Command lines from options dataclasses (prm.config.opt): one Parser, one translation of TRL's /
+HF's names for flags and train.py's --config files (YAML or JSON) alike, one-line errors."""
 import argparse
 import difflib
 import json
@@ -35,32 +35,22 @@ UNSUPPORTED = {name: why for names, why in [
 ] for name in names.split()}
 
 
-class Setter(argparse.Action):
-    """Sets its field to convert(value). nargs "?": a switch as HF's (`--x`, `--x false`,
-    `--no-x`); 0: one taking no value. A false switch leaves a value in keep alone (see Conv)."""
+REQUIRED = "(required)"  # the argparse default of a required flag (Parser.parse_args checks)
 
-    def __init__(self, option_strings, dest, *, convert, keep=(), **kw):
-        if kw.get("nargs") in ("?", 0):
-            option_strings = option_strings + ["--no-" + s[2:] for s in option_strings]
-        if kw.get("nargs") == "?":
-            kw.update(const="true", metavar="BOOL")
-        super().__init__(option_strings, dest, **kw)
-        self.convert, self.keep = convert, keep
+
+class Given(argparse.Action):
+    """Records (the name given, the field, its value) in the namespace's `given`, in order, for
+    translate(). A switch (nargs "?": `--x`, `--x false`, HF's; 0: no value) records a bool."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        try:
-            if self.nargs in ("?", 0):  # a switch
-                on = boolean("true" if self.nargs == 0 else values)
-                values = on != option_string.startswith("--no-")
-                current = getattr(namespace, self.dest, None)
-                if not values and current in self.keep:
-                    return
-                if values and current in self.keep:  # `--bf16 --fp16`, as HF
-                    raise ValueError("at most one of fp16 and bf16 can be true "
-                                     f"({self.dest} is {current} already)")
-            setattr(namespace, self.dest, self.convert(values))
-        except ValueError as e:
-            raise argparse.ArgumentError(self, str(e)) from None
+        name = option_string or self.dest
+        if self.nargs in ("?", 0):
+            try:
+                on = boolean("true" if values in (None, []) else values)
+            except ValueError as e:
+                raise argparse.ArgumentError(self, str(e)) from None
+            values, name = on != name.startswith("--no-"), name.replace("--no-", "--", 1)
+        namespace.given.append((name, self.dest, values))
 
 
 def nearest(name: str, names: list):
@@ -74,42 +64,113 @@ def nearest(name: str, names: list):
                  if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
 
 
-class Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an empty or escaped string default as its repr ('\\n'), not as a line break."""
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default as set: 'auto' for None where auto is a choice, a list as 1,4,16, an
+    escaped string as its repr ('\\n'); none for None or an empty list; required flags say so."""
 
     def _get_help_string(self, action):
-        text, default = super()._get_help_string(action), action.default
-        if isinstance(default, str) and not (default and default.isprintable()):
-            return text.replace(" (default: %(default)s)", " (default: %(default)r)")
-        return text
+        text, default = action.help or "", action.default
+        if default is REQUIRED:
+            return text + " (required)"
+        if default is None and "auto" in (action.choices or ()):
+            default = "auto"
+        if default is None or default is argparse.SUPPRESS or default in ((), []):
+            return text
+        if isinstance(default, (tuple, list)):
+            default = ",".join(map(str, default))
+        elif isinstance(default, str) and not (default and default.isprintable()):
+            default = repr(default)
+        return f"{text} (default: {str(default).replace('%', '%%')})"
 
 
 class Parser(argparse.ArgumentParser):
-    """A bad flag raises a one-line UsageError: an unsupported TRL/HF flag says what to do
-    instead, an unknown one names the nearest flag, a bad value its field's flag; a field set
-    under two names is refused. No abbreviations: with the aliases, a prefix often fits several."""
+    """The fields of options dataclasses (prm.config.opt) as flags: --field-name, also under its
+    underscore spelling and TRL names (--help lists the dashed ones). parse_args sets each field:
+    its default, else the value translate() reads from the flags given (also in `given`). A bad
+    flag raises a one-line UsageError: an unsupported TRL/HF flag says what to do instead, an
+    unknown one names the nearest flag. No abbreviations: with the aliases, a prefix often fits
+    several. Usage names the positionals and required flags."""
 
-    def __init__(self, usage: str = "%(prog)s [options]", **kw):
-        kw.setdefault("formatter_class", Formatter)
-        super().__init__(usage=usage, allow_abbrev=False, **kw)
+    def __init__(self, *classes, usage: str = None, **kw):
+        self.fields = {f.name: f for cls in classes for f in fields(cls) if "help" in f.metadata}
+        shown = [f.metadata.get("flag", flag(f.name)) + " " + f.name.upper()
+                 for f in self.fields.values() if f.metadata.get("required")]
+        shown += [f.name for f in self.fields.values() if f.metadata.get("positional")]
+        super().__init__(usage=usage or " ".join(["%(prog)s", *shown, "[options]"]),
+                         allow_abbrev=False, formatter_class=Formatter, **kw)
+        self.bare = any(f.metadata.get("positional") for f in self.fields.values())
+        for cls in classes:
+            self.add_fields(cls)
+
+    def add_fields(self, cls, names=None, group=None):
+        """cls's fields (those in names) as flags: on group, defaults not shown (none set them);
+        else with their defaults, a `section` starting a --help group."""
+        section = group or self
+        for f in fields(cls):
+            if "help" not in f.metadata or names is not None and f.name not in names:
+                continue
+            if "section" in f.metadata and group is None:
+                section = self.add_argument_group(f.metadata["section"])
+            self.add_field(section, f, shown=group is None)
+        self.fields.update({f.name: f for f in fields(cls) if names is None or f.name in names})
+
+    def add_field(self, group, f, shown: bool):
+        """Field f as --its-name (or its `flag`) and its TRL names; hidden: its underscore
+        spelling and each TRL name that converts (a Conv). A switch (a bool) takes true/false
+        unless a positional may follow it."""
+        meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type", "nargs",
+                                                                "metavar")}
+        dest = f.metadata.get("dest", f.name)
+        default = REQUIRED if f.metadata.get("required") else f.default
+        meta.update(action=Given, default=default if shown else argparse.SUPPRESS)
+        if kind(f) is bool:
+            meta.update(nargs=0) if self.bare else meta.update(nargs="?", metavar="BOOL")
+        elif kind(f) is tuple:  # 1,4,16; with nargs, a word per item
+            meta.setdefault("type", str if "nargs" in meta else comma_list(type(f.default[0])))
+        else:
+            meta.setdefault("type", kind(f))
+        if f.metadata.get("positional"):
+            meta.pop("required", None)
+            group.add_argument(dest, **meta)
+            return
+        trl = f.metadata.get("trl", ())
+        plain = [f.metadata.get("flag", "--" + f.name)[2:]] + [t for t in trl if isinstance(t, str)]
+        names = list(dict.fromkeys(map(flag, plain)))
+        hidden = dict(default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        # flag: how a bad value's error names the field, whichever name was given (a Conv's: as
+        # given, its value is not the field's)
+        spelled = [(names, meta), (["--" + n for n in plain if "--" + n not in names], hidden)]
+        spelled += [([flag(c.name), "--" + c.name], {**hidden, "type": str, "nargs": c.nargs,
+                                                      "choices": None, "flag": None})
+                    for c in trl if not isinstance(c, str)]
+        for spellings, more in spelled:
+            more = {"flag": names[0], **meta, **more}
+            if more.get("nargs") in ("?", 0):
+                spellings = spellings + ["--no-" + s[2:] for s in spellings]
+            if spellings:
+                shown = more.pop("flag")
+                group.add_argument(*dict.fromkeys(spellings), dest=dest, **more).flag = shown
 
     def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        parsed = super().parse_known_args(args, namespace)
-        # {a field's flag: the first of its names given}; one name given twice: the last wins
-        used = {}
-        for arg in (a.split("=")[0] for a in args if a.startswith("--")):
-            target = getattr(self._option_string_actions.get(arg), "flag", None)
-            name = arg.replace("--no-", "--", 1)  # a switch's --no- form is its own name
-            if target and used.setdefault(target, name) != name:
-                raise UsageError(f"{used[target]} and {name} both set {target}: give one")
-        return parsed
+        ns, rest = super().parse_known_args(args, argparse.Namespace(given=[]))
+        ns.given = translate(ns.given, self.fields)
+        vars(ns).update(ns.given)
+        return ns, rest
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's; a required flag missing is said after an unknown one."""
+        ns = super().parse_args(args, namespace)
+        missing = [flag(f.name) for f in self.fields.values()
+                   if f.metadata.get("required") and f.name not in ns.given]
+        if missing:
+            raise UsageError(f"{', '.join(missing)} {'are' if missing[1:] else 'is'} required")
+        return ns
 
     def error(self, message: str):
         # "argument --batch_size/--per_device_train_batch_size: ...": named as --help lists it
         bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
         action = self._option_string_actions.get(bad[1]) if bad else None
-        if hasattr(action, "flag"):
+        if getattr(action, "flag", None):
             raise UsageError(f"argument {action.flag}: {bad[2]}")
         unknown = [a for a in message.split()[2:] if a.startswith("-")]
         given = unknown[0].split("=")[0] if unknown and "unrecognized" in message else ""
@@ -125,49 +186,51 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def add_field(container, f, *, suppress: bool = False, switch_value: bool = True,
-              help: str = None):
-    """Field f (prm.config.opt) as --its-name on container (a parser or group); a Config field
-    also under its underscore spelling and `trl` names (--help lists the dashed ones). suppress:
-    an absent flag sets nothing. switch_value False: a switch takes no true/false, so a positional
-    may follow it. help: another text (argparse.SUPPRESS: hidden)."""
-    meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type", "required")}
-    meta.update({} if help is None else {"help": help})
-    # None is auto: a flag that takes the word auto shows it
-    default = "auto" if f.default is None and "auto" in meta.get("choices", ()) else f.default
-    default = argparse.SUPPRESS if suppress or default is None else default
-    if kind(f) is bool:
-        meta.update(action=Setter, convert=bool, nargs="?" if switch_value else 0)
-    else:
-        meta.setdefault("type", kind(f))
-    trl = f.metadata.get("trl")
-    plain = [f.name] + [t for t in trl or () if isinstance(t, str)]
-    dashed = list(dict.fromkeys(map(flag, plain)))
-    # flag: how errors name the field, whichever of its names was given
-    container.add_argument(*dashed, **meta, dest=f.name, default=default).flag = dashed[0]
-    hidden = dict(dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    underscored = [s for s in ("--" + n for n in plain) if s not in dashed and trl is not None]
-    if underscored:
-        container.add_argument(*underscored, **{**meta, **hidden}).flag = dashed[0]
-    for conv in (t for t in trl or () if not isinstance(t, str)):
-        spellings = dict.fromkeys(["--" + conv.name, flag(conv.name)])
-        container.add_argument(*spellings, action=Setter, convert=conv.convert, nargs=conv.nargs,
-                               keep=conv.keep, **hidden)
+def comma_list(kind):
+    """A comma list's items as kind, in a tuple: --n 1,4,16."""
+    def comma_list(text: str) -> tuple:  # argparse's error names it
+        return tuple(kind(x.strip()) for x in text.split(","))
+    return comma_list
 
 
-def add_fields(parser, cls, **kw) -> argparse.ArgumentParser:
-    """Each field of the dataclass cls as a flag (add_field with kw); a `section` starts a group."""
-    group = parser
-    for f in fields(cls):
-        if "section" in f.metadata:
-            group = parser.add_argument_group(f.metadata["section"])
-        add_field(group, f, **kw)
-    return parser
+def translate(pairs: list, known: dict, where: str = "") -> dict:
+    """{field: value} of (name given, field, value) from flags or a file (where: '--config FILE: '
+    for a file, whose values are checked against their fields too), in order. ALIASES translates
+    TRL/HF names; a precision switch (--bf16 / --fp16) acts on the dtype so far; a field set
+    under two names is refused, one name given twice: the last wins."""
+    def fail(what: str):
+        raise UsageError(where + what)
+    out, named = {}, {}
+    for name, dest, value in pairs:
+        plain = name.strip("'-").replace("-", "_")  # '--learning-rate' or "'learning_rate'"
+        if plain in UNSUPPORTED:
+            if where and value in (None, False):  # `push_to_hub: false` asks nothing
+                continue
+            fail(f"{name} is not supported: {UNSUPPORTED[plain]}")
+        dest, conv = ALIASES.get(plain, (dest, None))
+        if dest not in known:
+            near = nearest(plain, list(known) + list(ALIASES))
+            fail(f"unknown key {name}" + (f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)"
+                                          if near else ""))
+        try:
+            if conv:
+                value = conv.convert(boolean(value) if conv.nargs == "?" else value)
+            value = checked_value(known[dest], value) if where else value
+        except ValueError as e:
+            fail(f"{name}: {e}" if conv else str(e))
+        if conv and conv.keep and out.get(dest) in conv.keep:  # `--bf16 --fp16 false`: bf16
+            if value != "fp32":
+                fail(f"at most one of fp16 and bf16 can be true ({dest} is {out[dest]} already)")
+            continue
+        if not (conv and conv.keep) and named.setdefault(dest, name) != name:
+            fail(f"{named[dest]} and {name} both set {flag(dest)}: give one")
+        out[dest] = value
+    return out
 
 
 def parsed(cls, args):
-    """The dataclass cls of a command line parsed with add_fields(parser, cls)."""
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+    """The dataclass cls of a command line parsed by a Parser holding its fields."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def writable(path: str) -> bool:
@@ -214,10 +277,9 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 def read_config_file(path: str) -> dict:
     """{field: value} from a YAML or JSON file keyed by any of the flags' spellings."""
-    def fail(what: str):
-        raise UsageError(f"--config {path}: {what}")
+    where = f"--config {path}: "
     if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() for ever
-        fail("not a regular file")
+        raise UsageError(where + "not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
             if path.endswith(".json"):
@@ -225,61 +287,29 @@ def read_config_file(path: str) -> dict:
             else:
                 data = yaml.load(f, BoundedLoader)
     except yaml.YAMLError as e:
-        fail(yaml_problem(e))
+        raise UsageError(where + yaml_problem(e)) from None
     except (OSError, ValueError, RecursionError) as e:  # json's decode error: a ValueError
-        fail(str(e))
-    if not isinstance(data, dict):
-        return {} if data is None else fail(
-            f"expected a mapping of settings, got {type(data).__name__}")
-    by_name, out, settled_later = Config.__dataclass_fields__, {}, []
-    for key, value in data.items():
-        plain = str(key).replace("-", "_")
-        name, conv = ALIASES.get(plain, (plain, None))
-        if name in UNSUPPORTED and value in (None, False):  # `push_to_hub: false` asks nothing
-            continue
-        if name in UNSUPPORTED:
-            fail(f"'{key}' is not supported: {UNSUPPORTED[name]}")
-        if name not in by_name:
-            near = nearest(name, list(by_name) + list(ALIASES))
-            meant = f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)" if near else ""
-            fail(f"unknown key {preview(key)}{meant}")
-        try:
-            on = boolean(value) if conv and conv.nargs == "?" else None
-            value = conv.convert(value if on is None else on) if conv else value
-            value = checked_value(by_name[name], value)
-        except ValueError as e:
-            fail(f"'{key}': {e}" if conv else str(e))
-        if on is False and conv.keep:  # `bf16: true` and `fp16: false`, in either order, mean bf16
-            settled_later.append((key, name, value, conv.keep))
-            continue
-        if name in out:  # lr and learning_rate both given
-            fail(f"'{key}' sets '{name}' a second time")
-        out[name] = value
-    for key, name, value, keep in settled_later:  # "not fp16" agrees with fp32 and bf16
-        if out.setdefault(name, value) not in keep + (value,):
-            fail(f"'{key}' sets '{name}' a second time")
-    return out
+        raise UsageError(where + str(e)) from None
+    if data is not None and not isinstance(data, dict):
+        raise UsageError(where + f"expected a mapping of settings, got {type(data).__name__}")
+    pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in (data or {}).items()]
+    return translate(pairs, Config.__dataclass_fields__, where)
 
 
 def parse_config(argv=None) -> Config:
     """train.py's command line, resolved: flags given win over --config FILE, then defaults."""
-    p = add_fields(Parser(description="Train a process reward model. Every flag also takes its "
-                          "underscore spelling (--max_length) and, where it has one, TRL's name "
-                          "(--learning_rate)."), Config)
+    p = Parser(Config, description="Train a process reward model. Every flag also takes its "
+               "underscore spelling (--max_length) and, where it has one, TRL's name "
+               "(--learning_rate).")
     p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, "
                    "keys as in config.train.json; flags given here override it")
-    unset = object()  # left alone by argparse when its flag is absent
-    ns = argparse.Namespace(**{a.dest: unset for a in p._actions if a.dest != "help"})
-    ns = p.parse_args(argv, ns)
-    # the flags written, not the defaults
-    given = {k: v for k, v in vars(ns).items() if v is not unset}
-    path = given.pop("config", "")
-    from_file = read_config_file(path) if path else {}
+    args = p.parse_args(argv)
+    from_file = read_config_file(args.config) if args.config else {}
     for key in ("overwrite", "trust_remote_code", "resume"):  # command line only
         if from_file.pop(key, False):
-            print(f"note: --config {path}: {key} ignored: only {flag(key)} on the command line "
-                  "sets it", file=sys.stderr)
-    cfg = Config(**{**from_file, **given}).resolve()
+            print(f"note: --config {args.config}: {key} ignored: only {flag(key)} on the command "
+                  "line sets it", file=sys.stderr)
+    cfg = Config(**{**from_file, **args.given}).resolve()
     out_ok = cfg.output_dir and writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
     check([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"])
     return cfg

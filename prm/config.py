@@ -1,5 +1,5 @@
-"""Config: every training/eval setting, each field's rules in its metadata (see _opt); resolve()
-checks them and fills in the auto ones. Flags and --config files: prm.cli."""
+"""The options dataclasses' fields (opt: help, choices, bounds) and Config, every training/eval
+setting; resolve() checks it and fills in the auto ones. Flags and --config files: prm.cli."""
 import collections
 import contextlib
 import dataclasses
@@ -72,16 +72,60 @@ def target_list(value) -> str:
     return "*" if names == ["all-linear"] else ",".join(names)
 
 
-def opt(default, help, **kw):
-    """A field of an options dataclass and its flag (prm.cli.add_fields): help; add_argument's
-    choices, type, required; section: starts a --help group."""
-    return field(default=default, metadata={"help": help, **kw})
-
-
-def _opt(default, help, *, rules: str = "", trl=(), **kw):
-    """An opt with its rules (words of RULES); trl: its TRL / HF names (a Conv converts)."""
+def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like=None, **kw):
+    """A field of an options dataclass and its flag (prm.cli.Parser). help, and argparse's
+    choices, type, required, nargs, metavar; check: (test, why) pairs its value must pass (a
+    tuple value: each item); section: starts a --help group; flag: another name than --field-name;
+    positional; rules: words of RULES; trl: its TRL / HF names (a Conv converts). like: a field
+    of another class whose default and metadata this one takes, kw replacing them."""
     assert set(rules.split()) <= RULES, rules
-    return opt(default, help, rules=frozenset(rules.split()), trl=trl, **kw)
+    meta = dict(help=help, rules=frozenset(rules.split()), trl=trl, check=check, **kw)
+    if like is not None:
+        default, meta = like.default, {**like.metadata, **{k: v for k, v in meta.items() if v}}
+    return field(default=default, metadata=meta)
+
+
+def bound(test: Callable, why: str) -> tuple:
+    """A check of opt: a value failing test is refused with why."""
+    return ((test, why),)
+
+
+def at_least(n) -> tuple:
+    return bound(lambda v: v >= n, f"must be >= {n}")
+
+
+def within(lo, hi, ends: str = "[]") -> tuple:
+    """lo to hi, each end closed ([ ]) or open (( ))."""
+    return bound(lambda v: (lo <= v if ends[0] == "[" else lo < v) and
+                 (v <= hi if ends[1] == "]" else v < hi), f"must be in {ends[0]}{lo}, {hi}{ends[1]}")
+
+
+def not_empty(why: str) -> tuple:
+    return bound(lambda v: v != "", "must not be empty: " + why)
+
+
+FINITE = bound(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")  # NaN fails too
+WHOLE = bound(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)")  # inf % 1: nan
+LARGEST = bound(lambda v: v <= 2 ** 24, "must be at most 2^24")  # beyond: index lists overflow
+
+
+def field_problems(options) -> list:
+    """Every field value of the dataclass instance failing a check of its opt, one line each."""
+    out = []
+    for f in fields(options):
+        value = getattr(options, f.name)
+        for test, why in f.metadata.get("check", ()):
+            for v in value if isinstance(value, (tuple, list)) else [value]:
+                if v is not None and not test(v):  # None: auto
+                    out.append(f"{flag(f.name)} {preview(v)}: {why}")
+    return out
+
+
+class Checked:
+    """An options dataclass refusing values its fields' checks fail (UsageError naming each)."""
+
+    def __post_init__(self):
+        check(field_problems(self))
 
 
 def _switch(name: str, other: str) -> Conv:
@@ -91,142 +135,143 @@ def _switch(name: str, other: str) -> Conv:
 
 @dataclass
 class Config:
-    model: str = _opt(
+    model: str = opt(
         "tiny", "hub id, local dir, or 'tiny' (a small random decoder, offline)",
         trl=("model_name_or_path",), section="model and data")
-    tokenizer: str = _opt("", "tokenizer path/id; default: the model's own", rules="scoring")
-    dataset: str = _opt(
+    tokenizer: str = opt("", "tokenizer path/id; default: the model's own", rules="scoring")
+    dataset: str = opt(
         "synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
         "directory", rules="rows", trl=("dataset_name",))
-    eval_dataset: str = _opt(
+    eval_dataset: str = opt(
         "", "held-out data; default: --eval-split or an --eval-fraction share", rules="rows")
-    dataset_config: str = _opt("", "hub dataset config name", rules="scoring")
-    train_split: str = _opt(
+    dataset_config: str = opt("", "hub dataset config name", rules="scoring")
+    train_split: str = opt(
         "train", "split used for training", rules="rows", trl=("dataset_train_split",))
-    eval_split: str = _opt(
+    eval_split: str = opt(
         "test", "split used for evaluation when the dataset has it", rules="rows scoring",
         trl=("dataset_test_split",))
-    eval_fraction: float = _opt(
-        0.05, "share held out (split by prompt) without an eval split", rules="rows")
-    format: Optional[str] = _opt(
+    eval_fraction: float = opt(
+        0.05, "share held out (split by prompt) without an eval split", rules="rows", check=within(0, 1, "()"))
+    format: Optional[str] = opt(
         None, "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
-    eval_format: Optional[str] = _opt(
+    eval_format: Optional[str] = opt(
         None, "input format of --eval-dataset", rules="rows", choices=FORMATS)
-    neutral_label: str = _opt(
+    neutral_label: str = opt(
         "negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop (unlabeled "
         "context)", rules="rows scoring", choices=["positive", "negative", "drop"])
-    skip_invalid: bool = _opt(
+    skip_invalid: bool = opt(
         False, "drop invalid rows (and report how many), not exit 2", rules="rows scoring")
-    num_proc: Optional[int] = _opt(
+    num_proc: Optional[int] = opt(
         None, "tokenization processes (default, or 0: one per CPU core up to 8 from 20,000 "
-        "rows, else 1)", rules="change scoring", trl=("dataset_num_proc",))
-    synthetic_size: int = _opt(32000, "rows of the synthetic default")
-    output_dir: str = _opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
-    overwrite: bool = _opt(
+        "rows, else 1)", rules="change scoring", trl=("dataset_num_proc",), check=at_least(0))
+    synthetic_size: int = opt(32000, "rows of the synthetic default", check=at_least(1))
+    output_dir: str = opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
+    overwrite: bool = opt(
         False, "replace the run in --output-dir (command line only)", rules="change")
-    max_length: int = _opt(
+    max_length: int = opt(
         1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
-        section="tokenization")
-    max_completion_length: int = _opt(
+        section="tokenization", check=at_least(1))
+    max_completion_length: int = opt(
         0, "tokens of the steps (whole steps), applied before --max-length; 0: no separate cap",
-        rules="scoring")
-    step_separator: str = _opt(
+        rules="scoring", check=at_least(0))
+    step_separator: str = opt(
         "\n", "text appended to every step (escapes like \\n understood); its last token "
-        "carries the step's label", rules="scoring", type=unescape)
-    train_on_last_step_only: bool = _opt(False, "in training, keep only the last step's label")
-    cut_after_first_error: bool = _opt(
+        "carries the step's label", rules="scoring", type=unescape, check=not_empty("its last token carries the label"))
+    train_on_last_step_only: bool = opt(False, "in training, keep only the last step's label")
+    cut_after_first_error: bool = opt(
         False, "in training, end each solution at its first wrong step", rules="rows")
-    max_steps: int = _opt(
+    max_steps: int = opt(
         -1, "optimizer steps; -1 means --epochs full passes", rules="change",
-        section="optimization")
-    epochs: float = _opt(
+        section="optimization", check=bound(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1"))
+    epochs: float = opt(
         1.0, "data passes if --max-steps is -1; a pass's last global batch is filled up to a "
         "full batch: some examples train twice a pass", rules="change",
-        trl=("num_train_epochs",))
-    batch_size: Optional[int] = _opt(
+        trl=("num_train_epochs",), check=bound(lambda v: 0 < v < 2 ** 31, "must be > 0 and below 2^31"))
+    batch_size: Optional[int] = opt(
         None, "examples per device per micro-batch (default, or 0: 32 for 'tiny', else 8)",
-        rules="change", trl=("per_device_train_batch_size",))
-    grad_accum: int = _opt(
+        rules="change", trl=("per_device_train_batch_size",), check=at_least(0) + LARGEST)
+    grad_accum: int = opt(
         1, "micro-batches per optimizer step", rules="change",
-        trl=("gradient_accumulation_steps",))
-    lr: Optional[float] = _opt(
+        trl=("gradient_accumulation_steps",), check=at_least(1) + LARGEST)
+    lr: Optional[float] = opt(
         None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' preset, "
-        "else 1e-4 with LoRA, 1e-5 without)", trl=("learning_rate",))
-    lr_scheduler_type: str = _opt(
+        "else 1e-4 with LoRA, 1e-5 without)", trl=("learning_rate",), check=FINITE)
+    lr_scheduler_type: str = opt(
         "cosine_with_min_lr", "decay after warmup, as HF's schedules (cosine_with_min_lr: to "
         "10%% of --lr)", choices=SCHEDULES)
-    warmup_steps: float = _opt(0, "linear warmup steps; below 1: --warmup-ratio")
-    warmup_ratio: float = _opt(0.0, "warmup share of all steps if --warmup-steps is 0")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    adam_beta1: float = _opt(0.9, "AdamW beta1")
-    adam_beta2: float = _opt(0.95, "AdamW beta2 (HF's default: 0.999)")
-    adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
-    max_grad_norm: float = _opt(1.0, "gradient clipping norm; 0 disables", rules="change")
-    dtype: Optional[str] = _opt(
+    warmup_steps: float = opt(0, "linear warmup steps; below 1: --warmup-ratio", check=at_least(0) + WHOLE)
+    warmup_ratio: float = opt(0.0, "warmup share of all steps if --warmup-steps is 0", check=within(0, 1))
+    weight_decay: float = opt(0.0, "AdamW weight decay", check=FINITE)
+    adam_beta1: float = opt(0.9, "AdamW beta1", check=within(0, 1, "[)"))
+    adam_beta2: float = opt(0.95, "AdamW beta2 (HF's default: 0.999)", check=within(0, 1, "[)"))
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon", check=FINITE)
+    max_grad_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rules="change", check=FINITE)
+    dtype: Optional[str] = opt(
         None, "autocast dtype; auto: bf16 where the device has it natively, else fp32. TRL's "
         "--bf16 / --fp16 [BOOL] and --torch_dtype set it too", rules="scoring",
         choices=["auto", "fp32", "bf16", "fp16"],
         trl=(_switch("bf16", "fp16"), _switch("fp16", "bf16"), Conv("torch_dtype", torch_dtype)))
-    gradient_checkpointing: bool = _opt(
+    gradient_checkpointing: bool = opt(
         False, "save memory by recomputing activations", rules="change")
-    fsdp: bool = _opt(
+    fsdp: bool = opt(
         False, "under torchrun, shard weights, gradients and AdamW state over the ranks (FSDP2), "
         "not copy them (DDP)")
-    group_by_length: bool = _opt(True, "batch similar lengths (less padding), reproducible by seed")
-    compile: bool = _opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
-    packing: bool = _opt(
+    group_by_length: bool = opt(True, "batch similar lengths (less padding), reproducible by seed")
+    compile: bool = opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
+    packing: bool = opt(
         True, "padding-free micro-batches: examples back to back in one row, each attending to "
         "itself; decoders only", rules="change scoring")
-    pack_to: int = _opt(
+    pack_to: int = opt(
         0, "with --packing, pad rows to a multiple of N tokens (shapes repeat); 0: none",
-        rules="change")
-    seed: int = _opt(0, "seed for init, data order and dropout", rules="rows scoring")
-    disable_dropout: bool = _opt(True, "set the backbone's dropout to 0 for training, as TRL does")
-    lora_r: int = _opt(
+        rules="change", check=at_least(0))
+    seed: int = opt(0, "seed for init, data order and dropout", rules="rows scoring")
+    disable_dropout: bool = opt(True, "set the backbone's dropout to 0 for training, as TRL does")
+    lora_r: int = opt(
         0, "LoRA rank; 0 trains every weight",
-        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully")
-    use_peft: Optional[bool] = _opt(
+        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully", check=at_least(0))
+    use_peft: Optional[bool] = opt(
         None, "TRL's switch: true: LoRA (rank 16 if --lora-r is 0); false: full fine-tuning; "
         "unset: --lora-r decides", rules="change")
-    lora_alpha: Optional[float] = _opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)")
-    lora_dropout: float = _opt(0.0, "dropout on the LoRA branch's input")
-    lora_targets: str = _opt(
+    lora_alpha: Optional[float] = opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)", check=FINITE)
+    lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input", check=within(0, 1, "[)"))
+    lora_targets: str = opt(
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated glob "
         "patterns of linear layers' full or last names; TRL's --lora_target_modules takes a "
         "list, all-linear for every one", trl=(Conv("lora_target_modules", target_list, "+"),))
-    lora_base_dtype: str = _opt(
+    lora_base_dtype: str = opt(
         "fp32", "dtype of the frozen base under LoRA; bf16 halves its memory and needs bf16 "
         "autocast", choices=["fp32", "bf16"])
-    eval_every: int = _opt(
+    eval_every: int = opt(
         0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
-        trl=("eval_steps",), section="evaluation, logging, checkpoints")
-    eval_strategy: Optional[str] = _opt(
+        trl=("eval_steps",), section="evaluation, logging, checkpoints", check=at_least(0))
+    eval_strategy: Optional[str] = opt(
         None, "steps (every --eval-every, else --log-every), epoch or no; default: steps with "
         "--eval-every, else no", rules="change", choices=["steps", "epoch", "no"])
-    eval_batch_size: Optional[int] = _opt(
+    eval_batch_size: Optional[int] = opt(
         None, "examples per device (default, or 0: 2 x --batch-size)", rules="change scoring",
-        trl=("per_device_eval_batch_size",))
-    threshold: float = _opt(
-        0.5, "predict a step correct when P(correct) >= this", rules="change scoring")
-    log_every: int = _opt(
-        10, "log (and metrics.jsonl) every N steps", rules="change", trl=("logging_steps",))
-    disable_tqdm: bool = _opt(False, "no progress bars", rules="change scoring")
-    report_to: str = _opt(
+        trl=("per_device_eval_batch_size",), check=at_least(0))
+    threshold: float = opt(
+        0.5, "predict a step correct when P(correct) >= this", rules="change scoring", check=within(0, 1))
+    log_every: int = opt(
+        10, "log (and metrics.jsonl) every N steps", rules="change", trl=("logging_steps",), check=at_least(1))
+    disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
+    report_to: str = opt(
         "none", "also send the metrics and the config to TensorBoard (<output-dir>/tensorboard) "
         "or Weights & Biases", rules="change", choices=["none", "tensorboard", "wandb"])
-    run_name: str = _opt(
+    run_name: str = opt(
         "", "name in TensorBoard / W&B; default: the output directory's", rules="change")
-    save_every: int = _opt(
-        0, "write a checkpoint every N steps (0: never)", rules="change", trl=("save_steps",))
-    save_strategy: Optional[str] = _opt(
+    save_every: int = opt(
+        0, "write a checkpoint every N steps (0: never)", rules="change", trl=("save_steps",), check=at_least(0))
+    save_strategy: Optional[str] = opt(
         None, "steps (every --save-every, else 500), epoch or no; default: steps with "
         "--save-every, else no", rules="change", choices=["steps", "epoch", "no"])
-    keep_last: int = _opt(
-        2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",))
-    resume: str = _opt(
+    keep_last: int = opt(
+        2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",), check=at_least(0))
+    resume: str = opt(
         "", "checkpoint directory to continue from, or 'auto' for the newest complete one; "
-        "command line only", rules="change", trl=("resume_from_checkpoint",))
-    trust_remote_code: bool = _opt(
+        "command line only", rules="change", trl=("resume_from_checkpoint",), check=bound(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
+        "directory or 'auto' (the newest complete one in --output-dir: HF's true)"))
+    trust_remote_code: bool = opt(
         False, "allow hub models' own code (command line only)", rules="change scoring")
 
     def __post_init__(self):
@@ -268,41 +313,15 @@ class Config:
         return steps[getattr(self, kind + "_strategy")]
 
     def problems(self) -> list:
-        """Every setting that cannot work, one line each."""
-        out = []
-
-        def need(test, what: str, *names):
-            for name in names:
-                value = getattr(self, name)
-                if value is not None and not test(value):  # None: auto
-                    out.append(f"{flag(name)} {preview(value)}: {what}")
-
-        need(lambda v: v >= 0, "must be >= 0", "batch_size", "eval_batch_size", "warmup_steps",
-             "max_completion_length", "eval_every", "save_every", "keep_last", "lora_r",
-             "pack_to", "num_proc")
-        need(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)",  # inf % 1: nan
-             "warmup_steps")
-        need(lambda v: v >= 1, "must be >= 1", "grad_accum", "max_length", "log_every",
-             "synthetic_size")
-        need(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0", "lr",
-             "weight_decay", "max_grad_norm", "lora_alpha", "adam_epsilon")  # NaN fails every test
-        need(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1", "max_steps")
-        # beyond: an overflow in the step count or the batches' index lists
-        need(lambda v: 0 < v < 2 ** 31, "must be > 0 and below 2^31", "epochs")
-        need(lambda v: v <= 2 ** 24, "must be at most 2^24", "batch_size", "grad_accum")
-        need(lambda v: 0 <= v < 1, "must be in [0, 1)", "lora_dropout", "adam_beta1", "adam_beta2")
-        need(lambda v: 0 <= v <= 1, "must be in [0, 1]", "threshold", "warmup_ratio")
-        need(lambda v: 0 < v < 1, "must be in (0, 1)", "eval_fraction")
-        need(lambda v: v != "", "must not be empty: its last token carries the label",
-             "step_separator")
-        need(lambda v: not (self.fsdp and v == "fp16"),
-             "fp16 loss scaling is not supported with --fsdp: use bf16", "dtype")
-        need(lambda v: v == "fp32" or self.lora_rank() > 0 and self.dtype in ("bf16", None),
-             "bf16 needs --lora-r > 0 and bf16 autocast (--dtype bf16 or auto)", "lora_base_dtype")
-        need(lambda v: v != "constant" or not (self.warmup_steps or self.warmup_ratio),
-             "takes no warmup: use constant_with_warmup", "lr_scheduler_type")
-        need(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
-             "directory or 'auto' (the newest complete one in --output-dir: HF's true)", "resume")
+        """Every setting that cannot work, one line each: each field's checks, then the pairs'."""
+        out = field_problems(self)
+        if self.fsdp and self.dtype == "fp16":
+            out.append("--dtype 'fp16': fp16 loss scaling is not supported with --fsdp: use bf16")
+        if self.lora_base_dtype == "bf16" and not (self.lora_rank() and self.dtype in ("bf16", None)):
+            out.append("--lora-base-dtype 'bf16': bf16 needs --lora-r > 0 and bf16 autocast "
+                       "(--dtype bf16 or auto)")
+        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
+            out.append("--lr-scheduler-type 'constant': takes no warmup: use constant_with_warmup")
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:

@@ -4,30 +4,40 @@ import json
 import os
 import sys
 
-from prm.cli import Parser, add_field
-from prm.config import Config
+from dataclasses import dataclass
+
+from prm.cli import Parser
+from prm.config import Config, opt
 from prm.errors import UsageError, WriteFailed, check, exit_status, overwrites
 from prm.files import write_lines
 from prm.readers.sources import read_rows
 
 
+RUN = Config.__dataclass_fields__  # the run settings convert shares
+
+
+@dataclass
+class ConvertOptions:
+    input: str = opt("", "a hub dataset name, a .jsonl/.json/.parquet file, or a directory",
+                     positional=True)
+    output: str = opt("-", "a .jsonl file; '-': stdout", positional=True, nargs="?")
+    format: str = opt(like=RUN["format"])
+    neutral_label: str = opt(like=RUN["neutral_label"])
+    skip_invalid: bool = opt(like=RUN["skip_invalid"])
+    dataset_config: str = opt(like=RUN["dataset_config"])
+    split: str = opt("train", "hub split to convert")
+
+
 def main(argv=None):
-    opts = Config.__dataclass_fields__
-    p = Parser(usage="%(prog)s input [output] [options]", description=(
+    p = Parser(ConvertOptions, usage="%(prog)s input [output] [options]", description=(
         "Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, labels; null = "
         "unlabeled step), validating every row. Pre-tokenized rows (input_ids, labels) pass "
         "through validated, right padding stripped."))
-    p.add_argument("input", help=opts["dataset"].metadata["help"].replace("'synthetic', ", ""))
-    p.add_argument("output", nargs="?", default="-", help="a .jsonl file; '-': stdout")
-    names = ("format", "neutral_label", "skip_invalid", "dataset_config")
-    for name in names:
-        # `--skip-invalid INPUT`: INPUT is not its value
-        add_field(p, opts[name], switch_value=False)
-    p.add_argument("--split", default="train", help="hub split to convert")
     with exit_status():
         a = p.parse_args(argv)
         check(overwrites([("output", a.output)], [("input", a.input)]))
-        cfg = Config(**{k: getattr(a, k) for k in names})
+        cfg = Config(**{k: getattr(a, k) for k in ("format", "neutral_label", "skip_invalid",
+                                                   "dataset_config")})
         _write(read_rows(a.input, a.split, cfg), a.output)
 
 

@@ -15,52 +15,70 @@ from types import SimpleNamespace
 
 import regex
 
-from prm.cli import Parser, add_fields, parsed
-from prm.config import opt, unescape
+from prm.cli import Parser, parsed
+from prm.config import Checked, at_least, bound, not_empty, opt, unescape, within
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
 from prm.files import locked, write_lines
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, _sources
 
 
+def is_regex(text: str) -> bool:
+    try:
+        regex.compile(text)
+    except regex.error:
+        return False
+    return True
+
+
+def importable(checker: str) -> bool:
+    """Whether the checker's package imports (math-verify needs its own)."""
+    try:
+        if checker == "math-verify":
+            import math_verify  # noqa: F401 (judge uses it)
+    except ImportError:
+        return False
+    return True
+
+
 @dataclasses.dataclass
-class LabelOptions:
-    """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused."""
-    rollouts: int = opt(8, "continuations rolled out from each step's prefix")
+class LabelOptions(Checked):
+    """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused. Each
+    check refuses what would fail only after the policy loads."""
+    rollouts: int = opt(8, "continuations rolled out from each step's prefix", check=at_least(1))
     label: str = opt("soft", "soft: the share of right rollouts; hard: 1 if any",
                      choices=["soft", "hard"])
     search: str = opt("all", "all: roll out every step's prefix; binary: search the first step no "
                       "rollout rescues (1 before, 0 at, null after)", choices=["all", "binary"])
-    samples: int = opt(4, "solutions sampled for a row without 'completions'")
+    samples: int = opt(4, "solutions sampled for a row without 'completions'", check=at_least(1))
     step_separator: str = opt("\n", "what ends each step (escapes such as \\n understood)",
-                              type=unescape)
+                              type=unescape, check=not_empty("it ends each step"))
     answer_field: str = opt("answer", "the column of the reference final answer")
     answer_pattern: str = opt("", "regex whose last match (its first group that took part) is the "
-                              "answer; default: the last \\boxed{}, 'the answer is ...' or number")
+                              "answer; default: the last \\boxed{}, 'the answer is ...' or number",
+                              check=bound(is_regex, "not a regular expression"))
     checker: str = opt("exact", "exact: normalized match; or math-verify",
-                       choices=["exact", "math-verify"])
+                       choices=["exact", "math-verify"], check=bound(importable, "needs the "
+                       "math-verify package: pip install 'math-verify[antlr4_13_2]'"))
     seed: int = opt(0, "each row is seeded from it and the row's index")
     policy: str = opt("", "the model rolled out (a hub name or folder)", required=True)
-    temperature: float = opt(0.7, "sampling temperature; 0: greedy")
-    top_p: float = opt(1.0, "nucleus sampling share")
-    max_new_tokens: int = opt(512, "tokens per rollout or sampled solution")
-    batch_size: int = opt(16, "sequences per generate call")
+    temperature: float = opt(0.7, "sampling temperature; 0: greedy", check=at_least(0))
+    top_p: float = opt(1.0, "nucleus sampling share", check=within(0, 1, "(]"))
+    max_new_tokens: int = opt(512, "tokens per rollout or sampled solution", check=at_least(1))
+    batch_size: int = opt(16, "sequences per generate call", check=at_least(1))
 
-    def __post_init__(self):
-        """Refuses what would fail only after the policy loads."""
-        try:
-            regex.compile(self.answer_pattern)
-        except regex.error as e:
-            raise UsageError(f"--answer-pattern {self.answer_pattern!r}: not a regular "
-                             f"expression ({e})") from None
-        check([] if self.step_separator else
-              ["--step-separator must not be empty: it ends each step"])
-        if self.checker == "math-verify":
-            try:
-                import math_verify  # noqa: F401 (judge uses it)
-            except ImportError:
-                raise UsageError("--checker math-verify needs the math-verify package: "
-                                 "pip install 'math-verify[antlr4_13_2]'") from None
+
+@dataclasses.dataclass
+class LabelRun(Checked):
+    """prm.label's other flags: where rows come from and go."""
+    dataset: str = opt("", "a .jsonl/.json/.parquet file or folder", required=True)
+    output: str = opt("", "the .jsonl written; a rerun resumes it", required=True)
+    shard: str = opt("0/1", "i/n: every n-th row from the i-th; no --shard merges",
+                     check=bound(lambda v: bool(re.fullmatch(r"\d+/\d+", v)) and
+                                 int(v.split("/")[0]) < int(v.split("/")[1]),
+                                 "expected i/n with 0 <= i < n"))
+    skip_invalid: bool = opt(False, "leave out invalid rows")
+    trust_remote_code: bool = opt(False, "run the policy's code")
 
 
 def extract_answer(text: str, pattern: str = ""):
@@ -384,27 +402,14 @@ class Generator:
 
 def main(argv=None):
     with exit_status():  # a bad flag too: one line and exit status 2
-        p = Parser(prog="python -m prm.label",
+        p = Parser(LabelRun, LabelOptions, prog="python -m prm.label",
                    description="Label solution steps by Monte-Carlo policy rollouts.")
-        p.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file or folder")
-        p.add_argument("--output", required=True, help="the .jsonl written; a rerun resumes it")
-        p.add_argument("--shard", default="0/1",
-                       help="i/n: every n-th row from the i-th; no --shard merges")
-        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows")
-        p.add_argument("--trust-remote-code", action="store_true", help="run the policy's code")
-        a = add_fields(p, LabelOptions).parse_args(argv)
-        if not (m := re.fullmatch(r"(\d+)/(\d+)", a.shard)) or int(m.group(1)) >= int(m.group(2)):
-            p.error(f"--shard {a.shard}: expected i/n with 0 <= i < n")
-        if min(a.rollouts, a.samples, a.batch_size, a.max_new_tokens) < 1:
-            p.error("--rollouts, --samples, --batch-size and --max-new-tokens must be at least 1")
-        # else transformers refuses after the policy loads
-        if not (a.temperature >= 0 and 0 < a.top_p <= 1):
-            p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} "
-                    "in (0, 1]")
+        a = p.parse_args(argv)
+        parsed(LabelRun, a)
+        opts = parsed(LabelOptions, a)
         check(overwrites([("--output", a.output)],
                          [("--dataset", a.dataset), ("--policy", a.policy)]))
-        opts = parsed(LabelOptions, a)
-        shard, shards = map(int, m.groups())
+        shard, shards = map(int, a.shard.split("/"))
         import torch
         import torch.distributed as dist
         from prm.core.runtime import setup, teardown

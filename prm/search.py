@@ -10,8 +10,8 @@ import statistics
 import sys
 import time
 
-from prm.cli import Parser, add_fields, parsed
-from prm.config import opt
+from prm.cli import Parser, parsed
+from prm.config import Checked, at_least, bound, opt
 from prm.core.metrics import AGGREGATES, solution_score
 from prm.errors import Stopped, UsageError, check, exit_status
 from prm.label import (Generator, LabelOptions, check_settings, extract_answer, finished,
@@ -25,59 +25,56 @@ COSTS = ("policy_tokens", "prm_tokens", "seconds")
 Problem = collections.namedtuple("Problem", "index row text right")
 
 
-def _shared(name: str, **meta):
-    """prm.label's option `name`: its flag and default (meta: what differs)."""
-    f = LabelOptions.__dataclass_fields__[name]
-    return dataclasses.field(default=f.default, metadata={**f.metadata, **meta})
-
-
-def _list(kind):
-    def comma_list(text: str) -> tuple:  # argparse's error names it
-        return tuple(kind(x.strip()) for x in text.split(","))
-    return comma_list
+LABEL = LabelOptions.__dataclass_fields__  # the flags prm.label shares
 
 
 @dataclasses.dataclass
-class SearchOptions:
+class SearchOptions(Checked):
     """What decides the results: kept in OUTPUT.settings; a rerun with others is refused."""
     methods: tuple = opt(SAMPLED + TREES, "comma list of majority, best-of-n, weighted (sharing "
-                         "samples), beam, dvts", type=_list(str))
+                         "samples), beam, dvts", check=bound(lambda m: m in SAMPLED + TREES,
+                                                             "expected majority, best-of-n, "
+                                                             "weighted, beam or dvts"))
     n: tuple = opt((1, 4, 16), "comma list of budgets N: solutions sampled, or beams",
-                   type=_list(int))
+                   check=at_least(1))
     beam_width: int = opt(4, "M: beam keeps N/M beams, each extended M ways; dvts grows N/M "
-                          "subtrees of M (M = N for N < M)")
+                          "subtrees of M (M = N for N < M)", check=at_least(1))
     aggregate: str = opt("last", "a solution's score from its step scores",
                          choices=list(AGGREGATES))
     select: str = opt("weighted", "how beam and dvts pick a finished beam", choices=SAMPLED)
-    max_steps: int = opt(40, "steps a beam takes at most")
-    seeds: tuple = opt((0,), "comma list; the summary's mean and range are over them",
-                       type=_list(int))
-    problems: int = opt(8, "problems searched together, sharing calls and seeds")
-    policy: str = _shared("policy", help="the policy (a Hugging Face name or folder)")
-    temperature: float = _shared("temperature")
-    top_p: float = _shared("top_p")
-    max_new_tokens: int = _shared("max_new_tokens", help="tokens per sampled solution or beam step")
-    batch_size: int = _shared("batch_size", help="sequences per generate or PRM call")
-    step_separator: str = _shared("step_separator")
-    answer_field: str = _shared("answer_field")
-    answer_pattern: str = _shared("answer_pattern")
-    checker: str = _shared("checker")
+    max_steps: int = opt(40, "steps a beam takes at most", check=at_least(1))
+    seeds: tuple = opt((0,), "comma list; the summary's mean and range are over them")
+    problems: int = opt(8, "problems searched together, sharing calls and seeds",
+                        check=at_least(1))
+    policy: str = opt(like=LABEL["policy"], help="the policy (a Hugging Face name or folder)")
+    temperature: float = opt(like=LABEL["temperature"])
+    top_p: float = opt(like=LABEL["top_p"])
+    max_new_tokens: int = opt(like=LABEL["max_new_tokens"],
+                              help="tokens per sampled solution or beam step")
+    batch_size: int = opt(like=LABEL["batch_size"], help="sequences per generate or PRM call")
+    step_separator: str = opt(like=LABEL["step_separator"])
+    answer_field: str = opt(like=LABEL["answer_field"])
+    answer_pattern: str = opt(like=LABEL["answer_pattern"])
+    checker: str = opt(like=LABEL["checker"])
 
     def __post_init__(self):
         """Refuses what would fail only after the models load."""
-        LabelOptions.__post_init__(self)
-        m, known = self.beam_width, SAMPLED + TREES
-        small = ("beam_width", "max_steps", "problems", "batch_size", "max_new_tokens")
-        check([f"--methods: unknown {x!r} (expected some of {', '.join(known)})"
-               for x in self.methods if x not in known]
-              + [f"--{k.replace('_', '-')} must be at least 1" for k in small
-                 if getattr(self, k) < 1]
-              + [f"--n {n}: a budget must be at least 1" for n in self.n if n < 1]
-              + [f"--n {n}: not a multiple of --beam-width {m} (beam and dvts keep N/M beams)"
-                 for n in self.n if n > m and n % m and set(self.methods) & set(TREES)]
-              + ([] if self.temperature >= 0 and 0 < self.top_p <= 1 else
-                 [f"--temperature {self.temperature:g} must be >= 0, --top-p {self.top_p:g} in "
-                  "(0, 1]"]))
+        super().__post_init__()
+        m = self.beam_width
+        check([f"--n {n}: not a multiple of --beam-width {m} (beam and dvts keep N/M beams)"
+               for n in self.n if n > m and n % m and set(self.methods) & set(TREES)])
+
+
+@dataclasses.dataclass
+class SearchRun:
+    """prm.search's other flags: the files and the PRM."""
+    dataset: str = opt("", "problems with a reference answer, as prm.label reads them",
+                       required=True)
+    output: str = opt("", "the .jsonl written, a line per problem and seed; a rerun continues it",
+                      required=True)
+    model: str = opt("", "the PRM, as eval.py's --model", required=True)
+    skip_invalid: bool = opt(False, "leave out invalid rows")
+    trust_remote_code: bool = opt(False, "allow the models' code")
 
 
 def proposed(propose, prefixes: list, n: int, seed: int, stop) -> tuple:
@@ -292,16 +289,9 @@ def table(out: dict) -> str:
 
 def main(argv=None):
     with exit_status():  # a bad flag too: one line and exit status 2
-        p = Parser(prog="python -m prm.search", description="Search a policy's answers with a PRM.")
-        p.add_argument("--dataset", required=True, help="problems with a reference answer, as "
-                       "prm.label reads them")
-        p.add_argument("--output", required=True, help="the .jsonl written, a line per problem and "
-                       "seed; a rerun continues it")
-        p.add_argument("--model", required=True, help="the PRM, as eval.py's --model")
-        add_fields(p, ScorerOptions)
-        p.add_argument("--skip-invalid", action="store_true", help="leave out invalid rows")
-        p.add_argument("--trust-remote-code", action="store_true", help="allow the models' code")
-        a = add_fields(p, SearchOptions).parse_args(argv)
+        p = Parser(SearchRun, ScorerOptions, SearchOptions, prog="python -m prm.search",
+                   description="Search a policy's answers with a PRM.")
+        a = p.parse_args(argv)
         opts = parsed(SearchOptions, a)
         problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
         from prm.scoring.reward import PRMReward

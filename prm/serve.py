@@ -18,20 +18,19 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import socket
 import sys
 import threading
 import time
 import traceback
-from dataclasses import fields
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from prm.cli import Parser, add_field, parsed
-from prm.config import unescape
+from prm.cli import Parser, parsed
+from prm.config import FINITE, Checked, at_least, bound, not_empty, opt, unescape, within
 from prm.errors import UsageError, exit_status
 from prm.readers.formats import decode, read_json
 from prm.scoring import ScorerOptions
@@ -40,9 +39,6 @@ from prm.scoring.reward import PRMReward
 PATH, HEALTH = "/get_reward", "/health"
 PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
 MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64
-LIMITS = {"max_body_bytes": (MAX_BODY, "larger request bodies get a 413"),
-          "max_batch": (MAX_BATCH, "more queries per request get a 413 (scoring holds the model)"),
-          "max_connections": (MAX_CONNECTIONS, "connections served at once; more get a 503")}
 BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
 BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
     len(BUSY), BUSY)
@@ -303,51 +299,43 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
     return server
 
 
+@dataclass
+class ServeOptions(Checked):
+    """prm.serve's flags."""
+    model: str = opt("", "a train.py output or any 2-label token classifier", required=True)
+    host: str = opt("127.0.0.1", "address to bind (0.0.0.0: every interface)")
+    port: int = opt(5000, "0 picks a free port (printed at start)", check=within(0, 65535))
+    aggregate: str = opt("min", "a solution's score from its step scores",
+                         choices=["min", "prod", "last", "mean"])
+    batch_size: int = opt(16, "texts per forward pass", check=at_least(1))
+    step_separator: str = opt(None, "what ends each step (escapes such as \\n understood); "
+                              "default: the model's own (its run's, else config.json's 'prm'), "
+                              "else \\n", type=unescape, check=not_empty("its last token "
+                                                                         "carries the step's score"))
+    max_length: int = opt(None, "tokens per prompt and completion; steps past it get no score "
+                          "(default: the model's own, else 1024)", check=at_least(1))
+    device: str = opt(None, "default: cuda if available, else cpu")
+    dtype: str = opt(None, "autocast, as eval.py's (default: the run's, else auto)",
+                     choices=["auto", "fp32", "bf16", "fp16"])
+    trust_remote_code: bool = opt(False, "let the model directory's own Python files run")
+    timeout: float = opt(30.0, "seconds a client has to send its whole request, however slowly; "
+                         "then a 408", check=FINITE + bound(lambda v: v > 0, "must be > 0"))
+    max_body_bytes: int = opt(MAX_BODY, "larger request bodies get a 413", check=at_least(1))
+    max_batch: int = opt(MAX_BATCH, "more queries per request get a 413 (scoring holds the "
+                         "model)", check=at_least(1))
+    max_connections: int = opt(MAX_CONNECTIONS, "connections served at once; more get a 503",
+                               check=at_least(1))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; a bad flag or value raises UsageError (one line, exit status 2)."""
-    p = Parser(prog="python -m prm.serve", usage="%(prog)s --model DIR [options]",
-               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="a train.py output or any 2-label token classifier")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=5000, help="0 picks a free port (printed at start)")
-    p.add_argument("--aggregate", default="min", choices=["min", "prod", "last", "mean"])
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--step-separator", type=unescape, help="what ends each step (escapes such as "
-                   "\\n understood); default: the model's own (its run's, else config.json's "
-                   "'prm'), else \\n")
-    p.add_argument("--max-length", type=int, help="tokens per prompt and completion; steps past "
-                   "it get no score (default: the model's own, else 1024)")
-    p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="autocast, as eval.py's (default: the run's, else auto)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the model directory's own Python files run")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a client has to send its "
-                   "whole request, however slowly; then a 408 (default: %(default)s)")
-    for key, (default, text) in LIMITS.items():
-        p.add_argument("--" + key.replace("_", "-"), type=int, default=default,
-                       help=text + " (default: %(default)s)")
-    for f in fields(ScorerOptions):  # eval.py --help says what they do
-        add_field(p, f, help="how the model scores steps (eval.py --help); --step-tag, "
-                  "--good-token, --bad-token too" if f.name == "scorer" else argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    timeout_ok = math.isfinite(args.timeout) and args.timeout > 0
-    if not timeout_ok or min(vars(args)[k] for k in LIMITS) < 1:
-        p.error("--timeout must be a finite number of seconds > 0 and --max-body-bytes, "
-                "--max-batch and --max-connections at least 1")
-    if args.batch_size < 1:
-        p.error("--batch-size must be at least 1")
-    if not 0 <= args.port <= 65535:
-        p.error(f"--port {args.port}: expected 0 to 65535 (0: a free one)")
+    args = Parser(ServeOptions, ScorerOptions, prog="python -m prm.serve",
+                  description=__doc__).parse_args(argv)
+    parsed(ServeOptions, args)
     try:  # a device this torch build lacks: one line, not torch's assertion
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError) as e:
-        p.error(f"--device {args.device}: {str(e).strip().splitlines()[0]}")
-    if args.max_length is not None and args.max_length < 1:
-        p.error("--max-length must be at least 1")
-    if args.step_separator == "":
-        p.error("--step-separator must not be empty: its last token carries the step's score")
+        raise UsageError(f"--device {args.device}: {str(e).strip().splitlines()[0]}") from None
     return args
 
 

@@ -41,7 +41,7 @@ def test_an_unknown_flag_exits_2_naming_the_nearest(argv, hint):
 @pytest.mark.parametrize("argv, message", [(["--bogus"], "error: unrecognized arguments: --bogus"),
                                            (["--dataset", "x.json"], "error: --model is required"),
                                            (["--model", "m", "--best-of-n-draws", "0"],
-                                            "error: --best-of-n-draws 0: must be at least 1"),
+                                            "error: --best-of-n-draws 0: must be >= 1"),
                                            (["--model", "m", "--dataset", "a.json", "--tune-threshold", "./a.json"],
                                             "error: --tune-threshold ./a.json is also read for the reported set"),
                                            (["--model", "m", "--dataset", "tests/fixtures", "--tune-threshold",

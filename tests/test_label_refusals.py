@@ -122,7 +122,7 @@ def test_an_answer_pattern_that_backtracks_without_end_is_one_line():
 
 
 @pytest.mark.parametrize("flags, says", [(["--answer-pattern", "("], "--answer-pattern '(': not a regular"),
-                                         (["--step-separator", ""], "--step-separator must not be empty"),
+                                         (["--step-separator", ""], "--step-separator '': must not be empty"),
                                          (["--checker", "math-verify"], "pip install 'math-verify")])
 def test_flags_that_would_fail_later_are_exit_2_before_anything_is_written(tmp_path, capsys, monkeypatch, flags,
                                                                            says):

@@ -327,12 +327,12 @@ def exits(argv: list, capsys) -> tuple:
 
 @pytest.mark.parametrize("flags,message", [
     (["--n", "1,6"], "--n 6: not a multiple of --beam-width 4 (beam and dvts keep N/M beams)"),
-    (["--methods", "beam,greedy"], "--methods: unknown 'greedy' (expected some of majority, "),
-    (["--n", "0"], "--n 0: a budget must be at least 1"),
+    (["--methods", "beam,greedy"], "--methods 'greedy': expected majority, best-of-n, "),
+    (["--n", "0"], "--n 0: must be >= 1"),
     (["--n", "1,a"], "argument --n: invalid comma_list value: '1,a'"),
-    (["--max-steps", "0"], "--max-steps must be at least 1"),
+    (["--max-steps", "0"], "--max-steps 0: must be >= 1"),
     (["--answer-pattern", "("], "--answer-pattern '(': not a regular expression"),
-    (["--top-p", "0"], "--top-p 0 in (0, 1]"),
+    (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
 ])
 def test_bad_flags_exit_2_before_any_model_loads(tmp_path, capsys, flags, message):
     out = str(tmp_path / "o.jsonl")

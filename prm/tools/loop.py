@@ -16,7 +16,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from dataclasses import dataclass
+
 from prm.cli import Parser
+from prm.config import opt
 from prm.errors import exit_status
 from prm.readers.synthetic import char_tokenizer, make_rows, step_truth
 from prm.loading import tiny_config
@@ -166,15 +169,21 @@ def bench(folder: str, rows: int, test: int, quality_rows: int):
     print(table(json.loads(out)))
 
 
+@dataclass
+class LoopOptions:
+    stage: str = opt("policy", "policy: write the problems and train the policy; bench: label, "
+                     "train, search and measure", positional=True, choices=["policy", "bench"])
+    folder: str = opt("", "for policy, problems, labels, PRM and search results", positional=True)
+    rows: int = opt(200, "problems to label")
+    test: int = opt(40, "held-out problems to search")
+    quality_rows: int = opt(25, "problems of the label grid")
+    steps: int = opt(300, "the policy's optimizer steps")
+
+
 def main(argv=None):
     with exit_status():
-        p = Parser(prog="python -m prm.tools.loop", description=__doc__.split("\n\n")[0])
-        p.add_argument("stage", choices=["policy", "bench"])
-        p.add_argument("folder", help="for policy, problems, labels, PRM and search results")
-        p.add_argument("--rows", type=int, default=200, help="problems to label")
-        p.add_argument("--test", type=int, default=40, help="held-out problems to search")
-        p.add_argument("--quality-rows", type=int, default=25, help="problems of the label grid")
-        p.add_argument("--steps", type=int, default=300, help="the policy's optimizer steps")
+        p = Parser(LoopOptions, prog="python -m prm.tools.loop",
+                   description=__doc__.split("\n\n")[0])
         a = p.parse_args(argv)
         os.makedirs(a.folder, exist_ok=True)
         if a.stage == "bench":
