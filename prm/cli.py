@@ -35,12 +35,12 @@ UNSUPPORTED = {name: why for names, why in [
 ] for name in names.split()}
 
 
-REQUIRED = "(required)"  # the argparse default of a required flag (Parser.parse_args checks)
+REQUIRED = "(required)"  # a required flag's argparse default (Parser.parse_args checks)
 
 
 class Given(argparse.Action):
-    """Records (the name given, the field, its value) in the namespace's `given`, in order, for
-    translate(). A switch (nargs "?": `--x`, `--x false`, HF's; 0: no value) records a bool."""
+    """Records (the name given, the field, its value) in the namespace's `given`, in order. A
+    switch records a bool: nargs "?" takes HF's `--x`, `--x false`, `--no-x`; 0 takes no value."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
@@ -64,19 +64,23 @@ def nearest(name: str, names: list):
                  if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
 
 
-class Formatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's default as set: 'auto' for None where auto is a choice, a list as 1,4,16, an
-    escaped string as its repr ('\\n'); none for None or an empty list; required flags say so."""
+class Formatter(argparse.HelpFormatter):
+    """Paragraphs kept; a flag's default as set ('auto' for None where auto is a choice, a list
+    as 1,4,16, an escaped string as its repr: '\\n'), none for None or (); required ones say so."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n\n".join(super(Formatter, self)._fill_text(p, width, indent)
+                            for p in text.split("\n\n"))
 
     def _get_help_string(self, action):
         text, default = action.help or "", action.default
-        if default is REQUIRED:
-            return text + " (required)"
         if default is None and "auto" in (action.choices or ()):
             default = "auto"
-        if default is None or default is argparse.SUPPRESS or default in ((), []):
-            return text
-        if isinstance(default, (tuple, list)):
+        if default is REQUIRED:
+            return text + " (required)"
+        if default is None or default in (argparse.SUPPRESS, ()) or action.required:
+            return text  # action.required: a positional
+        if isinstance(default, tuple):
             default = ",".join(map(str, default))
         elif isinstance(default, str) and not (default and default.isprintable()):
             default = repr(default)
@@ -84,72 +88,64 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """The fields of options dataclasses (prm.config.opt) as flags: --field-name, also under its
-    underscore spelling and TRL names (--help lists the dashed ones). parse_args sets each field:
-    its default, else the value translate() reads from the flags given (also in `given`). A bad
-    flag raises a one-line UsageError: an unsupported TRL/HF flag says what to do instead, an
-    unknown one names the nearest flag. No abbreviations: with the aliases, a prefix often fits
-    several. Usage names the positionals and required flags."""
+    """The fields of options dataclasses (prm.config.opt) as flags, each also under its
+    underscore spelling and its TRL names (--help lists the dashed ones): parse_args sets every
+    field, to what translate() reads from the flags given (in `given` too), else its default. A
+    bad flag is a one-line UsageError: an unsupported TRL/HF flag says what to do instead, an
+    unknown one names the nearest. No abbreviations: with the aliases, a prefix often fits several."""
 
     def __init__(self, *classes, usage: str = None, **kw):
         self.fields = {f.name: f for cls in classes for f in fields(cls) if "help" in f.metadata}
-        shown = [f.metadata.get("flag", flag(f.name)) + " " + f.name.upper()
-                 for f in self.fields.values() if f.metadata.get("required")]
-        shown += [f.name for f in self.fields.values() if f.metadata.get("positional")]
-        super().__init__(usage=usage or " ".join(["%(prog)s", *shown, "[options]"]),
+        needed = [f.metadata.get("flag", flag(f.name)) + " " + f.name.upper()
+                  for f in self.fields.values() if f.metadata.get("required")]
+        self.bare = [f.name for f in self.fields.values() if f.metadata.get("positional")]
+        super().__init__(usage=usage or " ".join(["%(prog)s", *needed, *self.bare, "[options]"]),
                          allow_abbrev=False, formatter_class=Formatter, **kw)
-        self.bare = any(f.metadata.get("positional") for f in self.fields.values())
         for cls in classes:
             self.add_fields(cls)
 
     def add_fields(self, cls, names=None, group=None):
-        """cls's fields (those in names) as flags: on group, defaults not shown (none set them);
-        else with their defaults, a `section` starting a --help group."""
+        """cls's fields (those in names) as flags: on group without defaults (set by none), else
+        by `section` (a --help group each)."""
         section = group or self
         for f in fields(cls):
-            if "help" not in f.metadata or names is not None and f.name not in names:
-                continue
-            if "section" in f.metadata and group is None:
-                section = self.add_argument_group(f.metadata["section"])
-            self.add_field(section, f, shown=group is None)
-        self.fields.update({f.name: f for f in fields(cls) if names is None or f.name in names})
+            if "help" in f.metadata and (names is None or f.name in names):
+                if "section" in f.metadata and group is None:
+                    section = self.add_argument_group(f.metadata["section"])
+                self.add_field(section, f, shown=group is None)
+                self.fields[f.name] = f
 
     def add_field(self, group, f, shown: bool):
         """Field f as --its-name (or its `flag`) and its TRL names; hidden: its underscore
-        spelling and each TRL name that converts (a Conv). A switch (a bool) takes true/false
-        unless a positional may follow it."""
-        meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "type", "nargs",
-                                                                "metavar")}
-        dest = f.metadata.get("dest", f.name)
-        default = REQUIRED if f.metadata.get("required") else f.default
-        meta.update(action=Given, default=default if shown else argparse.SUPPRESS)
+        spellings and each TRL name that converts (a Conv: an error names it as given). A switch
+        (a bool) takes true/false unless a positional may follow it."""
+        m = f.metadata
+        kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
+        default = REQUIRED if m.get("required") else f.default
+        kw.update(action=Given, default=default if shown else argparse.SUPPRESS)
         if kind(f) is bool:
-            meta.update(nargs=0) if self.bare else meta.update(nargs="?", metavar="BOOL")
-        elif kind(f) is tuple:  # 1,4,16; with nargs, a word per item
-            meta.setdefault("type", str if "nargs" in meta else comma_list(type(f.default[0])))
+            kw.update(nargs=0) if self.bare else kw.update(nargs="?", metavar="BOOL")
+        elif kind(f) is tuple:  # 1,4,16; with nargs, a word an item
+            kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
-            meta.setdefault("type", kind(f))
-        if f.metadata.get("positional"):
-            meta.pop("required", None)
-            group.add_argument(dest, **meta)
+            kw.setdefault("type", kind(f))
+        if m.get("positional"):
+            group.add_argument(m.get("dest", f.name), **kw)
             return
-        trl = f.metadata.get("trl", ())
-        plain = [f.metadata.get("flag", "--" + f.name)[2:]] + [t for t in trl if isinstance(t, str)]
-        names = list(dict.fromkeys(map(flag, plain)))
-        hidden = dict(default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        # flag: how a bad value's error names the field, whichever name was given (a Conv's: as
-        # given, its value is not the field's)
-        spelled = [(names, meta), (["--" + n for n in plain if "--" + n not in names], hidden)]
+        kw["dest"] = m.get("dest", f.name)
+        names = [m.get("flag", "--" + f.name)[2:]] + [t for t in m["trl"] if isinstance(t, str)]
+        dashed = list(dict.fromkeys(map(flag, names)))
+        hidden = {**kw, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+        spelled = [(dashed, kw, dashed[0]), (["--" + n for n in names], hidden, dashed[0])]
         spelled += [([flag(c.name), "--" + c.name], {**hidden, "type": str, "nargs": c.nargs,
-                                                      "choices": None, "flag": None})
-                    for c in trl if not isinstance(c, str)]
-        for spellings, more in spelled:
-            more = {"flag": names[0], **meta, **more}
+                                                      "choices": None}, None)
+                    for c in m["trl"] if not isinstance(c, str)]
+        for spellings, more, shown_as in spelled:
+            spellings = [s for s in dict.fromkeys(spellings) if s not in group._option_string_actions]
             if more.get("nargs") in ("?", 0):
-                spellings = spellings + ["--no-" + s[2:] for s in spellings]
-            if spellings:
-                shown = more.pop("flag")
-                group.add_argument(*dict.fromkeys(spellings), dest=dest, **more).flag = shown
+                spellings += ["--no-" + s[2:] for s in spellings]
+            if spellings:  # flag: how a bad value's error names the field
+                group.add_argument(*spellings, **more).flag = shown_as
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, argparse.Namespace(given=[]))
