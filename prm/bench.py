@@ -57,7 +57,6 @@ REPORTED = ("group_by_length", "gradient_checkpointing", "compile", "packing", "
 
 @dataclass
 class BenchOptions:
-    """prm.bench's own flags; the rest are train.py's."""
     steps: int = opt(20, "optimizer steps to time (= --max-steps)", dest="max_steps",
                      section="benchmark")
     repeats: int = opt(1, "fresh processes to run; medians are reported")

@@ -14,7 +14,7 @@ from prm.config import Config, boolean, checked_value, flag, kind, preview, uniq
 from prm.errors import UsageError, check
 
 
-# every TRL/HF name of a field: {name: (field, its Conv or None)}; a name shared with TRL needs
+# every TRL/HF name of a field: {name: (field, its Converted or None)}; a name shared with TRL needs
 # no entry
 ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t)
            for f in fields(Config) for t in f.metadata["trl"]}
@@ -92,7 +92,8 @@ class Parser(argparse.ArgumentParser):
     underscore spelling and its TRL names (--help lists the dashed ones): parse_args sets every
     field, to what translate() reads from the flags given (in `given` too), else its default. A
     bad flag is a one-line UsageError: an unsupported TRL/HF flag says what to do instead, an
-    unknown one names the nearest. No abbreviations: with the aliases, a prefix often fits several."""
+    unknown one names the nearest. No abbreviations: with the aliases, a prefix often fits
+    several."""
 
     def __init__(self, *classes, usage: str = None, **kw):
         self.fields = {f.name: f for cls in classes for f in fields(cls) if "help" in f.metadata}
@@ -117,8 +118,8 @@ class Parser(argparse.ArgumentParser):
 
     def add_field(self, group, f, shown: bool):
         """Field f as --its-name (or its `flag`) and its TRL names; hidden: its underscore
-        spellings and each TRL name that converts (a Conv: an error names it as given). A switch
-        (a bool) takes true/false unless a positional may follow it."""
+        spellings and each TRL name that converts (a Converted: errors name it as given). A
+        switch (a bool) takes true/false unless a positional may follow it."""
         m = f.metadata
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
         default = REQUIRED if m.get("required") else f.default
@@ -141,7 +142,8 @@ class Parser(argparse.ArgumentParser):
                                                       "choices": None}, None)
                     for c in m["trl"] if not isinstance(c, str)]
         for spellings, more, shown_as in spelled:
-            spellings = [s for s in dict.fromkeys(spellings) if s not in group._option_string_actions]
+            taken = group._option_string_actions  # the parser's: an underscore spelling may be
+            spellings = [s for s in dict.fromkeys(spellings) if s not in taken]  # the dashed one
             if more.get("nargs") in ("?", 0):
                 spellings += ["--no-" + s[2:] for s in spellings]
             if spellings:  # flag: how a bad value's error names the field

@@ -46,10 +46,9 @@ def preview(value) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-class Conv(NamedTuple):
+class Converted(NamedTuple):
     """A TRL/HF name setting a field through convert. nargs "?": a switch (convert gets a bool);
-    "+": a list. keep: values a false switch leaves alone (`--bf16 --fp16 false`), a true one
-    refuses."""
+    "+": a list. keep: the values a false switch leaves alone and a true one refuses."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -73,11 +72,11 @@ def target_list(value) -> str:
 
 
 def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like=None, **kw):
-    """A field of an options dataclass and its flag (prm.cli.Parser). help, and argparse's
-    choices, type, required, nargs, metavar; check: (test, why) pairs its value must pass (a
-    tuple value: each item); section: starts a --help group; flag: another name than --field-name;
-    positional; rules: words of RULES; trl: its TRL / HF names (a Conv converts). like: a field
-    of another class whose default and metadata this one takes, kw replacing them."""
+    """An options dataclass's field and its flag (prm.cli.Parser): help; argparse's choices, type,
+    required, nargs, metavar; check: (test, why) pairs (bound()) each value must pass; section:
+    starts a --help group; flag: not --field-name; positional; rules: words of RULES; trl: its
+    TRL / HF names (a Converted: one whose value converts); like: another field, kw replacing
+    its metadata."""
     assert set(rules.split()) <= RULES, rules
     meta = dict(help=help, rules=frozenset(rules.split()), trl=trl, check=check, **kw)
     if like is not None:
@@ -86,7 +85,7 @@ def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like
 
 
 def bound(test: Callable, why: str) -> tuple:
-    """A check of opt: a value failing test is refused with why."""
+    """opt's check: a value failing test is refused, saying why."""
     return ((test, why),)
 
 
@@ -96,8 +95,9 @@ def at_least(n) -> tuple:
 
 def within(lo, hi, ends: str = "[]") -> tuple:
     """lo to hi, each end closed ([ ]) or open (( ))."""
-    return bound(lambda v: (lo <= v if ends[0] == "[" else lo < v) and
-                 (v <= hi if ends[1] == "]" else v < hi), f"must be in {ends[0]}{lo}, {hi}{ends[1]}")
+    def test(v) -> bool:
+        return (lo <= v if ends[0] == "[" else lo < v) and (v <= hi if ends[1] == "]" else v < hi)
+    return bound(test, f"must be in {ends[0]}{lo}, {hi}{ends[1]}")
 
 
 def not_empty(why: str) -> tuple:
@@ -110,7 +110,7 @@ LARGEST = bound(lambda v: v <= 2 ** 24, "must be at most 2^24")  # beyond: index
 
 
 def field_problems(options) -> list:
-    """Every field value of the dataclass instance failing a check of its opt, one line each."""
+    """'--flag value: why' for each value failing its field's check (a tuple's: each item)."""
     out = []
     for f in fields(options):
         value = getattr(options, f.name)
@@ -128,9 +128,9 @@ class Checked:
         check(field_problems(self))
 
 
-def _switch(name: str, other: str) -> Conv:
+def _switch(name: str, other: str) -> Converted:
     """TRL's --bf16 / --fp16 [BOOL]: true is that dtype, false fp32 (or the other's)."""
-    return Conv(name, lambda on: name if on else "fp32", "?", keep=(other,))
+    return Converted(name, lambda on: name if on else "fp32", "?", keep=(other,))
 
 
 @dataclass
@@ -151,7 +151,8 @@ class Config:
         "test", "split used for evaluation when the dataset has it", rules="rows scoring",
         trl=("dataset_test_split",))
     eval_fraction: float = opt(
-        0.05, "share held out (split by prompt) without an eval split", rules="rows", check=within(0, 1, "()"))
+        0.05, "share held out (split by prompt) without an eval split", rules="rows",
+        check=within(0, 1, "()"))
     format: Optional[str] = opt(
         None, "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
     eval_format: Optional[str] = opt(
@@ -176,17 +177,20 @@ class Config:
         rules="scoring", check=at_least(0))
     step_separator: str = opt(
         "\n", "text appended to every step (escapes like \\n understood); its last token "
-        "carries the step's label", rules="scoring", type=unescape, check=not_empty("its last token carries the label"))
+        "carries the step's label", rules="scoring", type=unescape,
+        check=not_empty("its last token carries the label"))
     train_on_last_step_only: bool = opt(False, "in training, keep only the last step's label")
     cut_after_first_error: bool = opt(
         False, "in training, end each solution at its first wrong step", rules="rows")
     max_steps: int = opt(
         -1, "optimizer steps; -1 means --epochs full passes", rules="change",
-        section="optimization", check=bound(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1"))
+        section="optimization",
+        check=bound(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1"))
     epochs: float = opt(
         1.0, "data passes if --max-steps is -1; a pass's last global batch is filled up to a "
         "full batch: some examples train twice a pass", rules="change",
-        trl=("num_train_epochs",), check=bound(lambda v: 0 < v < 2 ** 31, "must be > 0 and below 2^31"))
+        trl=("num_train_epochs",), check=bound(lambda v: 0 < v < 2 ** 31,
+                                               "must be > 0 and below 2^31"))  # no overflow
     batch_size: Optional[int] = opt(
         None, "examples per device per micro-batch (default, or 0: 32 for 'tiny', else 8)",
         rules="change", trl=("per_device_train_batch_size",), check=at_least(0) + LARGEST)
@@ -199,18 +203,22 @@ class Config:
     lr_scheduler_type: str = opt(
         "cosine_with_min_lr", "decay after warmup, as HF's schedules (cosine_with_min_lr: to "
         "10%% of --lr)", choices=SCHEDULES)
-    warmup_steps: float = opt(0, "linear warmup steps; below 1: --warmup-ratio", check=at_least(0) + WHOLE)
-    warmup_ratio: float = opt(0.0, "warmup share of all steps if --warmup-steps is 0", check=within(0, 1))
+    warmup_steps: float = opt(0, "linear warmup steps; below 1: --warmup-ratio",
+                              check=at_least(0) + WHOLE)
+    warmup_ratio: float = opt(0.0, "warmup share of all steps if --warmup-steps is 0",
+                              check=within(0, 1))
     weight_decay: float = opt(0.0, "AdamW weight decay", check=FINITE)
     adam_beta1: float = opt(0.9, "AdamW beta1", check=within(0, 1, "[)"))
     adam_beta2: float = opt(0.95, "AdamW beta2 (HF's default: 0.999)", check=within(0, 1, "[)"))
     adam_epsilon: float = opt(1e-8, "AdamW epsilon", check=FINITE)
-    max_grad_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rules="change", check=FINITE)
+    max_grad_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rules="change",
+                               check=FINITE)
     dtype: Optional[str] = opt(
         None, "autocast dtype; auto: bf16 where the device has it natively, else fp32. TRL's "
         "--bf16 / --fp16 [BOOL] and --torch_dtype set it too", rules="scoring",
         choices=["auto", "fp32", "bf16", "fp16"],
-        trl=(_switch("bf16", "fp16"), _switch("fp16", "bf16"), Conv("torch_dtype", torch_dtype)))
+        trl=(_switch("bf16", "fp16"), _switch("fp16", "bf16"),
+             Converted("torch_dtype", torch_dtype)))
     gradient_checkpointing: bool = opt(
         False, "save memory by recomputing activations", rules="change")
     fsdp: bool = opt(
@@ -228,16 +236,18 @@ class Config:
     disable_dropout: bool = opt(True, "set the backbone's dropout to 0 for training, as TRL does")
     lora_r: int = opt(
         0, "LoRA rank; 0 trains every weight",
-        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully", check=at_least(0))
+        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully",
+        check=at_least(0))
     use_peft: Optional[bool] = opt(
         None, "TRL's switch: true: LoRA (rank 16 if --lora-r is 0); false: full fine-tuning; "
         "unset: --lora-r decides", rules="change")
-    lora_alpha: Optional[float] = opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)", check=FINITE)
+    lora_alpha: Optional[float] = opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)",
+                                      check=FINITE)
     lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input", check=within(0, 1, "[)"))
     lora_targets: str = opt(
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated glob "
         "patterns of linear layers' full or last names; TRL's --lora_target_modules takes a "
-        "list, all-linear for every one", trl=(Conv("lora_target_modules", target_list, "+"),))
+        "list, all-linear for every one", trl=(Converted("lora_target_modules", target_list, "+"),))
     lora_base_dtype: str = opt(
         "fp32", "dtype of the frozen base under LoRA; bf16 halves its memory and needs bf16 "
         "autocast", choices=["fp32", "bf16"])
@@ -251,9 +261,11 @@ class Config:
         None, "examples per device (default, or 0: 2 x --batch-size)", rules="change scoring",
         trl=("per_device_eval_batch_size",), check=at_least(0))
     threshold: float = opt(
-        0.5, "predict a step correct when P(correct) >= this", rules="change scoring", check=within(0, 1))
+        0.5, "predict a step correct when P(correct) >= this", rules="change scoring",
+        check=within(0, 1))
     log_every: int = opt(
-        10, "log (and metrics.jsonl) every N steps", rules="change", trl=("logging_steps",), check=at_least(1))
+        10, "log (and metrics.jsonl) every N steps", rules="change", trl=("logging_steps",),
+        check=at_least(1))
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
     report_to: str = opt(
         "none", "also send the metrics and the config to TensorBoard (<output-dir>/tensorboard) "
@@ -261,16 +273,19 @@ class Config:
     run_name: str = opt(
         "", "name in TensorBoard / W&B; default: the output directory's", rules="change")
     save_every: int = opt(
-        0, "write a checkpoint every N steps (0: never)", rules="change", trl=("save_steps",), check=at_least(0))
+        0, "write a checkpoint every N steps (0: never)", rules="change", trl=("save_steps",),
+        check=at_least(0))
     save_strategy: Optional[str] = opt(
         None, "steps (every --save-every, else 500), epoch or no; default: steps with "
         "--save-every, else no", rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = opt(
-        2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",), check=at_least(0))
+        2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",),
+        check=at_least(0))
     resume: str = opt(
         "", "checkpoint directory to continue from, or 'auto' for the newest complete one; "
-        "command line only", rules="change", trl=("resume_from_checkpoint",), check=bound(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
-        "directory or 'auto' (the newest complete one in --output-dir: HF's true)"))
+        "command line only", rules="change", trl=("resume_from_checkpoint",),
+        check=bound(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
+                    "directory or 'auto' (the newest complete one in --output-dir: HF's true)"))
     trust_remote_code: bool = opt(
         False, "allow hub models' own code (command line only)", rules="change scoring")
 
@@ -317,7 +332,8 @@ class Config:
         out = field_problems(self)
         if self.fsdp and self.dtype == "fp16":
             out.append("--dtype 'fp16': fp16 loss scaling is not supported with --fsdp: use bf16")
-        if self.lora_base_dtype == "bf16" and not (self.lora_rank() and self.dtype in ("bf16", None)):
+        bf16_autocast = self.dtype in ("bf16", None)
+        if self.lora_base_dtype == "bf16" and not (self.lora_rank() and bf16_autocast):
             out.append("--lora-base-dtype 'bf16': bf16 needs --lora-r > 0 and bf16 autocast "
                        "(--dtype bf16 or auto)")
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):

@@ -13,12 +13,12 @@ from prm.files import write_lines
 from prm.readers.sources import read_rows
 
 
-RUN = Config.__dataclass_fields__  # the run settings convert shares
+RUN = Config.__dataclass_fields__
 
 
 @dataclass
 class ConvertOptions:
-    input: str = opt("", "a hub dataset name, a .jsonl/.json/.parquet file, or a directory",
+    input: str = opt("", RUN["dataset"].metadata["help"].replace("'synthetic', ", ""),
                      positional=True)
     output: str = opt("-", "a .jsonl file; '-': stdout", positional=True, nargs="?")
     format: str = opt(like=RUN["format"])
@@ -36,8 +36,7 @@ def main(argv=None):
     with exit_status():
         a = p.parse_args(argv)
         check(overwrites([("output", a.output)], [("input", a.input)]))
-        cfg = Config(**{k: getattr(a, k) for k in ("format", "neutral_label", "skip_invalid",
-                                                   "dataset_config")})
+        cfg = Config(**{k: v for k, v in vars(a).items() if k in RUN})
         _write(read_rows(a.input, a.split, cfg), a.output)
 
 

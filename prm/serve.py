@@ -310,8 +310,8 @@ class ServeOptions(Checked):
     batch_size: int = opt(16, "texts per forward pass", check=at_least(1))
     step_separator: str = opt(None, "what ends each step (escapes such as \\n understood); "
                               "default: the model's own (its run's, else config.json's 'prm'), "
-                              "else \\n", type=unescape, check=not_empty("its last token "
-                                                                         "carries the step's score"))
+                              "else \\n", type=unescape,
+                              check=not_empty("its last token carries the step's score"))
     max_length: int = opt(None, "tokens per prompt and completion; steps past it get no score "
                           "(default: the model's own, else 1024)", check=at_least(1))
     device: str = opt(None, "default: cuda if available, else cpu")

@@ -171,8 +171,7 @@ def bench(folder: str, rows: int, test: int, quality_rows: int):
 
 @dataclass
 class LoopOptions:
-    stage: str = opt("policy", "policy: write the problems and train the policy; bench: label, "
-                     "train, search and measure", positional=True, choices=["policy", "bench"])
+    stage: str = opt("", "", positional=True, choices=["policy", "bench"])
     folder: str = opt("", "for policy, problems, labels, PRM and search results", positional=True)
     rows: int = opt(200, "problems to label")
     test: int = opt(40, "held-out problems to search")
