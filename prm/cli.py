@@ -124,8 +124,10 @@ class Parser(argparse.ArgumentParser):
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
         default = REQUIRED if m.get("required") else f.default
         kw.update(action=Given, default=default if shown else argparse.SUPPRESS)
-        if kind(f) is bool:
-            kw.update(nargs=0) if self.bare else kw.update(nargs="?", metavar="BOOL")
+        if kind(f) is bool and self.bare:  # `--skip-invalid INPUT`: INPUT is not its value
+            kw.update(nargs=0)
+        elif kind(f) is bool:
+            kw.update(nargs="?", metavar="BOOL")
         elif kind(f) is tuple:  # 1,4,16; with nargs, a word an item
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
@@ -158,7 +160,7 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """As argparse's; a required flag missing is said after an unknown one."""
         ns = super().parse_args(args, namespace)
-        missing = [flag(f.name) for f in self.fields.values()
+        missing = [f.metadata.get("flag", flag(f.name)) for f in self.fields.values()
                    if f.metadata.get("required") and f.name not in ns.given]
         if missing:
             raise UsageError(f"{', '.join(missing)} {'are' if missing[1:] else 'is'} required")

@@ -266,3 +266,24 @@ def test_every_error_an_entry_point_reports_survives_pickling_whole():
                   MissingSplit(["d: no data file named for split 'dev'"])):
         back = pickle.loads(pickle.dumps(error))
         assert (type(back), str(back), back.code, vars(back)) == (type(error), str(error), error.code, vars(error))
+
+
+def test_help_says_which_flags_are_required_and_shows_a_list_default_as_typed():
+    from prm.cli import Parser
+    from prm.search import SearchOptions, SearchRun
+    p = Parser(SearchRun, SearchOptions, prog="python -m prm.search")
+    text = " ".join(p.format_help().split())
+    assert text.startswith("usage: python -m prm.search --dataset DATASET --output OUTPUT --model MODEL "
+                           "--policy POLICY [options]")
+    assert "the PRM, as eval.py's --model (required)" in text and "(default: 1,4,16)" in text
+    with pytest.raises(UsageError, match="^--model, --policy are required$"):
+        p.parse_args(["--dataset", "d.jsonl", "--output", "o.jsonl"])
+
+
+def test_a_field_taken_like_another_keeps_its_checks_and_a_bad_value_names_its_flag():
+    """prm.search's sampling flags are prm.label's fields (opt(like=...)): the same checks refuse the same values."""
+    from prm.label import LabelOptions
+    from prm.search import SearchOptions
+    for cls in (LabelOptions, SearchOptions):
+        with pytest.raises(UsageError, match=r"^--top-p 0: must be in \(0, 1\]; --batch-size 0: must be >= 1$"):
+            cls(policy="p", top_p=0, batch_size=0)
