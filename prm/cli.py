@@ -38,15 +38,18 @@ UNSUPPORTED = {name: why for names, why in [
 REQUIRED = "(required)"  # a required flag's argparse default (Parser.parse_args checks)
 
 
+SWITCH = True  # a switch's argparse const (its value when given alone)
+
+
 class Given(argparse.Action):
     """Records (the name given, the field, its value) in the namespace's `given`, in order. A
     switch records a bool: nargs "?" takes HF's `--x`, `--x false`, `--no-x`; 0 takes no value."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
-        if self.nargs in ("?", 0):
+        if self.const is SWITCH:
             try:
-                on = boolean("true" if values in (None, []) else values)
+                on = boolean(values or SWITCH)  # nargs 0: []
             except ValueError as e:
                 raise argparse.ArgumentError(self, str(e)) from None
             values, name = on != name.startswith("--no-"), name.replace("--no-", "--", 1)
@@ -125,9 +128,9 @@ class Parser(argparse.ArgumentParser):
         default = REQUIRED if m.get("required") else f.default
         kw.update(action=Given, default=default if shown else argparse.SUPPRESS)
         if kind(f) is bool and self.bare:  # `--skip-invalid INPUT`: INPUT is not its value
-            kw.update(nargs=0)
+            kw.update(nargs=0, const=SWITCH)
         elif kind(f) is bool:
-            kw.update(nargs="?", metavar="BOOL")
+            kw.update(nargs="?", const=SWITCH, metavar="BOOL")
         elif kind(f) is tuple:  # 1,4,16; with nargs, a word an item
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
@@ -141,12 +144,13 @@ class Parser(argparse.ArgumentParser):
         hidden = {**kw, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
         spelled = [(dashed, kw, dashed[0]), (["--" + n for n in names], hidden, dashed[0])]
         spelled += [([flag(c.name), "--" + c.name], {**hidden, "type": str, "nargs": c.nargs,
+                                                      "const": SWITCH if c.nargs == "?" else None,
                                                       "choices": None}, None)
                     for c in m["trl"] if not isinstance(c, str)]
         for spellings, more, shown_as in spelled:
             taken = group._option_string_actions  # the parser's: an underscore spelling may be
             spellings = [s for s in dict.fromkeys(spellings) if s not in taken]  # the dashed one
-            if more.get("nargs") in ("?", 0):
+            if more.get("const") is SWITCH:
                 spellings += ["--no-" + s[2:] for s in spellings]
             if spellings:  # flag: how a bad value's error names the field
                 group.add_argument(*spellings, **more).flag = shown_as
