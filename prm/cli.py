@@ -42,8 +42,8 @@ SWITCH = True  # a switch's argparse const (its value when given alone)
 
 
 class Given(argparse.Action):
-    """Records (the name given, the field, its value) in the namespace's `given`, in order. A
-    switch records a bool: nargs "?" takes HF's `--x`, `--x false`, `--no-x`; 0 takes no value."""
+    """Records (name given, field, value) in the namespace's `given`, in order; a switch a bool
+    (nargs "?": HF's `--x`, `--x false`, `--no-x`; 0: no value)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
@@ -68,8 +68,8 @@ def nearest(name: str, names: list):
 
 
 class Formatter(argparse.HelpFormatter):
-    """Paragraphs kept; a flag's default as set ('auto' for None where auto is a choice, a list
-    as 1,4,16, an escaped string as its repr: '\\n'), none for None or (); required ones say so."""
+    """Paragraphs kept; a default as typed ('auto' for None where a choice, a list as 1,4,16, an
+    escaped string as '\\n'), none for None or (); required flags say so."""
 
     def _fill_text(self, text, width, indent):
         return "\n\n".join(super(Formatter, self)._fill_text(p, width, indent)
@@ -91,12 +91,9 @@ class Formatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """The fields of options dataclasses (prm.config.opt) as flags, each also under its
-    underscore spelling and its TRL names (--help lists the dashed ones): parse_args sets every
-    field, to what translate() reads from the flags given (in `given` too), else its default. A
-    bad flag is a one-line UsageError: an unsupported TRL/HF flag says what to do instead, an
-    unknown one names the nearest. No abbreviations: with the aliases, a prefix often fits
-    several."""
+    """Options dataclasses' fields (prm.config.opt) as flags; parse_args sets each to what
+    translate() reads from the flags given (also in `given`), else its default. A bad flag is a
+    one-line UsageError. No abbreviations: with the aliases, a prefix often fits several."""
 
     def __init__(self, *classes, usage: str = None, **kw):
         self.fields = {f.name: f for cls in classes for f in fields(cls) if "help" in f.metadata}
@@ -109,8 +106,8 @@ class Parser(argparse.ArgumentParser):
             self.add_fields(cls)
 
     def add_fields(self, cls, names=None, group=None):
-        """cls's fields (those in names) as flags: on group without defaults (set by none), else
-        by `section` (a --help group each)."""
+        """cls's fields (those in names) as flags: on group, without defaults (none set them);
+        else a `section` starts a --help group."""
         section = group or self
         for f in fields(cls):
             if "help" in f.metadata and (names is None or f.name in names):
@@ -120,9 +117,8 @@ class Parser(argparse.ArgumentParser):
                 self.fields[f.name] = f
 
     def add_field(self, group, f, shown: bool):
-        """Field f as --its-name (or its `flag`) and its TRL names; hidden: its underscore
-        spellings and each TRL name that converts (a Converted: errors name it as given). A
-        switch (a bool) takes true/false unless a positional may follow it."""
+        """f as --its-name (or its `flag`) and TRL names; hidden: underscore spellings and TRL
+        names that convert. A switch (a bool) takes true/false unless a positional may follow."""
         m = f.metadata
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
         default = REQUIRED if m.get("required") else f.default
@@ -198,10 +194,9 @@ def comma_list(kind):
 
 
 def translate(pairs: list, known: dict, where: str = "") -> dict:
-    """{field: value} of (name given, field, value) from flags or a file (where: '--config FILE: '
-    for a file, whose values are checked against their fields too), in order. ALIASES translates
-    TRL/HF names; a precision switch (--bf16 / --fp16) acts on the dtype so far; a field set
-    under two names is refused, one name given twice: the last wins."""
+    """{field: value} of (name given, field, value), in order, from flags or a file (where:
+    '--config FILE: ', its values checked too): TRL/HF names through ALIASES; --bf16 / --fp16
+    act on the dtype so far; a field set under two names is refused, by one twice: the last."""
     def fail(what: str):
         raise UsageError(where + what)
     out, named = {}, {}

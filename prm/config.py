@@ -72,11 +72,9 @@ def target_list(value) -> str:
 
 
 def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like=None, **kw):
-    """An options dataclass's field and its flag (prm.cli.Parser): help; argparse's choices, type,
-    required, nargs, metavar; check: (test, why) pairs (bound()) each value must pass; section:
-    starts a --help group; flag: not --field-name; positional; rules: words of RULES; trl: its
-    TRL / HF names (a Converted: one whose value converts); like: another field, kw replacing
-    its metadata."""
+    """A field and its flag (prm.cli.Parser): help; argparse's choices, type, required, nargs,
+    metavar; check: bound()s; section: a --help group; flag: not --field-name; positional;
+    rules: words of RULES; trl: TRL/HF names; like: another field, what is given replacing."""
     assert set(rules.split()) <= RULES, rules
     meta = dict(help=help, rules=frozenset(rules.split()), trl=trl, check=check, **kw)
     if like is not None:
@@ -122,7 +120,7 @@ def field_problems(options) -> list:
 
 
 class Checked:
-    """An options dataclass refusing values its fields' checks fail (UsageError naming each)."""
+    """Refuses values its fields' checks fail (one UsageError naming each)."""
 
     def __post_init__(self):
         check(field_problems(self))
