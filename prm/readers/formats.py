@@ -149,7 +149,8 @@ def from_stepwise(r: dict, neutral: str) -> list:
     row = {k: _need(r, k) for k in FORMATS["stepwise"]}
     if r.get("first_error") is not None:
         steps = row["completions"]
-        row.update(_benchmark_columns(r, "first_error", len(steps) if isinstance(steps, list) else 0))
+        n = len(steps) if isinstance(steps, list) else 0
+        row.update(_benchmark_columns(r, "first_error", n))
     for col, kind in META.items():
         if col not in row and col != "id" and r.get(col) is not None:
             python_type, what = KINDS.get(col, KINDS[kind])
@@ -170,7 +171,7 @@ def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
 def from_math_shepherd(r: dict, neutral: str) -> list:
     """`input`: question + "Step 1: ... ки\\nStep 2: ... ки"; `label`: +/- per tag, or a list."""
     text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
-    _tagged_steps(text, "input")
+    steps = _tagged_steps(text, "input")
     parts = text.split(STEP_TAG)
     if isinstance(label, str):
         labels, pos = [], 0
@@ -186,11 +187,11 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
     else:
         raise BadField("label", "expected text with +/- step marks or a list of step labels, got "
                                 + _kind(label))
-    question, marker, first = parts[0].rpartition("Step 1:")
+    question, marker, first = steps[0].rpartition("Step 1:")
     if not marker:
         raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the "
                                 "question from the first step")
-    steps = [s.strip() for s in [marker + first] + parts[1:-1]]
+    steps[0] = (marker + first).strip()
     return [{"prompt": question.strip(), "completions": steps, "labels": labels}]
 
 
@@ -244,7 +245,7 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben as ProcessBench: question + options; steps lose "Step k: "; first error 1-based/N/A."""
+    """Mr-Ben as ProcessBench: question + options; steps lose "Step k: "; first error 1-based."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
     first = _need(r, "Model_Solution_First_Error_Step")
@@ -340,11 +341,11 @@ CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise,
               "prmbench": from_prmbench, "mrben": from_mrben}  # FORMATS' names
 
 
-def _first_bad(bad: list, message: str, more: str = " more") -> list:
+def _first_bad(bad: list, message: str) -> list:
     """[message about the first (index, what) of bad, and how many more], or []."""
     if not bad:
         return []
-    return [message.format(*bad[0]) + (f" ({len(bad) - 1}{more})" if len(bad) > 1 else "")]
+    return [message.format(*bad[0]) + (f" ({len(bad) - 1} more)" if len(bad) > 1 else "")]
 
 
 def row_problems(row: dict) -> list:
@@ -364,7 +365,7 @@ def row_problems(row: dict) -> list:
     else:
         bad = [(i, "empty" if isinstance(s, str) else _kind(s)) for i, s in enumerate(steps)
                if not isinstance(s, str) or is_blank(s)]
-        out += _first_bad(bad, "field 'completions': step {} is {}", " more like it")
+        out += _first_bad(bad, "field 'completions': step {} is {}")
     if not isinstance(labels, list):
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
     bad = [(i, p) for i, y in enumerate(labels) for p in [label_problem(y)] if p]
