@@ -1,5 +1,5 @@
-"""The errors that end a command, each with its exit status. Library code raises them; the entry
-points turn one into a one-line message and its status through `exit_status()`."""
+"""The errors that end a command, each with its exit status: library code raises them, entry
+points turn them into one line and the status (`exit_status()`)."""
 import contextlib
 import os
 import sys
@@ -16,8 +16,7 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A failed write (a full disk, a read-only folder): exit status 1; cause: the reason without
-    the path."""
+    """A failed write (a full disk, a read-only folder): exit status 1; cause: the reason alone."""
 
     def __init__(self, message: str, cause: str = None):
         super().__init__(message)
@@ -47,7 +46,7 @@ def check(problems: list):
 
 
 def overwrites(written: list, read: list) -> list:
-    """For check(): the first (flag, path) written that is, holds or lies in a (flag, path) read."""
+    """For check(): the first (flag, path) written that is, holds or lies in one read."""
     real = os.path.realpath
     return [f"{wf} {w} would overwrite {rf} {r}, which it reads: choose another path"
             for wf, w in written for rf, r in read
@@ -57,7 +56,7 @@ def overwrites(written: list, read: list) -> list:
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError becomes 'error: <message>' (Stopped: the message) and its exit
+    """For entry points: a PRMError becomes 'error: <message>' (Stopped: the message), its
     status."""
     try:
         yield

@@ -3,17 +3,14 @@ model protocol (`--remote_rm_url http://HOST:P/get_reward`).
 
 POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...],
 "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt,
-the rest of the query). With "step_rewards": true, also per query [start, end, P(correct)] per
-step, indexed in the query as sent (P null: cut by --max-length). Texts lose the tokenizer's
-padding and EOS at both ends and its BOS at the start, as OpenRLHF's server does. Without
-"prompts", a prompt ends with the chat template's last assistant-turn start, else at the first
-step separator. A prompt that is the chat template around one user turn is read as that turn.
-GET /health answers {"status": "ok", ...}.
+the rest of the query); with "step_rewards": true, also [start, end, P(correct)] per step, in the
+query as sent (P null: cut by --max-length). Padding, EOS and BOS are stripped as OpenRLHF's
+server does. Without "prompts", a prompt ends with the chat template's last assistant-turn
+start, else at the first step separator. GET /health answers {"status": "ok", ...}.
 
-A thread per connection, up to --max-connections (more: 503), the model one request at a time.
-Errors are {"error": message}: not all read within --timeout s: 408; a body over
---max-body-bytes or over --max-batch queries: 413; no Content-Length: 411; a bad request: 400;
-a scoring failure: 500."""
+Errors are {"error": message}: a bad request 400; not all read within --timeout s 408; no
+Content-Length 411; over --max-body-bytes or --max-batch 413; a scoring failure 500; over
+--max-connections at once 503."""
 import argparse
 import contextlib
 import io
@@ -45,7 +42,7 @@ BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: 
 
 
 class BadRequest(ValueError):
-    """What is wrong with a request, answered with its status as {"error": message}."""
+    """What is wrong with a request, answered with its status."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
@@ -55,14 +52,15 @@ class BadRequest(ValueError):
 def parse(body: bytes):
     """The body as JSON, read as the data files are, else BadRequest."""
     text, problem, line = decode(body)
-    value, problem, line = (None, problem, line) if problem else read_json(text)
+    if text is not None:
+        value, problem, line = read_json(text)
     if problem:
         raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
     return value
 
 
 def texts(data: dict, key: str) -> list:
-    """data[key], checked to be a list of strings."""
+    """data[key], a list of strings."""
     value = data.get(key)
     if not isinstance(value, list):
         raise BadRequest(f"field '{key}': expected a list of strings, got {type(value).__name__}")
@@ -94,7 +92,7 @@ def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
 
 
 def prompt_end(query: str, marker: str, separator: str) -> int:
-    """Where a query's unsent prompt ends: after the last marker, else at the first separator."""
+    """Where a query's prompt ends: after the last marker, else at the first separator."""
     if marker and marker in query:
         return query.rindex(marker) + len(marker)
     return query.find(separator) if separator in query else len(query)
@@ -104,7 +102,9 @@ class Scorer:
     """The /get_reward answer to a parsed body; one request at a time."""
 
     def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
-        self.reward, self.lock, self.max_batch = reward, threading.Lock(), max_batch
+        self.reward = reward
+        self.lock = threading.Lock()
+        self.max_batch = max_batch
         tok = reward.tokenizer
         # what the chat template writes to open the assistant's turn ("" if nothing)
         closed, opened = user_turn(tok, "q", False), user_turn(tok, "q")
@@ -118,13 +118,13 @@ class Scorer:
         self.published = reward.tokenize is not None
 
     def question(self, prompt: str):
-        """A prompt that is the chat template around one user turn as that turn (its text for a
+        """A prompt that is the chat template around one user turn, as that turn (its text for a
         published PRM)."""
         head, tail = self.frame
         if not (prompt.startswith(head) and prompt.endswith(tail)):
             return prompt
         text = prompt[len(head):len(prompt) - len(tail)]
-        # one turn only: re-rendering gives the prompt back
+        # one turn only: rendering it gives the prompt back
         whole = strip_tokens(user_turn(self.reward.tokenizer, text), self.left, self.right)
         if whole != prompt or any(end and end in text for end in self.frame):
             return prompt
@@ -190,7 +190,7 @@ class Deadline(socket.SocketIO):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """/get_reward and /health (make_server sets scorer, model_name, timeout, max_body)."""
+    """/get_reward and /health; make_server sets scorer, model_name, timeout, max_body."""
     expired = False
     default_request_version = "HTTP/1.0"  # an answer to a cut request line has a status line
 
@@ -200,7 +200,7 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(Deadline(self))
 
     def known(self, path: str, other: str, allow: str) -> bool:
-        """Whether the request is for `path`: else a 405 (`other` takes `allow`) or a 404 sent."""
+        """Whether the request is for `path`; else a 405 (`other` takes `allow`) or a 404 sent."""
         at = self.path.rstrip("/")
         if at == other:
             self.reply(405, {"error": f"{self.command} {other}: use {allow}"}, allow=allow)
@@ -226,7 +226,7 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, payload)
 
     def body(self) -> bytes:
-        """The whole request body, within the timeout; its Content-Length checked first."""
+        """The whole request body, within the timeout."""
         headers, limit = self.headers.get_all("Content-Length"), self.max_body
         if not headers:
             raise BadRequest("Content-Length is required", 411)
@@ -269,7 +269,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """A thread per connection, up to max_connections at once; one more gets a 503."""
+    """A thread per connection, up to `slots` at once; one more gets a 503."""
     request_queue_size = 128
     slots: threading.BoundedSemaphore
 
@@ -290,7 +290,7 @@ class Server(ThreadingHTTPServer):
 def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
                 timeout: float = 30.0, max_body: int = MAX_BODY, max_batch: int = MAX_BATCH,
                 max_connections: int = MAX_CONNECTIONS):
-    """The server, bound and not yet serving (port 0: a free one, in server.server_port)."""
+    """The server, bound, not yet serving (port 0: a free one, in server.server_port)."""
     handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch),
                                            "model_name": name, "timeout": timeout,
                                            "max_body": max_body})
@@ -340,7 +340,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None):
-    """Serves until interrupted; a bad flag, model or address is one line, status 2."""
+    """Serves until interrupted; a bad flag, model or address: one line, status 2."""
     with exit_status():
         args = parse_args(argv)
         reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
@@ -361,7 +361,6 @@ def main(argv=None):
             print("stopped", file=sys.stderr)
         finally:
             server.server_close()
-
 
 
 if __name__ == "__main__":

@@ -26,15 +26,14 @@ class PRM(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids, attention_mask=None, **packed):
-        """packed: data.pack's position_ids and example boundaries."""
+    def forward(self, input_ids, attention_mask=None, **packed):  # packed: data.pack's extras
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                           **packed).last_hidden_state  # (B, T, H)
         return self.head(h)  # (B, T, 2)
 
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
-        """A checkpoint AutoModelForTokenClassification.from_pretrained loads as is. backbone_state,
-        head_state: the weights to write (default: the modules' own), e.g. merged_state_dict's."""
+        """A checkpoint AutoModelForTokenClassification loads; *_state: weights to write instead of
+        the modules' own (e.g. merged_state_dict's)."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
         if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them
             raise ValueError("the backbone has unmerged adapters: pass "
@@ -55,8 +54,8 @@ class PRM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
-        """A 2-label token classifier (ours, TRL's, any HF one) with all its weights saved (else NotAPRM), or a
-        backbone with a fresh head."""
+        """A 2-label token classifier with all its weights saved (else NotAPRM), or a backbone with
+        a fresh head."""
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         kw["trust_remote_code"] = trust_remote_code
         if is_classifier(cfg):
@@ -69,14 +68,16 @@ class PRM(nn.Module):
 
 
 def saved_weights(name: str, *, auto, **kw):
-    """auto.from_pretrained(name, **kw), or NotAPRM naming the weights with no saved tensor of their
-    shape or the first saved tensor of its modules it has no place for."""
-    model, info = auto.from_pretrained(name, output_loading_info=True, ignore_mismatched_sizes=True, **kw)
-    bad = sorted(info["missing_keys"]) + sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
-                                                for k, saved, want in info["mismatched_keys"])
+    """auto.from_pretrained(name, **kw), or NotAPRM naming weights missing or misplaced."""
+    model, info = auto.from_pretrained(name, output_loading_info=True,
+                                       ignore_mismatched_sizes=True, **kw)
+    bad = sorted(info["missing_keys"])
+    bad += sorted(f"{k} (saved {tuple(saved)}, expected {tuple(want)})"
+                  for k, saved, want in info["mismatched_keys"])
     if bad:
         raise NotAPRM(f"{name}: no saved weight of the model's shape for {', '.join(bad[:8])}"
-                      f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at random")
+                      f"{', ...' if len(bad) > 8 else ''}: transformers would make them up at "
+                      "random")
     # another task's head (a causal LM's lm_head) is none of the model's modules: left out
     own, prefix = {n for n, _ in model.named_children()}, model.base_model_prefix + "."
     extra = sorted(k for k in info["unexpected_keys"]
@@ -88,7 +89,7 @@ def saved_weights(name: str, *, auto, **kw):
 
 
 def is_classifier(config) -> bool:
-    """Whether a transformers config is a token classifier's, not a bare backbone's."""
+    """Whether a transformers config is a token classifier's."""
     archs = getattr(config, "architectures", None) or []
     return any(a.endswith("ForTokenClassification") for a in archs)
 
@@ -99,7 +100,7 @@ def input_settings(config) -> dict:
 
 
 def add_legacy_keys(config_path: str):
-    """Adds transformers 4's rope_theta (its default 10000 is wrong for Qwen2), rope_scaling and
+    """Adds transformers 4's keys: rope_theta (its default is wrong for Qwen2), rope_scaling,
     torch_dtype."""
     with open(config_path) as f:
         d = json.load(f)
@@ -117,8 +118,7 @@ def add_legacy_keys(config_path: str):
 
 
 def new_head(config) -> nn.Linear:
-    """A fresh head, drawn as transformers draws a token classifier's (weight normal with std
-    initializer_range, bias 0): a run from a backbone starts as TRL's PRMTrainer's does."""
+    """A fresh head drawn as transformers draws a token classifier's: runs start as TRL's do."""
     head = nn.Linear(config.get_text_config().hidden_size, 2)
     nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
     nn.init.zeros_(head.bias)
@@ -127,8 +127,8 @@ def new_head(config) -> nn.Linear:
 
 def step_loss(logits, labels, n_labeled):
     """(loss, ce_sum, n_correct): the cross-entropy against [1-p, p] summed over labeled steps, over
-    n_labeled, the labeled steps of the WHOLE optimizer step (all micro-batches and ranks); 0 when
-    none. labels: (B, T) float, -100 where unlabeled, soft in [0, 1]. ce_sum, n_correct: to log."""
+    n_labeled, the labeled steps of the WHOLE optimizer step (all micro-batches and ranks).
+    labels: (B, T) float, -100 where unlabeled, soft in [0, 1]."""
     mask = labels != -100  # (B, T)
     logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, no host sync
     p = torch.where(mask, labels, 0.0)  # (B, T)
@@ -141,15 +141,15 @@ def step_loss(logits, labels, n_labeled):
 
 def enable_activation_checkpointing(backbone):
     """Non-reentrant activation checkpointing: works under DDP and with inputs that need no grad."""
+    kw = {"use_reentrant": False}
     if hasattr(backbone, "activation_checkpointing_enable"):  # transformers 5
-        backbone.activation_checkpointing_enable({"use_reentrant": False})
+        backbone.activation_checkpointing_enable(kw)
     else:
-        kw = {"use_reentrant": False}
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
 def _head_name(hf) -> str:
-    """The HF token classifier's output layer name (`score`, `classifier`)."""
+    """The HF token classifier's output layer's name (`score`, `classifier`)."""
     for name, module in hf.named_children():
         if isinstance(module, nn.Linear) and module.out_features == hf.config.num_labels:
             return name
@@ -157,7 +157,7 @@ def _head_name(hf) -> str:
 
 
 def hf_names(config):
-    """(HF token classifier class name, backbone key prefix, head key prefix) of this config."""
+    """(HF token classifier class, backbone key prefix, head key prefix) of this config."""
     with torch.device("meta"):
         hf = AutoModelForTokenClassification.from_config(config)
     return type(hf).__name__, hf.base_model_prefix, _head_name(hf)
@@ -167,5 +167,6 @@ def load_weights(model: PRM, path: str):
     """Loads save_pretrained's weights back into an existing PRM."""
     state = load_file(os.path.join(path, "model.safetensors"))
     _, prefix, head_name = hf_names(model.config)
-    for module, name in ((model.backbone, prefix), (model.head, head_name)):
-        module.load_state_dict({k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")})
+    for module, name in ((model.backbone, prefix + "."), (model.head, head_name + ".")):
+        module.load_state_dict({k.removeprefix(name): v for k, v in state.items()
+                                if k.startswith(name)})

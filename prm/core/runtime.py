@@ -1,5 +1,4 @@
-"""Device, autocast dtype and torchrun plumbing. Depends on: torch (progress_off: datasets and
-transformers too)."""
+"""Device, autocast dtype and torchrun plumbing. Depends on: torch."""
 import contextlib
 import gc
 import os
@@ -27,7 +26,7 @@ class Runtime:
 
 
 def setup() -> Runtime:
-    """Under torchrun: a process per device, nccl on CUDA, gloo on CPU. Else: no process group."""
+    """Under torchrun: a process group, nccl on CUDA, gloo on CPU."""
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" not in os.environ:
         return Runtime(device=torch.device("cuda" if cuda else "cpu"))
@@ -40,10 +39,8 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
-    """Destroys the process group (and gloo's threads: alive at shutdown, one releasing a tensor
-    needs the GIL and aborts the rank) while the interpreter is whole. The group outlives
-    destroy_process_group while held by a model in reference cycles (collected here) or by
-    fully_shard's DeviceMesh, which DTensor caches keep (let go of here)."""
+    """Destroys the process group while the interpreter is whole (gloo's threads, alive at shutdown,
+    abort the rank), and what keeps it: models in reference cycles, fully_shard's cached meshes."""
     if rt.distributed and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -54,7 +51,7 @@ def teardown(rt: Runtime):
 
 def autocast_dtype(name, device: torch.device):
     """The autocast dtype of fp32 (None), bf16 or fp16; name None: bf16 where the device runs it
-    natively (CUDA with bf16, CPUs with AMX or AVX512-BF16), else fp32."""
+    natively, else fp32."""
     if name is None:
         cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if (cpu_has_bf16() if device.type == "cpu" else cuda) else None
@@ -109,7 +106,7 @@ def main_first(rt: Runtime):
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matrix units on this CPU (torch.cpu's probes); PRM_CPU_BF16=1/0 overrides."""
+    """Native bf16 matrix units on this CPU (AMX, AVX512-BF16); PRM_CPU_BF16=1/0 overrides."""
     if os.environ.get("PRM_CPU_BF16") in ("0", "1"):
         return os.environ["PRM_CPU_BF16"] == "1"
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")

@@ -1,9 +1,6 @@
-"""Attention over packed rows (data.pack's): examples back to back, each attending to itself.
-use_packed_attention(backbone) registers it with transformers' AttentionInterface. The kernel:
-PyTorch's varlen flash attention on CUDA in bf16/fp16, else causal SDPA per example. Depends on:
-torch, transformers. Transformers' own SDPA keeps packed examples apart too, but with an N x N
-mask (1 GiB at 32k tokens) and every score between examples computed; here each example's own
-only (16 examples of 256 tokens on a CPU: 0.12 s, not 1.8 s)."""
+"""Attention over packed rows (data.pack's), each example attending to itself only: PyTorch's
+varlen flash attention on CUDA in bf16/fp16, else causal SDPA per example (transformers' SDPA
+would build an N x N mask and score across examples). Depends on: torch, transformers."""
 import functools
 import inspect
 
@@ -21,7 +18,7 @@ except ImportError:
 
 def kernel_dtype(query):
     """The flash kernel's dtype; None where the fallback runs (CPU, fp32, head dim > 256). Under
-    autocast, RoPE hands over fp32 queries: the kernel runs in the autocast dtype, as SDPA would."""
+    autocast RoPE hands over fp32 queries: the kernel runs in the autocast dtype, as SDPA would."""
     if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
         return None
     if query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):  # pre-Ampere
@@ -35,8 +32,8 @@ def kernel_dtype(query):
 
 @functools.lru_cache
 def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
-    """(causal attention's keywords, whether K/V must be repeated) for this varlen_attn: torch
-    2.10 takes is_causal, later ones a window, (-1, 0) causal; enable_gqa: native grouped heads."""
+    """(causal keywords, whether K/V must be repeated) for this varlen_attn: torch 2.10 takes
+    is_causal, later ones a window (-1, 0); enable_gqa: native grouped heads."""
     params = inspect.signature(fn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     gqa = n_heads != n_kv_heads
@@ -46,8 +43,8 @@ def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
 
 
 def per_example_sdpa(q, k, v, cu_seqlens, scale, window=None):
-    """Causal SDPA on each example's slice, over its last `window` keys (its own included) if
-    given. q (H, N, D), k/v (Hkv, N, D) -> (H, N, D)."""
+    """Causal SDPA per example, over its last `window` keys if given. q (H, N, D), k/v (Hkv, N, D)
+    -> (H, N, D)."""
     bounds = cu_seqlens.tolist()
     gqa = q.shape[0] != k.shape[0]
     out = torch.empty_like(q)  # (H, N, D)
@@ -91,8 +88,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def supports_packing(backbone) -> bool:
-    """True for decoders whose attention goes through AttentionInterface, is causal everywhere
-    and has no attention dropout (GPT-2's default has)."""
+    """True for decoders whose attention goes through AttentionInterface, all causal, no dropout."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
     dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
     # the kernels lack Gemma 2's logit soft-capping and gpt-oss's attention sinks
@@ -103,7 +99,7 @@ def supports_packing(backbone) -> bool:
 
 
 def is_packed(model) -> bool:
-    """Whether the model (a PRM or a backbone) runs packed attention, so takes packed rows."""
+    """Whether the model (a PRM or a backbone) runs packed attention."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 

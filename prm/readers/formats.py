@@ -19,7 +19,8 @@ FORMATS = {  # the columns that identify each format, in detection order
 # source columns kept for evaluation's reports, with their types
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
-KINDS = {"string": (str, "text"), "bool": (bool, "true/false"), "int64": (int, "an integer")}
+KINDS = {"string": (str, "text"), "bool": (bool, "true/false"), "int64": (int, "an integer"),
+         "response_answer": (str, "the final answer as text")}
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
@@ -35,7 +36,7 @@ def decode(data: bytes) -> tuple:
 
 
 def read_json(text: str) -> tuple:
-    """(value, problem, line) of a JSON text: malformed, too deep, a too long number, a field's."""
+    """(value, problem, line): the JSON text's value, or why it cannot be read."""
     repeated = []
 
     def pairs_hook(pairs: list) -> dict:
@@ -63,7 +64,7 @@ class _Repeated(dict):  # a JSON object that gave one key twice
 
 def field_problem(value, field: str = ""):
     """"field 'x': ..." for the first key given twice or lone surrogate in value, else None."""
-    todo = [(field, value)]  # a loop: any depth json reads
+    todo = [(field, value)]  # a loop, not recursion: any depth json reads
     while todo:
         field, value = todo.pop()
         if isinstance(value, str):
@@ -101,7 +102,7 @@ def step_spans(text: str, separator: str) -> list:
 
 
 def split_steps(text: str, separator: str) -> list:
-    """The steps of a text (step_spans), each with its own whitespace, as training keeps them."""
+    """The non-blank steps of a text, each with its own whitespace, as training keeps them."""
     return [text[a:b] for a, b in step_spans(text, separator)]
 
 
@@ -121,10 +122,14 @@ def format_help(record: dict) -> str:
             + (f" Misnamed? {', '.join(near)}." if near else "") + " Or force one with --format.")
 
 
-def _need(record: dict, key: str, kind=None, what: str = "", where: str = ""):
-    """record[key], checked; `where` prefixes a nested record's field names ("outputs[3].")."""
+def _need(record: dict, key: str, kind=None, what: str = "", where: str = "",
+          optional: bool = False):
+    """record[key], checked (optional: None if absent or null); `where` prefixes a nested record's
+    field names ("outputs[3].")."""
     if not isinstance(record, dict):
         raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
+    if optional and record.get(key) is None:
+        return None
     if key not in record:
         near = difflib.get_close_matches(key, [str(k) for k in record], 1, 0.6)
         near = f" (found '{near[0]}': misnamed?)" if near else ""
@@ -140,7 +145,7 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
-    """The row and its META columns: a converted file reads back as its source (`id`: to_rows')."""
+    """The row with its META columns (`id`: to_rows'), so a converted file reads as its source."""
     row = {k: _need(r, k) for k in FORMATS["stepwise"]}
     if r.get("first_error") is not None:
         steps = row["completions"]
@@ -148,54 +153,51 @@ def from_stepwise(r: dict, neutral: str) -> list:
         row.update(_benchmark_columns(r, "first_error", n))
     for col, kind in META.items():
         if col not in row and col != "id" and r.get(col) is not None:
-            python_type, what = KINDS[kind]
-            what = "the final answer as text" if col == "response_answer" else what
+            python_type, what = KINDS.get(col, KINDS[kind])
             row[col] = _need(r, col, python_type, what)
     return [row]
 
 
 def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
     """ProcessBench's first-error index (0-based, -1 = none) and final-answer flag."""
-    first, correct = _need(r, key), r.get("final_answer_correct")
+    first = _need(r, key)
     if type(first) is not int or not -1 <= first < n_steps:
         raise BadField(key, f"first-error index {_kind(first)} is out of range for {n_steps} steps "
                             "(0-based, -1 = no error)")
-    if correct is not None and not isinstance(correct, bool):
-        raise BadField("final_answer_correct", f"expected true/false, got {_kind(correct)}")
+    correct = _need(r, "final_answer_correct", bool, "true/false", optional=True)
     return {"first_error": first, "final_answer_correct": correct}
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
     """`input`: question + "Step 1: ... ки\\nStep 2: ... ки"; `label`: +/- per tag, or a list."""
     text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
-    _tagged_steps(text, "input")
+    steps = _tagged_steps(text, "input")
     parts = text.split(STEP_TAG)
     if isinstance(label, str):
         labels, pos = [], 0
         for k, part in enumerate(parts[:-1]):
-            mark = label[pos + len(part):pos + len(part) + 1]
-            if label[pos:pos + len(part)] != part or mark not in ("+", "-"):
+            end = pos + len(part)  # where this step's mark stands
+            if not label.startswith(part, pos) or label[end:end + 1] not in ("+", "-"):
                 raise BadField("label", f"does not match 'input' at step {k + 1}: expected the "
                                         f"same text with + or - in place of each '{STEP_TAG}'")
-            labels.append(mark == "+")
-            pos += len(part) + 1
+            labels.append(label[end] == "+")
+            pos = end + 1
     elif isinstance(label, list):
         labels = label
     else:
         raise BadField("label", "expected text with +/- step marks or a list of step labels, got "
                                 + _kind(label))
-    question, marker, first = parts[0].rpartition("Step 1:")
+    question, marker, first = steps[0].rpartition("Step 1:")
     if not marker:
         raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the "
                                 "question from the first step")
-    steps = [s.strip() for s in [marker + first] + parts[1:-1]]
+    steps[0] = (marker + first).strip()
     return [{"prompt": question.strip(), "completions": steps, "labels": labels}]
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """A row per rated alternative not chosen (the trajectory so far + it), and the trajectory of
-    chosen or human steps to where the labeler stopped, unless the last row holds it; none from a
-    bad_problem."""
+    """A row per rated alternative not chosen (the trajectory so far + it), then the trajectory to
+    where the labeler stopped unless the last row holds it; none from a bad_problem."""
     problem = _need(_need(r, "question", dict, "an object with 'problem'"), "problem", str, "text")
     label = _need(r, "label", dict, "an object with 'steps'")
     steps = _need(label, "steps", list, "a list")
@@ -243,8 +245,7 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben as ProcessBench: question and options, steps without "Step k: ", first error 1-based
-    or "N/A"."""
+    """Mr-Ben as ProcessBench: question + options; steps lose "Step k: "; first error 1-based."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
     first = _need(r, "Model_Solution_First_Error_Step")
@@ -262,7 +263,7 @@ def from_mrben(r: dict, neutral: str) -> list:
 
 
 def _tagged_steps(text: str, field: str) -> list:
-    """Steps of a text with a step tag after each."""
+    """The steps of a text ending each with STEP_TAG."""
     parts = text.split(STEP_TAG)
     if len(parts) < 2:
         raise BadField(field, f"no '{STEP_TAG}' step tag")
@@ -273,8 +274,7 @@ def _tagged_steps(text: str, field: str) -> list:
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """A row per sampled solution (step-tagged `response`, or `steps`), all in one `group`;
-    `label`: the answer is correct."""
+    """A row per solution (step-tagged `response`, or `steps`), one `group`; `label`: correct."""
     question = _need(r, "question", str, "text")
     outputs = _need(r, "outputs", list, "a list of candidate solutions")
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
@@ -287,9 +287,7 @@ def from_candidates(r: dict, neutral: str) -> list:
             text = _need(o, "response", str, "text with step tags", where)
             steps = _tagged_steps(text, where + "response")
         correct = _need(o, "label", bool, "true/false (is the final answer correct?)", where)
-        answer = o.get("response_answer")
-        if answer is not None:
-            answer = _need(o, "response_answer", str, "the final answer as text", where)
+        answer = _need(o, "response_answer", str, "the final answer as text", where, True)
         labels = o["step_labels"] if o.get("step_labels") is not None else [None] * len(steps)
         rows.append({"prompt": question, "completions": steps, "labels": labels,
                      "final_answer_correct": correct, "response_answer": answer, "group": group,
@@ -298,8 +296,8 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution, its 1-based `error_steps` wrong (those past the end ignored, as in
-    PRMBench's harness), the rest correct; a redundancy row also gives the original ("correct")."""
+    """The modified solution, its 1-based `error_steps` wrong (past the end: ignored, as PRMBench's
+    harness does), the rest correct; a redundancy row also gives the original ("correct")."""
     steps = _unnumbered(_need(r, "modified_process", list, "a list of steps"))
     errors = _need(r, "error_steps", list, "a list of 1-based step indices")
     for e in errors:
@@ -337,14 +335,17 @@ def from_pretokenized(r: dict, neutral: str) -> list:
     return [row]
 
 
-CONVERTERS = {name: globals()[f"from_{name}"] for name in FORMATS}
+CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise,
+              "processbench": from_processbench, "prm800k": from_prm800k,
+              "math_shepherd": from_math_shepherd, "candidates": from_candidates,
+              "prmbench": from_prmbench, "mrben": from_mrben}  # FORMATS' names
 
 
-def _first_bad(bad: list, message: str, more: str = " more") -> list:
-    """[the message of the first bad (index, what) and how many more], or []."""
+def _first_bad(bad: list, message: str) -> list:
+    """[message about the first (index, what) of bad, and how many more], or []."""
     if not bad:
         return []
-    return [message.format(*bad[0]) + (f" ({len(bad) - 1}{more})" if len(bad) > 1 else "")]
+    return [message.format(*bad[0]) + (f" ({len(bad) - 1} more)" if len(bad) > 1 else "")]
 
 
 def row_problems(row: dict) -> list:
@@ -364,7 +365,7 @@ def row_problems(row: dict) -> list:
     else:
         bad = [(i, "empty" if isinstance(s, str) else _kind(s)) for i, s in enumerate(steps)
                if not isinstance(s, str) or is_blank(s)]
-        out += _first_bad(bad, "field 'completions': step {} is {}", " more like it")
+        out += _first_bad(bad, "field 'completions': step {} is {}")
     if not isinstance(labels, list):
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
     bad = [(i, p) for i, y in enumerate(labels) for p in [label_problem(y)] if p]
@@ -412,7 +413,7 @@ def token_problems(row: dict) -> list:
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) of one raw record in format `fmt`; rows are valid only without problems."""
+    """(rows, problems) of one raw record in format `fmt`; no rows if any problem."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:

@@ -27,20 +27,19 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
                      desc: str = "tokenize", drop_unlabeled: bool = True, tokenize=None):
-    """(dataset, report) by datasets.map(tokenize, by default tokenize_batch, or cut_pretokenized);
-    rows without a labeled step are dropped and counted, unless drop_unlabeled=False (rows line up
-    with the source). tokenize: a published PRM's own (prm.scoring.scorers.load's)."""
+    """(dataset, report) by datasets.map(tokenize: tokenize_batch, a published PRM's own, or for
+    pre-tokenized rows cut_pretokenized); rows without a labeled step are dropped and counted,
+    unless drop_unlabeled=False (rows line up with the source)."""
     features = Features({**FEATURES, **{k: v for k, v in ds.features.items() if k in META}})
+    kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
+                  train_on_last_step_only=cfg.train_on_last_step_only)
     if "input_ids" in ds.column_names:
         check_pretokenized(ds, tokenizer, cfg)
         fn, fingerprint = cut_pretokenized, None
-        kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
-                      train_on_last_step_only=cfg.train_on_last_step_only)
     else:
         fn = tokenize or tokenize_batch
-        kwargs = dict(tokenizer=tokenizer, step_separator=cfg.step_separator,
-                      max_length=cfg.max_length, max_completion_length=cfg.max_completion_length,
-                      train_on_last_step_only=cfg.train_on_last_step_only, is_eval=is_eval)
+        kwargs.update(tokenizer=tokenizer, step_separator=cfg.step_separator,
+                      max_completion_length=cfg.max_completion_length)
         fingerprint = map_fingerprint(ds, tokenizer, kwargs, fn)
     n_proc = processes(num_proc, len(ds))
     try:
@@ -87,7 +86,8 @@ def template_problems(ds, tokenizer, which: str) -> list:
     """(index, message) of each row whose chat prompt the tokenizer's template cannot render."""
     if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
-    name, out = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__, []
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    out = []
     ids = ds["id"][:] if "id" in ds.column_names else [None] * len(ds)
     for i, (prompt, id_) in enumerate(zip(ds["prompt"][:], ids)):
         try:
@@ -101,7 +101,7 @@ def template_problems(ds, tokenizer, which: str) -> list:
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str:
-    """map's fingerprint from data, tokenizer, settings and code: cheaper than dill's hash."""
+    """map's fingerprint from data, tokenizer, settings and code: cheaper than hashing them all."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         tok = Hasher.hash(tokenizer)
@@ -114,7 +114,7 @@ def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str
 
 
 def check_pretokenized(ds, tokenizer, cfg):
-    """DataError for pre-tokenized rows with ids past the vocabulary, or --max-completion-length."""
+    """DataError for ids past the vocabulary, or --max-completion-length (no prompt to cut)."""
     if cfg.max_completion_length:
         raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows "
                          "carry no prompt/step boundary to apply it to; set it to 0 and cap them "
@@ -134,15 +134,15 @@ def check_pretokenized(ds, tokenizer, cfg):
 
 
 def cut_pretokenized(batch: dict, **kw) -> dict:
-    """Pre-tokenized rows as tokenize_batch returns them: each labeled token ends a step, cut by
-    make_row (kw: its keywords; no prompt known: a row keeping no step keeps no token)."""
+    """Pre-tokenized rows as tokenize_batch returns them, each labeled token ending a step, cut by
+    make_row(**kw) (no prompt known: a row keeping no step keeps no token)."""
     ends = [[i for i, y in enumerate(labels) if y != IGNORE] for labels in batch["labels"]]
     return columns([make_row(ids, e, [labels[i] for i in e], **kw)
                     for ids, labels, e in zip(batch["input_ids"], batch["labels"], ends)])
 
 
 def dataset_report(tok, n_rows_in: int, steps_truncated: int, steps_with_separator: int) -> dict:
-    """Counted in Arrow over the rows kept."""
+    """The data report, counted in Arrow over the rows kept."""
     t = tok.with_format("arrow")
     lengths, labels = t["length"], pc.list_flatten(t["labels"])
     labels = pc.filter(labels, pc.not_equal(labels, IGNORE))

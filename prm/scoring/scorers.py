@@ -1,12 +1,9 @@
 """Published PRMs read as their authors read them: per family a row builder (input_ids and the
-positions read as step scores), which `load` returns, and a model giving (B, T, 2) logits,
-[bad, good].
+positions read as step scores) and a model giving (B, T, 2) logits, [bad, good].
 - classifier: a token-classification head (ours, TRL's).
-- qwen-prm (Qwen2.5-Math-PRM): chat template, system prompt, each step ended by <extra_0>; its
-  own code.
-- step-tag (Math-Shepherd): problem, then each step ended by " " + a tag; LM logits at each tag.
-- chat-turns (RLHFlow): a user turn per step, each answered by the good token; LM logits where
-  it is predicted."""
+- qwen-prm (Qwen2.5-Math-PRM): its own code; chat template, system prompt, steps end in <extra_0>.
+- step-tag (Math-Shepherd): problem, then each step + " " + a tag; LM logits at each tag.
+- chat-turns (RLHFlow): a user turn per step answered by the good token; LM logits predicting it."""
 import bisect
 import dataclasses
 import hashlib
@@ -19,7 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from prm.loading import load_tokenizer, load_trained, loading
 from prm.core.data import columns, make_row
 from prm.core.model import PRM, saved_weights
-from prm.errors import UsageError, check
+from prm.errors import UsageError
 from prm.scoring import FAMILIES, ScorerOptions
 from prm.core.varlen import supports_packing, use_packed_attention
 
@@ -30,7 +27,7 @@ with open(__file__, "rb") as _f:  # in every Family: a change of this file is a 
 
 
 def detect(model: str, scorer) -> str:
-    """scorer; auto: qwen-prm for a *ForProcessRewardModel in the config, else classifier."""
+    """scorer; auto: qwen-prm for a *ForProcessRewardModel config, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:  # no code runs: Qwen's PRMs declare a known model type
@@ -47,7 +44,7 @@ def shown(tokenizer, ids: list) -> list:
 
 
 def one_token(tokenizer, flag: str, text: str) -> int:
-    """The id of text, one known token of the tokenizer, else UsageError."""
+    """The id of text if it is one known token, else UsageError."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
@@ -70,8 +67,8 @@ class Family:
     code: str = CODE
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
-        """prm.core.data.tokenize_batch's columns, each row built as the family's authors build
-        it (kw: make_row's; the family's own text ends the steps, not step_separator)."""
+        """tokenize_batch's columns, each row built as the family's authors build it (kw:
+        make_row's; the family's own text ends the steps, not step_separator)."""
         rows = []
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
             problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat's user turns
@@ -82,7 +79,7 @@ class Family:
 
 
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
-    """The family's settings, checked: each token one of the tokenizer's, no flag it ignores."""
+    """The family's settings: each token one of the tokenizer's, no flag it ignores."""
     lm = name in ("step-tag", "chat-turns")
     given = (("--step-tag", step_tag != "", name == "step-tag"),
              ("--good-token", good_token != "+", lm), ("--bad-token", bad_token != "-", lm))
@@ -112,8 +109,8 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *,
            first_char: int, shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids of text, the position (+ shift) of the `token_id` token ending at each of
-    `ends`, the first step's first token)."""
+    """(input_ids of text, the position + shift of the `token_id` token ending at each of `ends`,
+    the first step's first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
@@ -176,7 +173,7 @@ BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_r
 
 
 class FirstOutput(nn.Module):
-    """A model with its own code (Qwen2.5-Math-PRM); its first output read as (B, T, 2) logits."""
+    """A model with its own code (Qwen2.5-Math-PRM); its first output: (B, T, 2) logits."""
 
     def __init__(self, model):
         super().__init__()
@@ -199,17 +196,15 @@ def lm_head_rows(lm, ids: list) -> PRM:
     """A causal LM as a PRM whose head is its LM head's rows `ids` ([bad, good]: (B, T, 2))."""
     head = lm.get_output_embeddings()
     rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device,
-                     head.weight.dtype)
-    # weight (2, H), bias (2,)
+                     head.weight.dtype)  # weight (2, H), bias (2,)
     rows.load_state_dict({k: v[ids] for k, v in head.state_dict().items()})
     return PRM(lm.base_model, rows)
 
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
          dtype=torch.float32) -> tuple:
-    """(tokenizer, model giving (B, T, 2) logits, the family's row builder for tokenize_dataset's
-    and score_batch's `tokenize`: None for a classifier, read as trained); published weights in
-    `dtype`."""
+    """(tokenizer, model giving (B, T, 2) logits, the family's row builder: tokenize_dataset's and
+    score_batch's `tokenize`, None for a classifier); published weights in `dtype`."""
     settings = dataclasses.asdict(opts)
     name = detect(cfg.model, settings.pop("scorer"))
     if name not in FAMILIES:
@@ -237,8 +232,9 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
 
 
 def embeddable(tokenizer, model, cfg, flag: str) -> tuple:
-    """(tokenizer, model); UsageError if the tokenizer (of `flag`) has ids past the embeddings."""
-    rows, path = model.config.get_text_config().vocab_size, getattr(cfg, flag[2:])
-    check([] if len(tokenizer) <= rows else [f"{flag} {path}: {len(tokenizer)} tokens, more than "
-                                             f"--model {cfg.model}'s {rows} embeddings"])
+    """(tokenizer, model); UsageError if the tokenizer has ids past the embeddings."""
+    rows = model.config.get_text_config().vocab_size
+    if len(tokenizer) > rows:
+        raise UsageError(f"{flag} {getattr(cfg, flag[2:])}: {len(tokenizer)} tokens, more than "
+                         f"--model {cfg.model}'s {rows} embeddings")
     return tokenizer, model

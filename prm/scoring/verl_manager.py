@@ -1,11 +1,6 @@
 """verl 0.9.1's reward manager: a PRM's step scores on the policy's response tokens
-(PRMReward.token_rewards). verl loads it by path (prm never imports verl):
-
-    reward.reward_manager.source=importlib reward.reward_manager.name=PRMRewardManager
-    reward.reward_manager.module.path=/path/to/prm/scoring/verl_manager.py
-    +reward.reward_kwargs.model=out/final  # and any PRMReward keyword; shaping
-
-Each response's rewards fill its row of `rm_scores`; the aggregate goes in reward_extra_info."""
+(PRMReward.token_rewards) fill `rm_scores`; the aggregate goes in reward_extra_info. verl loads
+this file by path (the README says how; reward_kwargs: PRMReward's keywords and `shaping`)."""
 import asyncio
 import os
 import threading
@@ -21,7 +16,7 @@ except ModuleNotFoundError as e:  # verl loads this file by path: prm must impor
 
 
 class PRMRewardManager(RewardManagerBase):
-    """run_single -> {"reward_score": a float per response token, "reward_extra_info": {...}}."""
+    """run_single -> {"reward_score": a float per response token, "reward_extra_info": ...}."""
     reward: PRMReward = None  # one per process (init_class)
     shaping = "min"  # token_rewards' default
     lock = threading.Lock()
@@ -65,7 +60,7 @@ class PRMRewardManager(RewardManagerBase):
 
     @classmethod
     def assemble_rm_scores(cls, data, scores: list) -> torch.Tensor:
-        """(batch, response_length) rm_scores: each sample's token rewards on its own tokens."""
+        """(batch, response_length) rm_scores: each sample's rewards on its own tokens."""
         rm_scores = torch.zeros_like(data.batch["responses"], dtype=torch.float32)  # (B, R)
         kept = data.batch["attention_mask"][:, -rm_scores.shape[1]:].bool()  # (B, R)
         for i, rewards in enumerate(scores):
