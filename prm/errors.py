@@ -51,7 +51,7 @@ def overwrites(written: list, read: list) -> list:
     real = os.path.realpath
     return [f"{wf} {w} would overwrite {rf} {r}, which it reads: choose another path"
             for wf, w in written for rf, r in read
-            if w and r and os.path.exists(w) and os.path.exists(r)
+            if w and r and os.path.exists(r)
             and os.path.commonpath([real(w), real(r)]) in (real(w), real(r))][:1]
 
 

@@ -1,6 +1,7 @@
 """Files written whole or not at all (else WriteFailed), and a lock against a second writer."""
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 import socket
@@ -12,8 +13,8 @@ from prm.errors import UsageError, WriteFailed
 
 
 @contextlib.contextmanager
-def reported(path: str):
-    """A failed write in the block: WriteFailed."""
+def writing(path: str):
+    """A failed write in the block: WriteFailed naming `path`."""
     try:
         yield
     except BaseException as e:
@@ -41,31 +42,62 @@ def free_mib(path: str) -> str:
 
 
 def write_lines(path: str, lines, mode: str = "w"):
-    """Via a synced temporary file renamed over `path`; mode 'a', a FIFO, a device: in place."""
-    direct = mode == "a" or os.path.exists(path) and not os.path.isfile(path)
-    tmp = path if direct else f"{path}.tmp{os.getpid()}"
+    """Via a synced temporary file renamed over `path` (a symlink: over its target); mode 'a', a
+    FIFO, a device: in place."""
+    real = os.path.realpath(path)
+    direct = mode == "a" or os.path.exists(real) and not os.path.isfile(real)
+    # hidden, in the same folder, and short: a name near the length limit still fits
+    folder, name = os.path.split(real)
+    tmp = real if direct else os.path.join(folder, f".{os.getpid()}.{name[:200]}.tmp")
     try:
-        with reported(path):
+        with writing(path):
             with open(tmp, mode, encoding="utf-8") as f:
                 f.writelines(line + "\n" for line in lines)
                 if not direct:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, real)
     finally:
         if not direct:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
 
 
+def check_output(path: str, flag: str, sides=(".settings", ".lock")):
+    """Refuses an --output that cannot be written and read back as a file beside `sides`."""
+    folder = os.path.dirname(path) or "."
+    if not path or os.path.isdir(path) or os.path.exists(path) and not os.path.isfile(path):
+        why = "not a file name" if not path else "a folder" if os.path.isdir(path) else \
+            "not a regular file (a FIFO or a device): a rerun reads the output back"
+    elif not os.path.isdir(folder):
+        why = f"no folder {folder}"
+    elif len(os.path.basename(path)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
+        why = f"a name too long for {os.path.basename(path)}{max(sides, key=len)} beside it"
+    else:
+        return
+    raise UsageError(f"{flag} {path!r}: {why}; pass another {flag}")
+
+
+def digest(paths: list, named: bool = True) -> str:
+    """sha256 of the files' names (named) and contents, in order; a folder: its name."""
+    out = hashlib.sha256()
+    for path in paths:
+        out.update((os.path.basename(path) if named else "").encode() + b"\0")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    out.update(block)
+    return out.hexdigest()
+
+
 @contextlib.contextmanager
-def written_in_place(path: str, fresh: bool = True):
-    """A temporary directory that replaces `path` if the block succeeds."""
+def staged_folder(path: str, fresh: bool = True):
+    """Yields PATH.tmp, a folder written in the block; it replaces `path` if the block succeeds."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with reported(path):
+        with writing(path):
             yield tmp
             if os.path.isdir(path):
                 shutil.rmtree(old, ignore_errors=True)
@@ -84,7 +116,7 @@ def written_in_place(path: str, fresh: bool = True):
 def locked(path: str, lock: str = ""):
     """Holds `lock` (PATH.lock: flock, pid@host) for the block; another writer: UsageError."""
     lock = lock or path + ".lock"
-    with reported(lock):
+    with writing(lock):
         fd = _hold(lock, path)
     try:
         yield
@@ -100,7 +132,13 @@ def _hold(lock: str, path: str) -> int:
         raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for it "
                          f"to end, or if none is, delete {lock}")
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted there: it would rewrite the file it leads to
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            if not os.path.islink(lock):
+                raise
+            raise UsageError(f"{lock} is a symbolic link, not a lock this code writes; delete "
+                             "it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -121,7 +159,9 @@ def _hold(lock: str, path: str) -> int:
 
 
 def _owner(fd: int) -> str:
-    return os.read(fd, 256).decode(errors="replace").strip()
+    """The lock's pid@host, its other characters (newlines, escapes) as ?."""
+    text = os.read(fd, 256).decode(errors="replace").strip()
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def _alive(owner: str) -> bool:

@@ -1,5 +1,6 @@
 """`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft or
 hard estimate, OmegaPRM's binary search). The API takes any `complete(prompts, n, seed)`."""
+import contextlib
 import dataclasses
 import datetime
 import glob
@@ -11,16 +12,15 @@ import signal
 import sys
 import time
 from fractions import Fraction
-from types import SimpleNamespace
 
 import regex
 
 from prm.cli import Parser, add_fields, parsed
 from prm.config import opt, unescape
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
-from prm.files import locked, write_lines
+from prm.files import check_output, locked, write_lines, writing
 from prm.readers.formats import row_problems, split_steps
-from prm.readers.sources import DataError, _sources
+from prm.readers.sources import DataError, sources
 
 
 @dataclasses.dataclass
@@ -87,13 +87,16 @@ def extract_answer(text: str, pattern: str = ""):
 
 
 def normalize(answer: str) -> str:
-    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma."""
+    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma; a
+    number as its exact value (0.5, 1/2 and \\frac{1}{2} as 1/2): equal answers, equal texts."""
     s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                      ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
         s = s.replace(old, new)
     s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
-    return s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+    s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+    value = _number(s)
+    return s if value is None else str(value)
 
 
 def _number(s: str):
@@ -108,9 +111,8 @@ def _number(s: str):
 
 
 def same_answer(found, reference) -> bool:
-    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
-    a, b = normalize(str(found)), normalize(str(reference))
-    return found is not None and (a == b or (_number(a) is not None and _number(a) == _number(b)))
+    """Normalized exact match (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
+    return found is not None and normalize(str(found)) == normalize(str(reference))
 
 
 def judge(reference: str, opts: LabelOptions):
@@ -183,8 +185,7 @@ def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> li
 def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     """([(index, row)] of the valid rows, a digest of all); bad rows: DataError, or skipped."""
     rows, problems, bad, digest = [], [], 0, hashlib.sha256()
-    sources = _sources(spec, "train", SimpleNamespace(dataset_config=None))
-    records = ((name, rec) for name, recs in sources for rec in recs)
+    records = ((name, rec) for name, recs in sources(spec) for rec in recs)
     for index, (name, (where, r, problem)) in enumerate(records):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
         issues = [problem] if problem else input_problems(r, opts.answer_field)
@@ -200,6 +201,8 @@ def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     if bad:
         print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}",
               file=sys.stderr)
+    if not rows:
+        raise DataError([f"{spec}: no rows{' left' if bad else ''}"])
     return rows, digest.hexdigest()[:16]
 
 
@@ -215,18 +218,22 @@ def input_problems(r, field: str) -> list:
     return out
 
 
-def finished(*paths: str) -> dict:
+def finished(*paths: str, writer: str = "prm.label") -> dict:
     """{input row: its output lines} of the rows complete in one of the files, the first such."""
     rows = {}
     for path in filter(os.path.isfile, paths):
-        with open(path, encoding="utf-8") as f:
-            lines, got = f.read().split("\n")[:-1], {}  # past the last newline: a line cut short
+        try:  # past the last newline: a line cut short
+            with open(path, encoding="utf-8") as f:
+                lines, got = f.read().split("\n")[:-1], {}
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}), not what {writer} "
+                             "writes; pass another --output") from None
         for n, line in enumerate(lines, 1):
             try:
                 r = json.loads(line)
                 got.setdefault(r["row"], []).append((line, r["lines"]))
             except (ValueError, KeyError, TypeError):
-                raise UsageError(f"{path} line {n}: not a line prm.label writes; pass another "
+                raise UsageError(f"{path} line {n}: not a line {writer} writes; pass another "
                                  "--output") from None
         rows = {k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]} | rows
     return rows
@@ -242,22 +249,69 @@ def blanks(output: str) -> list:
     return [output + ".blank", *glob.glob(glob.escape(output) + ".part*of*.blank")]
 
 
-def check_settings(output: str, settings: dict, verb: str):
-    """Writes OUTPUT.settings at the first run; refuses a rerun with other settings."""
+def check_settings(output: str, settings: dict) -> bool:
+    """Writes OUTPUT.settings at the first run, atomically (of shards starting together, one
+    writes it); refuses a run with other settings. Returns whether this run wrote it."""
     side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
+    tmp, wrote = os.path.join(os.path.dirname(side), f".{os.getpid()}.settings"), False
     if not os.path.isfile(side):
-        write_lines(side, [json.dumps(now, indent=1)])
+        try:
+            with writing(side):
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(json.dumps(now, indent=1) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, side)  # never over another's
+                    wrote = True
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
     try:
         with open(side, encoding="utf-8") as f:
             old = json.load(f)
         if not isinstance(old, dict):
             raise ValueError(f"a JSON {type(old).__name__}, not an object")
     except ValueError as e:  # cut short, not JSON, not UTF-8
-        raise UsageError(f"{side}: not the settings prm.label writes ({e}); restore it, or pass "
-                         "another --output") from None
+        raise UsageError(f"{side}: not the settings {now['writer']} writes ({e}); restore it, or "
+                         "pass another --output") from None
     diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in now.items() if old.get(k) != v]
-    check([f"{output} was {verb} with other settings: {', '.join(diff)}; rerun with those to "
+    check([f"{output} was written with other settings: {', '.join(diff)}; rerun with those to "
            "continue it, or pass another --output"] if diff else [])
+    return wrote
+
+
+def stamp(path: str) -> str:
+    """Of a local model folder: a hash of its files' names, sizes and times (a model saved again
+    there differs); '' for a hub name."""
+    found = sorted(os.scandir(path), key=lambda e: e.name) if os.path.isdir(path) else []
+    files = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in found if e.is_file()]
+    return hashlib.sha256(repr(files).encode()).hexdigest()[:16] if found else ""
+
+
+@contextlib.contextmanager
+def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
+    """For the block: `own` (default: output) locked and less what a kill cut; OUTPUT.settings as
+    check_settings; an output it did not write (no OUTPUT.settings) refused; a block failing
+    before a line is written leaves no file it made."""
+    own, side = own or (output,), output + ".settings"
+    check_output(output, "--output", (".settings", *(p[len(output):] + ".lock" for p in own)))
+    made = [p for p in own if not os.path.exists(p)]
+    with locked(own[0]):
+        theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]
+        check([f"{theirs[0]}: not written by {writer} (no .settings file beside it); pass another "
+               "--output"] if theirs and not os.path.isfile(side) else [])
+        made += [side] if check_settings(output, {"writer": writer, **settings}) else []
+        for path in filter(os.path.isfile, own):
+            write_lines(path, [line for lines in finished(path, writer=writer).values()
+                               for line in lines])
+        try:
+            yield
+        except BaseException:
+            if not any(os.path.getsize(p) for p in made if os.path.isfile(p)):
+                for path in filter(os.path.isfile, made):
+                    os.remove(path)
+            raise
 
 
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
@@ -270,11 +324,9 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
     rows, digest = read_input(dataset, opts, skip_invalid)
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
     blank = own + ".blank"  # its own per part: a cut last line is dropped as the output's is
-    with locked(own):
-        check_settings(output, {**dataclasses.asdict(opts), "dataset": digest}, "labeled")
+    settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), "dataset": digest}
+    with resumed(output, settings, "prm.label", (own, blank)):
         done = finished(output, *parts(output), *blanks(output))
-        for path in (own, blank) if os.path.isfile(blank) else (own,):  # drops what a kill cut
-            write_lines(path, [line for lines in finished(path).values() for line in lines])
         todo = [(i, r) for i, r in rows if i % m == p and i not in done]
         for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
             write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
@@ -333,6 +385,9 @@ class Generator:
             self.model = loading("--policy", self.opts.policy, saved_weights,
                                  auto=AutoModelForCausalLM, trust_remote_code=self.trust,
                                  dtype=dtype).to(self.device).eval()
+            archs = self.model.config.architectures or []
+            check([f"--policy {self.opts.policy}: a masked language model ({archs[0]}) writes no "
+                   "text; pass a causal LM"] if any("MaskedLM" in a for a in archs) else [])
         return self.tok
 
     def render(self, prompt) -> str:

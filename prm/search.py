@@ -13,14 +13,15 @@ import time
 from prm.cli import Parser, add_fields, parsed
 from prm.config import opt
 from prm.core.metrics import AGGREGATES, solution_score
-from prm.errors import Stopped, UsageError, check, exit_status
-from prm.label import (Generator, LabelOptions, check_settings, extract_answer, finished,
-                                judge, locked, normalize, read_input, write_lines)
+from prm.errors import Stopped, UsageError, check, exit_status, overwrites
+from prm.label import (Generator, LabelOptions, extract_answer, finished, judge, normalize,
+                       read_input, resumed, stamp, write_lines)
 from prm.readers.formats import split_steps
 from prm.scoring import ScorerOptions
 
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
+MAX_N = 1 << 16  # solutions or beams per problem: more would not fit in memory
 # a problem searched: its input row, the text the policy continues, right(text) -> bool
 Problem = collections.namedtuple("Problem", "index row text right")
 
@@ -72,9 +73,9 @@ class SearchOptions:
                for x in self.methods if x not in known]
               + [f"--{k.replace('_', '-')} must be at least 1" for k in small
                  if getattr(self, k) < 1]
-              + [f"--n {n}: a budget must be at least 1" for n in self.n if n < 1]
+              + [f"--n {n}: a budget must be in 1..{MAX_N}" for n in self.n if not 0 < n <= MAX_N]
               + [f"--n {n}: not a multiple of --beam-width {m} (beam and dvts keep N/M beams)"
-                 for n in self.n if n > m and n % m and set(self.methods) & set(TREES)]
+                 for n in self.n if n > m > 0 and n % m and set(self.methods) & set(TREES)]
               + ([] if self.temperature >= 0 and 0 < self.top_p <= 1 else
                  [f"--temperature {self.temperature:g} must be >= 0, --top-p {self.top_p:g} in "
                   "(0, 1]"]))
@@ -103,13 +104,15 @@ def pick(cands: list, how: str, aggregate: str):
     if how == "best-of-n":
         values = [solution_score(c["scores"], aggregate) for c in cands]
         return values.index(max(values)) if cands else None
-    votes, first = collections.defaultdict(float), {}
+    votes, first, count = collections.defaultdict(float), {}, collections.Counter()
     for i, c in enumerate(cands):
         if c["answer"] is not None:
             key = normalize(c["answer"])
             first.setdefault(key, i)
+            count[key] += 1
             votes[key] += 1 if how == "majority" else AGGREGATES[aggregate](c["scores"] or [0])
-    return first[max(votes, key=votes.get)] if votes else None
+    # weights tied (unscored: a prompt past the PRM's max_length): the most candidates, the first
+    return first[max(votes, key=lambda k: (votes[k], count[k]))] if votes else None
 
 
 def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
@@ -233,11 +236,9 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     size = opts.problems
-    with locked(output):
-        check_settings(output, {**dataclasses.asdict(opts), **(settings or {}), "dataset": digest},
-                       "searched")
-        done = finished(output)
-        write_lines(output, [line for lines in done.values() for line in lines])  # drops a cut line
+    with resumed(output, {**dataclasses.asdict(opts), **(settings or {}), "dataset": digest},
+                 "prm.search"):
+        done = finished(output, writer="prm.search")
         bar = tqdm(total=len(rows) * len(opts.seeds), initial=len(done) * len(opts.seeds),
                    desc="searching", disable=not show or None)
         for chunk in (rows[b:b + size] for b in range(0, len(rows), size)):
@@ -303,23 +304,29 @@ def main(argv=None):
         p.add_argument("--trust-remote-code", action="store_true", help="allow the models' code")
         a = add_fields(p, SearchOptions).parse_args(argv)
         opts = parsed(SearchOptions, a)
+        check(overwrites([("--output", a.output)], [("--dataset", a.dataset),
+                                                     ("--model", a.model), ("--policy", a.policy)]))
         problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
-        from prm.scoring.reward import PRMReward
-        scoring = dataclasses.asdict(parsed(ScorerOptions, a))
-        reward = PRMReward(a.model, opts.aggregate, batch_size=opts.batch_size,  # before the policy
-                           trust_remote_code=a.trust_remote_code, **scoring)
-        if reward.step_separator != opts.step_separator:
-            print(f"note: the PRM splits steps at {reward.step_separator!r}, the policy at "
-                  f"{opts.step_separator!r}", file=sys.stderr)
-        gen = Generator(opts, device=reward.device, trust_remote_code=a.trust_remote_code)
+        try:  # Ctrl-C while the models load too: one line
+            from prm.scoring.reward import PRMReward
+            scoring = dataclasses.asdict(parsed(ScorerOptions, a))
+            # the PRM before the policy: its refusals come first
+            reward = PRMReward(a.model, opts.aggregate, batch_size=opts.batch_size,
+                               trust_remote_code=a.trust_remote_code, **scoring)
+            if reward.step_separator != opts.step_separator:
+                print(f"note: the PRM splits steps at {reward.step_separator!r}, the policy at "
+                      f"{opts.step_separator!r}", file=sys.stderr)
+            gen = Generator(opts, device=reward.device, trust_remote_code=a.trust_remote_code)
 
-        def count(question, text):  # the PRM's tokens: the problem's and the solution's text
-            question = question if isinstance(question, str) else \
-                "\n".join(m["content"] for m in question)
-            return len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
-        try:
+            def count(question, text):  # the PRM's tokens: the problem's and the solution's text
+                question = question if isinstance(question, str) else \
+                    "\n".join(m["content"] for m in question)
+                tokens = len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
+                return min(tokens, reward.max_length or tokens)  # what it reads, no more
+            settings = {"model": a.model, "model_files": stamp(a.model),
+                        "policy_files": stamp(opts.policy), **scoring}
             out = search_file(problems, a.output, gen, reward.score, opts, render=gen.render,
-                              count=count, settings={"model": a.model, **scoring})
+                              count=count, settings=settings)
         except KeyboardInterrupt:
             raise Stopped("stopped by SIGINT; run the same command again to continue",
                           signal.SIGINT) from None
