@@ -308,7 +308,7 @@ def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
         try:
             yield
         except BaseException:
-            if not any(os.path.getsize(p) for p in made if os.path.isfile(p)):
+            if not any(os.path.getsize(p) for p in own if os.path.isfile(p)):
                 for path in filter(os.path.isfile, made):
                     os.remove(path)
             raise

@@ -236,8 +236,9 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     size = opts.problems
-    with resumed(output, {**dataclasses.asdict(opts), **(settings or {}), "dataset": digest},
-                 "prm.search"):
+    settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), **(settings or {}),
+                "dataset": digest}
+    with resumed(output, settings, "prm.search"):
         done = finished(output, writer="prm.search")
         bar = tqdm(total=len(rows) * len(opts.seeds), initial=len(done) * len(opts.seeds),
                    desc="searching", disable=not show or None)
@@ -323,10 +324,9 @@ def main(argv=None):
                     "\n".join(m["content"] for m in question)
                 tokens = len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
                 return min(tokens, reward.max_length or tokens)  # what it reads, no more
-            settings = {"model": a.model, "model_files": stamp(a.model),
-                        "policy_files": stamp(opts.policy), **scoring}
+            model = {"model": a.model, "model_files": stamp(a.model), **scoring}
             out = search_file(problems, a.output, gen, reward.score, opts, render=gen.render,
-                              count=count, settings=settings)
+                              count=count, settings=model)
         except KeyboardInterrupt:
             raise Stopped("stopped by SIGINT; run the same command again to continue",
                           signal.SIGINT) from None
