@@ -61,7 +61,7 @@ def argv(tmp_path, data, out, *more):
             "--methods", "majority,weighted", "--n", "2", *more]
 
 
-def test_an_output_that_is_or_lies_in_the_dataset_is_refused_before_anything_is_written(tmp_path, capsys):
+def test_an_output_that_is_or_lies_in_the_dataset_is_refused_before_anything_is_written(tmp_path, fakes, capsys):
     data = tmp_path / "d.json"
     data.write_text(json.dumps([{"prompt": "problem 0:", "answer": "0"}]))  # one line, no newline
     code, err = exits(argv(tmp_path, data, data), capsys)
