@@ -9,7 +9,7 @@ import sys
 
 from safetensors import SafetensorError
 
-from prm.errors import UsageError, WriteFailed
+from prm.errors import UsageError, WriteFailed, check
 
 
 @contextlib.contextmanager
@@ -63,19 +63,15 @@ def write_lines(path: str, lines, mode: str = "w"):
                 os.remove(tmp)
 
 
-def check_output(path: str, flag: str, sides=(".settings", ".lock")):
-    """Refuses an --output that cannot be written and read back as a file beside `sides`."""
+def check_output(path: str, sides: tuple):
+    """Refuses an --output that cannot be a file written and read back, with `sides` beside it."""
     folder = os.path.dirname(path) or "."
-    if not path or os.path.isdir(path) or os.path.exists(path) and not os.path.isfile(path):
-        why = "not a file name" if not path else "a folder" if os.path.isdir(path) else \
-            "not a regular file (a FIFO or a device): a rerun reads the output back"
-    elif not os.path.isdir(folder):
-        why = f"no folder {folder}"
-    elif len(os.path.basename(path)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
-        why = f"a name too long for {os.path.basename(path)}{max(sides, key=len)} beside it"
-    else:
-        return
-    raise UsageError(f"{flag} {path!r}: {why}; pass another {flag}")
+    why = ("not a file name" if not path else "a folder" if os.path.isdir(path) else
+           "not a file to read back (a FIFO, a device)" if os.path.exists(path)
+           and not os.path.isfile(path) else f"no folder {folder}" if not os.path.isdir(folder)
+           else "a name too long for its side files" if len(os.path.basename(path))
+           + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX") else "")
+    check([f"--output {path!r}: {why}; pass another --output"] if why else [])
 
 
 def digest(paths: list, named: bool = True) -> str:

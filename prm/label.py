@@ -222,16 +222,12 @@ def finished(*paths: str, writer: str = "prm.label") -> dict:
     """{input row: its output lines} of the rows complete in one of the files, the first such."""
     rows = {}
     for path in filter(os.path.isfile, paths):
-        try:  # past the last newline: a line cut short
-            with open(path, encoding="utf-8") as f:
-                lines, got = f.read().split("\n")[:-1], {}
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}), not what {writer} "
-                             "writes; pass another --output") from None
+        with open(path, "rb") as f:
+            lines, got = f.read().split(b"\n")[:-1], {}  # past the last newline: a line cut short
         for n, line in enumerate(lines, 1):
-            try:
-                r = json.loads(line)
-                got.setdefault(r["row"], []).append((line, r["lines"]))
+            try:  # not UTF-8: a UnicodeDecodeError, a ValueError
+                r = json.loads(line.decode())
+                got.setdefault(r["row"], []).append((line.decode(), r["lines"]))
             except (ValueError, KeyError, TypeError):
                 raise UsageError(f"{path} line {n}: not a line {writer} writes; pass another "
                                  "--output") from None
@@ -282,11 +278,12 @@ def check_settings(output: str, settings: dict) -> bool:
 
 
 def stamp(path: str) -> str:
-    """Of a local model folder: a hash of its files' names, sizes and times (a model saved again
-    there differs); '' for a hub name."""
-    found = sorted(os.scandir(path), key=lambda e: e.name) if os.path.isdir(path) else []
-    files = [(e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in found if e.is_file()]
-    return hashlib.sha256(repr(files).encode()).hexdigest()[:16] if found else ""
+    """A hash of a model folder's file names, sizes and times (a model saved again there differs);
+    '' for a hub name."""
+    if not os.path.isdir(path):
+        return ""
+    found = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path))
+    return hashlib.sha256(repr(found).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -295,7 +292,7 @@ def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
     check_settings; an output it did not write (no OUTPUT.settings) refused; a block failing
     before a line is written leaves no file it made."""
     own, side = own or (output,), output + ".settings"
-    check_output(output, "--output", (".settings", *(p[len(output):] + ".lock" for p in own)))
+    check_output(output, (".settings", *(p[len(output):] + ".lock" for p in own)))
     made = [p for p in own if not os.path.exists(p)]
     with locked(own[0]):
         theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]

@@ -230,7 +230,7 @@ def test_outputs_not_utf8_or_of_another_program_are_one_line(tmp_path):
     data, out = write_problems(tmp_path / "p.jsonl", 2), tmp_path / "o.jsonl"
     searched(data, out)
     out.write_bytes(b'{"row": 0, "lines": 1, "x": "\xff"}\n')
-    with pytest.raises(UsageError, match="o.jsonl: not UTF-8 .* not what prm.search writes"):
+    with pytest.raises(UsageError, match="o.jsonl line 1: not a line prm.search writes"):
         searched(data, out)
     label = tmp_path / "l.jsonl"
     label_file(data, str(label), lambda prompts, n, seed: [["the answer is 0"] * n for _ in prompts],
