@@ -20,7 +20,8 @@ def writing(path: str):
     except BaseException as e:
         # dcp.save's CheckpointException (a BaseException) holds each rank's error
         error = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e
-        if not isinstance(error, (OSError, RuntimeError, SafetensorError)):
+        if isinstance(error, FileExistsError) or \
+                not isinstance(error, (OSError, RuntimeError, SafetensorError)):
             raise
         lines = str(error).strip().splitlines()
         cause = (error.strerror if isinstance(error, OSError) else None) or \
@@ -42,8 +43,8 @@ def free_mib(path: str) -> str:
 
 
 def write_lines(path: str, lines, mode: str = "w"):
-    """Via a synced temporary file renamed over `path` (a symlink: over its target); mode 'a', a
-    FIFO, a device: in place."""
+    """Via a synced temporary file renamed over `path` (a symlink: over its target); mode 'x':
+    linked there, never over a file (FileExistsError); mode 'a', a FIFO, a device: in place."""
     real = os.path.realpath(path)
     direct = mode == "a" or os.path.exists(real) and not os.path.isfile(real)
     # hidden, in the same folder, and short: a name near the length limit still fits
@@ -51,12 +52,15 @@ def write_lines(path: str, lines, mode: str = "w"):
     tmp = real if direct else os.path.join(folder, f".{os.getpid()}.{name[:200]}.tmp")
     try:
         with writing(path):
-            with open(tmp, mode, encoding="utf-8") as f:
+            with open(tmp, mode.replace("x", "w"), encoding="utf-8") as f:
                 f.writelines(line + "\n" for line in lines)
                 if not direct:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, real)
+            if mode == "x":
+                os.link(tmp, real)
+            else:
+                os.replace(tmp, real)
     finally:
         if not direct:
             with contextlib.suppress(OSError):

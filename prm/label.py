@@ -18,7 +18,7 @@ import regex
 from prm.cli import Parser, add_fields, parsed
 from prm.config import opt, unescape
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
-from prm.files import check_output, locked, write_lines, writing
+from prm.files import check_output, locked, write_lines
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, sources
 
@@ -240,29 +240,15 @@ def parts(output: str) -> list:
     return sorted(p for p in found if re.search(r"\.part\d+of\d+$", p))
 
 
-def blanks(output: str) -> list:
-    """OUTPUT.blank and OUTPUT.part<p>of<m>.blank: the rows whose samples were all blank."""
-    return [output + ".blank", *glob.glob(glob.escape(output) + ".part*of*.blank")]
-
-
 def check_settings(output: str, settings: dict) -> bool:
     """Writes OUTPUT.settings at the first run, atomically (of shards starting together, one
     writes it); refuses a run with other settings. Returns whether this run wrote it."""
     side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
-    tmp, wrote = os.path.join(os.path.dirname(side), f".{os.getpid()}.settings"), False
+    wrote = False
     if not os.path.isfile(side):
-        try:
-            with writing(side):
-                with open(tmp, "w", encoding="utf-8") as f:
-                    f.write(json.dumps(now, indent=1) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                with contextlib.suppress(FileExistsError):
-                    os.link(tmp, side)  # never over another's
-                    wrote = True
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+        with contextlib.suppress(FileExistsError):  # another's came first
+            write_lines(side, [json.dumps(now, indent=1)], "x")
+            wrote = True
     try:
         with open(side, encoding="utf-8") as f:
             old = json.load(f)
@@ -323,7 +309,8 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
     blank = own + ".blank"  # its own per part: a cut last line is dropped as the output's is
     settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), "dataset": digest}
     with resumed(output, settings, "prm.label", (own, blank)):
-        done = finished(output, *parts(output), *blanks(output))
+        # OUTPUT.blank and OUTPUT.part<p>of<m>.blank: the rows whose samples were all blank
+        done = finished(output, *parts(output), *glob.glob(glob.escape(output) + "*.blank"))
         todo = [(i, r) for i, r in rows if i % m == p and i not in done]
         for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
             write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
