@@ -1,8 +1,12 @@
-"""Files written whole or not at all (else WriteFailed), and a lock against a second writer."""
+"""Files written whole or not at all (else WriteFailed), a lock against a second writer, and the
+resumable outputs of prm.label and prm.search."""
 import contextlib
 import fcntl
+import glob
 import hashlib
+import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -70,12 +74,17 @@ def write_lines(path: str, lines, mode: str = "w"):
 def check_output(path: str, sides: tuple):
     """Refuses an --output that cannot be a file written and read back, with `sides` beside it."""
     folder = os.path.dirname(path) or "."
-    why = ("not a file name" if not path else "a folder" if os.path.isdir(path) else
-           "not a file to read back (a FIFO, a device)" if os.path.exists(path)
-           and not os.path.isfile(path) else f"no folder {folder}" if not os.path.isdir(folder)
-           else "a name too long for its side files" if len(os.path.basename(path))
-           + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX") else "")
-    check([f"--output {path!r}: {why}; pass another --output"] if why else [])
+    if not path or os.path.isdir(path):
+        why = "a folder" if path else "not a file name"
+    elif os.path.exists(path) and not os.path.isfile(path):
+        why = "not a file to read back (a FIFO, a device)"
+    elif not os.path.isdir(folder):
+        why = f"no folder {folder}"
+    elif len(os.path.basename(path)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
+        why = "a name too long for its side files"
+    else:
+        return
+    raise UsageError(f"--output {path!r}: {why}; pass another --output")
 
 
 def digest(paths: list, named: bool = True) -> str:
@@ -135,10 +144,9 @@ def _hold(lock: str, path: str) -> int:
         try:  # never through a link planted there: it would rewrite the file it leads to
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
-            if not os.path.islink(lock):
-                raise
-            raise UsageError(f"{lock} is a symbolic link, not a lock this code writes; delete "
-                             "it") from None
+            check([f"{lock} is a symbolic link, not a lock; delete it"] if os.path.islink(lock)
+                  else [])
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -169,3 +177,82 @@ def _alive(owner: str) -> bool:
     (flock need not reach there). A pid here proves nothing (pids are reused)."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()
+
+
+def finished(*paths: str, writer: str = "prm.label") -> dict:
+    """{input row: its output lines} of the rows complete in one of the files, the first such."""
+    rows = {}
+    for path in filter(os.path.isfile, paths):
+        with open(path, "rb") as f:
+            lines, got = f.read().split(b"\n")[:-1], {}  # past the last newline: a line cut short
+        for n, line in enumerate(lines, 1):
+            try:  # not UTF-8: a UnicodeDecodeError, a ValueError
+                r = json.loads(line.decode())
+                got.setdefault(r["row"], []).append((line.decode(), r["lines"]))
+            except (ValueError, KeyError, TypeError):
+                raise UsageError(f"{path} line {n}: not a line {writer} writes; pass another "
+                                 "--output") from None
+        rows = {k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]} | rows
+    return rows
+
+
+def parts(output: str) -> list:
+    found = glob.glob(glob.escape(output) + ".part*")
+    return sorted(p for p in found if re.search(r"\.part\d+of\d+$", p))
+
+
+def check_settings(output: str, settings: dict) -> bool:
+    """Writes OUTPUT.settings at the first run, atomically (of shards starting together, one
+    writes it); refuses a run with other settings. Returns whether this run wrote it."""
+    side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
+    wrote = False
+    if not os.path.isfile(side):
+        with contextlib.suppress(FileExistsError):  # another's came first
+            write_lines(side, [json.dumps(now, indent=1)], "x")
+            wrote = True
+    try:
+        with open(side, encoding="utf-8") as f:
+            old = json.load(f)
+        if not isinstance(old, dict):
+            raise ValueError(f"a JSON {type(old).__name__}, not an object")
+    except ValueError as e:  # cut short, not JSON, not UTF-8
+        raise UsageError(f"{side}: not the settings {now['writer']} writes ({e}); restore it, or "
+                         "pass another --output") from None
+    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in now.items() if old.get(k) != v]
+    check([f"{output} was written with other settings: {', '.join(diff)}; rerun with those to "
+           "continue it, or pass another --output"] if diff else [])
+    return wrote
+
+
+def stamp(path: str) -> str:
+    """A hash of a model folder's file names, sizes and times (a model saved again there differs);
+    '' for a hub name."""
+    if not os.path.isdir(path):
+        return ""
+    found = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path))
+    return hashlib.sha256(repr(found).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
+    """For the block: `own` (default: output) locked and less what a kill cut; OUTPUT.settings as
+    check_settings; an output it did not write (no OUTPUT.settings) refused; a block failing
+    before a line is written leaves no file it made."""
+    own, side = own or (output,), output + ".settings"
+    check_output(output, (".settings", *(p[len(output):] + ".lock" for p in own)))
+    made = [p for p in own if not os.path.exists(p)]
+    with locked(own[0]):
+        theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]
+        check([f"{theirs[0]}: not written by {writer} (no .settings file beside it); pass another "
+               "--output"] if theirs and not os.path.isfile(side) else [])
+        made += [side] if check_settings(output, {"writer": writer, **settings}) else []
+        for path in filter(os.path.isfile, own):
+            write_lines(path, [line for lines in finished(path, writer=writer).values()
+                               for line in lines])
+        try:
+            yield
+        except BaseException:
+            if not any(os.path.getsize(p) for p in own if os.path.isfile(p)):
+                for path in filter(os.path.isfile, made):
+                    os.remove(path)
+            raise

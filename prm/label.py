@@ -1,6 +1,5 @@
 """`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft or
 hard estimate, OmegaPRM's binary search). The API takes any `complete(prompts, n, seed)`."""
-import contextlib
 import dataclasses
 import datetime
 import glob
@@ -18,7 +17,7 @@ import regex
 from prm.cli import Parser, add_fields, parsed
 from prm.config import opt, unescape
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
-from prm.files import check_output, locked, write_lines
+from prm.files import finished, locked, parts, resumed, stamp, write_lines
 from prm.readers.formats import row_problems, split_steps
 from prm.readers.sources import DataError, sources
 
@@ -216,85 +215,6 @@ def input_problems(r, field: str) -> list:
         got = f"expected the reference answer (text, number), got {answer!r}"
         out.append(f"field '{field}': {got[:110] if field in r else 'missing'}")
     return out
-
-
-def finished(*paths: str, writer: str = "prm.label") -> dict:
-    """{input row: its output lines} of the rows complete in one of the files, the first such."""
-    rows = {}
-    for path in filter(os.path.isfile, paths):
-        with open(path, "rb") as f:
-            lines, got = f.read().split(b"\n")[:-1], {}  # past the last newline: a line cut short
-        for n, line in enumerate(lines, 1):
-            try:  # not UTF-8: a UnicodeDecodeError, a ValueError
-                r = json.loads(line.decode())
-                got.setdefault(r["row"], []).append((line.decode(), r["lines"]))
-            except (ValueError, KeyError, TypeError):
-                raise UsageError(f"{path} line {n}: not a line {writer} writes; pass another "
-                                 "--output") from None
-        rows = {k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]} | rows
-    return rows
-
-
-def parts(output: str) -> list:
-    found = glob.glob(glob.escape(output) + ".part*")
-    return sorted(p for p in found if re.search(r"\.part\d+of\d+$", p))
-
-
-def check_settings(output: str, settings: dict) -> bool:
-    """Writes OUTPUT.settings at the first run, atomically (of shards starting together, one
-    writes it); refuses a run with other settings. Returns whether this run wrote it."""
-    side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
-    wrote = False
-    if not os.path.isfile(side):
-        with contextlib.suppress(FileExistsError):  # another's came first
-            write_lines(side, [json.dumps(now, indent=1)], "x")
-            wrote = True
-    try:
-        with open(side, encoding="utf-8") as f:
-            old = json.load(f)
-        if not isinstance(old, dict):
-            raise ValueError(f"a JSON {type(old).__name__}, not an object")
-    except ValueError as e:  # cut short, not JSON, not UTF-8
-        raise UsageError(f"{side}: not the settings {now['writer']} writes ({e}); restore it, or "
-                         "pass another --output") from None
-    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in now.items() if old.get(k) != v]
-    check([f"{output} was written with other settings: {', '.join(diff)}; rerun with those to "
-           "continue it, or pass another --output"] if diff else [])
-    return wrote
-
-
-def stamp(path: str) -> str:
-    """A hash of a model folder's file names, sizes and times (a model saved again there differs);
-    '' for a hub name."""
-    if not os.path.isdir(path):
-        return ""
-    found = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path))
-    return hashlib.sha256(repr(found).encode()).hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
-    """For the block: `own` (default: output) locked and less what a kill cut; OUTPUT.settings as
-    check_settings; an output it did not write (no OUTPUT.settings) refused; a block failing
-    before a line is written leaves no file it made."""
-    own, side = own or (output,), output + ".settings"
-    check_output(output, (".settings", *(p[len(output):] + ".lock" for p in own)))
-    made = [p for p in own if not os.path.exists(p)]
-    with locked(own[0]):
-        theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]
-        check([f"{theirs[0]}: not written by {writer} (no .settings file beside it); pass another "
-               "--output"] if theirs and not os.path.isfile(side) else [])
-        made += [side] if check_settings(output, {"writer": writer, **settings}) else []
-        for path in filter(os.path.isfile, own):
-            write_lines(path, [line for lines in finished(path, writer=writer).values()
-                               for line in lines])
-        try:
-            yield
-        except BaseException:
-            if not any(os.path.getsize(p) for p in own if os.path.isfile(p)):
-                for path in filter(os.path.isfile, made):
-                    os.remove(path)
-            raise
 
 
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,

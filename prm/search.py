@@ -14,8 +14,8 @@ from prm.cli import Parser, add_fields, parsed
 from prm.config import opt
 from prm.core.metrics import AGGREGATES, solution_score
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
-from prm.label import (Generator, LabelOptions, extract_answer, finished, judge, normalize,
-                       read_input, resumed, stamp, write_lines)
+from prm.files import finished, resumed, stamp, write_lines
+from prm.label import Generator, LabelOptions, extract_answer, judge, normalize, read_input
 from prm.readers.formats import split_steps
 from prm.scoring import ScorerOptions
 

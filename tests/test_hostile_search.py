@@ -11,7 +11,8 @@ import pytest
 import prm.search as search
 from prm.errors import UsageError
 from prm.files import locked, write_lines
-from prm.label import LabelOptions, check_settings, label_file, same_answer
+from prm.files import check_settings
+from prm.label import LabelOptions, label_file, same_answer
 from prm.search import SearchOptions, pick, search_file
 from test_search import scripted_policy, scripted_score, write_problems
 

@@ -83,7 +83,7 @@ def test_a_blank_record_cut_by_a_kill_is_dropped_on_resume(tmp_path):
 
 def test_settings_are_written_only_by_the_run_holding_the_lock(tmp_path):
     """Two first runs started together with other --rollouts: the one that finds the lock taken writes none."""
-    from prm.label import locked
+    from prm.files import locked
     data, out = write_rows(tmp_path / "in.jsonl", ROWS), str(tmp_path / "out.jsonl")
     with locked(out):  # the other run holds the lock and has not written its settings yet
         with pytest.raises(UsageError):
