@@ -187,8 +187,9 @@ def finished(*paths: str, writer: str = "prm.label") -> dict:
             lines, got = f.read().split(b"\n")[:-1], {}  # past the last newline: a line cut short
         for n, line in enumerate(lines, 1):
             try:  # not UTF-8: a UnicodeDecodeError, a ValueError
-                r = json.loads(line.decode())
-                got.setdefault(r["row"], []).append((line.decode(), r["lines"]))
+                text = line.decode()
+                r = json.loads(text)
+                got.setdefault(r["row"], []).append((text, r["lines"]))
             except (ValueError, KeyError, TypeError):
                 raise UsageError(f"{path} line {n}: not a line {writer} writes; pass another "
                                  "--output") from None

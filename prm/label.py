@@ -361,7 +361,7 @@ def main(argv=None):
             p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} "
                     "in (0, 1]")
         check(overwrites([("--output", a.output)],
-                         [("--dataset", a.dataset), ("--policy", a.policy)]))
+                         [("--dataset", a.dataset), ("--policy", a.policy)], new=True))
         opts = parsed(LabelOptions, a)
         shard, shards = map(int, m.groups())
         import torch

@@ -305,8 +305,8 @@ def main(argv=None):
         p.add_argument("--trust-remote-code", action="store_true", help="allow the models' code")
         a = add_fields(p, SearchOptions).parse_args(argv)
         opts = parsed(SearchOptions, a)
-        check(overwrites([("--output", a.output)], [("--dataset", a.dataset),
-                                                     ("--model", a.model), ("--policy", a.policy)]))
+        check(overwrites([("--output", a.output)], [("--dataset", a.dataset), ("--model", a.model),
+                                                     ("--policy", a.policy)], new=True))
         problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
         try:  # Ctrl-C while the models load too: one line
             from prm.scoring.reward import PRMReward
