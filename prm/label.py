@@ -200,8 +200,7 @@ def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     if bad:
         print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}",
               file=sys.stderr)
-    if not rows:
-        raise DataError([f"{spec}: no rows{' left' if bad else ''}"])
+    check([] if rows else [f"{spec}: no rows{' left' if bad else ''}"])
     return rows, digest.hexdigest()[:16]
 
 
