@@ -45,12 +45,13 @@ def check(problems: list):
         raise UsageError("; ".join(problems))
 
 
-def overwrites(written: list, read: list) -> list:
-    """For check(): the first (flag, path) written that is, holds or lies in one read."""
+def overwrites(written: list, read: list, new: bool = False) -> list:
+    """For check(): the first (flag, path) written that is, holds or lies in a (flag, path) read
+    (new: also one not there yet)."""
     real = os.path.realpath
     return [f"{wf} {w} would overwrite {rf} {r}, which it reads: choose another path"
             for wf, w in written for rf, r in read
-            if w and r and os.path.exists(w) and os.path.exists(r)
+            if w and r and (new or os.path.exists(w)) and os.path.exists(r)
             and os.path.commonpath([real(w), real(r)]) in (real(w), real(r))][:1]
 
 

@@ -1,25 +1,31 @@
-"""Files written whole or not at all (else WriteFailed), and a lock against a second writer."""
+"""Files written whole or not at all (else WriteFailed), a lock against a second writer, and the
+resumable outputs of prm.label and prm.search."""
 import contextlib
 import fcntl
+import glob
+import hashlib
+import json
 import os
+import re
 import shutil
 import socket
 import sys
 
 from safetensors import SafetensorError
 
-from prm.errors import UsageError, WriteFailed
+from prm.errors import UsageError, WriteFailed, check
 
 
 @contextlib.contextmanager
-def reported(path: str):
-    """A failed write in the block: WriteFailed."""
+def writing(path: str):
+    """A failed write in the block: WriteFailed naming `path`."""
     try:
         yield
     except BaseException as e:
         # dcp.save's CheckpointException (a BaseException) holds each rank's error
         error = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e
-        if not isinstance(error, (OSError, RuntimeError, SafetensorError)):
+        if isinstance(error, FileExistsError) or \
+                not isinstance(error, (OSError, RuntimeError, SafetensorError)):
             raise
         lines = str(error).strip().splitlines()
         cause = (error.strerror if isinstance(error, OSError) else None) or \
@@ -41,31 +47,66 @@ def free_mib(path: str) -> str:
 
 
 def write_lines(path: str, lines, mode: str = "w"):
-    """Via a synced temporary file renamed over `path`; mode 'a', a FIFO, a device: in place."""
-    direct = mode == "a" or os.path.exists(path) and not os.path.isfile(path)
-    tmp = path if direct else f"{path}.tmp{os.getpid()}"
+    """Via a synced temporary file renamed over `path` (a symlink: over its target); mode 'x':
+    linked there, never over a file (FileExistsError); mode 'a', a FIFO, a device: in place."""
+    real = os.path.realpath(path)
+    direct = mode == "a" or os.path.exists(real) and not os.path.isfile(real)
+    # hidden, in the same folder, and short: a name near the length limit still fits
+    folder, name = os.path.split(real)
+    tmp = real if direct else os.path.join(folder, f".{os.getpid()}.{name[:200]}.tmp")
     try:
-        with reported(path):
-            with open(tmp, mode, encoding="utf-8") as f:
+        with writing(path):
+            with open(tmp, mode.replace("x", "w"), encoding="utf-8") as f:
                 f.writelines(line + "\n" for line in lines)
                 if not direct:
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if mode == "x":
+                os.link(tmp, real)
+            else:
+                os.replace(tmp, real)
     finally:
         if not direct:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
 
 
+def check_output(path: str, sides: tuple):
+    """Refuses an --output that cannot be a file written and read back, with `sides` beside it."""
+    folder = os.path.dirname(path) or "."
+    if not path or os.path.isdir(path):
+        why = "a folder" if path else "not a file name"
+    elif os.path.exists(path) and not os.path.isfile(path):
+        why = "not a file to read back (a FIFO, a device)"
+    elif not os.path.isdir(folder):
+        why = f"no folder {folder}"
+    elif len(os.path.basename(path)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
+        why = "a name too long for its side files"
+    else:
+        return
+    raise UsageError(f"--output {path!r}: {why}; pass another --output")
+
+
+def digest(paths: list, named: bool = True) -> str:
+    """sha256 of the files' names (named) and contents, in order; a folder: its name."""
+    out = hashlib.sha256()
+    for path in paths:
+        out.update((os.path.basename(path) if named else "").encode() + b"\0")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    out.update(block)
+    return out.hexdigest()
+
+
 @contextlib.contextmanager
-def written_in_place(path: str, fresh: bool = True):
-    """A temporary directory that replaces `path` if the block succeeds."""
+def staged_folder(path: str, fresh: bool = True):
+    """Yields PATH.tmp, a folder written in the block; it replaces `path` if the block succeeds."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with reported(path):
+        with writing(path):
             yield tmp
             if os.path.isdir(path):
                 shutil.rmtree(old, ignore_errors=True)
@@ -84,7 +125,7 @@ def written_in_place(path: str, fresh: bool = True):
 def locked(path: str, lock: str = ""):
     """Holds `lock` (PATH.lock: flock, pid@host) for the block; another writer: UsageError."""
     lock = lock or path + ".lock"
-    with reported(lock):
+    with writing(lock):
         fd = _hold(lock, path)
     try:
         yield
@@ -100,7 +141,12 @@ def _hold(lock: str, path: str) -> int:
         raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for it "
                          f"to end, or if none is, delete {lock}")
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted there: it would rewrite the file it leads to
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            check([f"{lock} is a symbolic link, not a lock; delete it"] if os.path.islink(lock)
+                  else [])
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -121,7 +167,9 @@ def _hold(lock: str, path: str) -> int:
 
 
 def _owner(fd: int) -> str:
-    return os.read(fd, 256).decode(errors="replace").strip()
+    """The lock's pid@host, its other characters (newlines, escapes) as ?."""
+    text = os.read(fd, 256).decode(errors="replace").strip()
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def _alive(owner: str) -> bool:
@@ -129,3 +177,83 @@ def _alive(owner: str) -> bool:
     (flock need not reach there). A pid here proves nothing (pids are reused)."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()
+
+
+def finished(*paths: str, writer: str = "prm.label") -> dict:
+    """{input row: its output lines} of the rows complete in one of the files, the first such."""
+    rows = {}
+    for path in filter(os.path.isfile, paths):
+        with open(path, "rb") as f:
+            lines, got = f.read().split(b"\n")[:-1], {}  # past the last newline: a line cut short
+        for n, line in enumerate(lines, 1):
+            try:  # not UTF-8: a UnicodeDecodeError, a ValueError
+                text = line.decode()
+                r = json.loads(text)
+                got.setdefault(r["row"], []).append((text, r["lines"]))
+            except (ValueError, KeyError, TypeError):
+                raise UsageError(f"{path} line {n}: not a line {writer} writes; pass another "
+                                 "--output") from None
+        rows = {k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]} | rows
+    return rows
+
+
+def parts(output: str) -> list:
+    found = glob.glob(glob.escape(output) + ".part*")
+    return sorted(p for p in found if re.search(r"\.part\d+of\d+$", p))
+
+
+def check_settings(output: str, settings: dict) -> bool:
+    """Writes OUTPUT.settings at the first run, atomically (of shards starting together, one
+    writes it); refuses a run with other settings. Returns whether this run wrote it."""
+    side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
+    wrote = False
+    if not os.path.isfile(side):
+        with contextlib.suppress(FileExistsError):  # another's came first
+            write_lines(side, [json.dumps(now, indent=1)], "x")
+            wrote = True
+    try:
+        with open(side, encoding="utf-8") as f:
+            old = json.load(f)
+        if not isinstance(old, dict):
+            raise ValueError(f"a JSON {type(old).__name__}, not an object")
+    except ValueError as e:  # cut short, not JSON, not UTF-8
+        raise UsageError(f"{side}: not the settings {now['writer']} writes ({e}); restore it, or "
+                         "pass another --output") from None
+    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in now.items() if old.get(k) != v]
+    check([f"{output} was written with other settings: {', '.join(diff)}; rerun with those to "
+           "continue it, or pass another --output"] if diff else [])
+    return wrote
+
+
+def stamp(path: str) -> str:
+    """A hash of a model folder's file names, sizes and times (a model saved again there differs);
+    '' for a hub name."""
+    if not os.path.isdir(path):
+        return ""
+    found = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path))
+    return hashlib.sha256(repr(found).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
+    """For the block: `own` (default: output) locked and less what a kill cut; OUTPUT.settings as
+    check_settings; an output it did not write (no OUTPUT.settings) refused; a block failing
+    before a line is written leaves no file it made."""
+    own, side = own or (output,), output + ".settings"
+    check_output(output, (".settings", *(p[len(output):] + ".lock" for p in own)))
+    made = [p for p in own if not os.path.exists(p)]
+    with locked(own[0]):
+        theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]
+        check([f"{theirs[0]}: not written by {writer} (no .settings file beside it); pass another "
+               "--output"] if theirs and not os.path.isfile(side) else [])
+        made += [side] if check_settings(output, {"writer": writer, **settings}) else []
+        for path in filter(os.path.isfile, own):
+            write_lines(path, [line for lines in finished(path, writer=writer).values()
+                               for line in lines])
+        try:
+            yield
+        except BaseException:
+            if not any(os.path.getsize(p) for p in own if os.path.isfile(p)):
+                for path in filter(os.path.isfile, made):
+                    os.remove(path)
+            raise

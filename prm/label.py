@@ -11,16 +11,15 @@ import signal
 import sys
 import time
 from fractions import Fraction
-from types import SimpleNamespace
 
 import regex
 
 from prm.cli import Parser, parsed
 from prm.config import Checked, at_least, bound, not_empty, opt, unescape, within
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
-from prm.files import locked, write_lines
+from prm.files import finished, locked, parts, resumed, stamp, write_lines
 from prm.readers.formats import row_problems, split_steps
-from prm.readers.sources import DataError, _sources
+from prm.readers.sources import DataError, sources
 
 
 def is_regex(text: str) -> bool:
@@ -105,13 +104,16 @@ def extract_answer(text: str, pattern: str = ""):
 
 
 def normalize(answer: str) -> str:
-    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma."""
+    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma; a
+    number as its exact value (0.5, 1/2 and \\frac{1}{2} as 1/2): equal answers, equal texts."""
     s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                      ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
         s = s.replace(old, new)
     s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
-    return s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+    s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+    value = _number(s)
+    return s if value is None else str(value)
 
 
 def _number(s: str):
@@ -126,9 +128,8 @@ def _number(s: str):
 
 
 def same_answer(found, reference) -> bool:
-    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
-    a, b = normalize(str(found)), normalize(str(reference))
-    return found is not None and (a == b or (_number(a) is not None and _number(a) == _number(b)))
+    """Normalized exact match (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
+    return found is not None and normalize(str(found)) == normalize(str(reference))
 
 
 def judge(reference: str, opts: LabelOptions):
@@ -201,8 +202,7 @@ def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> li
 def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     """([(index, row)] of the valid rows, a digest of all); bad rows: DataError, or skipped."""
     rows, problems, bad, digest = [], [], 0, hashlib.sha256()
-    sources = _sources(spec, "train", SimpleNamespace(dataset_config=None))
-    records = ((name, rec) for name, recs in sources for rec in recs)
+    records = ((name, rec) for name, recs in sources(spec) for rec in recs)
     for index, (name, (where, r, problem)) in enumerate(records):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
         issues = [problem] if problem else input_problems(r, opts.answer_field)
@@ -218,6 +218,7 @@ def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     if bad:
         print(f"{spec}: skipped {bad} invalid rows (--skip-invalid): {problems[0]}",
               file=sys.stderr)
+    check([] if rows else [f"{spec}: no rows{' left' if bad else ''}"])
     return rows, digest.hexdigest()[:16]
 
 
@@ -233,51 +234,6 @@ def input_problems(r, field: str) -> list:
     return out
 
 
-def finished(*paths: str) -> dict:
-    """{input row: its output lines} of the rows complete in one of the files, the first such."""
-    rows = {}
-    for path in filter(os.path.isfile, paths):
-        with open(path, encoding="utf-8") as f:
-            lines, got = f.read().split("\n")[:-1], {}  # past the last newline: a line cut short
-        for n, line in enumerate(lines, 1):
-            try:
-                r = json.loads(line)
-                got.setdefault(r["row"], []).append((line, r["lines"]))
-            except (ValueError, KeyError, TypeError):
-                raise UsageError(f"{path} line {n}: not a line prm.label writes; pass another "
-                                 "--output") from None
-        rows = {k: [line for line, _ in v] for k, v in got.items() if len(v) == v[0][1]} | rows
-    return rows
-
-
-def parts(output: str) -> list:
-    found = glob.glob(glob.escape(output) + ".part*")
-    return sorted(p for p in found if re.search(r"\.part\d+of\d+$", p))
-
-
-def blanks(output: str) -> list:
-    """OUTPUT.blank and OUTPUT.part<p>of<m>.blank: the rows whose samples were all blank."""
-    return [output + ".blank", *glob.glob(glob.escape(output) + ".part*of*.blank")]
-
-
-def check_settings(output: str, settings: dict, verb: str):
-    """Writes OUTPUT.settings at the first run; refuses a rerun with other settings."""
-    side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
-    if not os.path.isfile(side):
-        write_lines(side, [json.dumps(now, indent=1)])
-    try:
-        with open(side, encoding="utf-8") as f:
-            old = json.load(f)
-        if not isinstance(old, dict):
-            raise ValueError(f"a JSON {type(old).__name__}, not an object")
-    except ValueError as e:  # cut short, not JSON, not UTF-8
-        raise UsageError(f"{side}: not the settings prm.label writes ({e}); restore it, or pass "
-                         "another --output") from None
-    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in now.items() if old.get(k) != v]
-    check([f"{output} was {verb} with other settings: {', '.join(diff)}; rerun with those to "
-           "continue it, or pass another --output"] if diff else [])
-
-
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
                render=lambda prompt: prompt, part=(0, 1), skip_invalid=False, show=True) -> int:
     """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a
@@ -288,11 +244,10 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
     rows, digest = read_input(dataset, opts, skip_invalid)
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
     blank = own + ".blank"  # its own per part: a cut last line is dropped as the output's is
-    with locked(own):
-        check_settings(output, {**dataclasses.asdict(opts), "dataset": digest}, "labeled")
-        done = finished(output, *parts(output), *blanks(output))
-        for path in (own, blank) if os.path.isfile(blank) else (own,):  # drops what a kill cut
-            write_lines(path, [line for lines in finished(path).values() for line in lines])
+    settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), "dataset": digest}
+    with resumed(output, settings, "prm.label", (own, blank)):
+        # OUTPUT.blank and OUTPUT.part<p>of<m>.blank: the rows whose samples were all blank
+        done = finished(output, *parts(output), *glob.glob(glob.escape(output) + "*.blank"))
         todo = [(i, r) for i, r in rows if i % m == p and i not in done]
         for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
             write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
@@ -351,6 +306,9 @@ class Generator:
             self.model = loading("--policy", self.opts.policy, saved_weights,
                                  auto=AutoModelForCausalLM, trust_remote_code=self.trust,
                                  dtype=dtype).to(self.device).eval()
+            archs = self.model.config.architectures or []
+            check([f"--policy {self.opts.policy}: a masked language model ({archs[0]}) writes no "
+                   "text; pass a causal LM"] if any("MaskedLM" in a for a in archs) else [])
         return self.tok
 
     def render(self, prompt) -> str:
@@ -408,7 +366,7 @@ def main(argv=None):
         parsed(LabelRun, a)
         opts = parsed(LabelOptions, a)
         check(overwrites([("--output", a.output)],
-                         [("--dataset", a.dataset), ("--policy", a.policy)]))
+                         [("--dataset", a.dataset), ("--policy", a.policy)], new=True))
         shard, shards = map(int, a.shard.split("/"))
         import torch
         import torch.distributed as dist

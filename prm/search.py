@@ -11,16 +11,17 @@ import sys
 import time
 
 from prm.cli import Parser, parsed
-from prm.config import Checked, at_least, bound, opt
+from prm.config import Checked, at_least, bound, opt, within
 from prm.core.metrics import AGGREGATES, solution_score
-from prm.errors import Stopped, UsageError, check, exit_status
-from prm.label import (Generator, LabelOptions, check_settings, extract_answer, finished,
-                                judge, locked, normalize, read_input, write_lines)
+from prm.errors import Stopped, UsageError, check, exit_status, overwrites
+from prm.files import finished, resumed, stamp, write_lines
+from prm.label import Generator, LabelOptions, extract_answer, judge, normalize, read_input
 from prm.readers.formats import split_steps
 from prm.scoring import ScorerOptions
 
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
+MAX_N = 1 << 16  # solutions or beams per problem: more would not fit in memory
 # a problem searched: its input row, the text the policy continues, right(text) -> bool
 Problem = collections.namedtuple("Problem", "index row text right")
 
@@ -36,7 +37,7 @@ class SearchOptions(Checked):
                                                              "expected majority, best-of-n, "
                                                              "weighted, beam or dvts"))
     n: tuple = opt((1, 4, 16), "comma list of budgets N: solutions sampled, or beams",
-                   check=at_least(1))
+                   check=within(1, MAX_N))
     beam_width: int = opt(4, "M: beam keeps N/M beams, each extended M ways; dvts grows N/M "
                           "subtrees of M (M = N for N < M)", check=at_least(1))
     aggregate: str = opt("last", "a solution's score from its step scores",
@@ -100,13 +101,15 @@ def pick(cands: list, how: str, aggregate: str):
     if how == "best-of-n":
         values = [solution_score(c["scores"], aggregate) for c in cands]
         return values.index(max(values)) if cands else None
-    votes, first = collections.defaultdict(float), {}
+    votes, first, count = collections.defaultdict(float), {}, collections.Counter()
     for i, c in enumerate(cands):
         if c["answer"] is not None:
             key = normalize(c["answer"])
             first.setdefault(key, i)
+            count[key] += 1
             votes[key] += 1 if how == "majority" else AGGREGATES[aggregate](c["scores"] or [0])
-    return first[max(votes, key=votes.get)] if votes else None
+    # weights tied (unscored: a prompt past the PRM's max_length): the most candidates, the first
+    return first[max(votes, key=lambda k: (votes[k], count[k]))] if votes else None
 
 
 def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
@@ -230,11 +233,10 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     size = opts.problems
-    with locked(output):
-        check_settings(output, {**dataclasses.asdict(opts), **(settings or {}), "dataset": digest},
-                       "searched")
-        done = finished(output)
-        write_lines(output, [line for lines in done.values() for line in lines])  # drops a cut line
+    settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), **(settings or {}),
+                "dataset": digest}
+    with resumed(output, settings, "prm.search"):
+        done = finished(output, writer="prm.search")
         bar = tqdm(total=len(rows) * len(opts.seeds), initial=len(done) * len(opts.seeds),
                    desc="searching", disable=not show or None)
         for chunk in (rows[b:b + size] for b in range(0, len(rows), size)):
@@ -293,23 +295,28 @@ def main(argv=None):
                    description="Search a policy's answers with a PRM.")
         a = p.parse_args(argv)
         opts = parsed(SearchOptions, a)
+        check(overwrites([("--output", a.output)], [("--dataset", a.dataset), ("--model", a.model),
+                                                     ("--policy", a.policy)], new=True))
         problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
-        from prm.scoring.reward import PRMReward
-        scoring = dataclasses.asdict(parsed(ScorerOptions, a))
-        reward = PRMReward(a.model, opts.aggregate, batch_size=opts.batch_size,  # before the policy
-                           trust_remote_code=a.trust_remote_code, **scoring)
-        if reward.step_separator != opts.step_separator:
-            print(f"note: the PRM splits steps at {reward.step_separator!r}, the policy at "
-                  f"{opts.step_separator!r}", file=sys.stderr)
-        gen = Generator(opts, device=reward.device, trust_remote_code=a.trust_remote_code)
+        try:  # Ctrl-C while the models load too: one line
+            from prm.scoring.reward import PRMReward
+            scoring = dataclasses.asdict(parsed(ScorerOptions, a))
+            # the PRM before the policy: its refusals come first
+            reward = PRMReward(a.model, opts.aggregate, batch_size=opts.batch_size,
+                               trust_remote_code=a.trust_remote_code, **scoring)
+            if reward.step_separator != opts.step_separator:
+                print(f"note: the PRM splits steps at {reward.step_separator!r}, the policy at "
+                      f"{opts.step_separator!r}", file=sys.stderr)
+            gen = Generator(opts, device=reward.device, trust_remote_code=a.trust_remote_code)
 
-        def count(question, text):  # the PRM's tokens: the problem's and the solution's text
-            question = question if isinstance(question, str) else \
-                "\n".join(m["content"] for m in question)
-            return len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
-        try:
+            def count(question, text):  # the PRM's tokens: the problem's and the solution's text
+                question = question if isinstance(question, str) else \
+                    "\n".join(m["content"] for m in question)
+                tokens = len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
+                return min(tokens, reward.max_length or tokens)  # what it reads, no more
+            model = {"model": a.model, "model_files": stamp(a.model), **scoring}
             out = search_file(problems, a.output, gen, reward.score, opts, render=gen.render,
-                              count=count, settings={"model": a.model, **scoring})
+                              count=count, settings=model)
         except KeyboardInterrupt:
             raise Stopped("stopped by SIGINT; run the same command again to continue",
                           signal.SIGINT) from None

@@ -90,7 +90,11 @@ def test_separator_travels_with_the_model(tmp_path):
     assert told[0]["step_probs"] == pytest.approx(score(model, tok, prompt, steps, step_separator="\n"), abs=1e-6)
     # the length caps too: score() truncates as training did unless told otherwise (0: no cap)
     model.config.prm = {**model.config.prm, "max_length": 25}  # BOS + 13 prompt + 7 per step: one step fits
-    assert score(model, tok, prompt, steps) == own[:1] and score(model, tok, prompt, steps, max_length=0) == own
+    # a shorter sequence takes other fp32 kernel blocks (AVX512 CPUs): its step's probability may move by a few
+    # rounding errors of each layer's sums; 64 fp32 epsilons (7.6e-6) bound that, far below a changed input's shift
+    tol = 64 * torch.finfo(torch.float32).eps
+    assert score(model, tok, prompt, steps) == pytest.approx(own[:1], abs=tol)
+    assert score(model, tok, prompt, steps, max_length=0) == own
 
 
 def test_legacy_keys_for_transformers_4_loaders(tmp_path):

@@ -180,7 +180,7 @@ def test_a_killed_run_continues_to_the_file_of_an_uninterrupted_one(tmp_path):
         label_file(data, out, random_policy, LabelOptions(rollouts=4, samples=2))
     assert e.value.code == 2
     write_rows(tmp_path / "mine.jsonl", [{"mine": 1}])
-    with pytest.raises(UsageError, match="mine.jsonl line 1: not a line prm.label writes"):
+    with pytest.raises(UsageError, match="mine.jsonl: not written by prm.label"):
         label_file(data, str(tmp_path / "mine.jsonl"), random_policy, opts)
 
 
@@ -329,11 +329,11 @@ def test_the_policy_holds_bf16_weights_where_bf16_is_native_else_fp32(policy_dir
     assert gen(["count:"], 2, 0) == texts  # seeded: the same texts again
 
 
-def test_an_output_that_cannot_be_written_is_exit_status_1(tmp_path, capsys):
+def test_an_output_in_a_missing_folder_is_exit_status_2_naming_the_folder(tmp_path, capsys):
     data = write_rows(tmp_path / "in.jsonl", ROWS)
     with pytest.raises(SystemExit) as e:
         main(["--policy", "x", "--dataset", data, "--output", str(tmp_path / "no" / "out.jsonl")])
-    assert e.value.code == 1 and "out.jsonl.lock: No such file" in capsys.readouterr().err
+    assert e.value.code == 2 and f"no folder {tmp_path / 'no'}; pass another --output" in capsys.readouterr().err
 
 
 def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):

@@ -83,7 +83,7 @@ def test_a_blank_record_cut_by_a_kill_is_dropped_on_resume(tmp_path):
 
 def test_settings_are_written_only_by_the_run_holding_the_lock(tmp_path):
     """Two first runs started together with other --rollouts: the one that finds the lock taken writes none."""
-    from prm.label import locked
+    from prm.files import locked
     data, out = write_rows(tmp_path / "in.jsonl", ROWS), str(tmp_path / "out.jsonl")
     with locked(out):  # the other run holds the lock and has not written its settings yet
         with pytest.raises(UsageError):
@@ -157,9 +157,10 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     def full_disk(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(WriteFailed, match="could not write .*o.jsonl.settings: No space left"):
+    with pytest.raises(WriteFailed, match="could not write .*o.jsonl: No space left"):
         label_file(data, str(tmp_path / "o.jsonl"), random_policy, LabelOptions(), show=False)
-    assert os.listdir(tmp_path) == ["in.jsonl"]
+    # the merge failed: the rows labeled stay, no temporary file
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o.jsonl", "o.jsonl.settings"]
 
 
 def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_continues(tmp_path, capsys, monkeypatch):

@@ -314,7 +314,7 @@ def test_a_rerun_after_a_kill_continues_to_the_same_results(tmp_path):
             for m, by_n in again["results"].items()} == \
         {m: {n: {k: v for k, v in r.items() if k != "seconds"} for n, r in by_n.items()}
          for m, by_n in whole["results"].items()}
-    with pytest.raises(UsageError, match="searched with other settings: max_steps 4 \\(now 3\\)"):
+    with pytest.raises(UsageError, match="written with other settings: max_steps 4 \\(now 3\\)"):
         run(tmp_path, "out.jsonl", **{**opts, "max_steps": 3})
 
 
@@ -328,7 +328,9 @@ def exits(argv: list, capsys) -> tuple:
 @pytest.mark.parametrize("flags,message", [
     (["--n", "1,6"], "--n 6: not a multiple of --beam-width 4 (beam and dvts keep N/M beams)"),
     (["--methods", "beam,greedy"], "--methods 'greedy': expected majority, best-of-n, "),
-    (["--n", "0"], "--n 0: must be >= 1"),
+    (["--n", "0"], "--n 0: must be in [1, 65536]"),
+    (["--n", "1,99999999999999999999"], "--n 99999999999999999999: must be in [1, 65536]"),
+    (["--beam-width", "0"], "--beam-width 0: must be >= 1"),
     (["--n", "1,a"], "argument --n: invalid comma_list value: '1,a'"),
     (["--max-steps", "0"], "--max-steps 0: must be >= 1"),
     (["--answer-pattern", "("], "--answer-pattern '(': not a regular expression"),

@@ -143,11 +143,11 @@ def test_records_kept_on_resume_end_with_a_newline(tmp_path):
 
 def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
-    from prm.files import reported
+    from prm.files import writing
     from prm.errors import WriteFailed
     error = CheckpointException("save failed", {0: (OSError(errno.ENOSPC, NO_SPACE), None)})  # as dcp.save raises
     with pytest.raises(WriteFailed) as e:
-        with reported(str(tmp_path / "checkpoint-1")):
+        with writing(str(tmp_path / "checkpoint-1")):
             raise error
     one_line(e, f"could not write {tmp_path / 'checkpoint-1'}: {NO_SPACE}")
     assert e.value.__cause__ is error
@@ -161,7 +161,7 @@ def test_any_write_failure_names_its_cause_when_final_cannot_be_rescued(tmp_path
     checkpointer = Checkpointer.__new__(Checkpointer)
     checkpointer.cfg = SimpleNamespace(output_dir=str(tmp_path), fsdp=False)
 
-    def write(step):  # a WriteFailed not made by reported(): no cause given
+    def write(step):  # a WriteFailed not made by writing(): no cause given
         raise WriteFailed("cannot write the rows")
     monkeypatch.setattr(checkpointer, "write", write)
     assert "could not be written either (cannot write the rows)" in checkpointer.kept_instead(2)

@@ -1,6 +1,5 @@
 """Validated, cached train/held-out rows of a hub dataset or a .jsonl/.json/.parquet file/folder."""
 import contextlib
-import hashlib
 import inspect
 import json
 import os
@@ -18,6 +17,7 @@ from datasets.fingerprint import Hasher
 from prm.config import Config
 from prm.core.data import IGNORE
 from prm.errors import UsageError, WriteFailed
+from prm.files import digest, write_lines
 from prm.readers.formats import (FORMATS, META, decode, detect_format, field_problem, format_help,
                                  read_json, to_rows)
 from prm.readers.synthetic import train_eval_rows
@@ -115,8 +115,10 @@ def split_files(folder: str, split: str, names: tuple = ()) -> list:
     return [paths[f] for f, splits in named.items() if own in splits]
 
 
-def _sources(spec: str, split: str, cfg, by_split: bool = False):
-    """(name, records) per file of a local spec (by_split: named for `split`), or a hub split."""
+def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -> list:
+    """(name, records) per file of a local spec (by_split: named for `split`), or a hub split;
+    records: (where, record, problem) each."""
+    cfg = cfg or Config()
     if os.path.isdir(spec):
         files = data_files(spec)
         if not files:
@@ -151,7 +153,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
-    for name, records in _sources(spec, split, cfg, by_split):
+    for name, records in sources(spec, split, cfg, by_split):
         fmt = forced
         for where, record, problem in records:
             n_records += 1
@@ -280,15 +282,8 @@ def data_digest(spec: str) -> str:
     """sha256 of a local file or a folder's data files (names, contents); '' for hub."""
     if not (is_local(spec) and os.path.exists(spec)):
         return ""
-    digest = hashlib.sha256()
     folder = os.path.isdir(spec)
-    for path in data_files(spec) if folder else [spec]:
-        digest.update((os.path.basename(path) if folder else "").encode() + b"\0")
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-    return digest.hexdigest()
+    return digest(data_files(spec) if folder else [spec], named=folder)
 
 
 def rows_cache(cfg, digests: dict = None):
@@ -307,9 +302,19 @@ def rows_cache(cfg, digests: dict = None):
 
 def load_splits(cfg, digests: dict = None) -> tuple:
     """read_splits, or its datasets read back from rows_cache (written by datasets under its lock,
-    held-out last, with the notes)."""
+    held-out last, with the notes; then the checksum of their files)."""
     path = rows_cache(cfg, digests)
-    return os.path.isdir(path or "") and _read_back(path) or read_splits(cfg, cache_dir=path)[:2]
+    found = os.path.isdir(path or "") and _read_back(path)
+    if found:
+        return found
+    train, held, _ = read_splits(cfg, cache_dir=path)
+    if path:
+        write_lines(os.path.join(path, "rows.sha256"), [_checksum(train, held)])
+    return train, held
+
+
+def _checksum(*splits) -> str:
+    return digest(sorted({f["filename"] for split in splits for f in split.cache_files}))
 
 
 def _not_cached():
@@ -318,6 +323,7 @@ def _not_cached():
 
 def _read_back(path: str):
     """(train, held) of a cache entry, notes said again; None if partial or damaged (removed)."""
+    sums = os.path.join(path, "rows.sha256")
     try:
         train, held = (Dataset.from_generator(_not_cached, cache_dir=path,
                                               fingerprint=f"{os.path.basename(path)}-{split}")
@@ -325,6 +331,11 @@ def _read_back(path: str):
         notes = json.loads(held.info.description)
         if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
             raise ValueError("its notes are no list of messages")
+        if not os.path.isfile(sums):  # written last
+            return None
+        with open(sums, encoding="utf-8") as f:
+            if f.read().strip() != _checksum(train, held):
+                raise ValueError("its files changed since they were written")
     except DatasetGenerationError:  # _not_cached: a split not there (yet)
         return None
     except Exception as e:

@@ -17,7 +17,7 @@ from prm.core.lora import has_lora
 from prm.core.model import load_weights
 from prm.core.runtime import barrier, decided_by_main, gather_objects
 from prm.errors import UsageError, WriteFailed, check, overwrites
-from prm.files import locked, reported, write_lines, written_in_place
+from prm.files import locked, staged_folder, write_lines, writing
 from prm.readers.sources import data_digest
 from prm.training.export import TRAINABLE, load_trainable, write_model_dir
 from prm.training.sharding import SHARDS, load_shards, save_shards
@@ -151,7 +151,7 @@ def set_aside_after(output_dir: str, step: int):
         while os.path.exists(os.path.join(output_dir, target)):
             n += 1
             target = f"{ABANDONED}{name}.{n}"
-        with reported(os.path.join(output_dir, target)):
+        with writing(os.path.join(output_dir, target)):
             os.replace(os.path.join(output_dir, name), os.path.join(output_dir, target))
         moved.append(f"{name} -> {target}")
     if moved:
@@ -292,7 +292,7 @@ class Checkpointer:
             barrier(self.rt)
             model = self.parallel.model
             try:
-                with reported(path):
+                with writing(path):
                     save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
             except WriteFailed:
                 if self.rt.is_main:
@@ -309,7 +309,7 @@ class Checkpointer:
         """Rank 0's part of checkpoint-<step>; the marker, last, holds every file's checksum
         (shards: those of the files the ranks wrote)."""
         cfg, model, shards = self.cfg, self.parallel.model, shards or {}
-        with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
+        with staged_folder(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
             state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                      "rng": rng_state()}
             if cfg.fsdp:
@@ -332,7 +332,7 @@ class Checkpointer:
         path = os.path.join(self.cfg.output_dir, "final")
         if self.rt.is_main:
             try:
-                with written_in_place(path) as tmp:
+                with staged_folder(path) as tmp:
                     write_model_dir(tmp, self.parallel.model, self.tokenizer, self.cfg, state=state)
             except WriteFailed as e:
                 raise WriteFailed(f"{e}; {self.kept_instead(step)}") from e.__cause__
