@@ -64,6 +64,17 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+def step_accuracy_by_hand(model: str, predictions: str) -> float:
+    """eval.py's per-step probabilities of `model` (the run's held-out set and dtype), scored here:
+    the share of labeled steps whose P(correct) sits on their label's side of 0.5."""
+    import eval as eval_cli
+    eval_cli.main(["--model", str(model), "--predictions", str(predictions)])
+    with open(predictions) as f:
+        rows = [json.loads(line) for line in f]
+    pairs = [(p, y) for r in rows for p, y in zip(r["step_probs"], r["labels"]) if y is not None]
+    return sum((p >= 0.5) == (y >= 0.5) for p, y in pairs) / len(pairs)
+
+
 def final_weights(out_dir):
     from safetensors.torch import load_file
     return load_file(os.path.join(out_dir, "final", "model.safetensors"))
