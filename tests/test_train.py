@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (ROOT, assert_same_run, final_weights, max_weight_diff, read_metrics, run_train,
-                      step_accuracy_by_hand)
+from conftest import (ROOT, assert_same_run, final_weights, max_weight_diff, read_metrics,
+                      run_train, step_accuracy_by_hand)
 from prm.errors import PRMError
 
 
@@ -29,7 +29,8 @@ def test_bf16_autocast_steps_on_cpu_follow_the_fp32_steps(tmp_path):
     final = run_train(tmp_path / "bf16", dtype="bf16", max_steps=4)
     run_train(tmp_path / "fp32", dtype="fp32", max_steps=4)
     assert_same_run(tmp_path / "fp32", tmp_path / "bf16", lr=1e-3, steps=4, precision="bf16")
-    assert final["step_accuracy"] == step_accuracy_by_hand(tmp_path / "bf16" / "final", tmp_path / "p.jsonl")
+    by_hand = step_accuracy_by_hand(tmp_path / "bf16" / "final", tmp_path / "p.jsonl")
+    assert final["step_accuracy"] == by_hand
 
 
 def mlp_calls(monkeypatch) -> list:
@@ -77,7 +78,8 @@ def test_the_update_applies_the_gradient_clipped_to_max_grad_norm(tmp_path, mode
     one_step = dict(max_steps=1, lr=1.0, adam_epsilon=1.0, lr_scheduler_type="constant")
     run_train(tmp_path / "clipped", max_grad_norm=0.5, **one_step)
     run_train(tmp_path / "free", max_grad_norm=0, **one_step)  # 0: no clipping
-    clipped, free = (applied_gradient(before, final_weights(tmp_path / n)) for n in ("clipped", "free"))
+    clipped = applied_gradient(before, final_weights(tmp_path / "clipped"))
+    free = applied_gradient(before, final_weights(tmp_path / "free"))
     norm = read_metrics(tmp_path / "clipped")[0]["norm"]  # before clipping
     assert norm > 10 * 0.5  # the clip bites
     free_norm = sum((g ** 2).sum() for g in free.values()).sqrt().item()
