@@ -13,7 +13,7 @@ import pytest
 
 from conftest import LABEL_ROWS as ROWS, read_text as read
 from conftest import ROOT, random_policy, read_metrics, scripted, small_config, write_rows
-from prm.errors import PRMError, UsageError
+from prm.errors import UsageError
 from prm.label import LabelOptions, extract_answer, judge, label_file, label_solutions, main, same_answer
 from prm.readers.sources import DataError
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from conftest import REWARD_PROMPTS as PROMPTS, REWARD_TEXTS as ROWS
-from conftest import ROOT, SHARED, built_tokenizer, policy_ids
+from conftest import SHARED, built_tokenizer, policy_ids
 
 import eval as eval_cli
 from prm.readers.formats import split_steps, step_spans
