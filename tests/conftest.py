@@ -54,8 +54,13 @@ def small_config(tmp_path, **overrides):
     return Config(**{**base, **overrides})
 
 
+def train(cfg):
+    """The training loop in-process on a Config: the one place tests start training from."""
+    from prm.training.trainer import train as loop
+    return loop(cfg)
+
+
 def run_train(tmp_path, **overrides):
-    from prm.training.trainer import train
     return train(small_config(tmp_path, **overrides))
 
 
