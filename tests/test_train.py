@@ -75,7 +75,8 @@ def applied_gradient(before: dict, after: dict) -> dict:
 def test_the_update_applies_the_gradient_clipped_to_max_grad_norm(tmp_path, model_dir):
     from safetensors.torch import load_file
     before = load_file(os.path.join(model_dir, "model.safetensors"))  # the tiny PRM of seed 0
-    one_step = dict(max_steps=1, lr=1.0, adam_epsilon=1.0, lr_scheduler_type="constant")
+    one_step = dict(max_steps=1, lr=1.0, adam_epsilon=1.0, weight_decay=0.0,
+                    lr_scheduler_type="constant")
     run_train(tmp_path / "clipped", max_grad_norm=0.5, **one_step)
     run_train(tmp_path / "free", max_grad_norm=0, **one_step)  # 0: no clipping
     clipped = applied_gradient(before, final_weights(tmp_path / "clipped"))
