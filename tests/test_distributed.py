@@ -1,5 +1,4 @@
 """DDP on CPU (gloo) through torchrun: 2 ranks must reproduce 1 process with the same global batch."""
-import json
 import os
 import signal
 import subprocess
@@ -8,20 +7,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_same_run, assert_same_weights, final_weights, max_weight_diff, read_metrics
-
-# 72 rows: 65 train (+7 held out, an odd eval set); with the flags below, 65 is not a multiple of every batch
-COMMON = ["--synthetic-size", "72", "--max-steps", "5", "--log-every", "1", "--dtype", "fp32", "--lr", "1e-3",
-          "--eval-batch-size", "4", "--seed", "7"]
-
-
-def launch(out, nproc, *flags, script="train.py"):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = (launcher if nproc > 1 else [sys.executable]) + [script, *COMMON, "--output-dir", str(out), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from conftest import LAUNCH_FLAGS as COMMON
+from conftest import (ROOT, assert_same_run, assert_same_weights, final_weights, launch,
+                      max_weight_diff, read_metrics)
 
 
 @pytest.mark.parametrize("accum,lora,precision", [(1, False, "fp32"), (2, False, "fp32"), (2, True, "fp32"),

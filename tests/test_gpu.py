@@ -39,7 +39,7 @@ def kernel_on(device: str, monkeypatch, calls: list):
     """prm.core.varlen's kernel, counted: the real varlen_attn on CUDA; on the CPU the reference kernel, opaque to
     torch.compile (as the real kernel, a custom op, is) and with prm.core.varlen's CUDA branch pointed at the CPU."""
     from prm.core import varlen
-    from test_packing import reference_kernel
+    from conftest import reference_kernel
     if device == "cpu":
         monkeypatch.setattr(varlen, "KERNEL_DEVICE", "cpu")
         kernel = torch._dynamo.disable(reference_kernel("2.13", []))
@@ -83,7 +83,7 @@ def rel(a, b) -> float:
 def test_packed_bf16_equals_padded(char_tok, monkeypatch, arch, device):
     from prm.core.data import collate, pack
     from prm.core.model import step_loss
-    from test_packing import rows
+    from conftest import packing_rows as rows
     calls = []
     kernel_on(device, monkeypatch, calls)
     rs = rows(char_tok)
@@ -158,7 +158,7 @@ def test_no_host_sync_in_a_training_step(tmp_path, compiled):
 
 def eval_probs(tmp_path, model_dir: str, precision: str, device: str) -> list:
     """eval.py's per-step P(correct) on test_packing's ROWS, on the device ("cpu" hides CUDA from it)."""
-    from test_packing import ROWS
+    from conftest import PACKING_ROWS as ROWS
     data, out = tmp_path / "rows.jsonl", tmp_path / f"{precision}-{device}.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "completions": c, "labels": [y >= 0.5 for y in ls]}) + "\n"
                             for p, c, ls in zip(ROWS["prompt"], ROWS["completions"], ROWS["labels"])))
@@ -195,8 +195,9 @@ def test_reward_on_cuda_matches_cpu(model_dir):
 @marked(needs_2_gpus)
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_two_gpus_match_one(tmp_path, fsdp):
-    """torchrun over NCCL, fp32 (test_distributed's COMMON): 2 ranks x batch 3 equal 1 process x batch 6."""
-    from test_distributed import launch
+    """torchrun over NCCL, fp32 (conftest's LAUNCH_FLAGS): 2 ranks x batch 3 equal 1 process x
+    batch 6."""
+    from conftest import launch
     launch(tmp_path / "one", 1, "--batch-size", "6")
     launch(tmp_path / "two", 2, "--batch-size", "3", *(["--fsdp"] if fsdp else []))
     assert_same_run(tmp_path / "one", tmp_path / "two", lr=1e-3, steps=5, precision="fp32")

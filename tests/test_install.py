@@ -1,5 +1,6 @@
 """The package installs: pip builds the checkout's tracked files into a fresh virtual environment (offline: no build
 isolation, no dependencies fetched), and PRMReward imports from another folder. Depends on: pytest, git, pip."""
+import json
 import os
 import shlex
 import shutil
@@ -67,4 +68,6 @@ def test_installed_package_scores_from_another_folder(tmp_path, model_dir):
     assert got.returncode == 0, got.stderr[-2000:]
     where, rewards = got.stdout.splitlines()[-2:]
     assert where.startswith(site)  # the installed copy, not the checkout
-    assert 0.0 <= float(rewards.strip("[]")) <= 1.0
+    from prm.scoring.reward import PRMReward
+    here = PRMReward(model_dir, aggregate="min")(["count from 1:"], ["1+1=2\n2+1=3\n"])
+    assert json.loads(rewards) == pytest.approx(here, abs=1e-6)  # the checkout's figure

@@ -11,22 +11,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, read_metrics, small_config
-from prm.errors import PRMError, UsageError
+from conftest import LABEL_ROWS as ROWS, read_text as read
+from conftest import ROOT, random_policy, read_metrics, scripted, small_config, write_rows
+from prm.errors import UsageError
 from prm.label import LabelOptions, extract_answer, judge, label_file, label_solutions, main, same_answer
 from prm.readers.sources import DataError
-
-
-def scripted(wins_of, wrong="so \\boxed{0}"):
-    """complete() whose every prompt gets wins_of(prompt, n) continuations answering 1 and n - that `wrong`
-    ones; `log` keeps the prompts."""
-    log = []
-
-    def complete(prompts, n, seed):
-        log.extend(prompts)
-        wins = [wins_of(p, n) for p in prompts]
-        return [["so \\boxed{1}"] * w + [wrong] * (n - w) for w in wins]
-    return complete, log
 
 
 def steps_in(prompt: str) -> int:
@@ -125,32 +114,6 @@ def test_math_verify_checker_missing_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails as when it is not installed
     with pytest.raises(UsageError, match="pip install 'math-verify"):
         judge("1", LabelOptions(checker="math-verify"))
-
-
-def random_policy(prompts, n, seed):
-    """A seeded stand-in for a policy: solutions of 1-4 lines, rollouts right or wrong by the seed."""
-    out = []
-    for j, p in enumerate(prompts):
-        rng = random.Random(f"{seed}/{p}")
-        out.append([f"step {rng.random():.3f}\n" * rng.randint(0, 3) + f"\\boxed{{{rng.randint(1, 2)}}}"
-                    for _ in range(n)])
-    return out
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return str(path)
-
-
-ROWS = [{"prompt": f"problem {i}\n", "answer": 1, "id": f"p{i}"} if i % 3 else
-        {"prompt": f"problem {i}\n", "answer": "1", "completions": ["a", "b", "\\boxed{1}"]}
-        for i in range(8)]
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
 
 
 def test_a_killed_run_continues_to_the_file_of_an_uninterrupted_one(tmp_path):
@@ -261,7 +224,7 @@ def test_generate_path_is_seeded_and_trains(policy_dir, one_process, tmp_path):
     assert all(r["rollouts"][:-1] == [2] * (len(r["labels"]) - 1) for r in rows)
     main(cli(policy_dir, data, str(tmp_path / "seed1.jsonl")) + ["--seed", "1"])
     assert read(tmp_path / "seed1.jsonl") != first  # each row's seed comes from --seed
-    from prm.training.trainer import train
+    from conftest import train
     final = train(small_config(tmp_path / "run", dataset=str(tmp_path / "again.jsonl"), max_steps=2,
                                batch_size=2))
     assert final is not None and len([m for m in read_metrics(tmp_path / "run") if "loss" in m]) == 2

@@ -10,7 +10,8 @@ import pytest
 
 from prm.errors import UsageError, WriteFailed
 from prm.label import LabelOptions, extract_answer, judge, label_file, main, same_answer
-from test_label import ROWS, random_policy, read, scripted, write_rows
+from conftest import LABEL_ROWS as ROWS, read_text as read
+from conftest import random_policy, scripted, write_rows
 
 
 def exits(argv) -> int:

@@ -14,12 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, assert_same_run, run_train
-
-# mixed lengths: a 1-token step, a row that is only the prompt plus one step, hard and soft labels
-ROWS = {"prompt": ["Q: 2+2?", "x", "A long question about numbers and their sums?", "Why?"],
-        "completions": [["4", "so the answer is 4", "!"], ["y"], ["a", "bb", "ccc", "dddd", "e"], ["because"]],
-        "labels": [[1.0, 0.0, 1.0], [1.0], [0.9, 0.25, 0.0, 1.0, 0.5], [0.0]]}
+from conftest import PACKING_ROWS as ROWS, packing_rows as rows
+from conftest import ROOT, assert_same_run, reference_kernel, run_train
 
 
 def tiny_model(tokenizer, packing: bool, lora: bool = False, checkpointing: bool = False):
@@ -30,13 +26,6 @@ def tiny_model(tokenizer, packing: bool, lora: bool = False, checkpointing: bool
     if checkpointing:
         enable_activation_checkpointing(model.backbone)
     return model
-
-
-def rows(tokenizer):
-    from prm.core.data import tokenize_batch
-    batch = tokenize_batch(ROWS, tokenizer, "\n", max_length=None, max_completion_length=None,
-                           train_on_last_step_only=False, is_eval=False)
-    return [{"input_ids": i, "labels": y} for i, y in zip(batch["input_ids"], batch["labels"])]
 
 
 def test_pack_layout():
@@ -139,35 +128,6 @@ def test_eval_packed_equals_padded(tmp_path, model_dir, precision, tol):
     worst = max(abs(a - b) for a, b in zip(probs["--packing"], probs["--no-packing"]))
     print(f"{precision}: packed and padded P(correct) differ by at most {worst:.2e}")
     assert worst <= tol
-
-
-def reference_kernel(signature: str, calls: list):
-    """A stand-in for torch.nn.attention.varlen.varlen_attn with the installed-version signature named: it checks
-    the arguments the CUDA branch passes and runs per-example causal SDPA."""
-
-    def check_and_run(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, gqa):
-        assert q.dim() == 3 and q.dtype == k.dtype == v.dtype and cu_q.dtype == torch.int32 and cu_q is cu_k
-        bounds = cu_q.tolist()
-        assert isinstance(max_q, int) and max_q == max_k >= max(e - s for s, e in zip(bounds, bounds[1:]))
-        assert causal and (gqa or k.shape[1] == q.shape[1])
-        calls.append({"dtype": q.dtype, "heads": (q.shape[1], k.shape[1]), "gqa": gqa})
-        out = torch.empty_like(q)  # (N, H, D)
-        for s, e in zip(bounds, bounds[1:]):
-            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1),
-                                                      v[s:e].transpose(0, 1), is_causal=True, scale=scale,
-                                                      enable_gqa=gqa).transpose(0, 1)
-        return out
-
-    if signature == "2.10":  # is_causal, no grouped-query support
-        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
-                   scale=None):
-            return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, is_causal, False)
-    else:  # 2.13: a (left, right) window, (-1, 0) is causal; enable_gqa
-        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                   window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-            return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
-                                 tuple(window_size) == (-1, 0), enable_gqa)
-    return kernel
 
 
 @pytest.mark.parametrize("signature", ["2.10", "2.13"])

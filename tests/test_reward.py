@@ -13,27 +13,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from prm.loading import build_model, load_tokenizer  # noqa: E402
+from prm.loading import load_tokenizer  # noqa: E402
 from prm.config import Config  # noqa: E402
 from prm.errors import UsageError  # noqa: E402
 from prm.core.evaluate import score  # noqa: E402
 from prm.core.metrics import AGGREGATES  # noqa: E402
 from prm.core.model import PRM  # noqa: E402
 from prm.scoring.reward import EMPTY_REWARD, PRMReward  # noqa: E402
-from prm.readers.synthetic import char_tokenizer  # noqa: E402
+from conftest import save_tiny  # noqa: E402
 
 PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]
 COMPLETIONS = ["1+1=2\n2+1=3\n3+1=4\n", "7+1=8\n8+1=0", "3+1=5"]
 STEPS = [["1+1=2", "2+1=3", "3+1=4"], ["7+1=8", "8+1=0"], ["3+1=5"]]
-
-
-def save_tiny(path, separator=None):
-    tokenizer = char_tokenizer()
-    build_model("tiny", tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    if separator is not None:  # as train.py leaves it beside the weights
-        Config(step_separator=separator).save(path)
-    return path
 
 
 @pytest.fixture(autouse=True)

@@ -237,7 +237,7 @@ def models(tmp_path_factory):
     from transformers import Qwen2ForCausalLM
     from prm.readers.synthetic import char_tokenizer
     from prm.loading import tiny_config
-    from test_reward import save_tiny
+    from conftest import save_tiny
     policy, tokenizer = str(tmp_path_factory.mktemp("policy")), char_tokenizer()
     torch.manual_seed(0)
     Qwen2ForCausalLM(tiny_config(tokenizer)).save_pretrained(policy)

@@ -381,7 +381,7 @@ def short_records():
 
 
 def test_every_format_trains_and_evaluates(tmp_path):
-    from prm.training.trainer import train
+    from conftest import step_accuracy_by_hand, train
     data = tmp_path / "data"
     data.mkdir()
     for name, rows in short_records().items():
@@ -391,7 +391,8 @@ def test_every_format_trains_and_evaluates(tmp_path):
                  output_dir=str(tmp_path / "out"), dtype="fp32", log_every=1)
     final = train(cfg)
     assert final["train_data"]["examples"] > 0 and final["eval_data"]["labeled_steps"] > 0
-    assert 0.0 <= final["step_accuracy"] <= 1.0
+    by_hand = step_accuracy_by_hand(tmp_path / "out" / "final", tmp_path / "p.jsonl")
+    assert final["step_accuracy"] == by_hand  # eval.py finds the run's held-out 30%
     losses = [json.loads(line).get("loss") for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert all(torch.isfinite(torch.tensor(x)) for x in losses if x is not None)
 
@@ -454,7 +455,7 @@ def test_a_folders_split_words_and_extensions_are_read_in_any_case(tmp_path):
 
 
 def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
-    from prm.training.trainer import train
+    from conftest import train
     chat_tokenizer().save_pretrained(str(tmp_path / "tok"))
     rows = [{"prompt": [{"role": "user", "content": f"start {i}:"}], "completions": [f"{i}+1={i + 1}"],
              "labels": [i % 2 == 0]} for i in range(8)]

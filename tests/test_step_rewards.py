@@ -9,31 +9,14 @@ import warnings
 
 import pytest
 
-from conftest import ROOT, SHARED
+from conftest import REWARD_PROMPTS as PROMPTS, REWARD_TEXTS as ROWS
+from conftest import SHARED, built_tokenizer, policy_ids
 
 import eval as eval_cli
 from prm.readers.formats import split_steps, step_spans
 from prm.scoring.reward import SHAPINGS, PRMReward
 
-PROMPTS = ["Q: count on.", "Q: sums?", "Q: say é", "Q: a long one"]
-# unicode (a character over two byte tokens, an emoji), CRLF, a separator at the start and the end, steps ending
-# inside a token (".\n" is one token of Qwen2's and of the tokenizer built here), and a row max_length cuts
-ROWS = ["\nx=1.\ny=é\r\nwé\n", "1+1=2.\n  2+1=3 \n\n∑ = 5 🙂", "é\r\nñ.\nend\n",
-        "\n".join(f"{k}+1={k + 1}." for k in range(12))]
 MAX_LENGTH = 48  # the last row's later steps do not fit, the other rows do
-
-
-def built_tokenizer():
-    """A byte-level BPE built here: every byte a token, plus merges that put ".\\n" and CRLF in one token; a
-    character of two UTF-8 bytes stays two tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    merges = [(".", "Ċ"), ("č", "Ċ")]
-    vocab = {t: i for i, t in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()) + [a + b for a, b in merges])}
-    tok = Tokenizer(models.BPE({**vocab, "<eos>": len(vocab)}, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
 
 
 def tokenizer(name):
@@ -69,11 +52,6 @@ def prm_dirs(tmp_path_factory):
             made[name] = path
         return made[name]
     return get
-
-
-def policy_ids(policy, texts):
-    """The policy's response tokens as an RL trainer holds them: the text's tokens, then EOS."""
-    return [policy(t, add_special_tokens=False)["input_ids"] + [policy.eos_token_id] for t in texts]
 
 
 def holder(policy, ids, text, c):

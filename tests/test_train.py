@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_same_run, final_weights, max_weight_diff, read_metrics, run_train
+from conftest import (ROOT, assert_same_run, final_weights, max_weight_diff, read_metrics,
+                      run_train, step_accuracy_by_hand)
 from prm.errors import PRMError
 
 
@@ -28,7 +29,74 @@ def test_bf16_autocast_steps_on_cpu_follow_the_fp32_steps(tmp_path):
     final = run_train(tmp_path / "bf16", dtype="bf16", max_steps=4)
     run_train(tmp_path / "fp32", dtype="fp32", max_steps=4)
     assert_same_run(tmp_path / "fp32", tmp_path / "bf16", lr=1e-3, steps=4, precision="bf16")
-    assert 0.0 <= final["step_accuracy"] <= 1.0
+    by_hand = step_accuracy_by_hand(tmp_path / "bf16" / "final", tmp_path / "p.jsonl")
+    assert final["step_accuracy"] == by_hand
+
+
+def mlp_calls(monkeypatch) -> list:
+    """Records each call of the tiny model's MLP (transformers' Qwen2MLP), in order: `grad`, the
+    grad mode on entry, and `dtype`, its output's, once it returns (a recomputation in the backward
+    may stop before it returns: it stops once it has what the backward needs)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+    calls, forward = [], Qwen2MLP.forward
+
+    def recorded(self, x):
+        call = {"grad": torch.is_grad_enabled()}
+        calls.append(call)
+        out = forward(self, x)
+        call["dtype"] = out.dtype
+        return out
+    monkeypatch.setattr(Qwen2MLP, "forward", recorded)
+    return calls
+
+
+def test_gradient_checkpointing_recomputes_every_layer_in_the_backward_and_changes_no_loss(
+        tmp_path, monkeypatch):
+    calls = mlp_calls(monkeypatch)
+    runs = {}
+    for name, on in (("plain", False), ("gc", True)):
+        calls.clear()
+        run_train(tmp_path / name, max_steps=2, gradient_checkpointing=on)
+        runs[name] = sum(c["grad"] for c in calls)  # training's calls: evaluation runs without grad
+    with open(tmp_path / "gc" / "final" / "config.json") as f:
+        layers = json.load(f)["num_hidden_layers"]
+    assert runs["plain"] == 2 * layers  # 2 steps of one micro-batch (small_config)
+    assert runs["gc"] == 2 * runs["plain"]  # each layer runs again in the backward
+    assert_same_run(tmp_path / "plain", tmp_path / "gc", lr=1e-3, steps=2)  # fp32: the same sums
+
+
+def applied_gradient(before: dict, after: dict) -> dict:
+    """The gradient one AdamW step from zero moments applied, with lr = eps = 1 and no weight
+    decay: it moves each weight by u = -g / (|g| + 1), so g = -u / (1 - |u|)."""
+    moved = {k: after[k].double() - before[k].double() for k in before}
+    return {k: -u / (1 - u.abs()) for k, u in moved.items()}
+
+
+def test_the_update_applies_the_gradient_clipped_to_max_grad_norm(tmp_path, model_dir):
+    from safetensors.torch import load_file
+    before = load_file(os.path.join(model_dir, "model.safetensors"))  # the tiny PRM of seed 0
+    one_step = dict(max_steps=1, lr=1.0, adam_epsilon=1.0, weight_decay=0.0,
+                    lr_scheduler_type="constant")
+    run_train(tmp_path / "clipped", max_grad_norm=0.5, **one_step)
+    run_train(tmp_path / "free", max_grad_norm=0, **one_step)  # 0: no clipping
+    clipped = applied_gradient(before, final_weights(tmp_path / "clipped"))
+    free = applied_gradient(before, final_weights(tmp_path / "free"))
+    norm = read_metrics(tmp_path / "clipped")[0]["norm"]  # before clipping
+    assert norm > 10 * 0.5  # the clip bites
+    free_norm = sum((g ** 2).sum() for g in free.values()).sqrt().item()
+    assert free_norm == pytest.approx(norm, rel=1e-5)
+    # the recovered gradients carry the fp32 rounding of the weights (half an ulp, 6e-8 at |w| ~ 1)
+    # over (1 - |u|)^2: measured 6e-8 apart, against 0.04 for the largest clipped component
+    assert max((clipped[k] - free[k] * 0.5 / norm).abs().max().item() for k in free) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_forward_runs_in_the_dtype_asked(tmp_path, monkeypatch, dtype):
+    expected = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    calls = mlp_calls(monkeypatch)
+    run_train(tmp_path, max_steps=1, dtype=dtype)
+    assert {c["dtype"] for c in calls if c["grad"]} == {expected}  # training
+    assert {c["dtype"] for c in calls if not c["grad"]} == {expected}  # the held-out evaluation
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -15,8 +15,9 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT
-from test_step_rewards import PROMPTS, ROWS, SHAPINGS, built_tokenizer, policy_ids
+from conftest import REWARD_PROMPTS as PROMPTS, REWARD_TEXTS as ROWS
+from conftest import ROOT, built_tokenizer, policy_ids
+from prm.scoring.reward import SHAPINGS
 
 MANAGER = os.path.join(ROOT, "prm", "scoring", "verl_manager.py")
 
