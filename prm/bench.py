@@ -11,6 +11,7 @@ CUDA only: mfu (flops_per_token x tokens/s / bf16 dense peak), host_syncs_per_st
 --peer-python/--peer-script: a TRL PRMTrainer run alternates with each of ours (medians, ratios).
 """
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -31,11 +32,10 @@ from prm.loading import hf_config_for, tokenizer_for
 from prm.cli import Parser, add_fields
 from prm.config import Config
 from prm.errors import PRMError, UsageError, exit_status
-from prm.tools.gpucheck import gpu_check
+from prm.tools.gpucheck import ROOT, gpu_check
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
 from prm.core.runtime import autocast_dtype
-from prm.training.trainer import BatchPlan, train
 from prm.core.varlen import kernel_dtype, supports_packing
 
 # dense bf16 peaks by device name, the more specific names first
@@ -51,6 +51,21 @@ MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padd
             "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
 # the run's settings each result names, after its dtype
 REPORTED = ("group_by_length", "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
+
+
+def training():
+    """train.py, the training program: a script beside the package, so a checkout's."""
+    path = os.path.join(ROOT, "train.py")
+    loaded = sys.modules.get("train")
+    if loaded and os.path.abspath(getattr(loaded, "__file__", "")) == path:
+        return loaded  # imported already (tests put the checkout on sys.path)
+    if not os.path.isfile(path):
+        raise UsageError(f"prm.bench runs the training program {path}: run it from a checkout")
+    spec = importlib.util.spec_from_file_location("train", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def parser():
@@ -162,7 +177,7 @@ def _train_watched(cfg: Config, device) -> tuple:
         try:
             # stdout: JSON only
             with contextlib.redirect_stdout(sys.stderr), counting_syncs(device, seen):
-                final = train(run_cfg)
+                final = training().train(run_cfg)
         finally:
             handle.remove()
     return final, seen, baseline
@@ -180,7 +195,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
     world = int(os.environ.get("WORLD_SIZE", 1))
-    plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
+    plan = training().BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)

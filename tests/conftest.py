@@ -54,9 +54,15 @@ def small_config(tmp_path, **overrides):
     return Config(**{**base, **overrides})
 
 
+def training():
+    """train.py, the training program (a script beside the package): the one place tests import it.
+    Tests call training().train(cfg) and patch its seams (train_step, evaluate, BatchPlan)."""
+    import train
+    return train
+
+
 def run_train(tmp_path, **overrides):
-    from prm.training.trainer import train
-    return train(small_config(tmp_path, **overrides))
+    return training().train(small_config(tmp_path, **overrides))
 
 
 def read_metrics(out_dir):

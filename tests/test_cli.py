@@ -164,7 +164,8 @@ def test_each_data_source_keeps_its_own_format(tmp_path, capsys):
 
 
 def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
-    from prm.training.trainlog import count, log_line
+    from conftest import training
+    count, log_line = training().count, training().log_line
     rec = {"step": 1, "loss": 0.5, "acc": 0.5, "lr": 1e-3, "norm": 1.0, "epoch": 0}
     assert log_line({**rec, "tok_per_s": 950.4}).endswith("| 950 tok/s")
     assert log_line({**rec, "tok_per_s": 18234.0}).endswith("| 18.2k tok/s")
@@ -174,7 +175,8 @@ def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
 
 
 def test_time_left_is_said_once_from_the_host_clock(monkeypatch):
-    from prm.training import trainlog
+    from conftest import training
+    trainlog = training()
     from prm.core.runtime import Runtime
     said, clock = [], iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
     monkeypatch.setattr(trainlog.time, "perf_counter", lambda: next(clock))

@@ -40,7 +40,8 @@ def loop(tmp_path_factory):
     from prm.config import Config
     from prm.label import main as label
     from prm.tools.loop import train_policy, write_problems
-    from prm.training.trainer import train
+    from conftest import training
+    train = training().train
     tmp = tmp_path_factory.mktemp("loop")
     write_problems(str(tmp), rows=3, test=3)
     train_policy(str(tmp / "policy"), steps=2, batch=4)
