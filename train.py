@@ -1,14 +1,8 @@
-"""Train a process reward model: the hand-written loop, read top to bottom.
-
-    python train.py                                     # the offline default, minutes on 2 CPU cores
-    torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl
-
-configuration -> runtime -> data -> model (LoRA, gradient checkpointing, packing) -> the DDP or
-FSDP2 wrap -> optimizer and schedule -> resume -> the loop (log, evaluate, checkpoint, preemption)
--> the final save and the model card. "step": an optimizer step; "n_labeled": a count of labeled
-reasoning steps. This file sits beside the package, not installed with it: tests and
-`python -m prm.bench` import it and call train(cfg) in-process.
-"""
+"""Train a process reward model: `python train.py` (the offline default) or `torchrun
+--nproc_per_node 8 train.py --model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to bottom:
+configuration, runtime, data, model, the DDP or FSDP2 wrap, optimizer, resume, the loop, the final
+save. "step": an optimizer step; "n_labeled": a count of labeled reasoning steps. A script beside
+the package (not installed): tests and `python -m prm.bench` import it and call train(cfg)."""
 from prm.cli import parse_config  # light: no torch
 from prm.errors import exit_status
 
@@ -20,13 +14,11 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch loads
 import contextlib
 import dataclasses
 import datetime
-import importlib
 import json
 import math
 import os
 import random
 import signal
-import textwrap
 import time
 import traceback
 
@@ -44,15 +36,16 @@ from prm.core.data import padded_tokens
 from prm.core.evaluate import predict, report
 from prm.core.lora import count_parameters
 from prm.core.model import enable_activation_checkpointing, is_classifier, step_loss
-from prm.core.runtime import (Runtime, all_reduce_sum, autocast_dtype, barrier,
-                              main_first, progress_off, setup, teardown)
+from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first, progress_off, setup,
+                              teardown)
 from prm.core.varlen import is_packed
 from prm.errors import Diverged, Stopped, UsageError, check
 from prm.files import write_lines
 from prm.loading import check_exportable, model_for, tokenizer_for
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
-from prm.training.card import config_command, launch_command, model_card
+from prm.training.report import (Tracker, config_command, launch_command, model_card,
+                                 tracker_module)
 from prm.training.checkpoint import Checkpointer, State, run_lock
 
 
@@ -87,7 +80,6 @@ class Run:
     state: State  # model, optimizer, scheduler, scaler, tokenizer: what a checkpoint holds
     amp_dtype: torch.dtype  # None: fp32
     packed: bool  # examples packed into one row, else padded
-    pad_id: int
     step: int = 0  # optimizer steps done
 
 
@@ -102,12 +94,13 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
     run, reports = build(cfg, rt, checkpointer)
     if rt.is_main:
         cfg.save(cfg.output_dir)
-    log = open_log(run, quiet)
+    log = TrainLog(run, quiet)
     trainable, n_params = count_parameters(run.model)
     steps = run.plan.total - run.step
     # the non-pad tokens of the steps this run takes
     tokens = sum(run.plan.lengths) * steps / run.plan.steps_per_epoch
-    say(rt, f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
+    say = print if rt.is_main else (lambda *a: None)
+    say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
         f"({100 * trainable / n_params:.2f}%) | {len(run.train_ds)} train examples | "
         f"global batch {run.plan.global_batch} | {steps} steps, ~{count(tokens)} tokens | "
         f"autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
@@ -121,12 +114,13 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     # ---- data
     tokenizer = tokenizer_for(cfg)
     plan, train_ds, eval_ds, reports = load_data(cfg, rt, tokenizer, checkpointer.digests)
-    say(rt, f"train data: {json.dumps(reports['train_data'])}\n"
+    say = print if rt.is_main else (lambda *a: None)
+    say(f"train data: {json.dumps(reports['train_data'])}\n"
         f"eval data: {json.dumps(reports['eval_data'])}")
     # ---- model: model_for applies --lora-r (adapters, the backbone frozen) and --packing
     model = model_for(cfg, tokenizer).to(rt.device)
     if cfg.model != "tiny" and not checkpointer.resume_from and not is_classifier(model.config):
-        say(rt, f"--model {cfg.model}: a backbone: the PRM head is new")
+        say(f"--model {cfg.model}: a backbone: the PRM head is new")
     packed = is_packed(model)  # examples end to end in one row, else padded
     if cfg.gradient_checkpointing:  # each layer's activations recomputed in the backward
         enable_activation_checkpointing(model.backbone)
@@ -145,14 +139,8 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     # ---- resume: the state restored in place
     step = checkpointer.load(state, plan.total)
     run = Run(cfg, rt, plan, train_ds.select_columns(["input_ids", "labels"]), eval_ds.to_list(),
-              "first_error" in eval_ds.column_names, model, net, state, amp_dtype, packed,
-              pad_token_id(tokenizer), step)
+              "first_error" in eval_ds.column_names, model, net, state, amp_dtype, packed, step)
     return run, reports
-
-
-def say(rt: Runtime, text: str):
-    if rt.is_main:
-        print(text)
 
 
 # ----------------------------------------------------------------------------- data
@@ -207,10 +195,9 @@ def micro_batch(run: Run, idx: list) -> dict:
     """The model's keyword arguments and the labels of examples idx, on the device."""
     cols = run.train_ds[idx]
     rows = [dict(zip(cols, row)) for row in zip(*cols.values())]
-    if run.packed:  # one row, the examples end to end; attention stays within each
-        mb = pack(rows, run.pad_id, run.cfg.pack_to)
-    else:
-        mb = collate(rows, run.pad_id)
+    pad = pad_token_id(run.state.tokenizer)
+    # packed: one row, the examples end to end, each attending within itself; else padded rows
+    mb = pack(rows, pad, run.cfg.pack_to) if run.packed else collate(rows, pad)
     pin = run.rt.device.type == "cuda"  # pinned memory makes the copies asynchronous
 
     def on_device(v):
@@ -239,16 +226,6 @@ def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
     if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
         net = DDP(net, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
     return net
-
-
-def grad_sync(run: Run, last: bool):
-    """Gradients reduce in the last micro-batch's backward only."""
-    if run.cfg.fsdp:
-        run.model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    if last or not run.rt.distributed:
-        return contextlib.nullcontext()
-    return run.net.no_sync()
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -292,7 +269,7 @@ def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
             # evaluation (finish() evaluates the last step)
             if eval_every and run.step % eval_every == 0 and run.step < total:
                 evals = {f"eval_{k}": v for k, v in evaluate(run).items()}
-                log.out.write({"step": run.step, **evals})
+                log.record({"step": run.step, **evals})
             # preemption and checkpoints
             stop = preemption.agreed(last=run.step == total)
             if stop or (save_every and run.step % save_every == 0):
@@ -317,7 +294,12 @@ def train_step(run: Run, batch: list) -> tuple:
     for a, idx in enumerate(micro):
         inputs = micro_batch(run, idx)
         labels = inputs.pop("labels")  # (B, T); packed: (1, N)
-        with grad_sync(run, last=a == len(micro) - 1):
+        # gradients reduce over the ranks in the last micro-batch's backward only
+        last = a == len(micro) - 1
+        if cfg.fsdp:
+            run.model.set_requires_gradient_sync(last)
+        no_sync = rt.distributed and not cfg.fsdp and not last
+        with run.net.no_sync() if no_sync else contextlib.nullcontext():
             with amp:
                 logits = run.net(**inputs)  # (B, T, 2); packed: (1, N, 2)
             # over the labels of the whole global batch: each label weighs alike
@@ -343,9 +325,9 @@ def train_step(run: Run, batch: list) -> tuple:
 def evaluate(run: Run) -> dict:
     """The held-out metrics, by eval.py's route."""
     cfg = run.cfg
-    probs = predict(run.model, run.eval_rows, batch_size=cfg.eval_batch_size, pad_id=run.pad_id,
-                    amp_dtype=run.amp_dtype, rt=run.rt, lockstep=cfg.fsdp,
-                    progress=not cfg.disable_tqdm)
+    probs = predict(run.model, run.eval_rows, batch_size=cfg.eval_batch_size,
+                    pad_id=pad_token_id(run.state.tokenizer), amp_dtype=run.amp_dtype, rt=run.rt,
+                    lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
     return report(probs, run.eval_rows, cfg.threshold, run.processbench)
 
 
@@ -361,8 +343,8 @@ def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
     if run.rt.is_main:
         card = model_card(run.cfg, results, command)
         write_lines(os.path.join(path, "README.md"), [card.removesuffix("\n")])
-        log.out.write({"step": run.step, "final": results}, echo=False)
-        log.out.close()
+        log.record({"step": run.step, "final": results}, echo=False)
+        log.close()
     barrier(run.rt)
     return results if run.rt.is_main else None
 
@@ -404,8 +386,7 @@ class Preemption:
         if self.pending and self.read():
             return True
         flag = torch.tensor([float(mine)])  # on the CPU: summing it never syncs the device
-        work = dist.all_reduce(flag, group=self.group, async_op=True)
-        self.pending = (work, flag)
+        self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
         return self.read() if last else False
 
     def read(self) -> bool:
@@ -422,66 +403,36 @@ class Preemption:
 
 
 # ----------------------------------------------------------------------------- logging
-def open_log(run: Run, quiet: bool) -> "TrainLog":
-    """Rank 0's progress bar, metrics.jsonl and tracker; every rank's sums."""
-    cfg, rt = run.cfg, run.rt
-    pbar = tqdm(total=run.plan.total, initial=run.step, desc="train",
-                disable=quiet or not rt.is_main)
-    tracker = None
-    if rt.is_main and cfg.report_to != "none":
-        tracker = Tracker(cfg, run.step)
-    path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
-    fp16 = "; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""
-    return TrainLog(rt, MetricsFile(path, pbar, tracker=tracker), run.plan, resumed_at=run.step,
-                    n_chunks=rt.world_size * cfg.grad_accum,
-                    pack_to=cfg.pack_to if run.packed else None,
-                    check_norm=not run.state.scaler.is_enabled(),  # fp16: inf is a skipped step
-                    hint=f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps{fp16}")
-
-
-class MetricsFile:
-    """Rank 0's metrics.jsonl, tracker and log lines; path None: no-op."""
-
-    def __init__(self, path, pbar, *, tracker=None):
-        self.pbar, self.tracker, self.path = pbar, tracker, path
-        if path:  # there from the start, even if the run ends before its first record
-            write_lines(path, [], "a")
-
-    def write(self, rec: dict, echo: bool = True):
-        if self.path is None:
-            return
-        write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
-        if self.tracker is not None:
-            self.tracker.log(rec)
-        if echo:
-            self.pbar.write(log_line(rec))
-
-    def close(self):
-        if self.tracker is not None:
-            self.tracker.close()
-
-
 class TrainLog:
-    """Sums since the last log line, on the device until a log step's all-reduce; divergence; the
-    time left. check_norm: False under fp16 (an inf norm: a skipped step)."""
+    """Rank 0's progress bar, metrics.jsonl, tracker and log lines; every rank's sums behind them,
+    on the device until a log step's all-reduce; divergence; the time left."""
 
-    def __init__(self, rt: Runtime, out: MetricsFile, plan, *, resumed_at: int, n_chunks: int,
-                 pack_to: int = None, check_norm: bool = True, hint: str = ""):
-        self.rt, self.out, self.pbar, self.plan = rt, out, out.pbar, plan
-        self.n_chunks, self.pack_to = n_chunks, pack_to
-        self.check_norm, self.hint = check_norm, hint
+    def __init__(self, run: Run, quiet: bool):
+        cfg, rt = run.cfg, run.rt
+        self.rt, self.plan = rt, run.plan
+        self.pbar = tqdm(total=run.plan.total, initial=run.step, desc="train",
+                         disable=quiet or not rt.is_main)
+        self.path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
+        if self.path:  # there from the start, even if the run ends before its first record
+            write_lines(self.path, [], "a")
+        self.tracker = None
+        if rt.is_main and cfg.report_to != "none":
+            self.tracker = Tracker(cfg, run.step)
+        self.n_chunks = rt.world_size * cfg.grad_accum  # the micro-batches of a step
+        self.pack_to = cfg.pack_to if run.packed else None
+        self.check_norm = not run.state.scaler.is_enabled()  # fp16: inf norm, a skipped step
+        fp16 = "; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""
+        self.hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps{fp16}"
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
-        self.last_finite = None  # (step, loss) of the last finite log line
-        self.window_labeled = 0
-        self.window_tokens = 0
-        self.window_seconds = 0.0
+        self.new_window()
         self.total_tokens = 0
-        self.total_padded = 0
+        self.total_padded = 0  # the tokens with padding
         self.total_seconds = 0.0
-        self.timed_from = None  # (step, time) the estimate of the time left counts from
+        self.last_finite = None  # (step, loss) of the last finite log line
+        self.timed_from = None  # (step, time) the time left is estimated from
         self.estimated = False
-        self.since_resume = bool(resumed_at)
+        self.since_resume = bool(run.step)
         self.unwritten = None  # (step, norm, epoch, lr) of a step not logged yet
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float,
@@ -510,7 +461,10 @@ class TrainLog:
         step, norm, epoch, lr = self.unwritten
         self.unwritten = None
         flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
-        stats = all_reduce_sum(torch.cat([self.window, flags]), self.rt).tolist()
+        stats = torch.cat([self.window, flags])
+        if self.rt.distributed:
+            dist.all_reduce(stats)
+        stats = stats.tolist()
         if t0 is not None:  # timed after the sync, so queued device work is counted
             self.window_seconds += time.perf_counter() - t0
         n = max(self.window_labeled, 1)
@@ -520,14 +474,30 @@ class TrainLog:
         if self.since_resume:
             rec["since_resume"] = True
             self.since_resume = False
-        self.out.write(rec)
+        self.record(rec)
         if math.isfinite(rec["loss"]):
             self.last_finite = (step, rec["loss"])
         if stats[3] > 0:
             self.diverged()
-        self.window.zero_()
         self.total_seconds += self.window_seconds
-        self.window_labeled, self.window_tokens, self.window_seconds = 0, 0, 0.0
+        self.new_window()
+
+    def new_window(self):
+        """The sums since the last log line start again."""
+        self.window.zero_()
+        self.window_labeled = 0
+        self.window_tokens = 0
+        self.window_seconds = 0.0
+
+    def record(self, rec: dict, echo: bool = True):
+        """A line of metrics.jsonl (NaN and infinity as null), to the tracker, and echoed."""
+        if self.path is None:
+            return
+        write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
+        if self.tracker is not None:
+            self.tracker.log(rec)
+        if echo:
+            self.pbar.write(log_line(rec))
 
     def estimate(self, step: int):
         """Says the time left once, timed after the first step (compiling)."""
@@ -543,17 +513,19 @@ class TrainLog:
 
     def stop_if_diverged(self):
         """Diverged if a step so far was not finite (syncs every rank)."""
-        if all_reduce_sum((self.bad_step > 0).float().view(1), self.rt).item() > 0:
+        bad = (self.bad_step > 0).float()
+        if self.rt.distributed:
+            dist.all_reduce(bad)
+        if bad.item() > 0:
             self.diverged()
 
     def diverged(self):
-        step = int(self.bad_step)
         last = "no finite loss logged before it"
         if self.last_finite:
             last = "last finite loss {1:.4g} at step {0}".format(*self.last_finite)
         raise Diverged(f"the loss or gradient norm is not finite at step "
-                       f"{step or '? (on another rank)'} ({last}); no checkpoint was written "
-                       f"from then on. {self.hint}")
+                       f"{int(self.bad_step) or '? (on another rank)'} ({last}); no checkpoint "
+                       f"was written from then on. {self.hint}")
 
     def throughput(self) -> tuple:
         """(non-pad tokens/s, non-pad / padded tokens); None, None when no step ran."""
@@ -561,6 +533,10 @@ class TrainLog:
             return None, None
         return (self.total_tokens / max(self.total_seconds, 1e-9),
                 self.total_tokens / max(self.total_padded, 1))
+
+    def close(self):
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def count(n: float) -> str:
@@ -578,10 +554,9 @@ def log_line(rec: dict) -> str:
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | "
                 f"lr {rec['lr']:.2e} | norm {rec['norm']:.2f} | "
                 f"{count(rec['tok_per_s'])} tok/s{since}")
-
-    def shown(v):
-        return f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
-    return " | ".join(f"{k} {shown(v)}" for k, v in rec.items())
+    shown = {k: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
+             for k, v in rec.items()}
+    return " | ".join(f"{k} {v}" for k, v in shown.items())
 
 
 def strict_json(x):
@@ -591,61 +566,6 @@ def strict_json(x):
     if isinstance(x, dict):
         return {k: strict_json(v) for k, v in x.items()}
     return [strict_json(v) for v in x] if isinstance(x, list) else x
-
-
-def tracker_module(report_to: str):
-    """The tracker's module (None for 'none'); UsageError if it is not installed."""
-    if report_to == "none":
-        return None
-    name = "torch.utils.tensorboard" if report_to == "tensorboard" else "wandb"
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        check([f"--report-to {report_to} needs the {report_to} package: pip install {report_to}"])
-
-
-def scalars(record: dict) -> dict:
-    """A metrics.jsonl record -> {tag: number}: train/loss, eval/auroc, final/f1, ..."""
-    if "final" in record:
-        items = {f"final/{k}": v for k, v in record["final"].items()}
-    else:
-        items = {(f"eval/{k.removeprefix('eval_')}" if k.startswith("eval_") else f"train/{k}"): v
-                 for k, v in record.items() if k != "step"}
-    return {k: float(v) for k, v in items.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-class Tracker:
-    """TensorBoard (<output-dir>/tensorboard/<run name>) or W&B ($WANDB_PROJECT)."""
-
-    def __init__(self, cfg: Config, resumed_at: int = 0):
-        self.kind = cfg.report_to
-        module = tracker_module(cfg.report_to)
-        name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
-        if self.kind == "tensorboard":
-            log_dir = os.path.join(cfg.output_dir, "tensorboard", name)
-            purge = resumed_at + 1 if resumed_at else None  # resumed: later events go
-            self.writer = module.SummaryWriter(log_dir=log_dir, purge_step=purge)
-            # indented: verbatim in TensorBoard's markdown
-            self.writer.add_text("config", textwrap.indent(cfg.to_json(), "    "))
-        else:
-            self.run = module.init(project=os.environ.get("WANDB_PROJECT", "prm"), name=name,
-                                   config=dataclasses.asdict(cfg), dir=cfg.output_dir)
-
-    def log(self, record: dict):
-        values = scalars(record)
-        if self.kind == "tensorboard":
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, record["step"])
-            self.writer.flush()  # a crash keeps the curve up to here
-        else:
-            self.run.log(values, step=record["step"])
-
-    def close(self):
-        if self.kind == "tensorboard":
-            self.writer.close()
-        else:
-            self.run.finish()
 
 
 if __name__ == "__main__":
