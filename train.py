@@ -1,8 +1,9 @@
 """Train a process reward model: `python train.py` (the offline default) or `torchrun
---nproc_per_node 8 train.py --model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to bottom:
-configuration, runtime, data, model, the DDP or FSDP2 wrap, optimizer, resume, the loop, the final
-save. "step": an optimizer step; "n_labeled": a count of labeled reasoning steps. A script beside
-the package (not installed): tests and `python -m prm.bench` import it and call train(cfg)."""
+--nproc_per_node 8 train.py --model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to
+bottom: configuration, runtime, data, model, the DDP or FSDP2 wrap, optimizer, resume, the loop,
+the final save. "step": an optimizer step; "n_labeled": a count of labeled reasoning steps. A
+script beside the package (not installed): tests and `python -m prm.bench` import it and call
+train(cfg)."""
 from prm.cli import parse_config  # light: no torch
 from prm.errors import exit_status
 
@@ -102,7 +103,7 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
     say = print if rt.is_main else (lambda *a: None)
     say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
         f"({100 * trainable / n_params:.2f}%) | {len(run.train_ds)} train examples | "
-        f"global batch {run.plan.global_batch} | {steps} steps, ~{count(tokens)} tokens | "
+        f"global batch {run.plan.global_batch} | {steps} steps, ~{short_number(tokens)} tokens | "
         f"autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
     with log.pbar:
         loop(run, checkpointer, log)
@@ -539,7 +540,7 @@ class TrainLog:
             self.tracker.close()
 
 
-def count(n: float) -> str:
+def short_number(n: float) -> str:
     """950, 18.2k, 1.3M, 3.4G."""
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -553,7 +554,7 @@ def log_line(rec: dict) -> str:
         since = " | since resume" if rec.get("since_resume") else ""
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | "
                 f"lr {rec['lr']:.2e} | norm {rec['norm']:.2f} | "
-                f"{count(rec['tok_per_s'])} tok/s{since}")
+                f"{short_number(rec['tok_per_s'])} tok/s{since}")
     shown = {k: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
              for k, v in rec.items()}
     return " | ".join(f"{k} {v}" for k, v in shown.items())

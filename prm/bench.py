@@ -32,7 +32,7 @@ from prm.loading import hf_config_for, tokenizer_for
 from prm.cli import Parser, add_fields
 from prm.config import Config
 from prm.errors import PRMError, UsageError, exit_status
-from prm.tools.gpucheck import ROOT, gpu_check
+from prm.tools.gpucheck import gpu_check
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
 from prm.core.runtime import autocast_dtype
@@ -51,21 +51,6 @@ MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padd
             "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
 # the run's settings each result names, after its dtype
 REPORTED = ("group_by_length", "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
-
-
-def training():
-    """train.py, the training program: a script beside the package, so a checkout's."""
-    path = os.path.join(ROOT, "train.py")
-    loaded = sys.modules.get("train")
-    if loaded and os.path.abspath(getattr(loaded, "__file__", "")) == path:
-        return loaded  # imported already (tests put the checkout on sys.path)
-    if not os.path.isfile(path):
-        raise UsageError(f"prm.bench runs the training program {path}: run it from a checkout")
-    spec = importlib.util.spec_from_file_location("train", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def parser():
@@ -152,6 +137,21 @@ def counting_syncs(device, seen: dict):
             yield
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def training():
+    """train.py, the training program: a script beside the package, so a checkout's."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+    loaded = sys.modules.get("train")
+    if loaded and os.path.abspath(getattr(loaded, "__file__", "")) == path:
+        return loaded  # imported already (tests put the checkout on sys.path)
+    if not os.path.isfile(path):
+        raise UsageError(f"prm.bench runs the training program {path}: run it from a checkout")
+    spec = importlib.util.spec_from_file_location("train", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _train_watched(cfg: Config, device) -> tuple:

@@ -165,13 +165,13 @@ def test_each_data_source_keeps_its_own_format(tmp_path, capsys):
 
 def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
     from conftest import training
-    count, log_line = training().count, training().log_line
+    short_number, log_line = training().short_number, training().log_line
     rec = {"step": 1, "loss": 0.5, "acc": 0.5, "lr": 1e-3, "norm": 1.0, "epoch": 0}
     assert log_line({**rec, "tok_per_s": 950.4}).endswith("| 950 tok/s")
     assert log_line({**rec, "tok_per_s": 18234.0}).endswith("| 18.2k tok/s")
     assert log_line({"step": 4, "eval_precision_0": None, "eval_f1_1": 0.5}) == \
         "step 4 | eval_precision_0 n/a | eval_f1_1 0.5000"
-    assert (count(0), count(3.8e3), count(1.25e6)) == ("0", "3.8k", "1.2M")
+    assert (short_number(0), short_number(3.8e3), short_number(1.25e6)) == ("0", "3.8k", "1.2M")
 
 
 def test_time_left_is_said_once_from_the_host_clock(monkeypatch, tmp_path):

@@ -1,1 +1,2 @@
-"""What train.py saves: checkpoints, resume and model directories (checkpoint), the model card (card)."""
+"""What train.py saves and reports: checkpoints, resume and model directories (checkpoint), the
+model card and trackers (report)."""

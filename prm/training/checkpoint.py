@@ -42,8 +42,7 @@ SHARDS = "shards"  # the dcp folder of an --fsdp checkpoint
 
 
 @dataclass
-class State:
-    """What a checkpoint holds besides the random generators."""
+class State:  # what a checkpoint holds besides the random generators
     model: torch.nn.Module  # the plain PRM (under --fsdp, sharded in place)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -74,7 +73,7 @@ def read_marker(path: str) -> dict:
         return json.load(f)
 
 
-def files_under(path: str) -> list:
+def files_under(path: str) -> list:  # relative paths
     return sorted(os.path.relpath(os.path.join(root, name), path)
                   for root, _, names in os.walk(path) for name in names)
 
@@ -98,8 +97,7 @@ def file_digests(path: str, names: list = None) -> dict:
 
 
 def damaged_files(path: str) -> list:
-    """Files whose checksum differs from the marker's (missing ones included), then the not
-    regular ones."""
+    """Files whose checksum differs from the marker's (or missing), then the not regular ones."""
     expected, found = read_marker(path).get("sha256", {}), file_digests(path)
     strange = {name for name, digest in found.items() if digest == NOT_REGULAR}
     differ = {name for name, digest in expected.items() if found.get(name) != digest}
@@ -162,8 +160,7 @@ def prepare_output_dir(cfg):
 
 
 def set_aside_after(output_dir: str, step: int):
-    """Renames checkpoint-<n> with n > step to abandoned-checkpoint-<n>(.2, .3, ...), which prune
-    and resume ignore."""
+    """checkpoint-<n> with n > step -> abandoned-checkpoint-<n>(.2, ...), which resume skips."""
     moved = []
     for name in [name for done, name in numbered(output_dir) if done > step]:
         target, n = ABANDONED + name, 1
@@ -203,8 +200,8 @@ def prune(output_dir: str, keep_last: int):
 
 @contextlib.contextmanager
 def run_lock(output_dir: str):
-    """Holds <output_dir>/.lock for the run: a second run there is a UsageError. A directory made
-    here and left empty is removed."""
+    """Holds <output_dir>/.lock: a second run there is a UsageError; removes the folder if made
+    here and left empty."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
@@ -216,8 +213,7 @@ def run_lock(output_dir: str):
                 os.rmdir(output_dir)
 
 
-def rng_state() -> dict:
-    """Every generator the training draws from (data order, dropout)."""
+def rng_state() -> dict:  # every generator the training draws from (data order, dropout)
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -246,12 +242,11 @@ def save_shards(path: str, model, optimizer):
 
 def load_shards(path: str, model, optimizer):
     """The inverse of save_shards, resharded to this world size."""
-    options = _options(has_lora(model))
-    weights, optim = get_state_dict(model, optimizer, options=options)
+    weights, optim = get_state_dict(model, optimizer, options=_options(has_lora(model)))
     state = {"model": weights, "optimizer": optim}
-    dcp.load(state, checkpoint_id=os.path.join(path, SHARDS))
+    dcp.load(state, checkpoint_id=os.path.join(path, SHARDS))  # in place
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=options)
+                   optim_state_dict=state["optimizer"], options=_options(has_lora(model)))
 
 
 def load_whole(path: str, model, trainable_only: bool):
@@ -321,17 +316,16 @@ def load_trainable(model, path: str):
 
 # ----------------------------------------------------------------------------- checkpoints
 class Checkpointer:
-    """Resume and checkpoints. At start-up rank 0 picks the checkpoint to resume (resume_from,
-    None: a fresh start) and hashes the data files (digests: {"train", "eval"}, '' for hub or
-    synthetic data)."""
+    """Resume and checkpoints. Rank 0 picks the checkpoint to resume (resume_from; None: fresh)
+    and hashes the data files (digests: {"train", "eval"}; '' for hub or synthetic data)."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """(the checkpoint to resume, the data digests). The settings defining the model, the data
-        and its order, and the data files' contents must equal the checkpoint's, else UsageError."""
+        """(the checkpoint to resume, the data digests); UsageError if the settings defining the
+        model, the data and its order, or the data files' contents differ from the checkpoint's."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
         digests = {"train": data_digest(cfg.dataset), "eval": data_digest(cfg.eval_dataset)}
@@ -352,8 +346,7 @@ class Checkpointer:
         return path, digests
 
     def load(self, state: State, last_step: int) -> int:
-        """The step to continue from (0: a fresh start); on a resume, restores `state` in place and
-        sets aside what was written past the checkpoint."""
+        """The step to continue from (0: fresh); a resume restores `state` in place."""
         path, model = self.resume_from, state.model
         if not path:
             return 0
@@ -405,8 +398,7 @@ class Checkpointer:
         barrier(rt)
 
     def write(self, step: int, state: State, shards: dict = None):
-        """Rank 0's part of checkpoint-<step>; the marker, last, holds every file's checksum
-        (shards: those of the files the ranks wrote)."""
+        """Rank 0's part of checkpoint-<step>; the marker, last, holds every file's checksum."""
         cfg, shards = self.cfg, shards or {}
         with written_in_place(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
             saved = {"scheduler": state.scheduler.state_dict(),
