@@ -200,10 +200,8 @@ def micro_batch(run: Run, idx: list) -> dict:
     # packed: one row, the examples end to end, each attending within itself; else padded rows
     mb = pack(rows, pad, run.cfg.pack_to) if run.packed else collate(rows, pad)
     pin = run.rt.device.type == "cuda"  # pinned memory makes the copies asynchronous
-
-    def on_device(v):
-        return (v.pin_memory() if pin else v).to(run.rt.device, non_blocking=True)
-    return {k: on_device(v) if torch.is_tensor(v) else v for k, v in mb.items()}
+    return {k: (v.pin_memory() if pin else v).to(run.rt.device, non_blocking=True)
+            if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
 # ----------------------------------------------------------------------------- DDP or FSDP2
@@ -287,10 +285,9 @@ def train_step(run: Run, batch: list) -> tuple:
     cfg, rt, state = run.cfg, run.rt, run.state
     n_labeled = run.plan.labeled(batch)  # over every rank and micro-batch
     micro = micro_batches(batch, run.plan.lengths, rt.world_size, rt.rank, cfg.grad_accum)
-    if run.amp_dtype:
+    amp = contextlib.nullcontext()
+    if run.amp_dtype:  # matmuls in bf16 or fp16; the trained weights stay fp32
         amp = torch.autocast(rt.device.type, dtype=run.amp_dtype)
-    else:
-        amp = contextlib.nullcontext()
     sums = torch.zeros(2, device=rt.device)
     for a, idx in enumerate(micro):
         inputs = micro_batch(run, idx)
@@ -309,8 +306,7 @@ def train_step(run: Run, batch: list) -> tuple:
             state.scaler.scale(loss * rt.world_size).backward()
         sums += torch.stack([ce_sum, n_correct.float()])
     state.scaler.unscale_(state.optimizer)  # clip the true gradients, not fp16-scaled ones
-    params = run.model.parameters()
-    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm or math.inf)
     if isinstance(norm, DTensor):  # sharded: the norm over every rank's gradients
         norm = norm.full_tensor()
     scale = state.scaler.get_scale()  # 1.0 without fp16; with it, a device sync
@@ -334,8 +330,7 @@ def evaluate(run: Run) -> dict:
 
 def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
            command: str) -> dict:
-    """final/ first (a failed evaluation never costs the weights), then the held-out metrics and
-    the model card. reports: the data's."""
+    """final/ first (a failed evaluation never costs the weights), then the metrics and card."""
     log.stop_if_diverged()
     path = checkpointer.save_final(run.step, run.state)
     results = evaluate(run)
@@ -345,7 +340,8 @@ def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
         card = model_card(run.cfg, results, command)
         write_lines(os.path.join(path, "README.md"), [card.removesuffix("\n")])
         log.record({"step": run.step, "final": results}, echo=False)
-        log.close()
+        if log.tracker:
+            log.tracker.close()
     barrier(run.rt)
     return results if run.rt.is_main else None
 
@@ -353,9 +349,8 @@ def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
 # ----------------------------------------------------------------------------- preemption
 class Preemption:
     """In the block, SIGTERM/SIGINT checkpoint after a step every rank agrees on, then stop; a
-    second signal stops at once. Under torchrun each step's flags are summed in the background
-    on a CPU (gloo) group and read after the next step: no collective to wait for and no device
-    sync in a step, and the stop comes one step later, well within torchrun's 30 s to SIGKILL."""
+    second signal stops at once. Under torchrun the ranks' flags are summed on a CPU (gloo) group
+    in the background and read after the next step: no wait and no device sync in a step."""
     signum: int = None  # received in the block
 
     def __init__(self, rt: Runtime):
@@ -416,9 +411,8 @@ class TrainLog:
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
         if self.path:  # there from the start, even if the run ends before its first record
             write_lines(self.path, [], "a")
-        self.tracker = None
-        if rt.is_main and cfg.report_to != "none":
-            self.tracker = Tracker(cfg, run.step)
+        tracked = rt.is_main and cfg.report_to != "none"  # TensorBoard or W&B
+        self.tracker = Tracker(cfg, run.step) if tracked else None
         self.n_chunks = rt.world_size * cfg.grad_accum  # the micro-batches of a step
         self.pack_to = cfg.pack_to if run.packed else None
         self.check_norm = not run.state.scaler.is_enabled()  # fp16: inf norm, a skipped step
@@ -534,10 +528,6 @@ class TrainLog:
             return None, None
         return (self.total_tokens / max(self.total_seconds, 1e-9),
                 self.total_tokens / max(self.total_padded, 1))
-
-    def close(self):
-        if self.tracker is not None:
-            self.tracker.close()
 
 
 def short_number(n: float) -> str:
