@@ -144,7 +144,7 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     return run, reports
 
 
-# ----------------------------------------------------------------------------- data
+# ---- data
 class BatchPlan:
     """Each step's examples: a pure function of (seed, epoch), so a resume needs no loader state.
     lengths, n_labeled: host lists, per example."""
@@ -204,7 +204,7 @@ def micro_batch(run: Run, idx: list) -> dict:
             if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
-# ----------------------------------------------------------------------------- DDP or FSDP2
+# ---- DDP or FSDP2
 def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
     """The model as the loop runs it; `model` stays the plain PRM, sharded in place by --fsdp."""
     if cfg.fsdp:  # before the optimizer: it holds the sharded parameters
@@ -227,7 +227,7 @@ def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
     return net
 
 
-# ----------------------------------------------------------------------------- optimizer
+# ---- optimizer
 def make_optimizer(model, cfg: Config, device):
     """AdamW at --lr, no decay on biases/norms; fused where it exists."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -248,7 +248,7 @@ def make_scheduler(optimizer, cfg: Config, total: int):
                          num_training_steps=total, scheduler_specific_kwargs=extra)
 
 
-# ----------------------------------------------------------------------------- the loop
+# ---- the loop
 def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
     """Optimizer steps until plan.total; evaluation, checkpoints and a stop between them."""
     cfg, total = run.cfg, run.plan.total
@@ -346,7 +346,7 @@ def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
     return results if run.rt.is_main else None
 
 
-# ----------------------------------------------------------------------------- preemption
+# ---- preemption
 class Preemption:
     """In the block, SIGTERM/SIGINT checkpoint after a step every rank agrees on, then stop; a
     second signal stops at once. Under torchrun the ranks' flags are summed on a CPU (gloo) group
@@ -398,7 +398,7 @@ class Preemption:
                        "--resume auto", self.signum or signal.SIGTERM)
 
 
-# ----------------------------------------------------------------------------- logging
+# ---- logging
 class TrainLog:
     """Rank 0's progress bar, metrics.jsonl, tracker and log lines; every rank's sums behind them,
     on the device until a log step's all-reduce; divergence; the time left."""

@@ -11,7 +11,6 @@ CUDA only: mfu (flops_per_token x tokens/s / bf16 dense peak), host_syncs_per_st
 --peer-python/--peer-script: a TRL PRMTrainer run alternates with each of ours (medians, ratios).
 """
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -140,18 +139,12 @@ def counting_syncs(device, seen: dict):
 
 
 def training():
-    """train.py, the training program: a script beside the package, so a checkout's."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
-    loaded = sys.modules.get("train")
-    if loaded and os.path.abspath(getattr(loaded, "__file__", "")) == path:
-        return loaded  # imported already (tests put the checkout on sys.path)
-    if not os.path.isfile(path):
-        raise UsageError(f"prm.bench runs the training program {path}: run it from a checkout")
-    spec = importlib.util.spec_from_file_location("train", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = module
-    spec.loader.exec_module(module)
-    return module
+    """train.py, the training program: a script beside the package (a checkout's)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import train
+    return train
 
 
 def _train_watched(cfg: Config, device) -> tuple:

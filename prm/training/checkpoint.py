@@ -50,7 +50,7 @@ class State:  # what a checkpoint holds besides the random generators
     tokenizer: object
 
 
-# ----------------------------------------------------------------------------- the directory
+# ---- the directory
 def checkpoint_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"checkpoint-{step}")
 
@@ -228,7 +228,7 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ----------------------------------------------------------------------------- sharded weights
+# ---- sharded weights
 def _options(trainable_only: bool, **kw) -> StateDictOptions:  # LoRA: the base is --model's
     # strict matters only when a state dict is set
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only, **kw)
@@ -259,7 +259,7 @@ def load_whole(path: str, model, trainable_only: bool):
     set_model_state_dict(model, weights, options=_options(trainable_only))
 
 
-# ----------------------------------------------------------------------------- model directories
+# ---- model directories
 def _save(tensors: dict, folder: str, name: str):
     os.makedirs(folder, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
@@ -314,7 +314,7 @@ def load_trainable(model, path: str):
     model.load_state_dict(state, strict=False)
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ---- checkpoints
 class Checkpointer:
     """Resume and checkpoints. Rank 0 picks the checkpoint to resume (resume_from; None: fresh)
     and hashes the data files (digests: {"train", "eval"}; '' for hub or synthetic data)."""
