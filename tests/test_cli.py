@@ -177,13 +177,13 @@ def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
 def test_time_left_is_said_once_from_the_host_clock(monkeypatch, tmp_path):
     from conftest import small_config, training
     from prm.core.runtime import Runtime
-    trainlog = training()
+    train = training()
     said, clock = [], iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
-    monkeypatch.setattr(trainlog.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
     scaler = types.SimpleNamespace(is_enabled=lambda: False)
     run = types.SimpleNamespace(cfg=small_config(tmp_path).resolve(), rt=Runtime(), plan=types.SimpleNamespace(total=10),
                                 step=0, packed=False, state=types.SimpleNamespace(scaler=scaler))
-    log = trainlog.TrainLog(run, quiet=True)
+    log = train.TrainLog(run, quiet=True)
     log.pbar = type("Bar", (), {"write": lambda self, s: said.append(s)})()
     for step in range(1, 7):  # step 1 pays the one-time costs: the clock starts when it ends
         log.estimate(step)
