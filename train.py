@@ -32,8 +32,8 @@ from tqdm import tqdm
 from transformers import get_scheduler
 
 from prm.config import Config
-from prm.core.data import collate, global_batches, micro_batches, pack, pad_token_id
-from prm.core.data import padded_tokens
+from prm.core.data import (collate, global_batches, micro_batches, pack, pad_token_id,
+                           padded_tokens)
 from prm.core.evaluate import predict, report
 from prm.core.lora import count_parameters
 from prm.core.model import enable_activation_checkpointing, is_classifier, step_loss
@@ -69,7 +69,7 @@ def train(cfg: Config, command: str = "") -> dict:
 
 @dataclasses.dataclass
 class Run:
-    """The loop's explicit state: what train_step, evaluate and the log read."""
+    """The loop's state, explicit."""
     cfg: Config  # resolved
     rt: Runtime
     plan: "BatchPlan"
@@ -137,7 +137,7 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     # fp16 only: the loss is scaled up so that small gradients survive, then unscaled
     scaler = torch.amp.GradScaler(rt.device.type, enabled=amp_dtype == torch.float16)
     state = State(model, optimizer, scheduler, scaler, tokenizer)
-    # ---- resume: the state restored in place
+    # ---- resume (in place)
     step = checkpointer.load(state, plan.total)
     run = Run(cfg, rt, plan, train_ds.select_columns(["input_ids", "labels"]), eval_ds.to_list(),
               "first_error" in eval_ds.column_names, model, net, state, amp_dtype, packed, step)
@@ -176,7 +176,7 @@ class BatchPlan:
 
 
 def load_data(cfg: Config, rt: Runtime, tokenizer, digests: dict) -> tuple:
-    """(BatchPlan, train and eval datasets, their tokenization reports)."""
+    """(BatchPlan, train and eval datasets, their reports)."""
     with main_first(rt):  # rank 0 fills the datasets cache, then the other ranks read it
         splits = {cfg.dataset: digests["train"], cfg.eval_dataset: digests["eval"]}
         train_raw, eval_raw = load_splits(cfg, splits)
@@ -250,7 +250,7 @@ def make_scheduler(optimizer, cfg: Config, total: int):
 
 # ---- the loop
 def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
-    """Optimizer steps until plan.total; evaluation, checkpoints and a stop between them."""
+    """Optimizer steps until plan.total; evaluations, checkpoints and a stop between them."""
     cfg, total = run.cfg, run.plan.total
     eval_every = cfg.every("eval", run.plan.steps_per_epoch)  # 0: the final evaluation alone
     save_every = cfg.every("save", run.plan.steps_per_epoch)

@@ -43,7 +43,7 @@ SHARDS = "shards"  # the dcp folder of an --fsdp checkpoint
 
 @dataclass
 class State:  # what a checkpoint holds besides the random generators
-    model: torch.nn.Module  # the plain PRM (under --fsdp, sharded in place)
+    model: torch.nn.Module  # the plain PRM (sharded in place under --fsdp)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
