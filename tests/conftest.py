@@ -55,14 +55,19 @@ def small_config(tmp_path, **overrides):
 
 
 def training():
-    """train.py, the training program (a script beside the package): the one place tests import it.
-    Tests call training().train(cfg) and patch its seams (train_step, evaluate, BatchPlan)."""
-    import train
-    return train
+    """train.py, the training program (a script beside the package; ROOT is on sys.path): the one
+    place tests import it. Tests patch its seams there: train_step, evaluate, BatchPlan."""
+    import train as program
+    return program
+
+
+def train(cfg):
+    """The training loop in-process on a Config: the one place tests start training from."""
+    return training().train(cfg)
 
 
 def run_train(tmp_path, **overrides):
-    return training().train(small_config(tmp_path, **overrides))
+    return train(small_config(tmp_path, **overrides))
 
 
 def read_metrics(out_dir):

@@ -8,8 +8,7 @@ from conftest import read_metrics
 from prm.cli import parse_config
 from prm.config import Config
 from prm.errors import UsageError
-from conftest import training
-train = training().train
+from conftest import train
 
 FLAGS = ["--synthetic-size", "64", "--max-steps", "3", "--batch-size", "4", "--log-every", "1", "--dtype", "fp32",
          "--lr", "1e-3", "--step-separator", "\\n\\n", "--no-group-by-length"]

@@ -261,8 +261,7 @@ def test_generate_path_is_seeded_and_trains(policy_dir, one_process, tmp_path):
     assert all(r["rollouts"][:-1] == [2] * (len(r["labels"]) - 1) for r in rows)
     main(cli(policy_dir, data, str(tmp_path / "seed1.jsonl")) + ["--seed", "1"])
     assert read(tmp_path / "seed1.jsonl") != first  # each row's seed comes from --seed
-    from conftest import training
-    train = training().train
+    from conftest import train
     final = train(small_config(tmp_path / "run", dataset=str(tmp_path / "again.jsonl"), max_steps=2,
                                batch_size=2))
     assert final is not None and len([m for m in read_metrics(tmp_path / "run") if "loss" in m]) == 2

@@ -40,8 +40,7 @@ def loop(tmp_path_factory):
     from prm.config import Config
     from prm.label import main as label
     from prm.tools.loop import train_policy, write_problems
-    from conftest import training
-    train = training().train
+    from conftest import train
     tmp = tmp_path_factory.mktemp("loop")
     write_problems(str(tmp), rows=3, test=3)
     train_policy(str(tmp / "policy"), steps=2, batch=4)

@@ -381,8 +381,7 @@ def short_records():
 
 
 def test_every_format_trains_and_evaluates(tmp_path):
-    from conftest import training
-    train = training().train
+    from conftest import train
     data = tmp_path / "data"
     data.mkdir()
     for name, rows in short_records().items():
@@ -455,8 +454,7 @@ def test_a_folders_split_words_and_extensions_are_read_in_any_case(tmp_path):
 
 
 def test_chat_prompts_train_with_a_saved_tokenizer(tmp_path):
-    from conftest import training
-    train = training().train
+    from conftest import train
     chat_tokenizer().save_pretrained(str(tmp_path / "tok"))
     rows = [{"prompt": [{"role": "user", "content": f"start {i}:"}], "completions": [f"{i}+1={i + 1}"],
              "labels": [i % 2 == 0]} for i in range(8)]

@@ -73,8 +73,7 @@ def trl_losses(model_dir: str, data: str, out: str, warmup: int) -> list:
 def prm_losses(model_dir: str, data: str, out: str, warmup: int) -> list:
     """Each optimizer step's loss from prm's metrics.jsonl (a record every step)."""
     from prm.config import Config
-    from conftest import training
-    train = training().train
+    from conftest import train
     train(Config(model=model_dir, dataset=data, eval_dataset=data, output_dir=out, max_steps=STEPS,
                  batch_size=ROWS, grad_accum=1, lr=LR, weight_decay=0.0, warmup_steps=warmup, max_grad_norm=1.0,
                  dtype="fp32", packing=False, seed=0, log_every=1))

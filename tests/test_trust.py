@@ -13,8 +13,7 @@ from prm import serve
 from prm.cli import parse_config
 from prm.config import Config
 from prm.scoring.reward import PRMReward
-from conftest import training
-train = training().train
+from conftest import train
 
 # importing it leaves a mark outside the directory, then fails: nothing after the import matters to these tests
 EVIL = "open({marker!r}, 'w').write('ran')\nraise RuntimeError('the model directory\\'s own code ran')\n"
