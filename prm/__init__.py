@@ -16,7 +16,6 @@ _HOME = {
     "step_metrics": "prm.core.metrics", "processbench_metrics": "prm.core.metrics",
     "apply_lora": "prm.core.lora",
     "load_tokenizer": "prm.loading", "load_trained": "prm.loading",
-    "train": "prm.training.trainer", "Trainer": "prm.training.trainer",
     "PRMReward": "prm.scoring.reward", "load_reward_model": "prm.scoring.reward",
     "label_file": "prm.label", "LabelOptions": "prm.label",
     "search_file": "prm.search", "SearchOptions": "prm.search",

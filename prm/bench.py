@@ -37,7 +37,6 @@ from prm.tools.gpucheck import gpu_check
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
 from prm.core.runtime import autocast_dtype
-from prm.training.trainer import BatchPlan, train
 from prm.core.varlen import kernel_dtype, supports_packing
 
 # dense bf16 peaks by device name, the more specific names first
@@ -145,6 +144,15 @@ def counting_syncs(device, seen: dict):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def training():
+    """train.py, the training program: a script beside the package (a checkout's)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import train
+    return train
+
+
 def _train_watched(cfg: Config, device) -> tuple:
     """(final metrics, what an optimizer-step hook saw, memory before training) of a run."""
     seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
@@ -168,7 +176,7 @@ def _train_watched(cfg: Config, device) -> tuple:
         try:
             # stdout: JSON only
             with contextlib.redirect_stdout(sys.stderr), counting_syncs(device, seen):
-                final = train(run_cfg)
+                final = training().train(run_cfg)
         finally:
             handle.remove()
     return final, seen, baseline
@@ -186,7 +194,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
     world = int(os.environ.get("WORLD_SIZE", 1))
-    plan = BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
+    plan = training().BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)

@@ -10,12 +10,11 @@ from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast,
                           Qwen2Config)
 
-from prm.training.export import TRAINABLE, load_trainable
+from prm.training.checkpoint import SHARDS, TRAINABLE, load_trainable, load_whole
 from prm.core.data import pad_token_id
 from prm.errors import UsageError, check
 from prm.core.lora import apply_lora, has_lora
 from prm.core.model import PRM, SETTINGS, NotAPRM, hf_names, is_classifier, new_head
-from prm.training.sharding import SHARDS, load_whole
 from prm.readers.synthetic import char_tokenizer
 from prm.core.varlen import supports_packing, use_packed_attention
 

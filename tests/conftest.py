@@ -54,10 +54,16 @@ def small_config(tmp_path, **overrides):
     return Config(**{**base, **overrides})
 
 
+def training():
+    """train.py, the training program (a script beside the package; ROOT is on sys.path): the one
+    place tests import it. Tests patch its seams there: train_step, evaluate, BatchPlan."""
+    import train as program
+    return program
+
+
 def train(cfg):
     """The training loop in-process on a Config: the one place tests start training from."""
-    from prm.training.trainer import train as loop
-    return loop(cfg)
+    return training().train(cfg)
 
 
 def run_train(tmp_path, **overrides):

@@ -94,7 +94,8 @@ def test_flops_by_hand_for_one_layer():
 
 
 def test_the_batch_plan_the_benchmark_counts_reshuffles_each_epoch_as_the_trainer_does():
-    from prm.training.trainer import BatchPlan
+    from conftest import training
+    BatchPlan = training().BatchPlan
     from prm.core.data import global_batches
     cfg = Config(batch_size=2, grad_accum=2, seed=3, group_by_length=True)
     lengths = [10 * (i + 1) for i in range(10)]  # 10 rows, global batch 4: 3 steps per epoch

@@ -2,7 +2,7 @@
 from importlib.metadata import version
 
 from conftest import run_train, small_config
-from prm.training.card import config_command, launch_command, model_card
+from prm.training.report import config_command, launch_command, model_card
 
 
 def test_launch_command_under_python_and_torchrun():

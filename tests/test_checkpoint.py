@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, final_weights, read_metrics, run_train
+from conftest import ROOT, final_weights, read_metrics, run_train, training
 from prm.errors import PRMError, UsageError
 from prm.training.checkpoint import MARKER, resolve_resume
 
@@ -82,15 +82,16 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
 def test_a_stop_between_log_steps_records_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
     """--log-every 3, SIGTERM while step 5 trains: the record of steps 4-5 is written before the checkpoint at 5,
     so the resume keeps it and starts its own window at 6: every step is in exactly one record."""
-    from prm.training import trainer
+    from conftest import training
     from prm.errors import Stopped
-    real, signalled = trainer.Trainer.train_step, []
+    trainer, signalled = training(), []
+    real = trainer.train_step
 
-    def step_then_signal(self, batch):
-        if self.step == 4 and not signalled:  # self.step: the steps done before this one
+    def step_then_signal(run, batch):
+        if run.step == 4 and not signalled:  # run.step: the steps done before this one
             signalled.append(signal.raise_signal(signal.SIGTERM))
-        return real(self, batch)
-    monkeypatch.setattr(trainer.Trainer, "train_step", step_then_signal)
+        return real(run, batch)
+    monkeypatch.setattr(trainer, "train_step", step_then_signal)
     with pytest.raises(Stopped):
         run_train(tmp_path, max_steps=7, log_every=3)
     run_train(tmp_path, max_steps=7, log_every=3, resume="auto")
@@ -152,7 +153,7 @@ def test_a_conflicting_resume_is_refused_before_any_data_loads(tmp_path, monkeyp
 
     def no_data(cfg):
         raise AssertionError("the data loaded before the resume's settings were compared")
-    monkeypatch.setattr("prm.training.trainer.load_splits", no_data)
+    monkeypatch.setattr(training(), "load_splits", no_data)
     with pytest.raises(PRMError, match="--seed 1 \\(was 0\\)") as e:
         run_train(tmp_path, max_steps=4, resume="auto", seed=1)
     assert e.value.code == 2
@@ -212,9 +213,9 @@ def test_a_checkpoint_holding_a_symlink_or_a_fifo_is_damaged_and_never_read(tmp_
 
 
 def test_final_is_written_before_the_evaluation_and_atomically(tmp_path, monkeypatch):
-    from prm.training import checkpoint, trainer
+    from prm.training import checkpoint
     from prm.core.model import PRM
-    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: 1 / 0)  # the final evaluation fails
+    monkeypatch.setattr(training(), "evaluate", lambda run: 1 / 0)  # the final evaluation fails
     with pytest.raises(ZeroDivisionError):
         run_train(tmp_path / "a", max_steps=2)
     PRM.from_pretrained(str(tmp_path / "a" / "final"))  # the weights were not lost with it

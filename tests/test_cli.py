@@ -164,22 +164,27 @@ def test_each_data_source_keeps_its_own_format(tmp_path, capsys):
 
 
 def test_log_line_shows_small_rates_in_full_and_undefined_metrics_as_n_a():
-    from prm.training.trainlog import count, log_line
+    from conftest import training
+    short_number, log_line = training().short_number, training().log_line
     rec = {"step": 1, "loss": 0.5, "acc": 0.5, "lr": 1e-3, "norm": 1.0, "epoch": 0}
     assert log_line({**rec, "tok_per_s": 950.4}).endswith("| 950 tok/s")
     assert log_line({**rec, "tok_per_s": 18234.0}).endswith("| 18.2k tok/s")
     assert log_line({"step": 4, "eval_precision_0": None, "eval_f1_1": 0.5}) == \
         "step 4 | eval_precision_0 n/a | eval_f1_1 0.5000"
-    assert (count(0), count(3.8e3), count(1.25e6)) == ("0", "3.8k", "1.2M")
+    assert (short_number(0), short_number(3.8e3), short_number(1.25e6)) == ("0", "3.8k", "1.2M")
 
 
-def test_time_left_is_said_once_from_the_host_clock(monkeypatch):
-    from prm.training import trainlog
+def test_time_left_is_said_once_from_the_host_clock(monkeypatch, tmp_path):
+    from conftest import small_config, training
     from prm.core.runtime import Runtime
+    train = training()
     said, clock = [], iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
-    monkeypatch.setattr(trainlog.time, "perf_counter", lambda: next(clock))
-    out = trainlog.MetricsFile(None, type("Bar", (), {"write": lambda self, s: said.append(s)})())
-    log = trainlog.TrainLog(Runtime(), out, types.SimpleNamespace(total=10), resumed_at=0, n_chunks=1)
+    monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
+    scaler = types.SimpleNamespace(is_enabled=lambda: False)
+    run = types.SimpleNamespace(cfg=small_config(tmp_path).resolve(), rt=Runtime(), plan=types.SimpleNamespace(total=10),
+                                step=0, packed=False, state=types.SimpleNamespace(scaler=scaler))
+    log = train.TrainLog(run, quiet=True)
+    log.pbar = type("Bar", (), {"write": lambda self, s: said.append(s)})()
     for step in range(1, 7):  # step 1 pays the one-time costs: the clock starts when it ends
         log.estimate(step)
     assert said == ["about 0:00:06 left (1.00 s per step)"]  # after step 4: 3 steps timed, 6 to go

@@ -279,7 +279,8 @@ def test_eval_strategy_steps_alone_evaluates_at_every_log_step(tmp_path):
 def lr_shares(cfg: Config, total: int = 10) -> list:
     """The learning rate, as a share of --lr, at optimizer steps 0 to total of the run's own scheduler."""
     import torch
-    from prm.training.trainer import make_scheduler
+    from conftest import training
+    make_scheduler = training().make_scheduler
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler, shares = make_scheduler(optimizer, cfg, total), []
     for _ in range(total + 1):
@@ -344,9 +345,9 @@ def test_a_warmup_steps_below_1_is_a_warmup_ratio_as_in_transformers_5(tmp_path)
 
 def test_the_optimizer_takes_the_betas_and_epsilon():
     import torch
-    from prm.training.trainer import make_optimizer
-    cfg = Config(adam_beta1=0.8, adam_beta2=0.999, adam_epsilon=1e-6)
-    group = make_optimizer(torch.nn.Linear(2, 2), cfg, 1e-3, torch.device("cpu")).param_groups[0]
+    from conftest import training
+    cfg = Config(adam_beta1=0.8, adam_beta2=0.999, adam_epsilon=1e-6, lr=1e-3)
+    group = training().make_optimizer(torch.nn.Linear(2, 2), cfg, torch.device("cpu")).param_groups[0]
     assert (group["betas"], group["eps"]) == ((0.8, 0.999), 1e-6)
 
 

@@ -194,9 +194,9 @@ def test_global_batches_do_not_depend_on_world_size(group):
 
 def test_eval_batches_cover_every_example_once():
     lengths = [5, 1, 9, 3, 3, 7, 2]
-    for world in (1, 2, 3):
-        seen = [i for r in range(world) for b in eval_batches(lengths, 2, world, r) for i in b]
-        assert sorted(seen) == list(range(7))
+    batches = eval_batches(lengths, 2)
+    assert sorted(i for b in batches for i in b) == list(range(7)) and [len(b) for b in batches] == [2, 2, 2, 1]
+    assert [lengths[i] for b in batches for i in b] == sorted(lengths)  # length-sorted: little padding
 
 
 def test_none_label_keeps_the_step_unscored(char_tok):

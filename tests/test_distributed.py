@@ -76,7 +76,7 @@ def test_fsdp_two_ranks_match_one_process_without_it(tmp_path, accum, lora):
                           for run in ("two", "one"))
         assert_same_weights(sharded.state_dict(), whole.state_dict(), lr=1e-3, steps=5)
         from safetensors.torch import load_file
-        from prm.training.export import ADAPTER
+        from prm.training.checkpoint import ADAPTER
         adapter = lambda run: load_file(str(tmp_path / run / "final" / ADAPTER / "adapter_model.safetensors"))
         assert_same_weights(adapter("two"), adapter("one"), lr=1e-3, steps=5)  # written from the gathered state
         assert not (tmp_path / "two" / "checkpoint-5" / ADAPTER).exists()  # sharded: rank 0 alone holds no adapter

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SAME_RUN, assert_same_run, small_config
+from conftest import ROOT, SAME_RUN, assert_same_run, small_config, training
 
 # the gpu marker (conftest) selects what --gpu-check runs: pytest -m gpu
 needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -111,14 +111,15 @@ def test_packed_bf16_equals_padded(char_tok, monkeypatch, arch, device):
 
 
 def trainer_on(tmp_path, device: str, **overrides):
-    """A Trainer on the tiny preset (bf16, packed) on the device, in train mode, and its first epoch's batches."""
+    """A Run of train.py on the tiny preset (bf16, packed) on the device, in train mode, and its first epoch's batches."""
     from prm.core.runtime import Runtime
-    from prm.training.trainer import Trainer
-    cfg = small_config(tmp_path, dtype="bf16", max_length=64, synthetic_size=64, **overrides)
-    tr = Trainer(cfg.resolve(), Runtime(device=torch.device(device)), "")
-    tr.parallel.forward.train()
-    tr.plan.batch(0)  # draws epoch 0's global batches
-    return tr, tr.plan.batches
+    train = training()
+    cfg = small_config(tmp_path, dtype="bf16", max_length=64, synthetic_size=64, **overrides).resolve()
+    rt = Runtime(device=torch.device(device))
+    run, _ = train.build(cfg, rt, train.Checkpointer(cfg, rt))
+    run.net.train()
+    run.plan.batch(0)  # draws epoch 0's global batches
+    return run, run.plan.batches
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,11 +133,11 @@ def test_compile_with_pack_to_compiles_once(tmp_path, monkeypatch, device):
         monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     counters.clear()
-    tr, plan = trainer_on(tmp_path, device, compile=True, pack_to=256, batch_size=4)
-    tr.train_step(plan[0])
+    run, plan = trainer_on(tmp_path, device, compile=True, pack_to=256, batch_size=4)
+    training().train_step(run, plan[0])
     graphs = counters["stats"]["unique_graphs"]
     for batch in plan[1:5]:
-        tr.train_step(batch)
+        training().train_step(run, batch)
     print(f"{device}: {graphs} graphs after the first step, {counters['stats']['unique_graphs']} after 5")
     assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"]
 
@@ -144,14 +145,14 @@ def test_compile_with_pack_to_compiles_once(tmp_path, monkeypatch, device):
 @marked(needs_cuda)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_no_host_sync_in_a_training_step(tmp_path, compiled):
-    """After a warm-up step, one Trainer.train_step (packed, bf16) makes no host sync: prm.bench's sync counting
+    """After a warm-up step, one train_step (packed, bf16) makes no host sync: prm.bench's sync counting
     (torch's sync debug mode, "warn"), every sync named by where it happened."""
     from prm.bench import counting_syncs
-    tr, plan = trainer_on(tmp_path, "cuda", compile=compiled, pack_to=256 if compiled else 0, batch_size=4)
-    tr.train_step(plan[0])  # lazy initializations (cuBLAS handles, the kernel's options, compilation) sync once
+    run, plan = trainer_on(tmp_path, "cuda", compile=compiled, pack_to=256 if compiled else 0, batch_size=4)
+    training().train_step(run, plan[0])  # lazy initializations (cuBLAS handles, the kernel's options, compilation) sync once
     seen = {}
     with counting_syncs(torch.device("cuda"), seen):
-        tr.train_step(plan[1])
+        training().train_step(run, plan[1])
     syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in seen["warnings"] if "synchroniz" in str(w.message)]
     assert syncs == []
 

@@ -6,16 +6,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import final_weights, read_metrics, run_train, step_accuracy_by_hand
-from prm.training.export import TRAINABLE
+from conftest import final_weights, read_metrics, run_train, step_accuracy_by_hand, training
+from prm.training.checkpoint import TRAINABLE
 from prm.core.data import collate, tokenize_example
-from prm.core.lora import LoRALinear, apply_lora, count_parameters, merged_state_dict
+from prm.core.lora import LoRALinear, apply_lora, count_parameters, merge, merged_state_dict
 from prm.loading import build_model, model_for
 from prm.config import Config
 from prm.errors import UsageError
 from prm.core.model import PRM, step_loss
 from prm.readers.synthetic import train_eval_rows
-from prm.training.trainer import make_optimizer
 
 LORA = dict(lora_r=4, lora_alpha=8.0, lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
 
@@ -65,7 +64,7 @@ def test_only_adapters_and_head_change(char_tok):
     model, _ = tiny_lora(char_tok)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     from prm.config import Config
-    opt = make_optimizer(model, Config(weight_decay=0.1), 1e-2, torch.device("cpu"))
+    opt = training().make_optimizer(model, Config(weight_decay=0.1, lr=1e-2), torch.device("cpu"))
     b = batch(char_tok)
     for _ in range(3):
         logits = model(b["input_ids"], b["attention_mask"])  # (B, T, 2)
@@ -120,7 +119,8 @@ def test_lora_run_checkpoints_only_what_trains_and_exports_merged(char_tok, tmp_
         if f"backbone.{layer}.lora_A" in saved:  # merge the untrained W with the saved adapters: bit-equal
             lora = LoRALinear(base_model.backbone.get_submodule(layer), 4, 8.0, 0.0)
             lora.lora_A.data, lora.lora_B.data = saved[f"backbone.{layer}.lora_A"], saved[f"backbone.{layer}.lora_B"]
-            assert torch.equal(out, lora.merged_weight()) and not torch.equal(out, w), key
+            merged = merge(lora.weight, lora.lora_A, lora.lora_B, lora.scale)
+            assert torch.equal(out, merged) and not torch.equal(out, w), key
         else:
             assert torch.equal(out, w), key
     assert torch.equal(final["score.weight"], saved["head.weight"])

@@ -213,15 +213,14 @@ def test_a_backbone_without_a_token_classifier_class_is_refused_before_any_data_
     start-up, not after training, at the first save."""
     from transformers import AutoModel, OlmoConfig
 
-    from conftest import run_train
-    from prm.training import trainer
+    from conftest import run_train, training
     from prm.readers.synthetic import char_tokenizer
     tokenizer, base = char_tokenizer(), tmp_path / "olmo"
     config = OlmoConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=2, pad_token_id=tokenizer.pad_token_id)
     AutoModel.from_config(config).save_pretrained(base)
     tokenizer.save_pretrained(base)
-    monkeypatch.setattr(trainer, "load_splits", lambda *a: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(training(), "load_splits", lambda *a: pytest.fail("the data was loaded"))
     with pytest.raises(UsageError, match=f"--model {base}: model type 'olmo' has no transformers token classifier"
                        ) as e:
         run_train(tmp_path / "run", model=str(base))

@@ -6,12 +6,10 @@ import sys
 
 import pytest
 
-import prm.training.tracking
-import prm.training.trainer
 from prm.errors import PRMError
-from conftest import read_metrics, run_train, small_config
+from conftest import read_metrics, run_train, small_config, training
+from prm.training import report
 from prm.readers.sources import DataError
-from prm.training.tracking import Tracker
 
 
 def snapshot(directory) -> dict:
@@ -114,8 +112,8 @@ class FakeWriter:
 def test_tracker_gets_the_metrics_records_and_the_config_once(tmp_path, monkeypatch):
     fake = type(sys)("fake_tensorboard")
     fake.SummaryWriter = FakeWriter
-    for module in (prm.training.tracking, prm.training.trainer):  # the trainer checks the package at start-up, the Tracker opens it
-        monkeypatch.setattr(module, "require", lambda kind: fake)
+    for module in (report, training()):  # train.py checks the package at start-up, the Tracker opens it
+        monkeypatch.setattr(module, "tracker_module", lambda kind: fake)
     FakeWriter.made.clear()
     run_train(tmp_path, max_steps=4, eval_every=2, report_to="tensorboard", run_name="exp1")
     (writer,) = FakeWriter.made
@@ -132,8 +130,8 @@ def test_a_resumed_run_purges_the_tensorboard_events_past_its_checkpoint(tmp_pat
     """TensorBoard's crash-restart option: the steps a stopped run logged after its checkpoint appear once."""
     fake = type(sys)("fake_tensorboard")
     fake.SummaryWriter = FakeWriter
-    for module in (prm.training.tracking, prm.training.trainer):
-        monkeypatch.setattr(module, "require", lambda kind: fake)
+    for module in (report, training()):
+        monkeypatch.setattr(module, "tracker_module", lambda kind: fake)
     FakeWriter.made.clear()
     run_train(tmp_path / "a", max_steps=4, save_every=2, report_to="tensorboard")
     run_train(tmp_path / "b", max_steps=4, report_to="tensorboard", resume=str(tmp_path / "a" / "checkpoint-2"))
@@ -161,10 +159,10 @@ def test_tensorboard_event_files_hold_the_loss_curve(tmp_path):
 
 
 def test_scalars_follow_the_records():
-    assert prm.training.tracking.scalars({"step": 3, "loss": 0.5, "acc": 1, "epoch": 0}) == {
+    assert report.scalars({"step": 3, "loss": 0.5, "acc": 1, "epoch": 0}) == {
         "train/loss": 0.5, "train/acc": 1.0, "train/epoch": 0.0}
-    assert prm.training.tracking.scalars({"step": 3, "eval_auroc": None, "eval_f1_1": 0.25}) == {"eval/f1_1": 0.25}
-    assert prm.training.tracking.scalars({"step": 4, "final": {"auroc": 0.75, "train_data": {"rows": 3}}}) == {
+    assert report.scalars({"step": 3, "eval_auroc": None, "eval_f1_1": 0.25}) == {"eval/f1_1": 0.25}
+    assert report.scalars({"step": 4, "final": {"auroc": 0.75, "train_data": {"rows": 3}}}) == {
         "final/auroc": 0.75}
 
 
@@ -180,10 +178,10 @@ def test_wandb_tracker_gets_the_config_and_the_records(tmp_path, monkeypatch):
 
     fake = type(sys)("fake_wandb")
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
-    monkeypatch.setattr(prm.training.tracking, "require", lambda kind: fake)
+    monkeypatch.setattr(report, "tracker_module", lambda kind: fake)
     monkeypatch.setenv("WANDB_PROJECT", "prm-tests")
     cfg = small_config(tmp_path / "run7", report_to="wandb").resolve()
-    tracker = Tracker(cfg)
+    tracker = report.Tracker(cfg)
     tracker.log({"step": 1, "loss": 0.5, "acc": 0.75, "lr": 1e-3, "norm": 1.0, "tok_per_s": 10.0, "epoch": 0})
     tracker.close()
     init = calls[0][1]
@@ -194,6 +192,6 @@ def test_wandb_tracker_gets_the_config_and_the_records(tmp_path, monkeypatch):
 
 
 def test_metrics_writer_turns_non_finite_numbers_into_null():
-    from prm.training.trainlog import strict_json
+    strict_json = training().strict_json
     assert strict_json({"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}}) == \
         {"a": None, "b": [None, 1.0], "c": {"d": None}}

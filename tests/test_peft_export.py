@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from conftest import final_weights, run_train
 from prm.loading import build_model
-from prm.training.export import ADAPTER
+from prm.training.checkpoint import ADAPTER
 from prm.config import Config
 from prm.core.lora import apply_lora, peft_targets
 

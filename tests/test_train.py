@@ -179,14 +179,14 @@ def test_divergence_stops_with_status_3_and_saves_no_non_finite_weights(tmp_path
 
 
 def test_signals_keep_their_usual_effect_during_the_final_evaluation(tmp_path, monkeypatch):
-    from prm.training import trainer
-    seen = []
-    real = trainer.Trainer.evaluate
-    monkeypatch.setattr(trainer.Trainer, "evaluate", lambda self: seen.append(signal.getsignal(signal.SIGTERM))
-                        or real(self))
+    from conftest import training
+    from prm.core.runtime import Runtime
+    trainer, seen = training(), []
+    real = trainer.evaluate
+    monkeypatch.setattr(trainer, "evaluate", lambda run: seen.append(signal.getsignal(signal.SIGTERM)) or real(run))
     run_train(tmp_path, max_steps=2)
     assert seen == [signal.SIG_DFL]  # the trainer's flag-only handler is gone: SIGTERM stops the process at once
-    preemption = trainer.Preemption()
+    preemption = trainer.Preemption(Runtime())
     preemption.signum = signal.SIGTERM  # a second signal in the loop stops at once
     with pytest.raises(PRMError) as e:
         preemption.on_signal(signal.SIGTERM, None)

@@ -198,8 +198,7 @@ def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> in
     return sum(per * ordered[(c + 1) * per - 1] for c in range(n_chunks))
 
 
-def eval_batches(lengths: list, batch_size: int, world_size: int = 1, rank: int = 0) -> list:
-    """Length-sorted evaluation batches, dealt round-robin to ranks; each example seen once."""
+def eval_batches(lengths: list, batch_size: int) -> list:
+    """Length-sorted evaluation batches; each example in one."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    return batches[rank::world_size]
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]

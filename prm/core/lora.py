@@ -26,9 +26,6 @@ class LoRALinear(nn.Linear):
         update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # (..., out)
         return F.linear(x, self.weight, self.bias) + self.scale * update
 
-    def merged_weight(self) -> torch.Tensor:
-        return merge(self.weight, self.lora_A, self.lora_B, self.scale)
-
     def extra_repr(self) -> str:
         r = self.lora_A.shape[0]
         return f"{self.in_features}, {self.out_features}, r={r}, scale={self.scale:g}"

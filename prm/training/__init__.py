@@ -1,2 +1,2 @@
-"""Training: the configured model and tokenizer (build), the loop (trainer), checkpoints and resume (checkpoint),
-the run directory, logging and trackers, DDP/FSDP2 wrapping (sharding) and the model card."""
+"""What train.py saves and reports: checkpoints, resume and model directories (checkpoint), the
+model card and trackers (report)."""

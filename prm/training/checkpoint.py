@@ -1,5 +1,6 @@
-"""A run's output directory, checkpoints and resume: the Checkpointer, and run_lock, which keeps a
-second run out of the directory."""
+"""A run's output directory, checkpoints and resume, and model directories as transformers and
+peft read them (final/, a checkpoint's weights). Handed what it saves and restores (State); a
+sharded (--fsdp) model is saved with torch.distributed.checkpoint (dcp), every rank its shard."""
 import contextlib
 import hashlib
 import json
@@ -9,31 +10,47 @@ import re
 import shutil
 import stat
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 
-from prm.core.lora import has_lora
-from prm.core.model import load_weights
+from prm.core.lora import has_lora, merged_state_dict, peft_targets, trainable_state_dict
+from prm.core.model import hf_names, load_weights
 from prm.core.runtime import barrier, decided_by_main, gather_objects
 from prm.errors import UsageError, WriteFailed, check, overwrites
 from prm.files import locked, staged_folder, write_lines, writing
 from prm.readers.sources import data_digest
-from prm.training.export import TRAINABLE, load_trainable, write_model_dir
-from prm.training.sharding import SHARDS, load_shards, save_shards
 
 # written last, with every file's checksum: a checkpoint without it is a crashed save, never resumed
 MARKER = "complete.json"
 NOT_REGULAR = "not a regular file"
-# set aside by a resume from an older step
-ABANDONED = "abandoned-"
+ABANDONED = "abandoned-"  # set aside by a resume from an older step
 # with (abandoned-)checkpoint-*, what makes a directory hold a run
 RUN_FILES = ("metrics.jsonl", "final")
-# also removed by --overwrite
-ALSO_WRITTEN = ("config.train.json", "tensorboard")
+ALSO_WRITTEN = ("config.train.json", "tensorboard")  # also removed by --overwrite
 LOCK = ".lock"
+TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
+# peft's adapter in its own folder: beside config.json, transformers would apply it twice
+ADAPTER = "adapter"
+SHARDS = "shards"  # the dcp folder of an --fsdp checkpoint
 
 
+@dataclass
+class State:  # what a checkpoint holds besides the random generators
+    model: torch.nn.Module  # the plain PRM (sharded in place under --fsdp)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    tokenizer: object
+
+
+# ---- the directory
 def checkpoint_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"checkpoint-{step}")
 
@@ -56,8 +73,7 @@ def read_marker(path: str) -> dict:
         return json.load(f)
 
 
-def files_under(path: str) -> list:
-    """The sorted relative paths of the files under a directory."""
+def files_under(path: str) -> list:  # relative paths
     return sorted(os.path.relpath(os.path.join(root, name), path)
                   for root, _, names in os.walk(path) for name in names)
 
@@ -81,8 +97,7 @@ def file_digests(path: str, names: list = None) -> dict:
 
 
 def damaged_files(path: str) -> list:
-    """Files whose checksum differs from the marker's (missing ones included), then the not
-    regular ones."""
+    """Files whose checksum differs from the marker's (or missing), then the not regular ones."""
     expected, found = read_marker(path).get("sha256", {}), file_digests(path)
     strange = {name for name, digest in found.items() if digest == NOT_REGULAR}
     differ = {name for name, digest in expected.items() if found.get(name) != digest}
@@ -94,11 +109,13 @@ def resolve_resume(resume: str, output_dir: str):
     if resume != "auto":
         if not os.path.isfile(os.path.join(resume, MARKER)):
             check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
-        if damaged := ", ".join(damaged_files(resume)):
+        damaged = ", ".join(damaged_files(resume))
+        if damaged:
             check([f"--resume {resume}: damaged checkpoint (checksum mismatch): {damaged}"])
         return resume
     for path in reversed(complete_checkpoints(output_dir)):
-        if not (damaged := ", ".join(damaged_files(path))):
+        damaged = ", ".join(damaged_files(path))
+        if not damaged:
             return path
         print(f"warning: skipping damaged checkpoint {path} (checksum mismatch: {damaged})",
               file=sys.stderr, flush=True)
@@ -143,8 +160,7 @@ def prepare_output_dir(cfg):
 
 
 def set_aside_after(output_dir: str, step: int):
-    """Renames checkpoint-<n> with n > step to abandoned-checkpoint-<n>(.2, .3, ...), which prune
-    and resume ignore."""
+    """checkpoint-<n> with n > step -> abandoned-checkpoint-<n>(.2, ...), which resume skips."""
     moved = []
     for name in [name for done, name in numbered(output_dir) if done > step]:
         target, n = ABANDONED + name, 1
@@ -184,8 +200,8 @@ def prune(output_dir: str, keep_last: int):
 
 @contextlib.contextmanager
 def run_lock(output_dir: str):
-    """Holds <output_dir>/.lock for the run: a second run there is a UsageError. A directory made
-    here and left empty is removed."""
+    """Holds <output_dir>/.lock: a second run there is a UsageError; removes the folder if made
+    here and left empty."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
@@ -197,8 +213,7 @@ def run_lock(output_dir: str):
                 os.rmdir(output_dir)
 
 
-def rng_state() -> dict:
-    """Every generator the training draws from (data order, dropout)."""
+def rng_state() -> dict:  # every generator the training draws from (data order, dropout)
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -213,18 +228,104 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---- sharded weights
+def _options(trainable_only: bool, **kw) -> StateDictOptions:  # LoRA: the base is --model's
+    # strict matters only when a state dict is set
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only, **kw)
+
+
+def save_shards(path: str, model, optimizer):
+    """Every rank writes its shard of weights and optimizer state."""
+    weights, optim = get_state_dict(model, optimizer, options=_options(has_lora(model)))
+    dcp.save({"model": weights, "optimizer": optim}, checkpoint_id=os.path.join(path, SHARDS))
+
+
+def load_shards(path: str, model, optimizer):
+    """The inverse of save_shards, resharded to this world size."""
+    weights, optim = get_state_dict(model, optimizer, options=_options(has_lora(model)))
+    state = {"model": weights, "optimizer": optim}
+    dcp.load(state, checkpoint_id=os.path.join(path, SHARDS))  # in place
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=_options(has_lora(model)))
+
+
+def load_whole(path: str, model, trainable_only: bool):
+    """A sharded checkpoint's weights into an unsharded model."""
+    weights = get_model_state_dict(model, options=_options(trainable_only))
+    # dcp warns that no_dist reads in one process, as asked
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"model": weights}, checkpoint_id=os.path.join(path, SHARDS), no_dist=True)
+    set_model_state_dict(model, weights, options=_options(trainable_only))
+
+
+# ---- model directories
+def _save(tensors: dict, folder: str, name: str):
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
+
+
+def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False,
+                    state: dict = None):
+    """Weights (LoRA merged; trainable_only: adapters and head), adapter, tokenizer and config.
+    state: the whole weights (a sharded model's, gathered), else the model's own."""
+    if trainable_only:
+        _save(trainable_state_dict(model), path, TRAINABLE)
+    else:
+        def part(prefix):
+            if state is None:
+                return None
+            return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        backbone = merged_state_dict(model.backbone, part("backbone."))
+        model.save_pretrained(path, backbone, part("head."))
+    if has_lora(model):
+        write_adapter(os.path.join(path, ADAPTER), model, cfg, state)
+    tokenizer.save_pretrained(path)
+    cfg.save(path)
+
+
+def write_adapter(path: str, model, cfg, state: dict = None):
+    """The adapters and head as peft writes them: our lora_A, lora_B, scale are peft's."""
+    _, prefix, head_name = hf_names(model.config)
+    tensors = {}
+    for key, value in (trainable_state_dict(model) if state is None else state).items():
+        if key.startswith("head."):
+            tensors[f"base_model.model.{head_name}.{key.removeprefix('head.')}"] = value
+        elif key.endswith((".lora_A", ".lora_B")):
+            tensors[f"base_model.model.{prefix}.{key.removeprefix('backbone.')}.weight"] = value
+    _save(tensors, path, "adapter_model.safetensors")
+    # the fields peft leaves out take its defaults
+    config = {"peft_type": "LORA", "task_type": "TOKEN_CLS", "base_model_name_or_path": cfg.model,
+              "r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+              "target_modules": peft_targets(model.backbone), "modules_to_save": [head_name],
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "inference_mode": True}
+    write_lines(os.path.join(path, "adapter_config.json"), [json.dumps(config, indent=2)])
+
+
+def load_trainable(model, path: str):
+    """Adapters + head into a model of the same --model and LoRA flags."""
+    state, expected = load_file(path), set(trainable_state_dict(model))
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise UsageError(f"{path} does not fit this model (same --model and --lora-* flags as the "
+                         f"run?): missing {missing[:3]}, unexpected {extra[:3]}")
+    model.load_state_dict(state, strict=False)
+
+
+# ---- checkpoints
 class Checkpointer:
-    """Resume and checkpoints. At start-up rank 0 picks the checkpoint to resume (resume_from,
-    None: a fresh start) and hashes the data files (digests: {"train", "eval"}, '' for hub or
-    synthetic data)."""
+    """Resume and checkpoints. Rank 0 picks the checkpoint to resume (resume_from; None: fresh)
+    and hashes the data files (digests: {"train", "eval"}; '' for hub or synthetic data)."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """(the checkpoint to resume, the data digests). The settings defining the model, the data
-        and its order, and the data files' contents must equal the checkpoint's, else UsageError."""
+        """(the checkpoint to resume, the data digests); UsageError if the settings defining the
+        model, the data and its order, or the data files' contents differ from the checkpoint's."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
         digests = {"train": data_digest(cfg.dataset), "eval": data_digest(cfg.eval_dataset)}
@@ -244,110 +345,104 @@ class Checkpointer:
             print(f"resuming with changed settings: {'; '.join(changed)}")
         return path, digests
 
-    def load(self, *, parallel, optimizer, scheduler, scaler, tokenizer, plan) -> int:
-        """The step to continue from (0: a fresh start); on a resume, restores the trainer's state
-        in place and sets aside what was written past the checkpoint."""
-        self.parallel, self.optimizer = parallel, optimizer
-        self.scheduler, self.scaler = scheduler, scaler
-        self.tokenizer, self.interval = tokenizer, self.cfg.every("save", plan.steps_per_epoch)
-        path, model = self.resume_from, parallel.model
+    def load(self, state: State, last_step: int) -> int:
+        """The step to continue from (0: fresh); a resume restores `state` in place."""
+        path, model = self.resume_from, state.model
         if not path:
             return 0
         step = read_marker(path)["step"]
-        if step > plan.total:
+        if step > last_step:
             raise UsageError(f"--resume {path}: the checkpoint is at step {step}, past this run's "
-                             f"last step {plan.total} (--max-steps, --epochs): nothing to continue")
-        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+                             f"last step {last_step} (--max-steps, --epochs): nothing to continue")
+        saved = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
         if os.path.isdir(os.path.join(path, SHARDS)):
-            load_shards(path, model, optimizer, trainable_only=has_lora(model))
+            load_shards(path, model, state.optimizer)
         elif os.path.isfile(os.path.join(path, TRAINABLE)):
             load_trainable(model, os.path.join(path, TRAINABLE))
         else:
             load_weights(model, path)
-        if "optimizer" in state:
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
+        if "optimizer" in saved:
+            state.optimizer.load_state_dict(saved["optimizer"])
+        state.scheduler.load_state_dict(saved["scheduler"])
+        state.scaler.load_state_dict(saved["scaler"])
+        set_rng_state(saved["rng"])
         if self.rt.is_main:
             print(f"resumed from {path} at step {step}")
             set_aside_after(self.cfg.output_dir, step)
             keep_records_until(os.path.join(self.cfg.output_dir, "metrics.jsonl"), step)
         return step
 
-    def due(self, step: int) -> bool:
-        """Whether --save-every (or --save-strategy epoch) falls on `step`."""
-        return bool(self.interval) and step % self.interval == 0
-
-    def save(self, step: int):
+    def save(self, step: int, state: State):
         """checkpoint-<step>/, every rank together: under --fsdp each writes its shards, then
         checksums a share of them (faster than rank 0 alone)."""
-        barrier(self.rt)
+        rt = self.rt
+        barrier(rt)
         shards = {}
         if self.cfg.fsdp:
-            path = checkpoint_dir(self.cfg.output_dir, step)
-            tmp = path + ".tmp"
-            if self.rt.is_main:
+            tmp = checkpoint_dir(self.cfg.output_dir, step) + ".tmp"
+            if rt.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            barrier(self.rt)
-            model = self.parallel.model
+            barrier(rt)
             try:
-                with writing(path):
-                    save_shards(tmp, model, self.optimizer, trainable_only=has_lora(model))
+                with writing(tmp.removesuffix(".tmp")):
+                    save_shards(tmp, state.model, state.optimizer)
             except WriteFailed:
-                if self.rt.is_main:
+                if rt.is_main:
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            barrier(self.rt)
-            share = file_digests(tmp, files_under(tmp)[self.rt.rank::self.rt.world_size])
-            shards = {k: v for part in gather_objects(share, self.rt) for k, v in part.items()}
-        if self.rt.is_main:
-            self.write(step, shards)
-        barrier(self.rt)
+            barrier(rt)
+            share = file_digests(tmp, files_under(tmp)[rt.rank::rt.world_size])
+            shards = {k: v for part in gather_objects(share, rt) for k, v in part.items()}
+        if rt.is_main:
+            self.write(step, state, shards)
+        barrier(rt)
 
-    def write(self, step: int, shards: dict = None):
-        """Rank 0's part of checkpoint-<step>; the marker, last, holds every file's checksum
-        (shards: those of the files the ranks wrote)."""
-        cfg, model, shards = self.cfg, self.parallel.model, shards or {}
+    def write(self, step: int, state: State, shards: dict = None):
+        """Rank 0's part of checkpoint-<step>; the marker, last, holds every file's checksum."""
+        cfg, shards = self.cfg, shards or {}
         with staged_folder(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
-            state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                     "rng": rng_state()}
+            saved = {"scheduler": state.scheduler.state_dict(),
+                     "scaler": state.scaler.state_dict(), "rng": rng_state()}
             if cfg.fsdp:
-                self.tokenizer.save_pretrained(tmp)
+                state.tokenizer.save_pretrained(tmp)
                 cfg.save(tmp)
             else:
-                write_model_dir(tmp, model, self.tokenizer, cfg, trainable_only=has_lora(model))
-                state["optimizer"] = self.optimizer.state_dict()
-            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+                write_model_dir(tmp, state.model, state.tokenizer, cfg,
+                                trainable_only=has_lora(state.model))
+                saved["optimizer"] = state.optimizer.state_dict()
+            torch.save(saved, os.path.join(tmp, "trainer_state.pt"))
             mine = file_digests(tmp, [n for n in files_under(tmp) if n not in shards])
             marker = {"step": step, "world_size": self.rt.world_size, "data": self.digests or {},
                       "sha256": {**shards, **mine}}
             write_lines(os.path.join(tmp, MARKER), [json.dumps(marker)])
         prune(cfg.output_dir, cfg.keep_last)
 
-    def save_final(self, step: int) -> str:
+    def save_final(self, step: int, state: State) -> str:
         """final/ (a plain HF token classifier, adapters merged); its path on rank 0, else None."""
         barrier(self.rt)
-        state = self.parallel.full_state()
+        whole = None
+        if self.cfg.fsdp:  # every rank takes part in gathering the whole weights on rank 0's CPU
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            whole = get_model_state_dict(state.model, options=options)
         path = os.path.join(self.cfg.output_dir, "final")
         if self.rt.is_main:
             try:
                 with staged_folder(path) as tmp:
-                    write_model_dir(tmp, self.parallel.model, self.tokenizer, self.cfg, state=state)
+                    write_model_dir(tmp, state.model, state.tokenizer, self.cfg, state=whole)
             except WriteFailed as e:
-                raise WriteFailed(f"{e}; {self.kept_instead(step)}") from e.__cause__
+                raise WriteFailed(f"{e}; {self.kept_instead(step, state)}") from e.__cause__
             prune(self.cfg.output_dir, self.cfg.keep_last)
         barrier(self.rt)
         return path if self.rt.is_main else None
 
-    def kept_instead(self, step: int) -> str:
+    def kept_instead(self, step: int, state: State) -> str:
         """Where the weights of `step` are when final/ failed (writing a checkpoint if need be)."""
         ckpt = checkpoint_dir(self.cfg.output_dir, step)
         if not os.path.isfile(os.path.join(ckpt, MARKER)):
             if self.cfg.fsdp:
                 return f"the weights of step {step} are lost: no checkpoint holds them"
             try:
-                self.write(step)
+                self.write(step, state)
             except WriteFailed as e:
                 return (f"{ckpt} could not be written either ({e.cause}): the weights of step "
                         f"{step} are lost")

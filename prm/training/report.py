@@ -1,13 +1,18 @@
-"""The model card (README.md) in final/: what the model is, how it scores, its metrics, license,
-versions and command."""
+"""What a run reports besides metrics.jsonl: the model card (README.md) in final/ (what the model
+is, how it scores, its metrics, license, versions and command), and the TensorBoard or W&B
+tracker."""
+import dataclasses
+import importlib
 import os
 import shlex
 import sys
+import textwrap
 from importlib.metadata import version
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
+from prm.errors import check
 from prm.readers.sources import is_local
 
 # the card, a jinja template; its usage example uses plain transformers + torch, tokenizing as
@@ -175,3 +180,57 @@ def model_card(cfg, metrics: dict, command: str) -> str:
         data, template_str=TEMPLATE, cfg=cfg, tiny=tiny, sep=repr(cfg.step_separator),
         table="\n".join(["| metric | value |", "|---|---|"] + rows), license=license,
         command=command, version=version, g=lambda x: f"{x:g}"))
+
+
+def tracker_module(report_to: str):
+    """The tracker's module (None for 'none'); UsageError if it is not installed."""
+    if report_to == "none":
+        return None
+    name = "torch.utils.tensorboard" if report_to == "tensorboard" else "wandb"
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        check([f"--report-to {report_to} needs the {report_to} package: pip install {report_to}"])
+
+
+def scalars(record: dict) -> dict:
+    """A metrics.jsonl record -> {tag: number}: train/loss, eval/auroc, final/f1, ..."""
+    if "final" in record:
+        items = {f"final/{k}": v for k, v in record["final"].items()}
+    else:
+        items = {(f"eval/{k.removeprefix('eval_')}" if k.startswith("eval_") else f"train/{k}"): v
+                 for k, v in record.items() if k != "step"}
+    return {k: float(v) for k, v in items.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class Tracker:
+    """TensorBoard (<output-dir>/tensorboard/<run name>) or W&B ($WANDB_PROJECT)."""
+
+    def __init__(self, cfg, resumed_at: int = 0):
+        module = tracker_module(cfg.report_to)
+        name = cfg.run_name or os.path.basename(os.path.abspath(cfg.output_dir))
+        self.run = None
+        if cfg.report_to == "wandb":
+            self.run = module.init(project=os.environ.get("WANDB_PROJECT", "prm"), name=name,
+                                   config=dataclasses.asdict(cfg), dir=cfg.output_dir)
+            return
+        log_dir = os.path.join(cfg.output_dir, "tensorboard", name)
+        purge = resumed_at + 1 if resumed_at else None  # resumed: later events go
+        self.writer = module.SummaryWriter(log_dir=log_dir, purge_step=purge)
+        # indented: verbatim in TensorBoard's markdown
+        self.writer.add_text("config", textwrap.indent(cfg.to_json(), "    "))
+
+    def log(self, record: dict):
+        if self.run:
+            self.run.log(scalars(record), step=record["step"])
+            return
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+        self.writer.flush()  # a crash keeps the curve up to here
+
+    def close(self):
+        if self.run:
+            self.run.finish()
+        else:
+            self.writer.close()
