@@ -47,16 +47,6 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def parse(body: bytes):
-    """The body as JSON, read as the data files are, else BadRequest."""
-    text, problem, line = decode(body)
-    if text is not None:
-        value, problem, line = read_json(text)
-    if problem:
-        raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
-    return value
-
-
 def texts(data: dict, key: str) -> list:
     value = data.get(key)
     if not isinstance(value, list):
@@ -214,7 +204,7 @@ class Handler(BaseHTTPRequestHandler):
         if not self.known(PATH, HEALTH, "GET"):
             return
         try:
-            payload = self.scorer(parse(self.body()))
+            payload = self.scorer(self.body())
         except BadRequest as e:
             return self.send_error(e.status, str(e))
         except Exception as e:  # the server serves on
@@ -222,8 +212,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(500, {"error": f"scoring failed: {type(e).__name__}: {e}"})
         self.reply(200, payload)
 
-    def body(self) -> bytes:
-        """The whole request body, within the timeout."""
+    def body(self):
+        """The request body read whole within the timeout, as JSON read as the data files are."""
         headers, limit = self.headers.get_all("Content-Length"), self.max_body
         if not headers:
             raise BadRequest("Content-Length is required", 411)
@@ -242,7 +232,12 @@ class Handler(BaseHTTPRequestHandler):
         if len(body) < size:  # send_error answers a 408 if the deadline cut it
             raise BadRequest(f"the body ended after {len(body)} of its {size} bytes "
                              "(Content-Length)")
-        return body
+        text, problem, line = decode(body)
+        if text is not None:
+            value, problem, line = read_json(text)
+        if problem:
+            raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
+        return value
 
     def send_error(self, code, message=None, explain=None):
         """Every error (the standard library's too: a bad method, request line, long headers) as
