@@ -27,9 +27,8 @@ def writing(path: str):
         if isinstance(error, FileExistsError) or \
                 not isinstance(error, (OSError, RuntimeError, SafetensorError)):
             raise
-        lines = str(error).strip().splitlines()
-        cause = (error.strerror if isinstance(error, OSError) else None) or \
-            (lines[0] if lines else type(error).__name__)
+        first = (str(error).strip() or type(error).__name__).splitlines()[0]
+        cause = getattr(error, "strerror", None) or first
         # torch.save's message never says "disk full": the free space does
         if not isinstance(error, OSError):
             cause += f" ({free_mib(path)} MiB free there)"

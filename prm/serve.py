@@ -3,14 +3,12 @@ model protocol (`--remote_rm_url http://HOST:P/get_reward`).
 
 POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...],
 "scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt,
-the rest of the query); with "step_rewards": true, also [start, end, P(correct)] per step, in the
-query as sent (P null: cut by --max-length). Padding, EOS and BOS are stripped as OpenRLHF's
-server does. Without "prompts", a prompt ends with the chat template's last assistant-turn
-start, else at the first step separator. GET /health answers {"status": "ok", ...}.
-
-Errors are {"error": message}: a bad request 400; not all read within --timeout s 408; no
-Content-Length 411; over --max-body-bytes or --max-batch 413; a scoring failure 500; over
---max-connections at once 503."""
+the rest of the query); with "step_rewards": true, also [start, end, P(correct)] per step of the
+query as sent (P null: past --max-length). Padding, EOS and BOS are stripped as OpenRLHF's server
+does. Without "prompts", a prompt ends after the chat template's assistant-turn start, else at
+the first step separator. GET /health answers {"status": "ok", ...}. Errors are {"error":
+message}: 400 a bad request, 411 no Content-Length, 500 a scoring failure, and 408, 413, 503 as
+the flags below say."""
 import argparse
 import contextlib
 import io
@@ -49,18 +47,7 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def parse(body: bytes):
-    """The body as JSON, read as the data files are, else BadRequest."""
-    text, problem, line = decode(body)
-    if text is not None:
-        value, problem, line = read_json(text)
-    if problem:
-        raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
-    return value
-
-
 def texts(data: dict, key: str) -> list:
-    """data[key], a list of strings."""
     value = data.get(key)
     if not isinstance(value, list):
         raise BadRequest(f"field '{key}': expected a list of strings, got {type(value).__name__}")
@@ -217,16 +204,16 @@ class Handler(BaseHTTPRequestHandler):
         if not self.known(PATH, HEALTH, "GET"):
             return
         try:
-            payload = self.scorer(parse(self.body()))
+            payload = self.scorer(self.body())
         except BadRequest as e:
-            return self.reply(e.status, {"error": str(e)})
+            return self.send_error(e.status, str(e))
         except Exception as e:  # the server serves on
             traceback.print_exc(file=sys.stderr)
             return self.reply(500, {"error": f"scoring failed: {type(e).__name__}: {e}"})
         self.reply(200, payload)
 
-    def body(self) -> bytes:
-        """The whole request body, within the timeout."""
+    def body(self):
+        """The request body read whole within the timeout, as JSON read as the data files are."""
         headers, limit = self.headers.get_all("Content-Length"), self.max_body
         if not headers:
             raise BadRequest("Content-Length is required", 411)
@@ -242,15 +229,19 @@ class Handler(BaseHTTPRequestHandler):
                              "(--max-body-bytes)", 413)
         size = int(digits)
         body = self.rfile.read(size)
-        if len(body) < size and self.expired:
-            raise BadRequest(f"the request did not arrive within {self.timeout} s (--timeout)", 408)
-        if len(body) < size:
+        if len(body) < size:  # send_error answers a 408 if the deadline cut it
             raise BadRequest(f"the body ended after {len(body)} of its {size} bytes "
                              "(Content-Length)")
-        return body
+        text, problem, line = decode(body)
+        if text is not None:
+            value, problem, line = read_json(text)
+        if problem:
+            raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
+        return value
 
     def send_error(self, code, message=None, explain=None):
-        """The standard library's errors (bad method, request line, long headers) as JSON."""
+        """Every error (the standard library's too: a bad method, request line, long headers) as
+        JSON; a request the deadline cut short: a 408."""
         self.close_connection = True
         if self.expired:
             code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
