@@ -75,12 +75,17 @@ def nearest(name: str, names: list):
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an empty or escaped string default as its repr ('\\n'), not as a line break."""
+    """Shows an empty or escaped string default as its repr ('\\n'), not as a line break, a tuple
+    as a comma list, a required flag as required."""
 
     def _get_help_string(self, action):
         text, default = super()._get_help_string(action), action.default
+        if action.required:
+            return (action.help or "") + " (required)"
         if isinstance(default, str) and not (default and default.isprintable()):
             return text.replace(" (default: %(default)s)", " (default: %(default)r)")
+        if isinstance(default, tuple):  # a comma list, as typed
+            return text.replace("%(default)s", ",".join(map(str, default)))
         return text
 
 

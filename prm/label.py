@@ -35,6 +35,7 @@ class LabelOptions:
     step_separator: str = opt("\n", "what ends each step (escapes such as \\n understood)",
                               type=unescape)
     answer_field: str = opt("answer", "the column of the reference final answer")
+    prompt_field: str = opt("prompt", "the column of the problem (MATH-500's: problem)")
     answer_pattern: str = opt("", "regex whose last match (its first group that took part) is the "
                               "answer; default: the last \\boxed{}, 'the answer is ...' or number")
     checker: str = opt("exact", "exact: normalized match; or math-verify",
@@ -94,6 +95,13 @@ def normalize(answer: str) -> str:
         s = s.replace(old, new)
     s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
     return s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+
+
+def answer_key(answer):
+    """What votes group by: normalize()d, a number as its exact value (0.5 = 1/2); None: None."""
+    key = None if answer is None else normalize(str(answer))
+    value = None if key is None else _number(key)
+    return key if value is None else str(value)
 
 
 def _number(s: str):
@@ -187,6 +195,8 @@ def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     records = ((name, rec) for name, recs in sources for rec in recs)
     for index, (name, (where, r, problem)) in enumerate(records):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
+        if opts.prompt_field != "prompt" and isinstance(r, dict):  # read as the prompt
+            r = {**r, "prompt": r.get(opts.prompt_field)}
         issues = [problem] if problem else input_problems(r, opts.answer_field)
         chat = not issues and isinstance(r["prompt"], list)
         if not issues and rows and chat != isinstance(rows[0][1]["prompt"], list):
@@ -346,25 +356,28 @@ class Generator:
             raise UsageError(f"--policy {self.opts.policy}: cannot render a chat prompt: "
                              f"{' '.join(str(e).split())}") from None
 
-    def __call__(self, prompts: list, n: int, seed: int, stop: str = None) -> list:
-        """n texts per prompt, each ended after its first `stop` if given; `usage`: per text,
-        (tokens generated, whether max_new_tokens cut it: no EOS, no stop)."""
+    def __call__(self, prompts: list, n: int, seed, stop: str = None) -> list:
+        """n texts per prompt, each ended after its first `stop` if given; seed: an int, or one per
+        prompt. A text depends only on its prompt, its seed and its copy number, never on the texts
+        batched with it. `usage`: per text, (tokens generated, whether max_new_tokens cut it)."""
         import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
-                        do_sample=o.temperature > 0)
-        if o.temperature > 0:
-            sampling.update(temperature=o.temperature, top_p=o.top_p, top_k=0)
+                        do_sample=False)  # sampled: greedy over noisy logits (gumbel_max)
         if stop:
             if stop not in self.stops:  # built once: it reads the whole vocabulary
                 from transformers import StoppingCriteriaList, StopStringCriteria
                 self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
             sampling.update(stopping_criteria=self.stops[stop])
+        seeds = seed if isinstance(seed, list) else [mix(seed, i) for i in range(len(prompts))]
         copies, size = n if o.temperature > 0 else 1, o.batch_size  # greedy: one text
-        flat, out, usage = [p for p in prompts for _ in range(copies)], [], []
-        for c, batch in enumerate(flat[s:s + size] for s in range(0, len(flat), size)):
-            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
-            torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
+        flat = [(p, mix(s, j)) for p, s in zip(prompts, seeds) for j in range(copies)]
+        out, usage = [], []
+        for batch in (flat[s:s + size] for s in range(0, len(flat), size)):
+            enc = tok([p for p, _ in batch], return_tensors="pt", padding=True,
+                      add_special_tokens=False).to(d)
+            if o.temperature > 0:
+                sampling["logits_processor"] = gumbel_max(o, [s for _, s in batch], d)
             with torch.no_grad():
                 ids = self.model.generate(**enc, **sampling)  # (B, T + new)
             new = ids[:, enc["input_ids"].shape[1]:]  # (B, new)
@@ -380,6 +393,26 @@ class Generator:
         self.usage = [usage[i * copies:(i + 1) * copies] + [(0, usage[i][1])] * (n // copies - 1)
                       for i in range(len(prompts))]
         return [out[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]
+
+
+def mix(*parts) -> int:
+    """A 63-bit seed from ints: different parts, unrelated seeds."""
+    return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:16], 16) >> 1
+
+
+def gumbel_max(opts: LabelOptions, seeds: list, device):
+    """Logits processors sampling at opts' temperature and top-p under greedy decoding: Gumbel
+    noise added to each row's logits from its own generator (argmax(logits + G) is a softmax
+    sample), so a row's tokens do not depend on the rows batched with it."""
+    import torch
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+
+    def noise(input_ids, scores):  # scores: (B, V), warped
+        u = torch.stack([torch.rand(scores.shape[1], generator=g, device=device) for g in gens])
+        return scores - torch.log(-torch.log(u))  # + Gumbel(0, 1), (B, V)
+    top_p = [TopPLogitsWarper(opts.top_p)] if opts.top_p < 1 else []
+    return LogitsProcessorList([TemperatureLogitsWarper(opts.temperature), *top_p, noise])
 
 
 def main(argv=None):
