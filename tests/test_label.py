@@ -267,6 +267,24 @@ def test_generate_path_is_seeded_and_trains(policy_dir, one_process, tmp_path):
     assert final is not None and len([m for m in read_metrics(tmp_path / "run") if "loss" in m]) == 2
 
 
+def test_the_batch_size_is_a_speed_knob(policy_dir, one_process, tmp_path, monkeypatch):
+    """Each text is sampled from its own seeded generator: --batch-size changes no label."""
+    monkeypatch.setenv("PRM_CPU_BF16", "0")  # fp32: a row's logits do not move with its batch
+    data, outs = one_process[0], []
+    for size in ("3", "1"):
+        main(cli(policy_dir, data, str(tmp_path / f"{size}.jsonl"))[:-4] + [
+            "--batch-size", size, "--temperature", "1.0"])
+        outs.append(read(tmp_path / f"{size}.jsonl"))
+    assert outs[0] == outs[1] and outs[0]
+
+
+def test_a_causal_lm_loaded_as_a_backbone_prints_no_load_report(policy_dir, capfd):
+    """Its lm_head is expected to be left out: saved_weights checks the keys itself."""
+    from prm.loading import pretrained
+    pretrained(policy_dir, False)
+    assert "LOAD REPORT" not in "".join(capfd.readouterr())
+
+
 def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_path):
     data, first = one_process
     out = str(tmp_path / "out.jsonl")
