@@ -109,7 +109,7 @@ from prm.files import write_lines  # noqa: E402
 from prm.core.data import pad_token_id  # noqa: E402
 from prm.core.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
 from prm.readers.ingest import tokenize_dataset  # noqa: E402
-from prm.label import answer_key  # noqa: E402
+from prm.answers import answer_key  # noqa: E402
 from prm.core.metrics import first_error, tune_threshold  # noqa: E402
 from prm.core.model import input_settings  # noqa: E402
 from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first,  # noqa: E402

@@ -10,11 +10,11 @@ import re
 import signal
 import sys
 import time
-from fractions import Fraction
 from types import SimpleNamespace
 
 import regex
 
+from prm.answers import judge
 from prm.cli import Parser, add_fields, parsed
 from prm.config import opt, unescape
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
@@ -62,76 +62,6 @@ class LabelOptions:
             except ImportError:
                 raise UsageError("--checker math-verify needs the math-verify package: "
                                  "pip install 'math-verify[antlr4_13_2]'") from None
-
-
-def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its first group that took part, else all of it; within 2 s),
-    else of \\boxed{...}, "answer is ...", a number."""
-    if pattern:
-        try:
-            found = list(regex.finditer(pattern, text, timeout=2.0))
-        except TimeoutError:
-            raise UsageError(f"--answer-pattern {pattern!r}: no result within 2 s on a text of "
-                             f"{len(text)} characters; avoid nested repeats") from None
-        m = found[-1] if found else None
-        return m and next((g for g in m.groups() if g is not None), m.group(0))
-    start, depth = text.rfind("\\boxed{"), 0
-    for j in range(start + 6, len(text) if start >= 0 else 0):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[start + 7:j]
-    ends = [m.end() for m in re.finditer(r"answer is:?\s*", text, re.I)]
-    # the rest of its line or sentence, less a closing period
-    said = re.split(r"\n|\.\s", text[ends[-1]:], maxsplit=1)[0] if ends else ""
-    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return said.rstrip().removesuffix(".") or (numbers[-1].rstrip(",") if numbers else None)
-
-
-def normalize(answer: str) -> str:
-    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma."""
-    s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                     ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
-        s = s.replace(old, new)
-    s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
-    return s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
-
-
-def answer_key(answer):
-    """What votes group by: normalize()d, a number as its exact value (0.5 = 1/2); None: None."""
-    key = None if answer is None else normalize(str(answer))
-    value = None if key is None else _number(key)
-    return key if value is None else str(value)
-
-
-def _number(s: str):
-    """The exact value of an integer, decimal, a/b or \\frac{a}{b}; None for anything else."""
-    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}"
-                     r"|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
-    if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int(): compared as text
-        return None
-    if m.group(2) is not None:
-        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-    return Fraction(m.group(4)) / int(m.group(5) or 1)
-
-
-def same_answer(found, reference) -> bool:
-    """Normalized exact match, or the same number (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
-    a, b = normalize(str(found)), normalize(str(reference))
-    return found is not None and (a == b or (_number(a) is not None and _number(a) == _number(b)))
-
-
-def judge(reference: str, opts: LabelOptions):
-    """right(text, before=""): text's answer, else before + text's last one, is the reference."""
-    def answer(text, before=""):
-        own = extract_answer(text, opts.answer_pattern)
-        return extract_answer(before + text, opts.answer_pattern) if own is None and before else own
-    if opts.checker == "math-verify":
-        from math_verify import parse, verify
-        gold = parse("\\boxed{" + reference + "}")
-        return lambda text, before="": (a := answer(text, before)) is not None and \
-            verify(gold, parse("\\boxed{" + a + "}"))
-    return lambda text, before="": same_answer(answer(text, before), reference)
 
 
 def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions,
@@ -309,9 +239,9 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
     write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
         os.remove(path)
-    solutions = [json.loads(line) for line in lines]
-    labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
-    if show:
+    if show:  # prm.search's lines too, unshown
+        solutions = [json.loads(line) for line in lines]
+        labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
         print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps "
               f"labeled ({sum(y >= 0.5 for y in labels) / max(1, len(labels)):.0%} at least 0.5), "
               f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run: {spent} "
@@ -357,9 +287,8 @@ class Generator:
                              f"{' '.join(str(e).split())}") from None
 
     def __call__(self, prompts: list, n: int, seed, stop: str = None) -> list:
-        """n texts per prompt, each ended after its first `stop` if given; seed: an int, or one per
-        prompt. A text depends only on its prompt, its seed and its copy number, never on the texts
-        batched with it. `usage`: per text, (tokens generated, whether max_new_tokens cut it)."""
+        """n texts per prompt (seed: an int or one per prompt; not the batch), each ended after its
+        first `stop`; `usage`: per text, (tokens generated, whether max_new_tokens cut it)."""
         import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
@@ -401,16 +330,18 @@ def mix(*parts) -> int:
 
 
 def gumbel_max(opts: LabelOptions, seeds: list, device):
-    """Logits processors sampling at opts' temperature and top-p under greedy decoding: Gumbel
-    noise added to each row's logits from its own generator (argmax(logits + G) is a softmax
-    sample), so a row's tokens do not depend on the rows batched with it."""
+    """Processors sampling under greedy decoding: Gumbel noise, each row's from its own seed."""
     import torch
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-    gens = [torch.Generator(device).manual_seed(s) for s in seeds]
+    gens, drawn = [torch.Generator(device).manual_seed(s) for s in seeds], {"steps": 0}
 
-    def noise(input_ids, scores):  # scores: (B, V), warped
-        u = torch.stack([torch.rand(scores.shape[1], generator=g, device=device) for g in gens])
-        return scores - torch.log(-torch.log(u))  # + Gumbel(0, 1), (B, V)
+    def noise(input_ids, scores):  # argmax(scores + Gumbel noise): a sample of softmax(scores)
+        t, k = drawn["steps"], max(1, 2 ** 18 // scores.shape[1])  # k steps a draw, for any batch
+        if t % k == 0:
+            drawn["u"] = torch.stack([torch.rand(k, scores.shape[1], generator=g, device=device)
+                                      for g in gens])  # (B, k, V)
+        drawn["steps"] += 1
+        return scores - torch.log(-torch.log(drawn["u"][:, t % k]))  # (B, V)
     top_p = [TopPLogitsWarper(opts.top_p)] if opts.top_p < 1 else []
     return LogitsProcessorList([TemperatureLogitsWarper(opts.temperature), *top_p, noise])
 

@@ -1,24 +1,25 @@
 """`python -m prm.search`: a policy's answers picked by a PRM among sampled solutions (best-of-n,
 weighted vote) or step by step (beam search, DVTS); majority vote is the baseline. Any policy
-`propose(prefixes, n, seed, stop) -> list[list[str]]`, any PRM `score(questions, outputs)`."""
+`propose(prefixes, n, seeds, stop) -> list[list[str]]` (a seed per prefix), any PRM
+`score(questions, outputs)`."""
 import collections
 import dataclasses
 import datetime
 import itertools
 import json
-import os
 import re
 import signal
 import statistics
 import sys
 import time
 
+from prm.answers import answer_key, extract_answer, judge
 from prm.cli import Parser, add_fields, parsed
 from prm.config import opt
 from prm.core.metrics import AGGREGATES, picked, solution_score
 from prm.errors import Stopped, UsageError, check, exit_status
-from prm.label import (Generator, LabelOptions, answer_key, check_settings, extract_answer,
-                       finished, judge, locked, mix, parts, read_input, write_lines)
+from prm.label import (Generator, LabelOptions, check_settings, finished, locked, merge, mix,
+                       parts, read_input, write_lines)
 from prm.readers.formats import split_steps
 from prm.scoring import ScorerOptions
 
@@ -99,16 +100,25 @@ class SearchOptions:
                   "(0, 1]"]))
 
 
-def proposed(propose, prefixes: list, n: int, seeds: list, stop, tokenizer=None) -> tuple:
-    """(texts, usage: per text (tokens or None, cut by max_new_tokens), seconds per prefix),
-    checked; tokens from propose.usage, else counted by `tokenizer`, else None (not counted)."""
+def proposed(propose, prefixes: list, n: int, seeds: list, stop) -> tuple:
+    """(texts, usage: per text (tokens, None if not counted; cut by max_new_tokens), seconds per
+    prefix), checked."""
     start, outs = time.time(), propose(prefixes, n, seeds, stop)
     if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
         raise UsageError(f"propose() must give {n} texts for each of its {len(prefixes)} prefixes")
-    size = (lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"])) if tokenizer \
-        else (lambda t: None)
-    usage = getattr(propose, "usage", None) or [[(size(t), False) for t in ts] for ts in outs]
+    usage = getattr(propose, "usage", None) or [[(None, False)] * n for _ in prefixes]
     return outs, usage, (time.time() - start) / len(prefixes)
+
+
+def counted(propose, tokenizer):
+    """propose() with a `usage` of its own, else its texts' tokens by `tokenizer`."""
+    def call(*args):
+        outs = propose(*args)
+        size = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa
+        call.usage = getattr(propose, "usage", None) or [[(size(t), False) for t in ts]
+                                                         for ts in outs]
+        return outs
+    return call
 
 
 def plus(*counts):
@@ -172,7 +182,7 @@ class Tree:
         self.done.append(candidate(steps, scores, how, self.problem, opts))
 
 
-def grow(trees: list, propose, score, count, opts, tokenizer=None, stops=False):
+def grow(trees: list, propose, score, count, opts, stops=False):
     """One step of every tree: its survivors propose (a call per width), the PRM scores the new
     prefixes (one call), each group keeps its best. stops: refuse a propose() whose texts never
     end at the stop."""
@@ -184,7 +194,7 @@ def grow(trees: list, propose, score, count, opts, tokenizer=None, stops=False):
         beams = [b for b in old if b[0].width == width]
         prefixes = [t.problem.text + "".join(s + sep for s in steps) for t, _, (steps, _) in beams]
         seeds = [t.next_seed() for t, _, _ in beams]
-        outs, usage, took = proposed(propose, prefixes, width, seeds, sep, tokenizer)
+        outs, usage, took = proposed(propose, prefixes, width, seeds, sep)
         for (t, g, (steps, scores)), texts, use in zip(beams, outs, usage):
             t.cost["seconds"] += took
             for text, (tokens, cut) in zip(texts, use):
@@ -217,11 +227,11 @@ def grow(trees: list, propose, score, count, opts, tokenizer=None, stops=False):
         t.groups[g] = going[:t.keep]
 
 
-def sample(block: list, records: dict, propose, score, count, opts, seed: int, tokenizer=None):
+def sample(block: list, records: dict, propose, score, count, opts, seed: int):
     """max(N) solutions per problem, in one propose and one PRM call; N takes the first N."""
     methods, top = [m for m in opts.methods if m in SAMPLED], max(opts.n)
     seeds = [mix(seed, p.index, "sample") for p in block]
-    outs, usage, policy_s = proposed(propose, [p.text for p in block], top, seeds, None, tokenizer)
+    outs, usage, policy_s = proposed(propose, [p.text for p in block], top, seeds, None)
     start = time.time()
     probs = score([p.row["prompt"] for p in block], outs) if set(methods) - {"majority"} else \
         [[[]] * top for _ in block]
@@ -239,15 +249,14 @@ def sample(block: list, records: dict, propose, score, count, opts, seed: int, t
                 seconds=(policy_s + prm_s * prm) * n / top))
 
 
-def search_block(block: list, propose, score, count, opts, seed: int, tokenizer=None,
-                 stops=False):
+def search_block(block: list, propose, score, count, opts, seed: int, stops=False):
     """Yields each problem's record as its searches end; the problems of `block` share calls, but
     each draws its own seeds (from the seed, the problem, the method and N): a speed knob."""
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
                          **({"id": p.row["id"]} if "id" in p.row else {}),
                          "answer": str(p.row[opts.answer_field]), "results": []} for p in block}
     if set(opts.methods) & set(SAMPLED):
-        sample(block, records, propose, score, count, opts, seed, tokenizer)
+        sample(block, records, propose, score, count, opts, seed)
     kinds = list(itertools.product([m for m in opts.methods if m in TREES], opts.n))
     trees = {p.index: [Tree(p, m, n, min(n, opts.beam_width), seed) for m, n in kinds]
              for p in block}
@@ -265,7 +274,7 @@ def search_block(block: list, propose, score, count, opts, seed: int, tokenizer=
             yield records[i]
         if not trees:
             return
-        grow(list(itertools.chain(*trees.values())), propose, score, count, opts, tokenizer,
+        grow(list(itertools.chain(*trees.values())), propose, score, count, opts,
              stops and step == 0)
 
 
@@ -281,13 +290,15 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     owner = getattr(score, "__self__", None)
     count = count or (prm_counter(owner) if hasattr(owner, "tokenizer") else lambda q, t: None)
+    propose = counted(propose, tokenizer) if tokenizer else propose
     (p, m), size = part, opts.problems
     own = output if m == 1 else f"{output}.part{p}of{m}"
     kept = {k: v for k, v in dataclasses.asdict(opts).items() if k not in SPEED}
     with locked(own):
         check_settings(output, {**kept, **(settings or {}), "dataset": digest}, "searched")
         done = finished(output, *parts(output))
-        write_lines(own, [line for lines in finished(own).values() for line in lines])  # drops a cut line
+        # drops a line a kill cut
+        write_lines(own, [line for lines in finished(own).values() for line in lines])
         todo = [(i, row) for i, row in rows if i % m == p and i not in done]
         bar = tqdm(total=len(todo) * len(opts.seeds), desc="searching", disable=not show or None)
         for b in range(0, len(todo), size):
@@ -299,23 +310,15 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                              judge(str(row[opts.answer_field]), opts))
                      for (i, row), text in zip(chunk, texts)]
             for seed in opts.seeds:  # the run's first step checks propose() keeps the stop
-                for rec in search_block(block, propose, score, count, opts, seed, tokenizer,
+                for rec in search_block(block, propose, score, count, opts, seed,
                                         stops=b == 0 and seed == opts.seeds[0]):
                     write_lines(own, [json.dumps(rec, ensure_ascii=False)], "a")
                     bar.update()
         bar.close()
         if m == 1 and parts(output):
-            merge(output)
+            merge(output, show=False)
     with open(own, encoding="utf-8") as f:
         return summary([json.loads(line) for line in f], opts)
-
-
-def merge(output: str):
-    """Writes the finished problems of `output` and its parts into `output`, less the parts."""
-    rows = finished(output, *(old := parts(output)))
-    write_lines(output, [line for k in sorted(rows) for line in rows[k]])
-    for path in old:
-        os.remove(path)
 
 
 def summary(records: list, opts) -> dict:

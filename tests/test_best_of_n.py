@@ -175,7 +175,7 @@ def test_real_birm_file(model_dir, tmp_path):
 def test_eval_and_search_pick_the_same_answer_alike(model_dir, tmp_path):
     """One picking function: answers equal in value vote together (3 x 1/2 against 2 x 7) in eval.py's
     best-of-N and in prm.search, and eval.py's weighted_<aggregate> is prm.search's weighted vote."""
-    from prm.label import answer_key
+    from prm.answers import answer_key
     from prm.search import pick
     answers = ["0.5", "7", "1/2", "7", "\\frac{1}{2}"]
     outputs = [{"response": "1+1=2ки", "label": a != "7", "response_answer": a} for a in answers]

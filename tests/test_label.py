@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ROOT, read_metrics, small_config
 from prm.errors import PRMError, UsageError
-from prm.label import LabelOptions, extract_answer, judge, label_file, label_solutions, main, same_answer
+from prm.answers import extract_answer, judge, same_answer
+from prm.label import LabelOptions, label_file, label_solutions, main
 from prm.readers.sources import DataError
 
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from prm.errors import UsageError
-from prm.label import extract_answer
+from prm.answers import extract_answer
 from prm.search import Problem, SearchOptions, main, pick, search_block, search_file
 
 SEP = "\n"
