@@ -336,7 +336,8 @@ def gumbel_max(opts: LabelOptions, seeds: list, device):
     gens, drawn = [torch.Generator(device).manual_seed(s) for s in seeds], {"steps": 0}
 
     def noise(input_ids, scores):  # argmax(scores + Gumbel noise): a sample of softmax(scores)
-        t, k = drawn["steps"], max(1, 2 ** 18 // scores.shape[1])  # k steps a draw, for any batch
+        # k steps a draw (the same for any batch): all of them, if 2 ** 18 values or fewer
+        t, k = drawn["steps"], max(1, min(opts.max_new_tokens, 2 ** 18 // scores.shape[1]))
         if t % k == 0:
             drawn["u"] = torch.stack([torch.rand(k, scores.shape[1], generator=g, device=device)
                                       for g in gens])  # (B, k, V)
