@@ -334,6 +334,7 @@ def exits(argv: list, capsys) -> tuple:
     (["--max-steps", "0"], "--max-steps must be at least 1"),
     (["--answer-pattern", "("], "--answer-pattern '(': not a regular expression"),
     (["--top-p", "0"], "--top-p 0 in (0, 1]"),
+    (["--shard", "2/2"], "--shard 2/2: expected i/n with 0 <= i < n"),
 ])
 def test_bad_flags_exit_2_before_any_model_loads(tmp_path, capsys, flags, message):
     out = str(tmp_path / "o.jsonl")
@@ -385,7 +386,8 @@ def test_a_problems_samples_do_not_depend_on_batching(models, tmp_path, capsys, 
     records = []
     for k, knobs in enumerate([["--problems", "1", "--batch-size", "1"], ["--problems", "8"]]):
         main(argv + knobs + ["--output", str(tmp_path / f"{k}.jsonl")])
-        records.append(timeless(map(json.loads, (tmp_path / f"{k}.jsonl").read_text().splitlines())))
+        lines = (tmp_path / f"{k}.jsonl").read_text().splitlines()
+        records.append(timeless(map(json.loads, lines)))
     capsys.readouterr()
     assert len(records[0]) == 3
     for a, b in zip(*records):
@@ -394,16 +396,20 @@ def test_a_problems_samples_do_not_depend_on_batching(models, tmp_path, capsys, 
         assert all_scores(a) == pytest.approx(all_scores(b), abs=1e-5)
 
 
+def candidates(record: dict) -> list:
+    return record.get("samples", []) + [c for x in record["results"]
+                                        for c in x.get("candidates", [])]
+
+
 def steps_and_answers(record: dict) -> list:
-    cands = record.get("samples", []) + [c for x in record["results"] for c in x.get("candidates", [])]
+    cands = candidates(record)
     return [(c["steps"], c["answer"], c["end"]) for c in cands] + \
         [(x["method"], x["n"], x["answer"], x["policy_tokens"], x["prm_tokens"])
          for x in record["results"]]
 
 
 def all_scores(record: dict) -> list:
-    cands = record.get("samples", []) + [c for x in record["results"] for c in x.get("candidates", [])]
-    return [p for c in cands for p in c["scores"]]
+    return [p for c in candidates(record) for p in c["scores"]]
 
 
 def test_tokens_not_counted_are_none_and_said_so(models, tmp_path):
@@ -415,7 +421,8 @@ def test_tokens_not_counted_are_none_and_said_so(models, tmp_path):
 
     def bare(prefixes, n, seeds, stop):
         return [[f"s{j}{SEP}the answer is {j}" for j in range(n)] for _ in prefixes]
-    opts = SearchOptions(methods=("majority", "weighted", "beam"), n=(2,), beam_width=2, max_steps=2)
+    opts = SearchOptions(methods=("majority", "weighted", "beam"), n=(2,), beam_width=2,
+                         max_steps=2)
     data, tok = write_problems(tmp_path / "p.jsonl", 2), char_tokenizer()
     out = search_file(data, str(tmp_path / "a.jsonl"), bare, scripted_score, opts, show=False)
     costs = out["results"]["weighted"]["2"]
@@ -492,9 +499,9 @@ def test_math500_rows_a_system_prompt_and_the_prms_own_settings(models, tmp_path
     with pytest.raises(SystemExit):
         main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    for words in ("--dataset DATASET problems", "--policy POLICY the policy (a Hugging Face name or "
-                  "folder) (required)", "(default: 1,4,16)", "'scores': the PRM's P(correct) per "
-                  "step", "a speed knob"):
+    for words in ("--dataset DATASET problems", "--policy POLICY the policy (a Hugging Face name "
+                  "or folder) (required)", "(default: 1,4,16)",
+                  "'scores': the PRM's P(correct) per step", "a speed knob"):
         assert words in shown
 
 
