@@ -99,6 +99,7 @@ from prm.files import write_lines  # noqa: E402
 from prm.core.data import pad_token_id  # noqa: E402
 from prm.core.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
 from prm.readers.ingest import tokenize_dataset  # noqa: E402
+from prm.answers import answer_key  # noqa: E402
 from prm.core.metrics import first_error, tune_threshold  # noqa: E402
 from prm.core.model import input_settings  # noqa: E402
 from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first,  # noqa: E402
@@ -193,9 +194,11 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
         probs = ev.probs(rows)
         blocks[name] = report(probs, rows, threshold, pb)
         if opts.best_of_n:
+            # answers vote as prm.search's do: normalized, a number by its value
+            keyed = [{**r, "response_answer": answer_key(r.get("response_answer"))} for r in rows]
             try:
                 blocks[name].update(best_of_n_report(
-                    probs, rows, draws=opts.best_of_n_draws, seed=ev.cfg.seed))
+                    probs, keyed, draws=opts.best_of_n_draws, seed=ev.cfg.seed))
             except ValueError as e:  # rows without a known outcome or problem
                 raise UsageError(f"{name}: {e}") from None
         for i, (ps, row) in enumerate(zip(probs, rows)):
@@ -273,7 +276,7 @@ def table(blocks: dict, *, threshold: float) -> str:
             accs = (f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
             lines.append(f"{name}: best-of-N accuracy with all {n} candidates: " + ", ".join(accs))
             if b.get("candidates_with_answer") == 0:
-                lines.append(f"{name}: weighted_vote, majority_vote n/a (no candidate has an "
+                lines.append(f"{name}: weighted_*, majority_vote n/a (no candidate has an "
                              "extractable answer)")
         if "prmbench" in b:
             pb = b["prmbench"]

@@ -10,10 +10,10 @@ import re
 import signal
 import sys
 import time
-from fractions import Fraction
 
 import regex
 
+from prm.answers import judge
 from prm.cli import Parser, parsed
 from prm.config import Checked, at_least, bound, not_empty, opt, unescape, within
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
@@ -53,6 +53,7 @@ class LabelOptions(Checked):
     step_separator: str = opt("\n", "what ends each step (escapes such as \\n understood)",
                               type=unescape, check=not_empty("it ends each step"))
     answer_field: str = opt("answer", "the column of the reference final answer")
+    prompt_field: str = opt("prompt", "the column of the problem (MATH-500's: problem)")
     answer_pattern: str = opt("", "regex whose last match (its first group that took part) is the "
                               "answer; default: the last \\boxed{}, 'the answer is ...' or number",
                               check=bound(is_regex, "not a regular expression"))
@@ -78,71 +79,6 @@ class LabelRun(Checked):
                                  "expected i/n with 0 <= i < n"))
     skip_invalid: bool = opt(False, "leave out invalid rows")
     trust_remote_code: bool = opt(False, "run the policy's code")
-
-
-def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its first group that took part, else all of it; within 2 s),
-    else of \\boxed{...}, "answer is ...", a number."""
-    if pattern:
-        try:
-            found = list(regex.finditer(pattern, text, timeout=2.0))
-        except TimeoutError:
-            raise UsageError(f"--answer-pattern {pattern!r}: no result within 2 s on a text of "
-                             f"{len(text)} characters; avoid nested repeats") from None
-        m = found[-1] if found else None
-        return m and next((g for g in m.groups() if g is not None), m.group(0))
-    start, depth = text.rfind("\\boxed{"), 0
-    for j in range(start + 6, len(text) if start >= 0 else 0):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[start + 7:j]
-    ends = [m.end() for m in re.finditer(r"answer is:?\s*", text, re.I)]
-    # the rest of its line or sentence, less a closing period
-    said = re.split(r"\n|\.\s", text[ends[-1]:], maxsplit=1)[0] if ends else ""
-    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return said.rstrip().removesuffix(".") or (numbers[-1].rstrip(",") if numbers else None)
-
-
-def normalize(answer: str) -> str:
-    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma; a
-    number as its exact value (0.5, 1/2 and \\frac{1}{2} as 1/2): equal answers, equal texts."""
-    s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
-    for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                     ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
-        s = s.replace(old, new)
-    s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
-    s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
-    value = _number(s)
-    return s if value is None else str(value)
-
-
-def _number(s: str):
-    """The exact value of an integer, decimal, a/b or \\frac{a}{b}; None for anything else."""
-    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}"
-                     r"|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
-    if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int(): compared as text
-        return None
-    if m.group(2) is not None:
-        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-    return Fraction(m.group(4)) / int(m.group(5) or 1)
-
-
-def same_answer(found, reference) -> bool:
-    """Normalized exact match (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
-    return found is not None and normalize(str(found)) == normalize(str(reference))
-
-
-def judge(reference: str, opts: LabelOptions):
-    """right(text, before=""): text's answer, else before + text's last one, is the reference."""
-    def answer(text, before=""):
-        own = extract_answer(text, opts.answer_pattern)
-        return extract_answer(before + text, opts.answer_pattern) if own is None and before else own
-    if opts.checker == "math-verify":
-        from math_verify import parse, verify
-        gold = parse("\\boxed{" + reference + "}")
-        return lambda text, before="": (a := answer(text, before)) is not None and \
-            verify(gold, parse("\\boxed{" + a + "}"))
-    return lambda text, before="": same_answer(answer(text, before), reference)
 
 
 def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions,
@@ -205,6 +141,8 @@ def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
     records = ((name, rec) for name, recs in sources(spec) for rec in recs)
     for index, (name, (where, r, problem)) in enumerate(records):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
+        if opts.prompt_field != "prompt" and isinstance(r, dict):  # read as the prompt
+            r = {**r, "prompt": r.get(opts.prompt_field)}
         issues = [problem] if problem else input_problems(r, opts.answer_field)
         chat = not issues and isinstance(r["prompt"], list)
         if not issues and rows and chat != isinstance(rows[0][1]["prompt"], list):
@@ -266,15 +204,16 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
     return spent
 
 
-def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True):
+def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True,
+          writer: str = "prm.label"):
     """Writes the finished rows of `output` and its parts into `output` in order, less the parts."""
-    rows = finished(output, *(old := parts(output)))
+    rows = finished(output, *(old := parts(output)), writer=writer)
     write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
         os.remove(path)
-    solutions = [json.loads(line) for line in lines]
-    labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
-    if show:
+    if show:  # prm.search's lines too, unshown
+        solutions = [json.loads(line) for line in lines]
+        labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
         print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps "
               f"labeled ({sum(y >= 0.5 for y in labels) / max(1, len(labels)):.0%} at least 0.5), "
               f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run: {spent} "
@@ -322,25 +261,27 @@ class Generator:
             raise UsageError(f"--policy {self.opts.policy}: cannot render a chat prompt: "
                              f"{' '.join(str(e).split())}") from None
 
-    def __call__(self, prompts: list, n: int, seed: int, stop: str = None) -> list:
-        """n texts per prompt, each ended after its first `stop` if given; `usage`: per text,
-        (tokens generated, whether max_new_tokens cut it: no EOS, no stop)."""
+    def __call__(self, prompts: list, n: int, seed, stop: str = None) -> list:
+        """n texts per prompt (seed: an int or one per prompt; not the batch), each ended after its
+        first `stop`; `usage`: per text, (tokens generated, whether max_new_tokens cut it)."""
         import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
-                        do_sample=o.temperature > 0)
-        if o.temperature > 0:
-            sampling.update(temperature=o.temperature, top_p=o.top_p, top_k=0)
+                        do_sample=False)  # sampled: greedy over noisy logits (gumbel_max)
         if stop:
             if stop not in self.stops:  # built once: it reads the whole vocabulary
                 from transformers import StoppingCriteriaList, StopStringCriteria
                 self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
             sampling.update(stopping_criteria=self.stops[stop])
+        seeds = seed if isinstance(seed, list) else [mix(seed, i) for i in range(len(prompts))]
         copies, size = n if o.temperature > 0 else 1, o.batch_size  # greedy: one text
-        flat, out, usage = [p for p in prompts for _ in range(copies)], [], []
-        for c, batch in enumerate(flat[s:s + size] for s in range(0, len(flat), size)):
-            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
-            torch.manual_seed((seed * 1_009 + c) % 2 ** 63)
+        flat = [(p, mix(s, j)) for p, s in zip(prompts, seeds) for j in range(copies)]
+        out, usage = [], []
+        for batch in (flat[s:s + size] for s in range(0, len(flat), size)):
+            enc = tok([p for p, _ in batch], return_tensors="pt", padding=True,
+                      add_special_tokens=False).to(d)
+            if o.temperature > 0:
+                sampling["logits_processor"] = gumbel_max(o, [s for _, s in batch], d)
             with torch.no_grad():
                 ids = self.model.generate(**enc, **sampling)  # (B, T + new)
             new = ids[:, enc["input_ids"].shape[1]:]  # (B, new)
@@ -356,6 +297,29 @@ class Generator:
         self.usage = [usage[i * copies:(i + 1) * copies] + [(0, usage[i][1])] * (n // copies - 1)
                       for i in range(len(prompts))]
         return [out[i * copies:(i + 1) * copies] * (n // copies) for i in range(len(prompts))]
+
+
+def mix(*parts) -> int:
+    """A 63-bit seed from ints: different parts, unrelated seeds."""
+    return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:16], 16) >> 1
+
+
+def gumbel_max(opts: LabelOptions, seeds: list, device):
+    """Processors sampling under greedy decoding: Gumbel noise, each row's from its own seed."""
+    import torch
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    gens, drawn = [torch.Generator(device).manual_seed(s) for s in seeds], {"steps": 0}
+
+    def noise(input_ids, scores):  # argmax(scores + Gumbel noise): a sample of softmax(scores)
+        # k steps a draw (the same for any batch): all of them, if 2 ** 18 values or fewer
+        t, k = drawn["steps"], max(1, min(opts.max_new_tokens, 2 ** 18 // scores.shape[1]))
+        if t % k == 0:
+            drawn["u"] = torch.stack([torch.rand(k, scores.shape[1], generator=g, device=device)
+                                      for g in gens])  # (B, k, V)
+        drawn["steps"] += 1
+        return scores - torch.log(-torch.log(drawn["u"][:, t % k]))  # (B, V)
+    top_p = [TopPLogitsWarper(opts.top_p)] if opts.top_p < 1 else []
+    return LogitsProcessorList([TemperatureLogitsWarper(opts.temperature), *top_p, noise])
 
 
 def main(argv=None):

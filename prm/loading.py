@@ -9,6 +9,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModel, AutoTokenizer, PreTrainedTokenizerFast,
                           Qwen2Config)
+from transformers.utils import logging as hf_logging
 
 from prm.training.checkpoint import SHARDS, TRAINABLE, load_trainable, load_whole
 from prm.core.data import pad_token_id
@@ -32,6 +33,11 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
         # config.json, then the files its index names
         check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
+    # transformers' load report: saved_weights checks the keys itself; a causal LM's lm_head,
+    # unexpected in a backbone, is expected here
+    report = hf_logging.get_logger("transformers.modeling_utils")
+    quiet = lambda record: "LOAD REPORT" not in record.getMessage()  # noqa: E731
+    report.addFilter(quiet)
     try:
         return load(name, **kw)
     except NotAPRM as e:  # its own message: it loads, but cannot score as saved
@@ -42,6 +48,8 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
             StrictDataclassError) as e:
         why = str(e.__cause__ if isinstance(e, StrictDataclassError) else e).strip()
         raise UsageError(f"{flag} {name}: cannot load it: {why.splitlines()[0]}") from None
+    finally:
+        report.removeFilter(quiet)
 
 
 def outside_weights(path: str) -> list:

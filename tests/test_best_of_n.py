@@ -42,10 +42,10 @@ def test_each_aggregation_picks_its_own_candidate():
 
 
 def test_voting_by_hand():
-    # weighted (sum of min scores): "7" = .1 + .55 = .65, "8" = .6 + .3 = .9 -> "8", wrong
-    assert pick_accuracy([A, B, C, D], "weighted_vote") == 0.0
+    # weighted_min (sum of min scores): "7" = .1 + .55 = .65, "8" = .6 + .3 = .9 -> "8", wrong
+    assert pick_accuracy([A, B, C, D], "weighted_min") == 0.0
     assert pick_accuracy([A, B, C, D], "majority_vote") == 0.5  # 2 against 2: a tie counts half
-    assert pick_accuracy([E, F, G], "weighted_vote") == 1.0  # "1" = .9 against "2" = .2 + .4
+    assert pick_accuracy([E, F, G], "weighted_min") == 1.0  # "1" = .9 against "2" = .2 + .4
     assert pick_accuracy([E, F, G], "majority_vote") == 0.0  # "2" twice
     assert pick_accuracy([cand([0.9], True)], "majority_vote") == 0.0  # no answer, no vote: counted wrong
 
@@ -54,7 +54,8 @@ def test_best_of_n_by_hand():
     out = best_of_n(GROUPS, draws=4, seed=0)
     assert set(out) == set(BEST_OF_N_METHODS) and all(set(v) == {"1", "2", "all"} for v in out.values())
     # N = all: problem 1 as above, problem 2 picked right by every aggregation and weighted voting
-    expected_all = {"min": (0 + 1) / 2, "prod": 1.0, "last": 1.0, "mean": (0 + 1) / 2, "weighted_vote": (0 + 1) / 2,
+    expected_all = {"min": (0 + 1) / 2, "prod": 1.0, "last": 1.0, "mean": (0 + 1) / 2, "weighted_min": (0 + 1) / 2,
+                    "weighted_prod": 1.0, "weighted_last": 1.0, "weighted_mean": (0 + 1) / 2,  # "7": .649, 1.54
                     "majority_vote": (0.5 + 0) / 2, "oracle": 1.0, "random": (2 / 4 + 1 / 3) / 2}
     assert {m: v["all"] for m, v in out.items()} == pytest.approx(expected_all)
     # N = 1: every method takes the one candidate, so each equals the mean correctness (per problem, then over them)
@@ -135,11 +136,11 @@ def test_flat_rows_are_grouped_by_prompt(model_dir, tmp_path, capsys):
     out = run(model_dir, "--dataset", path, "--best-of-n", "--predictions", pred)
     lines = read_jsonl(pred)
     assert out["n_problems"] == 2 and {x["group"] for x in lines} == {"count 0:", "count 1:"}
-    assert out["best_of_n"] == recompute(lines) and "weighted_vote" not in out["best_of_n"]  # no answers given
+    assert out["best_of_n"] == recompute(lines) and "weighted_min" not in out["best_of_n"]  # no answers given
     assert out["best_of_n"]["oracle"]["all"] == 1.0  # k = 0 (count 0:) and k = 3 (count 1:) are right
     # the votes left out are said to be so, in the JSON and the table
     assert out["candidates_with_answer"] == 0
-    assert "flat: weighted_vote, majority_vote n/a (no candidate has an extractable answer)" in \
+    assert "flat: weighted_*, majority_vote n/a (no candidate has an extractable answer)" in \
         capsys.readouterr().err
 
 
@@ -169,3 +170,24 @@ def test_real_birm_file(model_dir, tmp_path):
     assert set(out["best_of_n"]["min"]) == {"1", "2", "4", "8", "all"}
     assert out["best_of_n"]["oracle"]["all"] == 1.0  # every problem has a right candidate
     assert out["best_of_n"] == recompute(read_jsonl(pred))
+
+
+def test_eval_and_search_pick_the_same_answer_alike(model_dir, tmp_path):
+    """One picking function: answers equal in value vote together (3 x 1/2 against 2 x 7) in eval.py's
+    best-of-N and in prm.search, and eval.py's weighted_<aggregate> is prm.search's weighted vote."""
+    from prm.answers import answer_key
+    from prm.search import pick
+    answers = ["0.5", "7", "1/2", "7", "\\frac{1}{2}"]
+    outputs = [{"response": "1+1=2ки", "label": a != "7", "response_answer": a} for a in answers]
+    data, pred = str(tmp_path / "c.jsonl"), str(tmp_path / "pred.jsonl")
+    with open(data, "w") as f:
+        f.write(json.dumps({"idx": 1, "question": "half?", "outputs": outputs}) + "\n")
+    out = run(model_dir, "--dataset", data, "--best-of-n", "--predictions", pred)["best_of_n"]
+    assert out["majority_vote"]["all"] == 1.0
+    cands = [{"answer": x["response_answer"], "scores": x["step_probs"]} for x in read_jsonl(pred)]
+    assert pick(cands, "majority", "last") == 0
+    for agg in ("min", "prod", "last", "mean"):
+        i = pick(cands, "weighted", agg)
+        assert out[f"weighted_{agg}"]["all"] == float(answers[i] != "7")
+        keyed = [cand(c["scores"], a != "7", answer_key(a)) for c, a in zip(cands, answers)]
+        assert pick_accuracy(keyed, f"weighted_{agg}") == float(answers[i] != "7")

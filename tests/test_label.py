@@ -13,8 +13,9 @@ import pytest
 
 from conftest import LABEL_ROWS as ROWS, read_text as read
 from conftest import ROOT, random_policy, read_metrics, scripted, small_config, write_rows
+from prm.answers import extract_answer, judge, same_answer
 from prm.errors import UsageError
-from prm.label import LabelOptions, extract_answer, judge, label_file, label_solutions, main, same_answer
+from prm.label import LabelOptions, label_file, label_solutions, main
 from prm.readers.sources import DataError
 
 
@@ -228,6 +229,32 @@ def test_generate_path_is_seeded_and_trains(policy_dir, one_process, tmp_path):
     final = train(small_config(tmp_path / "run", dataset=str(tmp_path / "again.jsonl"), max_steps=2,
                                batch_size=2))
     assert final is not None and len([m for m in read_metrics(tmp_path / "run") if "loss" in m]) == 2
+
+
+def test_the_batch_size_is_a_speed_knob(policy_dir, one_process, tmp_path, monkeypatch):
+    """Each text is sampled from its own seeded generator: --batch-size changes no label."""
+    monkeypatch.setenv("PRM_CPU_BF16", "0")  # fp32: a row's logits do not move with its batch
+    data, outs = one_process[0], []
+    for size in ("3", "1"):
+        main(cli(policy_dir, data, str(tmp_path / f"{size}.jsonl"))[:-4] + [
+            "--batch-size", size, "--temperature", "1.0"])
+        outs.append(read(tmp_path / f"{size}.jsonl"))
+    assert outs[0] == outs[1] and outs[0]
+
+
+def test_a_causal_lm_loaded_as_a_backbone_prints_no_load_report(policy_dir):
+    """Its lm_head is expected to be left out: saved_weights checks the keys itself."""
+    import logging
+    from prm.loading import pretrained
+    logger, seen = logging.getLogger("transformers.modeling_utils"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        pretrained(policy_dir, False)
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "LOAD REPORT" in m]
 
 
 def test_two_ranks_under_torchrun_are_one_process(policy_dir, one_process, tmp_path):

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from prm.errors import UsageError, WriteFailed
-from prm.label import LabelOptions, extract_answer, judge, label_file, main, same_answer
+from prm.answers import extract_answer, judge, same_answer
+from prm.label import LabelOptions, label_file, main
 from conftest import LABEL_ROWS as ROWS, read_text as read
 from conftest import random_policy, scripted, write_rows
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from prm.errors import UsageError
-from prm.label import extract_answer
+from prm.answers import extract_answer
 from prm.search import Problem, SearchOptions, main, pick, search_block, search_file
 
 SEP = "\n"
@@ -38,7 +38,7 @@ def scripted_policy(log=None, seeded=False, stop_after=None):
     `log` keeps each call's prefixes; the call after `stop_after` calls raises KeyboardInterrupt."""
     calls = []
 
-    def propose(prefixes, n, seed, stop):
+    def propose(prefixes, n, seeds, stop):
         if stop_after is not None and len(calls) >= stop_after:
             raise KeyboardInterrupt
         calls.append(list(prefixes))
@@ -46,7 +46,7 @@ def scripted_policy(log=None, seeded=False, stop_after=None):
             log.append(list(prefixes))
         seen = collections.Counter()
         outs = []
-        for p in prefixes:
+        for p, seed in zip(prefixes, seeds):
             seen[p] += 1
             outs.append([proposal(p, (seen[p] - 1) * n + j, stop, seed * seeded) for j in range(n)])
         propose.usage = [[(len(t), t.startswith("cut")) for t in ts] for ts in outs]
@@ -217,7 +217,7 @@ def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
             return [[text] * n for _ in prefixes]
         return propose
     cases = [("", "empty", 0), (SEP, "empty", 0), (" \t" + SEP, "empty", 0), ("no end", "cut", 1),
-             ("the answer is 0", "eos", 1), ("s" + SEP, "max_steps", 3)]
+             ("s" + SEP, "max_steps", 3)]
     for k, (text, end, steps) in enumerate(cases):
         _, records = run(tmp_path, f"{k}.jsonl", policy(text), problems=2, methods=("beam", "dvts"),
                          n=(2, 4), beam_width=2, max_steps=3, count=lambda q, t: 11)
@@ -274,7 +274,8 @@ def test_generator_ends_each_text_after_its_first_stop_and_counts_tokens(models)
                     device=torch.device("cpu"))
     prompts = ["problem 1:\n", "problem 2:\n"]
     free, free_usage = gen(prompts, 3, 0), gen.usage
-    stop = free[0][0][2]  # the first text ends after its third character
+    special = "".join(gen.tokenizer().all_special_tokens)  # "p" would stop at a sampled <pad>
+    stop = next(c for c in free[0][0][2:] if c not in special)  # the first text ends there
     texts = gen(prompts, 3, 0, stop)
     assert texts[0][0] == free[0][0][:free[0][0].index(stop) + 1]
     assert any(cut for use in free_usage for _, cut in use)  # 12 tokens, no EOS: cut
@@ -335,6 +336,7 @@ def exits(argv: list, capsys) -> tuple:
     (["--max-steps", "0"], "--max-steps 0: must be >= 1"),
     (["--answer-pattern", "("], "--answer-pattern '(': not a regular expression"),
     (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (["--shard", "2/2"], "--shard '2/2': expected i/n with 0 <= i < n"),
 ])
 def test_bad_flags_exit_2_before_any_model_loads(tmp_path, capsys, flags, message):
     out = str(tmp_path / "o.jsonl")
@@ -373,3 +375,154 @@ def test_prm_reward_score_has_search_and_learns_shape(models):
         pytest.approx([p for steps in alone for p in steps], abs=1e-6)
     with pytest.raises(ValueError, match="3 questions for 2 lists of outputs"):
         reward.score(questions, outputs[:2])
+
+
+def test_a_problems_samples_do_not_depend_on_batching(models, tmp_path, capsys, monkeypatch):
+    """--problems and --batch-size are speed knobs: the records are the same (fp32: the PRM's scores
+    within float rounding of the batch's shapes)."""
+    monkeypatch.setenv("PRM_CPU_BF16", "0")  # pinned precision: fp32 policy and PRM
+    data = write_problems(tmp_path / "p.jsonl", 3)
+    argv = ["--dataset", data, "--policy", models[0], "--model", models[1], "--n", "1,2",
+            "--beam-width", "2", "--max-new-tokens", "6", "--max-steps", "2", "--step-separator",
+            "=", "--temperature", "1.0", "--dtype", "fp32"]
+    records = []
+    for k, knobs in enumerate([["--problems", "1", "--batch-size", "1"], ["--problems", "8"]]):
+        main(argv + knobs + ["--output", str(tmp_path / f"{k}.jsonl")])
+        lines = (tmp_path / f"{k}.jsonl").read_text().splitlines()
+        records.append(timeless(map(json.loads, lines)))
+    capsys.readouterr()
+    assert len(records[0]) == 3
+    for a, b in zip(*records):
+        a, b = json.loads(a), json.loads(b)
+        assert steps_and_answers(a) == steps_and_answers(b)
+        assert all_scores(a) == pytest.approx(all_scores(b), abs=1e-5)
+
+
+def candidates(record: dict) -> list:
+    return record.get("samples", []) + [c for x in record["results"]
+                                        for c in x.get("candidates", [])]
+
+
+def steps_and_answers(record: dict) -> list:
+    cands = candidates(record)
+    return [(c["steps"], c["answer"], c["end"]) for c in cands] + \
+        [(x["method"], x["n"], x["answer"], x["policy_tokens"], x["prm_tokens"])
+         for x in record["results"]]
+
+
+def all_scores(record: dict) -> list:
+    return [p for c in candidates(record) for p in c["scores"]]
+
+
+def test_tokens_not_counted_are_none_and_said_so(models, tmp_path):
+    """A propose() without .usage and a score() that is no PRMReward's: tokens None, 'not counted';
+    a tokenizer given counts the policy's, a PRMReward's score its own, at most its max_length."""
+    from prm.readers.synthetic import char_tokenizer
+    from prm.scoring.reward import PRMReward
+    from prm.search import table
+
+    def bare(prefixes, n, seeds, stop):
+        return [[f"s{j}{SEP}the answer is {j}" for j in range(n)] for _ in prefixes]
+    opts = SearchOptions(methods=("majority", "weighted", "beam"), n=(2,), beam_width=2,
+                         max_steps=2)
+    data, tok = write_problems(tmp_path / "p.jsonl", 2), char_tokenizer()
+    out = search_file(data, str(tmp_path / "a.jsonl"), bare, scripted_score, opts, show=False)
+    costs = out["results"]["weighted"]["2"]
+    assert costs["policy_tokens"] is None and costs["prm_tokens"] is None
+    assert "not counted" in table(out) and " 0 " not in table(out).splitlines()[2]
+    reward = PRMReward(models[1], device="cpu", max_length=12)
+    out = search_file(data, str(tmp_path / "b.jsonl"), bare, reward.score, opts, tokenizer=tok,
+                      show=False)
+    with open(tmp_path / "b.jsonl") as f:
+        samples = [c for line in f for c in json.loads(line)["samples"]]
+    assert [c["policy_tokens"] for c in samples] == [len(f"s{j}{SEP}the answer is {j}")
+                                                     for j in range(2)] * 2
+    assert {c["prm_tokens"] for c in samples} == {12}  # problem, separator, text: cut at 12
+    assert out["results"]["beam"]["2"]["prm_tokens"] > 0
+
+
+def test_a_propose_that_drops_the_stop_is_refused_by_name(tmp_path):
+    """vLLM's include_stop_str_in_output=False: every beam would end after its first step."""
+    policy = scripted_policy()
+
+    def dropping(prefixes, n, seeds, stop):
+        texts = policy(prefixes, n, seeds, stop)
+        return [[t.split(stop)[0] if stop else t for t in ts] for ts in texts]
+    with pytest.raises(UsageError, match="include_stop_str_in_output=True"):
+        run(tmp_path, propose=dropping, methods=("beam",), n=(4,), beam_width=2, problems=1)
+
+
+def test_wrong_shapes_are_refused_in_the_apis_terms(models):
+    from prm.scoring.reward import PRMReward
+    reward = PRMReward(models[1], device="cpu")
+    for outputs in (["5+1=6\n6+1=7"], [None]):
+        with pytest.raises(ValueError, match=r"outputs\[0\] .*: expected a list of solutions"):
+            reward.score(["q"], outputs)
+    with pytest.raises(UsageError, match=r"^SearchOptions\(methods='beam'\): expected a tuple, "
+                                         r"such as \('beam',\)$"):
+        SearchOptions(methods="beam")
+
+
+def test_math500_rows_a_system_prompt_and_the_prms_own_settings(models, tmp_path, monkeypatch,
+                                                                capsys):
+    """--prompt-field problem reads a MATH-500 row; --system-prompt reaches the policy's chat
+    template, not the PRM; --prm-batch-size, --dtype, --max-length reach the PRM; --help says
+    what is required, lists as typed, the output's step scores, --problems a speed knob."""
+    import prm.scoring.reward as reward_module
+    from prm.label import Generator
+    data = tmp_path / "math500.jsonl"
+    data.write_text(json.dumps({"problem": "problem 0:", "answer": "0"}) + "\n")
+    seen, rendered = {}, []
+
+    class Reward(reward_module.PRMReward):
+        def __init__(self, *args, **kw):
+            seen.update(kw, batch_size=args[3])
+            super().__init__(*args, **kw)
+
+        def score(self, questions, outputs):
+            seen["questions"] = questions
+            return super().score(questions, outputs)
+    monkeypatch.setattr(reward_module, "PRMReward", Reward)
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}a: "
+
+    def render(self, prompt):
+        self.tokenizer().chat_template = template
+        rendered.append(Generator.render.__wrapped__(self, prompt))
+        return rendered[-1]
+    render.__wrapped__ = Generator.render
+    monkeypatch.setattr(Generator, "render", render)
+    main(["--dataset", str(data), "--output", str(tmp_path / "o.jsonl"), "--policy", models[0],
+          "--model", models[1], "--prompt-field", "problem", "--system-prompt", "be brief",
+          "--methods", "weighted", "--n", "2", "--max-new-tokens", "4", "--prm-batch-size", "3",
+          "--dtype", "fp32", "--max-length", "64"])
+    assert rendered == ["system: be brief\nuser: problem 0:\na: "]
+    assert seen["questions"] == ["problem 0:"] and seen["batch_size"] == 3
+    assert seen["dtype"] == "fp32" and seen["max_length"] == 64
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for words in ("--dataset DATASET problems", "--policy POLICY the policy (a Hugging Face name "
+                  "or folder) (required)", "(default: 1,4,16)",
+                  "'scores': the PRM's P(correct) per step", "a speed knob"):
+        assert words in shown
+
+
+def test_two_shards_combine_into_one_process(tmp_path):
+    opts = dict(methods=("majority", "weighted", "beam", "dvts"), n=(1, 4), beam_width=2,
+                max_steps=3, problems=2, seeds=(0, 1))
+    whole, records = run(tmp_path, "whole.jsonl", scripted_policy(seeded=True), **opts)
+    data, out = str(tmp_path / "p.jsonl"), str(tmp_path / "out.jsonl")
+    shares = [search_file(data, out, scripted_policy(seeded=True), scripted_score,
+                          SearchOptions(**opts), part=(p, 2), count=lambda q, t: 0, show=False)
+              for p in (1, 0)]
+    assert [s["problems"] for s in shares] == [2, 3]  # rows 1, 3 and rows 0, 2, 4
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl.part0of2", "out.jsonl.part1of2",
+                                            "out.jsonl.settings", "p.jsonl", "whole.jsonl",
+                                            "whole.jsonl.settings"]
+    merged = search_file(data, out, scripted_policy(), scripted_score, SearchOptions(**opts),
+                         count=lambda q, t: 0, show=False)  # nothing left: the shards merged
+    assert not any(".part" in name for name in os.listdir(tmp_path))
+    assert timeless(map(json.loads, open(out).read().splitlines())) == timeless(records)
+    strip = lambda s: {m: {n: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+                           for n, r in by_n.items()} for m, by_n in s["results"].items()}
+    assert strip(merged) == strip(whole)

@@ -80,7 +80,9 @@ def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
 
 AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1],
               "mean": lambda ps: sum(ps) / len(ps)}
-BEST_OF_N_METHODS = (*AGGREGATES, "weighted_vote", "majority_vote", "oracle", "random")
+# best-of-N by an aggregate (its name), a weighted vote by one, majority, any right, a random one
+VOTES = (*(f"weighted_{a}" for a in AGGREGATES), "majority_vote")
+BEST_OF_N_METHODS = (*AGGREGATES, *VOTES, "oracle", "random")
 
 
 def outcome_metrics(step_probs: list, final_correct: list) -> dict:
@@ -131,31 +133,36 @@ def solution_score(step_probs: list, how: str) -> float:  # no scored step: rank
     return AGGREGATES[how](step_probs) if step_probs else -math.inf
 
 
-def _expected_hit(values: list, correct: list) -> float:
-    top = max(values)
-    tied = [c for v, c in zip(values, correct) if v == top]
-    return sum(tied) / len(tied)
+def picked(keys: list, scores: list, how: str, aggregate: str) -> list:
+    """What `how` (best-of-n, majority, weighted) picks among candidates (an answer key or None,
+    step scores): the tied winners in order, each a list of candidate indices. best-of-n: each
+    candidate of the top aggregate; majority and weighted: the candidates of each answer with the
+    most candidates, or the highest sum of aggregates (no step scored: 0). One function for
+    eval.py's best-of-N and prm.search: the caller normalizes the answers into keys."""
+    if how == "best-of-n":
+        values = [solution_score(s, aggregate) for s in scores]
+        return [[i] for i, v in enumerate(values) if v == max(values)]
+    votes, members = defaultdict(float), defaultdict(list)
+    for i, (key, s) in enumerate(zip(keys, scores)):
+        if key is not None:
+            votes[key] += 1 if how == "majority" else AGGREGATES[aggregate](s) if s else 0.0
+            members[key].append(i)
+    return [members[k] for k, v in votes.items() if v == max(votes.values())]
 
 
 def pick_accuracy(cands: list, method: str) -> float:
-    """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer"})."""
+    """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer":
+    its key}): ties share it."""
     correct = [bool(c["correct"]) for c in cands]
-    if method in AGGREGATES:
-        return _expected_hit([solution_score(c["step_probs"], method) for c in cands], correct)
     if method == "oracle":
         return float(any(correct))
     if method == "random":
         return sum(correct) / len(correct)
-    votes, right = defaultdict(float), defaultdict(list)  # answer -> votes, its candidates' correct
-    weighted = method == "weighted_vote"
-    for c, ok in zip(cands, correct):
-        if c.get("answer") is not None:
-            votes[c["answer"]] += solution_score(c["step_probs"], "min") if weighted else 1
-            right[c["answer"]].append(ok)
-    if not votes:
-        return 0.0
-    # votes and right share their key order
-    return _expected_hit(list(votes.values()), [sum(r) / len(r) for r in right.values()])
+    how, aggregate = ("best-of-n", method) if method in AGGREGATES else \
+        ("majority", "min") if method == "majority_vote" else ("weighted", method[9:])
+    wins = picked([c.get("answer") for c in cands], [c["step_probs"] for c in cands], how,
+                  aggregate)
+    return sum(sum(correct[i] for i in w) / len(w) for w in wins) / len(wins) if wins else 0.0
 
 
 def _subsets(n: int, size: int, draws: int, rng: random.Random) -> list:
@@ -177,7 +184,7 @@ def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
     largest = max(len(g) for g in groups)
     sizes = [2 ** k for k in range(largest.bit_length()) if 2 ** k < largest] + [largest]
     voting = any(c.get("answer") is not None for g in groups for c in g)
-    methods = [m for m in BEST_OF_N_METHODS if voting or not m.endswith("_vote")]
+    methods = [m for m in BEST_OF_N_METHODS if voting or m not in VOTES]
     out = {m: {} for m in methods}
     for size in sizes:
         rng = random.Random(f"{seed}/{size}")  # one stream per N

@@ -176,6 +176,10 @@ class PRMReward:
         """search-and-learn's PRM interface: per question, per output, P(correct) per step."""
         if len(questions) != len(outputs):
             raise ValueError(f"{len(questions)} questions for {len(outputs)} lists of outputs")
+        for i, texts in enumerate(outputs):
+            if not isinstance(texts, (list, tuple)):
+                raise ValueError(f"outputs[{i}] {texts!r:.60}: expected a list of solutions per "
+                                 "question, such as [['1+1=2\\n2+1=3']]")
         probs = self.step_probs([q for q, texts in zip(questions, outputs) for _ in texts],
                                 [text for texts in outputs for text in texts])
         ends = list(itertools.accumulate(map(len, outputs), initial=0))
