@@ -112,11 +112,10 @@ def check_pretokenized(ds, tokenizer, cfg):
     over = pc.greater_equal(pc.list_flatten(ids), n_vocab)
     bad = pc.unique(pc.filter(pc.list_parent_indices(ids), over)).to_pylist()  # row indices
     if bad:
-        where = (ds["where"][:] if "where" in ds.column_names
-                 else [f"row {i}" for i in range(len(ds))])
-        raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is "
-                         f"out of the tokenizer's {n_vocab} tokens: was it tokenized with another "
-                         "tokenizer?" for i in bad])
+        rows = {i: ds[i] for i in bad}
+        raise DataError([f"{r.get('where', f'row {i}')}: field 'input_ids': token id "
+                         f"{max(r['input_ids'])} is out of the tokenizer's {n_vocab} tokens: was "
+                         "it tokenized with another tokenizer?" for i, r in rows.items()])
 
 
 def cut_pretokenized(batch: dict, **kw) -> dict:
