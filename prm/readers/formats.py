@@ -19,7 +19,7 @@ FORMATS = {  # the columns that identify each format, in detection order
 # source columns kept for evaluation's reports, with their types
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
-KINDS = {"string": (str, "text"), "bool": (bool, "true/false"), "int64": (int, "an integer"),
+KINDS = {"string": (str, "text"), "bool": (bool, "true/false"),
          "response_answer": (str, "the final answer as text")}
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes

@@ -1,5 +1,4 @@
 """Stepwise or pre-tokenized datasets -> tokenized rows (COLUMNS), and the data report."""
-import hashlib
 import os
 
 import pyarrow.compute as pc
@@ -66,16 +65,9 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
         tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval,
                                        num_proc=num_proc, desc=desc, tokenize=tokenize)
         return tok, {**report, "examples_dropped": report["examples_dropped"] + len(bad)}
-    arrow = tok.with_format("arrow")  # steps cut by a length cap, in every row
-    n_cut = _total(pc.list_value_length(arrow["step_labels"])) - _total(arrow["steps_kept"])
     kept = tok.filter(lambda b: [n > 0 for n in b["n_labeled"]], batched=True,
                       desc="drop unlabeled")
-    with_sep = 0
-    if "completions" in ds.column_names:
-        steps = pc.list_flatten(ds.with_format("arrow")["completions"])
-        with_sep = _total(pc.match_substring(steps, cfg.step_separator))
-    return (kept if drop_unlabeled else tok), dataset_report(
-        kept, n_rows_in=len(ds), steps_truncated=n_cut, steps_with_separator=with_sep)
+    return (kept if drop_unlabeled else tok), dataset_report(ds, tok, kept, cfg.step_separator)
 
 
 def _total(values) -> int:
@@ -102,11 +94,8 @@ def template_problems(ds, tokenizer, which: str) -> list:
 
 def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str:
     """map's fingerprint from data, tokenizer, settings and code: cheaper than hashing them all."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        tok = Hasher.hash(tokenizer)
-    else:
-        tok = hashlib.sha256(backend.to_str().encode()).hexdigest()
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # its JSON: cheaper to hash
+    tok = Hasher.hash(tokenizer if backend is None else backend.to_str())
     special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
     settings = {k: v for k, v in kwargs.items() if k != "tokenizer"}
     code = [Hasher.hash(f) for f in (tokenize, tokenize_example, make_row, normalize_label)]
@@ -119,18 +108,14 @@ def check_pretokenized(ds, tokenizer, cfg):
         raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows "
                          "carry no prompt/step boundary to apply it to; set it to 0 and cap them "
                          "with --max-length"])
-    n_vocab, bad, offset = len(tokenizer), [], 0
-    for chunk in ds.with_format("arrow")["input_ids"].chunks:
-        over = pc.greater_equal(pc.list_flatten(chunk), n_vocab)
-        over = pc.filter(pc.list_parent_indices(chunk), over)
-        bad += [offset + i for i in pc.unique(over).to_pylist()]
-        offset += len(chunk)
+    n_vocab, ids = len(tokenizer), ds.with_format("arrow")["input_ids"]
+    over = pc.greater_equal(pc.list_flatten(ids), n_vocab)
+    bad = pc.unique(pc.filter(pc.list_parent_indices(ids), over)).to_pylist()  # row indices
     if bad:
-        where = (ds["where"][:] if "where" in ds.column_names
-                 else [f"row {i}" for i in range(len(ds))])
-        raise DataError([f"{where[i]}: field 'input_ids': token id {max(ds[i]['input_ids'])} is "
-                         f"out of the tokenizer's {n_vocab} tokens: was it tokenized with another "
-                         "tokenizer?" for i in bad])
+        rows = {i: ds[i] for i in bad}
+        raise DataError([f"{r.get('where', f'row {i}')}: field 'input_ids': token id "
+                         f"{max(r['input_ids'])} is out of the tokenizer's {n_vocab} tokens: was "
+                         "it tokenized with another tokenizer?" for i, r in rows.items()])
 
 
 def cut_pretokenized(batch: dict, **kw) -> dict:
@@ -141,15 +126,21 @@ def cut_pretokenized(batch: dict, **kw) -> dict:
                     for ids, labels, e in zip(batch["input_ids"], batch["labels"], ends)])
 
 
-def dataset_report(tok, n_rows_in: int, steps_truncated: int, steps_with_separator: int) -> dict:
-    """The data report, counted in Arrow over the rows kept."""
-    t = tok.with_format("arrow")
+def dataset_report(ds, tok, kept, separator: str) -> dict:
+    """The data report, counted in Arrow: of rows read (ds), tokenized (tok), kept."""
+    t = kept.with_format("arrow")
     lengths, labels = t["length"], pc.list_flatten(t["labels"])
     labels = pc.filter(labels, pc.not_equal(labels, IGNORE))
     n = len(labels)
-    return {"examples": len(tok), "labeled_steps": n,
+    every = tok.with_format("arrow")  # steps cut by a length cap, counted in every row
+    cut = _total(pc.list_value_length(every["step_labels"])) - _total(every["steps_kept"])
+    with_sep = 0
+    if "completions" in ds.column_names:  # pre-tokenized rows have no step text
+        steps = pc.list_flatten(ds.with_format("arrow")["completions"])
+        with_sep = _total(pc.match_substring(steps, separator))
+    return {"examples": len(kept), "labeled_steps": n,
             "positive_rate": round(_total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
             "mean_tokens": round(_total(lengths) / max(len(lengths), 1), 1),
             "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
-            "examples_dropped": n_rows_in - len(tok), "steps_truncated": steps_truncated,
-            "steps_with_separator": steps_with_separator}
+            "examples_dropped": len(ds) - len(kept), "steps_truncated": cut,
+            "steps_with_separator": with_sep}

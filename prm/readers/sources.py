@@ -178,14 +178,12 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
             if fmt == "pretokenized":  # errors found at tokenization name the line
                 for row in found:
                     row["where"] = f"{name} {where}"
-            if fmt == "prmbench" and record.get("idx") is not None:  # PRMBench's: an id's first row
-                kept = [row for row in found if row["id"] not in ids]
-                ids.update(row["id"] for row in kept)
-                repeated, found = repeated + len(found) - len(kept), kept
-                if not kept:
-                    continue
-            rows += found
             empty += not found
+            if fmt == "prmbench" and record.get("idx") is not None:  # PRMBench's: an id's first row
+                repeated += sum(row["id"] in ids for row in found)
+                found = [row for row in found if row["id"] not in ids]
+                ids.update(row["id"] for row in found)
+            rows += found
     if bad and not cfg.skip_invalid:
         raise DataError(problems, total_rows=bad)
     note = f"; {empty} records gave no labeled example" if empty else ""
@@ -272,10 +270,13 @@ def read_splits(cfg, cache_dir: str = None) -> tuple:
         notes.append(f"held out {len(held)} of {len(train) + len(held)} examples, split by prompt "
                      f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
-    key = cache_dir and os.path.basename(cache_dir)  # see _read_back
-    at = lambda split: dict(cache_dir=cache_dir, fingerprint=key and f"{key}-{split}")
-    return (to_dataset([cut(r) for r in train], **at("train")),
-            to_dataset(held, **at("held"), notes=notes), notes)
+    return (to_dataset([cut(r) for r in train], **_entry(cache_dir, "train")),
+            to_dataset(held, **_entry(cache_dir, "held"), notes=notes), notes)
+
+
+def _entry(path: str, split: str) -> dict:
+    """to_dataset's place for a split of the rows cache entry at path (None: no cache)."""
+    return dict(cache_dir=path, fingerprint=path and f"{os.path.basename(path)}-{split}")
 
 
 def data_digest(spec: str) -> str:
@@ -325,8 +326,7 @@ def _read_back(path: str):
     """(train, held) of a cache entry, notes said again; None if partial or damaged (removed)."""
     sums = os.path.join(path, "rows.sha256")
     try:
-        train, held = (Dataset.from_generator(_not_cached, cache_dir=path,
-                                              fingerprint=f"{os.path.basename(path)}-{split}")
+        train, held = (Dataset.from_generator(_not_cached, **_entry(path, split))
                        for split in ("train", "held"))
         notes = json.loads(held.info.description)
         if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
