@@ -87,12 +87,12 @@ class Parser(argparse.ArgumentParser):
     prefix often fits several."""
 
     def __init__(self, *classes, usage: str = None, **kw):
-        self.fields = {f.name: f for cls in classes for f in fields(cls) if "help" in f.metadata}
-        needed = [f.metadata.get("flag", flag(f.name)) + " " + f.name.upper()
-                  for f in self.fields.values() if f.metadata.get("required")]
-        self.bare = [f.name for f in self.fields.values() if f.metadata.get("positional")]
+        own = [f for cls in classes for f in fields(cls) if "help" in f.metadata]
+        needed = [flag_of(f) + " " + f.name.upper() for f in own if f.metadata.get("required")]
+        self.bare = [f.name for f in own if f.metadata.get("positional")]
         super().__init__(usage=usage or " ".join(["%(prog)s", *needed, *self.bare, "[options]"]),
                          allow_abbrev=False, formatter_class=Formatter, **kw)
+        self.fields = {}
         for cls in classes:
             self.add_fields(cls)
 
@@ -113,10 +113,8 @@ class Parser(argparse.ArgumentParser):
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
         default = REQUIRED if m.get("required") else f.default
         kw.update(action=Given, default=default if shown else argparse.SUPPRESS)
-        if kind(f) is bool and self.bare:  # `--skip-invalid INPUT`: INPUT is not its value
-            kw.update(nargs=0, const=SWITCH)
-        elif kind(f) is bool:
-            kw.update(nargs="?", const=SWITCH, metavar="BOOL")
+        if kind(f) is bool:  # `--skip-invalid INPUT`: INPUT is not its value
+            kw.update(nargs=0 if self.bare else "?", const=SWITCH, metavar="BOOL")
         elif kind(f) is tuple:  # 1,4,16; with nargs, a word an item
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
@@ -149,7 +147,7 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
-        missing = [f.metadata.get("flag", flag(f.name)) for f in self.fields.values()
+        missing = [flag_of(f) for f in self.fields.values()
                    if f.metadata.get("required") and f.name not in ns.given]
         if missing:
             raise UsageError(f"{', '.join(missing)} {'are' if missing[1:] else 'is'} required")
@@ -173,6 +171,10 @@ class Parser(argparse.ArgumentParser):
                           if a.dest == action.dest and a.help != argparse.SUPPRESS), action)
             message += f" (did you mean {' / '.join(shown.option_strings)}?)"
         raise UsageError(message)
+
+
+def flag_of(f) -> str:
+    return f.metadata.get("flag", flag(f.name))
 
 
 def comma_list(kind):
@@ -242,14 +244,12 @@ class BoundedLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         seen = set()
-        # a merge (<<: *base) may repeat a key: the mapping's own one wins
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise yaml.MarkedYAMLError(problem=f"key {preview(key)} given twice",
-                                               problem_mark=key_node.start_mark)
-                seen.add(key)
+        for key, _ in node.value:  # a merge (<<: *base) may repeat a key: the mapping's own wins
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.MarkedYAMLError(problem=f"key {preview(key.value)} given twice",
+                                               problem_mark=key.start_mark)
+                seen.add(key.value)
         return super().construct_mapping(node, deep)
 
 

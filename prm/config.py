@@ -1,6 +1,5 @@
 """Config: every training/eval setting, each an opt() field (help, choices, bounds). Its flags
 and --config files: prm.cli."""
-import collections
 import contextlib
 import dataclasses
 import json
@@ -150,8 +149,8 @@ class Config:
         None, "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
     eval_format: Optional[str] = opt(None, "--eval-dataset's format", rules="rows", choices=FORMATS)
     neutral_label: str = opt(
-        "negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop (unlabeled "
-        "context)", rules="rows scoring", choices=["positive", "negative", "drop"])
+        "negative", "what PRM800K's rating 0 means (negative: as TRL; drop: unlabeled context)",
+        rules="rows scoring", choices=["positive", "negative", "drop"])
     skip_invalid: bool = opt(False, "drop invalid rows (counted), not exit 2", rules="rows scoring")
     num_proc: Optional[int] = opt(
         None, "tokenization processes (default, or 0: one per CPU core up to 8 from 20,000 "
@@ -240,8 +239,9 @@ class Config:
         0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
         trl=("eval_steps",), section="evaluation, logging, checkpoints", check=at_least(0))
     eval_strategy: Optional[str] = opt(
-        None, "steps (every --eval-every, else --log-every), epoch or no; default: steps with "
-        "--eval-every, else no", rules="change", choices=["steps", "epoch", "no"])
+        None, "steps: every --eval-every, else --log-every; default: steps with --eval-every, "
+        "else no",
+        rules="change", choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = opt(
         None, "examples per device (default, or 0: 2 x --batch-size)", rules="change scoring",
         trl=("per_device_eval_batch_size",), check=at_least(0))
@@ -259,8 +259,8 @@ class Config:
     save_every: int = opt(0, "checkpoint every N steps (0: never)", rules="change",
                           trl=("save_steps",), check=at_least(0))
     save_strategy: Optional[str] = opt(
-        None, "steps (every --save-every, else 500), epoch or no; default: steps with "
-        "--save-every, else no", rules="change", choices=["steps", "epoch", "no"])
+        None, "steps: every --save-every, else 500; default: steps with --save-every, else no",
+        rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = opt(
         2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",),
         check=at_least(0))
@@ -281,12 +281,11 @@ class Config:
 
     @classmethod
     def names_with(cls, rule: str) -> tuple:
-        """The fields with the rule (see RULES), in order."""
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """Checked (UsageError naming every problem), a copy with the auto (None) fields filled
-        in; dtype, num_proc and format, decided by the device or the data, stay None."""
+        """Checked, a copy with the auto (None) fields filled in; dtype, num_proc and format,
+        decided by the device or the data, stay None."""
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
@@ -311,7 +310,7 @@ class Config:
         return steps[getattr(self, kind + "_strategy")]
 
     def problems(self) -> list:
-        """Every setting that cannot work, one line each: each field's checks, then the pairs'."""
+        """Every setting that cannot work, one line each."""
         out = field_problems(self)
         if self.fsdp and self.dtype == "fp16":
             out.append("--dtype 'fp16': fp16 loss scaling is not supported with --fsdp: use bf16")
@@ -341,13 +340,11 @@ class Config:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     def save(self, directory: str):
-        """<directory>/config.train.json: saved with every run, checkpoint and final model."""
         os.makedirs(directory, exist_ok=True)
         write_lines(os.path.join(directory, FILE), [self.to_json()])
 
     @classmethod
     def load(cls, directory: str) -> "Config":
-        """A saved run's settings; UsageError naming the file (and field) when unreadable."""
         path = os.path.join(directory, FILE)
         try:
             with open(path) as f:
@@ -375,25 +372,26 @@ MAY_CHANGE = Config.names_with("change")
 
 
 def flag(name: str) -> str:
-    """A field's flag: --its-name."""
     return "--" + name.replace("_", "-")
 
 
 def kind(f) -> type:
-    """A field's value type: float for `Optional[float]`."""
+    """float for `Optional[float]`."""
     return ([t for t in get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
 def unique_keys(pairs: list) -> dict:
     """json's object_pairs_hook refusing a key given twice."""
-    twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
-    if twice:
-        raise ValueError(f"key {preview(twice[0])} given twice")
-    return dict(pairs)
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {preview(key)} given twice")
+        out[key] = value
+    return out
 
 
 def checked_value(f, value):
-    """value for field f as read from a file; ValueError saying why when it does not fit."""
+    """value for field f as read from a file; ValueError saying why it does not fit."""
     want = kind(f)
     if value is None and f.default is None:  # auto
         return value
