@@ -23,11 +23,11 @@ UNSUPPORTED = {name: why for names, why in [
     ("deepspeed fsdp_config", "launch with torchrun: DDP, or --fsdp (FSDP2)"),
     ("do_train do_eval do_predict",
      "train.py always trains and evaluates; eval.py scores a saved model"),
-    ("optim lr_scheduler_kwargs", "the optimizer is AdamW; the schedule --lr-scheduler-type"),
+    ("optim lr_scheduler_kwargs", "the optimizer is AdamW; the schedule: --lr-scheduler-type"),
     ("load_in_4bit load_in_8bit", "no quantized base: --lora-base-dtype bf16 halves its memory"),
-    ("use_rslora use_dora lora_modules_to_save", "LoRA here is plain LoRA"),
+    ("use_rslora use_dora lora_modules_to_save", "plain LoRA here; the head trains fully"),
     ("max_prompt_length", "prompts are kept whole: --max-completion-length caps the steps"),
-    ("attn_implementation", "attention is chosen per device"),
+    ("attn_implementation", "chosen per device: SDPA, varlen flash with --packing"),
 ] for name in names.split()}
 REQUIRED = "(required)"  # a required flag's default: Parser.parse_args checks, after unknown ones
 SWITCH = True  # a switch's const: its value given alone
@@ -208,11 +208,12 @@ def translate(pairs: list, known: dict, where: str = "") -> dict:
             value = checked_value(known[dest], value) if where else value
         except ValueError as e:
             fail(f"{name}: {e}" if conv else str(e))
-        if conv and conv.keep and out.get(dest) in conv.keep:  # `--bf16 --fp16 false`: bf16
+        keep = conv.keep if conv else ()
+        if out.get(dest) in keep:  # `--bf16 --fp16 false`: bf16
             if value != "fp32":
                 fail(f"at most one of fp16 and bf16 can be true ({dest} is {out[dest]} already)")
             continue
-        if not (conv and conv.keep) and named.setdefault(dest, name) != name:
+        if not keep and named.setdefault(dest, name) != name:
             fail(f"{named[dest]} and {name} both set {flag(dest)}: give one")
         out[dest] = value
     return out
