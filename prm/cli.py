@@ -1,5 +1,5 @@
-"""Command lines from options dataclasses (prm.config.opt): one Parser, one translation of TRL's /
-HF's names for flags and train.py's --config files (YAML or JSON) alike, one-line errors."""
+"""Flags from options dataclasses (prm.config.opt) and train.py's --config files, TRL's names
+translated alike for both; every error one line."""
 import argparse
 import difflib
 import json
@@ -14,36 +14,28 @@ from prm.config import Config, boolean, checked_value, flag, kind, preview, uniq
 from prm.errors import UsageError, check
 
 
-# every TRL/HF name of a field: {name: (field, its Converted or None)}; a name shared with TRL needs
-# no entry
+# {TRL name: (field, its Converted or None)}
 ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t)
            for f in fields(Config) for t in f.metadata["trl"]}
 # TRL / HF flags left out on purpose, with what to do instead
 UNSUPPORTED = {name: why for names, why in [
     ("push_to_hub hub_model_id hub_token", "upload <output-dir>/final yourself (hf upload)"),
-    ("deepspeed fsdp_config",
-     "launch with torchrun: DDP, or --fsdp to shard weights, gradients and AdamW state (FSDP2)"),
-    ("do_train do_eval do_predict", "train.py always trains and evaluates (--eval-every for more "
-     "often); eval.py scores a saved model"),
-    ("optim lr_scheduler_kwargs", "the optimizer is AdamW (--adam-beta1, --adam-beta2, "
-     "--adam-epsilon, --weight-decay); the schedule is --lr-scheduler-type"),
+    ("deepspeed fsdp_config", "launch with torchrun: DDP, or --fsdp (FSDP2)"),
+    ("do_train do_eval do_predict",
+     "train.py always trains and evaluates; eval.py scores a saved model"),
+    ("optim lr_scheduler_kwargs", "the optimizer is AdamW; the schedule: --lr-scheduler-type"),
     ("load_in_4bit load_in_8bit", "no quantized base: --lora-base-dtype bf16 halves its memory"),
-    ("use_rslora use_dora lora_modules_to_save", "LoRA here is plain LoRA; the head trains fully"),
-    ("max_prompt_length", "prompts are kept whole: --max-length caps the example, "
-     "--max-completion-length its steps"),
-    ("attn_implementation", "attention is chosen per device (SDPA; varlen flash with --packing)"),
+    ("use_rslora use_dora lora_modules_to_save", "plain LoRA here; the head trains fully"),
+    ("max_prompt_length", "prompts are kept whole: --max-completion-length caps the steps"),
+    ("attn_implementation", "chosen per device: SDPA, varlen flash with --packing"),
 ] for name in names.split()}
-
-
-REQUIRED = "(required)"  # a required flag's argparse default (Parser.parse_args checks)
-
-
-SWITCH = True  # a switch's argparse const (its value when given alone)
+REQUIRED = "(required)"  # a required flag's default: Parser.parse_args checks, after unknown ones
+SWITCH = True  # a switch's const: its value given alone
 
 
 class Given(argparse.Action):
-    """Records (name given, field, value) in the namespace's `given`, in order; a switch a bool
-    (nargs "?": HF's `--x`, `--x false`, `--no-x`; 0: no value)."""
+    """Appends (name given, field, value) to the namespace's `given`; a switch's value is a bool
+    (`--x`, `--x false`, `--no-x`)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
@@ -57,7 +49,7 @@ class Given(argparse.Action):
 
 
 def nearest(name: str, names: list):
-    """The name a typo meant: difflib's closest whose words each near one of name's, or None."""
+    """The name a typo meant: difflib's closest whose every word is near one of name's, or None."""
     def words(text: str) -> list:
         return [w for w in re.split(r"[-_]+", text.lower()) if w]
 
@@ -68,8 +60,7 @@ def nearest(name: str, names: list):
 
 
 class Formatter(argparse.HelpFormatter):
-    """Paragraphs kept; a default as typed ('auto' for None where a choice, a list as 1,4,16, an
-    escaped string as '\\n'), none for None or (); required flags say so."""
+    """Paragraphs kept; a default as typed: 'auto' for a choice's None, 1,4,16, '\\n'."""
 
     def _fill_text(self, text, width, indent):
         return "\n\n".join(super(Formatter, self)._fill_text(p, width, indent)
@@ -91,23 +82,22 @@ class Formatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """Options dataclasses' fields (prm.config.opt) as flags; parse_args sets each to what
-    translate() reads from the flags given (also in `given`), else its default. A bad flag is a
-    one-line UsageError. No abbreviations: with the aliases, a prefix often fits several."""
+    """Dataclasses' opt() fields as flags; parse_args sets each to what translate() reads from
+    the flags given (also in `given`), else its default. No abbreviations: with the aliases a
+    prefix often fits several."""
 
     def __init__(self, *classes, usage: str = None, **kw):
-        self.fields = {f.name: f for cls in classes for f in fields(cls) if "help" in f.metadata}
-        needed = [f.metadata.get("flag", flag(f.name)) + " " + f.name.upper()
-                  for f in self.fields.values() if f.metadata.get("required")]
-        self.bare = [f.name for f in self.fields.values() if f.metadata.get("positional")]
+        own = [f for cls in classes for f in fields(cls) if "help" in f.metadata]
+        needed = [flag_of(f) + " " + f.name.upper() for f in own if f.metadata.get("required")]
+        self.bare = [f.name for f in own if f.metadata.get("positional")]
         super().__init__(usage=usage or " ".join(["%(prog)s", *needed, *self.bare, "[options]"]),
                          allow_abbrev=False, formatter_class=Formatter, **kw)
+        self.fields = {}
         for cls in classes:
             self.add_fields(cls)
 
     def add_fields(self, cls, names=None, group=None):
-        """cls's fields (those in names) as flags: on group, without defaults (none set them);
-        else a `section` starts a --help group."""
+        """cls's fields (those in names) as flags, on group without defaults."""
         section = group or self
         for f in fields(cls):
             if "help" in f.metadata and (names is None or f.name in names):
@@ -117,16 +107,14 @@ class Parser(argparse.ArgumentParser):
                 self.fields[f.name] = f
 
     def add_field(self, group, f, shown: bool):
-        """f as --its-name (or its `flag`) and TRL names; hidden: underscore spellings and TRL
-        names that convert. A switch (a bool) takes true/false unless a positional may follow."""
+        """f as --its-name (or its `flag`) and TRL names; underscore spellings and converting
+        TRL names hidden."""
         m = f.metadata
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
         default = REQUIRED if m.get("required") else f.default
         kw.update(action=Given, default=default if shown else argparse.SUPPRESS)
-        if kind(f) is bool and self.bare:  # `--skip-invalid INPUT`: INPUT is not its value
-            kw.update(nargs=0, const=SWITCH)
-        elif kind(f) is bool:
-            kw.update(nargs="?", const=SWITCH, metavar="BOOL")
+        if kind(f) is bool:  # `--skip-invalid INPUT`: INPUT is not its value
+            kw.update(nargs=0 if self.bare else "?", const=SWITCH, metavar="BOOL")
         elif kind(f) is tuple:  # 1,4,16; with nargs, a word an item
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
@@ -144,11 +132,11 @@ class Parser(argparse.ArgumentParser):
                                                       "choices": None}, None)
                     for c in m["trl"] if not isinstance(c, str)]
         for spellings, more, shown_as in spelled:
-            taken = group._option_string_actions  # the parser's: an underscore spelling may be
-            spellings = [s for s in dict.fromkeys(spellings) if s not in taken]  # the dashed one
+            taken = group._option_string_actions  # the underscore spelling may be the dashed one
+            spellings = [s for s in dict.fromkeys(spellings) if s not in taken]
             if more.get("const") is SWITCH:
                 spellings += ["--no-" + s[2:] for s in spellings]
-            if spellings:  # flag: how a bad value's error names the field
+            if spellings:  # flag: the name a bad value's error gives
                 group.add_argument(*spellings, **more).flag = shown_as
 
     def parse_known_args(self, args=None, namespace=None):
@@ -158,16 +146,15 @@ class Parser(argparse.ArgumentParser):
         return ns, rest
 
     def parse_args(self, args=None, namespace=None):
-        """As argparse's; a required flag missing is said after an unknown one."""
         ns = super().parse_args(args, namespace)
-        missing = [f.metadata.get("flag", flag(f.name)) for f in self.fields.values()
+        missing = [flag_of(f) for f in self.fields.values()
                    if f.metadata.get("required") and f.name not in ns.given]
         if missing:
             raise UsageError(f"{', '.join(missing)} {'are' if missing[1:] else 'is'} required")
         return ns
 
     def error(self, message: str):
-        # "argument --batch_size/--per_device_train_batch_size: ...": named as --help lists it
+        # a bad value's flag named as --help lists it, not "--batch_size/--per_device_train..."
         bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
         action = self._option_string_actions.get(bad[1]) if bad else None
         if getattr(action, "flag", None):
@@ -186,17 +173,21 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def flag_of(f) -> str:
+    return f.metadata.get("flag", flag(f.name))
+
+
 def comma_list(kind):
-    """A comma list's items as kind, in a tuple: --n 1,4,16."""
+    """--n 1,4,16 as a tuple of kind."""
     def comma_list(text: str) -> tuple:  # argparse's error names it
         return tuple(kind(x.strip()) for x in text.split(","))
     return comma_list
 
 
 def translate(pairs: list, known: dict, where: str = "") -> dict:
-    """{field: value} of (name given, field, value), in order, from flags or a file (where:
-    '--config FILE: ', its values checked too): TRL/HF names through ALIASES; --bf16 / --fp16
-    act on the dtype so far; a field set under two names is refused, by one twice: the last."""
+    """{field: value} of (name given, field, value) from flags or a file (where: '--config
+    FILE: ', its values checked too). --bf16 / --fp16 act on the dtype so far; a field set under
+    two names is refused, under one twice: the last wins."""
     def fail(what: str):
         raise UsageError(where + what)
     out, named = {}, {}
@@ -217,23 +208,23 @@ def translate(pairs: list, known: dict, where: str = "") -> dict:
             value = checked_value(known[dest], value) if where else value
         except ValueError as e:
             fail(f"{name}: {e}" if conv else str(e))
-        if conv and conv.keep and out.get(dest) in conv.keep:  # `--bf16 --fp16 false`: bf16
+        keep = conv.keep if conv else ()
+        if out.get(dest) in keep:  # `--bf16 --fp16 false`: bf16
             if value != "fp32":
                 fail(f"at most one of fp16 and bf16 can be true ({dest} is {out[dest]} already)")
             continue
-        if not (conv and conv.keep) and named.setdefault(dest, name) != name:
+        if not keep and named.setdefault(dest, name) != name:
             fail(f"{named[dest]} and {name} both set {flag(dest)}: give one")
         out[dest] = value
     return out
 
 
 def parsed(cls, args):
-    """The dataclass cls of a command line parsed by a Parser holding its fields."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def writable(path: str) -> bool:
-    """Whether path's nearest existing part is a writable folder (or path itself)."""
+    """Whether path, or its nearest existing parent folder, is writable."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
@@ -241,7 +232,7 @@ def writable(path: str) -> bool:
 
 
 class BoundedLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key given twice and over 20 aliases (a 'billion laughs' bomb)."""
+    """SafeLoader refusing a key given twice and over 20 aliases ('billion laughs')."""
     aliases = 0
 
     def compose_node(self, parent, index):
@@ -254,19 +245,16 @@ class BoundedLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         seen = set()
-        # a merge (<<: *base) may repeat a key: the mapping's own one wins
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise yaml.MarkedYAMLError(problem=f"key {preview(key)} given twice",
-                                               problem_mark=key_node.start_mark)
-                seen.add(key)
+        for key, _ in node.value:  # a merge (<<: *base) may repeat a key: the mapping's own wins
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.MarkedYAMLError(problem=f"key {preview(key.value)} given twice",
+                                               problem_mark=key.start_mark)
+                seen.add(key.value)
         return super().construct_mapping(node, deep)
 
 
 def yaml_problem(e: yaml.YAMLError) -> str:
-    """A PyYAML error on one line: where (line, column) and what."""
     at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"
     if getattr(e, "problem_mark", None) is None or not e.problem:
         return " ".join(str(e).split())
@@ -275,7 +263,6 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def read_config_file(path: str) -> dict:
-    """{field: value} from a YAML or JSON file keyed by any of the flags' spellings."""
     where = f"--config {path}: "
     if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() for ever
         raise UsageError(where + "not a regular file")

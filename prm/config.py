@@ -1,6 +1,5 @@
-"""The options dataclasses' fields (opt: help, choices, bounds) and Config, every training/eval
-setting; resolve() checks it and fills in the auto ones. Flags and --config files: prm.cli."""
-import collections
+"""Config: every training/eval setting, each an opt() field (help, choices, bounds). Its flags
+and --config files: prm.cli."""
 import contextlib
 import dataclasses
 import json
@@ -17,10 +16,10 @@ FILE = "config.train.json"
 FORMATS = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench",
            "candidates", "prmbench", "mrben"]
 SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
-# a field's `rules`. change: a resumed run may change it (the global batch aside). rows: it shapes
-# the rows read from data files, so it keys their cache. scoring: eval.py takes it
+# a field's `rules`. change: a resume may change it; rows: it shapes the rows read (and keys their
+# cache); scoring: eval.py takes it
 RULES = {"change", "rows", "scoring"}
-# auto is None; 0 for a number and the word for a choice still read as None
+# auto is None; 0 (a number) or "auto" (a choice) still read as it
 AUTO = (0, "auto")
 BOOLEAN = ("true", "false", "yes", "no", "1", "0")
 _SHORT = reprlib.Repr()
@@ -28,12 +27,12 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 200, 200
 
 
 def unescape(text: str) -> str:
-    """Backslash escapes decoded: `--step-separator '\\n'` is a newline."""
+    """`--step-separator '\\n'` is a newline."""
     return text.encode("utf-8").decode("unicode_escape").encode("latin-1").decode("utf-8")
 
 
 def boolean(value) -> bool:
-    """A switch's value as HF's parser takes it (true/false, yes/no, 1/0, any case)."""
+    """A switch's value as HF takes it: true/false, yes/no, 1/0, any case."""
     text = str(value).lower()
     if text not in BOOLEAN:
         raise ValueError(f"expected true or false, got {preview(value)}")
@@ -41,14 +40,14 @@ def boolean(value) -> bool:
 
 
 def preview(value) -> str:
-    """repr(value) in at most about 200 characters, without expanding a deeply nested value."""
+    """repr(value) in about 200 characters at most, a deep value unexpanded."""
     text = _SHORT.repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
 class Converted(NamedTuple):
-    """A TRL/HF name setting a field through convert. nargs "?": a switch (convert gets a bool);
-    "+": a list. keep: the values a false switch leaves alone and a true one refuses."""
+    """A TRL name setting a field through convert. nargs "?": a switch (convert gets a bool);
+    "+": a list. keep: values a false switch leaves alone and a true one refuses."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -56,7 +55,6 @@ class Converted(NamedTuple):
 
 
 def torch_dtype(name: str) -> str:
-    """TRL's --torch_dtype as our dtype."""
     names = {"auto": "auto", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     if name not in names:
         raise ValueError(f"expected one of {', '.join(names)}, got {preview(name)}")
@@ -64,7 +62,7 @@ def torch_dtype(name: str) -> str:
 
 
 def target_list(value) -> str:
-    """TRL's lora_target_modules (a list, or PEFT's 'all-linear') as comma-separated patterns."""
+    """TRL's lora_target_modules (a list, or PEFT's 'all-linear') as our patterns."""
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"expected a list of module names, got {preview(value)}")
@@ -72,9 +70,9 @@ def target_list(value) -> str:
 
 
 def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like=None, **kw):
-    """A field and its flag (prm.cli.Parser): help; argparse's choices, type, required, nargs,
-    metavar; check: bound()s; section: a --help group; flag: not --field-name; positional;
-    rules: words of RULES; trl: TRL/HF names; like: another field, what is given replacing."""
+    """A field and its flag: help; argparse's choices, type, required, nargs, metavar, dest;
+    check: bound()s; section: starts a --help group; flag: not --field-name; positional; rules:
+    words of RULES; trl: TRL names; like: another field, with what is given instead."""
     assert set(rules.split()) <= RULES, rules
     meta = dict(help=help, rules=frozenset(rules.split()), trl=trl, check=check, **kw)
     if like is not None:
@@ -83,7 +81,6 @@ def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like
 
 
 def bound(test: Callable, why: str) -> tuple:
-    """opt's check: a value failing test is refused, saying why."""
     return ((test, why),)
 
 
@@ -92,7 +89,7 @@ def at_least(n) -> tuple:
 
 
 def within(lo, hi, ends: str = "[]") -> tuple:
-    """lo to hi, each end closed ([ ]) or open (( ))."""
+    """Each end closed ([ ]) or open (( ))."""
     def test(v) -> bool:
         return (lo <= v if ends[0] == "[" else lo < v) and (v <= hi if ends[1] == "]" else v < hi)
     return bound(test, f"must be in {ends[0]}{lo}, {hi}{ends[1]}")
@@ -108,7 +105,7 @@ LARGEST = bound(lambda v: v <= 2 ** 24, "must be at most 2^24")  # beyond: index
 
 
 def field_problems(options) -> list:
-    """'--flag value: why' for each value failing its field's check (a tuple's: each item)."""
+    """'--flag value: why' for each value (a tuple's item) its field's check fails."""
     out = []
     for f in fields(options):
         value = getattr(options, f.name)
@@ -120,14 +117,14 @@ def field_problems(options) -> list:
 
 
 class Checked:
-    """Refuses values its fields' checks fail (one UsageError naming each)."""
+    """Refuses values its fields' checks fail."""
 
     def __post_init__(self):
         check(field_problems(self))
 
 
 def _switch(name: str, other: str) -> Converted:
-    """TRL's --bf16 / --fp16 [BOOL]: true is that dtype, false fp32 (or the other's)."""
+    """TRL's --bf16 / --fp16 [BOOL]: true is that dtype, false fp32 (or the other one)."""
     return Converted(name, lambda on: name if on else "fp32", "?", keep=(other,))
 
 
@@ -137,46 +134,40 @@ class Config:
         "tiny", "hub id, local dir, or 'tiny' (a small random decoder, offline)",
         trl=("model_name_or_path",), section="model and data")
     tokenizer: str = opt("", "tokenizer path/id; default: the model's own", rules="scoring")
-    dataset: str = opt(
-        "synthetic", "'synthetic', a hub dataset name, a .jsonl/.json/.parquet file, or a "
-        "directory", rules="rows", trl=("dataset_name",))
+    dataset: str = opt("synthetic", "'synthetic', a hub dataset, a .jsonl/.json/.parquet file or "
+                       "a folder", rules="rows", trl=("dataset_name",))
     eval_dataset: str = opt(
         "", "held-out data; default: --eval-split or an --eval-fraction share", rules="rows")
     dataset_config: str = opt("", "hub dataset config name", rules="scoring")
-    train_split: str = opt(
-        "train", "split used for training", rules="rows", trl=("dataset_train_split",))
-    eval_split: str = opt(
-        "test", "split used for evaluation when the dataset has it", rules="rows scoring",
-        trl=("dataset_test_split",))
+    train_split: str = opt("train", "training split", rules="rows", trl=("dataset_train_split",))
+    eval_split: str = opt("test", "evaluation split, if the dataset has it", rules="rows scoring",
+                          trl=("dataset_test_split",))
     eval_fraction: float = opt(
         0.05, "share held out (split by prompt) without an eval split", rules="rows",
         check=within(0, 1, "()"))
     format: Optional[str] = opt(
         None, "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
-    eval_format: Optional[str] = opt(
-        None, "input format of --eval-dataset", rules="rows", choices=FORMATS)
+    eval_format: Optional[str] = opt(None, "--eval-dataset's format", rules="rows", choices=FORMATS)
     neutral_label: str = opt(
-        "negative", "PRM800K rating 0 means: positive, negative (as TRL), or drop (unlabeled "
-        "context)", rules="rows scoring", choices=["positive", "negative", "drop"])
-    skip_invalid: bool = opt(
-        False, "drop invalid rows (and report how many), not exit 2", rules="rows scoring")
+        "negative", "what PRM800K's rating 0 means (negative: as TRL; drop: unlabeled context)",
+        rules="rows scoring", choices=["positive", "negative", "drop"])
+    skip_invalid: bool = opt(False, "drop invalid rows (counted), not exit 2", rules="rows scoring")
     num_proc: Optional[int] = opt(
         None, "tokenization processes (default, or 0: one per CPU core up to 8 from 20,000 "
         "rows, else 1)", rules="change scoring", trl=("dataset_num_proc",), check=at_least(0))
     synthetic_size: int = opt(32000, "rows of the synthetic default", check=at_least(1))
     output_dir: str = opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
-    overwrite: bool = opt(
-        False, "replace the run in --output-dir (command line only)", rules="change")
+    overwrite: bool = opt(False, "replace the run in --output-dir (command line only)",
+                          rules="change")
     max_length: int = opt(
         1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
         section="tokenization", check=at_least(1))
     max_completion_length: int = opt(
-        0, "tokens of the steps (whole steps), applied before --max-length; 0: no separate cap",
-        rules="scoring", check=at_least(0))
+        0, "the steps' tokens (whole steps) before --max-length; 0: no cap", rules="scoring",
+        check=at_least(0))
     step_separator: str = opt(
-        "\n", "text appended to every step (escapes like \\n understood); its last token "
-        "carries the step's label", rules="scoring", type=unescape,
-        check=not_empty("its last token carries the label"))
+        "\n", "appended to every step (\\n escapes read); its last token carries the step's label",
+        rules="scoring", type=unescape, check=not_empty("its last token carries the label"))
     train_on_last_step_only: bool = opt(False, "in training, keep only the last step's label")
     cut_after_first_error: bool = opt(
         False, "in training, end each solution at its first wrong step", rules="rows")
@@ -185,8 +176,8 @@ class Config:
         section="optimization",
         check=bound(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1"))
     epochs: float = opt(
-        1.0, "data passes if --max-steps is -1; a pass's last global batch is filled up to a "
-        "full batch: some examples train twice a pass", rules="change",
+        1.0, "passes if --max-steps is -1; a pass's last global batch is filled to a full batch: "
+        "some examples train twice a pass", rules="change",
         trl=("num_train_epochs",), check=bound(lambda v: 0 < v < 2 ** 31,
                                                "must be > 0 and below 2^31"))  # no overflow
     batch_size: Optional[int] = opt(
@@ -199,8 +190,8 @@ class Config:
         None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' preset, "
         "else 1e-4 with LoRA, 1e-5 without)", trl=("learning_rate",), check=FINITE)
     lr_scheduler_type: str = opt(
-        "cosine_with_min_lr", "decay after warmup, as HF's schedules (cosine_with_min_lr: to "
-        "10%% of --lr)", choices=SCHEDULES)
+        "cosine_with_min_lr", "decay after warmup, as HF's (cosine_with_min_lr: to 10%% of --lr)",
+        choices=SCHEDULES)
     warmup_steps: float = opt(0, "linear warmup steps; below 1: --warmup-ratio",
                               check=at_least(0) + WHOLE)
     warmup_ratio: float = opt(0.0, "warmup share of all steps if --warmup-steps is 0",
@@ -212,49 +203,45 @@ class Config:
     max_grad_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rules="change",
                                check=FINITE)
     dtype: Optional[str] = opt(
-        None, "autocast dtype; auto: bf16 where the device has it natively, else fp32. TRL's "
-        "--bf16 / --fp16 [BOOL] and --torch_dtype set it too", rules="scoring",
+        None, "autocast dtype; auto: bf16 where native, else fp32 (TRL's --bf16 [BOOL], --fp16 "
+        "[BOOL], --torch_dtype set it too)", rules="scoring",
         choices=["auto", "fp32", "bf16", "fp16"],
         trl=(_switch("bf16", "fp16"), _switch("fp16", "bf16"),
              Converted("torch_dtype", torch_dtype)))
-    gradient_checkpointing: bool = opt(
-        False, "save memory by recomputing activations", rules="change")
-    fsdp: bool = opt(
-        False, "under torchrun, shard weights, gradients and AdamW state over the ranks (FSDP2), "
-        "not copy them (DDP)")
+    gradient_checkpointing: bool = opt(False, "recompute activations: less memory", rules="change")
+    fsdp: bool = opt(False, "under torchrun, shard weights, gradients and AdamW state (FSDP2), not "
+                     "copy them (DDP)")
     group_by_length: bool = opt(True, "batch similar lengths (less padding), reproducible by seed")
     compile: bool = opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
-    packing: bool = opt(
-        True, "padding-free micro-batches: examples back to back in one row, each attending to "
-        "itself; decoders only", rules="change scoring")
+    packing: bool = opt(True, "padding-free: examples back to back in one row, each attending to "
+                        "itself; decoders only", rules="change scoring")
     pack_to: int = opt(
         0, "with --packing, pad rows to a multiple of N tokens (shapes repeat); 0: none",
         rules="change", check=at_least(0))
     seed: int = opt(0, "seed for init, data order and dropout", rules="rows scoring")
-    disable_dropout: bool = opt(True, "set the backbone's dropout to 0 for training, as TRL does")
+    disable_dropout: bool = opt(True, "the backbone's dropout 0 in training, as TRL's")
     lora_r: int = opt(
         0, "LoRA rank; 0 trains every weight",
         section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully",
         check=at_least(0))
-    use_peft: Optional[bool] = opt(
-        None, "TRL's switch: true: LoRA (rank 16 if --lora-r is 0); false: full fine-tuning; "
-        "unset: --lora-r decides", rules="change")
+    use_peft: Optional[bool] = opt(None, "TRL's: true: LoRA (rank 16 if --lora-r is 0); false: "
+                                   "full fine-tuning; unset: --lora-r decides", rules="change")
     lora_alpha: Optional[float] = opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)",
                                       check=FINITE)
     lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input", check=within(0, 1, "[)"))
     lora_targets: str = opt(
-        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated glob "
-        "patterns of linear layers' full or last names; TRL's --lora_target_modules takes a "
-        "list, all-linear for every one", trl=(Converted("lora_target_modules", target_list, "+"),))
-    lora_base_dtype: str = opt(
-        "fp32", "dtype of the frozen base under LoRA; bf16 halves its memory and needs bf16 "
-        "autocast", choices=["fp32", "bf16"])
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated globs of "
+        "linear layers' full or last names (TRL's --lora_target_modules: a list, or all-linear)",
+        trl=(Converted("lora_target_modules", target_list, "+"),))
+    lora_base_dtype: str = opt("fp32", "the frozen base's dtype under LoRA; bf16 halves its "
+                               "memory, needs bf16 autocast", choices=["fp32", "bf16"])
     eval_every: int = opt(
         0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
         trl=("eval_steps",), section="evaluation, logging, checkpoints", check=at_least(0))
     eval_strategy: Optional[str] = opt(
-        None, "steps (every --eval-every, else --log-every), epoch or no; default: steps with "
-        "--eval-every, else no", rules="change", choices=["steps", "epoch", "no"])
+        None, "steps: every --eval-every, else --log-every; default: steps with --eval-every, "
+        "else no",
+        rules="change", choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = opt(
         None, "examples per device (default, or 0: 2 x --batch-size)", rules="change scoring",
         trl=("per_device_eval_batch_size",), check=at_least(0))
@@ -266,22 +253,20 @@ class Config:
         check=at_least(1))
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
     report_to: str = opt(
-        "none", "also send the metrics and the config to TensorBoard (<output-dir>/tensorboard) "
-        "or Weights & Biases", rules="change", choices=["none", "tensorboard", "wandb"])
-    run_name: str = opt(
-        "", "name in TensorBoard / W&B; default: the output directory's", rules="change")
-    save_every: int = opt(
-        0, "write a checkpoint every N steps (0: never)", rules="change", trl=("save_steps",),
-        check=at_least(0))
+        "none", "also send metrics and config to TensorBoard (<output-dir>/tensorboard) or W&B",
+        rules="change", choices=["none", "tensorboard", "wandb"])
+    run_name: str = opt("", "name in TensorBoard / W&B; default: --output-dir's", rules="change")
+    save_every: int = opt(0, "checkpoint every N steps (0: never)", rules="change",
+                          trl=("save_steps",), check=at_least(0))
     save_strategy: Optional[str] = opt(
-        None, "steps (every --save-every, else 500), epoch or no; default: steps with "
-        "--save-every, else no", rules="change", choices=["steps", "epoch", "no"])
+        None, "steps: every --save-every, else 500; default: steps with --save-every, else no",
+        rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = opt(
         2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",),
         check=at_least(0))
     resume: str = opt(
-        "", "checkpoint directory to continue from, or 'auto' for the newest complete one; "
-        "command line only", rules="change", trl=("resume_from_checkpoint",),
+        "", "checkpoint folder to continue, or 'auto': the newest complete one (command line "
+        "only)", rules="change", trl=("resume_from_checkpoint",),
         check=bound(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
                     "directory or 'auto' (the newest complete one in --output-dir: HF's true)"))
     trust_remote_code: bool = opt(
@@ -296,12 +281,11 @@ class Config:
 
     @classmethod
     def names_with(cls, rule: str) -> tuple:
-        """The fields with the rule (see RULES), in order."""
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """Checked (UsageError naming every problem), a copy with the auto (None) fields filled
-        in; dtype, num_proc and format, decided by the device or the data, stay None."""
+        """Checked, a copy with the auto (None) fields filled in; dtype, num_proc and format,
+        decided by the device or the data, stay None."""
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
@@ -326,7 +310,7 @@ class Config:
         return steps[getattr(self, kind + "_strategy")]
 
     def problems(self) -> list:
-        """Every setting that cannot work, one line each: each field's checks, then the pairs'."""
+        """Every setting that cannot work, one line each."""
         out = field_problems(self)
         if self.fsdp and self.dtype == "fp16":
             out.append("--dtype 'fp16': fp16 loss scaling is not supported with --fsdp: use bf16")
@@ -356,13 +340,11 @@ class Config:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     def save(self, directory: str):
-        """<directory>/config.train.json: saved with every run, checkpoint and final model."""
         os.makedirs(directory, exist_ok=True)
         write_lines(os.path.join(directory, FILE), [self.to_json()])
 
     @classmethod
     def load(cls, directory: str) -> "Config":
-        """A saved run's settings; UsageError naming the file (and field) when unreadable."""
         path = os.path.join(directory, FILE)
         try:
             with open(path) as f:
@@ -390,25 +372,26 @@ MAY_CHANGE = Config.names_with("change")
 
 
 def flag(name: str) -> str:
-    """A field's flag: --its-name."""
     return "--" + name.replace("_", "-")
 
 
 def kind(f) -> type:
-    """A field's value type: float for `Optional[float]`."""
+    """float for `Optional[float]`."""
     return ([t for t in get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
 def unique_keys(pairs: list) -> dict:
     """json's object_pairs_hook refusing a key given twice."""
-    twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
-    if twice:
-        raise ValueError(f"key {preview(twice[0])} given twice")
-    return dict(pairs)
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {preview(key)} given twice")
+        out[key] = value
+    return out
 
 
 def checked_value(f, value):
-    """value for field f as read from a file; ValueError saying why when it does not fit."""
+    """value for field f as read from a file; ValueError saying why it does not fit."""
     want = kind(f)
     if value is None and f.default is None:  # auto
         return value
