@@ -391,13 +391,14 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         render = (lambda q: gen.render(system + chat(q))) if system else gen.render
         part = (shard[0] * rt.world_size + rt.rank, shard[1] * rt.world_size)
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
-        out = search_file(problems, a.output, gen, reward.score, opts, render=render,
+        count = prm_counter(reward)
+        out = search_file(problems, a.output, gen, reward.score, opts, render=render, count=count,
                           settings=model, part=part, show=rt.is_main)
         if rt.distributed:
             dist.barrier(group=wait)
             if rt.is_main and shard[1] == 1:
                 out = search_file(problems, a.output, gen, reward.score, opts, render=render,
-                                  settings=model, show=False)
+                                  count=count, settings=model, show=False)
         if rt.is_main:
             print(table(out), file=sys.stderr)
             print(json.dumps(out), flush=True)

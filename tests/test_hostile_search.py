@@ -12,7 +12,8 @@ import prm.search as search
 from prm.errors import UsageError
 from prm.files import locked, write_lines
 from prm.files import check_settings
-from prm.label import LabelOptions, label_file, same_answer
+from prm.answers import same_answer
+from prm.label import LabelOptions, label_file
 from prm.search import SearchOptions, pick, search_file
 from test_search import scripted_policy, scripted_score, write_problems
 

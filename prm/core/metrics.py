@@ -147,7 +147,9 @@ def picked(keys: list, scores: list, how: str, aggregate: str) -> list:
         if key is not None:
             votes[key] += 1 if how == "majority" else AGGREGATES[aggregate](s) if s else 0.0
             members[key].append(i)
-    return [members[k] for k, v in votes.items() if v == max(votes.values())]
+    # weights tied (e.g. nothing scored: prompts past the PRM's max_length): the most candidates
+    best = max(((v, len(members[k])) for k, v in votes.items()), default=None)
+    return [members[k] for k, v in votes.items() if (v, len(members[k])) == best]
 
 
 def pick_accuracy(cands: list, method: str) -> float:
