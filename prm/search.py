@@ -21,8 +21,8 @@ from prm.scoring import ScorerOptions
 
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
-# a problem searched: its input row, the text the policy continues, right(text) -> bool
-Problem = collections.namedtuple("Problem", "index row text right")
+# a problem searched: its input row, the text the policy continues, is_correct(text) -> bool
+Problem = collections.namedtuple("Problem", "index row text is_correct")
 
 
 def _shared(name: str, **meta):
@@ -94,7 +94,7 @@ def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
     text = opts.step_separator.join(steps)
     return {"steps": list(steps), "scores": scores,
             "answer": extract_answer(text, opts.answer_pattern),
-            "correct": bool(problem.right(text)), "end": end}
+            "correct": bool(problem.is_correct(text)), "end": end}
 
 
 def pick(cands: list, how: str, aggregate: str):
@@ -118,61 +118,115 @@ def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
             "correct": i is not None and cands[i]["correct"], **more}
 
 
+# a beam: its steps, their scores, and the scorer's state after them (e.g. the PRM's cache)
+Beam = collections.namedtuple("Beam", "steps scores state")
+
+
+def tree_search(problem: Problem, method: str, n: int, width: int, opts):
+    """One problem's beam search or DVTS (Snell et al. 2024, "Scaling LLM test-time compute
+    optimally"; search-and-learn's beam_search and dvts). Beam search: one group of N/M beams,
+    each extended M ways, keeps its best N/M unfinished ones; DVTS: N/M groups (subtrees) of one
+    beam, each keeping its best. Unlike the paper: no lookahead, no filtering of duplicate beams,
+    and the survivors at --max-steps end as candidates.
+    A generator: it yields ("propose", beams, M) and is sent each beam's M (text, cut by
+    max_new_tokens); it yields ("score", [(parent beam, steps)]) and is sent each one's Beam.
+    Returns the finished candidates, in the order they ended."""
+    keep, groups = (n // width, 1) if method == "beam" else (1, n // width)
+    groups = [[Beam((), [], None)] * keep for _ in range(groups)]
+    done = []
+    for _ in range(opts.max_steps):
+        if not any(groups):
+            break
+        texts = iter((yield "propose", [b for g in groups for b in g], width))
+        new = [[] for _ in groups]  # per group: (parent, steps, how it ended: "" if it goes on)
+        for g, group in enumerate(groups):
+            for beam in group:
+                for text, cut in next(texts):
+                    head, found, _ = text.partition(opts.step_separator)
+                    if head.strip():
+                        new[g].append((beam, beam.steps + (head,),
+                                       "" if found else "cut" if cut else "eos"))
+                    else:  # an empty step ends the beam as it was
+                        done.append(candidate(beam.steps, beam.scores, "empty", problem, opts))
+        asked = [(parent, steps) for group in new for parent, steps, _ in group]
+        scored = iter((yield "score", asked) if asked else [])
+        for g, group in enumerate(new):
+            going = []
+            for (_, _, how), beam in zip(group, scored):
+                if how:
+                    done.append(candidate(beam.steps, beam.scores, how, problem, opts))
+                else:
+                    going.append(beam)
+            going.sort(key=lambda b: -solution_score(b.scores, opts.aggregate))  # ties keep order
+            groups[g] = going[:keep]
+    for beam in itertools.chain(*groups):
+        done.append(candidate(beam.steps, beam.scores, "max_steps", problem, opts))
+    return done
+
+
+
 @dataclasses.dataclass(eq=False)
-class Tree:
-    """One beam search or DVTS of one problem: groups of survivors ((steps, their scores)), each
-    extended `width` ways; of a group's new unfinished beams, the best `keep` survive."""
+class TreeRun:
+    """A tree_search under way: the request it waits on (None: it ended), its costs, and once it
+    ended its candidates."""
     problem: Problem
     method: str
     n: int
     width: int
+    opts: SearchOptions
 
-    def __post_init__(self):  # beam: a group of N/M beams, keeping N/M; dvts: N/M groups of one
-        k = self.n // self.width
-        self.keep, groups = (k, 1) if self.method == "beam" else (1, k)
-        self.groups = [[((), [])] * self.keep for _ in range(groups)]
-        self.done, self.ends, self.cost = [], collections.Counter(), collections.Counter()
+    def __post_init__(self):
+        self.search = tree_search(self.problem, self.method, self.n, self.width, self.opts)
+        self.cost, self.done = collections.Counter(), None
+        self.send(None)
 
-    def end(self, steps, scores, how: str, opts):
-        self.ends[how] += 1
-        self.done.append(candidate(steps, scores, how, self.problem, opts))
+    def send(self, answer):
+        try:
+            self.request = self.search.send(answer)
+        except StopIteration as stop:
+            self.request, self.done = None, stop.value
 
 
-def grow(trees: list, propose, score, count, opts, seeds):
-    """One step of every tree: its survivors propose (a call per width), the PRM scores the new
-    prefixes (one call), each group keeps its best."""
-    sep, new = opts.step_separator, collections.defaultdict(list)
-    old = [(t, g, beam) for t in trees for g, group in enumerate(t.groups) for beam in group]
-    for t in trees:
-        t.groups = [[] for _ in t.groups]
-    for width in sorted({t.width for t, _, _ in old}):
-        beams = [b for b in old if b[0].width == width]
-        prefixes = [t.problem.text + "".join(s + sep for s in steps) for t, _, (steps, _) in beams]
+def rescoring(score, count, sep: str):
+    """The scoring layer that re-scores each new beam's whole text: score(questions, outputs) and
+    count(question, text), its PRM tokens. Returns extend(runs, asked) -> per run (Beams, tokens)."""
+    def extend(runs: list, asked: list) -> list:
+        questions = [r.problem.row["prompt"] for r in runs]
+        texts = [[sep.join(steps) for _, steps in pairs] for pairs in asked]
+        probs = score(questions, texts)
+        return [([Beam(steps, p, None) for (_, steps), p in zip(pairs, ps)],
+                 sum(count(q, text) for text in ts))
+                for q, pairs, ts, ps in zip(questions, asked, texts, probs)]
+    return extend
+
+
+def grow(runs: list, propose, extend, opts, seeds):
+    """One step of every tree: the beams propose (a call per width), the new beams are scored
+    (one call), each search keeps its best."""
+    sep = opts.step_separator
+    asking = [r for r in runs if r.request and r.request[0] == "propose"]
+    for width in sorted({r.width for r in asking}):
+        these = [r for r in asking if r.width == width]
+        beams = [(r, b) for r in these for b in r.request[1]]
+        prefixes = [r.problem.text + "".join(s + sep for s in b.steps) for r, b in beams]
         outs, usage, took = proposed(propose, prefixes, width, next(seeds), sep)
-        for (t, g, (steps, scores)), texts, use in zip(beams, outs, usage):
-            t.cost["seconds"] += took
-            for text, (tokens, cut) in zip(texts, use):
-                t.cost["policy_tokens"] += tokens
-                head, found, _ = text.partition(sep)
-                if head.strip():
-                    new[t, g].append((steps + (head,), "" if found else "cut" if cut else "eos"))
-                else:  # an empty step ends the beam as it was
-                    t.end(steps, scores, "empty", opts)
-    keys, start = list(new), time.time()
-    texts = [[sep.join(steps) for steps, _ in new[k]] for k in keys]
-    probs = score([t.problem.row["prompt"] for t, _ in keys], texts) if keys else []
-    took = (time.time() - start) / max(1, sum(map(len, texts)))
-    for (t, g), ps, ts in zip(keys, probs, texts):
-        t.cost["prm_tokens"] += sum(count(t.problem.row["prompt"], text) for text in ts)
-        t.cost["seconds"] += took * len(ts)
-        going = []
-        for (steps, end), p in zip(new[t, g], ps):
-            if end:
-                t.end(steps, p, end, opts)
-            else:
-                going.append((steps, p))
-        going.sort(key=lambda b: -solution_score(b[1], opts.aggregate))  # stable: ties keep order
-        t.groups[g] = going[:t.keep]
+        answers = collections.defaultdict(list)
+        for (r, _), texts, use in zip(beams, outs, usage):
+            r.cost["seconds"] += took
+            r.cost["policy_tokens"] += sum(tokens for tokens, _ in use)
+            answers[r].append([(text, cut) for text, (_, cut) in zip(texts, use)])
+        for r in these:
+            r.send(answers[r])
+    # by width, then in the runs' order: the order they proposed in
+    asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
+                    key=lambda r: r.width)
+    start = time.time()
+    scored = extend(asking, [r.request[1] for r in asking]) if asking else []
+    took = (time.time() - start) / max(1, sum(len(beams) for beams, _ in scored))
+    for r, (beams, tokens) in zip(asking, scored):
+        r.cost["prm_tokens"] += tokens
+        r.cost["seconds"] += took * len(beams)
+        r.send(beams)
 
 
 def sample(block: list, records: dict, propose, score, count, opts, seeds):
@@ -196,8 +250,9 @@ def sample(block: list, records: dict, propose, score, count, opts, seeds):
                 seconds=(policy_s + prm_s * prm) * n / top))
 
 
-def search_block(block: list, propose, score, count, opts, seed: int):
-    """Yields each problem's record as its searches end; the problems of `block` share calls."""
+def search_block(block: list, propose, score, count, opts, seed: int, extend=None):
+    """Yields each problem's record as its searches end; the problems of `block` share calls.
+    extend: grow's scoring layer (default: rescoring)."""
     # a call's seed: from the seed, the block's first problem and the call's number
     seeds = itertools.count((seed * 1_000_003 + block[0].index) * 1_000)
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
@@ -206,22 +261,20 @@ def search_block(block: list, propose, score, count, opts, seed: int):
     if set(opts.methods) & set(SAMPLED):
         sample(block, records, propose, score, count, opts, seeds)
     kinds = list(itertools.product([m for m in opts.methods if m in TREES], opts.n))
-    trees = {p.index: [Tree(p, m, n, min(n, opts.beam_width)) for m, n in kinds] for p in block}
-    for step in range(opts.max_steps + 1):
-        for i, ts in list(trees.items()):
-            if step < opts.max_steps and any(g for t in ts for g in t.groups):
+    runs = {p.index: [TreeRun(p, m, n, min(n, opts.beam_width), opts) for m, n in kinds]
+            for p in block}
+    extend = extend or rescoring(score, count, opts.step_separator)
+    while runs:
+        for i, these in list(runs.items()):
+            if any(r.request for r in these):
                 continue
-            for t in ts:  # at max_steps, the survivors end
-                for steps, scores in itertools.chain(*t.groups):
-                    t.end(steps, scores, "max_steps", opts)
             records[i]["results"] += [result(
-                t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
-                ends=dict(t.ends), candidates=t.done) for t in ts]
-            del trees[i]
+                r.method, r.n, r.done, opts.select, opts, **{k: r.cost[k] for k in COSTS},
+                ends=dict(collections.Counter(c["end"] for c in r.done)), candidates=r.done)
+                for r in these]
+            del runs[i]
             yield records[i]
-        if not trees:
-            return
-        grow(list(itertools.chain(*trees.values())), propose, score, count, opts, seeds)
+        grow(list(itertools.chain(*runs.values())), propose, extend, opts, seeds)
 
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
