@@ -5,14 +5,17 @@ Hugging Face models."""
 import collections
 import hashlib
 import json
+import math
 import os
 import random
 
 import pytest
 
+from prm.core.metrics import AGGREGATES
 from prm.errors import UsageError
-from prm.label import extract_answer
-from prm.search import Problem, SearchOptions, main, pick, search_block, search_file
+from prm.label import extract_answer, judge
+from prm.search import (Beam, Problem, SearchOptions, main, pick, search_block,
+                        search_file, tree_search)
 
 SEP = "\n"
 
@@ -65,12 +68,18 @@ def scripted_score(questions, outputs):
             for q, ss in zip(questions, steps)]
 
 
-def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps: int) -> tuple:
-    """(the prefixes extended, the finished beams' steps sorted, the weighted vote's answer) of one
-    problem searched alone, written as plainly as the method reads."""
+def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps: int,
+                aggregate="last", select="weighted") -> tuple:
+    """(the prefixes extended, the finished beams' steps sorted, the answers `select` may pick:
+    more than one on a tie) of one problem searched alone, written as plainly as the method reads:
+    beams ranked by `aggregate` over their steps' scores."""
     w = min(n, m)
     groups = [[()] * (n // w)] if method == "beam" else [[()] for _ in range(n // w)]
     keep = n // w if method == "beam" else 1
+
+    def value(beam):  # the aggregate of the beam's step scores; no step: last
+        scores = [step_score(question, list(beam[:k + 1])) for k in range(len(beam))]
+        return AGGREGATES[aggregate](scores) if scores else -math.inf
     extended, done = [], []
     for _ in range(max_steps):
         seen = collections.Counter()
@@ -89,15 +98,19 @@ def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps
                         going.append(beam + (head,))
                     else:
                         done.append(beam + (head,))
-            going.sort(key=lambda b: -step_score(question, list(b)))
+            going.sort(key=lambda b: -value(b))
             groups[gi] = going[:keep]
     done += [b for g in groups for b in g]
+    answer = {beam: extract_answer(SEP.join(beam)) for beam in done}
+    if select == "best-of-n":
+        top = max(map(value, done), default=None)
+        return extended, sorted(map(list, done)), {answer[b] for b in done if value(b) == top}
     votes = collections.defaultdict(float)
     for beam in done:
-        answer = extract_answer(SEP.join(beam))
-        if answer is not None:
-            votes[answer] += step_score(question, list(beam)) if beam else 0
-    return extended, sorted(map(list, done)), max(votes, key=votes.get) if votes else None
+        if answer[beam] is not None:
+            votes[answer[beam]] += 1 if select == "majority" else value(beam)
+    top = max(votes.values(), default=None)
+    return extended, sorted(map(list, done)), {a for a, v in votes.items() if v == top} or {None}
 
 
 def write_problems(path, n=5, **extra):
@@ -129,9 +142,9 @@ def test_beam_and_dvts_equal_a_brute_force_reference(tmp_path, method, n):
     for r in records:
         [x] = r["results"]
         question = f"problem {r['row']}:"
-        extended, done, answer = brute_force(question + SEP, question, method, n, 2, 5)
+        extended, done, answers = brute_force(question + SEP, question, method, n, 2, 5)
         assert sorted(c["steps"] for c in x["candidates"]) == done
-        assert x["answer"] == answer and x["correct"] == (answer == str(r["row"] % 3))
+        assert {x["answer"]} == answers and x["correct"] == (x["answer"] == str(r["row"] % 3))
         assert sum(x["ends"].values()) == len(done)
         want += extended
     # the same beams survive each step: the prefixes extended are the reference's
@@ -139,6 +152,68 @@ def test_beam_and_dvts_equal_a_brute_force_reference(tmp_path, method, n):
     for call in log:  # one step per call, the beams of its group of problems only
         assert len({p.count(SEP) for p in call}) == 1
         assert len({int(p.split()[1][:-1]) // 3 for p in call}) == 1
+
+
+@pytest.mark.parametrize("select", ["majority", "best-of-n", "weighted"])
+@pytest.mark.parametrize("aggregate", ["min", "prod"])
+def test_trees_rank_by_the_aggregate_and_pick_by_select_as_the_reference(tmp_path, aggregate,
+                                                                         select):
+    for method in ("beam", "dvts"):
+        _, records = run(tmp_path, f"{method}.jsonl", methods=(method,), n=(8,), beam_width=2,
+                         max_steps=5, problems=3, aggregate=aggregate, select=select)
+        for r in records:
+            [x] = r["results"]
+            question = f"problem {r['row']}:"
+            _, done, answers = brute_force(question + SEP, question, method, 8, 2, 5, aggregate,
+                                           select)
+            assert sorted(c["steps"] for c in x["candidates"]) == done
+            assert x["answer"] in answers
+
+
+def copies_alike(prefixes, n, seed, stop):
+    """proposal()'s first n texts of each prefix, whatever else the call holds."""
+    outs = [[proposal(p, j, stop) for j in range(n)] for p in prefixes]
+    copies_alike.usage = [[(len(t), t.startswith("cut")) for t in ts] for ts in outs]
+    return outs
+
+
+def alone(problem: Problem, method: str, n: int, width: int, opts, count) -> tuple:
+    """tree_search driven by hand, a request at a time, with copies_alike and scripted_score:
+    (its candidates, policy tokens, PRM tokens)."""
+    search, answer, costs = tree_search(problem, method, n, width, opts), None, [0, 0]
+    question = problem.row["prompt"]
+    while True:
+        try:
+            kind, asked, *_ = search.send(answer)
+        except StopIteration as stop:
+            return stop.value, *costs
+        if kind == "propose":
+            outs = copies_alike([problem.text + "".join(s + SEP for s in b.steps) for b in asked],
+                                width, 0, SEP)
+            answer = [[(t, cut) for t, (_, cut) in zip(texts, use)]
+                      for texts, use in zip(outs, copies_alike.usage)]
+            costs[0] += sum(k for use in copies_alike.usage for k, _ in use)
+        else:
+            texts = [SEP.join(steps) for _, steps in asked]
+            [scores] = scripted_score([question], [texts])
+            answer = [Beam(steps, s, None) for (_, steps), s in zip(asked, scores)]
+            costs[1] += sum(count(question, t) for t in texts)
+
+
+def test_the_batched_layer_equals_each_problem_searched_alone(tmp_path):
+    opts = dict(methods=("beam", "dvts"), n=(1, 2, 4, 8), beam_width=2, max_steps=5, problems=3,
+                aggregate="min")
+    count = lambda question, text: len(question + text)  # noqa: E731
+    _, records = run(tmp_path, propose=copies_alike, count=count, **opts)
+    options = SearchOptions(**opts)
+    for r in records:
+        question = f"problem {r['row']}:"
+        problem = Problem(r["row"], {"prompt": question}, question + SEP,
+                          judge(str(r["row"] % 3), options))
+        for x in r["results"]:
+            assert (x["candidates"], x["policy_tokens"], x["prm_tokens"]) == \
+                alone(problem, x["method"], x["n"], min(x["n"], 2), options, count)
+    assert len(records) == 5 and all(len(r["results"]) == 8 for r in records)
 
 
 def test_beams_stay_in_their_problem_and_beam_and_dvts_differ(tmp_path):
