@@ -118,22 +118,22 @@ def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
             "correct": i is not None and cands[i]["correct"], **more}
 
 
-# a beam: its steps, their scores, and the scorer's state after them (e.g. the PRM's cache)
+# a beam: its steps, their scores, the scorer's state after them (PRMReward.extend's prefix)
 Beam = collections.namedtuple("Beam", "steps scores state")
 
 
 def tree_search(problem: Problem, method: str, n: int, width: int, opts):
-    """One problem's beam search or DVTS (Snell et al. 2024, "Scaling LLM test-time compute
-    optimally"; search-and-learn's beam_search and dvts). Beam search: one group of N/M beams,
-    each extended M ways, keeps its best N/M unfinished ones; DVTS: N/M groups (subtrees) of one
-    beam, each keeping its best. Unlike the paper: no lookahead, no filtering of duplicate beams,
-    and the survivors at --max-steps end as candidates.
-    A generator: it yields ("propose", beams, M) and is sent each beam's M (text, cut by
-    max_new_tokens); it yields ("score", [(parent beam, steps)]) and is sent each one's Beam.
-    Returns the finished candidates, in the order they ended."""
+    """One problem's beam search or DVTS (Snell et al. 2024, "Scaling LLM test-time compute";
+    search-and-learn): beam keeps the best N/M of one group of N/M beams, each extended M ways;
+    DVTS, the best of each of N/M groups of one. Unlike theirs: no lookahead, no duplicate
+    filtering, survivors at --max-steps end. Yields ("propose", beams, M), sent M (text, cut) per
+    beam, and ("score", [(parent, steps)]), sent a Beam each; returns the candidates."""
     keep, groups = (n // width, 1) if method == "beam" else (1, n // width)
     groups = [[Beam((), [], None)] * keep for _ in range(groups)]
     done = []
+
+    def end(beam, how: str):
+        done.append(candidate(beam.steps, beam.scores, how, problem, opts))
     for _ in range(opts.max_steps):
         if not any(groups):
             break
@@ -143,32 +143,30 @@ def tree_search(problem: Problem, method: str, n: int, width: int, opts):
             for beam in group:
                 for text, cut in next(texts):
                     head, found, _ = text.partition(opts.step_separator)
-                    if head.strip():
-                        new[g].append((beam, beam.steps + (head,),
-                                       "" if found else "cut" if cut else "eos"))
-                    else:  # an empty step ends the beam as it was
-                        done.append(candidate(beam.steps, beam.scores, "empty", problem, opts))
+                    if not head.strip():  # an empty step ends the beam as it was
+                        end(beam, "empty")
+                        continue
+                    how = "" if found else "cut" if cut else "eos"
+                    new[g].append((beam, beam.steps + (head,), how))
         asked = [(parent, steps) for group in new for parent, steps, _ in group]
         scored = iter((yield "score", asked) if asked else [])
         for g, group in enumerate(new):
             going = []
             for (_, _, how), beam in zip(group, scored):
                 if how:
-                    done.append(candidate(beam.steps, beam.scores, how, problem, opts))
+                    end(beam, how)
                 else:
                     going.append(beam)
             going.sort(key=lambda b: -solution_score(b.scores, opts.aggregate))  # ties keep order
             groups[g] = going[:keep]
     for beam in itertools.chain(*groups):
-        done.append(candidate(beam.steps, beam.scores, "max_steps", problem, opts))
+        end(beam, "max_steps")
     return done
-
 
 
 @dataclasses.dataclass(eq=False)
 class TreeRun:
-    """A tree_search under way: the request it waits on (None: it ended), its costs, and once it
-    ended its candidates."""
+    """A tree_search under way: the request it waits on (None: ended), its costs, its candidates."""
     problem: Problem
     method: str
     n: int
@@ -188,26 +186,36 @@ class TreeRun:
 
 
 def rescoring(score, count, sep: str):
-    """The scoring layer that re-scores each new beam's whole text: score(questions, outputs) and
-    count(question, text), its PRM tokens. Returns extend(runs, asked) -> per run (Beams, tokens)."""
-    def extend(runs: list, asked: list) -> list:
-        questions = [r.problem.row["prompt"] for r in runs]
-        texts = [[sep.join(steps) for _, steps in pairs] for pairs in asked]
-        probs = score(questions, texts)
-        return [([Beam(steps, p, None) for (_, steps), p in zip(pairs, ps)],
-                 sum(count(q, text) for text in ts))
-                for q, pairs, ts, ps in zip(questions, asked, texts, probs)]
+    """grow's scorer of each new beam's whole text: score(questions, outputs); count(question,
+    text), its PRM tokens. extend([(run, parent, steps)]) -> [(Beam, tokens)]."""
+    def extend(asked: list) -> list:
+        questions = [r.problem.row["prompt"] for r, _, _ in asked]
+        texts = [sep.join(steps) for _, _, steps in asked]
+        probs = score(questions, [[text] for text in texts])
+        return [(Beam(steps, ps, None), count(q, text))
+                for (_, _, steps), q, text, [ps] in zip(asked, questions, texts, probs)]
+    return extend
+
+
+def cached(reward):
+    """grow's scorer on the PRM's key/value caches (PRMReward.extend): only a new step's tokens
+    run, after its parent's cache; a question's once per search."""
+    def extend(asked: list) -> list:
+        roots = {r: reward.start(r.problem.row["prompt"]) for r, parent, _ in asked
+                 if parent.state is None}
+        out = reward.extend([parent.state or roots[r] for r, parent, _ in asked],
+                            [steps[-1] for _, _, steps in asked])
+        return [(Beam(steps, parent.scores + ([] if p is None else [p]), prefix), ran)
+                for (_, parent, steps), (prefix, p, ran) in zip(asked, out)]
     return extend
 
 
 def grow(runs: list, propose, extend, opts, seeds):
-    """One step of every tree: the beams propose (a call per width), the new beams are scored
-    (one call), each search keeps its best."""
+    """One step of every tree: a propose call per width, one scoring call."""
     sep = opts.step_separator
     asking = [r for r in runs if r.request and r.request[0] == "propose"]
     for width in sorted({r.width for r in asking}):
-        these = [r for r in asking if r.width == width]
-        beams = [(r, b) for r in these for b in r.request[1]]
+        beams = [(r, b) for r in asking if r.width == width for b in r.request[1]]
         prefixes = [r.problem.text + "".join(s + sep for s in b.steps) for r, b in beams]
         outs, usage, took = proposed(propose, prefixes, width, next(seeds), sep)
         answers = collections.defaultdict(list)
@@ -215,18 +223,20 @@ def grow(runs: list, propose, extend, opts, seeds):
             r.cost["seconds"] += took
             r.cost["policy_tokens"] += sum(tokens for tokens, _ in use)
             answers[r].append([(text, cut) for text, (_, cut) in zip(texts, use)])
-        for r in these:
-            r.send(answers[r])
+        for r, texts in answers.items():
+            r.send(texts)
     # by width, then in the runs' order: the order they proposed in
     asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
                     key=lambda r: r.width)
+    asked = [(r, parent, steps) for r in asking for parent, steps in r.request[1]]
     start = time.time()
-    scored = extend(asking, [r.request[1] for r in asking]) if asking else []
-    took = (time.time() - start) / max(1, sum(len(beams) for beams, _ in scored))
-    for r, (beams, tokens) in zip(asking, scored):
-        r.cost["prm_tokens"] += tokens
+    scored = iter(extend(asked) if asked else [])
+    took = (time.time() - start) / max(1, len(asked))
+    for r in asking:
+        beams = [next(scored) for _ in r.request[1]]
+        r.cost["prm_tokens"] += sum(tokens for _, tokens in beams)
         r.cost["seconds"] += took * len(beams)
-        r.send(beams)
+        r.send([beam for beam, _ in beams])
 
 
 def sample(block: list, records: dict, propose, score, count, opts, seeds):
@@ -252,7 +262,7 @@ def sample(block: list, records: dict, propose, score, count, opts, seeds):
 
 def search_block(block: list, propose, score, count, opts, seed: int, extend=None):
     """Yields each problem's record as its searches end; the problems of `block` share calls.
-    extend: grow's scoring layer (default: rescoring)."""
+    extend: grow's scorer (default: rescoring)."""
     # a call's seed: from the seed, the block's first problem and the call's number
     seeds = itertools.count((seed * 1_000_003 + block[0].index) * 1_000)
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
@@ -279,10 +289,11 @@ def search_block(block: list, propose, score, count, opts, seed: int, extend=Non
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 render=lambda prompt: prompt, count=lambda question, text: 0, settings: dict = None,
-                skip_invalid=False, show=True) -> dict:
+                skip_invalid=False, show=True, extend=None) -> dict:
     """Searches every problem (dataset: a path or read_input's answer) at every seed into `output`;
     a rerun continues it. render(prompt): the text the policy continues; count(question, text): the
-    PRM's tokens. Returns summary()."""
+    PRM's tokens; extend: the trees' scoring layer (cached(reward); default: rescoring). Returns
+    summary()."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     size = opts.problems
@@ -303,7 +314,7 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                              judge(str(row[opts.answer_field]), opts))
                      for (i, row), text in zip(chunk, texts)]
             for seed in opts.seeds:
-                for rec in search_block(block, propose, score, count, opts, seed):
+                for rec in search_block(block, propose, score, count, opts, seed, extend):
                     if rec["row"] not in done:
                         write_lines(output, [json.dumps(rec, ensure_ascii=False)], "a")
                         bar.update()
@@ -370,9 +381,15 @@ def main(argv=None):
             question = question if isinstance(question, str) else \
                 "\n".join(m["content"] for m in question)
             return len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
+        extend = None  # each new step scored alone on the PRM's cache, where the rows allow it
+        if reward.cacheable and reward.step_separator == opts.step_separator:
+            extend = cached(reward)
+        elif set(opts.methods) & set(TREES):
+            print("note: beam and dvts re-score each beam's whole text (this PRM reads it whole)",
+                  file=sys.stderr)
         try:
             out = search_file(problems, a.output, gen, reward.score, opts, render=gen.render,
-                              count=count, settings={"model": a.model, **scoring})
+                              count=count, settings={"model": a.model, **scoring}, extend=extend)
         except KeyboardInterrupt:
             raise Stopped("stopped by SIGINT; run the same command again to continue",
                           signal.SIGINT) from None

@@ -14,7 +14,7 @@ import pytest
 from prm.core.metrics import AGGREGATES
 from prm.errors import UsageError
 from prm.label import extract_answer, judge
-from prm.search import (Beam, Problem, SearchOptions, main, pick, search_block,
+from prm.search import (Beam, Problem, SearchOptions, cached, main, pick, search_block,
                         search_file, tree_search)
 
 SEP = "\n"
@@ -446,3 +446,51 @@ def test_prm_reward_score_has_search_and_learns_shape(models):
         pytest.approx([p for steps in alone for p in steps], abs=1e-6)
     with pytest.raises(ValueError, match="3 questions for 2 lists of outputs"):
         reward.score(questions, outputs[:2])
+
+
+def test_kv_cached_scores_equal_full_rescoring_and_count_the_tokens_run(models):
+    from prm.scoring.reward import PRMReward
+    # fp32 pinned: cached and whole forwards differ by float rounding only (~1e-7)
+    reward = PRMReward(models[1], device="cpu", dtype="fp32", batch_size=3)  # pasts of many lengths
+    runs = []  # per backbone forward on a cache: the new tokens run (the mask's last columns)
+    reward.model.backbone.register_forward_pre_hook(lambda module, args, kw: runs.append(
+        int(kw["attention_mask"][:, -kw["input_ids"].shape[1]:].sum()))
+        if kw.get("use_cache") else None, with_kwargs=True)
+    question = "count from 1:"
+    prompt = len(reward.tokenizer(question)["input_ids"]) + (reward.tokenizer.bos_token_id
+                                                             is not None)
+    root = reward.start(question)
+    first = reward.extend([root, root, root], ["1+1=2", "1+1=3", " 1+1=2 "])
+    second = reward.extend([first[0][0], first[2][0], first[1][0]], ["2+1=3", "2+1=3", "3+1=5"])
+    third = reward.extend([second[0][0]], ["3+1=4 and so on for a long while"])
+    texts = ["1+1=2\n2+1=3", " 1+1=2 \n2+1=3", "1+1=3\n3+1=5", "1+1=2\n2+1=3\n3+1=4 and so on "
+             "for a long while"]
+    assert [t for _, _, t in first] == [prompt + 6, 6, 8] and sum(runs) == prompt + 20 + 18 + 33
+    [full] = reward.score([question], [texts])
+    got = [[first[0][1], second[0][1]], [first[2][1], second[1][1]], [first[1][1], second[2][1]],
+           [first[0][1], second[0][1], third[0][1]]]
+    assert got == [pytest.approx(ps, abs=1e-5) for ps in full]
+    reward.max_length = prompt + 11  # a second step ends past it: unscored, and not run
+    short = reward.extend([reward.start(question)] * 2, ["1+1=2", "1+1=2 and more"])
+    assert [(p, t) for _, p, t in reward.extend([short[0][0]], ["2+1=3"])] == [(None, 0)]
+    assert short[1][1:] == (None, 0) and short[0][1:] == (pytest.approx(first[0][1], abs=1e-5),
+                                                          prompt + 6)
+    assert reward.score([question], [[texts[0]]]) == [[[pytest.approx(first[0][1], abs=1e-5)]]]
+    reward.max_length = None
+    opts = SearchOptions(methods=("beam", "dvts"), n=(2, 4), beam_width=2, max_steps=4,
+                         aggregate="min")
+    block = [Problem(i, {"prompt": f"problem {i}:", "answer": "0"}, f"problem {i}:{SEP}", bool)
+             for i in range(3)]
+    whole = list(search_block(block, copies_alike, reward.score, lambda q, t: 0, opts, 0))
+    runs.clear()
+    fast = list(search_block(block, copies_alike, reward.score, lambda q, t: 0, opts, 0,
+                             cached(reward)))
+    tokens = 0
+    for a, b in zip(whole, fast):
+        for x, y in zip(a["results"], b["results"]):
+            assert [{**c, "scores": 0} for c in x["candidates"]] == \
+                [{**c, "scores": 0} for c in y["candidates"]]
+            assert [c["scores"] for c in y["candidates"]] == \
+                [pytest.approx(c["scores"], abs=1e-5) for c in x["candidates"]]
+            tokens += y["prm_tokens"]
+    assert tokens == sum(runs) > 0  # every token the PRM ran is counted, once
