@@ -21,6 +21,7 @@ from prm.scoring import ScorerOptions
 
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
+RESULT = ("n", "answer", "correct", *COSTS)  # what a run reported twice repeats
 # a problem searched: its input row, the text the policy continues, is_correct(text) -> bool
 Problem = collections.namedtuple("Problem", "index row text is_correct")
 
@@ -271,17 +272,23 @@ def search_block(block: list, propose, score, count, opts, seed: int, extend=Non
     if set(opts.methods) & set(SAMPLED):
         sample(block, records, propose, score, count, opts, seeds)
     kinds = list(itertools.product([m for m in opts.methods if m in TREES], opts.n))
-    runs = {p.index: [TreeRun(p, m, n, min(n, opts.beam_width), opts) for m, n in kinds]
-            for p in block}
+    # DVTS at N <= M is beam search (one group of one beam): run once, reported as beam's
+    same = {("dvts", n) for m, n in kinds if m == "beam" and n <= opts.beam_width}
+    runs = {p.index: [TreeRun(p, m, n, min(n, opts.beam_width), opts) for m, n in kinds
+                      if (m, n) not in same] for p in block}
     extend = extend or rescoring(score, count, opts.step_separator)
     while runs:
         for i, these in list(runs.items()):
             if any(r.request for r in these):
                 continue
-            records[i]["results"] += [result(
+            got = {(r.method, r.n): result(
                 r.method, r.n, r.done, opts.select, opts, **{k: r.cost[k] for k in COSTS},
                 ends=dict(collections.Counter(c["end"] for c in r.done)), candidates=r.done)
-                for r in these]
+                for r in these}
+            for m, n in kinds:
+                beam = {k: v for k, v in got.get(("beam", n), {}).items() if k in RESULT}
+                records[i]["results"].append(got.get((m, n)) or
+                                             {"method": m, **beam, "same_as": "beam"})
             del runs[i]
             yield records[i]
         grow(list(itertools.chain(*runs.values())), propose, extend, opts, seeds)
@@ -324,8 +331,8 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
 
 
 def summary(records: list, opts) -> dict:
-    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS}}}}: accuracy's mean
-    and range over seeds, mean costs."""
+    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS[, same_as]}}}}:
+    accuracy's mean and range over seeds, mean costs."""
     by = collections.defaultdict(list)  # (method, N, seed) -> results
     for r in records:
         for x in r["results"]:
@@ -338,7 +345,8 @@ def summary(records: list, opts) -> dict:
             flat = [x for s in opts.seeds for x in by[m, n, s]]
             out.setdefault(m, {})[str(n)] = {
                 "accuracy": statistics.fmean(accs), "min": min(accs), "max": max(accs),
-                **{k: statistics.fmean(x[k] for x in flat) for k in COSTS}}
+                **{k: statistics.fmean(x[k] for x in flat) for k in COSTS},
+                **({"same_as": "beam"} if all("same_as" in x for x in flat) else {})}
     return {"problems": len({r["row"] for r in records}), "seeds": list(opts.seeds), "results": out}
 
 
@@ -349,6 +357,9 @@ def table(out: dict) -> str:
     for m, by_n in out["results"].items():
         for n, r in by_n.items():
             spread = f"{r['min']:.3f}-{r['max']:.3f}"
+            if "same_as" in r:  # one run, reported once
+                lines.append(f"{m:<10}{n:>5}   = {r['same_as']} (the same run)")
+                continue
             lines.append(f"{m:<10}{n:>5}{r['accuracy']:>10.3f}{spread:>14}"
                          + "".join(f"{r[c]:>14.4g}" for c in COSTS))
     return "\n".join(lines + [f"{out['problems']} problems, seeds {out['seeds']}"])

@@ -14,8 +14,8 @@ import pytest
 from prm.core.metrics import AGGREGATES
 from prm.errors import UsageError
 from prm.label import extract_answer, judge
-from prm.search import (Beam, Problem, SearchOptions, cached, main, pick, search_block,
-                        search_file, tree_search)
+from prm.search import (RESULT, Beam, Problem, SearchOptions, cached, main, pick, search_block,
+                        search_file, table, tree_search)
 
 SEP = "\n"
 
@@ -224,9 +224,33 @@ def test_beams_stay_in_their_problem_and_beam_and_dvts_differ(tmp_path):
         assert cands and all(f"p{r['row']}" in step for c in cands for step in c["steps"])
     results = {(r["row"], x["method"], x["n"]): x["candidates"]
                for r in records for x in r["results"] if "candidates" in x}
-    assert any(results[k] != results[k[0], "dvts", k[2]] for k in results if k[1] == "beam")
+    assert any(results[k] != results[k[0], "dvts", k[2]] for k in results
+               if k[1] == "beam" and k[2] > 2)
     ends = collections.Counter(c["end"] for x in results.values() for c in x)
     assert set(ends) == {"eos", "empty", "cut", "max_steps"}  # every kind of end happens
+
+
+def test_beam_and_dvts_at_n_up_to_m_are_one_run_reported_once(tmp_path):
+    logs, opts = ([], [], []), dict(methods=("beam", "dvts"), n=(1, 2, 4), beam_width=2)
+
+    def logged(log):  # copies_alike: a tree grows alike whatever else a call holds
+        def propose(prefixes, n, seed, stop):
+            log.extend(prefixes)
+            outs, propose.usage = copies_alike(prefixes, n, seed, stop), copies_alike.usage
+            return outs
+        return propose
+    out, records = run(tmp_path, propose=logged(logs[0]), **opts)
+    run(tmp_path, "b.jsonl", propose=logged(logs[1]), **{**opts, "methods": ("beam",)})
+    run(tmp_path, "d.jsonl", propose=logged(logs[2]), **{**opts, "methods": ("dvts",), "n": (4,)})
+    assert sorted(logs[0]) == sorted(logs[1] + logs[2])  # dvts at N <= M proposed nothing
+    for r in records:
+        x = {(x["method"], x["n"]): x for x in r["results"]}
+        for n in (1, 2):
+            assert x["dvts", n] == {"method": "dvts", **{k: v for k, v in x["beam", n].items()
+                                    if k in RESULT}, "same_as": "beam"}
+        assert "same_as" not in x["dvts", 4] and "candidates" in x["dvts", 4]
+    assert [out["results"]["dvts"][n].get("same_as") for n in "124"] == ["beam", "beam", None]
+    assert "dvts          2   = beam (the same run)" in table(out).splitlines()
 
 
 def test_a_problem_is_done_as_soon_as_its_beams_end(tmp_path):
@@ -296,7 +320,7 @@ def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
     for k, (text, end, steps) in enumerate(cases):
         _, records = run(tmp_path, f"{k}.jsonl", policy(text), problems=2, methods=("beam", "dvts"),
                          n=(2, 4), beam_width=2, max_steps=3, count=lambda q, t: 11)
-        for x in (x for r in records for x in r["results"]):
+        for x in (x for r in records for x in r["results"] if "same_as" not in x):
             # beam and dvts alike: N/M beams from the root, each proposing M; all ending alike
             beams = x["n"] // 2 if end == "max_steps" else x["n"]
             assert x["ends"] == {end: beams}
