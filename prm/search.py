@@ -396,8 +396,8 @@ def main(argv=None):
         if reward.cacheable and reward.step_separator == opts.step_separator:
             extend = cached(reward)
         elif set(opts.methods) & set(TREES):
-            print("note: beam and dvts re-score each beam's whole text (this PRM reads it whole)",
-                  file=sys.stderr)
+            print("note: beam and dvts re-score each beam's whole text: this PRM's scorer or "
+                  "separator rules out its cache", file=sys.stderr)
         try:
             out = search_file(problems, a.output, gen, reward.score, opts, render=gen.render,
                               count=count, settings={"model": a.model, **scoring}, extend=extend)
