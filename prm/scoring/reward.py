@@ -184,8 +184,10 @@ class PRMReward:
 
     @property
     def cacheable(self) -> bool:
-        """Whether extend() can score on the key/value cache: a classifier, its rows as trained."""
-        return self.tokenize is None and isinstance(self.model, PRM)
+        """Whether extend() can score on the key/value cache: a classifier (its rows as trained) on
+        a causal decoder (a step's score reads only what came before)."""
+        causal = [m.is_causal for m in self.model.modules() if hasattr(m, "is_causal")]
+        return self.tokenize is None and isinstance(self.model, PRM) and all(causal or [False])
 
     def start(self, question) -> Prefix:
         """A question (str or messages) for extend(); nothing runs yet."""
