@@ -167,7 +167,7 @@ def tree_search(problem: Problem, method: str, n: int, width: int, opts):
 
 @dataclasses.dataclass(eq=False)
 class TreeRun:
-    """A tree_search under way: the request it waits on (None: ended), its costs, its candidates."""
+    """A tree_search under way: its request (None: ended), costs and candidates."""
     problem: Problem
     method: str
     n: int
@@ -199,8 +199,8 @@ def rescoring(score, count, sep: str):
 
 
 def cached(reward):
-    """grow's scorer on the PRM's key/value caches (PRMReward.extend): only a new step's tokens
-    run, after its parent's cache; a question's once per search."""
+    """grow's scorer on the PRM's caches (PRMReward.extend): a new step's tokens run after its
+    parent's cache; a question's once per search."""
     def extend(asked: list) -> list:
         roots = {r: reward.start(r.problem.row["prompt"]) for r, parent, _ in asked
                  if parent.state is None}

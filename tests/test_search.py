@@ -211,8 +211,9 @@ def test_the_batched_layer_equals_each_problem_searched_alone(tmp_path):
         problem = Problem(r["row"], {"prompt": question}, question + SEP,
                           judge(str(r["row"] % 3), options))
         for x in r["results"]:
-            assert (x["candidates"], x["policy_tokens"], x["prm_tokens"]) == \
-                alone(problem, x["method"], x["n"], min(x["n"], 2), options, count)
+            if "same_as" not in x:  # dvts at N <= M: beam's run
+                assert (x["candidates"], x["policy_tokens"], x["prm_tokens"]) == \
+                    alone(problem, x["method"], x["n"], min(x["n"], 2), options, count)
     assert len(records) == 5 and all(len(r["results"]) == 8 for r in records)
 
 

@@ -1,7 +1,6 @@
-"""A solution scored step by step on the PRM's key/value cache of what came before: each token
-runs through the model once (tree search's scorer). Exact for the rows as trained: the prompt's ids,
-then each step's and the separator's, tokenized apart, so adding a step never changes the ids of
-the prefix, and a step's score reads only the tokens before it."""
+"""A solution scored step by step on the PRM's key/value cache of what came before, each token run
+once (tree search's scorer). Exact for rows as trained: the prompt's ids, then each step's and the
+separator's, tokenized apart, so a step never changes the ids before it."""
 import contextlib
 import dataclasses
 import inspect
@@ -24,7 +23,7 @@ class Prefix:
 
 
 def start(question, tokenizer) -> Prefix:
-    """A question no step extends yet; its ids run with its first extension."""
+    """A question; its ids run with its first extension."""
     return Prefix(0, (), tuple(prompt_ids(question, tokenizer)))
 
 
@@ -58,8 +57,7 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
 
 @contextlib.contextmanager
 def padded_attention(backbone):
-    """The backbone's attention reads padded rows and a cache meanwhile (packed attention reads
-    neither)."""
+    """Meanwhile, attention on padded rows and a cache (packed attention reads neither)."""
     packed = backbone.config._attn_implementation == NAME
     if packed:
         backbone.set_attn_implementation("sdpa")
@@ -109,8 +107,7 @@ def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
 
 
 def padded(prefixes: list, past: int) -> list:
-    """Per layer, the prefixes' (keys, values) left-padded with zeros to `past` positions:
-    each (B, heads, past, head_dim); a prefix with none, all zeros."""
+    """Per layer, the prefixes' (keys, values) left-padded with zeros: (B, heads, past, dim)."""
     like = next(p.cache for p in prefixes if p.cache)
     return [tuple(torch.stack([F.pad(p.cache[layer][k] if p.cache else like[layer][k][:, :0],
                                      (0, 0, past - p.length, 0)) for p in prefixes])

@@ -194,10 +194,9 @@ class PRMReward:
         return start(self.prompt(question), self.tokenizer)
 
     def extend(self, prefixes: list, steps: list) -> list:
-        """Tree search's scorer: per (prefix: start()'s or extend()'s, step), (the prefix with the
-        step, the step's P(correct) or None past max_length, the tokens run through the PRM). Each
-        token runs once, after the PRM's key/value cache of its prefix (prm.scoring.prefix): the
-        scores of score() on the whole text."""
+        """Per (prefix: start()'s or extend()'s, step): (the prefix with the step, the step's
+        P(correct) or None past max_length, the tokens run), each token run once after the PRM's
+        cache of its prefix (prm.scoring.prefix): score()'s scores of the whole text."""
         if not self.cacheable:
             raise UsageError("PRMReward.extend needs a classifier PRM: use score()")
         refuse_bad_input(["q"] * len(steps), steps)
