@@ -24,10 +24,11 @@ from prm.scoring import ScorerOptions
 
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
+RESULT = ("n", "answer", "correct", *COSTS)  # what a run reported twice repeats
 MAX_N = 1 << 16  # solutions or beams per problem: more would not fit in memory
 SPEED = ("problems", "batch_size", "prm_batch_size")  # knobs a rerun may change: not settings
-# a problem searched: its input row, the text the policy continues, right(text) -> bool
-Problem = collections.namedtuple("Problem", "index row text right")
+# a problem searched: its input row, the text the policy continues, is_correct(text) -> bool
+Problem = collections.namedtuple("Problem", "index row text is_correct")
 
 
 LABEL = LabelOptions.__dataclass_fields__  # the flags prm.label shares
@@ -138,7 +139,7 @@ def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
     text = opts.step_separator.join(steps)
     return {"steps": list(steps), "scores": scores,
             "answer": extract_answer(text, opts.answer_pattern),
-            "correct": bool(problem.right(text)), "end": end}
+            "correct": bool(problem.is_correct(text)), "end": end}
 
 
 def pick(cands: list, how: str, aggregate: str):
@@ -154,74 +155,137 @@ def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
             "correct": i is not None and cands[i]["correct"], **more}
 
 
+# a beam: its steps, their scores, the scorer's state after them (PRMReward.extend's prefix)
+Beam = collections.namedtuple("Beam", "steps scores state")
+
+
+def tree_search(problem: Problem, method: str, n: int, width: int, opts):
+    """One problem's beam search or DVTS (Snell et al. 2024, "Scaling LLM test-time compute";
+    search-and-learn): beam keeps the best N/M of one group of N/M beams, each extended M ways;
+    DVTS, the best of each of N/M groups of one. Unlike theirs: no lookahead, no duplicate
+    filtering, survivors at --max-steps end. Yields ("propose", beams, M), sent M (text, cut) per
+    beam, and ("score", [(parent, steps)]), sent a Beam each; returns the candidates."""
+    keep, groups = (n // width, 1) if method == "beam" else (1, n // width)
+    groups = [[Beam((), [], None)] * keep for _ in range(groups)]
+    done = []
+
+    def end(beam, how: str):
+        done.append(candidate(beam.steps, beam.scores, how, problem, opts))
+    for _ in range(opts.max_steps):
+        if not any(groups):
+            break
+        texts = iter((yield "propose", [b for g in groups for b in g], width))
+        new = [[] for _ in groups]  # per group: (parent, steps, how it ended: "" if it goes on)
+        for g, group in enumerate(groups):
+            for beam in group:
+                for text, cut in next(texts):
+                    head, found, _ = text.partition(opts.step_separator)
+                    if not head.strip():  # an empty step ends the beam as it was
+                        end(beam, "empty")
+                        continue
+                    how = "" if found else "cut" if cut else "eos"
+                    new[g].append((beam, beam.steps + (head,), how))
+        asked = [(parent, steps) for group in new for parent, steps, _ in group]
+        scored = iter((yield "score", asked) if asked else [])
+        for g, group in enumerate(new):
+            going = []
+            for (_, _, how), beam in zip(group, scored):
+                if how:
+                    end(beam, how)
+                else:
+                    going.append(beam)
+            going.sort(key=lambda b: -solution_score(b.scores, opts.aggregate))  # ties keep order
+            groups[g] = going[:keep]
+    for beam in itertools.chain(*groups):
+        end(beam, "max_steps")
+    return done
+
+
 @dataclasses.dataclass(eq=False)
-class Tree:
-    """One beam search or DVTS of one problem: groups of survivors ((steps, their scores)), each
-    extended `width` ways; of a group's new unfinished beams, the best `keep` survive."""
+class TreeRun:
+    """A tree_search under way: its request (None: ended), costs and candidates."""
     problem: Problem
     method: str
     n: int
     width: int
+    opts: SearchOptions
     seed: int
 
-    def __post_init__(self):  # beam: a group of N/M beams, keeping N/M; dvts: N/M groups of one
-        k = self.n // self.width
-        self.keep, groups = (k, 1) if self.method == "beam" else (1, k)
-        self.groups = [[((), [])] * self.keep for _ in range(groups)]
-        self.done, self.ends, self.cost = [], collections.Counter(), collections.Counter()
+    def __post_init__(self):
+        self.search = tree_search(self.problem, self.method, self.n, self.width, self.opts)
+        self.cost, self.done = collections.Counter(), None
         self.drawn = itertools.count()  # the tree's own stream of seeds: one per prefix
+        self.send(None)
 
     def next_seed(self) -> int:
         return mix(self.seed, self.problem.index, self.method, self.n, next(self.drawn))
 
-    def end(self, steps, scores, how: str, opts):
-        self.ends[how] += 1
-        self.done.append(candidate(steps, scores, how, self.problem, opts))
+    def send(self, answer):
+        try:
+            self.request = self.search.send(answer)
+        except StopIteration as stop:
+            self.request, self.done = None, stop.value
 
 
-def grow(trees: list, propose, score, count, opts, stops=False):
-    """One step of every tree: its survivors propose (a call per width), the PRM scores the new
-    prefixes (one call), each group keeps its best. stops: refuse a propose() whose texts never
-    end at the stop."""
-    sep, new, ended = opts.step_separator, collections.defaultdict(list), []
-    old = [(t, g, beam) for t in trees for g, group in enumerate(t.groups) for beam in group]
-    for t in trees:
-        t.groups = [[] for _ in t.groups]
-    for width in sorted({t.width for t, _, _ in old}):
-        beams = [b for b in old if b[0].width == width]
-        prefixes = [t.problem.text + "".join(s + sep for s in steps) for t, _, (steps, _) in beams]
-        seeds = [t.next_seed() for t, _, _ in beams]
+def rescoring(score, count, sep: str):
+    """grow's scorer of each new beam's whole text: score(questions, outputs); count(question,
+    text), its PRM tokens. extend([(run, parent, steps)]) -> [(Beam, tokens)]."""
+    def extend(asked: list) -> list:
+        questions = [r.problem.row["prompt"] for r, _, _ in asked]
+        texts = [sep.join(steps) for _, _, steps in asked]
+        probs = score(questions, [[text] for text in texts])
+        return [(Beam(steps, ps, None), count(q, text))
+                for (_, _, steps), q, text, [ps] in zip(asked, questions, texts, probs)]
+    return extend
+
+
+def cached(reward):
+    """grow's scorer on the PRM's caches (PRMReward.extend): a new step's tokens run after its
+    parent's cache; a question's once per search."""
+    def extend(asked: list) -> list:
+        roots = {r: reward.start(r.problem.row["prompt"]) for r, parent, _ in asked
+                 if parent.state is None}
+        out = reward.extend([parent.state or roots[r] for r, parent, _ in asked],
+                            [steps[-1] for _, _, steps in asked])
+        return [(Beam(steps, parent.scores + ([] if p is None else [p]), prefix), ran)
+                for (_, parent, steps), (prefix, p, ran) in zip(asked, out)]
+    return extend
+
+
+def grow(runs: list, propose, extend, opts, stops=False):
+    """One step of every tree: a propose call per width, one scoring call. stops: refuse a
+    propose() whose texts never end at the stop."""
+    sep, ended = opts.step_separator, []
+    asking = [r for r in runs if r.request and r.request[0] == "propose"]
+    for width in sorted({r.width for r in asking}):
+        beams = [(r, b) for r in asking if r.width == width for b in r.request[1]]
+        prefixes = [r.problem.text + "".join(s + sep for s in b.steps) for r, b in beams]
+        seeds = [r.next_seed() for r, _ in beams]
         outs, usage, took = proposed(propose, prefixes, width, seeds, sep)
-        for (t, g, (steps, scores)), texts, use in zip(beams, outs, usage):
-            t.cost["seconds"] += took
-            for text, (tokens, cut) in zip(texts, use):
-                t.cost["policy_tokens"] = plus(t.cost["policy_tokens"], tokens)
-                head, found, _ = text.partition(sep)
-                ended.append(bool(found or cut or not head.strip()))
-                if head.strip():
-                    new[t, g].append((steps + (head,), "" if found else "cut" if cut else "eos"))
-                else:  # an empty step ends the beam as it was
-                    t.end(steps, scores, "empty", opts)
+        answers = collections.defaultdict(list)
+        for (r, _), texts, use in zip(beams, outs, usage):
+            r.cost["seconds"] += took
+            r.cost["policy_tokens"] = plus(r.cost["policy_tokens"], *(k for k, _ in use))
+            answers[r].append([(text, cut) for text, (_, cut) in zip(texts, use)])
+            ended += [sep in text or cut or not text.strip() for text, (_, cut) in zip(texts, use)]
+        for r, texts in answers.items():
+            r.send(texts)
     check([f"not one of propose()'s {len(ended)} first steps ends at the stop {sep!r}: it must "
            "keep the stop it ended a text at (vLLM: include_stop_str_in_output=True); a policy "
            "that answers in one step leaves beam and dvts nothing to search"]
-          * (stops and not any(ended)))
-    keys, start = list(new), time.time()
-    texts = [[sep.join(steps) for steps, _ in new[k]] for k in keys]
-    probs = score([t.problem.row["prompt"] for t, _ in keys], texts) if keys else []
-    took = (time.time() - start) / max(1, sum(map(len, texts)))
-    for (t, g), ps, ts in zip(keys, probs, texts):
-        t.cost["prm_tokens"] = plus(t.cost["prm_tokens"],
-                                    *(count(t.problem.row["prompt"], text) for text in ts))
-        t.cost["seconds"] += took * len(ts)
-        going = []
-        for (steps, end), p in zip(new[t, g], ps):
-            if end:
-                t.end(steps, p, end, opts)
-            else:
-                going.append((steps, p))
-        going.sort(key=lambda b: -solution_score(b[1], opts.aggregate))  # stable: ties keep order
-        t.groups[g] = going[:t.keep]
+          * (stops and bool(ended) and not any(ended)))
+    # by width, then in the runs' order: the order they proposed in
+    asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
+                    key=lambda r: r.width)
+    asked = [(r, parent, steps) for r in asking for parent, steps in r.request[1]]
+    start = time.time()
+    scored = iter(extend(asked) if asked else [])
+    took = (time.time() - start) / max(1, len(asked))
+    for r in asking:
+        beams = [next(scored) for _ in r.request[1]]
+        r.cost["prm_tokens"] = plus(r.cost["prm_tokens"], *(tokens for _, tokens in beams))
+        r.cost["seconds"] += took * len(beams)
+        r.send([beam for beam, _ in beams])
 
 
 def sample(block: list, records: dict, propose, score, count, opts, seed: int):
@@ -246,43 +310,50 @@ def sample(block: list, records: dict, propose, score, count, opts, seed: int):
                 seconds=(policy_s + prm_s * prm) * n / top))
 
 
-def search_block(block: list, propose, score, count, opts, seed: int, stops=False):
+def search_block(block: list, propose, score, count, opts, seed: int, extend=None,
+                 stops=False):
     """Yields each problem's record as its searches end; the problems of `block` share calls, but
-    each draws its own seeds (from the seed, the problem, the method and N): a speed knob."""
+    each draws its own seeds (from the seed, the problem, the method and N): a speed knob.
+    extend: grow's scorer (default: rescoring). stops: grow's first step checks the stop."""
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
                          **({"id": p.row["id"]} if "id" in p.row else {}),
                          "answer": str(p.row[opts.answer_field]), "results": []} for p in block}
     if set(opts.methods) & set(SAMPLED):
         sample(block, records, propose, score, count, opts, seed)
     kinds = list(itertools.product([m for m in opts.methods if m in TREES], opts.n))
-    trees = {p.index: [Tree(p, m, n, min(n, opts.beam_width), seed) for m, n in kinds]
-             for p in block}
-    for step in range(opts.max_steps + 1):
-        for i, ts in list(trees.items()):
-            if step < opts.max_steps and any(g for t in ts for g in t.groups):
+    # DVTS at N <= M is beam search (one group of one beam): run once, reported as beam's
+    same = {("dvts", n) for m, n in kinds if m == "beam" and n <= opts.beam_width}
+    runs = {p.index: [TreeRun(p, m, n, min(n, opts.beam_width), opts, seed) for m, n in kinds
+                      if (m, n) not in same] for p in block}
+    extend = extend or rescoring(score, count, opts.step_separator)
+    first = stops
+    while runs:
+        for i, these in list(runs.items()):
+            if any(r.request for r in these):
                 continue
-            for t in ts:  # at max_steps, the survivors end
-                for steps, scores in itertools.chain(*t.groups):
-                    t.end(steps, scores, "max_steps", opts)
-            records[i]["results"] += [result(
-                t.method, t.n, t.done, opts.select, opts, **{k: t.cost[k] for k in COSTS},
-                ends=dict(t.ends), candidates=t.done) for t in ts]
-            del trees[i]
+            got = {(r.method, r.n): result(
+                r.method, r.n, r.done, opts.select, opts, **{k: r.cost[k] for k in COSTS},
+                ends=dict(collections.Counter(c["end"] for c in r.done)), candidates=r.done)
+                for r in these}
+            for m, n in kinds:
+                beam = {k: v for k, v in got.get(("beam", n), {}).items() if k in RESULT}
+                records[i]["results"].append(got.get((m, n)) or
+                                             {"method": m, **beam, "same_as": "beam"})
+            del runs[i]
             yield records[i]
-        if not trees:
-            return
-        grow(list(itertools.chain(*trees.values())), propose, score, count, opts,
-             stops and step == 0)
+        grow(list(itertools.chain(*runs.values())), propose, extend, opts, first)
+        first = False
 
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 render=lambda prompt: prompt, count=None, tokenizer=None, settings: dict = None,
-                part=(0, 1), skip_invalid=False, show=True) -> dict:
+                part=(0, 1), skip_invalid=False, show=True, extend=None) -> dict:
     """Searches the problems (dataset: a path or read_input's answer) whose index % part[1] ==
     part[0] at every seed into `output` (OUTPUT.part<p>of<m> for a share; a run of all merges the
     parts); a rerun continues it. render(prompt): the text the policy continues. Tokens: the
     policy's from propose.usage, else `tokenizer`; the PRM's by count(question, text), else a
-    PRMReward's own tokenizer; else not counted (None). Returns summary() of what it wrote."""
+    PRMReward's own tokenizer; else not counted (None). extend: the trees' scoring layer
+    (cached(reward); default: rescoring). Returns summary() of what it wrote."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     owner = getattr(score, "__self__", None)
@@ -305,7 +376,7 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                              judge(str(row[opts.answer_field]), opts))
                      for (i, row), text in zip(chunk, texts)]
             for seed in opts.seeds:  # the run's first step checks propose() keeps the stop
-                for rec in search_block(block, propose, score, count, opts, seed,
+                for rec in search_block(block, propose, score, count, opts, seed, extend,
                                         stops=b == 0 and seed == opts.seeds[0]):
                     write_lines(own, [json.dumps(rec, ensure_ascii=False)], "a")
                     bar.update()
@@ -317,8 +388,8 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
 
 
 def summary(records: list, opts) -> dict:
-    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS}}}}: accuracy's mean
-    and range over seeds, mean costs."""
+    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS[, same_as]}}}}:
+    accuracy's mean and range over seeds, mean costs."""
     by = collections.defaultdict(list)  # (method, N, seed) -> results
     for r in records:
         for x in r["results"]:
@@ -331,7 +402,8 @@ def summary(records: list, opts) -> dict:
             flat = [x for s in opts.seeds for x in by[m, n, s]]
             out.setdefault(m, {})[str(n)] = {
                 "accuracy": statistics.fmean(accs), "min": min(accs), "max": max(accs),
-                **{k: mean([x[k] for x in flat]) for k in COSTS}}
+                **{k: mean([x[k] for x in flat]) for k in COSTS},
+                **({"same_as": "beam"} if all("same_as" in x for x in flat) else {})}
     return {"problems": len({r["row"] for r in records}), "seeds": list(opts.seeds), "results": out}
 
 
@@ -347,6 +419,9 @@ def table(out: dict) -> str:
     for m, by_n in out["results"].items():
         for n, r in by_n.items():
             spread = f"{r['min']:.3f}-{r['max']:.3f}"
+            if "same_as" in r:  # one run, reported once
+                lines.append(f"{m:<10}{n:>5}   = {r['same_as']} (the same run)")
+                continue
             lines.append(f"{m:<10}{n:>5}{r['accuracy']:>10.3f}{spread:>14}"
                          + "".join(f"{'not counted' if r[c] is None else f'{r[c]:.4g}':>14}"
                                    for c in COSTS))
@@ -391,14 +466,20 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         render = (lambda q: gen.render(system + chat(q))) if system else gen.render
         part = (shard[0] * rt.world_size + rt.rank, shard[1] * rt.world_size)
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
-        count = prm_counter(reward)
+        count, extend = prm_counter(reward), None
+        # each new step scored alone on the PRM's cache, where the rows allow it
+        if reward.cacheable and reward.step_separator == opts.step_separator:
+            extend = cached(reward)
+        elif set(opts.methods) & set(TREES) and rt.is_main:
+            print("note: beam and dvts re-score each beam's whole text: this PRM's scorer or "
+                  "separator rules out its cache", file=sys.stderr)
         out = search_file(problems, a.output, gen, reward.score, opts, render=render, count=count,
-                          settings=model, part=part, show=rt.is_main)
+                          settings=model, part=part, show=rt.is_main, extend=extend)
         if rt.distributed:
             dist.barrier(group=wait)
             if rt.is_main and shard[1] == 1:
                 out = search_file(problems, a.output, gen, reward.score, opts, render=render,
-                                  count=count, settings=model, show=False)
+                                  count=count, settings=model, show=False, extend=extend)
         if rt.is_main:
             print(table(out), file=sys.stderr)
             print(json.dumps(out), flush=True)

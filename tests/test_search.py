@@ -5,14 +5,17 @@ Hugging Face models."""
 import collections
 import hashlib
 import json
+import math
 import os
 import random
 
 import pytest
 
+from prm.core.metrics import AGGREGATES
 from prm.errors import UsageError
-from prm.answers import extract_answer
-from prm.search import Problem, SearchOptions, main, pick, search_block, search_file
+from prm.answers import extract_answer, judge
+from prm.search import (RESULT, Beam, Problem, SearchOptions, cached, main, pick, search_block,
+                        search_file, table, tree_search)
 
 SEP = "\n"
 
@@ -65,12 +68,18 @@ def scripted_score(questions, outputs):
             for q, ss in zip(questions, steps)]
 
 
-def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps: int) -> tuple:
-    """(the prefixes extended, the finished beams' steps sorted, the weighted vote's answer) of one
-    problem searched alone, written as plainly as the method reads."""
+def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps: int,
+                aggregate="last", select="weighted") -> tuple:
+    """(the prefixes extended, the finished beams' steps sorted, the answers `select` may pick:
+    more than one on a tie) of one problem searched alone, written as plainly as the method reads:
+    beams ranked by `aggregate` over their steps' scores."""
     w = min(n, m)
     groups = [[()] * (n // w)] if method == "beam" else [[()] for _ in range(n // w)]
     keep = n // w if method == "beam" else 1
+
+    def value(beam):  # the aggregate of the beam's step scores; no step: last
+        scores = [step_score(question, list(beam[:k + 1])) for k in range(len(beam))]
+        return AGGREGATES[aggregate](scores) if scores else -math.inf
     extended, done = [], []
     for _ in range(max_steps):
         seen = collections.Counter()
@@ -89,15 +98,19 @@ def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps
                         going.append(beam + (head,))
                     else:
                         done.append(beam + (head,))
-            going.sort(key=lambda b: -step_score(question, list(b)))
+            going.sort(key=lambda b: -value(b))
             groups[gi] = going[:keep]
     done += [b for g in groups for b in g]
+    answer = {beam: extract_answer(SEP.join(beam)) for beam in done}
+    if select == "best-of-n":
+        top = max(map(value, done), default=None)
+        return extended, sorted(map(list, done)), {answer[b] for b in done if value(b) == top}
     votes = collections.defaultdict(float)
     for beam in done:
-        answer = extract_answer(SEP.join(beam))
-        if answer is not None:
-            votes[answer] += step_score(question, list(beam)) if beam else 0
-    return extended, sorted(map(list, done)), max(votes, key=votes.get) if votes else None
+        if answer[beam] is not None:
+            votes[answer[beam]] += 1 if select == "majority" else value(beam)
+    top = max(votes.values(), default=None)
+    return extended, sorted(map(list, done)), {a for a, v in votes.items() if v == top} or {None}
 
 
 def write_problems(path, n=5, **extra):
@@ -129,9 +142,9 @@ def test_beam_and_dvts_equal_a_brute_force_reference(tmp_path, method, n):
     for r in records:
         [x] = r["results"]
         question = f"problem {r['row']}:"
-        extended, done, answer = brute_force(question + SEP, question, method, n, 2, 5)
+        extended, done, answers = brute_force(question + SEP, question, method, n, 2, 5)
         assert sorted(c["steps"] for c in x["candidates"]) == done
-        assert x["answer"] == answer and x["correct"] == (answer == str(r["row"] % 3))
+        assert {x["answer"]} == answers and x["correct"] == (x["answer"] == str(r["row"] % 3))
         assert sum(x["ends"].values()) == len(done)
         want += extended
     # the same beams survive each step: the prefixes extended are the reference's
@@ -139,6 +152,69 @@ def test_beam_and_dvts_equal_a_brute_force_reference(tmp_path, method, n):
     for call in log:  # one step per call, the beams of its group of problems only
         assert len({p.count(SEP) for p in call}) == 1
         assert len({int(p.split()[1][:-1]) // 3 for p in call}) == 1
+
+
+@pytest.mark.parametrize("select", ["majority", "best-of-n", "weighted"])
+@pytest.mark.parametrize("aggregate", ["min", "prod"])
+def test_trees_rank_by_the_aggregate_and_pick_by_select_as_the_reference(tmp_path, aggregate,
+                                                                         select):
+    for method in ("beam", "dvts"):
+        _, records = run(tmp_path, f"{method}.jsonl", methods=(method,), n=(8,), beam_width=2,
+                         max_steps=5, problems=3, aggregate=aggregate, select=select)
+        for r in records:
+            [x] = r["results"]
+            question = f"problem {r['row']}:"
+            _, done, answers = brute_force(question + SEP, question, method, 8, 2, 5, aggregate,
+                                           select)
+            assert sorted(c["steps"] for c in x["candidates"]) == done
+            assert x["answer"] in answers
+
+
+def copies_alike(prefixes, n, seed, stop):
+    """proposal()'s first n texts of each prefix, whatever else the call holds."""
+    outs = [[proposal(p, j, stop) for j in range(n)] for p in prefixes]
+    copies_alike.usage = [[(len(t), t.startswith("cut")) for t in ts] for ts in outs]
+    return outs
+
+
+def alone(problem: Problem, method: str, n: int, width: int, opts, count) -> tuple:
+    """tree_search driven by hand, a request at a time, with copies_alike and scripted_score:
+    (its candidates, policy tokens, PRM tokens)."""
+    search, answer, costs = tree_search(problem, method, n, width, opts), None, [0, 0]
+    question = problem.row["prompt"]
+    while True:
+        try:
+            kind, asked, *_ = search.send(answer)
+        except StopIteration as stop:
+            return stop.value, *costs
+        if kind == "propose":
+            outs = copies_alike([problem.text + "".join(s + SEP for s in b.steps) for b in asked],
+                                width, 0, SEP)
+            answer = [[(t, cut) for t, (_, cut) in zip(texts, use)]
+                      for texts, use in zip(outs, copies_alike.usage)]
+            costs[0] += sum(k for use in copies_alike.usage for k, _ in use)
+        else:
+            texts = [SEP.join(steps) for _, steps in asked]
+            [scores] = scripted_score([question], [texts])
+            answer = [Beam(steps, s, None) for (_, steps), s in zip(asked, scores)]
+            costs[1] += sum(count(question, t) for t in texts)
+
+
+def test_the_batched_layer_equals_each_problem_searched_alone(tmp_path):
+    opts = dict(methods=("beam", "dvts"), n=(1, 2, 4, 8), beam_width=2, max_steps=5, problems=3,
+                aggregate="min")
+    count = lambda question, text: len(question + text)  # noqa: E731
+    _, records = run(tmp_path, propose=copies_alike, count=count, **opts)
+    options = SearchOptions(**opts)
+    for r in records:
+        question = f"problem {r['row']}:"
+        problem = Problem(r["row"], {"prompt": question}, question + SEP,
+                          judge(str(r["row"] % 3), options))
+        for x in r["results"]:
+            if "same_as" not in x:  # dvts at N <= M: beam's run
+                assert (x["candidates"], x["policy_tokens"], x["prm_tokens"]) == \
+                    alone(problem, x["method"], x["n"], min(x["n"], 2), options, count)
+    assert len(records) == 5 and all(len(r["results"]) == 8 for r in records)
 
 
 def test_beams_stay_in_their_problem_and_beam_and_dvts_differ(tmp_path):
@@ -149,9 +225,33 @@ def test_beams_stay_in_their_problem_and_beam_and_dvts_differ(tmp_path):
         assert cands and all(f"p{r['row']}" in step for c in cands for step in c["steps"])
     results = {(r["row"], x["method"], x["n"]): x["candidates"]
                for r in records for x in r["results"] if "candidates" in x}
-    assert any(results[k] != results[k[0], "dvts", k[2]] for k in results if k[1] == "beam")
+    assert any(results[k] != results[k[0], "dvts", k[2]] for k in results
+               if k[1] == "beam" and k[2] > 2)
     ends = collections.Counter(c["end"] for x in results.values() for c in x)
     assert set(ends) == {"eos", "empty", "cut", "max_steps"}  # every kind of end happens
+
+
+def test_beam_and_dvts_at_n_up_to_m_are_one_run_reported_once(tmp_path):
+    logs, opts = ([], [], []), dict(methods=("beam", "dvts"), n=(1, 2, 4), beam_width=2)
+
+    def logged(log):  # copies_alike: a tree grows alike whatever else a call holds
+        def propose(prefixes, n, seed, stop):
+            log.extend(prefixes)
+            outs, propose.usage = copies_alike(prefixes, n, seed, stop), copies_alike.usage
+            return outs
+        return propose
+    out, records = run(tmp_path, propose=logged(logs[0]), **opts)
+    run(tmp_path, "b.jsonl", propose=logged(logs[1]), **{**opts, "methods": ("beam",)})
+    run(tmp_path, "d.jsonl", propose=logged(logs[2]), **{**opts, "methods": ("dvts",), "n": (4,)})
+    assert sorted(logs[0]) == sorted(logs[1] + logs[2])  # dvts at N <= M proposed nothing
+    for r in records:
+        x = {(x["method"], x["n"]): x for x in r["results"]}
+        for n in (1, 2):
+            assert x["dvts", n] == {"method": "dvts", **{k: v for k, v in x["beam", n].items()
+                                    if k in RESULT}, "same_as": "beam"}
+        assert "same_as" not in x["dvts", 4] and "candidates" in x["dvts", 4]
+    assert [out["results"]["dvts"][n].get("same_as") for n in "124"] == ["beam", "beam", None]
+    assert "dvts          2   = beam (the same run)" in table(out).splitlines()
 
 
 def test_a_problem_is_done_as_soon_as_its_beams_end(tmp_path):
@@ -221,7 +321,7 @@ def test_broken_policies_end_their_beams_without_a_traceback(tmp_path):
     for k, (text, end, steps) in enumerate(cases):
         _, records = run(tmp_path, f"{k}.jsonl", policy(text), problems=2, methods=("beam", "dvts"),
                          n=(2, 4), beam_width=2, max_steps=3, count=lambda q, t: 11)
-        for x in (x for r in records for x in r["results"]):
+        for x in (x for r in records for x in r["results"] if "same_as" not in x):
             # beam and dvts alike: N/M beams from the root, each proposing M; all ending alike
             beams = x["n"] // 2 if end == "max_steps" else x["n"]
             assert x["ends"] == {end: beams}
@@ -526,3 +626,51 @@ def test_two_shards_combine_into_one_process(tmp_path):
     strip = lambda s: {m: {n: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
                            for n, r in by_n.items()} for m, by_n in s["results"].items()}
     assert strip(merged) == strip(whole)
+
+
+def test_kv_cached_scores_equal_full_rescoring_and_count_the_tokens_run(models):
+    from prm.scoring.reward import PRMReward
+    # fp32 pinned: cached and whole forwards differ by float rounding only (~1e-7)
+    reward = PRMReward(models[1], device="cpu", dtype="fp32", batch_size=3)  # pasts of many lengths
+    runs = []  # per backbone forward on a cache: the new tokens run (the mask's last columns)
+    reward.model.backbone.register_forward_pre_hook(lambda module, args, kw: runs.append(
+        int(kw["attention_mask"][:, -kw["input_ids"].shape[1]:].sum()))
+        if kw.get("use_cache") else None, with_kwargs=True)
+    question = "count from 1:"
+    prompt = len(reward.tokenizer(question)["input_ids"]) + (reward.tokenizer.bos_token_id
+                                                             is not None)
+    root = reward.start(question)
+    first = reward.extend([root, root, root], ["1+1=2", "1+1=3", " 1+1=2 "])
+    second = reward.extend([first[0][0], first[2][0], first[1][0]], ["2+1=3", "2+1=3", "3+1=5"])
+    third = reward.extend([second[0][0]], ["3+1=4 and so on for a long while"])
+    texts = ["1+1=2\n2+1=3", " 1+1=2 \n2+1=3", "1+1=3\n3+1=5", "1+1=2\n2+1=3\n3+1=4 and so on "
+             "for a long while"]
+    assert [t for _, _, t in first] == [prompt + 6, 6, 8] and sum(runs) == prompt + 20 + 18 + 33
+    [full] = reward.score([question], [texts])
+    got = [[first[0][1], second[0][1]], [first[2][1], second[1][1]], [first[1][1], second[2][1]],
+           [first[0][1], second[0][1], third[0][1]]]
+    assert got == [pytest.approx(ps, abs=1e-5) for ps in full]
+    reward.max_length = prompt + 11  # a second step ends past it: unscored, and not run
+    short = reward.extend([reward.start(question)] * 2, ["1+1=2", "1+1=2 and more"])
+    assert [(p, t) for _, p, t in reward.extend([short[0][0]], ["2+1=3"])] == [(None, 0)]
+    assert short[1][1:] == (None, 0) and short[0][1:] == (pytest.approx(first[0][1], abs=1e-5),
+                                                          prompt + 6)
+    assert reward.score([question], [[texts[0]]]) == [[[pytest.approx(first[0][1], abs=1e-5)]]]
+    reward.max_length = None
+    opts = SearchOptions(methods=("beam", "dvts"), n=(4,), beam_width=2, max_steps=3,
+                         aggregate="min")
+    block = [Problem(i, {"prompt": f"problem {i}:", "answer": "0"}, f"problem {i}:{SEP}", bool)
+             for i in range(2)]
+    whole = list(search_block(block, copies_alike, reward.score, lambda q, t: 0, opts, 0))
+    runs.clear()
+    fast = list(search_block(block, copies_alike, reward.score, lambda q, t: 0, opts, 0,
+                             cached(reward)))
+    tokens = 0
+    for a, b in zip(whole, fast):
+        for x, y in zip(a["results"], b["results"]):
+            cands = x.get("candidates", []), y.get("candidates", [])
+            assert [{**c, "scores": 0} for c in cands[0]] == [{**c, "scores": 0} for c in cands[1]]
+            assert [c["scores"] for c in cands[1]] == \
+                [pytest.approx(c["scores"], abs=1e-5) for c in cands[0]]
+            tokens += y["prm_tokens"]
+    assert tokens == sum(runs) > 0  # every token the PRM ran is counted, once

@@ -13,9 +13,10 @@ from prm.errors import UsageError
 from prm.core.evaluate import score_batch
 from prm.readers.formats import step_spans
 from prm.core.metrics import AGGREGATES
-from prm.core.model import input_settings
+from prm.core.model import PRM, input_settings
 from prm.core.runtime import autocast_dtype
 from prm.scoring import ScorerOptions
+from prm.scoring.prefix import Prefix, extend, start
 from prm.scoring.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step scored
@@ -184,6 +185,28 @@ class PRMReward:
                                 [text for texts in outputs for text in texts])
         ends = list(itertools.accumulate(map(len, outputs), initial=0))
         return [probs[a:b] for a, b in zip(ends, ends[1:])]
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether extend() can score on the key/value cache: a classifier (its rows as trained) on
+        a causal decoder (a step's score reads only what came before)."""
+        causal = [m.is_causal for m in self.model.modules() if hasattr(m, "is_causal")]
+        return self.tokenize is None and isinstance(self.model, PRM) and all(causal or [False])
+
+    def start(self, question) -> Prefix:
+        """A question (str or messages) for extend(); nothing runs yet."""
+        return start(self.prompt(question), self.tokenizer)
+
+    def extend(self, prefixes: list, steps: list) -> list:
+        """Per (prefix: start()'s or extend()'s, step): (the prefix with the step, the step's
+        P(correct) or None past max_length, the tokens run), each token run once after the PRM's
+        cache of its prefix (prm.scoring.prefix): score()'s scores of the whole text."""
+        if not self.cacheable:
+            raise UsageError("PRMReward.extend needs a classifier PRM: use score()")
+        refuse_bad_input(["q"] * len(steps), steps)
+        return extend(self.model, self.tokenizer, prefixes, steps, self.step_separator,
+                      max_length=self.max_length, batch_size=self.batch_size,
+                      amp_dtype=self.amp_dtype)
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "min", *, scores: list = None) -> list:
