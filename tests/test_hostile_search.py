@@ -34,7 +34,7 @@ def exits(argv: list, capsys) -> tuple:
 
 class FakePRM:
     """PRMReward for main: scripted scores, a character per token, 20 tokens read at most."""
-    step_separator, max_length, device = "\n", 20, "cpu"
+    step_separator, max_length, device, cacheable = "\n", 20, "cpu", False
 
     def __init__(self, model, *args, **kwargs):
         self.score = scripted_score
