@@ -4,20 +4,72 @@ import re
 
 import pytest
 
+from prm.errors import UsageError
 from prm.label import LabelOptions, label_file
 from prm.readers.synthetic import make_rows, step_truth
 
 
-def counter(prompts, n, seed):
-    """A policy that never slips: from the prefix's last number, the steps the prompt has left."""
+def counter(prompts, n, seed, slips=0):
+    """A policy that counts on from the prefix's last number, the steps the prompt has left; from 7
+    its first `slips` of n continuations write 7+1=9."""
     out = []
     for p in prompts:
         count, x = map(int, re.findall(r"\d+", p.split("\n")[0]))
         done = re.findall(r"=(\d)", p)
-        x = int(done[-1]) if done else x
-        steps = [f"{(x + k) % 10}+1={(x + k + 1) % 10}\n" for k in range(count - len(done))]
-        out.append(["".join(steps)] * n)
+        texts = []
+        for j in range(n):
+            y, steps = int(done[-1]) if done else x, ""
+            for _ in range(count - len(done)):
+                steps, y = steps + f"{y}+1={(y + 1 + (y == 7 and j < slips)) % 10}\n", \
+                    (y + 1 + (y == 7 and j < slips)) % 10
+            texts.append(steps)
+        out.append(texts)
     return out
+
+
+def test_progress_labels_judge_the_step_where_soft_ones_judge_the_odds_after_it(tmp_path):
+    # from 7, 3 of 4 rollouts slip: a right step before the 7 keeps the value (1/4) it had, the
+    # slip loses all of it; one more call of rollouts per row: from the prompt alone
+    right, slip = ["4+1=5", "5+1=6", "6+1=7"], [["7+1=8", "8+1=9"], ["7+1=9", "9+1=0"]]
+    rows = [{"prompt": "count 5 steps from 4:", "completions": right + s, "answer": "9"}
+            for s in slip]
+    for r in rows:
+        r["labels"] = step_truth(r["prompt"], r["completions"])
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got, calls = {}, []
+
+    def slipping(prompts, n, seed):
+        calls.append(len(prompts))
+        return counter(prompts, n, seed, slips=3)
+    for label in ("soft", "progress"):
+        opts = LabelOptions(policy="p", rollouts=4, label=label)
+        spent = label_file(str(tmp_path / "in.jsonl"), str(tmp_path / f"{label}.jsonl"), slipping,
+                           opts, show=False)
+        got[label] = [json.loads(x) for x in (tmp_path / f"{label}.jsonl").read_text().splitlines()]
+        assert spent == 2 * 4 * 4 + 2 * 4 * (label == "progress")
+    assert calls == [4, 4, 5, 5]
+    assert got["soft"][0]["labels"] == [0.25, 0.25, 0.25, 1.0, 1.0]
+    for line, r in zip(got["progress"], rows):
+        assert [y >= 0.5 for y in line["labels"]] == r["labels"] and line["start"] == [4, 1]
+        assert set(line["labels"]) <= {0.0, 1.0}
+
+
+def test_the_prover_rolls_out_and_the_policy_writes_the_solutions(tmp_path):
+    rows = [{"prompt": "count 4 steps from 5:", "answer": "9"}]
+    (tmp_path / "in.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    made = []
+
+    def policy(prompts, n, seed):  # writes 5+1=6, 6+1=7, 7+1=9, 9+1=0
+        made.append(prompts)
+        return counter(prompts, n, seed, slips=n)
+    opts = LabelOptions(policy="p", prover="q", rollouts=2, samples=1, label="progress")
+    label_file(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), policy, opts,
+               prover=counter, show=False)
+    line = json.loads((tmp_path / "out.jsonl").read_text())
+    assert len(made) == 1 and line["completions"][2] == "7+1=9"
+    assert line["labels"] == [1.0, 1.0, 0.0, 0.0] and line["successes"][:2] == [2, 2]
+    with pytest.raises(UsageError, match="--label progress needs --search all"):
+        LabelOptions(policy="p", label="progress", search="binary")
 
 
 @pytest.mark.parametrize("label,search", [("soft", "all"), ("hard", "all"), ("hard", "binary")])
