@@ -28,8 +28,9 @@ class LabelOptions:
     """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused."""
     rollouts: int = opt(8, "continuations rolled out from each step's prefix")
     label: str = opt("soft", "soft: the share of right rollouts (V); hard: 1 if any; progress: "
-                     "the share of V before the step that survives it, min(1, V after / V "
-                     "before), 0 if both are 0 (V before step 1: rollouts from the prompt)",
+                     "the share of V before the step that it keeps, min(1, V after / V before) "
+                     "(V before 0: 1 if V after > 0, else 0; V before step 1: rollouts from the "
+                     "prompt)",
                      choices=["soft", "hard", "progress"])
     search: str = opt("all", "all: roll out every step's prefix; binary: search the first step no "
                       "rollout rescues (1 before, 0 at, null after)", choices=["all", "binary"])
@@ -60,7 +61,7 @@ class LabelOptions:
         check(([] if self.step_separator else
                ["--step-separator must not be empty: it ends each step"])
               + (["--label progress needs --search all"]
-                 if self.label == "progress" and self.search == "binary" else []))
+                 if getattr(self, "label", "") == "progress" and self.search == "binary" else []))
         if self.checker == "math-verify":
             try:
                 import math_verify  # noqa: F401 (judge uses it)
@@ -180,7 +181,7 @@ def step_labels(wins: list, final: bool, n: int, how: str, start: int = None) ->
     if how == "soft":
         return values
     before = [start / n] + values[:-1]
-    return [min(1.0, v / b) if b else 0.0 for v, b in zip(values, before)]
+    return [min(1.0, v / b) if b else float(v > 0) for v, b in zip(values, before)]
 
 
 def label_row(row: dict, index: int, complete, render, opts: LabelOptions, prover=None) -> list:

@@ -91,10 +91,10 @@ def loop(tmp_path_factory):
     """policy (2 optimizer steps) -> prm.label -> train.py's trainer (2 steps): the folder."""
     from prm.config import Config
     from prm.label import main as label
-    from prm.tools.loop import train_policy, write_problems
+    from prm.tools.loop import LoopOptions, train_policy, write_problems
     from prm.training.trainer import train
     tmp = tmp_path_factory.mktemp("loop")
-    write_problems(str(tmp), rows=3, test=3)
+    write_problems(str(tmp), LoopOptions(rows=3, test=3, valid=3))
     train_policy(str(tmp / "policy"), steps=2, batch=4)
     label(["--policy", str(tmp / "policy"), "--dataset", str(tmp / "label.jsonl"), "--output",
            str(tmp / "labels.jsonl"), "--rollouts", "2", "--samples", "2", "--max-new-tokens", "12",
@@ -148,3 +148,58 @@ def test_each_beam_grows_from_its_own_problem_only(loop, tmp_path):
         for steps in (c["steps"] for x in r["results"] for c in x["candidates"]):
             assert all(s in made[prompts[r["row"]] + "\n" + "".join(t + "\n" for t in steps[:j])]
                        for j, s in enumerate(steps))
+
+
+def test_the_task_holds_out_many_prompts_and_labels_validation_by_the_truth(tmp_path):
+    from prm.tools.loop import LoopOptions, write_problems
+    write_problems(str(tmp_path), LoopOptions())
+    parts = {k: [json.loads(x) for x in (tmp_path / f"{k}.jsonl").read_text().splitlines()]
+             for k in ("label", "valid", "test")}
+    prompts = {k: {r["prompt"] for r in v} for k, v in parts.items()}
+    assert [len(prompts[k]) for k in ("label", "valid", "test")] == [180, 60, 120]
+    assert len(set.union(*prompts.values())) == 360  # disjoint
+    for r in parts["valid"]:
+        assert r["labels"] == step_truth(r["prompt"], r["completions"])
+    assert 0 < sum(all(r["labels"]) for r in parts["valid"]) < 60
+    assert step_truth("count 3 steps of 4 from 7:", ["7+4=1", "1+4=5", "5+4=9"]) == [True] * 3
+    assert step_truth("count 3 steps of 4 from 7:", ["7+4=2", "2+4=6", "6+4=0"]) == [False] * 3
+
+
+def loop_main(argv, capsys):
+    from prm.tools.loop import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return e.value.code, err
+
+
+def test_the_loop_refuses_to_replace_what_it_did_not_write(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "label.jsonl").write_text("my notes")
+    code, err = loop_main(["policy", str(tmp_path / "mine"), "--steps", "1"], capsys)
+    assert code == 2 and "label.jsonl exists" in err
+    code, err = loop_main(["bench", str(tmp_path / "mine"), "--steps", "1"], capsys)
+    assert code == 2 and "not empty" in err
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["label.jsonl"]
+    assert (tmp_path / "mine" / "label.jsonl").read_text() == "my notes"
+
+
+@pytest.mark.parametrize("flags,status,words", [
+    (["--rows", "-1"], 2, "--rows -1: must be at least 1"),
+    (["--test", "0"], 2, "--test 0: must be at least 1"),
+    (["--steps", "-3"], 2, "--steps -3: must be at least 1"),
+    (["--rows", "300"], 2, "the task has 360 prompts"),
+    ([], 2, "not a folder")])
+def test_the_loop_refuses_bad_flags_and_places_in_one_line(tmp_path, capsys, flags, status, words):
+    (tmp_path / "file").write_text("x")
+    where = str(tmp_path / ("file" if not flags else "new"))
+    code, err = loop_main(["policy", where, *flags], capsys)
+    assert code == status and words in err and not (tmp_path / "new").exists()
+
+
+def test_the_loop_refuses_an_empty_name_and_a_folder_under_a_file(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert loop_main(["policy", ""], capsys)[0] == 2
+    code, err = loop_main(["policy", str(tmp_path / "file" / "sub"), "--steps", "1"], capsys)
+    assert code == 1 and str(tmp_path / "file") in err
