@@ -260,6 +260,7 @@ def prm_steps(records: list, rows: list) -> dict:
 
 
 def mean_se(values: list) -> str:
+    values = [v for v in values if v is not None and v == v]  # no AUROC: a class empty
     se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
     return f"{statistics.fmean(values):.3f} ± {se:.3f}"
 
@@ -346,6 +347,8 @@ def main(argv=None):
             for seed in range(o.seeds):
                 os.makedirs(folder := os.path.join(at, f"seed{seed}"))
                 runs.append({"folder": folder, **pipeline(folder, o, seed, times)})
+                with open(os.path.join(folder, "run.json"), "x", encoding="utf-8") as f:
+                    json.dump({"run": runs[-1], "times": times}, f)  # report() reads them again
             report(runs, times, o)
             print(f"bench: {time.time() - start:.0f} s wall")
         except OSError as e:
