@@ -27,7 +27,7 @@ from prm.readers.sources import DataError, _sources
 class LabelOptions:
     """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused."""
     rollouts: int = opt(8, "continuations rolled out from each step's prefix")
-    label: str = opt("soft", "soft: the share of right rollouts (V); hard: 1 if any; progress: "
+    label: str = opt("hard", "soft: the share of right rollouts (V); hard: 1 if any; progress: "
                      "the share of V before the step that it keeps, min(1, V after / V before) "
                      "(V before 0: 1 if V after > 0, else 0; V before step 1: rollouts from the "
                      "prompt)",
