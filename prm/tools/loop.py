@@ -40,8 +40,8 @@ class LoopOptions:
     grid_rows: int = opt(25, "bench: labeling problems of the label-quality grid (seed 0)")
 
     def __post_init__(self):
-        ints = {k: v for k, v in dataclasses.asdict(self).items()}
-        check([f"--{k.replace('_', '-')} {v}: must be at least 1" for k, v in ints.items()
+        check([f"--{k.replace('_', '-')} {v}: must be at least 1"
+               for k, v in dataclasses.asdict(self).items()
                if v < 1] + ([] if self.test + self.valid + self.rows <= 360 else
                             [f"--test {self.test} + --valid {self.valid} + --rows {self.rows}: "
                              "the task has 360 prompts"]))
@@ -172,15 +172,13 @@ def searched(folder: str, name: str, gen, prm: str, dataset: str, **settings) ->
 
 
 def accuracy(records: list, method: str, n: int, how: str, aggregate: str) -> float:
-    """Of records' problems, the share `how` picks right among the method's candidates at N
-    (sampled methods: the first N samples)."""
+    """The share of records' problems `how` answers right from the method's candidates at N."""
     from prm.search import pick
     hits = []
     for r in records:
-        x = next(x for x in r["results"] if x["method"] == method and x["n"] == n)
-        cands = x.get("candidates", r.get("samples", [])[:n])
-        i = pick(cands, how, aggregate)
-        hits.append(i is not None and cands[i]["correct"])
+        x = next(x for x in r["results"] if (x["method"], x["n"]) == (method, n))
+        cands = x.get("candidates", r.get("samples", [])[:n])  # sampled: the first N
+        hits.append(cands[i]["correct"] if (i := pick(cands, how, aggregate)) is not None else 0)
     return share(hits)
 
 
@@ -307,21 +305,20 @@ def report(runs: list, times: dict, o: LoopOptions):
           f"{'pass@N':>16}")
     print("\n".join(search_rows(runs, "test") + search_rows(runs, "other", f" ({LABELS[1]})")))
     rows = [read(os.path.join(r["folder"], "test.jsonl")) for r in runs]
-    for key, label in ((f"test", LABELS[0]), ("other", LABELS[1])):
+    for key, label in (("test", LABELS[0]), ("other", LABELS[1])):
         steps = [prm_steps(r[key], x) for r, x in zip(runs, rows)]
-        print(f"PRM on {label} labels, test samples against the truth: step AUROC "
-              + ", first wrong step precision / recall ".join(
-                  mean_se([s[k] for s in steps]) for k in ("auroc", "prec", "recall")))
-        held = [r[f"train-{label}"] or {} for r in runs]
-        print(f"  its train.py held-out (validation prompts, true labels): step accuracy "
-              f"{mean_se([h['step_accuracy'] for h in held])}, AUROC "
-              f"{mean_se([h['auroc'] for h in held])}")
+        held = [r[f"train-{label}"] for r in runs]
+        got = [mean_se([s[k] for s in steps]) for k in ("auroc", "prec", "recall")] + \
+            [mean_se([h[k] for h in held]) for k in ("step_accuracy", "auroc")]
+        print("PRM on {} labels, its scores of the test samples against the truth: step AUROC {}, "
+              "first wrong step precision {} recall {}; train.py's held-out figures (validation "
+              "prompts, true labels): step accuracy {}, AUROC {}".format(label, *got))
     print(f"label grid (seed 0, {o.grid_rows} problems, their sampled solutions) against the "
           "truth:\n rollouts    label    right     prec   recall    spent")
     for q in runs[0]["grid"]:
         print(f"{q['rollouts']:>9}{q['label']:>9}{q['right']:>9.3f}{q['prec']:>9.3f}"
               f"{q['recall']:>9.3f}{q['spent']:>9.1f}")
-    print("wall s per pipeline: " + ", ".join(f"{k} {statistics.fmean(v):.0f}"
+    print("wall s per pipeline: " + ", ".join(f"{k} {sum(v) / len(runs):.0f}"
                                                for k, v in times.items()))
 
 
