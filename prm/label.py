@@ -27,11 +27,9 @@ from prm.readers.sources import DataError, _sources
 class LabelOptions:
     """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused."""
     rollouts: int = opt(8, "continuations rolled out from each step's prefix")
-    label: str = opt("hard", "soft: the share of right rollouts (V); hard: 1 if any; progress: "
-                     "the share of V before the step that it keeps, min(1, V after / V before) "
-                     "(V before 0: 1 if V after > 0, else 0; V before step 1: rollouts from the "
-                     "prompt)",
-                     choices=["soft", "hard", "progress"])
+    label: str = opt("hard", "hard: 1 if any rollout is right; soft: the share (V); progress: "
+                     "min(1, V after / V before) (V before 0: 1 if V after > 0; V before "
+                     "step 1: the prompt's rollouts)", choices=["soft", "hard", "progress"])
     search: str = opt("all", "all: roll out every step's prefix; binary: search the first step no "
                       "rollout rescues (1 before, 0 at, null after)", choices=["all", "binary"])
     samples: int = opt(4, "solutions sampled for a row without 'completions'")
@@ -58,10 +56,9 @@ class LabelOptions:
         except regex.error as e:
             raise UsageError(f"--answer-pattern {self.answer_pattern!r}: not a regular "
                              f"expression ({e})") from None
-        check(([] if self.step_separator else
-               ["--step-separator must not be empty: it ends each step"])
-              + (["--label progress needs --search all"]
-                 if getattr(self, "label", "") == "progress" and self.search == "binary" else []))
+        binary_progress = getattr(self, "label", "") == "progress" and self.search == "binary"
+        check(["--step-separator must not be empty: it ends each step"] * (not self.step_separator)
+              + ["--label progress needs --search all"] * binary_progress)
         if self.checker == "math-verify":
             try:
                 import math_verify  # noqa: F401 (judge uses it)
@@ -135,8 +132,8 @@ def judge(reference: str, opts: LabelOptions):
 
 def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions,
                     seed: int) -> list:
-    """{labels, rollouts, successes} per solution (a list of steps); the last by its answer;
-    progress also `start`: [rollouts, successes] from the prompt alone, shared by the solutions."""
+    """{labels, rollouts, successes} per solution (a list of steps; the last by its answer), and
+    for progress `start`: [rollouts, successes] from the prompt alone."""
     sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
@@ -149,6 +146,7 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
             raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} "
                              "prompts")
         return [sum(right(t, b) for t in texts) for b, texts in zip(before, outs)]
+    start = None
     if opts.search == "binary":  # the first error is a step in lo..hi; one call per round
         lo, hi = [1] * len(solutions), [len(s) for s in solutions]
         while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
@@ -159,18 +157,17 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
         labels = [[True] * len(s) if final[i] else
                   [True] * (hi[i] - 1) + [False] + [None] * (len(s) - hi[i])
                   for i, s in enumerate(solutions)]
-        return [{"labels": y, "rollouts": t, "successes": w}
-                for y, t, w in zip(labels, tries, wins)]
-    todo = [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]
-    # progress: the prompt's own rollouts first, as solution 0's prefix of 0 steps
-    asked = ([(0, 0)] if opts.label == "progress" and solutions else []) + todo
-    found = roll(asked) if asked else []
-    start = found.pop(0) if len(found) > len(todo) else None
-    for (i, k), w in zip(todo, found):
-        tries[i][k - 1], wins[i][k - 1] = n, w
-    return [{"labels": step_labels(ws, f, n, opts.label, start), "rollouts": t, "successes": ws,
-             **({} if start is None else {"start": [n, start]})}
-            for ws, t, f in zip(wins, tries, final)]
+    else:  # progress: first the prompt's own rollouts, as a prefix of 0 steps
+        todo = [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]
+        asked = ([(0, 0)] if opts.label == "progress" and solutions else []) + todo
+        found = roll(asked) if asked else []
+        start = found.pop(0) if len(found) > len(todo) else None
+        for (i, k), w in zip(todo, found):
+            tries[i][k - 1], wins[i][k - 1] = n, w
+        labels = [step_labels(ws, f, n, opts.label, start) for ws, f in zip(wins, final)]
+    more = {} if start is None else {"start": [n, start]}
+    return [{"labels": y, "rollouts": t, "successes": w, **more}
+            for y, t, w in zip(labels, tries, wins)]
 
 
 def step_labels(wins: list, final: bool, n: int, how: str, start: int = None) -> list:
@@ -185,8 +182,7 @@ def step_labels(wins: list, final: bool, n: int, how: str, start: int = None) ->
 
 
 def label_row(row: dict, index: int, complete, render, opts: LabelOptions, prover=None) -> list:
-    """The output lines of one row: its completions, or opts.samples sampled solutions; the
-    rollouts by `prover` (a complete()), else by `complete`."""
+    """The output lines of one row: its completions, or opts.samples sampled solutions."""
     text, sep = render(row["prompt"]), opts.step_separator
     if not isinstance(text, str):
         raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render)")
@@ -427,8 +423,8 @@ def main(argv=None):
         if not (a.temperature >= 0 and 0 < a.top_p <= 1):
             p.error(f"--temperature {a.temperature:g} must be >= 0 and --top-p {a.top_p:g} "
                     "in (0, 1]")
-        check(overwrites([("--output", a.output)], [("--dataset", a.dataset),
-                                                    ("--policy", a.policy), ("--prover", a.prover)]))
+        read = [("--dataset", a.dataset), ("--policy", a.policy), ("--prover", a.prover)]
+        check(overwrites([("--output", a.output)], read))
         opts = parsed(LabelOptions, a)
         shard, shards = map(int, m.groups())
         import torch
@@ -441,8 +437,7 @@ def main(argv=None):
                                                      timeout=datetime.timedelta(days=7))
             gen = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code)
             prover = opts.prover and Generator(dataclasses.replace(opts, policy=opts.prover),
-                                               device=rt.device,
-                                               trust_remote_code=a.trust_remote_code)
+                                               device=rt.device, trust_remote_code=gen.trust)
             start = time.time()
             spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
                                skip_invalid=a.skip_invalid, prover=prover or None,

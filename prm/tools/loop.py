@@ -112,7 +112,7 @@ def relabeled(lines: list, how: str, n: int) -> list:
 
 
 def step_quality(labels: list, truth: list) -> dict:
-    """Steps on the right side of 0.5 (None: unlabeled); the first wrong step's precision, recall."""
+    """Steps on the right side of 0.5 (None: unlabeled); first wrong step precision, recall."""
     pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
              if y is not None]
     firsts = [(first_wrong([y is None or y >= 0.5 for y in ys]), first_wrong(ts))
@@ -151,7 +151,8 @@ def label_grid(folder: str, gen, rows: int) -> list:
         solved = read(out)
         truth = [step_truth(x["prompt"], x["completions"]) for x in solved]
         for how in ("soft", "hard", "progress") if search == "all" else ("binary",):
-            labels = [x["labels"] for x in (solved if how == "binary" else relabeled(solved, how, r))]
+            got = solved if how == "binary" else relabeled(solved, how, r)
+            labels = [x["labels"] for x in got]
             used = spent - r * len(problems) * (how != "progress")  # others: not from the prompt
             found.append({"rollouts": r, "label": how, **step_quality(labels, truth),
                           "spent": used / len(solved)})
@@ -193,8 +194,9 @@ def choose(folder: str, gen, prm: str, seed: int) -> dict:
     aggregate = max(("last", "min", "prod", "mean"), key=lambda a: score(sampled, "", a))
     best = (-1.0,)
     for width in (4, 2):
-        trees = searched(folder, f"valid-m{width}", gen, prm, "valid.jsonl", methods=("beam", "dvts"),
-                         n=(4, 16), seeds=(seed,), beam_width=width, aggregate=aggregate)
+        trees = searched(folder, f"valid-m{width}", gen, prm, "valid.jsonl", n=(4, 16),
+                         methods=("beam", "dvts"), seeds=(seed,), beam_width=width,
+                         aggregate=aggregate)
         for how in ("weighted", "best-of-n", "majority"):
             best = max(best, (score(trees, how, aggregate), width, how), key=lambda b: b[0])
     return {"aggregate": aggregate, "beam_width": best[1], "select": best[2]}
@@ -271,17 +273,18 @@ def interval(diffs: list, draws: int = 2000) -> tuple:
     return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
+def hit(record: dict, method: str, n: int) -> bool:
+    return next(x["correct"] for x in record["results"] if (x["method"], x["n"]) == (method, n))
+
+
 def search_rows(runs: list, key: str, tag: str = "") -> list:
     """Per method and N of runs[*][key]: accuracy mean ± SE over pipelines, the paired difference
     from majority (the main search's) with its interval, pass@N over the first N samples."""
     lines = []
     for m, n in sorted({(x["method"], x["n"]) for x in runs[0][key][0]["results"]},
                        key=lambda k: (k[1], "majority best-of-n weighted beam dvts".find(k[0]))):
-        got = [{r["row"]: next(x["correct"] for x in r["results"] if (x["method"], x["n"]) == (m, n))
-                for r in run[key]} for run in runs]
-        base = [{r["row"]: next(x["correct"] for x in r["results"]
-                                if (x["method"], x["n"]) == ("majority", n)) for r in run["test"]}
-                for run in runs]
+        got = [{r["row"]: hit(r, m, n) for r in run[key]} for run in runs]
+        base = [{r["row"]: hit(r, "majority", n) for r in run["test"]} for run in runs]
         oracle = [share([any(c["correct"] for c in r["samples"][:n]) for r in run["test"]])
                   for run in runs]
         diff = [[g[k] - b[k] for k in g] for g, b in zip(got, base)]
