@@ -203,3 +203,16 @@ def test_the_loop_refuses_an_empty_name_and_a_folder_under_a_file(tmp_path, caps
     assert loop_main(["policy", ""], capsys)[0] == 2
     code, err = loop_main(["policy", str(tmp_path / "file" / "sub"), "--steps", "1"], capsys)
     assert code == 1 and str(tmp_path / "file") in err
+
+
+def test_the_loop_runs_outside_the_repository_root(tmp_path):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, "-m", "prm.tools.loop", "policy", "run", "--steps", "1"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == \
+        ["label.jsonl", "policy", "test.jsonl", "valid.jsonl"]
