@@ -216,3 +216,11 @@ def test_the_loop_runs_outside_the_repository_root(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == \
         ["label.jsonl", "policy", "test.jsonl", "valid.jsonl"]
+
+
+def test_the_interval_resamples_each_pipelines_prompts():
+    from prm.tools.loop import interval
+    assert interval([[1, 1, 1], [1, 1]]) == (1, 1)
+    lo, hi = interval([[1, 0, 0, 1, 0, 1, 1, 0] * 5, [0, 1] * 20])
+    assert lo < 0.5 < hi and hi - lo < 0.4
+    assert interval([[1] * 40, [0] * 40]) == (0.5, 0.5)  # pipelines kept whole: no spread

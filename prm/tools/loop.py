@@ -325,6 +325,17 @@ def report(runs: list, times: dict, o: LoopOptions):
                                                for k, v in times.items()))
 
 
+def refusals(stage: str, at: str) -> list:
+    """Why folder `at` cannot take the stage's files: nothing there is ever replaced."""
+    if not at or os.path.isfile(at):
+        return [f"{at!r}: not a folder"]
+    if stage == "bench":
+        busy = os.path.isdir(at) and os.listdir(at)
+        return [f"{at}: not empty; the bench writes a new run, pass another folder"] * bool(busy)
+    return [f"{os.path.join(at, x)} exists; the policy stage writes only new files, pass another "
+            "folder" for x in FILES if os.path.lexists(os.path.join(at, x))][:1]
+
+
 def main(argv=None):
     from prm.cli import Parser, add_fields, parsed
     with exit_status():
@@ -333,11 +344,7 @@ def main(argv=None):
         p.add_argument("folder", help="a new folder, or one without what the stage writes")
         a = add_fields(p, LoopOptions).parse_args(argv)
         o, at = parsed(LoopOptions, a), a.folder
-        check([f"{at!r}: not a folder" for _ in [1] if not at or os.path.isfile(at)]
-              or [f"{at}: not empty; the bench writes a new run, pass another folder"
-                  for _ in [1] if a.stage == "bench" and os.path.isdir(at) and os.listdir(at)]
-              or [f"{os.path.join(at, x)} exists; the policy stage writes only new files, pass "
-                  "another folder" for x in FILES if os.path.lexists(os.path.join(at, x))][:1])
+        check(refusals(a.stage, at))
         try:
             os.makedirs(at, exist_ok=True)
             if a.stage == "policy":
