@@ -45,8 +45,9 @@ class LabelOptions(Checked):
     """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused. Each
     check refuses what would fail only after the policy loads."""
     rollouts: int = opt(8, "continuations rolled out from each step's prefix", check=at_least(1))
-    label: str = opt("soft", "soft: the share of right rollouts; hard: 1 if any",
-                     choices=["soft", "hard"])
+    label: str = opt("hard", "hard: 1 if any rollout is right; soft: the share (V); progress: "
+                     "min(1, V after / V before) (V before 0: 1 if V after > 0; V before "
+                     "step 1: the prompt's rollouts)", choices=["soft", "hard", "progress"])
     search: str = opt("all", "all: roll out every step's prefix; binary: search the first step no "
                       "rollout rescues (1 before, 0 at, null after)", choices=["all", "binary"])
     samples: int = opt(4, "solutions sampled for a row without 'completions'", check=at_least(1))
@@ -62,10 +63,17 @@ class LabelOptions(Checked):
                        "math-verify package: pip install 'math-verify[antlr4_13_2]'"))
     seed: int = opt(0, "each row is seeded from it and the row's index")
     policy: str = opt("", "the model rolled out (a hub name or folder)", required=True)
+    prover: str = opt("", "the model rolled out from each prefix, if not --policy (it continues "
+                      "the text --policy renders)")
     temperature: float = opt(0.7, "sampling temperature; 0: greedy", check=at_least(0))
     top_p: float = opt(1.0, "nucleus sampling share", check=within(0, 1, "(]"))
     max_new_tokens: int = opt(512, "tokens per rollout or sampled solution", check=at_least(1))
     batch_size: int = opt(16, "sequences per generate call", check=at_least(1))
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(["--label progress needs --search all"]
+              * (self.label == "progress" and self.search == "binary"))
 
 
 @dataclasses.dataclass
@@ -83,7 +91,8 @@ class LabelRun(Checked):
 
 def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions,
                     seed: int) -> list:
-    """{labels, rollouts, successes} per solution (a list of steps); the last by its answer."""
+    """{labels, rollouts, successes} per solution (a list of steps; the last by its answer), and
+    for progress `start`: [rollouts, successes] from the prompt alone."""
     sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
@@ -95,28 +104,43 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
             raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} "
                              "prompts")
-        for (i, k), b, texts in zip(todo, before, outs):
-            tries[i][k - 1], wins[i][k - 1] = n, sum(right(t, b) for t in texts)
+        return [sum(right(t, b) for t in texts) for b, texts in zip(before, outs)]
+    start = None
     if opts.search == "binary":  # the first error is a step in lo..hi; one call per round
         lo, hi = [1] * len(solutions), [len(s) for s in solutions]
         while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
                        if lo[i] < hi[i] and not final[i]]:
-            roll(todo)
-            for i, k in todo:
-                lo[i], hi[i] = (k + 1, hi[i]) if wins[i][k - 1] else (lo[i], k)
+            for (i, k), w in zip(todo, roll(todo)):
+                tries[i][k - 1], wins[i][k - 1] = n, w
+                lo[i], hi[i] = (k + 1, hi[i]) if w else (lo[i], k)
         labels = [[True] * len(s) if final[i] else
                   [True] * (hi[i] - 1) + [False] + [None] * (len(s) - hi[i])
                   for i, s in enumerate(solutions)]
-    else:
-        if todo := [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]:
-            roll(todo)
-        soft = opts.label == "soft"
-        labels = [[w / n if soft else w > 0 for w in ws[:-1]] + [float(f) if soft else f]
-                  for ws, f in zip(wins, final)]
-    return [{"labels": y, "rollouts": t, "successes": w} for y, t, w in zip(labels, tries, wins)]
+    else:  # progress: first the prompt's own rollouts, as a prefix of 0 steps
+        todo = [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]
+        asked = ([(0, 0)] if opts.label == "progress" and solutions else []) + todo
+        found = roll(asked) if asked else []
+        start = found.pop(0) if len(found) > len(todo) else None
+        for (i, k), w in zip(todo, found):
+            tries[i][k - 1], wins[i][k - 1] = n, w
+        labels = [step_labels(ws, f, n, opts.label, start) for ws, f in zip(wins, final)]
+    more = {} if start is None else {"start": [n, start]}
+    return [{"labels": y, "rollouts": t, "successes": w, **more}
+            for y, t, w in zip(labels, tries, wins)]
 
 
-def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> list:
+def step_labels(wins: list, final: bool, n: int, how: str, start: int = None) -> list:
+    """A solution's labels from its steps' successes (of n; the last step's unused) and outcome."""
+    if how == "hard":
+        return [w > 0 for w in wins[:-1]] + [final]
+    values = [w / n for w in wins[:-1]] + [float(final)]  # V after each step
+    if how == "soft":
+        return values
+    before = [start / n] + values[:-1]
+    return [min(1.0, v / b) if b else float(v > 0) for v, b in zip(values, before)]
+
+
+def label_row(row: dict, index: int, complete, render, opts: LabelOptions, prover=None) -> list:
     """The output lines of one row: its completions, or opts.samples sampled solutions."""
     text, sep = render(row["prompt"]), opts.step_separator
     if not isinstance(text, str):
@@ -127,7 +151,7 @@ def label_row(row: dict, index: int, complete, render, opts: LabelOptions) -> li
     given = row.get("completions") is not None
     drawn = [] if given else complete([text], opts.samples, seed)[0]
     solutions = [row["completions"]] if given else [s for d in drawn if (s := split_steps(d, sep))]
-    found = label_solutions(text, solutions, judge(answer, opts), complete, opts, seed)
+    found = label_solutions(text, solutions, judge(answer, opts), prover or complete, opts, seed)
     ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"}
            for j in range(len(solutions))]
     return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer,
@@ -173,7 +197,8 @@ def input_problems(r, field: str) -> list:
 
 
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
-               render=lambda prompt: prompt, part=(0, 1), skip_invalid=False, show=True) -> int:
+               render=lambda prompt: prompt, part=(0, 1), skip_invalid=False, show=True,
+               prover=None) -> int:
     """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a
     share; a run of all rows merges the parts); render(prompt): the text the policy continues.
     Returns rollouts spent."""
@@ -188,13 +213,14 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
         done = finished(output, *parts(output), *glob.glob(glob.escape(output) + "*.blank"))
         todo = [(i, r) for i, r in rows if i % m == p and i not in done]
         for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
-            write_lines(own, lines := label_row(row, i, complete, render, opts), "a")
+            write_lines(own, lines := label_row(row, i, complete, render, opts, prover), "a")
             if not lines:
                 mark = {"row": i, "lines": 1, "blank_samples": opts.samples}
                 write_lines(blank, [json.dumps(mark)], "a")
                 bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank; no line "
                           f"written, listed in {blank}, not sampled again", file=sys.stderr)
             spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
+            spent += json.loads(lines[0]).get("start", [0])[0] if lines else 0  # one per row
             bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
         if m == 1:
             merge(output, spent, time.time() - start, show)
@@ -329,8 +355,8 @@ def main(argv=None):
         a = p.parse_args(argv)
         parsed(LabelRun, a)
         opts = parsed(LabelOptions, a)
-        check(overwrites([("--output", a.output)],
-                         [("--dataset", a.dataset), ("--policy", a.policy)], new=True))
+        read = [("--dataset", a.dataset), ("--policy", a.policy), ("--prover", a.prover)]
+        check(overwrites([("--output", a.output)], read, new=True))
         shard, shards = map(int, a.shard.split("/"))
         import torch
         import torch.distributed as dist
@@ -341,9 +367,11 @@ def main(argv=None):
             wait = rt.distributed and dist.new_group(backend="gloo",
                                                      timeout=datetime.timedelta(days=7))
             gen = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code)
+            prover = opts.prover and Generator(dataclasses.replace(opts, policy=opts.prover),
+                                               device=rt.device, trust_remote_code=gen.trust)
             start = time.time()
             spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
-                               skip_invalid=a.skip_invalid,
+                               skip_invalid=a.skip_invalid, prover=prover or None,
                                part=(shard * rt.world_size + rt.rank, shards * rt.world_size))
             if rt.distributed:
                 dist.all_reduce(total := torch.tensor([spent]), group=wait)

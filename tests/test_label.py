@@ -28,7 +28,7 @@ def test_soft_and_hard_labels_are_the_counted_share_and_any():
     for last, final in (("the answer is 1.", True), ("the answer is 2.", False)):
         steps = ["a", "b", "c", "d", last]
         complete, log = scripted(lambda p, n: wins[steps_in(p)])
-        soft = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=4), 0)
+        soft = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=4, label="soft"), 0)
         assert soft == [{"labels": [1.0, 0.25, 0.0, 0.75, float(final)], "rollouts": [4, 4, 4, 4, 0],
                          "successes": [4, 1, 0, 3, 0]}]
         assert sorted(map(steps_in, log)) == [1, 2, 3, 4]  # the last step is judged by its own answer
@@ -44,7 +44,7 @@ def test_a_rollout_is_judged_with_the_steps_before_it(rest, rescued):
     # completed solution that answer, one that answers otherwise does not
     steps = ["0 + 1 = 1", "So the result is \\boxed{1}.", "Wait: \\boxed{2}."]
     complete, _ = scripted(lambda p, n: 0 if "boxed" in p else n, wrong=rest)
-    soft = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=4), 0)[0]
+    soft = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=4, label="soft"), 0)[0]
     assert soft["labels"] == [1.0, float(rescued), 0.0] and soft["successes"] == [4, 4 * rescued, 0]
     binary = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(search="binary"), 0)
     assert binary[0]["labels"] == ([True, True, False] if rescued else [True, False, None])
@@ -81,7 +81,7 @@ def test_soft_labels_lie_within_binomial_bounds_of_the_success_rate():
     complete, _ = scripted(lambda prompt, n: sum(rng.random() < p[steps_in(prompt)] for _ in range(n)))
     steps = [f"s{k}" for k in range(1, 11)] + ["the answer is 1"]
     n = 400
-    got = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=n), 0)
+    got = label_solutions("Q\n", [steps], judge("1", LabelOptions()), complete, LabelOptions(rollouts=n, label="soft"), 0)
     got = got[0]["labels"]
     for k in range(1, 11):
         assert abs(got[k - 1] - p[k]) <= 4.5 * math.sqrt(p[k] * (1 - p[k]) / n), (k, got[k - 1], p[k])

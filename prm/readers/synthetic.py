@@ -44,15 +44,23 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def step_truth(prompt: str, steps: list) -> list:
-    """Whether each step of a solution to a `make_rows` prompt is right: it follows the chain from
-    the start, within the count; the last step right only if it ends on the answer."""
-    count, x = map(int, re.findall(r"\d+", prompt))
-    truth = []
+    """Whether each step of a solution to a `make_rows` or `counting_problems` prompt is right: it
+    follows the chain from the start, within the count; the last step right only if it ends on the
+    answer."""
+    count, *size, x = map(int, re.findall(r"\d+", prompt))
+    d, truth = size[0] if size else 1, []
     for k, step in enumerate(steps):
-        ok = (not truth or truth[-1]) and k < count and step == f"{x}+1={(x + 1) % 10}"
+        ok = (not truth or truth[-1]) and k < count and step == f"{x}+{d}={(x + d) % 10}"
         truth.append(ok and (k + 1 < len(steps) or k + 1 == count))
-        x = (x + 1) % 10
+        x = (x + d) % 10
     return truth
+
+
+def counting_problems() -> list:
+    """The 360 prompts `count N steps of D from S:` (N 3-6, D 1-9, S 0-9) with their answers,
+    (S + N * D) % 10; a solution's steps are `x+D=y`, y = (x + D) % 10."""
+    return [{"prompt": f"count {n} steps of {d} from {s}:", "answer": str((s + n * d) % 10)}
+            for n in range(3, 7) for d in range(1, 10) for s in range(10)]
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):

@@ -1,118 +1,128 @@
-"""The whole loop offline on the counting task (prm.readers.synthetic): a policy that slips, its
-Monte-Carlo labels, a PRM trained on them, PRM-guided search; the labels' quality against the truth.
+"""The whole loop offline on the counting task (prm.readers.synthetic.counting_problems): a policy
+that slips, its Monte-Carlo labels, a PRM trained on them, PRM-guided search; over seeds.
 
-    python -m prm.tools.loop policy DIR  # DIR/policy (HF model folder), DIR/label.jsonl, test.jsonl
-    python -m prm.tools.loop bench DIR   # all four stages, timed, then every figure
+    python -m prm.tools.loop policy DIR  # DIR/policy (HF model folder), label/valid/test.jsonl
+    python -m prm.tools.loop bench DIR   # the whole pipeline per seed in DIR/seed<k>, every figure
 """
+import dataclasses
 import itertools
 import json
 import os
 import random
-import subprocess
+import re
+import statistics
 import sys
-import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
-from dataclasses import dataclass
+from prm.config import Checked, at_least, opt
+from prm.errors import WriteFailed, check, exit_status
+from prm.label import LabelOptions
+from prm.readers.synthetic import char_tokenizer, counting_problems, step_truth
 
-from prm.cli import Parser
-from prm.config import opt
-from prm.errors import exit_status
-from prm.readers.synthetic import char_tokenizer, make_rows, step_truth
-from prm.loading import tiny_config
-
-SLIP, SLIP_RATE, NOISE = 7, 0.6, 0.05  # from 7 the policy writes 9 w.p. 0.6; else x + 2 w.p. 0.05
-LABEL_OPTS = {"max_new_tokens": 40, "batch_size": 256}  # a solution: at most 37 tokens
+SLIP, SLIP_RATE, NOISE = 7, 0.6, 0.05  # from 7 the policy adds D + 1 w.p. 0.6; else w.p. 0.05
+GEN = {"max_new_tokens": 40, "batch_size": 256}  # a solution: at most 37 tokens
+FILES = ("policy", "label.jsonl", "valid.jsonl", "test.jsonl")
+# the bench's PRMs: on prm.label's default labels (every method), on the other's (sampled ones)
+LABELS = (LabelOptions.label, "soft" if LabelOptions.label == "progress" else "progress")
 
 
-def policy_text(n: int, seed: int) -> list:
-    """Solutions as the policy learns to write them: make_rows' prompts, systematic slips."""
-    rng, texts = random.Random(seed), []
-    for _ in range(n):
-        start, count = rng.randrange(10), rng.randint(3, 6)
-        x, text = start, f"count {count} steps from {start}:\n"
-        for _ in range(count):
-            y = (x + 1 + (rng.random() < (SLIP_RATE if x == SLIP else NOISE))) % 10
-            text, x = text + f"{x}+1={y}\n", y
-        texts.append(text)
-    return texts
+@dataclasses.dataclass
+class LoopOptions(Checked):
+    """The task's split and the policy (a seed's pipeline); --seeds: the bench's pipelines."""
+    stage: str = opt("", "", positional=True, choices=["policy", "bench"])
+    folder: str = opt("", "a new folder, or one without what the stage writes", positional=True)
+    test: int = opt(120, "held-out test prompts (of 360), one problem each", check=at_least(1))
+    valid: int = opt(60, "validation prompts: the PRM's held-out rows (the truth's labels) and the "
+                     "search settings chosen on them", check=at_least(1))
+    rows: int = opt(180, "labeling prompts, one problem each (at most 360 - test - valid)",
+                    check=at_least(1))
+    steps: int = opt(300, "the policy's optimizer steps", check=at_least(1))
+    seeds: int = opt(5, "bench: pipelines, seeds 0 .. seeds - 1", check=at_least(1))
+    grid_rows: int = opt(25, "bench: labeling problems of the label-quality grid (seed 0)",
+                         check=at_least(1))
+
+    def __post_init__(self):
+        super().__post_init__()
+        check([] if self.test + self.valid + self.rows <= 360 else
+              [f"--test {self.test} + --valid {self.valid} + --rows {self.rows}: the task has 360 "
+               "prompts"])
+
+
+def solution(prompt: str, rng) -> list:
+    """Steps as the policy learns to write them: from SLIP it slips (adds D + 1) at SLIP_RATE."""
+    count, d, x = map(int, re.findall(r"\d+", prompt))
+    steps = []
+    for _ in range(count):
+        y = (x + d + (rng.random() < (SLIP_RATE if x == SLIP else NOISE))) % 10
+        steps.append(f"{x}+{d}={y}")
+        x = y
+    return steps
 
 
 def train_policy(output: str, *, steps: int = 300, batch: int = 32, lr: float = 3e-3, seed=0):
-    """A tiny Qwen2 causal LM trained on policy_text, saved with its tokenizer (HF model folder)."""
-    tok, start = char_tokenizer(), time.time()
+    """A tiny Qwen2 causal LM trained on solution()'s texts, saved with its tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from prm.loading import tiny_config
+    tok, start, rng = char_tokenizer(), time.time(), random.Random(seed)
     torch.manual_seed(seed)
     shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, layer_types=None)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**{**tiny_config(tok).to_dict(), **shape}))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    texts = policy_text(steps * batch, seed)
+    opt_ = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    prompts = [p["prompt"] for p in counting_problems()]
     for i in range(steps):
-        enc = tok([t + tok.eos_token for t in texts[i * batch:(i + 1) * batch]],
-                  return_tensors="pt", padding=True, add_special_tokens=False)
+        texts = [p + "\n" + "".join(s + "\n" for s in solution(p, rng)) + tok.eos_token
+                 for p in rng.choices(prompts, k=batch)]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         ids = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)  # (B, T): no pad loss
         loss = model(**enc, labels=ids).loss
         loss.backward()
-        for g in opt.param_groups:  # linear decay to 0
+        for g in opt_.param_groups:  # linear decay to 0
             g["lr"] = lr * (1 - i / steps)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i % 50 == 0 or i == steps - 1:
+        opt_.step()
+        opt_.zero_grad(set_to_none=True)
+        if i % 100 == 0 or i == steps - 1:
             print(f"policy step {i}: loss {loss.item():.4f}, {time.time() - start:.0f} s",
                   file=sys.stderr)
     model.save_pretrained(output)
     tok.save_pretrained(output)
 
 
-def write_problems(folder: str, *, rows: int, test: int, seed: int = 0):
-    """FOLDER/label.jsonl (rows) and FOLDER/test.jsonl (test): make_rows' prompts and answers;
-    the test ones from a held-out quarter of the 40 distinct prompts."""
-    prompts = sorted({r["prompt"] for r in make_rows(400, seed)})
-    random.Random(seed).shuffle(prompts)
-    held, drawn = set(prompts[:len(prompts) // 4]), make_rows(20 * (rows + test), seed)
-    for name, part in (("label", [r for r in drawn if r["prompt"] not in held][:rows]),
-                       ("test", [r for r in drawn if r["prompt"] in held][:test])):
-        with open(os.path.join(folder, name + ".jsonl"), "w", encoding="utf-8") as f:
-            f.writelines(json.dumps({k: r[k] for k in ("id", "prompt", "answer")}) + "\n"
-                         for r in part)
+def write_problems(folder: str, o: LoopOptions, seed: int = 0):
+    """FOLDER/test.jsonl, valid.jsonl, label.jsonl: disjoint prompts (a seeded shuffle). A valid row
+    also holds a solution written as the policy learned to and its true labels (train.py's
+    --eval-dataset)."""
+    problems, rng = counting_problems(), random.Random(seed)
+    rng.shuffle(problems)
+    parts = {"test": problems[:o.test], "valid": problems[o.test:o.test + o.valid],
+             "label": problems[o.test + o.valid:][:o.rows]}
+    for name, part in parts.items():
+        rows = [{"id": f"{name}-{i}", **p} for i, p in enumerate(part)]
+        for r in rows if name == "valid" else ():
+            r["completions"] = solution(r["prompt"], rng)
+            r["labels"] = step_truth(r["prompt"], r["completions"])
+        with open(os.path.join(folder, name + ".jsonl"), "x", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def label_quality(folder: str, policy: str, rows: int) -> list:
-    """Monte-Carlo labels of FOLDER/label.jsonl's first `rows` problems against step_truth, per
-    (rollouts, label, search): the share of labeled steps on the right side of 0.5, the first
-    wrong step's precision and recall, rollouts per solution."""
-    from prm.label import Generator, LabelOptions, label_file
-    with open(os.path.join(folder, "label.jsonl"), encoding="utf-8") as f:
-        problems = f.readlines()[:rows]
-    gen, found = None, []
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "in.jsonl"), "w", encoding="utf-8") as f:
-            f.writelines(problems)
-        for r, search in itertools.product((4, 8, 16), ("all", "binary")):
-            opts = LabelOptions(policy=policy, rollouts=r, search=search, **LABEL_OPTS)
-            gen = gen or Generator(opts, device=torch.device("cpu"))
-            gen.opts, out = opts, os.path.join(tmp, f"{r}{search}.jsonl")  # one model loaded
-            spent = label_file(os.path.join(tmp, "in.jsonl"), out, gen, opts, render=gen.render,
-                               show=False)
-            with open(out, encoding="utf-8") as f:
-                solved = [json.loads(line) for line in f]
-            truth = [step_truth(x["prompt"], x["completions"]) for x in solved]
-            # the same rollouts give --label hard: any success (binary search labels either alike)
-            for label in ("soft", "hard") if search == "all" else ("either",):
-                labels = [x["labels"] if label != "hard" else
-                          [w > 0 for w in x["successes"][:-1]] + x["labels"][-1:] for x in solved]
-                pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
-                         if y is not None]
-                firsts = [(first_wrong([y is None or y >= 0.5 for y in ys]), first_wrong(ts))
-                          for ys, ts in zip(labels, truth)]
-                found.append({"rollouts": r, "label": label, "search": search,
-                              "right_side": share([a == b for a, b in pairs]),
-                              "precision": share([a == b for a, b in firsts if a >= 0]),
-                              "recall": share([a == b for a, b in firsts if b >= 0]),
-                              "rollouts_per_solution": spent / len(solved)})
-    return found
+def relabeled(lines: list, how: str, n: int) -> list:
+    """prm.label's progress lines (n rollouts) with the labels `how` (soft, hard, progress) gives
+    them; a progress line's last label is the solution's outcome."""
+    from prm.label import step_labels
+    return [{**x, "labels": step_labels(x["successes"], x["labels"][-1] == 1, n, how,
+                                        x["start"][1])} for x in lines]
+
+
+def step_quality(labels: list, truth: list) -> dict:
+    """Steps on the right side of 0.5 (None: unlabeled); first wrong step precision, recall."""
+    pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
+             if y is not None]
+    firsts = [(first_wrong([y is None or y >= 0.5 for y in ys]), first_wrong(ts))
+              for ys, ts in zip(labels, truth)]
+    return {"right": share([a == b for a, b in pairs]),
+            "prec": share([a == b for a, b in firsts if a >= 0]),
+            "recall": share([a == b for a, b in firsts if b >= 0])}
 
 
 def first_wrong(flags: list) -> int:
@@ -123,72 +133,236 @@ def share(flags: list) -> float:
     return sum(flags) / len(flags) if flags else float("nan")
 
 
-def commands(folder: str, *, rows: int, test: int) -> list:
-    """The loop's four stages as (name, argv after python): policy, labels, PRM, search."""
-    at = lambda name: os.path.join(folder, name)  # noqa: E731
-    gen = ["--max-new-tokens", "40", "--batch-size", "256"]
-    return [("policy", ["-m", "prm.tools.loop", "policy", folder, "--rows", str(rows),
-                        "--test", str(test)]),
-            ("label", ["-m", "prm.label", "--policy", at("policy"), "--dataset", at("label.jsonl"),
-                       "--output", at("labels.jsonl"), *gen]),
-            ("train", ["train.py", "--model", at("policy"), "--dataset", at("labels.jsonl"),
-                       "--output-dir", at("prm"), "--lr", "1e-3", "--batch-size", "32",
-                       "--epochs", "4", "--overwrite"]),
-            ("search", ["-m", "prm.search", "--policy", at("policy"), "--model", at("prm/final"),
-                        "--dataset", at("test.jsonl"), "--output", at("search.jsonl"),
-                        "--seeds", "0,1,2", "--problems", str(test), *gen])]
+def read(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
-def bench(folder: str, rows: int, test: int, quality_rows: int):
-    """Runs the four stages in fresh processes (wall and CPU seconds each); prints every figure."""
-    from prm.search import table
-    times, out = [], None
-    for name, argv in commands(folder, rows=rows, test=test):
-        print("$ python " + " ".join(argv), file=sys.stderr, flush=True)
-        cpu, start = os.times(), time.time()
-        done = subprocess.run([sys.executable, *argv], stdout=subprocess.PIPE, text=True,
-                              check=True)
-        used = sum(os.times()[2:4]) - sum(cpu[2:4])  # the children's user + system seconds
-        times.append(f"{name} {time.time() - start:.0f} s wall, {used:.0f} s CPU")
-        out = done.stdout.strip().splitlines()[-1] if name == "search" else out
-    with open(os.path.join(folder, "labels.jsonl"), encoding="utf-8") as f:
-        solved = [json.loads(line) for line in f]
-    slips = [s != f"{SLIP}+1={SLIP + 1}" for x in solved for s in x["completions"]
-             if s.startswith(f"{SLIP}+1=")]
-    print("times: " + "; ".join(times))
-    right = share([all(step_truth(x["prompt"], x["completions"])) for x in solved])
-    print(f"policy: {right:.3f} of {len(solved)} sampled solutions right; from {SLIP} it slips in "
-          f"{share(slips):.3f}")
-    print("".join(f"{h:>9}" for h in ("rollouts", "label", "search", "right", "prec", "recall",
-                                        "spent")))
-    start, cpu = time.time(), time.process_time()
-    for q in label_quality(folder, os.path.join(folder, "policy"), quality_rows):
-        print(f"{q['rollouts']:>9}{q['label']:>9}{q['search']:>9}{q['right_side']:>9.3f}"
-              f"{q['precision']:>9.3f}{q['recall']:>9.3f}{q['rollouts_per_solution']:>9.1f}")
-    print(f"label grid {time.time() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU")
-    print(table(json.loads(out)))
+def label_grid(folder: str, gen, rows: int) -> list:
+    """Monte-Carlo labels of label.jsonl's first `rows` problems against step_truth, per rollouts,
+    label and search; rollouts per solution (progress: from the prompt too)."""
+    from prm.label import LabelOptions, label_file
+    found, problems = [], read(os.path.join(folder, "label.jsonl"))[:rows]
+    os.makedirs(grid := os.path.join(folder, "grid"))
+    with open(os.path.join(grid, "in.jsonl"), "x", encoding="utf-8") as f:
+        f.writelines(json.dumps(p) + "\n" for p in problems)
+    for r, search in itertools.product((4, 8, 16), ("all", "binary")):
+        opts = LabelOptions(policy=gen.opts.policy, rollouts=r, search=search,
+                            label="progress" if search == "all" else "hard", **GEN)
+        gen.opts, out = opts, os.path.join(grid, f"{r}{search}.jsonl")
+        spent = label_file(os.path.join(grid, "in.jsonl"), out, gen, opts, show=False)
+        solved = read(out)
+        truth = [step_truth(x["prompt"], x["completions"]) for x in solved]
+        for how in ("soft", "hard", "progress") if search == "all" else ("binary",):
+            got = solved if how == "binary" else relabeled(solved, how, r)
+            labels = [x["labels"] for x in got]
+            used = spent - r * len(problems) * (how != "progress")  # others: not from the prompt
+            found.append({"rollouts": r, "label": how, **step_quality(labels, truth),
+                          "spent": used / len(solved)})
+    return found
 
 
-@dataclass
-class LoopOptions:
-    stage: str = opt("", "", positional=True, choices=["policy", "bench"])
-    folder: str = opt("", "for policy, problems, labels, PRM and search results", positional=True)
-    rows: int = opt(200, "problems to label")
-    test: int = opt(40, "held-out problems to search")
-    quality_rows: int = opt(25, "problems of the label grid")
-    steps: int = opt(300, "the policy's optimizer steps")
+def searched(folder: str, name: str, gen, prm: str, dataset: str, **settings) -> list:
+    """prm.search's records of `dataset` (FOLDER/search-NAME.jsonl) with the PRM at `prm`."""
+    from prm.scoring.reward import PRMReward
+    from prm.search import SearchOptions, cached, search_file
+    opts = SearchOptions(policy=gen.opts.policy, problems=30, **GEN, **settings)
+    reward = PRMReward(prm, batch_size=GEN["batch_size"])
+    gen.opts, out = opts, os.path.join(folder, f"search-{name}.jsonl")
+    # as prm.search runs it: each tree step's tokens on the PRM's cache
+    search_file(os.path.join(folder, dataset), out, gen, reward.score, opts, render=gen.render,
+                show=False, extend=cached(reward))
+    return read(out)
+
+
+def accuracy(records: list, method: str, n: int, how: str, aggregate: str) -> float:
+    """The share of records' problems `how` answers right from the method's candidates at N."""
+    from prm.search import pick
+    hits = []
+    for r in records:
+        x = next(x for x in r["results"] if (x["method"], x["n"]) == (method, n))
+        cands = x.get("candidates", r.get("samples", [])[:n])  # sampled: the first N
+        hits.append(cands[i]["correct"] if (i := pick(cands, how, aggregate)) is not None else 0)
+    return share(hits)
+
+
+def choose(folder: str, gen, prm: str, seed: int) -> dict:
+    """--aggregate (best-of-n and weighted at N = 4, 16), then --beam-width and --select (beam and
+    dvts at N = 4, 16), each the best on the validation prompts; ties keep prm.search's default."""
+    sampled = searched(folder, "valid", gen, prm, "valid.jsonl", methods=("best-of-n", "weighted"),
+                       n=(4, 16), seeds=(seed,))
+    score = lambda recs, how, a: statistics.fmean(  # noqa: E731
+        accuracy(recs, m, n, how if how else m, a) for m, n in itertools.product(
+            ("best-of-n", "weighted") if not how else ("beam", "dvts"), (4, 16)))
+    aggregate = max(("last", "min", "prod", "mean"), key=lambda a: score(sampled, "", a))
+    best = (-1.0,)
+    for width in (4, 2):
+        trees = searched(folder, f"valid-m{width}", gen, prm, "valid.jsonl", n=(4, 16),
+                         methods=("beam", "dvts"), seeds=(seed,), beam_width=width,
+                         aggregate=aggregate)
+        for how in ("weighted", "best-of-n", "majority"):
+            best = max(best, (score(trees, how, aggregate), width, how), key=lambda b: b[0])
+    return {"aggregate": aggregate, "beam_width": best[1], "select": best[2]}
+
+
+def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
+    """One pipeline in FOLDER: policy, labels, a PRM per LABELS, settings, test search."""
+    from prm.config import Config
+    from prm.label import Generator, LabelOptions, label_file
+    from prm.bench import training  # train.py, the training program beside the package
+    train = training().train
+    clock = time.time()
+
+    def lap(stage):
+        nonlocal clock
+        times.setdefault(stage, []).append(time.time() - clock)
+        clock = time.time()
+    write_problems(folder, o, seed)
+    train_policy(at := os.path.join(folder, "policy"), steps=o.steps, seed=seed)
+    lap("policy")
+    opts = LabelOptions(policy=at, label="progress", seed=seed, **GEN)
+    gen = Generator(opts, device=torch.device("cpu"))
+    label_file(os.path.join(folder, "label.jsonl"), lab := os.path.join(folder, "labels.jsonl"),
+               gen, opts, render=gen.render, show=False)
+    lap("label")
+    out = {"policy": share([all(step_truth(x["prompt"], x["completions"])) for x in read(lab)])}
+    for how in LABELS:
+        with open(path := os.path.join(folder, f"labels-{how}.jsonl"), "x") as f:
+            f.writelines(json.dumps(x) + "\n" for x in relabeled(read(lab), how, opts.rollouts))
+        out[f"train-{how}"] = train(Config(
+            model=at, dataset=path, eval_dataset=os.path.join(folder, "valid.jsonl"), lr=1e-3,
+            batch_size=32, epochs=4, output_dir=os.path.join(folder, f"prm-{how}"), seed=seed))
+        lap("train")
+    prm = os.path.join(folder, f"prm-{LABELS[0]}", "final")
+    out["chosen"] = choose(folder, gen, prm, seed)
+    lap("choose")
+    out["test"] = searched(folder, "test", gen, prm, "test.jsonl", seeds=(seed,), **out["chosen"])
+    lap("search")
+    out["other"] = searched(folder, "test-" + LABELS[1], gen, os.path.join(
+        folder, f"prm-{LABELS[1]}", "final"), "test.jsonl", methods=("best-of-n", "weighted"),
+        seeds=(seed,), **{**out["chosen"], "beam_width": 4})
+    lap("search")
+    if seed == 0:
+        out["grid"] = label_grid(folder, gen, o.grid_rows)
+        lap("grid")
+    return out
+
+
+def prm_steps(records: list, rows: list) -> dict:
+    """The PRM's step scores on the test samples against step_truth: AUROC, the first wrong step's
+    precision and recall (first score under 0.5)."""
+    from prm.core.metrics import auroc, first_error
+    scores, truths, firsts = [], [], []
+    for r in records:
+        for c in r["samples"]:
+            truth = step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])]
+            scores += c["scores"][:len(truth)]
+            truths += truth
+            firsts.append((first_error(c["scores"][:len(truth)]), first_wrong(truth)))
+    return {"auroc": auroc(scores, truths), "prec": share([a == b for a, b in firsts if a >= 0]),
+            "recall": share([a == b for a, b in firsts if b >= 0])}
+
+
+def mean_se(values: list) -> str:
+    values = [v for v in values if v is not None and v == v]  # no AUROC: a class empty
+    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return f"{statistics.fmean(values):.3f} ± {se:.3f}"
+
+
+def interval(diffs: list, draws: int = 2000) -> tuple:
+    """95% bootstrap interval of the mean difference, each pipeline's prompts resampled."""
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(v for d in diffs for v in rng.choices(d, k=len(d)))
+                   for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+
+
+def hit(record: dict, method: str, n: int) -> bool:
+    return next(x["correct"] for x in record["results"] if (x["method"], x["n"]) == (method, n))
+
+
+def search_rows(runs: list, key: str, tag: str = "") -> list:
+    """Per method and N of runs[*][key]: accuracy mean ± SE over pipelines, the paired difference
+    from majority (the main search's) with its interval, pass@N over the first N samples."""
+    lines = []
+    for m, n in sorted({(x["method"], x["n"]) for x in runs[0][key][0]["results"]},
+                       key=lambda k: (k[1], "majority best-of-n weighted beam dvts".find(k[0]))):
+        got = [{r["row"]: hit(r, m, n) for r in run[key]} for run in runs]
+        base = [{r["row"]: hit(r, "majority", n) for r in run["test"]} for run in runs]
+        oracle = [share([any(c["correct"] for c in r["samples"][:n]) for r in run["test"]])
+                  for run in runs]
+        diff = [[g[k] - b[k] for k in g] for g, b in zip(got, base)]
+        lo, hi = interval(diff)
+        same = m == "dvts" and n <= min(run["chosen"]["beam_width"] for run in runs)
+        lines.append(f"{m + tag + (' (= beam)' if same else ''):<22}{n:>4}"
+                     f"{mean_se([share(list(g.values())) for g in got]):>16}"
+                     f"{statistics.fmean(map(statistics.fmean, diff)):>+9.3f}"
+                     f" [{lo:+.3f}, {hi:+.3f}]{mean_se(oracle):>16}")
+    return lines
+
+
+def report(runs: list, times: dict, o: LoopOptions):
+    """Every figure of the bench, over the pipelines."""
+    print(f"{len(runs)} pipelines (seeds 0-{len(runs) - 1}); each: {o.rows} labeling, {o.valid} "
+          f"validation, {o.test} test prompts, disjoint; mean ± standard error over pipelines")
+    print(f"policy: {mean_se([r['policy'] for r in runs])} of its sampled solutions right")
+    for r in runs:
+        print("chosen on validation: " + ", ".join(f"{k} {v}" for k, v in r["chosen"].items()))
+    print(f"{'method':<22}{'N':>4}{'accuracy':>16}{'- majority [95% by prompt]':>27}"
+          f"{'pass@N':>16}")
+    print("\n".join(search_rows(runs, "test") + search_rows(runs, "other", f" ({LABELS[1]})")))
+    rows = [read(os.path.join(r["folder"], "test.jsonl")) for r in runs]
+    for key, label in (("test", LABELS[0]), ("other", LABELS[1])):
+        steps = [prm_steps(r[key], x) for r, x in zip(runs, rows)]
+        held = [r[f"train-{label}"] for r in runs]
+        got = [mean_se([s[k] for s in steps]) for k in ("auroc", "prec", "recall")] + \
+            [mean_se([h[k] for h in held]) for k in ("step_accuracy", "auroc")]
+        print("PRM on {} labels, its scores of the test samples against the truth: step AUROC {}, "
+              "first wrong step precision {} recall {}; train.py's held-out figures (validation "
+              "prompts, true labels): step accuracy {}, AUROC {}".format(label, *got))
+    print(f"label grid (seed 0, {o.grid_rows} problems, their sampled solutions) against the "
+          "truth:\n rollouts    label    right     prec   recall    spent")
+    for q in runs[0]["grid"]:
+        print(f"{q['rollouts']:>9}{q['label']:>9}{q['right']:>9.3f}{q['prec']:>9.3f}"
+              f"{q['recall']:>9.3f}{q['spent']:>9.1f}")
+    print("wall s per pipeline: " + ", ".join(f"{k} {sum(v) / len(runs):.0f}"
+                                               for k, v in times.items()))
+
+
+def refusals(stage: str, at: str) -> list:
+    """Why folder `at` cannot take the stage's files: nothing there is ever replaced."""
+    if not at or os.path.isfile(at):
+        return [f"{at!r}: not a folder"]
+    if stage == "bench":
+        busy = os.path.isdir(at) and os.listdir(at)
+        return [f"{at}: not empty; the bench writes a new run, pass another folder"] * bool(busy)
+    return [f"{os.path.join(at, x)} exists; the policy stage writes only new files, pass another "
+            "folder" for x in FILES if os.path.lexists(os.path.join(at, x))][:1]
 
 
 def main(argv=None):
+    from prm.cli import Parser, parsed
     with exit_status():
         p = Parser(LoopOptions, prog="python -m prm.tools.loop",
                    description=__doc__.split("\n\n")[0])
-        a = p.parse_args(argv)
-        os.makedirs(a.folder, exist_ok=True)
-        if a.stage == "bench":
-            return bench(a.folder, a.rows, a.test, a.quality_rows)
-        write_problems(a.folder, rows=a.rows, test=a.test)
-        train_policy(os.path.join(a.folder, "policy"), steps=a.steps)
+        o = parsed(LoopOptions, p.parse_args(argv))
+        at = o.folder
+        check(refusals(o.stage, at))
+        try:
+            os.makedirs(at, exist_ok=True)
+            if o.stage == "policy":
+                write_problems(at, o)
+                return train_policy(os.path.join(at, "policy"), steps=o.steps)
+            runs, times, start = [], {}, time.time()
+            for seed in range(o.seeds):
+                os.makedirs(folder := os.path.join(at, f"seed{seed}"))
+                runs.append({"folder": folder, **pipeline(folder, o, seed, times)})
+                with open(os.path.join(folder, "run.json"), "x", encoding="utf-8") as f:
+                    json.dump({"run": runs[-1], "times": times}, f)  # report() reads them again
+            report(runs, times, o)
+            print(f"bench: {time.time() - start:.0f} s wall")
+        except OSError as e:
+            raise WriteFailed(f"{at}: {e.strerror or e}: {e.filename or ''}") from None
 
 
 if __name__ == "__main__":
