@@ -12,25 +12,22 @@ import statistics
 import sys
 import time
 
-from prm.answers import answer_key, extract_answer, judge
+from prm.answers import answer_key, judge
 from prm.cli import Parser, parsed
 from prm.config import Checked, at_least, bound, opt, within
-from prm.core.metrics import AGGREGATES, picked, solution_score
-from prm.errors import Stopped, UsageError, check, exit_status, overwrites
+from prm.core.metrics import AGGREGATES, picked
+from prm.errors import Stopped, check, exit_status, overwrites
 from prm.files import finished, parts, resumed, stamp, write_lines
 from prm.label import Generator, LabelOptions, LabelRun, merge, mix, read_input
 from prm.readers.formats import split_steps
 from prm.scoring import ScorerOptions
+from prm.trees import Problem, TreeRun, cached, candidate, grow, plus, proposed, rescoring
 
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
 RESULT = ("n", "answer", "correct", *COSTS)  # what a run reported twice repeats
 MAX_N = 1 << 16  # solutions or beams per problem: more would not fit in memory
 SPEED = ("problems", "batch_size", "prm_batch_size")  # knobs a rerun may change: not settings
-# a problem searched: its input row, the text the policy continues, is_correct(text) -> bool
-Problem = collections.namedtuple("Problem", "index row text is_correct")
-
-
 LABEL = LabelOptions.__dataclass_fields__  # the flags prm.label shares
 
 
@@ -98,16 +95,6 @@ class SearchRun(Checked):
     trust_remote_code: bool = opt(False, "allow the models' code")
 
 
-def proposed(propose, prefixes: list, n: int, seeds: list, stop) -> tuple:
-    """(texts, usage: per text (tokens, None if not counted; cut by max_new_tokens), seconds per
-    prefix), checked."""
-    start, outs = time.time(), propose(prefixes, n, seeds, stop)
-    if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
-        raise UsageError(f"propose() must give {n} texts for each of its {len(prefixes)} prefixes")
-    usage = getattr(propose, "usage", None) or [[(None, False)] * n for _ in prefixes]
-    return outs, usage, (time.time() - start) / len(prefixes)
-
-
 def counted(propose, tokenizer):
     """propose() with a `usage` of its own, else its texts' tokens by `tokenizer`."""
     def call(*args):
@@ -119,11 +106,6 @@ def counted(propose, tokenizer):
     return call
 
 
-def plus(*counts):
-    """Their sum; None (not counted) if one is."""
-    return None if None in counts else sum(counts)
-
-
 def prm_counter(reward):
     """count(question, text): the tokens `reward` (a PRMReward) reads, at most its max_length."""
     def count(question, text):
@@ -132,14 +114,6 @@ def prm_counter(reward):
         n = len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
         return min(n, reward.max_length or n)
     return count
-
-
-def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
-    """A finished solution: steps, scores, answer, whether it is right, how it ended."""
-    text = opts.step_separator.join(steps)
-    return {"steps": list(steps), "scores": scores,
-            "answer": extract_answer(text, opts.answer_pattern),
-            "correct": bool(problem.is_correct(text)), "end": end}
 
 
 def pick(cands: list, how: str, aggregate: str):
@@ -153,139 +127,6 @@ def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
     i = pick(cands, how, opts.aggregate)
     return {"method": method, "n": n, "answer": None if i is None else cands[i]["answer"],
             "correct": i is not None and cands[i]["correct"], **more}
-
-
-# a beam: its steps, their scores, the scorer's state after them (PRMReward.extend's prefix)
-Beam = collections.namedtuple("Beam", "steps scores state")
-
-
-def tree_search(problem: Problem, method: str, n: int, width: int, opts):
-    """One problem's beam search or DVTS (Snell et al. 2024, "Scaling LLM test-time compute";
-    search-and-learn): beam keeps the best N/M of one group of N/M beams, each extended M ways;
-    DVTS, the best of each of N/M groups of one. Unlike theirs: no lookahead, no duplicate
-    filtering, survivors at --max-steps end. Yields ("propose", beams, M), sent M (text, cut) per
-    beam, and ("score", [(parent, steps)]), sent a Beam each; returns the candidates."""
-    keep, groups = (n // width, 1) if method == "beam" else (1, n // width)
-    groups = [[Beam((), [], None)] * keep for _ in range(groups)]
-    done = []
-
-    def end(beam, how: str):
-        done.append(candidate(beam.steps, beam.scores, how, problem, opts))
-    for _ in range(opts.max_steps):
-        if not any(groups):
-            break
-        texts = iter((yield "propose", [b for g in groups for b in g], width))
-        new = [[] for _ in groups]  # per group: (parent, steps, how it ended: "" if it goes on)
-        for g, group in enumerate(groups):
-            for beam in group:
-                for text, cut in next(texts):
-                    head, found, _ = text.partition(opts.step_separator)
-                    if not head.strip():  # an empty step ends the beam as it was
-                        end(beam, "empty")
-                        continue
-                    how = "" if found else "cut" if cut else "eos"
-                    new[g].append((beam, beam.steps + (head,), how))
-        asked = [(parent, steps) for group in new for parent, steps, _ in group]
-        scored = iter((yield "score", asked) if asked else [])
-        for g, group in enumerate(new):
-            going = []
-            for (_, _, how), beam in zip(group, scored):
-                if how:
-                    end(beam, how)
-                else:
-                    going.append(beam)
-            going.sort(key=lambda b: -solution_score(b.scores, opts.aggregate))  # ties keep order
-            groups[g] = going[:keep]
-    for beam in itertools.chain(*groups):
-        end(beam, "max_steps")
-    return done
-
-
-@dataclasses.dataclass(eq=False)
-class TreeRun:
-    """A tree_search under way: its request (None: ended), costs and candidates."""
-    problem: Problem
-    method: str
-    n: int
-    width: int
-    opts: SearchOptions
-    seed: int
-
-    def __post_init__(self):
-        self.search = tree_search(self.problem, self.method, self.n, self.width, self.opts)
-        self.cost, self.done = collections.Counter(), None
-        self.drawn = itertools.count()  # the tree's own stream of seeds: one per prefix
-        self.send(None)
-
-    def next_seed(self) -> int:
-        return mix(self.seed, self.problem.index, self.method, self.n, next(self.drawn))
-
-    def send(self, answer):
-        try:
-            self.request = self.search.send(answer)
-        except StopIteration as stop:
-            self.request, self.done = None, stop.value
-
-
-def rescoring(score, count, sep: str):
-    """grow's scorer of each new beam's whole text: score(questions, outputs); count(question,
-    text), its PRM tokens. extend([(run, parent, steps)]) -> [(Beam, tokens)]."""
-    def extend(asked: list) -> list:
-        questions = [r.problem.row["prompt"] for r, _, _ in asked]
-        texts = [sep.join(steps) for _, _, steps in asked]
-        probs = score(questions, [[text] for text in texts])
-        return [(Beam(steps, ps, None), count(q, text))
-                for (_, _, steps), q, text, [ps] in zip(asked, questions, texts, probs)]
-    return extend
-
-
-def cached(reward):
-    """grow's scorer on the PRM's caches (PRMReward.extend): a new step's tokens run after its
-    parent's cache; a question's once per search."""
-    def extend(asked: list) -> list:
-        roots = {r: reward.start(r.problem.row["prompt"]) for r, parent, _ in asked
-                 if parent.state is None}
-        out = reward.extend([parent.state or roots[r] for r, parent, _ in asked],
-                            [steps[-1] for _, _, steps in asked])
-        return [(Beam(steps, parent.scores + ([] if p is None else [p]), prefix), ran)
-                for (_, parent, steps), (prefix, p, ran) in zip(asked, out)]
-    return extend
-
-
-def grow(runs: list, propose, extend, opts, stops=False):
-    """One step of every tree: a propose call per width, one scoring call. stops: refuse a
-    propose() whose texts never end at the stop."""
-    sep, ended = opts.step_separator, []
-    asking = [r for r in runs if r.request and r.request[0] == "propose"]
-    for width in sorted({r.width for r in asking}):
-        beams = [(r, b) for r in asking if r.width == width for b in r.request[1]]
-        prefixes = [r.problem.text + "".join(s + sep for s in b.steps) for r, b in beams]
-        seeds = [r.next_seed() for r, _ in beams]
-        outs, usage, took = proposed(propose, prefixes, width, seeds, sep)
-        answers = collections.defaultdict(list)
-        for (r, _), texts, use in zip(beams, outs, usage):
-            r.cost["seconds"] += took
-            r.cost["policy_tokens"] = plus(r.cost["policy_tokens"], *(k for k, _ in use))
-            answers[r].append([(text, cut) for text, (_, cut) in zip(texts, use)])
-            ended += [sep in text or cut or not text.strip() for text, (_, cut) in zip(texts, use)]
-        for r, texts in answers.items():
-            r.send(texts)
-    check([f"not one of propose()'s {len(ended)} first steps ends at the stop {sep!r}: it must "
-           "keep the stop it ended a text at (vLLM: include_stop_str_in_output=True); a policy "
-           "that answers in one step leaves beam and dvts nothing to search"]
-          * (stops and bool(ended) and not any(ended)))
-    # by width, then in the runs' order: the order they proposed in
-    asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
-                    key=lambda r: r.width)
-    asked = [(r, parent, steps) for r in asking for parent, steps in r.request[1]]
-    start = time.time()
-    scored = iter(extend(asked) if asked else [])
-    took = (time.time() - start) / max(1, len(asked))
-    for r in asking:
-        beams = [next(scored) for _ in r.request[1]]
-        r.cost["prm_tokens"] = plus(r.cost["prm_tokens"], *(tokens for _, tokens in beams))
-        r.cost["seconds"] += took * len(beams)
-        r.send([beam for beam, _ in beams])
 
 
 def sample(block: list, records: dict, propose, score, count, opts, seed: int):

@@ -14,8 +14,8 @@ import pytest
 from prm.core.metrics import AGGREGATES
 from prm.errors import UsageError
 from prm.answers import extract_answer, judge
-from prm.search import (RESULT, Beam, Problem, SearchOptions, cached, main, pick, search_block,
-                        search_file, table, tree_search)
+from prm.search import RESULT, SearchOptions, main, pick, search_block, search_file, table
+from prm.trees import Beam, Problem, cached, tree_search
 
 SEP = "\n"
 

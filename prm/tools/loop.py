@@ -165,7 +165,8 @@ def label_grid(folder: str, gen, rows: int) -> list:
 def searched(folder: str, name: str, gen, prm: str, dataset: str, **settings) -> list:
     """prm.search's records of `dataset` (FOLDER/search-NAME.jsonl) with the PRM at `prm`."""
     from prm.scoring.reward import PRMReward
-    from prm.search import SearchOptions, cached, search_file
+    from prm.search import SearchOptions, search_file
+    from prm.trees import cached
     opts = SearchOptions(policy=gen.opts.policy, problems=30, **GEN, **settings)
     reward = PRMReward(prm, batch_size=GEN["batch_size"])
     gen.opts, out = opts, os.path.join(folder, f"search-{name}.jsonl")
