@@ -38,7 +38,7 @@ class LoopOptions(Checked):
                      "search settings chosen on them", check=at_least(1))
     rows: int = opt(180, "labeling prompts, one problem each (at most 360 - test - valid)",
                     check=at_least(1))
-    steps: int = opt(300, "the policy's optimizer steps", check=at_least(1))
+    steps: int = opt(500, "the policy's optimizer steps", check=at_least(1))
     seeds: int = opt(5, "bench: pipelines, seeds 0 .. seeds - 1", check=at_least(1))
     grid_rows: int = opt(25, "bench: labeling problems of the label-quality grid (seed 0)",
                          check=at_least(1))
@@ -61,7 +61,7 @@ def solution(prompt: str, rng) -> list:
     return steps
 
 
-def train_policy(output: str, *, steps: int = 300, batch: int = 32, lr: float = 3e-3, seed=0):
+def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 3e-3, seed=0):
     """A tiny Qwen2 causal LM trained on solution()'s texts, saved with its tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen2Config
     from prm.loading import tiny_config
