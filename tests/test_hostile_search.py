@@ -15,7 +15,7 @@ from prm.files import check_settings
 from prm.answers import same_answer
 from prm.label import LabelOptions, label_file
 from prm.search import SearchOptions, pick, search_file
-from test_search import scripted_policy, scripted_score, write_problems
+from conftest import scripted_policy, scripted_score, write_problems
 
 FAST = dict(methods=("majority", "weighted"), n=(2,), problems=2)
 

@@ -3,11 +3,9 @@ and PRM, beams kept within their problem, broken policies, tokens counted, resum
 input refused before any model loads, PRMReward.score's shape, every method end to end with tiny
 Hugging Face models."""
 import collections
-import hashlib
 import json
 import math
 import os
-import random
 
 import pytest
 
@@ -16,56 +14,7 @@ from prm.errors import UsageError
 from prm.answers import extract_answer, judge
 from prm.search import RESULT, SearchOptions, main, pick, search_block, search_file, table
 from prm.trees import Beam, Problem, cached, tree_search
-
-SEP = "\n"
-
-
-def proposal(prefix: str, j: int, stop, seed=0) -> str:
-    """The scripted policy's j-th text from `prefix`: a step, a final answer, an empty step or a cut
-    one; each names its problem (p<index>)."""
-    rng = random.Random(f"{prefix}|{j}|{seed}")
-    r, a, p = rng.random(), rng.randrange(3), "p" + prefix.split()[1][:-1]
-    if stop is None:  # a whole solution
-        return f"s{a}{j}{p}{SEP}{p}: the answer is {a}"
-    if r < 0.08:
-        return rng.choice(["", SEP, " " + SEP])
-    if r < 0.13:
-        return f"cut{a}{p}"  # usage marks it cut by max_new_tokens
-    if r < 0.35 or prefix.count(SEP) > 6:
-        return f"{p}: so the answer is {a}"
-    return f"s{a}{j}{p}{SEP}"
-
-
-def scripted_policy(log=None, seeded=False, stop_after=None):
-    """propose() of proposal(): the k-th copy of a prefix in a call gets texts k*n .. k*n + n - 1;
-    `log` keeps each call's prefixes; the call after `stop_after` calls raises KeyboardInterrupt."""
-    calls = []
-
-    def propose(prefixes, n, seeds, stop):
-        if stop_after is not None and len(calls) >= stop_after:
-            raise KeyboardInterrupt
-        calls.append(list(prefixes))
-        if log is not None:
-            log.append(list(prefixes))
-        seen = collections.Counter()
-        outs = []
-        for p, seed in zip(prefixes, seeds):
-            seen[p] += 1
-            outs.append([proposal(p, (seen[p] - 1) * n + j, stop, seed * seeded) for j in range(n)])
-        propose.usage = [[(len(t), t.startswith("cut")) for t in ts] for ts in outs]
-        return outs
-    return propose
-
-
-def step_score(question: str, steps: list) -> float:
-    return int(hashlib.sha256(repr((question, steps)).encode()).hexdigest()[:8], 16) / 16 ** 8
-
-
-def scripted_score(questions, outputs):
-    """P per step: a hash of the question and the steps up to it."""
-    steps = [[[s for s in text.split(SEP) if s.strip()] for text in texts] for texts in outputs]
-    return [[[step_score(q, s[:k + 1]) for k in range(len(s))] for s in ss]
-            for q, ss in zip(questions, steps)]
+from conftest import SEP, proposal, scripted_policy, scripted_score, step_score, write_problems
 
 
 def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps: int,
@@ -111,14 +60,6 @@ def brute_force(text: str, question: str, method: str, n: int, m: int, max_steps
             votes[answer[beam]] += 1 if select == "majority" else value(beam)
     top = max(votes.values(), default=None)
     return extended, sorted(map(list, done)), {a for a, v in votes.items() if v == top} or {None}
-
-
-def write_problems(path, n=5, **extra):
-    rows = [{"id": f"p{i}", "prompt": f"problem {i}:", "answer": str(i % 3), **extra}
-            for i in range(n)]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return str(path)
 
 
 def run(tmp_path, name="out.jsonl", propose=None, rows=5, count=lambda q, text: 0, **opts):
