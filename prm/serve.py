@@ -39,6 +39,16 @@ BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: 
     len(BUSY), BUSY)
 
 
+def parse(body: bytes):
+    """The body as JSON, read as the data files are, else BadRequest."""
+    text, problem, line = decode(body)
+    if text is not None:
+        value, problem, line = read_json(text)
+    if problem:
+        raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
+    return value
+
+
 class BadRequest(ValueError):
     """What is wrong with a request, answered with its status."""
 
@@ -232,12 +242,7 @@ class Handler(BaseHTTPRequestHandler):
         if len(body) < size:  # send_error answers a 408 if the deadline cut it
             raise BadRequest(f"the body ended after {len(body)} of its {size} bytes "
                              "(Content-Length)")
-        text, problem, line = decode(body)
-        if text is not None:
-            value, problem, line = read_json(text)
-        if problem:
-            raise BadRequest(f"the body{f' line {line}' if line else ''}: {problem}")
-        return value
+        return parse(body)
 
     def send_error(self, code, message=None, explain=None):
         """Every error (the standard library's too: a bad method, request line, long headers) as
