@@ -47,8 +47,9 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
         grown = run(model, [opened.get(id(prefixes[i]), prefixes[i]) for i in todo],
                     [new[i] for i in todo], batch_size, amp_dtype)
     out = [(Prefix(p.length + len(p.todo) + len(ids)), None, 0) for p, ids in zip(prefixes, new)]
-    for i, (prefix, probs) in zip(todo, grown):
-        out[i] = (prefix, probs[-1].item(), len(new[i]))
+    lasts = torch.stack([probs[-1] for _, probs in grown]).tolist() if grown else []  # one sync
+    for i, (prefix, _), p in zip(todo, grown, lasts):
+        out[i] = (prefix, p, len(new[i]))
     for p in opening:  # a question's tokens: counted with the first step extending it
         i = next(i for i in todo if prefixes[i] is p)
         out[i] = (out[i][0], out[i][1], out[i][2] + len(p.todo))
