@@ -1,10 +1,10 @@
 """`python -m prm.search`: a policy's answers picked by a PRM among sampled solutions (best-of-n,
-weighted vote) or step by step (beam search, DVTS); majority vote is the baseline. Any policy
-`propose(prefixes, n, seeds, stop) -> list[list[str]]` (a seed per prefix), any PRM
-`score(questions, outputs)`."""
+weighted vote; majority vote the baseline) or step by step (beam, DVTS: prm.trees). A policy is
+any `propose(prefixes, n, seeds, stop) -> list[list[str]]`, a PRM any `score(questions, outputs)`."""
 import collections
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import signal
@@ -16,7 +16,7 @@ from prm.answers import answer_key, judge
 from prm.cli import Parser, parsed
 from prm.config import Checked, at_least, bound, opt, within
 from prm.core.metrics import AGGREGATES, picked
-from prm.errors import Stopped, check, exit_status, overwrites
+from prm.errors import Stopped, UsageError, check, exit_status, overwrites
 from prm.files import finished, parts, resumed, stamp, write_lines
 from prm.label import Generator, LabelOptions, LabelRun, merge, mix, read_input
 from prm.readers.formats import split_steps
@@ -24,22 +24,20 @@ from prm.scoring import ScorerOptions
 from prm.trees import Problem, TreeRun, cached, candidate, grow, plus, proposed, rescoring
 
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
+METHODS = SAMPLED + TREES
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
 RESULT = ("n", "answer", "correct", *COSTS)  # what a run reported twice repeats
-MAX_N = 1 << 16  # solutions or beams per problem: more would not fit in memory
-SPEED = ("problems", "batch_size", "prm_batch_size")  # knobs a rerun may change: not settings
-LABEL = LabelOptions.__dataclass_fields__  # the flags prm.label shares
+SPEED = ("problems", "batch_size", "prm_batch_size")  # a rerun may change them: not settings
+LABEL = LabelOptions.__dataclass_fields__
 
 
 @dataclasses.dataclass
 class SearchOptions(Checked):
     """What decides the results: kept in OUTPUT.settings; a rerun with others is refused."""
-    methods: tuple = opt(SAMPLED + TREES, "comma list of majority, best-of-n, weighted (sharing "
-                         "samples), beam, dvts", check=bound(lambda m: m in SAMPLED + TREES,
-                                                             "expected majority, best-of-n, "
-                                                             "weighted, beam or dvts"))
+    methods: tuple = opt(METHODS, "comma list of " + ", ".join(METHODS),
+                         check=bound(lambda m: m in METHODS, "expected " + ", ".join(METHODS)))
     n: tuple = opt((1, 4, 16), "comma list of budgets N: solutions sampled, or beams",
-                   check=within(1, MAX_N))
+                   check=within(1, 1 << 16))
     beam_width: int = opt(4, "M: beam keeps N/M beams, each extended M ways; dvts grows N/M "
                           "subtrees of M (M = N for N < M)", check=at_least(1))
     aggregate: str = opt("last", "a solution's score from its step scores",
@@ -47,8 +45,7 @@ class SearchOptions(Checked):
     select: str = opt("weighted", "how beam and dvts pick a finished beam", choices=SAMPLED)
     max_steps: int = opt(40, "steps a beam takes at most", check=at_least(1))
     seeds: tuple = opt((0,), "comma list; the summary's mean and range are over them")
-    problems: int = opt(8, "problems searched together, sharing generate and PRM calls: a speed "
-                        "knob (a problem's samples depend on the seed and the problem only)",
+    problems: int = opt(8, "problems searched together, sharing calls: a speed knob",
                         check=at_least(1))
     policy: str = opt(like=LABEL["policy"], help="the policy (a Hugging Face name or folder)")
     temperature: float = opt(like=LABEL["temperature"])
@@ -57,20 +54,18 @@ class SearchOptions(Checked):
                               help="tokens per sampled solution or beam step")
     batch_size: int = opt(like=LABEL["batch_size"])
     prm_batch_size: int = opt(16, "solutions per PRM forward", check=at_least(1))
-    dtype: str = opt("auto", "the PRM's compute dtype, as eval.py's --dtype (auto: the run's)",
+    dtype: str = opt("auto", "the PRM's dtype (auto: its run's)",
                      choices=["auto", "fp32", "bf16", "fp16"])
-    max_length: int = opt(0, "the PRM's token cap per solution (steps past it unscored); 0: the "
-                          "run's", check=at_least(0))
+    max_length: int = opt(0, "the PRM's tokens per solution, steps past it unscored; 0: its run's",
+                          check=at_least(0))
     prompt_field: str = opt(like=LABEL["prompt_field"])
-    system_prompt: str = opt("", "a system message before each problem, for the policy's chat "
-                             "template (the PRM reads the problem alone)")
+    system_prompt: str = opt("", "a system message for the policy (not the PRM)")
     step_separator: str = opt(like=LABEL["step_separator"])
     answer_field: str = opt(like=LABEL["answer_field"])
     answer_pattern: str = opt(like=LABEL["answer_pattern"])
     checker: str = opt(like=LABEL["checker"])
 
     def __post_init__(self):
-        """Refuses what would fail only after the models load."""
         check([f"SearchOptions({k}={v!r}): expected a tuple, such as {(v,)!r}"
                for k, v in vars(self).items() if k in ("methods", "n", "seeds")
                and not isinstance(v, (tuple, list))][:1])
@@ -82,12 +77,9 @@ class SearchOptions(Checked):
 
 @dataclasses.dataclass
 class SearchRun(Checked):
-    """prm.search's other flags: the files and the PRM."""
-    dataset: str = opt("", "problems with a reference answer, as prm.label reads them",
-                       required=True)
-    output: str = opt("", "the .jsonl written, a line per problem and seed: each method's answer, "
-                      "candidates (steps, 'scores': the PRM's P(correct) per step), tokens, "
-                      "seconds; a rerun continues it", required=True)
+    dataset: str = opt("", "problems with a reference answer", required=True)
+    output: str = opt("", "the .jsonl written, a line per problem and seed (candidates' 'scores': "
+                      "the PRM's P(correct) per step); a rerun continues it", required=True)
     model: str = opt("", "the PRM, as eval.py's --model", required=True)
     shard: str = opt(like=LabelRun.__dataclass_fields__["shard"],
                      help="i/n: every n-th problem from the i-th; no --shard merges the shards")
@@ -99,9 +91,9 @@ def counted(propose, tokenizer):
     """propose() with a `usage` of its own, else its texts' tokens by `tokenizer`."""
     def call(*args):
         outs = propose(*args)
-        size = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa
-        call.usage = getattr(propose, "usage", None) or [[(size(t), False) for t in ts]
-                                                         for ts in outs]
+        call.usage = getattr(propose, "usage", None) or [
+            [(len(tokenizer(t, add_special_tokens=False)["input_ids"]), False) for t in ts]
+            for ts in outs]
         return outs
     return call
 
@@ -117,7 +109,7 @@ def prm_counter(reward):
 
 
 def pick(cands: list, how: str, aggregate: str):
-    """The index of the candidate `how` picks (metrics.picked, the first of a tie), or None."""
+    """The index of the candidate `how` picks (the first of a tie), or None."""
     wins = picked([answer_key(c["answer"]) for c in cands], [c["scores"] for c in cands], how,
                   aggregate)
     return wins[0][0] if wins else None
@@ -130,7 +122,7 @@ def result(method: str, n: int, cands: list, how: str, opts, **more) -> dict:
 
 
 def sample(block: list, records: dict, propose, score, count, opts, seed: int):
-    """max(N) solutions per problem, in one propose and one PRM call; N takes the first N."""
+    """max(N) solutions per problem in one propose and one PRM call; N takes the first N."""
     methods, top = [m for m in opts.methods if m in SAMPLED], max(opts.n)
     seeds = [mix(seed, p.index, "sample") for p in block]
     outs, usage, policy_s = proposed(propose, [p.text for p in block], top, seeds, None)
@@ -153,9 +145,8 @@ def sample(block: list, records: dict, propose, score, count, opts, seed: int):
 
 def search_block(block: list, propose, score, count, opts, seed: int, extend=None,
                  stops=False):
-    """Yields each problem's record as its searches end; the problems of `block` share calls, but
-    each draws its own seeds (from the seed, the problem, the method and N): a speed knob.
-    extend: grow's scorer (default: rescoring). stops: grow's first step checks the stop."""
+    """Yields each problem's record as its searches end: the problems share calls, each with its
+    own seeds. extend: grow's scorer (default: rescoring). stops: grow's first step checks it."""
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
                          **({"id": p.row["id"]} if "id" in p.row else {}),
                          "answer": str(p.row[opts.answer_field]), "results": []} for p in block}
@@ -189,12 +180,11 @@ def search_block(block: list, propose, score, count, opts, seed: int, extend=Non
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 render=lambda prompt: prompt, count=None, tokenizer=None, settings: dict = None,
                 part=(0, 1), skip_invalid=False, show=True, extend=None) -> dict:
-    """Searches the problems (dataset: a path or read_input's answer) whose index % part[1] ==
-    part[0] at every seed into `output` (OUTPUT.part<p>of<m> for a share; a run of all merges the
-    parts); a rerun continues it. render(prompt): the text the policy continues. Tokens: the
-    policy's from propose.usage, else `tokenizer`; the PRM's by count(question, text), else a
-    PRMReward's own tokenizer; else not counted (None). extend: the trees' scoring layer
-    (cached(reward); default: rescoring). Returns summary() of what it wrote."""
+    """Searches the problems (a path or read_input's answer) whose index % part[1] == part[0] at
+    every seed into `output` (OUTPUT.part<p>of<m> for a share; a run of all merges the parts);
+    a rerun continues it. render(prompt): what the policy continues. Tokens: the policy's from
+    propose.usage, else `tokenizer`; the PRM's by count(question, text), else a PRMReward's;
+    else None. extend: grow's scorer. Returns summary() of what it wrote."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     owner = getattr(score, "__self__", None)
@@ -211,12 +201,12 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
         for b in range(0, len(todo), size):
             chunk = todo[b:b + size]
             texts = [render(row["prompt"]) for _, row in chunk]
-            check([] if all(isinstance(t, str) for t in texts) else
-                  ["a chat prompt needs render= (e.g. Generator(...).render)"])
+            if not all(isinstance(t, str) for t in texts):
+                raise UsageError("a chat prompt needs render= (e.g. Generator(...).render)")
             block = [Problem(i, row, text + ("" if text[-1:].isspace() else opts.step_separator),
                              judge(str(row[opts.answer_field]), opts))
                      for (i, row), text in zip(chunk, texts)]
-            for seed in opts.seeds:  # the run's first step checks propose() keeps the stop
+            for seed in opts.seeds:
                 for rec in search_block(block, propose, score, count, opts, seed, extend,
                                         stops=b == 0 and seed == opts.seeds[0]):
                     write_lines(own, [json.dumps(rec, ensure_ascii=False)], "a")
@@ -287,7 +277,7 @@ def main(argv=None):
 
 
 def search(a, opts: SearchOptions, problems, shard: tuple):
-    """main's search, on every rank of a torchrun (each a share of the problems)."""
+    """main's search, on every rank of a torchrun (each a share)."""
     import torch.distributed as dist
     from prm.core.runtime import setup, teardown
     from prm.scoring.reward import PRMReward
@@ -307,20 +297,19 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         render = (lambda q: gen.render(system + chat(q))) if system else gen.render
         part = (shard[0] * rt.world_size + rt.rank, shard[1] * rt.world_size)
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
-        count, extend = prm_counter(reward), None
-        # each new step scored alone on the PRM's cache, where the rows allow it
+        extend = None
         if reward.cacheable and reward.step_separator == opts.step_separator:
-            extend = cached(reward)
+            extend = cached(reward)  # each new step scored alone on the PRM's cache
         elif set(opts.methods) & set(TREES) and rt.is_main:
             print("note: beam and dvts re-score each beam's whole text: this PRM's scorer or "
                   "separator rules out its cache", file=sys.stderr)
-        out = search_file(problems, a.output, gen, reward.score, opts, render=render, count=count,
-                          settings=model, part=part, show=rt.is_main, extend=extend)
+        run = functools.partial(search_file, problems, a.output, gen, reward.score, opts,
+                                render=render, settings=model, extend=extend)
+        out = run(part=part, show=rt.is_main)
         if rt.distributed:
             dist.barrier(group=wait)
             if rt.is_main and shard[1] == 1:
-                out = search_file(problems, a.output, gen, reward.score, opts, render=render,
-                                  count=count, settings=model, show=False, extend=extend)
+                out = run(show=False)
         if rt.is_main:
             print(table(out), file=sys.stderr)
             print(json.dumps(out), flush=True)

@@ -1,15 +1,12 @@
 """`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward
 model protocol (`--remote_rm_url http://HOST:P/get_reward`).
 
-POST /get_reward {"query": [full text, ...], "prompts": [prompt, ...]} answers {"rewards": [...],
-"scores": [...], "extra_logs": {"steps": [...], "steps_scored": [...]}}: PRMReward on (prompt,
-the rest of the query); with "step_rewards": true, also [start, end, P(correct)] per step of the
-query as sent (P null: past --max-length). Padding, EOS and BOS are stripped as OpenRLHF's server
-does. Without "prompts", a prompt ends after the chat template's assistant-turn start, else at
-the first step separator. GET /health answers {"status": "ok", ...}. Errors are {"error":
-message}: 400 a bad request, 411 no Content-Length, 500 a scoring failure, and 408, 413, 503 as
-the flags below say."""
-import argparse
+POST /get_reward {"query": [prompt + response, ...], "prompts": [prompt, ...]} answers
+{"rewards", "scores", "extra_logs": {"steps", "steps_scored"}}; with "step_rewards": true also
+[start, end, P(correct)] per step in the query as sent (P null: past --max-length). Padding, EOS
+and BOS are stripped as OpenRLHF's server does. GET /health answers {"status": "ok", ...}.
+Errors are {"error": message}: 400, 411 no Content-Length, 500 a scoring failure; 408, 413, 503
+as the flags say."""
 import contextlib
 import io
 import json
@@ -50,8 +47,6 @@ def parse(body: bytes):
 
 
 class BadRequest(ValueError):
-    """What is wrong with a request, answered with its status."""
-
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
@@ -60,7 +55,8 @@ class BadRequest(ValueError):
 def texts(data: dict, key: str) -> list:
     value = data.get(key)
     if not isinstance(value, list):
-        raise BadRequest(f"field '{key}': expected a list of strings, got {type(value).__name__}")
+        got = "nothing" if value is None else type(value).__name__
+        raise BadRequest(f"field '{key}': expected a list of strings, got {got}")
     for i, text in enumerate(value):
         if not isinstance(text, str):
             raise BadRequest(f"field '{key}': item {i} is {type(text).__name__}, not a string")
@@ -77,75 +73,55 @@ def strip_tokens(text: str, left: list, right: list) -> str:
     return text[start:end]
 
 
-def user_turn(tokenizer, text: str, generation_prompt: bool = True) -> str:
-    """The chat template's rendering of one user turn holding text; "" if there is none."""
-    if not getattr(tokenizer, "chat_template", None):
-        return ""
-    try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=generation_prompt)
-    except Exception:  # a template refusing a lone user message
-        return ""
-
-
-def prompt_end(query: str, marker: str, separator: str) -> int:
-    """Where a query's prompt ends: after the last marker, else at the first separator."""
-    if marker and marker in query:
-        return query.rindex(marker) + len(marker)
-    return query.find(separator) if separator in query else len(query)
-
-
 class Scorer:
     """The /get_reward answer to a parsed body; one request at a time."""
 
     def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
-        self.reward = reward
-        self.lock = threading.Lock()
-        self.max_batch = max_batch
+        self.reward, self.max_batch, self.lock = reward, max_batch, threading.Lock()
         tok = reward.tokenizer
-        # what the chat template writes to open the assistant's turn ("" if nothing)
-        closed, opened = user_turn(tok, "q", False), user_turn(tok, "q")
-        self.marker = opened[len(closed):] if closed and opened.startswith(closed) else ""
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
-        # the template's text before and after a user turn's question; no prompt starts with PROBE
-        probe = strip_tokens(user_turn(tok, PROBE), self.left, self.right)
+        # the template's text before and after a user turn's question
+        probe = self.turn(PROBE)
         self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else (PROBE, "")
-        # a published PRM builds its own input around the plain question
-        self.published = reward.tokenize is not None
+
+    def turn(self, text: str) -> str:
+        """The chat template's rendering of one user turn holding text, stripped; "" if none."""
+        try:
+            text = self.reward.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        except Exception:  # no template, or one refusing a lone user message
+            return ""
+        return strip_tokens(text, self.left, self.right)
 
     def question(self, prompt: str):
         """A prompt that is the chat template around one user turn, as that turn (its text for a
-        published PRM)."""
+        published PRM, which builds its own input)."""
         head, tail = self.frame
         if not (prompt.startswith(head) and prompt.endswith(tail)):
             return prompt
         text = prompt[len(head):len(prompt) - len(tail)]
         # one turn only: rendering it gives the prompt back
-        whole = strip_tokens(user_turn(self.reward.tokenizer, text), self.left, self.right)
-        if whole != prompt or any(end and end in text for end in self.frame):
+        if self.turn(text) != prompt or any(end and end in text for end in self.frame):
             return prompt
-        return text if self.published else [{"role": "user", "content": text}]
+        return text if self.reward.tokenize else [{"role": "user", "content": text}]
 
     def split(self, data) -> tuple:
         """(prompts, completions) of a /get_reward body, stripped of padding, EOS and BOS."""
         if not isinstance(data, dict):
-            raise BadRequest("expected a JSON object with 'query' (and 'prompts')")
+            raise BadRequest("expected a JSON object with 'query' and 'prompts'")
         queries = texts(data, "query")
         if len(queries) > self.max_batch:
             raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per "
                              "request (--max-batch)", 413)
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
-        if data.get("prompts") is None:
-            prompts = [q[:prompt_end(q, self.marker, self.reward.step_separator)] for q in queries]
-        else:
-            prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
-            if len(queries) != len(prompts):
-                raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
-            bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
-            if bad:
-                raise BadRequest(f"query {bad[0]} does not start with its prompt "
-                                 f"({len(bad)} such queries)")
+        prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
+        if len(queries) != len(prompts):
+            raise BadRequest(f"{len(queries)} queries for {len(prompts)} prompts")
+        bad = [i for i, (q, p) in enumerate(zip(queries, prompts)) if not q.startswith(p)]
+        if bad:
+            raise BadRequest(f"query {bad[0]} does not start with its prompt "
+                             f"({len(bad)} such queries)")
         completions = [q[len(p):] for q, p in zip(queries, prompts)]
         return [self.question(p) for p in prompts], completions
 
@@ -158,9 +134,8 @@ class Scorer:
             scores = self.reward.step_scores(prompts, completions)
         probs = [[p for *_, p in steps if p is not None] for steps in scores]
         rewards = self.reward.aggregated(probs)
-        # OpenRLHF's serve_rm keys
         logs = {"steps": [len(steps) for steps in scores], "steps_scored": [len(p) for p in probs]}
-        out = {"rewards": rewards, "scores": rewards, "extra_logs": logs}
+        out = {"rewards": rewards, "scores": rewards, "extra_logs": logs}  # serve_rm's keys
         if data.get("step_rewards"):  # offsets in the query as sent
             ends = [len(strip_tokens(q, [], self.right)) - len(c)
                     for q, c in zip(data["query"], completions)]
@@ -214,7 +189,7 @@ class Handler(BaseHTTPRequestHandler):
         if not self.known(PATH, HEALTH, "GET"):
             return
         try:
-            payload = self.scorer(self.body())
+            payload = self.scorer(parse(self.body()))
         except BadRequest as e:
             return self.send_error(e.status, str(e))
         except Exception as e:  # the server serves on
@@ -222,31 +197,28 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(500, {"error": f"scoring failed: {type(e).__name__}: {e}"})
         self.reply(200, payload)
 
-    def body(self):
-        """The request body read whole within the timeout, as JSON read as the data files are."""
+    def body(self) -> bytes:
+        """The request body, read whole within the timeout."""
         headers, limit = self.headers.get_all("Content-Length"), self.max_body
         if not headers:
             raise BadRequest("Content-Length is required", 411)
         if len({h.strip() for h in headers}) > 1:
             raise BadRequest(f"{len(headers)} different Content-Length headers")
         digits = headers[0].strip()
-        # int() would take '-5', '+5', '1_0' and non-ASCII digits
+        # int() would take '-5', '+5', '1_0' and non-ASCII digits, and refuse over 4300 digits
         if not (digits.isascii() and digits.isdigit()):
             raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
-        # 18 digits: int() never meets its digit limit
         if len(digits.lstrip("0")) > 18 or int(digits) > limit:
             raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} "
                              "(--max-body-bytes)", 413)
-        size = int(digits)
-        body = self.rfile.read(size)
-        if len(body) < size:  # send_error answers a 408 if the deadline cut it
-            raise BadRequest(f"the body ended after {len(body)} of its {size} bytes "
+        body = self.rfile.read(int(digits))
+        if len(body) < int(digits):  # send_error answers a 408 if the deadline cut it
+            raise BadRequest(f"the body ended after {len(body)} of its {digits} bytes "
                              "(Content-Length)")
-        return parse(body)
+        return body
 
     def send_error(self, code, message=None, explain=None):
-        """Every error (the standard library's too: a bad method, request line, long headers) as
-        JSON; a request the deadline cut short: a 408."""
+        """Every error (the standard library's too) as JSON; one the deadline caused: a 408."""
         self.close_connection = True
         if self.expired:
             code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
@@ -297,7 +269,6 @@ def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, na
 
 @dataclass
 class ServeOptions(Checked):
-    """prm.serve's flags."""
     model: str = opt("", "a train.py output or any 2-label token classifier", required=True)
     host: str = opt("127.0.0.1", "address to bind (0.0.0.0: every interface)")
     port: int = opt(5000, "0 picks a free port (printed at start)", check=within(0, 65535))
@@ -305,52 +276,43 @@ class ServeOptions(Checked):
                          choices=["min", "prod", "last", "mean"])
     batch_size: int = opt(16, "texts per forward pass", check=at_least(1))
     step_separator: str = opt(None, "what ends each step (escapes such as \\n understood); "
-                              "default: the model's own (its run's, else config.json's 'prm'), "
-                              "else \\n", type=unescape,
+                              "default: the model's own, else \\n", type=unescape,
                               check=not_empty("its last token carries the step's score"))
-    max_length: int = opt(None, "tokens per prompt and completion; steps past it get no score "
+    max_length: int = opt(None, "tokens per prompt and completion, steps past it unscored "
                           "(default: the model's own, else 1024)", check=at_least(1))
     device: str = opt(None, "default: cuda if available, else cpu")
     dtype: str = opt(None, "autocast, as eval.py's (default: the run's, else auto)",
                      choices=["auto", "fp32", "bf16", "fp16"])
     trust_remote_code: bool = opt(False, "let the model directory's own Python files run")
-    timeout: float = opt(30.0, "seconds a client has to send its whole request, however slowly; "
-                         "then a 408", check=FINITE + bound(lambda v: v > 0, "must be > 0"))
+    timeout: float = opt(30.0, "seconds a client has to send its whole request; then a 408",
+                         check=FINITE + bound(lambda v: v > 0, "must be > 0"))
     max_body_bytes: int = opt(MAX_BODY, "larger request bodies get a 413", check=at_least(1))
-    max_batch: int = opt(MAX_BATCH, "more queries per request get a 413 (scoring holds the "
-                         "model)", check=at_least(1))
+    max_batch: int = opt(MAX_BATCH, "more queries per request get a 413", check=at_least(1))
     max_connections: int = opt(MAX_CONNECTIONS, "connections served at once; more get a 503",
                                check=at_least(1))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line; a bad flag or value raises UsageError (one line, exit status 2)."""
-    args = Parser(ServeOptions, ScorerOptions, prog="python -m prm.serve",
-                  description=__doc__).parse_args(argv)
-    parsed(ServeOptions, args)
-    try:  # a device this torch build lacks: one line, not torch's assertion
-        torch.empty(0, device=args.device)
-    except (RuntimeError, AssertionError) as e:
-        raise UsageError(f"--device {args.device}: {str(e).strip().splitlines()[0]}") from None
-    return args
-
-
 def main(argv=None):
-    """Serves until interrupted; a bad flag, model or address: one line, status 2."""
+    """Serves until interrupted; a bad flag, device, model or address: one line, status 2."""
     with exit_status():
-        args = parse_args(argv)
-        reward = PRMReward(args.model, args.aggregate, args.device, args.batch_size,
-                           step_separator=args.step_separator, max_length=args.max_length,
-                           trust_remote_code=args.trust_remote_code, dtype=args.dtype,
-                           **vars(parsed(ScorerOptions, args)))
+        a = Parser(ServeOptions, ScorerOptions, prog="python -m prm.serve",
+                   description=__doc__).parse_args(argv)
+        parsed(ServeOptions, a)
+        try:  # a device this torch build lacks: one line, not torch's assertion
+            torch.empty(0, device=a.device)
+        except (RuntimeError, AssertionError) as e:
+            raise UsageError(f"--device {a.device}: {str(e).strip().splitlines()[0]}") from None
+        reward = PRMReward(a.model, a.aggregate, a.device, a.batch_size,
+                           step_separator=a.step_separator, max_length=a.max_length,
+                           trust_remote_code=a.trust_remote_code, dtype=a.dtype,
+                           **vars(parsed(ScorerOptions, a)))
         try:
-            server = make_server(reward, args.host, args.port, name=args.model,
-                                 timeout=args.timeout, max_body=args.max_body_bytes,
-                                 max_batch=args.max_batch, max_connections=args.max_connections)
+            server = make_server(reward, a.host, a.port, name=a.model, timeout=a.timeout,
+                                 max_body=a.max_body_bytes, max_batch=a.max_batch,
+                                 max_connections=a.max_connections)
         except OSError as e:
-            why = e.strerror or e
-            raise UsageError(f"cannot listen on {args.host}:{args.port}: {why}") from None
-        print(f"serving {args.model} on http://{args.host}:{server.server_port}{PATH}", flush=True)
+            raise UsageError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+        print(f"serving {a.model} on http://{a.host}:{server.server_port}{PATH}", flush=True)
         try:
             server.serve_forever()
         except KeyboardInterrupt:

@@ -1,22 +1,22 @@
-"""Tree search with a PRM, one problem at a time: beam search and DVTS as one problem's search
-(tree_search), and the layer that batches many problems' searches into shared calls (TreeRun,
-grow, the rescoring and cached scorers). prm.search drives it."""
+"""Beam search and DVTS with a PRM: tree_search is one problem's search; TreeRun and grow batch
+many problems' searches into shared propose and scoring calls. prm.search drives it."""
 import collections
-import dataclasses
 import itertools
 import time
 
 from prm.answers import extract_answer
 from prm.core.metrics import solution_score
-from prm.errors import UsageError, check
+from prm.errors import UsageError
 from prm.label import mix
 
-# a problem searched: its input row, the text the policy continues, is_correct(text) -> bool
+# text: what the policy continues; is_correct(text) -> bool
 Problem = collections.namedtuple("Problem", "index row text is_correct")
+# state: the scorer's after the steps (PRMReward.extend's prefix)
+Beam = collections.namedtuple("Beam", "steps scores state")
 
 
 def proposed(propose, prefixes: list, n: int, seeds: list, stop) -> tuple:
-    """(texts, usage: per text (tokens, None if not counted; cut by max_new_tokens), seconds per
+    """(texts, usage: per text (tokens or None, whether max_new_tokens cut it), seconds per
     prefix), checked."""
     start, outs = time.time(), propose(prefixes, n, seeds, stop)
     if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
@@ -31,23 +31,18 @@ def plus(*counts):
 
 
 def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
-    """A finished solution: steps, scores, answer, whether it is right, how it ended."""
     text = opts.step_separator.join(steps)
     return {"steps": list(steps), "scores": scores,
             "answer": extract_answer(text, opts.answer_pattern),
             "correct": bool(problem.is_correct(text)), "end": end}
 
 
-# a beam: its steps, their scores, the scorer's state after them (PRMReward.extend's prefix)
-Beam = collections.namedtuple("Beam", "steps scores state")
-
-
 def tree_search(problem: Problem, method: str, n: int, width: int, opts):
-    """One problem's beam search or DVTS (Snell et al. 2024, "Scaling LLM test-time compute";
-    search-and-learn): beam keeps the best N/M of one group of N/M beams, each extended M ways;
-    DVTS, the best of each of N/M groups of one. Unlike theirs: no lookahead, no duplicate
-    filtering, survivors at --max-steps end. Yields ("propose", beams, M), sent M (text, cut) per
-    beam, and ("score", [(parent, steps)]), sent a Beam each; returns the candidates."""
+    """One problem's beam search or DVTS (Snell et al. 2024; search-and-learn): beam keeps the
+    best N/M beams, each extended M ways; DVTS the best of each of N/M groups of one. Unlike
+    theirs: no lookahead, no duplicate filtering, survivors ended at --max-steps. Yields
+    ("propose", beams, M), sent M (text, cut) per beam, and ("score", [(parent, steps)]), sent a
+    Beam each; returns the candidates."""
     keep, groups = (n // width, 1) if method == "beam" else (1, n // width)
     groups = [[Beam((), [], None)] * keep for _ in range(groups)]
     done = []
@@ -84,24 +79,15 @@ def tree_search(problem: Problem, method: str, n: int, width: int, opts):
     return done
 
 
-@dataclasses.dataclass(eq=False)
 class TreeRun:
     """A tree_search under way: its request (None: ended), costs and candidates."""
-    problem: Problem
-    method: str
-    n: int
-    width: int
-    opts: object  # SearchOptions
-    seed: int
 
-    def __post_init__(self):
-        self.search = tree_search(self.problem, self.method, self.n, self.width, self.opts)
+    def __init__(self, problem: Problem, method: str, n: int, width: int, opts, seed: int):
+        self.problem, self.method, self.n, self.width, self.seed = problem, method, n, width, seed
+        self.search = tree_search(problem, method, n, width, opts)
         self.cost, self.done = collections.Counter(), None
         self.drawn = itertools.count()  # the tree's own stream of seeds: one per prefix
         self.send(None)
-
-    def next_seed(self) -> int:
-        return mix(self.seed, self.problem.index, self.method, self.n, next(self.drawn))
 
     def send(self, answer):
         try:
@@ -111,9 +97,9 @@ class TreeRun:
 
 
 def rescoring(score, count, sep: str):
-    """grow's scorer of each new beam's whole text: score(questions, outputs); count(question,
-    text), its PRM tokens. extend([(run, parent, steps)]) -> [(Beam, tokens)]."""
-    def extend(asked: list) -> list:
+    """grow's scorer of each new beam's whole text by score(questions, outputs); count(question,
+    text): its PRM tokens."""
+    def extend(asked: list) -> list:  # [(run, parent, steps)] -> [(Beam, tokens)]
         questions = [r.problem.row["prompt"] for r, _, _ in asked]
         texts = [sep.join(steps) for _, _, steps in asked]
         probs = score(questions, [[text] for text in texts])
@@ -143,7 +129,7 @@ def grow(runs: list, propose, extend, opts, stops=False):
     for width in sorted({r.width for r in asking}):
         beams = [(r, b) for r in asking if r.width == width for b in r.request[1]]
         prefixes = [r.problem.text + "".join(s + sep for s in b.steps) for r, b in beams]
-        seeds = [r.next_seed() for r, _ in beams]
+        seeds = [mix(r.seed, r.problem.index, r.method, r.n, next(r.drawn)) for r, _ in beams]
         outs, usage, took = proposed(propose, prefixes, width, seeds, sep)
         answers = collections.defaultdict(list)
         for (r, _), texts, use in zip(beams, outs, usage):
@@ -153,10 +139,10 @@ def grow(runs: list, propose, extend, opts, stops=False):
             ended += [sep in text or cut or not text.strip() for text, (_, cut) in zip(texts, use)]
         for r, texts in answers.items():
             r.send(texts)
-    check([f"not one of propose()'s {len(ended)} first steps ends at the stop {sep!r}: it must "
-           "keep the stop it ended a text at (vLLM: include_stop_str_in_output=True); a policy "
-           "that answers in one step leaves beam and dvts nothing to search"]
-          * (stops and bool(ended) and not any(ended)))
+    if stops and ended and not any(ended):
+        raise UsageError(f"not one of propose()'s {len(ended)} first steps ends at the stop "
+                         f"{sep!r}: it must keep the stop (vLLM: include_stop_str_in_output=True)"
+                         "; a policy answering in one step leaves beam and dvts nothing to search")
     # by width, then in the runs' order: the order they proposed in
     asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
                     key=lambda r: r.width)

@@ -1,4 +1,4 @@
-"""prm.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries, no prompts); under bad clients:
+"""prm.serve: OpenRLHF's request and answer shapes (padded and EOS-ended queries; prompts required); under bad clients:
 idle and slow ones held open while 8 others are answered, every malformed request a JSON 4xx, a scoring failure a
 500, each followed by a good answer. In-process servers on free ports. Depends on: pytest, prm."""
 import contextlib
@@ -14,7 +14,7 @@ import torch
 
 from prm.readers.formats import split_steps
 from prm import serve
-from prm.scoring.reward import EMPTY_REWARD, PRMReward
+from prm.scoring.reward import PRMReward
 
 PROMPTS = ["count from 1:", "count from 7:", "count from 3:"]
 COMPLETIONS = ["1+1=2\n2+1=3\n3+1=4\n", "7+1=8\n8+1=0", "3+1=5"]
@@ -272,25 +272,9 @@ def test_openrlhf_requests_and_answers(port, expected):
     assert status == 200 and set(out) == {"rewards", "scores", "extra_logs"}
     assert out["rewards"] == out["scores"] == pytest.approx(expected, abs=1e-6)  # scored as the bare texts
     assert out["extra_logs"] == {"steps": [3, 2, 1], "steps_scored": [3, 2, 1]}
-    # a query alone, with no chat template: its prompt is its text before the first step separator
-    queries = [p + "\n" + c for p, c in zip(PROMPTS, COMPLETIONS)] + ["count from 5:"]
-    status, out = request(port, body={"query": queries})
-    assert status == 200 and out["rewards"] == pytest.approx(expected + [EMPTY_REWARD], abs=1e-6)
-    assert out["extra_logs"]["steps"] == [3, 2, 1, 0]  # no separator: all prompt, no step
-
-
-def test_a_query_alone_splits_after_the_chat_templates_last_assistant_turn(model_dir):
-    reward = PRMReward(model_dir, device="cpu")
-    reward.tokenizer.chat_template = TEMPLATE
-    scorer = serve.Scorer(reward)
-    assert scorer.marker == "<|im_start|>assistant\n"
-    chat = [{"role": "user", "content": "count from 1:"}, {"role": "assistant", "content": "1+1=3"},
-            {"role": "user", "content": "again"}]  # an earlier assistant turn belongs to the prompt
-    prompt = reward.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    query = "<pad>" + prompt + "1+1=2\n2+1=3\n<eos>"
-    assert scorer.split({"query": [query]}) == ([prompt], ["1+1=2\n2+1=3\n"])
-    out = scorer({"query": [query], "labels": ["3"]})
-    assert out["rewards"] == pytest.approx(reward([prompt], ["1+1=2\n2+1=3\n"]), abs=1e-6)
+    # a query alone: no prompt guessed
+    status, out = request(port, body={"query": GOOD["query"]})
+    assert (status, out) == (400, {"error": "field 'prompts': expected a list of strings, got nothing"})
 
 
 def test_a_prompt_rendered_by_the_models_template_is_scored_as_its_messages(model_dir):
