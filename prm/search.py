@@ -304,7 +304,8 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
             print("note: beam and dvts re-score each beam's whole text: this PRM's scorer or "
                   "separator rules out its cache", file=sys.stderr)
         run = functools.partial(search_file, problems, a.output, gen, reward.score, opts,
-                                render=render, settings=model, extend=extend)
+                                render=render, count=prm_counter(reward), settings=model,
+                                extend=extend)
         out = run(part=part, show=rt.is_main)
         if rt.distributed:
             dist.barrier(group=wait)
