@@ -1,6 +1,6 @@
-"""`python -m prm.search`: a policy's answers picked by a PRM among sampled solutions (best-of-n,
-weighted vote; majority vote the baseline) or step by step (beam, DVTS: prm.trees). A policy is
-any `propose(prefixes, n, seeds, stop) -> list[list[str]]`, a PRM any `score(questions, outputs)`."""
+"""`python -m prm.search`: a PRM picks a policy's answer among sampled solutions (best-of-n,
+weighted; majority the baseline) or step by step (beam, dvts: prm.trees). A policy is any
+`propose(prefixes, n, seeds, stop) -> list[list[str]]`, a PRM any `score(questions, outputs)`."""
 import collections
 import dataclasses
 import datetime
@@ -26,25 +26,25 @@ from prm.trees import Problem, TreeRun, cached, candidate, grow, plus, proposed,
 SAMPLED, TREES = ("majority", "best-of-n", "weighted"), ("beam", "dvts")
 METHODS = SAMPLED + TREES
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
-RESULT = ("n", "answer", "correct", *COSTS)  # what a run reported twice repeats
+RESULT = ("n", "answer", "correct", *COSTS)  # what a "same_as" result repeats
 SPEED = ("problems", "batch_size", "prm_batch_size")  # a rerun may change them: not settings
 LABEL = LabelOptions.__dataclass_fields__
 
 
 @dataclasses.dataclass
 class SearchOptions(Checked):
-    """What decides the results: kept in OUTPUT.settings; a rerun with others is refused."""
+    """What decides the results: kept in the output's settings, which a rerun must match."""
     methods: tuple = opt(METHODS, "comma list of " + ", ".join(METHODS),
                          check=bound(lambda m: m in METHODS, "expected " + ", ".join(METHODS)))
     n: tuple = opt((1, 4, 16), "comma list of budgets N: solutions sampled, or beams",
                    check=within(1, 1 << 16))
     beam_width: int = opt(4, "M: beam keeps N/M beams, each extended M ways; dvts grows N/M "
-                          "subtrees of M (M = N for N < M)", check=at_least(1))
+                          "subtrees (M = N for N < M)", check=at_least(1))
     aggregate: str = opt("last", "a solution's score from its step scores",
                          choices=list(AGGREGATES))
     select: str = opt("weighted", "how beam and dvts pick a finished beam", choices=SAMPLED)
     max_steps: int = opt(40, "steps a beam takes at most", check=at_least(1))
-    seeds: tuple = opt((0,), "comma list; the summary's mean and range are over them")
+    seeds: tuple = opt((0,), "comma list; the summary is over them")
     problems: int = opt(8, "problems searched together, sharing calls: a speed knob",
                         check=at_least(1))
     policy: str = opt(like=LABEL["policy"], help="the policy (a Hugging Face name or folder)")
@@ -81,14 +81,13 @@ class SearchRun(Checked):
     output: str = opt("", "the .jsonl written, a line per problem and seed (candidates' 'scores': "
                       "the PRM's P(correct) per step); a rerun continues it", required=True)
     model: str = opt("", "the PRM, as eval.py's --model", required=True)
-    shard: str = opt(like=LabelRun.__dataclass_fields__["shard"],
-                     help="i/n: every n-th problem from the i-th; no --shard merges the shards")
+    shard: str = opt(like=LabelRun.__dataclass_fields__["shard"])
     skip_invalid: bool = opt(False, "leave out invalid rows")
     trust_remote_code: bool = opt(False, "allow the models' code")
 
 
 def counted(propose, tokenizer):
-    """propose() with a `usage` of its own, else its texts' tokens by `tokenizer`."""
+    """propose() with its own `usage`, else its texts' tokens by `tokenizer`."""
     def call(*args):
         outs = propose(*args)
         call.usage = getattr(propose, "usage", None) or [
@@ -99,7 +98,7 @@ def counted(propose, tokenizer):
 
 
 def prm_counter(reward):
-    """count(question, text): the tokens `reward` (a PRMReward) reads, at most its max_length."""
+    """count(question, text): the tokens a PRMReward reads, at most its max_length."""
     def count(question, text):
         question = question if isinstance(question, str) else \
             "\n".join(m["content"] for m in question)
@@ -145,15 +144,15 @@ def sample(block: list, records: dict, propose, score, count, opts, seed: int):
 
 def search_block(block: list, propose, score, count, opts, seed: int, extend=None,
                  stops=False):
-    """Yields each problem's record as its searches end: the problems share calls, each with its
-    own seeds. extend: grow's scorer (default: rescoring). stops: grow's first step checks it."""
+    """Yields each problem's record as its searches end; the problems share calls, each with its
+    own seeds. extend: grow's scorer (default: rescoring)."""
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
                          **({"id": p.row["id"]} if "id" in p.row else {}),
                          "answer": str(p.row[opts.answer_field]), "results": []} for p in block}
     if set(opts.methods) & set(SAMPLED):
         sample(block, records, propose, score, count, opts, seed)
     kinds = list(itertools.product([m for m in opts.methods if m in TREES], opts.n))
-    # DVTS at N <= M is beam search (one group of one beam): run once, reported as beam's
+    # dvts at N <= M is beam search: run once, reported as beam's
     same = {("dvts", n) for m, n in kinds if m == "beam" and n <= opts.beam_width}
     runs = {p.index: [TreeRun(p, m, n, min(n, opts.beam_width), opts, seed) for m, n in kinds
                       if (m, n) not in same] for p in block}
@@ -182,9 +181,8 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 part=(0, 1), skip_invalid=False, show=True, extend=None) -> dict:
     """Searches the problems (a path or read_input's answer) whose index % part[1] == part[0] at
     every seed into `output` (OUTPUT.part<p>of<m> for a share; a run of all merges the parts);
-    a rerun continues it. render(prompt): what the policy continues. Tokens: the policy's from
-    propose.usage, else `tokenizer`; the PRM's by count(question, text), else a PRMReward's;
-    else None. extend: grow's scorer. Returns summary() of what it wrote."""
+    a rerun continues it. render(prompt): what the policy continues. Tokens: from propose.usage
+    or `tokenizer`, and count(question, text) or a PRMReward's own; else None. Returns summary()."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     owner = getattr(score, "__self__", None)
@@ -219,9 +217,9 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
 
 
 def summary(records: list, opts) -> dict:
-    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS[, same_as]}}}}:
-    accuracy's mean and range over seeds, mean costs."""
-    by = collections.defaultdict(list)  # (method, N, seed) -> results
+    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS[, same_as]}}}}: over
+    seeds."""
+    by = collections.defaultdict(list)
     for r in records:
         for x in r["results"]:
             by[x["method"], x["n"], r["seed"]].append(x)
@@ -244,15 +242,14 @@ def mean(values: list):
 
 
 def table(out: dict) -> str:
-    """summary() as text, a row per method and N."""
     lines = [f"{'method':<10}{'N':>5}{'accuracy':>10}{'seed range':>14}"
              + "".join(f"{c:>14}" for c in COSTS)]
     for m, by_n in out["results"].items():
         for n, r in by_n.items():
-            spread = f"{r['min']:.3f}-{r['max']:.3f}"
-            if "same_as" in r:  # one run, reported once
+            if "same_as" in r:
                 lines.append(f"{m:<10}{n:>5}   = {r['same_as']} (the same run)")
                 continue
+            spread = f"{r['min']:.3f}-{r['max']:.3f}"
             lines.append(f"{m:<10}{n:>5}{r['accuracy']:>10.3f}{spread:>14}"
                          + "".join(f"{'not counted' if r[c] is None else f'{r[c]:.4g}':>14}"
                                    for c in COSTS))
@@ -260,7 +257,7 @@ def table(out: dict) -> str:
 
 
 def main(argv=None):
-    with exit_status():  # a bad flag too: one line and exit status 2
+    with exit_status():
         p = Parser(SearchRun, ScorerOptions, SearchOptions, prog="python -m prm.search",
                    description="Search a policy's answers with a PRM.")
         a = p.parse_args(argv)
@@ -268,7 +265,7 @@ def main(argv=None):
         opts = parsed(SearchOptions, a)
         check(overwrites([("--output", a.output)], [("--dataset", a.dataset), ("--model", a.model),
                                                      ("--policy", a.policy)], new=True))
-        problems = read_input(a.dataset, opts, a.skip_invalid)  # bad rows: refused before any model
+        problems = read_input(a.dataset, opts, a.skip_invalid)  # before any model loads
         try:  # Ctrl-C while the models load too: one line
             search(a, opts, problems, tuple(map(int, a.shard.split("/"))))
         except KeyboardInterrupt:
@@ -277,13 +274,13 @@ def main(argv=None):
 
 
 def search(a, opts: SearchOptions, problems, shard: tuple):
-    """main's search, on every rank of a torchrun (each a share)."""
+    """main's search, on every rank of a torchrun."""
     import torch.distributed as dist
     from prm.core.runtime import setup, teardown
     from prm.scoring.reward import PRMReward
     rt, scoring = setup(), dataclasses.asdict(parsed(ScorerOptions, a))
     try:
-        # ranks end at different times: a group that does not time out
+        # ranks end at different times
         wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
         reward = PRMReward(a.model, opts.aggregate, rt.device, opts.prm_batch_size,  # first
                            trust_remote_code=a.trust_remote_code, dtype=opts.dtype,
@@ -297,15 +294,11 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         render = (lambda q: gen.render(system + chat(q))) if system else gen.render
         part = (shard[0] * rt.world_size + rt.rank, shard[1] * rt.world_size)
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
-        extend = None
-        if reward.cacheable and reward.step_separator == opts.step_separator:
-            extend = cached(reward)  # each new step scored alone on the PRM's cache
-        elif set(opts.methods) & set(TREES) and rt.is_main:
-            print("note: beam and dvts re-score each beam's whole text: this PRM's scorer or "
-                  "separator rules out its cache", file=sys.stderr)
+        # a new step scored alone on the PRM's cache where it can, else each whole beam again
+        cache = reward.cacheable and reward.step_separator == opts.step_separator
         run = functools.partial(search_file, problems, a.output, gen, reward.score, opts,
                                 render=render, count=prm_counter(reward), settings=model,
-                                extend=extend)
+                                extend=cached(reward) if cache else None)
         out = run(part=part, show=rt.is_main)
         if rt.distributed:
             dist.barrier(group=wait)

@@ -1,12 +1,7 @@
-"""`python -m prm.serve --model DIR --port P`: a trained PRM behind OpenRLHF's remote reward
-model protocol (`--remote_rm_url http://HOST:P/get_reward`).
-
-POST /get_reward {"query": [prompt + response, ...], "prompts": [prompt, ...]} answers
-{"rewards", "scores", "extra_logs": {"steps", "steps_scored"}}; with "step_rewards": true also
-[start, end, P(correct)] per step in the query as sent (P null: past --max-length). Padding, EOS
-and BOS are stripped as OpenRLHF's server does. GET /health answers {"status": "ok", ...}.
-Errors are {"error": message}: 400, 411 no Content-Length, 500 a scoring failure; 408, 413, 503
-as the flags say."""
+"""`python -m prm.serve --model DIR --port P`: a PRM behind OpenRLHF's remote reward model
+protocol. POST /get_reward {"query": [prompt + response, ...], "prompts": [prompt, ...]} answers
+{"rewards", "scores", "extra_logs"}; "step_rewards": true adds [start, end, P(correct)] per step
+of each query. GET /health. Errors: {"error": message}."""
 import contextlib
 import io
 import json
@@ -29,7 +24,7 @@ from prm.scoring import ScorerOptions
 from prm.scoring.reward import PRMReward
 
 PATH, HEALTH = "/get_reward", "/health"
-PROBE = "\x00question\x00"  # a user turn's text that no chat template rewrites and no prompt holds
+PROBE = "\x00question\x00"  # no chat template rewrites it, no prompt holds it
 MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64
 BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
 BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
@@ -37,7 +32,7 @@ BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: 
 
 
 def parse(body: bytes):
-    """The body as JSON, read as the data files are, else BadRequest."""
+    """The body as JSON, read as the data files are."""
     text, problem, line = decode(body)
     if text is not None:
         value, problem, line = read_json(text)
@@ -64,7 +59,7 @@ def texts(data: dict, key: str) -> list:
 
 
 def strip_tokens(text: str, left: list, right: list) -> str:
-    """text without any run of `left` tokens at its start or `right` ones at its end."""
+    """text without its runs of `left` tokens at the start and `right` ones at the end."""
     start, end = 0, len(text)
     while tok := next((t for t in left if text.startswith(t, start, end)), ""):
         start += len(tok)
@@ -74,19 +69,18 @@ def strip_tokens(text: str, left: list, right: list) -> str:
 
 
 class Scorer:
-    """The /get_reward answer to a parsed body; one request at a time."""
+    """The /get_reward answer to a body; one request at a time."""
 
     def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
         self.reward, self.max_batch, self.lock = reward, max_batch, threading.Lock()
         tok = reward.tokenizer
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
         self.left = self.right + [t for t in (tok.bos_token,) if t]
-        # the template's text before and after a user turn's question
         probe = self.turn(PROBE)
         self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else (PROBE, "")
 
     def turn(self, text: str) -> str:
-        """The chat template's rendering of one user turn holding text, stripped; "" if none."""
+        """One user turn holding text, in the chat template, stripped; "" if none."""
         try:
             text = self.reward.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -95,8 +89,8 @@ class Scorer:
         return strip_tokens(text, self.left, self.right)
 
     def question(self, prompt: str):
-        """A prompt that is the chat template around one user turn, as that turn (its text for a
-        published PRM, which builds its own input)."""
+        """A prompt that is one user turn in the chat template, as that turn (its text for a
+        published PRM)."""
         head, tail = self.frame
         if not (prompt.startswith(head) and prompt.endswith(tail)):
             return prompt
@@ -145,7 +139,7 @@ class Scorer:
 
 
 class Deadline(socket.SocketIO):
-    """A connection's reading side giving EOF (and `expired`) `timeout` s after connecting."""
+    """A connection's reading side: EOF (and `expired`) `timeout` s after connecting."""
 
     def __init__(self, handler):
         super().__init__(handler.connection, "rb")
@@ -162,7 +156,7 @@ class Deadline(socket.SocketIO):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """/get_reward and /health; make_server sets scorer, model_name, timeout, max_body."""
+    """make_server sets scorer, model_name, timeout, max_body."""
     expired = False
     default_request_version = "HTTP/1.0"  # an answer to a cut request line has a status line
 
@@ -172,7 +166,7 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(Deadline(self))
 
     def known(self, path: str, other: str, allow: str) -> bool:
-        """Whether the request is for `path`; else a 405 (`other` takes `allow`) or a 404 sent."""
+        """Whether the request is for `path`; else a 405 or a 404 sent."""
         at = self.path.rstrip("/")
         if at == other:
             self.reply(405, {"error": f"{self.command} {other}: use {allow}"}, allow=allow)
@@ -198,14 +192,13 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, payload)
 
     def body(self) -> bytes:
-        """The request body, read whole within the timeout."""
         headers, limit = self.headers.get_all("Content-Length"), self.max_body
         if not headers:
             raise BadRequest("Content-Length is required", 411)
         if len({h.strip() for h in headers}) > 1:
             raise BadRequest(f"{len(headers)} different Content-Length headers")
         digits = headers[0].strip()
-        # int() would take '-5', '+5', '1_0' and non-ASCII digits, and refuse over 4300 digits
+        # int() takes '-5', '+5', '1_0', non-ASCII digits, and refuses over 4300 digits
         if not (digits.isascii() and digits.isdigit()):
             raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
         if len(digits.lstrip("0")) > 18 or int(digits) > limit:
@@ -237,7 +230,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    """A thread per connection, up to `slots` at once; one more gets a 503."""
+    """A thread per connection, up to `slots`; one more gets a 503."""
     request_queue_size = 128
     slots: threading.BoundedSemaphore
 
@@ -258,7 +251,7 @@ class Server(ThreadingHTTPServer):
 def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
                 timeout: float = 30.0, max_body: int = MAX_BODY, max_batch: int = MAX_BATCH,
                 max_connections: int = MAX_CONNECTIONS):
-    """The server, bound, not yet serving (port 0: a free one, in server.server_port)."""
+    """The server, bound, not yet serving (port 0: a free one, server.server_port)."""
     handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch),
                                            "model_name": name, "timeout": timeout,
                                            "max_body": max_body})
@@ -275,15 +268,15 @@ class ServeOptions(Checked):
     aggregate: str = opt("min", "a solution's score from its step scores",
                          choices=["min", "prod", "last", "mean"])
     batch_size: int = opt(16, "texts per forward pass", check=at_least(1))
-    step_separator: str = opt(None, "what ends each step (escapes such as \\n understood); "
-                              "default: the model's own, else \\n", type=unescape,
+    step_separator: str = opt(None, "what ends each step, escapes such as \\n understood "
+                              "(default: the model's own, else \\n)", type=unescape,
                               check=not_empty("its last token carries the step's score"))
     max_length: int = opt(None, "tokens per prompt and completion, steps past it unscored "
                           "(default: the model's own, else 1024)", check=at_least(1))
     device: str = opt(None, "default: cuda if available, else cpu")
     dtype: str = opt(None, "autocast, as eval.py's (default: the run's, else auto)",
                      choices=["auto", "fp32", "bf16", "fp16"])
-    trust_remote_code: bool = opt(False, "let the model directory's own Python files run")
+    trust_remote_code: bool = opt(False, "allow the model's own code")
     timeout: float = opt(30.0, "seconds a client has to send its whole request; then a 408",
                          check=FINITE + bound(lambda v: v > 0, "must be > 0"))
     max_body_bytes: int = opt(MAX_BODY, "larger request bodies get a 413", check=at_least(1))
@@ -293,7 +286,7 @@ class ServeOptions(Checked):
 
 
 def main(argv=None):
-    """Serves until interrupted; a bad flag, device, model or address: one line, status 2."""
+    """Serves until interrupted; a bad flag, model or address: one line, status 2."""
     with exit_status():
         a = Parser(ServeOptions, ScorerOptions, prog="python -m prm.serve",
                    description=__doc__).parse_args(argv)

@@ -1,5 +1,5 @@
 """Beam search and DVTS with a PRM: tree_search is one problem's search; TreeRun and grow batch
-many problems' searches into shared propose and scoring calls. prm.search drives it."""
+many problems' searches into shared calls."""
 import collections
 import itertools
 import time
@@ -16,8 +16,7 @@ Beam = collections.namedtuple("Beam", "steps scores state")
 
 
 def proposed(propose, prefixes: list, n: int, seeds: list, stop) -> tuple:
-    """(texts, usage: per text (tokens or None, whether max_new_tokens cut it), seconds per
-    prefix), checked."""
+    """(texts, usage: per text (tokens or None, cut by max_new_tokens), seconds per prefix)."""
     start, outs = time.time(), propose(prefixes, n, seeds, stop)
     if len(outs) != len(prefixes) or any(len(texts) != n for texts in outs):
         raise UsageError(f"propose() must give {n} texts for each of its {len(prefixes)} prefixes")
@@ -53,7 +52,7 @@ def tree_search(problem: Problem, method: str, n: int, width: int, opts):
         if not any(groups):
             break
         texts = iter((yield "propose", [b for g in groups for b in g], width))
-        new = [[] for _ in groups]  # per group: (parent, steps, how it ended: "" if it goes on)
+        new = [[] for _ in groups]  # (parent, steps, how it ended: "" if it goes on)
         for g, group in enumerate(groups):
             for beam in group:
                 for text, cut in next(texts):
@@ -86,7 +85,7 @@ class TreeRun:
         self.problem, self.method, self.n, self.width, self.seed = problem, method, n, width, seed
         self.search = tree_search(problem, method, n, width, opts)
         self.cost, self.done = collections.Counter(), None
-        self.drawn = itertools.count()  # the tree's own stream of seeds: one per prefix
+        self.drawn = itertools.count()  # the tree's own seeds, one per prefix
         self.send(None)
 
     def send(self, answer):
@@ -97,8 +96,7 @@ class TreeRun:
 
 
 def rescoring(score, count, sep: str):
-    """grow's scorer of each new beam's whole text by score(questions, outputs); count(question,
-    text): its PRM tokens."""
+    """grow's scorer of each new beam's whole text; count(question, text): its PRM tokens."""
     def extend(asked: list) -> list:  # [(run, parent, steps)] -> [(Beam, tokens)]
         questions = [r.problem.row["prompt"] for r, _, _ in asked]
         texts = [sep.join(steps) for _, _, steps in asked]
@@ -110,7 +108,7 @@ def rescoring(score, count, sep: str):
 
 def cached(reward):
     """grow's scorer on the PRM's caches (PRMReward.extend): a new step's tokens run after its
-    parent's cache; a question's once per search."""
+    parent's."""
     def extend(asked: list) -> list:
         roots = {r: reward.start(r.problem.row["prompt"]) for r, parent, _ in asked
                  if parent.state is None}
@@ -123,7 +121,7 @@ def cached(reward):
 
 def grow(runs: list, propose, extend, opts, stops=False):
     """One step of every tree: a propose call per width, one scoring call. stops: refuse a
-    propose() whose texts never end at the stop."""
+    propose() that drops the stop."""
     sep, ended = opts.step_separator, []
     asking = [r for r in runs if r.request and r.request[0] == "propose"]
     for width in sorted({r.width for r in asking}):
@@ -143,7 +141,7 @@ def grow(runs: list, propose, extend, opts, stops=False):
         raise UsageError(f"not one of propose()'s {len(ended)} first steps ends at the stop "
                          f"{sep!r}: it must keep the stop (vLLM: include_stop_str_in_output=True)"
                          "; a policy answering in one step leaves beam and dvts nothing to search")
-    # by width, then in the runs' order: the order they proposed in
+    # the order they proposed in
     asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
                     key=lambda r: r.width)
     asked = [(r, parent, steps) for r in asking for parent, steps in r.request[1]]
