@@ -179,10 +179,10 @@ def search_block(block: list, propose, score, count, opts, seed: int, extend=Non
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
                 render=lambda prompt: prompt, count=None, tokenizer=None, settings: dict = None,
                 part=(0, 1), skip_invalid=False, show=True, extend=None) -> dict:
-    """Searches the problems (a path or read_input's answer) whose index % part[1] == part[0] at
-    every seed into `output` (OUTPUT.part<p>of<m> for a share; a run of all merges the parts);
-    a rerun continues it. render(prompt): what the policy continues. Tokens: from propose.usage
-    or `tokenizer`, and count(question, text) or a PRMReward's own; else None. Returns summary()."""
+    """Searches the problems (a path or read_input's answer) with index % part[1] == part[0] at
+    each seed into `output` (OUTPUT.part<p>of<m> for a share; a run of all merges the parts),
+    continuing it. render(prompt): what the policy continues. Tokens: propose.usage's or
+    `tokenizer`'s; count(question, text)'s or a PRMReward's own; else None."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
     owner = getattr(score, "__self__", None)
@@ -294,7 +294,7 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         render = (lambda q: gen.render(system + chat(q))) if system else gen.render
         part = (shard[0] * rt.world_size + rt.rank, shard[1] * rt.world_size)
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
-        # a new step scored alone on the PRM's cache where it can, else each whole beam again
+        # a new step scored alone on the PRM's cache where it can
         cache = reward.cacheable and reward.step_separator == opts.step_separator
         run = functools.partial(search_file, problems, a.output, gen, reward.score, opts,
                                 render=render, count=prm_counter(reward), settings=model,
