@@ -258,9 +258,8 @@ def table(out: dict) -> str:
 
 def main(argv=None):
     with exit_status():
-        p = Parser(SearchRun, ScorerOptions, SearchOptions, prog="python -m prm.search",
-                   description="Search a policy's answers with a PRM.")
-        a = p.parse_args(argv)
+        a = Parser(SearchRun, ScorerOptions, SearchOptions, prog="python -m prm.search",
+                   description="Search a policy's answers with a PRM.").parse_args(argv)
         parsed(SearchRun, a)
         opts = parsed(SearchOptions, a)
         check(overwrites([("--output", a.output)], [("--dataset", a.dataset), ("--model", a.model),

@@ -139,8 +139,7 @@ def grow(runs: list, propose, extend, opts, stops=False):
             r.send(texts)
     if stops and ended and not any(ended):
         raise UsageError(f"not one of propose()'s {len(ended)} first steps ends at the stop "
-                         f"{sep!r}: it must keep the stop (vLLM: include_stop_str_in_output=True)"
-                         "; a policy answering in one step leaves beam and dvts nothing to search")
+                         f"{sep!r}: it must keep it (vLLM: include_stop_str_in_output=True)")
     # the order they proposed in
     asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
                     key=lambda r: r.width)
