@@ -139,7 +139,7 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
-    """The row with its META columns (`id`: to_rows'), so a converted file reads as its source."""
+    """The row with its META columns, so a converted file reads as its source."""
     row = {k: _need(r, k) for k in FORMATS["stepwise"]}
     if r.get("first_error") is not None:
         n = len(row["completions"]) if isinstance(row["completions"], list) else 0
@@ -167,7 +167,7 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
     if isinstance(label, str):
         labels, pos = [], 0
         for k, part in enumerate(text.split(STEP_TAG)[:-1]):
-            end = pos + len(part)  # where this step's mark stands
+            end = pos + len(part)  # this step's mark
             if not label.startswith(part, pos) or label[end:end + 1] not in ("+", "-"):
                 raise BadField("label", f"does not match 'input' at step {k + 1}: expected the "
                                         f"same text with + or - in place of each '{STEP_TAG}'")
@@ -228,7 +228,7 @@ def from_prm800k(r: dict, neutral: str) -> list:
 
 def from_processbench(r: dict, neutral: str) -> list:
     """Correct up to the first error, wrong at it, unlabeled (None) after it."""
-    steps = _need(r, "steps", list, "a list of steps")
+    steps = _need(r, "steps", list)
     extra = _benchmark_columns(r, "label", len(steps))
     n, first = len(steps), extra["first_error"]
     labels = [True] * n if first < 0 else [True] * first + [False] + [None] * (n - first - 1)
@@ -236,7 +236,7 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben as ProcessBench: question + options; steps lose "Step k: "; first error 1-based."""
+    """As ProcessBench: question + options; steps lose "Step k: "; first error 1-based."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list)]
     first = _need(r, "Model_Solution_First_Error_Step")
@@ -264,7 +264,7 @@ def _tagged_steps(text: str, field: str) -> list:
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """A row per solution (step-tagged `response`, or `steps`), one `group`; `label`: correct."""
+    """A row per solution (step-tagged `response`, or `steps`), one `group`."""
     question = _need(r, "question", str)
     outputs = _need(r, "outputs", list)
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
@@ -285,8 +285,8 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution, its 1-based `error_steps` wrong (past the end: ignored, as PRMBench's
-    harness does), the rest correct; a redundancy row also gives the original ("correct")."""
+    """The modified solution, its 1-based `error_steps` wrong (past the end: ignored, as PRMBench
+    does); a redundancy row also gives the original ("correct")."""
     steps = _unnumbered(_need(r, "modified_process", list))
     errors = _need(r, "error_steps", list)
     for e in errors:
@@ -311,14 +311,14 @@ def from_prmbench(r: dict, neutral: str) -> list:
 
 
 def _unnumbered(steps: list) -> list:
-    """PRMBench's remove_step_prefix (a leading "k." or "Step k." dropped) but for a bare prefix."""
+    """PRMBench's remove_step_prefix ("k." or "Step k." dropped) but for a bare prefix."""
     prefix = re.compile(r"^(Step\s*\d+\.\s*|\d+\.\s*)", re.IGNORECASE)
     bare = [prefix.sub("", s.strip()) if isinstance(s, str) else s for s in steps]
     return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
 
 
 def from_pretokenized(r: dict, neutral: str) -> list:
-    row = {"input_ids": _need(r, "input_ids"), "labels": _need(r, "labels")}
+    row = {k: _need(r, k) for k in FORMATS["pretokenized"]}
     if r.get("attention_mask") is not None:
         row["attention_mask"] = r["attention_mask"]
     return [row]
@@ -399,7 +399,7 @@ def token_problems(row: dict) -> list:
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) of one raw record in format `fmt`; no rows if any problem."""
+    """(rows, problems) of a raw record in format `fmt`; no rows if any problem."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:
@@ -409,11 +409,11 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
     check = token_problems if fmt == "pretokenized" else row_problems
     problems = [p for row in rows for p in check(row)]
     if problems:
-        return [], sorted(set(problems), key=problems.index)
+        return [], list(dict.fromkeys(problems))
     for n, row in enumerate(rows):
         if record.get("id") is not None:
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
-        if fmt == "pretokenized":  # right padding stripped
+        if fmt == "pretokenized":  # right padding dropped
             mask = row.pop("attention_mask", None)
             end = sum(mask) if mask is not None else len(row["input_ids"])
             row["input_ids"] = row["input_ids"][:end]
