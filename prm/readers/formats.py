@@ -1,4 +1,4 @@
-"""Read JSON safely, detect a record's format, make stepwise or pre-tokenized rows, check them."""
+"""Read JSON safely, detect a record's format, make and check stepwise or pre-tokenized rows."""
 import difflib
 import itertools
 import json
@@ -6,7 +6,7 @@ import re
 
 from prm.core.data import IGNORE, label_problem
 
-FORMATS = {  # the columns that identify each format, in detection order
+FORMATS = {  # each format's columns, in detection order
     "pretokenized": ("input_ids", "labels"),
     "stepwise": ("prompt", "completions", "labels"),
     "processbench": ("problem", "steps", "label"),
@@ -16,7 +16,7 @@ FORMATS = {  # the columns that identify each format, in detection order
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
     "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
-# source columns kept for evaluation's reports, with their types
+# source columns kept for evaluation's reports
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
 WHAT = {str: "text", bool: "true/false", list: "a list", dict: "an object"}  # for _need's messages
@@ -26,7 +26,7 @@ ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 
 
 def decode(data: bytes) -> tuple:
-    """(text, problem, line): the UTF-8 text (BOM dropped), or why it is not."""
+    """(text, problem, line): the UTF-8 text, or why it is not."""
     try:
         return data.decode("utf-8-sig"), None, None
     except UnicodeDecodeError as e:
@@ -62,7 +62,7 @@ class _Repeated(dict):  # a JSON object that gave one key twice
 
 
 def field_problem(value, field: str = ""):
-    """The first key given twice or lone surrogate in value, as "field 'x': ...", or None."""
+    """The first key given twice or lone surrogate in value, or None."""
     todo = [(field, value)]  # a loop, not recursion: any depth json reads
     while todo:
         field, value = todo.pop()
@@ -118,8 +118,7 @@ def format_help(record: dict) -> str:
 
 
 def _need(record: dict, key: str, kind=None, where: str = "", optional: bool = False):
-    """record[key], of type `kind` (optional: None if absent or null); `where`: a nested record's
-    place ("outputs[3].")."""
+    """record[key] of type `kind` (optional: None if absent or null); `where`: "outputs[3]." etc."""
     if not isinstance(record, dict):
         raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
     if optional and record.get(key) is None:
@@ -151,7 +150,6 @@ def from_stepwise(r: dict, neutral: str) -> list:
 
 
 def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
-    """ProcessBench's first-error index (0-based, -1 = none) and final-answer flag."""
     first = _need(r, key)
     if type(first) is not int or not -1 <= first < n_steps:
         raise BadField(key, f"first-error index {_kind(first)} is out of range for {n_steps} steps "
@@ -187,8 +185,8 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """A row per rated alternative not chosen (the trajectory so far + it), then the trajectory to
-    where the labeler stopped unless the last row holds it; none from a bad_problem."""
+    """A row per rated alternative not chosen, then the trajectory to where the labeler stopped
+    unless the last row holds it; none from a bad_problem."""
     problem = _need(_need(r, "question", dict), "problem", str, "question.")
     label = _need(r, "label", dict)
     steps = _need(label, "steps", list, "label.")
@@ -198,10 +196,8 @@ def from_prm800k(r: dict, neutral: str) -> list:
     rows, texts, labels = [], [], []
     for k, step in enumerate(steps):
         where = f"label.steps[{k}]"
-        if not isinstance(step, dict) or not isinstance(step.get("completions") or [], list):
-            raise BadField(where, "expected an object with a list of completions, got "
-                                  + _kind(step))
-        options, chosen = step.get("completions") or [], step.get("chosen_completion")
+        options = _need(step, "completions", list, where + ".", optional=True) or []
+        chosen = step.get("chosen_completion")
         for i, c in enumerate(options):
             rating = c.get("rating") if isinstance(c, dict) else "not an object"
             if type(rating) not in (int, type(None)) or rating not in rate:  # True is no rating
@@ -328,14 +324,12 @@ CONVERTERS = {name: globals()["from_" + name] for name in FORMATS}
 
 
 def _first_bad(bad: list, message: str) -> list:
-    """[message on bad's first (index, what), and how many more], or []."""
     if not bad:
         return []
     return [message.format(*bad[0]) + (f" ({len(bad) - 1} more)" if len(bad) > 1 else "")]
 
 
 def row_problems(row: dict) -> list:
-    """Every problem of a stepwise row, as "field 'x': ..." strings."""
     out = []
     prompt, steps, labels = row["prompt"], row["completions"], row["labels"]
     if isinstance(prompt, list):
@@ -364,12 +358,12 @@ def row_problems(row: dict) -> list:
 
 
 def token_problems(row: dict) -> list:
-    """Every problem of a pre-tokenized row, as "field 'x': ..." strings; padding only trails."""
+    """Every problem of a pre-tokenized row; padding only trails."""
     ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
     out = []
     if not isinstance(ids, list) or not ids:
         out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
-    else:  # type(): True is no token id; the column is int64
+    else:  # True is no token id; the column is int64
         bad = [(i, _kind(x)) for i, x in enumerate(ids)
                if type(x) is not int or not 0 <= x < 2 ** 63]
         out += _first_bad(bad, "field 'input_ids': position {}: {} is not a token id (an int >= 0)")
@@ -399,7 +393,7 @@ def token_problems(row: dict) -> list:
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) of a raw record in format `fmt`; no rows if any problem."""
+    """(rows, problems) of a record in format `fmt`; no rows if any problem."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:

@@ -118,6 +118,16 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
     """(name, records) per file of a local spec (by_split: named for `split`) or a hub split;
     records: (where, record, problem)s."""
     cfg = cfg or Config()
+    if not is_local(spec):
+        try:
+            ds = load_dataset(spec, cfg.dataset_config or None, split=split)
+        except Exception as e:  # offline, no such dataset, a mistyped local path
+            if isinstance(e, ValueError) and "split" in str(e).lower():
+                raise MissingSplit([f"{spec}: {e}"]) from None
+            raise DataError([f"{spec}: no local .jsonl/.json/.parquet file or folder, nor loaded "
+                             f"from the hub ({type(e).__name__}: {e})"]) from None
+        return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
+    files = [spec]
     if os.path.isdir(spec):
         files = data_files(spec)
         if not files:
@@ -127,22 +137,11 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
             among = ", ".join(os.path.basename(f) for f in files)
             raise MissingSplit([f"{spec}: no data file named for split {split!r} among {among}"])
         files = named or files
-        folders = [f for f in files if not os.path.isfile(f)]
-        if folders:
-            raise DataError([f"{f}: a folder named like a data file" for f in folders])
-        return [(f, read_records(f)) for f in files]
-    if is_local(spec):
-        if not os.path.isfile(spec):
-            raise DataError([f"{spec}: no such file"])
-        return [(spec, read_records(spec))]
-    try:
-        ds = load_dataset(spec, cfg.dataset_config or None, split=split)
-    except Exception as e:  # offline, no such dataset, a mistyped local path
-        if isinstance(e, ValueError) and "split" in str(e).lower():
-            raise MissingSplit([f"{spec}: {e}"]) from None
-        raise DataError([f"{spec}: no local .jsonl/.json/.parquet file or folder, nor loaded "
-                         f"from the hub ({type(e).__name__}: {e})"]) from None
-    return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise DataError([f"{f}: " + ("a folder named like a data file" if os.path.isdir(f)
+                                     else "no such file") for f in missing])
+    return [(f, read_records(f)) for f in files]
 
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
@@ -334,7 +333,7 @@ def _read_back(path: str):
         with open(sums, encoding="utf-8") as f:
             if f.read().strip() != _checksum(train, held):
                 raise ValueError("its files changed since they were written")
-    except DatasetGenerationError:  # _not_cached: a split not there (yet)
+    except DatasetGenerationError:  # _not_cached: a split not there yet
         return None
     except Exception as e:
         say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); rereading")
