@@ -125,7 +125,8 @@ def _need(record: dict, key: str, kind=None, where: str = "", optional: bool = F
         return None
     if key not in record:
         near = difflib.get_close_matches(key, [str(k) for k in record], 1, 0.6)
-        raise BadField(where + key, f"missing (found '{near[0]}': misnamed?)" if near else "missing")
+        near = f" (found '{near[0]}': misnamed?)" if near else ""
+        raise BadField(where + key, "missing" + near)
     value = record[key]
     if kind is not None and not isinstance(value, kind):
         what = "the final answer as text" if key == "response_answer" else WHAT[kind]

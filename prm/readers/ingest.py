@@ -25,8 +25,8 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
                      desc: str = "tokenize", drop_unlabeled: bool = True, tokenize=None):
-    """(dataset, report) by datasets.map(tokenize, default tokenize_batch; cut_pretokenized for
-    pre-tokenized rows); rows without a labeled step dropped unless drop_unlabeled=False."""
+    """(dataset, report) by datasets.map(tokenize or tokenize_batch; pre-tokenized rows:
+    cut_pretokenized); rows with no labeled step dropped unless drop_unlabeled=False."""
     features = Features({**FEATURES, **{k: v for k, v in ds.features.items() if k in META}})
     kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
                   train_on_last_step_only=cfg.train_on_last_step_only)
@@ -73,7 +73,7 @@ def _total(values) -> int:
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
-    """(index, message) per row whose chat prompt the tokenizer's template cannot render."""
+    """(index, message) per row whose chat prompt the template cannot render."""
     if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -110,10 +110,9 @@ def check_pretokenized(ds, tokenizer, cfg):
     over = pc.greater_equal(pc.list_flatten(ids), n_vocab)
     bad = pc.unique(pc.filter(pc.list_parent_indices(ids), over)).to_pylist()  # row indices
     if bad:
-        rows = {i: ds[i] for i in bad}
         raise DataError([f"{r.get('where', f'row {i}')}: field 'input_ids': token id "
                          f"{max(r['input_ids'])} is out of the tokenizer's {n_vocab} tokens: was "
-                         "it tokenized with another tokenizer?" for i, r in rows.items()])
+                         "it tokenized with another tokenizer?" for i in bad for r in [ds[i]]])
 
 
 def cut_pretokenized(batch: dict, **kw) -> dict:

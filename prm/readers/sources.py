@@ -1,4 +1,4 @@
-"""Validated, cached train/held-out rows of a hub dataset or .jsonl/.json/.parquet files."""
+"""Checked, cached train/held-out rows of a hub dataset or .jsonl/.json/.parquet files."""
 import contextlib
 import inspect
 import json
@@ -43,8 +43,8 @@ class DataError(UsageError):
         return type(self), (self.problems, self.total_rows)
 
 
-class MissingSplit(DataError):  # the source has no such split
-    pass
+class MissingSplit(DataError):
+    """The source has no such split."""
 
 
 def say(msg: str):
@@ -93,7 +93,7 @@ def data_files(folder: str) -> list:
 
 
 def split_files(folder: str, split: str, names: tuple = ()) -> list:
-    """The folder's files named for `split`, as datasets reads names; None if none names one."""
+    """The folder's files named for `split` (as datasets reads names); None if none names one."""
     paths = {os.path.basename(f): f for f in data_files(folder)}
     keywords = {str(s): set(k) for s, k in SPLIT_KEYWORDS.items()}
     keywords.update((s, {s}) for s in {*names, split} - set().union(*keywords.values()))
@@ -115,8 +115,8 @@ def split_files(folder: str, split: str, names: tuple = ()) -> list:
 
 
 def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -> list:
-    """(name, records) per file of a local spec (by_split: named for `split`) or a hub split;
-    records: (where, record, problem)s."""
+    """(name, [(where, record, problem)]) per file of a local spec (by_split: named for `split`)
+    or a hub split."""
     cfg = cfg or Config()
     if not is_local(spec):
         try:
@@ -146,8 +146,8 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
               by_split: bool = False) -> list:
-    """A source's records as checked rows in format cfg.<format_key> (or detected); DataError
-    lists bad rows unless skip_invalid; what was read is said and added to `notes`."""
+    """A source's checked rows in format cfg.<format_key> (or detected); DataError lists bad rows
+    unless skip_invalid; what was read is said and added to `notes`."""
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
@@ -200,8 +200,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
 
 
 def to_dataset(rows: list, *, cache_dir=None, fingerprint=None, notes=None) -> Dataset:
-    """An arrow-backed Dataset in cache_dir keyed by fingerprint (default: the rows' hash), so
-    map caches tokenization; `notes` in its info."""
+    """An arrow-backed Dataset (so map caches tokenization) in cache_dir, `notes` in its info."""
     if "input_ids" in rows[0]:
         features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
                     "where": Value("string")}
@@ -240,11 +239,11 @@ def cut_after_first_error(row: dict) -> dict:
 
 
 def read_splits(cfg, cache_dir: str = None) -> tuple:
-    """(train, held-out, notes): Datasets of rows in cache_dir, and what the read said."""
+    """(train, held-out): Datasets of rows in cache_dir."""
     cut = lambda r: cut_after_first_error(r) if cfg.cut_after_first_error else r
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
-        return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held), []
+        return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held)
     notes, held = [], None
     read = lambda src, split, fmt="format": read_rows(src, split, cfg, fmt, notes=notes,
                                                        by_split=True)
@@ -269,7 +268,7 @@ def read_splits(cfg, cache_dir: str = None) -> tuple:
                      f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
     return (to_dataset([cut(r) for r in train], **_entry(cache_dir, "train")),
-            to_dataset(held, **_entry(cache_dir, "held"), notes=notes), notes)
+            to_dataset(held, **_entry(cache_dir, "held"), notes=notes))
 
 
 def _entry(path: str, split: str) -> dict:
@@ -285,8 +284,8 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """The cache folder of local files' splits keyed by their data_digest ({spec: digest} if
-    known), SHAPING and this code; None for hub or synthetic data or caching off."""
+    """The cache folder of local files' splits, keyed by SHAPING, this code and data_digest
+    (digests: {spec: digest} if known); None for hub or synthetic data or caching off."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     local = all(is_local(s) and os.path.exists(s) for s in specs)
     if not (local and datasets.is_caching_enabled()):
@@ -299,13 +298,13 @@ def rows_cache(cfg, digests: dict = None):
 
 
 def load_splits(cfg, digests: dict = None) -> tuple:
-    """read_splits, or its datasets read back from rows_cache (datasets writes them under its
-    lock, held-out last with the notes; then we write their files' checksum)."""
+    """read_splits, or its datasets read back from rows_cache (written by datasets, held-out
+    last, then their files' checksum)."""
     path = rows_cache(cfg, digests)
     found = os.path.isdir(path or "") and _read_back(path)
     if found:
         return found
-    train, held, _ = read_splits(cfg, cache_dir=path)
+    train, held = read_splits(cfg, cache_dir=path)
     if path:
         write_lines(os.path.join(path, "rows.sha256"), [_checksum(train, held)])
     return train, held
