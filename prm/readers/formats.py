@@ -166,7 +166,7 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
     if isinstance(label, str):
         labels, pos = [], 0
         for k, part in enumerate(text.split(STEP_TAG)[:-1]):
-            end = pos + len(part)  # this step's mark
+            end = pos + len(part)
             if not label.startswith(part, pos) or label[end:end + 1] not in ("+", "-"):
                 raise BadField("label", f"does not match 'input' at step {k + 1}: expected the "
                                         f"same text with + or - in place of each '{STEP_TAG}'")
@@ -408,12 +408,12 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
     for n, row in enumerate(rows):
         if record.get("id") is not None:
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
-        if fmt == "pretokenized":  # right padding dropped
+        if fmt == "pretokenized":
             mask = row.pop("attention_mask", None)
             end = sum(mask) if mask is not None else len(row["input_ids"])
             row["input_ids"] = row["input_ids"][:end]
             row["labels"] = [y if isinstance(y, float) else int(y) for y in row["labels"][:end]]
-        else:  # 0/1 labels become bools, floats stay floats
+        else:
             labels = row["labels"]
             row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in labels]
             if isinstance(row["prompt"], list):

@@ -12,7 +12,7 @@ from prm.readers.sources import META, DataError, say
 
 FEATURES = {k: Sequence(Value(t[0])) if isinstance(t, list) else Value(t)
             for k, t in COLUMNS.items()}
-AUTO_PROC_ROWS = 20_000  # --num-proc 0 starts several processes from this many rows
+AUTO_PROC_ROWS = 20_000  # --num-proc 0: several processes from this many rows on
 
 
 def processes(num_proc: int, n_rows: int) -> int:
