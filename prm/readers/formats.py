@@ -1,4 +1,4 @@
-"""Read JSON safely, detect a record's format, make stepwise or pre-tokenized rows, check them."""
+"""Read JSON safely, detect a record's format, make and check stepwise or pre-tokenized rows."""
 import difflib
 import itertools
 import json
@@ -6,7 +6,7 @@ import re
 
 from prm.core.data import IGNORE, label_problem
 
-FORMATS = {  # the columns that identify each format, in detection order
+FORMATS = {  # each format's columns, in detection order
     "pretokenized": ("input_ids", "labels"),
     "stepwise": ("prompt", "completions", "labels"),
     "processbench": ("problem", "steps", "label"),
@@ -16,18 +16,17 @@ FORMATS = {  # the columns that identify each format, in detection order
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
     "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
-# source columns kept for evaluation's reports, with their types
+# source columns kept for evaluation's reports
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
-KINDS = {"string": (str, "text"), "bool": (bool, "true/false"),
-         "response_answer": (str, "the final answer as text")}
+WHAT = {str: "text", bool: "true/false", list: "a list", dict: "an object"}  # for _need's messages
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
 NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 
 
 def decode(data: bytes) -> tuple:
-    """(text, problem, line): the UTF-8 text (a byte-order mark dropped), or why it is not."""
+    """(text, problem, line): the UTF-8 text, or why it is not."""
     try:
         return data.decode("utf-8-sig"), None, None
     except UnicodeDecodeError as e:
@@ -54,7 +53,7 @@ def read_json(text: str) -> tuple:
         return None, "malformed JSON: nested too deeply", None
     except ValueError as e:  # a number past Python's 4300-digit limit
         return None, f"unreadable JSON: {str(e).split(';')[0]}", None
-    look = repeated or "\\ud" in text.lower()  # a surrogate can only come escaped
+    look = repeated or "\\ud" in text.lower()  # a lone surrogate can only come escaped
     return value, field_problem(value) if look else None, None
 
 
@@ -63,7 +62,7 @@ class _Repeated(dict):  # a JSON object that gave one key twice
 
 
 def field_problem(value, field: str = ""):
-    """"field 'x': ..." for the first key given twice or lone surrogate in value, else None."""
+    """The first key given twice or lone surrogate in value, or None."""
     todo = [(field, value)]  # a loop, not recursion: any depth json reads
     while todo:
         field, value = todo.pop()
@@ -76,7 +75,7 @@ def field_problem(value, field: str = ""):
         if isinstance(value, _Repeated):
             where = f"{field}.{value.key}" if field else value.key
             return f"field '{where}': given twice in one object (which value is meant?)"
-        if isinstance(value, dict):  # from JSON: text keys
+        if isinstance(value, dict):
             todo += reversed([(f"{field}.{k}" if field else k, v) for k, v in value.items()])
         elif isinstance(value, list):
             todo += reversed([(f"{field}[{k}]", v) for k, v in enumerate(value)])
@@ -88,13 +87,11 @@ class BadField(ValueError):
         super().__init__(f"field '{field}': {problem}")
 
 
-def is_blank(text: str) -> bool:
-    """Empty, or only whitespace and zero-width characters."""
+def is_blank(text: str) -> bool:  # whitespace and zero-width characters only
     return not text.translate(ZERO_WIDTH).strip()
 
 
 def step_spans(text: str, separator: str) -> list:
-    """(start, end) of each non-blank piece between separators."""
     pieces = text.split(separator)
     starts = itertools.accumulate((len(p) + len(separator) for p in pieces), initial=0)
     blank = {p for p in set(pieces) if is_blank(p)}  # each distinct piece checked once
@@ -102,18 +99,16 @@ def step_spans(text: str, separator: str) -> list:
 
 
 def split_steps(text: str, separator: str) -> list:
-    """The non-blank steps of a text, each with its own whitespace, as training keeps them."""
+    """The non-blank steps of a text, whitespace kept, as training splits them."""
     return [text[a:b] for a, b in step_spans(text, separator)]
 
 
 def detect_format(record: dict):
-    """The first format whose columns the record has, or None."""
     return next((name for name, cols in FORMATS.items() if all(c in record for c in cols)
                  and (name != "prm800k" or isinstance(record["label"], dict))), None)
 
 
 def format_help(record: dict) -> str:
-    """Why no format matched: the columns found and expected, and near misses."""
     known = sorted({c for cols in FORMATS.values() for c in cols})
     near = [f"'{k}' -> '{m[0]}'" for k in record if k not in known
             for m in [difflib.get_close_matches(str(k), known, 1, 0.75)] if m]
@@ -122,10 +117,8 @@ def format_help(record: dict) -> str:
             + (f" Misnamed? {', '.join(near)}." if near else "") + " Or force one with --format.")
 
 
-def _need(record: dict, key: str, kind=None, what: str = "", where: str = "",
-          optional: bool = False):
-    """record[key], checked (optional: None if absent or null); `where` prefixes a nested record's
-    field names ("outputs[3].")."""
+def _need(record: dict, key: str, kind=None, where: str = "", optional: bool = False):
+    """record[key] of type `kind` (optional: None if absent or null); `where`: "outputs[3]." etc."""
     if not isinstance(record, dict):
         raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
     if optional and record.get(key) is None:
@@ -136,6 +129,7 @@ def _need(record: dict, key: str, kind=None, what: str = "", where: str = "",
         raise BadField(where + key, "missing" + near)
     value = record[key]
     if kind is not None and not isinstance(value, kind):
+        what = "the final answer as text" if key == "response_answer" else WHAT[kind]
         raise BadField(where + key, f"expected {what}, got {_kind(value)}")
     return value
 
@@ -145,38 +139,34 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
-    """The row with its META columns (`id`: to_rows'), so a converted file reads as its source."""
+    """The row with its META columns, so a converted file reads as its source."""
     row = {k: _need(r, k) for k in FORMATS["stepwise"]}
     if r.get("first_error") is not None:
-        steps = row["completions"]
-        n = len(steps) if isinstance(steps, list) else 0
+        n = len(row["completions"]) if isinstance(row["completions"], list) else 0
         row.update(_benchmark_columns(r, "first_error", n))
-    for col, kind in META.items():
+    for col, kind in META.items():  # first_error is in row when given
         if col not in row and col != "id" and r.get(col) is not None:
-            python_type, what = KINDS.get(col, KINDS[kind])
-            row[col] = _need(r, col, python_type, what)
+            row[col] = _need(r, col, bool if kind == "bool" else str)
     return [row]
 
 
 def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
-    """ProcessBench's first-error index (0-based, -1 = none) and final-answer flag."""
     first = _need(r, key)
     if type(first) is not int or not -1 <= first < n_steps:
         raise BadField(key, f"first-error index {_kind(first)} is out of range for {n_steps} steps "
                             "(0-based, -1 = no error)")
-    correct = _need(r, "final_answer_correct", bool, "true/false", optional=True)
+    correct = _need(r, "final_answer_correct", bool, optional=True)
     return {"first_error": first, "final_answer_correct": correct}
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
     """`input`: question + "Step 1: ... ки\\nStep 2: ... ки"; `label`: +/- per tag, or a list."""
-    text, label = _need(r, "input", str, "text with step tags"), _need(r, "label")
+    text, label = _need(r, "input", str), _need(r, "label")
     steps = _tagged_steps(text, "input")
-    parts = text.split(STEP_TAG)
     if isinstance(label, str):
         labels, pos = [], 0
-        for k, part in enumerate(parts[:-1]):
-            end = pos + len(part)  # where this step's mark stands
+        for k, part in enumerate(text.split(STEP_TAG)[:-1]):
+            end = pos + len(part)
             if not label.startswith(part, pos) or label[end:end + 1] not in ("+", "-"):
                 raise BadField("label", f"does not match 'input' at step {k + 1}: expected the "
                                         f"same text with + or - in place of each '{STEP_TAG}'")
@@ -196,21 +186,19 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """A row per rated alternative not chosen (the trajectory so far + it), then the trajectory to
-    where the labeler stopped unless the last row holds it; none from a bad_problem."""
-    problem = _need(_need(r, "question", dict, "an object with 'problem'"), "problem", str, "text")
-    label = _need(r, "label", dict, "an object with 'steps'")
-    steps = _need(label, "steps", list, "a list")
+    """A row per rated alternative not chosen, then the trajectory to where the labeler stopped
+    unless the last row holds it; none from a bad_problem."""
+    problem = _need(_need(r, "question", dict), "problem", str, "question.")
+    label = _need(r, "label", dict)
+    steps = _need(label, "steps", list, "label.")
     if label.get("finish_reason") == "bad_problem":
         return []
     rate = {1: True, -1: False, 0: NEUTRAL[neutral], None: None}
     rows, texts, labels = [], [], []
     for k, step in enumerate(steps):
         where = f"label.steps[{k}]"
-        if not isinstance(step, dict) or not isinstance(step.get("completions") or [], list):
-            raise BadField(where, "expected an object with a list of completions, got "
-                                  + _kind(step))
-        options, chosen = step.get("completions") or [], step.get("chosen_completion")
+        options = _need(step, "completions", list, where + ".", optional=True) or []
+        chosen = step.get("chosen_completion")
         for i, c in enumerate(options):
             rating = c.get("rating") if isinstance(c, dict) else "not an object"
             if type(rating) not in (int, type(None)) or rating not in rate:  # True is no rating
@@ -237,7 +225,7 @@ def from_prm800k(r: dict, neutral: str) -> list:
 
 def from_processbench(r: dict, neutral: str) -> list:
     """Correct up to the first error, wrong at it, unlabeled (None) after it."""
-    steps = _need(r, "steps", list, "a list of steps")
+    steps = _need(r, "steps", list)
     extra = _benchmark_columns(r, "label", len(steps))
     n, first = len(steps), extra["first_error"]
     labels = [True] * n if first < 0 else [True] * first + [False] + [None] * (n - first - 1)
@@ -245,16 +233,16 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """Mr-Ben as ProcessBench: question + options; steps lose "Step k: "; first error 1-based."""
+    """As ProcessBench: question + options; steps lose "Step k: "; first error 1-based."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
-             for s in _need(r, "Model_Solution_Steps", list, "a list of steps")]
+             for s in _need(r, "Model_Solution_Steps", list)]
     first = _need(r, "Model_Solution_First_Error_Step")
     number = type(first) in (str, int) and str(first).isdigit() and 1 <= int(first) <= len(steps)
     if first != "N/A" and not number:
         raise BadField("Model_Solution_First_Error_Step",
                        f"{_kind(first)} is not a step number (1 to {len(steps)}) or 'N/A'")
-    options = _need(r, "Options", str, "text") if r.get("Options") else ""
-    prompt = _need(r, "Question", str, "text") + ("\n" + options.strip() if options.strip() else "")
+    options = _need(r, "Options", str) if r.get("Options") else ""
+    prompt = _need(r, "Question", str) + ("\n" + options.strip() if options.strip() else "")
     label = -1 if first == "N/A" else int(first) - 1
     correct = r.get("Model_Solution_Correctness") == "correct"
     record = {"problem": prompt, "steps": steps, "label": label, "final_answer_correct": correct}
@@ -263,7 +251,6 @@ def from_mrben(r: dict, neutral: str) -> list:
 
 
 def _tagged_steps(text: str, field: str) -> list:
-    """The steps of a text ending each with STEP_TAG."""
     parts = text.split(STEP_TAG)
     if len(parts) < 2:
         raise BadField(field, f"no '{STEP_TAG}' step tag")
@@ -274,20 +261,19 @@ def _tagged_steps(text: str, field: str) -> list:
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """A row per solution (step-tagged `response`, or `steps`), one `group`; `label`: correct."""
-    question = _need(r, "question", str, "text")
-    outputs = _need(r, "outputs", list, "a list of candidate solutions")
+    """A row per solution (step-tagged `response`, or `steps`), one `group`."""
+    question = _need(r, "question", str)
+    outputs = _need(r, "outputs", list)
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
     rows = []
     for j, o in enumerate(outputs):
         where = f"outputs[{j}]."
         if isinstance(o, dict) and "steps" in o:
-            steps = _need(o, "steps", list, "a list of steps", where)
+            steps = _need(o, "steps", list, where)
         else:
-            text = _need(o, "response", str, "text with step tags", where)
-            steps = _tagged_steps(text, where + "response")
-        correct = _need(o, "label", bool, "true/false (is the final answer correct?)", where)
-        answer = _need(o, "response_answer", str, "the final answer as text", where, True)
+            steps = _tagged_steps(_need(o, "response", str, where), where + "response")
+        correct = _need(o, "label", bool, where)  # is the final answer correct?
+        answer = _need(o, "response_answer", str, where, True)
         labels = o["step_labels"] if o.get("step_labels") is not None else [None] * len(steps)
         rows.append({"prompt": question, "completions": steps, "labels": labels,
                      "final_answer_correct": correct, "response_answer": answer, "group": group,
@@ -296,10 +282,10 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution, its 1-based `error_steps` wrong (past the end: ignored, as PRMBench's
-    harness does), the rest correct; a redundancy row also gives the original ("correct")."""
-    steps = _unnumbered(_need(r, "modified_process", list, "a list of steps"))
-    errors = _need(r, "error_steps", list, "a list of 1-based step indices")
+    """The modified solution, its 1-based `error_steps` wrong (past the end: ignored, as PRMBench
+    does); a redundancy row also gives the original ("correct")."""
+    steps = _unnumbered(_need(r, "modified_process", list))
+    errors = _need(r, "error_steps", list)
     for e in errors:
         if type(e) is not int or e < 1:
             raise BadField("error_steps", f"{_kind(e)} is not a 1-based step index")
@@ -308,48 +294,43 @@ def from_prmbench(r: dict, neutral: str) -> list:
         raise BadField("error_steps", f"every error step {errors} is past the end of "
                                       f"'modified_process' ({len(steps)} steps, 1-based): "
                                       "no step would be labeled wrong")
-    category = _need(r, "classification", str, "the error category")
+    category = _need(r, "classification", str)
     key = r.get("idx", "")
-    rows = [{"prompt": _need(r, "modified_question", str, "text"), "completions": steps,
+    rows = [{"prompt": _need(r, "modified_question", str), "completions": steps,
              "labels": [k + 1 not in within for k in range(len(steps))], "category": category,
              "first_error": min(within) - 1 if within else -1, "id": f"{category}_{key}"}]
     if category == "redundency":  # PRMBench's own spelling
-        original = _unnumbered(_need(r, "original_process", list, "a list of steps"))
-        rows.append({"prompt": _need(r, "original_question", str, "text"), "completions": original,
+        original = _unnumbered(_need(r, "original_process", list))
+        rows.append({"prompt": _need(r, "original_question", str), "completions": original,
                      "labels": [True] * len(original), "category": "correct", "first_error": -1,
                      "id": f"correct_{key}"})
     return rows
 
 
 def _unnumbered(steps: list) -> list:
-    """PRMBench's remove_step_prefix (a leading "k." or "Step k." dropped) but for a bare prefix."""
+    """PRMBench's remove_step_prefix ("k." or "Step k." dropped) but for a bare prefix."""
     prefix = re.compile(r"^(Step\s*\d+\.\s*|\d+\.\s*)", re.IGNORECASE)
     bare = [prefix.sub("", s.strip()) if isinstance(s, str) else s for s in steps]
     return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
 
 
 def from_pretokenized(r: dict, neutral: str) -> list:
-    row = {"input_ids": _need(r, "input_ids"), "labels": _need(r, "labels")}
+    row = {k: _need(r, k) for k in FORMATS["pretokenized"]}
     if r.get("attention_mask") is not None:
         row["attention_mask"] = r["attention_mask"]
     return [row]
 
 
-CONVERTERS = {"pretokenized": from_pretokenized, "stepwise": from_stepwise,
-              "processbench": from_processbench, "prm800k": from_prm800k,
-              "math_shepherd": from_math_shepherd, "candidates": from_candidates,
-              "prmbench": from_prmbench, "mrben": from_mrben}  # FORMATS' names
+CONVERTERS = {name: globals()["from_" + name] for name in FORMATS}
 
 
 def _first_bad(bad: list, message: str) -> list:
-    """[message about the first (index, what) of bad, and how many more], or []."""
     if not bad:
         return []
     return [message.format(*bad[0]) + (f" ({len(bad) - 1} more)" if len(bad) > 1 else "")]
 
 
 def row_problems(row: dict) -> list:
-    """Every problem of one stepwise row, as "field 'x': ..." strings."""
     out = []
     prompt, steps, labels = row["prompt"], row["completions"], row["labels"]
     if isinstance(prompt, list):
@@ -378,12 +359,12 @@ def row_problems(row: dict) -> list:
 
 
 def token_problems(row: dict) -> list:
-    """Every problem of one pre-tokenized row, as "field 'x': ..." strings; padding only trails."""
+    """Every problem of a pre-tokenized row; padding only trails."""
     ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
     out = []
     if not isinstance(ids, list) or not ids:
         out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
-    else:  # type(): True is no token id; the column is int64
+    else:  # True is no token id; the column is int64
         bad = [(i, _kind(x)) for i, x in enumerate(ids)
                if type(x) is not int or not 0 <= x < 2 ** 63]
         out += _first_bad(bad, "field 'input_ids': position {}: {} is not a token id (an int >= 0)")
@@ -413,7 +394,7 @@ def token_problems(row: dict) -> list:
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) of one raw record in format `fmt`; no rows if any problem."""
+    """(rows, problems) of a record in format `fmt`; no rows if any problem."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:
@@ -423,16 +404,16 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
     check = token_problems if fmt == "pretokenized" else row_problems
     problems = [p for row in rows for p in check(row)]
     if problems:
-        return [], sorted(set(problems), key=problems.index)
+        return [], list(dict.fromkeys(problems))
     for n, row in enumerate(rows):
         if record.get("id") is not None:
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
-        if fmt == "pretokenized":  # right padding stripped
+        if fmt == "pretokenized":
             mask = row.pop("attention_mask", None)
             end = sum(mask) if mask is not None else len(row["input_ids"])
             row["input_ids"] = row["input_ids"][:end]
             row["labels"] = [y if isinstance(y, float) else int(y) for y in row["labels"][:end]]
-        else:  # 0/1 labels become bools, floats stay floats
+        else:
             labels = row["labels"]
             row["labels"] = [y if y is None or isinstance(y, float) else bool(y) for y in labels]
             if isinstance(row["prompt"], list):

@@ -10,14 +10,13 @@ from prm.core.data import (COLUMNS, IGNORE, columns, make_row, normalize_label, 
 from prm.errors import UsageError, WriteFailed
 from prm.readers.sources import META, DataError, say
 
-# the row contract's columns in Arrow
 FEATURES = {k: Sequence(Value(t[0])) if isinstance(t, list) else Value(t)
             for k, t in COLUMNS.items()}
-AUTO_PROC_ROWS = 20_000  # --num-proc 0 starts several processes from this many rows
+AUTO_PROC_ROWS = 20_000  # --num-proc 0: several processes from this many rows on
 
 
 def processes(num_proc: int, n_rows: int) -> int:
-    """--num-proc, or for 0 one process per usable core (at most 8) from AUTO_PROC_ROWS rows on."""
+    """--num-proc, or for 0 one per usable core (at most 8) from AUTO_PROC_ROWS rows on."""
     if num_proc or n_rows < AUTO_PROC_ROWS:
         return num_proc or 1
     usable = getattr(os, "sched_getaffinity", None)
@@ -26,9 +25,8 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
                      desc: str = "tokenize", drop_unlabeled: bool = True, tokenize=None):
-    """(dataset, report) by datasets.map(tokenize: tokenize_batch, a published PRM's own, or for
-    pre-tokenized rows cut_pretokenized); rows without a labeled step are dropped and counted,
-    unless drop_unlabeled=False (rows line up with the source)."""
+    """(dataset, report) by datasets.map(tokenize or tokenize_batch; pre-tokenized rows:
+    cut_pretokenized); rows with no labeled step dropped unless drop_unlabeled=False."""
     features = Features({**FEATURES, **{k: v for k, v in ds.features.items() if k in META}})
     kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
                   train_on_last_step_only=cfg.train_on_last_step_only)
@@ -75,7 +73,7 @@ def _total(values) -> int:
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
-    """(index, message) of each row whose chat prompt the tokenizer's template cannot render."""
+    """(index, message) per row whose chat prompt the template cannot render."""
     if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
@@ -93,7 +91,7 @@ def template_problems(ds, tokenizer, which: str) -> list:
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str:
-    """map's fingerprint from data, tokenizer, settings and code: cheaper than hashing them all."""
+    """map's fingerprint from data, tokenizer, settings and code: cheaper than map's own."""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # its JSON: cheaper to hash
     tok = Hasher.hash(tokenizer if backend is None else backend.to_str())
     special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
@@ -112,22 +110,20 @@ def check_pretokenized(ds, tokenizer, cfg):
     over = pc.greater_equal(pc.list_flatten(ids), n_vocab)
     bad = pc.unique(pc.filter(pc.list_parent_indices(ids), over)).to_pylist()  # row indices
     if bad:
-        rows = {i: ds[i] for i in bad}
         raise DataError([f"{r.get('where', f'row {i}')}: field 'input_ids': token id "
                          f"{max(r['input_ids'])} is out of the tokenizer's {n_vocab} tokens: was "
-                         "it tokenized with another tokenizer?" for i, r in rows.items()])
+                         "it tokenized with another tokenizer?" for i in bad for r in [ds[i]]])
 
 
 def cut_pretokenized(batch: dict, **kw) -> dict:
-    """Pre-tokenized rows as tokenize_batch returns them, each labeled token ending a step, cut by
-    make_row(**kw) (no prompt known: a row keeping no step keeps no token)."""
+    """Pre-tokenized rows as tokenize_batch returns them, each labeled token ending a step."""
     ends = [[i for i, y in enumerate(labels) if y != IGNORE] for labels in batch["labels"]]
     return columns([make_row(ids, e, [labels[i] for i in e], **kw)
                     for ids, labels, e in zip(batch["input_ids"], batch["labels"], ends)])
 
 
 def dataset_report(ds, tok, kept, separator: str) -> dict:
-    """The data report, counted in Arrow: of rows read (ds), tokenized (tok), kept."""
+    """The data report of rows read (ds), tokenized (tok) and kept, counted in Arrow."""
     t = kept.with_format("arrow")
     lengths, labels = t["length"], pc.list_flatten(t["labels"])
     labels = pc.filter(labels, pc.not_equal(labels, IGNORE))
@@ -135,7 +131,7 @@ def dataset_report(ds, tok, kept, separator: str) -> dict:
     every = tok.with_format("arrow")  # steps cut by a length cap, counted in every row
     cut = _total(pc.list_value_length(every["step_labels"])) - _total(every["steps_kept"])
     with_sep = 0
-    if "completions" in ds.column_names:  # pre-tokenized rows have no step text
+    if "completions" in ds.column_names:
         steps = pc.list_flatten(ds.with_format("arrow")["completions"])
         with_sep = _total(pc.match_substring(steps, separator))
     return {"examples": len(kept), "labeled_steps": n,

@@ -1,4 +1,4 @@
-"""Validated, cached train/held-out rows of a hub dataset or a .jsonl/.json/.parquet file/folder."""
+"""Checked, cached train/held-out rows of a hub dataset or .jsonl/.json/.parquet files."""
 import contextlib
 import inspect
 import json
@@ -26,11 +26,11 @@ LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more"
 WHERE = ("line = 1-based line of a .jsonl file; row = 0-based index in a .json array, a parquet "
          "file or a hub split")
-SHAPING = Config.names_with("rows")  # the settings that shape rows: part of the rows cache's key
+SHAPING = Config.names_with("rows")  # settings that shape rows: in the rows cache's key
 
 
 class DataError(UsageError):
-    """Bad input data, one "<source> <line|row> N: field 'x': ..." line per problem."""
+    """Bad input data, a "<source> <line|row> N: field 'x': ..." line per problem."""
 
     def __init__(self, problems: list, total_rows: int = 0):
         self.problems, self.total_rows = problems, total_rows
@@ -75,7 +75,7 @@ def read_records(path: str):
         pairs = [(f"row {i}", r) for i, r in enumerate(data)] if isinstance(data, list) else None
         if isinstance(data, dict) and any(data.values()) and all(
                 isinstance(v, list) and all(isinstance(r, dict) for r in v) for v in data.values()):
-            # records grouped under keys, as Mr-Ben groups a question's solutions
+            # records grouped under keys, as Mr-Ben's
             pairs = [(f"{k}[{i}]", r) for k, v in data.items() for i, r in enumerate(v)]
         if pairs is not None:
             return [(where, r, problem and field_problem(r)) for where, r in pairs]
@@ -88,13 +88,12 @@ def read_records(path: str):
 
 
 def data_files(folder: str) -> list:
-    """A folder's entries named like data files, sorted."""
     names = (f for f in os.listdir(folder) if f.lower().endswith(LOCAL_EXT))
     return sorted(os.path.join(folder, f) for f in names)
 
 
 def split_files(folder: str, split: str, names: tuple = ()) -> list:
-    """The folder's files named for `split`, as datasets names them; None: no file names a split."""
+    """The folder's files named for `split` (as datasets reads names); None if none names one."""
     paths = {os.path.basename(f): f for f in data_files(folder)}
     keywords = {str(s): set(k) for s, k in SPLIT_KEYWORDS.items()}
     keywords.update((s, {s}) for s in {*names, split} - set().union(*keywords.values()))
@@ -116,9 +115,19 @@ def split_files(folder: str, split: str, names: tuple = ()) -> list:
 
 
 def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -> list:
-    """(name, records) per file of a local spec (by_split: named for `split`), or a hub split;
-    records: (where, record, problem) each."""
+    """(name, [(where, record, problem)]) per file of a local spec (by_split: named for `split`)
+    or a hub split."""
     cfg = cfg or Config()
+    if not is_local(spec):
+        try:
+            ds = load_dataset(spec, cfg.dataset_config or None, split=split)
+        except Exception as e:  # offline, no such dataset, a mistyped local path
+            if isinstance(e, ValueError) and "split" in str(e).lower():
+                raise MissingSplit([f"{spec}: {e}"]) from None
+            raise DataError([f"{spec}: no local .jsonl/.json/.parquet file or folder, nor loaded "
+                             f"from the hub ({type(e).__name__}: {e})"]) from None
+        return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
+    files = [spec]
     if os.path.isdir(spec):
         files = data_files(spec)
         if not files:
@@ -128,28 +137,17 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
             among = ", ".join(os.path.basename(f) for f in files)
             raise MissingSplit([f"{spec}: no data file named for split {split!r} among {among}"])
         files = named or files
-        folders = [f for f in files if not os.path.isfile(f)]
-        if folders:
-            raise DataError([f"{f}: a folder named like a data file; move it out" for f in folders])
-        return [(f, read_records(f)) for f in files]
-    if is_local(spec):
-        if not os.path.isfile(spec):
-            raise DataError([f"{spec}: no such file"])
-        return [(spec, read_records(spec))]
-    try:
-        ds = load_dataset(spec, cfg.dataset_config or None, split=split)
-    except Exception as e:  # offline, no such dataset, a typo in a local path
-        if isinstance(e, ValueError) and "split" in str(e).lower():
-            raise MissingSplit([f"{spec}: {e}"]) from None
-        raise DataError([f"{spec}: no local .jsonl/.json/.parquet file or folder, nor loaded "
-                         f"from the hub ({type(e).__name__}: {e})"]) from None
-    return [(f"{spec}[{split}]", ((f"row {i}", r, None) for i, r in enumerate(ds)))]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise DataError([f"{f}: " + ("a folder named like a data file" if os.path.isdir(f)
+                                     else "no such file") for f in missing])
+    return [(f, read_records(f)) for f in files]
 
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
               by_split: bool = False) -> list:
-    """A source's records as validated rows in format cfg.<format_key> (or detected); DataError
-    lists bad rows unless skip_invalid; what was read is said and added to `notes`."""
+    """A source's checked rows in format cfg.<format_key> (or detected); DataError lists bad rows
+    unless skip_invalid; what was read is said and added to `notes`."""
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
@@ -175,11 +173,11 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
                 bad += 1
                 problems += [f"{name} {where}: {p}" for p in issues]
                 continue
-            if fmt == "pretokenized":  # errors found at tokenization name the line
+            if fmt == "pretokenized":  # so tokenization's errors name the line
                 for row in found:
                     row["where"] = f"{name} {where}"
             empty += not found
-            if fmt == "prmbench" and record.get("idx") is not None:  # PRMBench's: an id's first row
+            if fmt == "prmbench" and record.get("idx") is not None:  # as PRMBench: an id's first
                 repeated += sum(row["id"] in ids for row in found)
                 found = [row for row in found if row["id"] not in ids]
                 ids.update(row["id"] for row in found)
@@ -202,8 +200,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
 
 
 def to_dataset(rows: list, *, cache_dir=None, fingerprint=None, notes=None) -> Dataset:
-    """An arrow-backed Dataset (so datasets.map caches tokenization) in cache_dir, keyed by
-    fingerprint (default: a hash of the rows), `notes` in its info."""
+    """An arrow-backed Dataset (so map caches tokenization) in cache_dir, `notes` in its info."""
     if "input_ids" in rows[0]:
         features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
                     "where": Value("string")}
@@ -232,7 +229,7 @@ def to_dataset(rows: list, *, cache_dir=None, fingerprint=None, notes=None) -> D
 
 
 def cut_after_first_error(row: dict) -> dict:
-    """The row's steps or tokens up to its first wrong label (False, 0 or 0.0)."""
+    """The row's steps or tokens up to its first wrong label."""
     labels = row["labels"]
     end = next((i for i, y in enumerate(labels) if y not in (None, IGNORE) and float(y) == 0), None)
     if end is None:
@@ -242,11 +239,11 @@ def cut_after_first_error(row: dict) -> dict:
 
 
 def read_splits(cfg, cache_dir: str = None) -> tuple:
-    """(train, held-out, notes): Datasets of rows in cache_dir, and what the read said."""
+    """(train, held-out): Datasets of rows in cache_dir."""
     cut = lambda r: cut_after_first_error(r) if cfg.cut_after_first_error else r
     if cfg.dataset == "synthetic":
         train, held = train_eval_rows(cfg.synthetic_size, cfg.seed)
-        return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held), []
+        return Dataset.from_list([cut(r) for r in train]), Dataset.from_list(held)
     notes, held = [], None
     read = lambda src, split, fmt="format": read_rows(src, split, cfg, fmt, notes=notes,
                                                        by_split=True)
@@ -257,7 +254,7 @@ def read_splits(cfg, cache_dir: str = None) -> tuple:
             cfg.dataset, cfg.eval_split, (cfg.train_split, cfg.eval_split)) is not None:
         with contextlib.suppress(MissingSplit):
             held = read(cfg.dataset, cfg.eval_split)
-    if held is None:  # split by prompt (pre-tokenized: by row), so no problem is on both sides
+    if held is None:  # split by prompt (pre-tokenized: by row): no problem on both sides
         keys = [json.dumps(r["prompt"] if "prompt" in r else r["input_ids"]) for r in train]
         prompts = sorted(set(keys))
         n = len(prompts)
@@ -271,11 +268,10 @@ def read_splits(cfg, cache_dir: str = None) -> tuple:
                      f"(--eval-fraction {cfg.eval_fraction}, --seed {cfg.seed})")
         say(notes[-1])
     return (to_dataset([cut(r) for r in train], **_entry(cache_dir, "train")),
-            to_dataset(held, **_entry(cache_dir, "held"), notes=notes), notes)
+            to_dataset(held, **_entry(cache_dir, "held"), notes=notes))
 
 
 def _entry(path: str, split: str) -> dict:
-    """to_dataset's place for a split of the rows cache entry at path (None: no cache)."""
     return dict(cache_dir=path, fingerprint=path and f"{os.path.basename(path)}-{split}")
 
 
@@ -288,13 +284,13 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """The cache folder of local files' splits, keyed by data_digest, SHAPING and this code; None
-    for hub or synthetic data or caching off. digests: {spec: data_digest(spec)}."""
+    """The cache folder of local files' splits, keyed by SHAPING, this code and data_digest
+    (digests: {spec: digest} if known); None for hub or synthetic data or caching off."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     local = all(is_local(s) and os.path.exists(s) for s in specs)
     if not (local and datasets.is_caching_enabled()):
         return None
-    # this module's and formats' code: datasets' Hasher does not follow a function's callees
+    # datasets' Hasher does not follow a function's callees: hash the code
     code = [inspect.getsource(sys.modules[m]) for m in (__name__, to_rows.__module__)]
     key = [[getattr(cfg, k) for k in SHAPING], code]
     key += [(digests or {}).get(s) or data_digest(s) for s in specs]
@@ -302,13 +298,13 @@ def rows_cache(cfg, digests: dict = None):
 
 
 def load_splits(cfg, digests: dict = None) -> tuple:
-    """read_splits, or its datasets read back from rows_cache (written by datasets under its lock,
-    held-out last, with the notes; then the checksum of their files)."""
+    """read_splits, or its datasets read back from rows_cache (written by datasets, held-out
+    last, then their files' checksum)."""
     path = rows_cache(cfg, digests)
     found = os.path.isdir(path or "") and _read_back(path)
     if found:
         return found
-    train, held, _ = read_splits(cfg, cache_dir=path)
+    train, held = read_splits(cfg, cache_dir=path)
     if path:
         write_lines(os.path.join(path, "rows.sha256"), [_checksum(train, held)])
     return train, held
@@ -323,7 +319,7 @@ def _not_cached():
 
 
 def _read_back(path: str):
-    """(train, held) of a cache entry, notes said again; None if partial or damaged (removed)."""
+    """(train, held) of a cache entry, its notes said; None if partial or damaged (removed)."""
     sums = os.path.join(path, "rows.sha256")
     try:
         train, held = (Dataset.from_generator(_not_cached, **_entry(path, split))
@@ -336,7 +332,7 @@ def _read_back(path: str):
         with open(sums, encoding="utf-8") as f:
             if f.read().strip() != _checksum(train, held):
                 raise ValueError("its files changed since they were written")
-    except DatasetGenerationError:  # _not_cached: a split not there (yet)
+    except DatasetGenerationError:  # _not_cached: a split not there yet
         return None
     except Exception as e:
         say(f"{path}: a damaged rows cache entry ({type(e).__name__}: {str(e)[:120]}); rereading")
@@ -348,7 +344,7 @@ def _read_back(path: str):
 
 
 def load_eval(cfg, whole: str = ""):
-    """`whole`: all of that source; else the held-out set a run used, rebuilt from its config."""
+    """All of source `whole`, else the held-out set a run used, rebuilt from its config."""
     if whole and whole != "synthetic":
         return to_dataset(read_rows(whole, cfg.eval_split, cfg))
     return load_splits(cfg)[1]

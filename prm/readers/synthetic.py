@@ -1,5 +1,4 @@
-"""The offline default: a character tokenizer built in code and a step-labelled counting task.
-Depends on: tokenizers, transformers."""
+"""The offline default: a character tokenizer built in code and a step-labelled counting task."""
 import random
 import re
 
@@ -10,8 +9,8 @@ CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 
 def char_tokenizer():
-    """One token per character of CHARS plus <pad>/<bos>/<eos>/<unk>: a byte-level BPE without
-    merges, as AutoTokenizer rebuilds it for a saved qwen2 model."""
+    """A token per character of CHARS and 4 specials: a byte-level BPE without merges, as
+    AutoTokenizer rebuilds it for a saved qwen2 model."""
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     names = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]  # " " -> "Ġ", "\n" -> "Ċ"
@@ -24,9 +23,8 @@ def char_tokenizer():
 
 
 def make_rows(n: int, seed: int) -> list:
-    """Chains of one-digit `x+1=y` steps (mod 10), each from the previous result; half of them with
-    one slip (y off by one). The slip and every later step are wrong: the model must read the
-    earlier steps."""
+    """Chains of `x+1=y` steps (mod 10), half with one slip (y off by one): it and every later
+    step are wrong, so the model must read the earlier steps."""
     rng, rows = random.Random(seed), []
     for i in range(n):
         start, n_steps = rng.randrange(10), rng.randint(3, 6)
@@ -44,9 +42,8 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def step_truth(prompt: str, steps: list) -> list:
-    """Whether each step of a solution to a `make_rows` or `counting_problems` prompt is right: it
-    follows the chain from the start, within the count; the last step right only if it ends on the
-    answer."""
+    """Whether each step of a solution to a make_rows or counting_problems prompt follows the
+    chain within the count; the last one right only if it ends on the answer."""
     count, *size, x = map(int, re.findall(r"\d+", prompt))
     d, truth = size[0] if size else 1, []
     for k, step in enumerate(steps):
@@ -57,15 +54,14 @@ def step_truth(prompt: str, steps: list) -> list:
 
 
 def counting_problems() -> list:
-    """The 360 prompts `count N steps of D from S:` (N 3-6, D 1-9, S 0-9) with their answers,
-    (S + N * D) % 10; a solution's steps are `x+D=y`, y = (x + D) % 10."""
+    """The 360 prompts `count N steps of D from S:` and answers; steps are `x+D=y`, mod 10."""
     return [{"prompt": f"count {n} steps of {d} from {s}:", "answer": str((s + n * d) % 10)}
             for n in range(3, 7) for d in range(1, 10) for s in range(10)]
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):
-    """(train, held-out) rows, a function of (n, seed): held out, every row of a seeded share of
-    the distinct solutions (at least one), so none copies a training row."""
+    """(train, held-out) rows: held out, every row of a seeded share of the distinct solutions,
+    so none copies a training row."""
     rows = make_rows(n, seed)
     distinct = sorted({tuple(r["completions"]) for r in rows})
     random.Random(seed).shuffle(distinct)
