@@ -1,6 +1,6 @@
-"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1,
-outcome AUROC, PRMBench's PRMScore, best-of-N. A table goes to stderr; stdout's last line is one
-JSON object, flat for one data set, {"subsets": {name: ...}, "mean_f1": ...} for several."""
+"""Evaluate a PRM (ours or any 2-label token classifier): step metrics, ProcessBench F1, AUROC,
+PRMScore, best-of-N. A table to stderr; stdout's last line: one JSON object (several data sets:
+{"subsets": ..., "mean_f1": ...})."""
 import argparse
 import json
 import os
@@ -12,77 +12,65 @@ from prm.config import FILE, Checked, Config, at_least, opt
 from prm.errors import UsageError, check, exit_status, overwrites
 from prm.scoring import ScorerOptions
 
-# the run settings eval.py takes (how data is read and scored); the rest: the run's
+# the run settings eval.py takes; the rest: the run's
 SCORING = Config.names_with("scoring")
-# the table's columns (chance_f1: F1 of random flags)
+# chance_f1: F1 of random flags
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
 
 
 @dataclass(frozen=True)
 class Options(Checked):
-    """eval.py's own flags; the run settings it takes make a Config."""
-    model: str = opt("", "a train.py output (final/ or a checkpoint) or any 2-label token "
-                     "classifier", required=True)
-    datasets: tuple = opt((), "sources, each evaluated whole (default: the run's held-out set); "
-                          "several: a block each, and their mean F1", flag="--dataset", nargs="+",
-                          metavar="SOURCE")
-    predictions: str = opt("", "a JSON line per example: id, per-step P(correct), truth, "
-                           "predicted first error", metavar="OUT_JSONL")
-    processbench: bool = opt(False, "ProcessBench metrics without a first_error column (from the "
-                             "labels)")
-    tune_threshold: str = opt("", "use the threshold maximizing ProcessBench F1 on this set "
-                              "(never a --dataset; read with --format if given, else auto); its "
-                              "metrics: 'dev'", metavar="DEV_FILE")
-    best_of_n: bool = opt(False, "best-of-N accuracy per method and N; a problem's candidates "
-                          "share its 'group' (else their prompt); correctness: "
-                          "final_answer_correct")
-    best_of_n_draws: int = opt(8, "seeded shuffles (--seed) per N, each cut into disjoint sets "
-                               "of N", metavar="K", check=at_least(1))
-    scoring: ScorerOptions = ScorerOptions()  # these three: no flags, set by settings()
-    tokenizer_given: bool = False
-    format_given: bool = False
+    model: str = opt("", "train.py's final/ or a checkpoint, or any 2-label token classifier",
+                     required=True)
+    datasets: tuple = opt((), "sources to evaluate (default: the run's held-out set); several: "
+                          "their mean F1 too", flag="--dataset", nargs="+", metavar="SOURCE")
+    predictions: str = opt("", "write a JSON line per example: id, step P(correct), labels",
+                           metavar="OUT_JSONL")
+    processbench: bool = opt(False, "ProcessBench metrics from the labels (no first_error column)")
+    tune_threshold: str = opt("", "tune the threshold for ProcessBench F1 on this set (not a "
+                              "--dataset; --format if given, else auto)", metavar="DEV_FILE")
+    best_of_n: bool = opt(False, "best-of-N accuracy; candidates share a 'group' (else a prompt)")
+    best_of_n_draws: int = opt(8, "seeded shuffles (--seed) per N, each cut into sets of N",
+                               metavar="K", check=at_least(1))
+    scoring: ScorerOptions = ScorerOptions()  # no flags: settings() sets these two
+    given: dict = None
 
     def __post_init__(self):
         super().__post_init__()
-        problem = predictions_problem(self.predictions)
-        check(([problem] if problem else []) + tuned_on_reported(self.tune_threshold,
-                                                                 self.datasets))
+        check(predictions_problem(self.predictions)
+              + tuned_on_reported(self.tune_threshold, self.datasets))
 
 
 def build_eval_parser() -> Parser:
-    """eval.py's own flags, then the run settings it takes (each not given: the run's)."""
     p = Parser(Options, ScorerOptions, description=__doc__)
-    run = p.add_argument_group("run settings", "how to read and score the data; each not given "
-                               "comes from the run's config.train.json (else config.json's 'prm', "
-                               "else the training default)")
+    run = p.add_argument_group("run settings", "each not given: the run's config.train.json's "
+                               "(else config.json's 'prm', else the default)")
     p.add_fields(Config, SCORING, group=run)
     return p
 
 
-def predictions_problem(path: str) -> str:
-    """Why --predictions cannot be written ('' when it can); no folder is made."""
+def predictions_problem(path: str) -> list:
+    """[why --predictions cannot be written], or []; no folder is made."""
     folder = os.path.dirname(os.path.abspath(path))
     if not path or os.path.isdir(folder) and not os.path.isdir(path) and writable(path):
-        return ""
+        return []
     why = "a folder, not a file" if os.path.isdir(path) else \
         "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
-    return f"--predictions {path}: {why}"
+    return [f"--predictions {path}: {why}"]
 
 
 def tuned_on_reported(tune: str, reported: list) -> list:
-    """[the problem] if the --tune-threshold file is one of the reported sources, else []."""
+    """[the problem] if the --tune-threshold file is a reported source, else []."""
     files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
              for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
     if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
         return []
     return [f"--tune-threshold {tune} is also read for the reported set "
-            f"({', '.join(reported)}): a threshold tuned on the set it is reported on flatters it; "
-            "tune on a separate dev set"]
+            f"({', '.join(reported)}): tuning on it flatters it; tune on a separate dev set"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, its own flags checked; the run settings given are in `given`."""
     args = build_eval_parser().parse_args(argv)
     parsed(Options, args)
     return args
@@ -111,9 +99,7 @@ from prm.readers.sources import load_eval  # noqa: E402
 def settings(args: argparse.Namespace) -> tuple:
     """(Config, Options): given, else the run's config.train.json, else config.json's "prm"."""
     given = {k: v for k, v in args.given.items() if k in SCORING}
-    vars(args).update(scoring=parsed(ScorerOptions, args), tokenizer_given="tokenizer" in given,
-                      format_given="format" in given)
-    opts = parsed(Options, args)
+    opts = replace(parsed(Options, args), scoring=parsed(ScorerOptions, args))
     if os.path.isfile(os.path.join(opts.model, FILE)):
         base = Config.load(opts.model).__dict__
     else:
@@ -127,9 +113,9 @@ def settings(args: argparse.Namespace) -> tuple:
     # a model's code runs only if the command line says so; a LoRA base scores in fp32
     fixed = {"model": opts.model, "trust_remote_code": False, "lora_base_dtype": "fp32"}
     cfg = Config.from_dict({**base, **fixed, **given}).resolve()
-    check([] if opts.datasets else
-          tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset]))
-    read = [("--dataset", d) for d in opts.datasets or [cfg.eval_dataset or cfg.dataset]]
+    reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
+    check(tuned_on_reported(opts.tune_threshold, reported))
+    read = [("--dataset", d) for d in reported]
     check(overwrites([("--predictions", opts.predictions)],
                      read + [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]))
     return cfg, opts
@@ -137,7 +123,7 @@ def settings(args: argparse.Namespace) -> tuple:
 
 @dataclass
 class Evaluator:
-    """The model under evaluation on this rank: reads data sets, scores rows as the run did."""
+    """The model under evaluation on this rank."""
     cfg: Config
     rt: Runtime
     tokenizer: object
@@ -145,7 +131,7 @@ class Evaluator:
     tokenize: object = None  # a published PRM's row builder (load_scorer's), None: tokenize_batch
 
     def sets(self, sources: list) -> dict:
-        """{subset name: tokenized rows}, every row kept; a row with no `group` gets its prompt."""
+        """{subset name: tokenized rows}, every row kept; `group` defaults to the prompt."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
         names = names if len(set(names)) == len(names) else sources
         sets = {}
@@ -164,7 +150,7 @@ class Evaluator:
         return sets
 
     def probs(self, rows: list) -> list:
-        """P(correct) at every step end of each row, every rank's share gathered."""
+        """P(correct) at each row's step ends, gathered from every rank."""
         amp = autocast_dtype(self.cfg.dtype, self.rt.device)
         return predict(self.model, rows, batch_size=self.cfg.eval_batch_size,
                        pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt,
@@ -172,8 +158,7 @@ class Evaluator:
 
 
 def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
-    """The threshold maximizing ProcessBench F1 on --tune-threshold's set; its metrics (`dev`)."""
-    path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else None
+    path, fmt = opts.tune_threshold, ev.cfg.format if "format" in opts.given else None
     dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
     kept = [(ps, r) for ps, r in zip(probs, dev) if ps]
@@ -186,7 +171,7 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
 
 
 def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
-    """({subset name: its report}, the --predictions lines: one per row, of every subset)."""
+    """({subset name: its report}, the --predictions lines)."""
     blocks, lines = {}, []
     for name, rows in ev.sets(opts.datasets).items():
         pb = (opts.processbench or ev.cfg.format == "processbench"
@@ -219,13 +204,12 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
 
 
 def mean_f1(blocks: dict):
-    """ProcessBench's headline over subsets."""
     f1s = [b.get("f1") for b in blocks.values()]
     return sum(f1s) / len(f1s) if None not in f1s else None
 
 
 def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
-    """Warnings: steps cut by the length caps, a verdict that never varies."""
+    """Steps cut by the length caps; a verdict that never varies."""
     out, cap = [], f" or --max-completion-length (now {cfg.max_completion_length})"
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
@@ -241,7 +225,6 @@ def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
 
 
 def why_undefined(b: dict, column: str) -> str:
-    """Why a figure of one subset's block is undefined (None)."""
     if column in ("f1", "acc_correct", "chance_f1") and not b.get("n_without_error"):
         return "no error-free solutions"
     if column in ("f1", "acc_error", "chance_f1") and not b.get("n_with_error"):
@@ -257,7 +240,6 @@ def cell(v) -> str:
 
 
 def table(blocks: dict, *, threshold: float) -> str:
-    """The headline figures per subset; the threshold, why each 'n/a', best-of-N, PRMScore."""
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
     width = max(len("subset"), *map(len, blocks))
     rows = [["subset", *cols]]
@@ -286,15 +268,14 @@ def table(blocks: dict, *, threshold: float) -> str:
 
 
 def main(args=None) -> dict:
-    """Warnings and the table to stderr, the JSON to stdout (returned). args: parsed or strings."""
+    """Warnings and the table to stderr, the JSON to stdout (returned)."""
     cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
-        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16
-        dtype = torch.bfloat16 if bf16 else torch.float32  # a published PRM's weights too
-        tokenizer, model, tokenize = load_scorer(cfg, opts.tokenizer_given, opts.scoring,
-                                                 dtype=dtype)
+        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # a published PRM's too
+        tokenizer, model, tokenize = load_scorer(cfg, "tokenizer" in opts.given, opts.scoring,
+                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device), tokenize)
         head = tuned_threshold(ev, opts) if opts.tune_threshold else {"threshold": cfg.threshold}
         t = head["threshold"]
@@ -302,8 +283,8 @@ def main(args=None) -> dict:
         out = {**head, **next(iter(blocks.values()))} if len(blocks) == 1 else \
             {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
         if rt.is_main:
-            report_lines = [*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]
-            print("\n".join(report_lines), file=sys.stderr)
+            print(*warnings_for(blocks, cfg, t), table(blocks, threshold=t), sep="\n",
+                  file=sys.stderr)
             print(json.dumps(out), flush=True)
         barrier(rt)
         if rt.is_main and opts.predictions:  # after the JSON: a failed write loses no figures
