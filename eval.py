@@ -1,6 +1,5 @@
 """Evaluate a PRM (ours or any 2-label token classifier): step metrics, ProcessBench F1, AUROC,
-PRMScore, best-of-N. A table to stderr; stdout's last line: one JSON object (several data sets:
-{"subsets": ..., "mean_f1": ...})."""
+PRMScore, best-of-N. A table to stderr; stdout's last line: one JSON object."""
 import argparse
 import json
 import os
@@ -25,21 +24,25 @@ class Options(Checked):
                      required=True)
     datasets: tuple = opt((), "sources to evaluate (default: the run's held-out set); several: "
                           "their mean F1 too", flag="--dataset", nargs="+", metavar="SOURCE")
-    predictions: str = opt("", "write a JSON line per example: id, step P(correct), labels",
-                           metavar="OUT_JSONL")
-    processbench: bool = opt(False, "ProcessBench metrics from the labels (no first_error column)")
-    tune_threshold: str = opt("", "tune the threshold for ProcessBench F1 on this set (not a "
-                              "--dataset; --format if given, else auto)", metavar="DEV_FILE")
+    predictions: str = opt("", "write a JSON line per example", metavar="OUT_JSONL")
+    processbench: bool = opt(False, "ProcessBench metrics from the step labels")
+    tune_threshold: str = opt("", "tune the threshold for ProcessBench F1 on this set (read with "
+                              "--format if given)", metavar="DEV_FILE")
     best_of_n: bool = opt(False, "best-of-N accuracy; candidates share a 'group' (else a prompt)")
-    best_of_n_draws: int = opt(8, "seeded shuffles (--seed) per N, each cut into sets of N",
-                               metavar="K", check=at_least(1))
+    best_of_n_draws: int = opt(8, "seeded shuffles per N, each cut into sets of N", metavar="K",
+                               check=at_least(1))
     scoring: ScorerOptions = ScorerOptions()  # no flags: settings() sets these two
     given: dict = None
 
     def __post_init__(self):
         super().__post_init__()
-        check(predictions_problem(self.predictions)
-              + tuned_on_reported(self.tune_threshold, self.datasets))
+        path, folder = self.predictions, os.path.dirname(os.path.abspath(self.predictions))
+        problems = tuned_on_reported(self.tune_threshold, self.datasets)
+        if path and not (os.path.isdir(folder) and not os.path.isdir(path) and writable(path)):
+            why = "a folder, not a file" if os.path.isdir(path) else \
+                "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
+            problems.insert(0, f"--predictions {path}: {why}")  # no folder is made
+        check(problems)
 
 
 def build_eval_parser() -> Parser:
@@ -50,18 +53,8 @@ def build_eval_parser() -> Parser:
     return p
 
 
-def predictions_problem(path: str) -> list:
-    """[why --predictions cannot be written], or []; no folder is made."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not path or os.path.isdir(folder) and not os.path.isdir(path) and writable(path):
-        return []
-    why = "a folder, not a file" if os.path.isdir(path) else \
-        "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
-    return [f"--predictions {path}: {why}"]
-
-
 def tuned_on_reported(tune: str, reported: list) -> list:
-    """[the problem] if the --tune-threshold file is a reported source, else []."""
+    """[the problem] if the --tune-threshold file is a reported source."""
     files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
              for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
     if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
@@ -80,20 +73,21 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch loads
     with exit_status():
         ARGS = parse_args()
 
-import torch  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
+# the program's imports, after the command line is read
+import torch
+from transformers import AutoConfig
 
-from prm.files import write_lines  # noqa: E402
-from prm.core.data import pad_token_id  # noqa: E402
-from prm.core.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
-from prm.readers.ingest import tokenize_dataset  # noqa: E402
-from prm.answers import answer_key  # noqa: E402
-from prm.core.metrics import first_error, tune_threshold  # noqa: E402
-from prm.core.model import input_settings  # noqa: E402
-from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first,  # noqa: E402
-                              progress_off, setup, teardown)
-from prm.scoring.scorers import load as load_scorer  # noqa: E402
-from prm.readers.sources import load_eval  # noqa: E402
+from prm.files import write_lines
+from prm.core.data import pad_token_id
+from prm.core.evaluate import best_of_n_report, predict, report, true_first_error
+from prm.readers.ingest import tokenize_dataset
+from prm.answers import answer_key
+from prm.core.metrics import first_error, tune_threshold
+from prm.core.model import input_settings
+from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first, progress_off, setup,
+                              teardown)
+from prm.scoring.scorers import load as load_scorer
+from prm.readers.sources import load_eval
 
 
 def settings(args: argparse.Namespace) -> tuple:
@@ -108,16 +102,16 @@ def settings(args: argparse.Namespace) -> tuple:
             base = input_settings(AutoConfig.from_pretrained(opts.model, trust_remote_code=trust))
         except Exception:  # unreadable: load_scorer says why
             base = {}
-    if opts.datasets and "format" not in given:  # new files: format auto
-        given["format"] = None
+    if opts.datasets:  # new files: format auto
+        given.setdefault("format", None)
     # a model's code runs only if the command line says so; a LoRA base scores in fp32
     fixed = {"model": opts.model, "trust_remote_code": False, "lora_base_dtype": "fp32"}
     cfg = Config.from_dict({**base, **fixed, **given}).resolve()
     reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
     check(tuned_on_reported(opts.tune_threshold, reported))
-    read = [("--dataset", d) for d in reported]
+    read = [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]
     check(overwrites([("--predictions", opts.predictions)],
-                     read + [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]))
+                     [("--dataset", d) for d in reported] + read))
     return cfg, opts
 
 
@@ -128,7 +122,7 @@ class Evaluator:
     rt: Runtime
     tokenizer: object
     model: object
-    tokenize: object = None  # a published PRM's row builder (load_scorer's), None: tokenize_batch
+    tokenize: object = None  # a published PRM's row builder (load_scorer's)
 
     def sets(self, sources: list) -> dict:
         """{subset name: tokenized rows}, every row kept; `group` defaults to the prompt."""
@@ -136,9 +130,8 @@ class Evaluator:
         names = names if len(set(names)) == len(names) else sources
         sets = {}
         with main_first(self.rt):  # "": the run's held-out set
-            raw = {name: load_eval(self.cfg, s)
-                   for name, s in list(zip(names, sources)) or [("held-out", "")]}
-            for name, ds in raw.items():
+            for name, source in list(zip(names, sources)) or [("held-out", "")]:
+                ds = load_eval(self.cfg, source)
                 sets[name] = rows = tokenize_dataset(
                     ds, self.tokenizer, self.cfg, is_eval=True, desc=f"tokenize {name}",
                     num_proc=self.cfg.num_proc, drop_unlabeled=False, tokenize=self.tokenize,
@@ -151,9 +144,9 @@ class Evaluator:
 
     def probs(self, rows: list) -> list:
         """P(correct) at each row's step ends, gathered from every rank."""
-        amp = autocast_dtype(self.cfg.dtype, self.rt.device)
-        return predict(self.model, rows, batch_size=self.cfg.eval_batch_size,
-                       pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt,
+        return predict(self.model, rows, batch_size=self.cfg.eval_batch_size, rt=self.rt,
+                       pad_id=pad_token_id(self.tokenizer),
+                       amp_dtype=autocast_dtype(self.cfg.dtype, self.rt.device),
                        progress=not progress_off(self.cfg.disable_tqdm))
 
 

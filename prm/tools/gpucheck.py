@@ -62,12 +62,6 @@ def write_inputs(path: str, dry: bool) -> tuple:
     return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]
 
 
-def write_weights(model_dir: str, device: str):
-    torch.manual_seed(0)
-    with torch.device(device):
-        AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
-
-
 def run_tests() -> dict:
     path = os.path.join(ROOT, "tests", "test_gpu.py")
     if not os.path.isfile(path):
@@ -81,15 +75,17 @@ def run_tests() -> dict:
 
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
-    """UsageError without CUDA (unless dry). side_by_side: bench's runner."""
+    """side_by_side: prm.bench's; UsageError without CUDA (unless dry)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():
             with open(data) as f:
                 n = sum(1 for _ in f)
             raise UsageError(f"--gpu-check needs CUDA (built the model config, tokenizer, {n} rows;"
-                             " --dry-run runs it on the CPU)")
-        write_weights(model_dir, "cpu" if dry else "cuda")
+                             " --dry-run runs on the CPU)")
+        torch.manual_seed(0)
+        with torch.device("cpu" if dry else "cuda"):
+            AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
         tests = run_tests()
         argv += ["--variants", "padded,packed" if dry else "padded,packed,packed-compiled"]
         bench = side_by_side(argv)
