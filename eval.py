@@ -109,9 +109,9 @@ def settings(args: argparse.Namespace) -> tuple:
     cfg = Config.from_dict({**base, **fixed, **given}).resolve()
     reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
     check(tuned_on_reported(opts.tune_threshold, reported))
-    read = [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]
+    read = [("--dataset", d) for d in reported] + [("--model", cfg.model)]
     check(overwrites([("--predictions", opts.predictions)],
-                     [("--dataset", d) for d in reported] + read))
+                     read + [("--tune-threshold", opts.tune_threshold)]))
     return cfg, opts
 
 
@@ -203,13 +203,13 @@ def mean_f1(blocks: dict):
 
 def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
     """Steps cut by the length caps; a verdict that never varies."""
-    out, cap = [], f" or --max-completion-length (now {cfg.max_completion_length})"
+    out, cap = [], cfg.max_completion_length
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
-            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (their cut "
-                       f"steps are unscored), {b['examples_dropped']} dropped (no step fits); "
-                       f"raise --max-length (now {cfg.max_length})"
-                       + (cap if cfg.max_completion_length else ""))
+            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (cut steps "
+                       f"unscored), {b['examples_dropped']} dropped (no step fits); raise "
+                       f"--max-length (now {cfg.max_length})"
+                       + (f" or --max-completion-length (now {cap})" if cap else ""))
         if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):  # a class never predicted
             verdict = "correct" if b["precision_0"] is None else "wrong"
             out.append(f"warning: {name}: every labeled step is predicted {verdict} at "
@@ -248,15 +248,15 @@ def table(blocks: dict, *, threshold: float) -> str:
         lines += [f"{name}: {', '.join(cs)} n/a ({why})" for why, cs in undefined.items()]
         if "best_of_n" in b:
             n = "/".join(map(str, b["candidates_per_problem"]))
-            accs = (f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
-            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: " + ", ".join(accs))
-            if b.get("candidates_with_answer") == 0:
-                lines.append(f"{name}: weighted_*, majority_vote n/a (no candidate has an "
-                             "extractable answer)")
+            accs = ", ".join(f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
+            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: {accs}")
+        if b.get("candidates_with_answer") == 0:
+            lines.append(f"{name}: weighted_*, majority_vote n/a (no candidate has an extractable "
+                         "answer)")
         if "prmbench" in b:
-            pb = b["prmbench"]
-            lines.append(f"{name}: PRMScore {cell(pb['prmscore'])} (f1 {cell(pb['f1'])}, "
-                         f"f1_neg {cell(pb['f1_neg'])})")
+            pb = {k: cell(v) for k, v in b["prmbench"].items()}
+            lines.append(f"{name}: PRMScore {pb['prmscore']} (f1 {pb['f1']}, f1_neg "
+                         f"{pb['f1_neg']})")
     return "\n".join(lines)
 
 

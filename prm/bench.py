@@ -106,11 +106,10 @@ def _device_peak(device, override: float) -> float:
     return next((tflops * 1e12 for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), 0.0)
 
 
-def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
-    """The attention the run's forward takes, by prm.core.varlen's test."""
+def attention_kernel(cfg: Config, backbone, device) -> str:
     if not (cfg.packing and supports_packing(backbone)):
         return "sdpa (padded, with a mask)"
-    dim = head_dim(model_cfg.get_text_config())
+    dim = head_dim(backbone.config.get_text_config())
     amp = autocast_dtype(cfg.dtype, device)
     with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
         half = kernel_dtype(torch.empty((1, 1, 1, dim), device=device))
@@ -136,7 +135,7 @@ def counting_syncs(device, seen: dict):
 
 
 def training():
-    """train.py, a script beside the package."""
+    """train.py, beside the package."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -155,8 +154,7 @@ def _train_watched(cfg: Config, device) -> tuple:
             seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values()
                                           for t in st.values() if torch.is_tensor(t))
         seen["after_step"].append(_memory_now(device))
-        # no sync: the next step's time counts kernels still queued
-        seen["times"].append(time.perf_counter())
+        seen["times"].append(time.perf_counter())  # no sync: the next step counts queued kernels
         warned = seen.get("warnings", [])
         seen["syncs"].append(sum("synchroniz" in str(w.message) for w in warned))
 
@@ -183,8 +181,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t0 = time.perf_counter()
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    plan = training().BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
+    plan = training().BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:],
+                                int(os.environ.get("WORLD_SIZE", 1)))
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
@@ -213,7 +211,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "baseline_memory_mb": _mb(baseline),
         "model_state_mb": _mb(16 * trainable + 4 * (n_total - trainable)),
         "optimizer_state_mb": _mb(seen["optimizer_bytes"]), "mfu": None,
-        "attention": attention_kernel(cfg, model_cfg, backbone, device),
+        "attention": attention_kernel(cfg, backbone, device),
         "host_syncs_per_step": round((syncs[-1] - syncs[0]) / (len(syncs) - 1), 2)
         if cuda and len(syncs) > 1 else None,
         "flops_per_token": round(fpt),
@@ -261,7 +259,7 @@ def _run(cmd: list) -> str:
 
 
 def _child(argv: list, *flags) -> dict:
-    """The JSON line of a fresh `python -m prm.bench` with argv's training flags, then `flags`."""
+    """The JSON line of a fresh `python -m prm.bench` with argv's training flags and `flags`."""
     cmd = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv), *flags]
     return json.loads(_run(cmd).strip().splitlines()[-1])
 
@@ -317,7 +315,7 @@ def repeated(a, cfg: Config, argv: list) -> dict:
 
 
 def side_by_side(a, argv: list) -> dict:
-    """Each variant in fresh processes (--repeats each): the flags given plus its own."""
+    """Each variant in fresh processes (--repeats each), with its own flags added."""
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
@@ -330,13 +328,8 @@ def side_by_side(a, argv: list) -> dict:
     return {"variants": out, f"tokens_per_second_vs_{names[0]}": ratios}
 
 
-def main(argv=None):
-    with exit_status():
-        return run(argv)
-
-
-def run(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+def main():
+    argv = sys.argv[1:]
     a = parser().parse_args(argv)
     cfg = parsed(Config, a).resolve()
     if a.peer_python and not a.peer_script:
@@ -353,8 +346,8 @@ def run(argv=None):
         print(json.dumps(out), flush=True)
     if out and out.get("failed"):  # --gpu-check's, after the figures print
         raise PRMError(f"--gpu-check: {out['failed']} failed (its output is above)")
-    return out
 
 
 if __name__ == "__main__":
-    main()
+    with exit_status():
+        main()

@@ -9,6 +9,7 @@ import tempfile
 import torch
 from transformers import AutoModel, Qwen2Config
 
+from prm.files import write_lines
 from prm.loading import load_tokenizer
 from prm.core.data import pad_token_id
 from prm.errors import UsageError
@@ -29,17 +30,15 @@ REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu",
             "peak_memory_mb", "host_syncs_per_step", "padding_efficiency")
 
 
-def rows(n: int, max_length: int, seed: int = 0) -> list:
+def rows(n: int, max_length: int):
     """Rows of max_length / 8 to max_length characters, 2-12 steps each."""
-    rng = random.Random(seed)
-    out = []
+    rng = random.Random(0)
     for i in range(n):
         size, k = rng.randint(max_length // 8, max_length), rng.randint(2, 12)
         steps = [f"step {j}: " + "".join(rng.choice(CHARS[:-1]) for _ in range(size // (k + 1)))
                  for j in range(k)]  # no "\n"
-        out.append({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:],
-                    "labels": [rng.random() < 0.7 for _ in steps[1:]]})
-    return out
+        yield json.dumps({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:],
+                          "labels": [rng.random() < 0.7 for _ in steps[1:]]})
 
 
 def write_inputs(path: str, dry: bool) -> tuple:
@@ -57,8 +56,7 @@ def write_inputs(path: str, dry: bool) -> tuple:
     value = dict(zip(flags[::2], flags[1::2]))  # every flag takes one value
     # 1% held out, and a margin: every timed step gets a full batch
     n_rows = int(int(value["--steps"]) * int(value["--batch-size"]) * 1.25) + 8
-    with open(data, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows(n_rows, int(value["--max-length"])))
+    write_lines(data, rows(n_rows, int(value["--max-length"])))
     return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]
 
 
