@@ -47,9 +47,8 @@ class Options(Checked):
 
 def build_eval_parser() -> Parser:
     p = Parser(Options, ScorerOptions, description=__doc__)
-    run = p.add_argument_group("run settings", "each not given: the run's config.train.json's "
-                               "(else config.json's 'prm', else the default)")
-    p.add_fields(Config, SCORING, group=run)
+    p.add_fields(Config, SCORING, group=p.add_argument_group("run settings", "each not given: "
+                 "the run's config.train.json's (else config.json's 'prm', else the default)"))
     return p
 
 
@@ -71,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 if __name__ == "__main__":  # --help and a bad flag answer before torch loads
     with exit_status():
-        ARGS = parse_args()
+        parse_args()
 
 # the program's imports, after the command line is read
 import torch
@@ -116,8 +115,7 @@ def settings(args: argparse.Namespace) -> tuple:
 
 
 @dataclass
-class Evaluator:
-    """The model under evaluation on this rank."""
+class Evaluator:  # the model under evaluation on this rank
     cfg: Config
     rt: Runtime
     tokenizer: object
@@ -202,7 +200,6 @@ def mean_f1(blocks: dict):
 
 
 def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
-    """Steps cut by the length caps; a verdict that never varies."""
     out, cap = [], cfg.max_completion_length
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
@@ -260,9 +257,9 @@ def table(blocks: dict, *, threshold: float) -> str:
     return "\n".join(lines)
 
 
-def main(args=None) -> dict:
+def main(argv=None) -> dict:
     """Warnings and the table to stderr, the JSON to stdout (returned)."""
-    cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
+    cfg, opts = settings(parse_args(argv))
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
@@ -289,4 +286,4 @@ def main(args=None) -> dict:
 
 if __name__ == "__main__":
     with exit_status():
-        main(ARGS)
+        main()

@@ -171,8 +171,7 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization rate, then the training loop. FLOPs count the examples of the timed steps,
-    by the trainer's batch plan."""
+    """Tokenization, then the training loop; FLOPs count the timed steps' examples (BatchPlan)."""
     cfg = cfg.resolve()
     datasets.disable_caching()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
