@@ -90,7 +90,7 @@ from prm.readers.sources import load_eval
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options): given, else the run's config.train.json, else config.json's "prm"."""
+    """(Config, Options); a run setting not given: the run's."""
     given = {k: v for k, v in args.given.items() if k in SCORING}
     opts = replace(parsed(Options, args), scoring=parsed(ScorerOptions, args))
     if os.path.isfile(os.path.join(opts.model, FILE)):
@@ -152,9 +152,9 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
     path, fmt = opts.tune_threshold, ev.cfg.format if "format" in opts.given else None
     dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
-    kept = [(ps, r) for ps, r in zip(probs, dev) if ps]
+    kept = [(ps, true_first_error(r)) for ps, r in zip(probs, dev) if ps]
     try:
-        t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
+        t, f1 = tune_threshold([ps for ps, _ in kept], [e for _, e in kept])
     except ValueError as e:  # e.g. a dev set without a single wrong solution
         raise UsageError(f"--tune-threshold {path}: {e}") from None
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1,

@@ -145,11 +145,10 @@ def training():
 
 def _train_watched(cfg: Config, device) -> tuple:
     """(final metrics, what an optimizer-step hook saw, memory before training)."""
-    seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
+    seen = {"after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
-        seen["steps"] += 1
-        if seen["steps"] == 1:
+        if not seen["times"]:  # the first step
             seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
             seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values()
                                           for t in st.values() if torch.is_tensor(t))
@@ -193,14 +192,14 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-    batches = [plan.batch(step)[1] for step in range(seen["steps"])]
+    t, syncs = seen["times"], seen["syncs"]
+    batches = [plan.batch(step)[1] for step in range(len(t))]
     trainable = seen["params"]
     fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
                                       trainable if cfg.lora_r else None)
-    static = min(seen["after_step"]) if seen["after_step"] else 0
+    static = min(seen["after_step"], default=0)
     tps = final["train_tokens_per_second"]
     # steps 2..N: their tokens over the time from the first step's hook to the last one's
-    t, syncs = seen["times"], seen["syncs"]
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
@@ -218,7 +217,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
         "tokenize_tokens_per_second": round(sum(plan.lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
-        "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"],
+        "model": cfg.model, "dataset": cfg.dataset, "steps": len(t),
         **{k: getattr(cfg, k) for k in REPORTED}, "dtype": cfg.dtype or "auto",
         "torch": torch.__version__,
     }
