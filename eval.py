@@ -278,7 +278,7 @@ def main(argv=None) -> dict:
             print(json.dumps(out), flush=True)
         barrier(rt)
         if rt.is_main and opts.predictions:  # after the JSON: a failed write loses no figures
-            write_lines(opts.predictions, [json.dumps(line) for line in lines])
+            write_lines(opts.predictions, map(json.dumps, lines))
         return out
     finally:
         teardown(rt)
