@@ -24,11 +24,13 @@ class Options(Checked):
                      required=True)
     datasets: tuple = opt((), "sources to evaluate (default: the run's held-out set); several: "
                           "their mean F1 too", flag="--dataset", nargs="+", metavar="SOURCE")
-    predictions: str = opt("", "write a JSON line per example", metavar="OUT_JSONL")
+    predictions: str = opt("", "a JSON line per example: step P(correct), labels, first errors",
+                           metavar="OUT_JSONL")
     processbench: bool = opt(False, "ProcessBench metrics from the step labels")
-    tune_threshold: str = opt("", "tune the threshold for ProcessBench F1 on this set (read with "
-                              "--format if given)", metavar="DEV_FILE")
-    best_of_n: bool = opt(False, "best-of-N accuracy; candidates share a 'group' (else a prompt)")
+    tune_threshold: str = opt("", "tune the threshold for ProcessBench F1 on this dev set (its "
+                              "metrics: 'dev'; --format if given)", metavar="DEV_FILE")
+    best_of_n: bool = opt(False, "best-of-N accuracy by final_answer_correct; candidates share a "
+                          "'group' (else a prompt)")
     best_of_n_draws: int = opt(8, "seeded shuffles per N, each cut into sets of N", metavar="K",
                                check=at_least(1))
     scoring: ScorerOptions = ScorerOptions()  # no flags: settings() sets these two

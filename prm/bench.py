@@ -2,7 +2,8 @@
 
 Takes every train.py flag; times the tokenization (cache off), then the trainer on that data.
 tokens_per_second: non-pad tokens / optimizer-step time; steady_*: from step 2 on. Memory: CUDA's
-max allocated, else max RSS. model_state_mb: 16 B per trainable parameter + 4 B per frozen one.
+max allocated, else max RSS (static_memory_mb then an upper bound, activation_memory_mb a lower
+one). model_state_mb: 16 B per trainable parameter + 4 B per frozen one. mfu: CUDA only.
 """
 import contextlib
 import json
@@ -32,10 +33,9 @@ from prm.readers.sources import load_splits
 from prm.core.runtime import autocast_dtype
 from prm.core.varlen import kernel_dtype, supports_packing
 
-# dense bf16 peaks by device name, the more specific first
+# dense bf16 peaks by device name, the more specific first (GH200: H200's)
 BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,
-                    "H200": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-                    "A10": 125.0}
+                    "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
 # what a child process is not given (--peak-tflops passes through)
