@@ -1,6 +1,5 @@
-"""Evaluate a PRM (ours or any HF 2-label token classifier): step metrics, ProcessBench F1,
-outcome AUROC, PRMBench's PRMScore, best-of-N. A table goes to stderr; stdout's last line is one
-JSON object, flat for one data set, {"subsets": {name: ...}, "mean_f1": ...} for several."""
+"""Evaluate a PRM (ours or any 2-label token classifier): step metrics, ProcessBench F1, AUROC,
+PRMScore, best-of-N. A table to stderr; stdout's last line: one JSON object."""
 import argparse
 import json
 import os
@@ -12,77 +11,60 @@ from prm.config import FILE, Checked, Config, at_least, opt
 from prm.errors import UsageError, check, exit_status, overwrites
 from prm.scoring import ScorerOptions
 
-# the run settings eval.py takes (how data is read and scored); the rest: the run's
+# the run settings eval.py takes; the rest: the run's
 SCORING = Config.names_with("scoring")
-# the table's columns (chance_f1: F1 of random flags)
+# chance_f1: F1 of random flags
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
 
 
 @dataclass(frozen=True)
 class Options(Checked):
-    """eval.py's own flags; the run settings it takes make a Config."""
-    model: str = opt("", "a train.py output (final/ or a checkpoint) or any 2-label token "
-                     "classifier", required=True)
-    datasets: tuple = opt((), "sources, each evaluated whole (default: the run's held-out set); "
-                          "several: a block each, and their mean F1", flag="--dataset", nargs="+",
-                          metavar="SOURCE")
-    predictions: str = opt("", "a JSON line per example: id, per-step P(correct), truth, "
-                           "predicted first error", metavar="OUT_JSONL")
-    processbench: bool = opt(False, "ProcessBench metrics without a first_error column (from the "
-                             "labels)")
-    tune_threshold: str = opt("", "use the threshold maximizing ProcessBench F1 on this set "
-                              "(never a --dataset; read with --format if given, else auto); its "
-                              "metrics: 'dev'", metavar="DEV_FILE")
-    best_of_n: bool = opt(False, "best-of-N accuracy per method and N; a problem's candidates "
-                          "share its 'group' (else their prompt); correctness: "
-                          "final_answer_correct")
-    best_of_n_draws: int = opt(8, "seeded shuffles (--seed) per N, each cut into disjoint sets "
-                               "of N", metavar="K", check=at_least(1))
-    scoring: ScorerOptions = ScorerOptions()  # these three: no flags, set by settings()
-    tokenizer_given: bool = False
-    format_given: bool = False
+    model: str = opt("", "train.py's final/ or a checkpoint, or any 2-label token classifier",
+                     required=True)
+    datasets: tuple = opt((), "sources to evaluate (default: the run's held-out set); several: "
+                          "their mean F1 too", flag="--dataset", nargs="+", metavar="SOURCE")
+    predictions: str = opt("", "a JSON line per example: step P(correct), labels, first errors",
+                           metavar="OUT_JSONL")
+    processbench: bool = opt(False, "ProcessBench metrics from the step labels")
+    tune_threshold: str = opt("", "tune the threshold for ProcessBench F1 on this dev set (its "
+                              "metrics: 'dev'; --format if given)", metavar="DEV_FILE")
+    best_of_n: bool = opt(False, "best-of-N accuracy by final_answer_correct; candidates share a "
+                          "'group' (else a prompt)")
+    best_of_n_draws: int = opt(8, "seeded shuffles per N, each cut into sets of N", metavar="K",
+                               check=at_least(1))
+    scoring: ScorerOptions = ScorerOptions()  # no flags: settings() sets these two
+    given: dict = None
 
     def __post_init__(self):
         super().__post_init__()
-        problem = predictions_problem(self.predictions)
-        check(([problem] if problem else []) + tuned_on_reported(self.tune_threshold,
-                                                                 self.datasets))
+        path, folder = self.predictions, os.path.dirname(os.path.abspath(self.predictions))
+        problems = tuned_on_reported(self.tune_threshold, self.datasets)
+        if path and not (os.path.isdir(folder) and not os.path.isdir(path) and writable(path)):
+            why = "a folder, not a file" if os.path.isdir(path) else \
+                "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
+            problems.insert(0, f"--predictions {path}: {why}")  # no folder is made
+        check(problems)
 
 
 def build_eval_parser() -> Parser:
-    """eval.py's own flags, then the run settings it takes (each not given: the run's)."""
     p = Parser(Options, ScorerOptions, description=__doc__)
-    run = p.add_argument_group("run settings", "how to read and score the data; each not given "
-                               "comes from the run's config.train.json (else config.json's 'prm', "
-                               "else the training default)")
-    p.add_fields(Config, SCORING, group=run)
+    p.add_fields(Config, SCORING, group=p.add_argument_group("run settings", "each not given: "
+                 "the run's config.train.json's (else config.json's 'prm', else the default)"))
     return p
 
 
-def predictions_problem(path: str) -> str:
-    """Why --predictions cannot be written ('' when it can); no folder is made."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not path or os.path.isdir(folder) and not os.path.isdir(path) and writable(path):
-        return ""
-    why = "a folder, not a file" if os.path.isdir(path) else \
-        "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
-    return f"--predictions {path}: {why}"
-
-
 def tuned_on_reported(tune: str, reported: list) -> list:
-    """[the problem] if the --tune-threshold file is one of the reported sources, else []."""
+    """[the problem] if the --tune-threshold file is a reported source."""
     files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
              for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
     if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
         return []
     return [f"--tune-threshold {tune} is also read for the reported set "
-            f"({', '.join(reported)}): a threshold tuned on the set it is reported on flatters it; "
-            "tune on a separate dev set"]
+            f"({', '.join(reported)}): tuning on it flatters it; tune on a separate dev set"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, its own flags checked; the run settings given are in `given`."""
     args = build_eval_parser().parse_args(argv)
     parsed(Options, args)
     return args
@@ -90,30 +72,29 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 if __name__ == "__main__":  # --help and a bad flag answer before torch loads
     with exit_status():
-        ARGS = parse_args()
+        parse_args()
 
-import torch  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
+# the program's imports, after the command line is read
+import torch
+from transformers import AutoConfig
 
-from prm.files import write_lines  # noqa: E402
-from prm.core.data import pad_token_id  # noqa: E402
-from prm.core.evaluate import best_of_n_report, predict, report, true_first_error  # noqa: E402
-from prm.readers.ingest import tokenize_dataset  # noqa: E402
-from prm.answers import answer_key  # noqa: E402
-from prm.core.metrics import first_error, tune_threshold  # noqa: E402
-from prm.core.model import input_settings  # noqa: E402
-from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first,  # noqa: E402
-                              progress_off, setup, teardown)
-from prm.scoring.scorers import load as load_scorer  # noqa: E402
-from prm.readers.sources import load_eval  # noqa: E402
+from prm.files import write_lines
+from prm.core.data import pad_token_id
+from prm.core.evaluate import best_of_n_report, predict, report, true_first_error
+from prm.readers.ingest import tokenize_dataset
+from prm.answers import answer_key
+from prm.core.metrics import first_error, tune_threshold
+from prm.core.model import input_settings
+from prm.core.runtime import (Runtime, autocast_dtype, barrier, main_first, progress_off, setup,
+                              teardown)
+from prm.scoring.scorers import load as load_scorer
+from prm.readers.sources import load_eval
 
 
 def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options): given, else the run's config.train.json, else config.json's "prm"."""
+    """(Config, Options); a run setting not given: the run's."""
     given = {k: v for k, v in args.given.items() if k in SCORING}
-    vars(args).update(scoring=parsed(ScorerOptions, args), tokenizer_given="tokenizer" in given,
-                      format_given="format" in given)
-    opts = parsed(Options, args)
+    opts = replace(parsed(Options, args), scoring=parsed(ScorerOptions, args))
     if os.path.isfile(os.path.join(opts.model, FILE)):
         base = Config.load(opts.model).__dict__
     else:
@@ -122,37 +103,35 @@ def settings(args: argparse.Namespace) -> tuple:
             base = input_settings(AutoConfig.from_pretrained(opts.model, trust_remote_code=trust))
         except Exception:  # unreadable: load_scorer says why
             base = {}
-    if opts.datasets and "format" not in given:  # new files: format auto
-        given["format"] = None
+    if opts.datasets:  # new files: format auto
+        given.setdefault("format", None)
     # a model's code runs only if the command line says so; a LoRA base scores in fp32
     fixed = {"model": opts.model, "trust_remote_code": False, "lora_base_dtype": "fp32"}
     cfg = Config.from_dict({**base, **fixed, **given}).resolve()
-    check([] if opts.datasets else
-          tuned_on_reported(opts.tune_threshold, [cfg.eval_dataset or cfg.dataset]))
-    read = [("--dataset", d) for d in opts.datasets or [cfg.eval_dataset or cfg.dataset]]
+    reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
+    check(tuned_on_reported(opts.tune_threshold, reported))
+    read = [("--dataset", d) for d in reported] + [("--model", cfg.model)]
     check(overwrites([("--predictions", opts.predictions)],
-                     read + [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]))
+                     read + [("--tune-threshold", opts.tune_threshold)]))
     return cfg, opts
 
 
 @dataclass
-class Evaluator:
-    """The model under evaluation on this rank: reads data sets, scores rows as the run did."""
+class Evaluator:  # the model under evaluation on this rank
     cfg: Config
     rt: Runtime
     tokenizer: object
     model: object
-    tokenize: object = None  # a published PRM's row builder (load_scorer's), None: tokenize_batch
+    tokenize: object = None  # a published PRM's row builder (load_scorer's)
 
     def sets(self, sources: list) -> dict:
-        """{subset name: tokenized rows}, every row kept; a row with no `group` gets its prompt."""
+        """{subset name: tokenized rows}, every row kept; `group` defaults to the prompt."""
         names = [os.path.splitext(os.path.basename(s.rstrip("/")))[0] for s in sources]
         names = names if len(set(names)) == len(names) else sources
         sets = {}
         with main_first(self.rt):  # "": the run's held-out set
-            raw = {name: load_eval(self.cfg, s)
-                   for name, s in list(zip(names, sources)) or [("held-out", "")]}
-            for name, ds in raw.items():
+            for name, source in list(zip(names, sources)) or [("held-out", "")]:
+                ds = load_eval(self.cfg, source)
                 sets[name] = rows = tokenize_dataset(
                     ds, self.tokenizer, self.cfg, is_eval=True, desc=f"tokenize {name}",
                     num_proc=self.cfg.num_proc, drop_unlabeled=False, tokenize=self.tokenize,
@@ -164,21 +143,20 @@ class Evaluator:
         return sets
 
     def probs(self, rows: list) -> list:
-        """P(correct) at every step end of each row, every rank's share gathered."""
-        amp = autocast_dtype(self.cfg.dtype, self.rt.device)
-        return predict(self.model, rows, batch_size=self.cfg.eval_batch_size,
-                       pad_id=pad_token_id(self.tokenizer), amp_dtype=amp, rt=self.rt,
+        """P(correct) at each row's step ends, gathered from every rank."""
+        return predict(self.model, rows, batch_size=self.cfg.eval_batch_size, rt=self.rt,
+                       pad_id=pad_token_id(self.tokenizer),
+                       amp_dtype=autocast_dtype(self.cfg.dtype, self.rt.device),
                        progress=not progress_off(self.cfg.disable_tqdm))
 
 
 def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
-    """The threshold maximizing ProcessBench F1 on --tune-threshold's set; its metrics (`dev`)."""
-    path, fmt = opts.tune_threshold, ev.cfg.format if opts.format_given else None
+    path, fmt = opts.tune_threshold, ev.cfg.format if "format" in opts.given else None
     dev = next(iter(replace(ev, cfg=replace(ev.cfg, format=fmt)).sets([path]).values()))
     probs = ev.probs(dev)
-    kept = [(ps, r) for ps, r in zip(probs, dev) if ps]
+    kept = [(ps, true_first_error(r)) for ps, r in zip(probs, dev) if ps]
     try:
-        t, f1 = tune_threshold([ps for ps, _ in kept], [true_first_error(r) for _, r in kept])
+        t, f1 = tune_threshold([ps for ps, _ in kept], [e for _, e in kept])
     except ValueError as e:  # e.g. a dev set without a single wrong solution
         raise UsageError(f"--tune-threshold {path}: {e}") from None
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1,
@@ -186,7 +164,7 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
 
 
 def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
-    """({subset name: its report}, the --predictions lines: one per row, of every subset)."""
+    """({subset name: its report}, the --predictions lines)."""
     blocks, lines = {}, []
     for name, rows in ev.sets(opts.datasets).items():
         pb = (opts.processbench or ev.cfg.format == "processbench"
@@ -219,20 +197,18 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
 
 
 def mean_f1(blocks: dict):
-    """ProcessBench's headline over subsets."""
     f1s = [b.get("f1") for b in blocks.values()]
     return sum(f1s) / len(f1s) if None not in f1s else None
 
 
 def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
-    """Warnings: steps cut by the length caps, a verdict that never varies."""
-    out, cap = [], f" or --max-completion-length (now {cfg.max_completion_length})"
+    out, cap = [], cfg.max_completion_length
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
-            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (their cut "
-                       f"steps are unscored), {b['examples_dropped']} dropped (no step fits); "
-                       f"raise --max-length (now {cfg.max_length})"
-                       + (cap if cfg.max_completion_length else ""))
+            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (cut steps "
+                       f"unscored), {b['examples_dropped']} dropped (no step fits); raise "
+                       f"--max-length (now {cfg.max_length})"
+                       + (f" or --max-completion-length (now {cap})" if cap else ""))
         if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):  # a class never predicted
             verdict = "correct" if b["precision_0"] is None else "wrong"
             out.append(f"warning: {name}: every labeled step is predicted {verdict} at "
@@ -241,7 +217,6 @@ def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
 
 
 def why_undefined(b: dict, column: str) -> str:
-    """Why a figure of one subset's block is undefined (None)."""
     if column in ("f1", "acc_correct", "chance_f1") and not b.get("n_without_error"):
         return "no error-free solutions"
     if column in ("f1", "acc_error", "chance_f1") and not b.get("n_with_error"):
@@ -257,7 +232,6 @@ def cell(v) -> str:
 
 
 def table(blocks: dict, *, threshold: float) -> str:
-    """The headline figures per subset; the threshold, why each 'n/a', best-of-N, PRMScore."""
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
     width = max(len("subset"), *map(len, blocks))
     rows = [["subset", *cols]]
@@ -273,28 +247,27 @@ def table(blocks: dict, *, threshold: float) -> str:
         lines += [f"{name}: {', '.join(cs)} n/a ({why})" for why, cs in undefined.items()]
         if "best_of_n" in b:
             n = "/".join(map(str, b["candidates_per_problem"]))
-            accs = (f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
-            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: " + ", ".join(accs))
-            if b.get("candidates_with_answer") == 0:
-                lines.append(f"{name}: weighted_*, majority_vote n/a (no candidate has an "
-                             "extractable answer)")
+            accs = ", ".join(f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
+            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: {accs}")
+        if b.get("candidates_with_answer") == 0:
+            lines.append(f"{name}: weighted_*, majority_vote n/a (no candidate has an extractable "
+                         "answer)")
         if "prmbench" in b:
-            pb = b["prmbench"]
-            lines.append(f"{name}: PRMScore {cell(pb['prmscore'])} (f1 {cell(pb['f1'])}, "
-                         f"f1_neg {cell(pb['f1_neg'])})")
+            pb = {k: cell(v) for k, v in b["prmbench"].items()}
+            lines.append(f"{name}: PRMScore {pb['prmscore']} (f1 {pb['f1']}, f1_neg "
+                         f"{pb['f1_neg']})")
     return "\n".join(lines)
 
 
-def main(args=None) -> dict:
-    """Warnings and the table to stderr, the JSON to stdout (returned). args: parsed or strings."""
-    cfg, opts = settings(args if isinstance(args, argparse.Namespace) else parse_args(args))
+def main(argv=None) -> dict:
+    """Warnings and the table to stderr, the JSON to stdout (returned)."""
+    cfg, opts = settings(parse_args(argv))
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
-        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16
-        dtype = torch.bfloat16 if bf16 else torch.float32  # a published PRM's weights too
-        tokenizer, model, tokenize = load_scorer(cfg, opts.tokenizer_given, opts.scoring,
-                                                 dtype=dtype)
+        bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # a published PRM's too
+        tokenizer, model, tokenize = load_scorer(cfg, "tokenizer" in opts.given, opts.scoring,
+                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
         ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device), tokenize)
         head = tuned_threshold(ev, opts) if opts.tune_threshold else {"threshold": cfg.threshold}
         t = head["threshold"]
@@ -302,12 +275,12 @@ def main(args=None) -> dict:
         out = {**head, **next(iter(blocks.values()))} if len(blocks) == 1 else \
             {**head, "subsets": blocks, "mean_f1": mean_f1(blocks)}
         if rt.is_main:
-            report_lines = [*warnings_for(blocks, cfg, t), table(blocks, threshold=t)]
-            print("\n".join(report_lines), file=sys.stderr)
+            print(*warnings_for(blocks, cfg, t), table(blocks, threshold=t), sep="\n",
+                  file=sys.stderr)
             print(json.dumps(out), flush=True)
         barrier(rt)
         if rt.is_main and opts.predictions:  # after the JSON: a failed write loses no figures
-            write_lines(opts.predictions, [json.dumps(line) for line in lines])
+            write_lines(opts.predictions, map(json.dumps, lines))
         return out
     finally:
         teardown(rt)
@@ -315,4 +288,4 @@ def main(args=None) -> dict:
 
 if __name__ == "__main__":
     with exit_status():
-        main(ARGS)
+        main()

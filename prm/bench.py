@@ -1,14 +1,9 @@
 """Benchmark the real training loop for a fixed number of steps and print one JSON line.
 
-    python -m prm.bench --model DIR --dataset train.jsonl --steps 20 --batch-size 4 --max-length 512
-
-Takes every train.py flag; times the tokenization (cache off), then the trainer on the same data.
-tokens_per_second: the trainer's (non-pad tokens / optimizer-step time); steady_*: from step 2 on.
-Memory: CUDA's max allocated, else max RSS (static_memory_mb then an upper bound,
-activation_memory_mb a lower one). model_state_mb: 16 B per trainable parameter + 4 B per frozen.
-CUDA only: mfu (flops_per_token x tokens/s / bf16 dense peak), host_syncs_per_step.
---variants: each in fresh processes, tokens/s against the first. --repeats N: medians of N runs.
---peer-python/--peer-script: a TRL PRMTrainer run alternates with each of ours (medians, ratios).
+Takes every train.py flag; times the tokenization (cache off), then the trainer on that data.
+tokens_per_second: non-pad tokens / optimizer-step time; steady_*: from step 2 on. Memory: CUDA's
+max allocated, else max RSS (static_memory_mb then an upper bound, activation_memory_mb a lower
+one). model_state_mb: 16 B per trainable parameter + 4 B per frozen one. mfu: CUDA only.
 """
 import contextlib
 import json
@@ -21,6 +16,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass, replace
 
 import datasets
 import torch
@@ -28,9 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import AutoModel
 
 from prm.loading import hf_config_for, tokenizer_for
-from dataclasses import dataclass
-
-from prm.cli import Parser
+from prm.cli import Parser, parsed
 from prm.config import Config, opt
 from prm.errors import PRMError, UsageError, exit_status
 from prm.tools.gpucheck import gpu_check
@@ -39,10 +33,9 @@ from prm.readers.sources import load_splits
 from prm.core.runtime import autocast_dtype
 from prm.core.varlen import kernel_dtype, supports_packing
 
-# dense bf16 peaks by device name, the more specific names first
+# dense bf16 peaks by device name, the more specific first (GH200: H200's)
 BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0,
-                    "H200": 989.0, "GH200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
-                    "A10": 125.0}
+                    "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
 # what a child process is not given (--peak-tflops passes through)
@@ -50,8 +43,9 @@ BENCH_FLAGS = ("--repeats", "--peer-python", "--peer-script", "--variants")
 MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
             "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
             "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
-# the run's settings each result names, after its dtype
-REPORTED = ("group_by_length", "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
+# the run's settings each result names
+REPORTED = ("batch_size", "grad_accum", "max_length", "dtype", "group_by_length",
+            "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
 
 
 @dataclass
@@ -62,11 +56,10 @@ class BenchOptions:
     peak_tflops: float = opt(0.0, "bf16 dense peak for MFU (0: by name)")
     peer_python: str = opt("", "python of a venv with trl==1.13.0 (runs the TRL peer)")
     peer_script: str = opt("", "path to shared/tools/bench/trl_peer.py")
-    variants: str = opt("", "comma-separated, run side by side in fresh processes, each with the "
-                        f"given flags plus its own: {', '.join(VARIANTS)} (e.g. padded,packed)")
-    gpu_check: bool = opt(False, "the CUDA tests, then the variants on a random Qwen2-0.5B-shaped "
-                          "model (prm.tools.gpucheck; other flags ignored); exit 2 without CUDA")
-    dry_run: bool = opt(False, "with --gpu-check: all on the CPU at a tiny shape")
+    variants: str = opt("", f"comma-separated, of {', '.join(VARIANTS)}: each in fresh processes")
+    gpu_check: bool = opt(False, "the CUDA tests, then the variants on a random Qwen2-0.5B "
+                          "(other flags ignored)")
+    dry_run: bool = opt(False, "with --gpu-check: on the CPU at a tiny shape")
 
 
 def parser():
@@ -76,7 +69,6 @@ def parser():
 
 
 def _memory_now(device) -> int:
-    """Allocated (CUDA) or resident (CPU) bytes now."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     with open("/proc/self/statm") as f:  # the resident set, in pages
@@ -84,16 +76,14 @@ def _memory_now(device) -> int:
 
 
 def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
-    """(model FLOPs per trained token, non-embedding parameter count): 6 per weight, plus 12 x
-    layers x attention width x s_eff for attention; under LoRA (lora_trainable: adapter + head
-    parameters) a frozen weight costs 4."""
+    """(FLOPs per trained token: 6 per weight (4 if frozen under LoRA) + 12 x layers x attention
+    width x s_eff, non-embedding parameters); lora_trainable: adapter + head parameters."""
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
-    embeddings = [m for m in backbone.modules() if isinstance(m, torch.nn.Embedding)]
-    embed = sum(p.numel() for m in embeddings for p in m.parameters())
+    embed = sum(p.numel() for m in backbone.modules() if isinstance(m, torch.nn.Embedding)
+                for p in m.parameters())
     text = model_cfg.get_text_config()
-    d = text.hidden_size
-    head = 2 * d + 2  # the 2-way head
+    head = 2 * text.hidden_size + 2  # the 2-way head
     n = sum(p.numel() for p in backbone.parameters()) - embed + head
     width = text.num_attention_heads * head_dim(text)
     s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
@@ -116,21 +106,21 @@ def _device_peak(device, override: float) -> float:
     return next((tflops * 1e12 for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), 0.0)
 
 
-def attention_kernel(cfg: Config, model_cfg, backbone, device) -> str:
-    """Which attention the run's forward takes, by prm.core.varlen's own test."""
+def attention_kernel(cfg: Config, backbone, device) -> str:
     if not (cfg.packing and supports_packing(backbone)):
         return "sdpa (padded, with a mask)"
-    dim = head_dim(model_cfg.get_text_config())
+    dim = head_dim(backbone.config.get_text_config())
     amp = autocast_dtype(cfg.dtype, device)
     with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
         half = kernel_dtype(torch.empty((1, 1, 1, dim), device=device))
-    kind = str(half).split(".")[-1]
-    return f"varlen_attn ({kind})" if half else "sdpa per example (packed, exact fallback)"
+    if not half:
+        return "sdpa per example (packed, exact fallback)"
+    return f"varlen_attn ({str(half).removeprefix('torch.')})"
 
 
 @contextlib.contextmanager
 def counting_syncs(device, seen: dict):
-    """CUDA: the host syncs torch's sync debug mode reports, into seen["warnings"]."""
+    """CUDA: torch's sync debug mode's warnings into seen["warnings"]."""
     if device.type != "cuda":
         yield
         return
@@ -145,7 +135,7 @@ def counting_syncs(device, seen: dict):
 
 
 def training():
-    """train.py, the training program: a script beside the package (a checkout's)."""
+    """train.py, beside the package."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -154,27 +144,24 @@ def training():
 
 
 def _train_watched(cfg: Config, device) -> tuple:
-    """(final metrics, what an optimizer-step hook saw, memory before training) of a run."""
-    seen = {"steps": 0, "after_step": [], "params": 0, "syncs": [], "times": []}
+    """(final metrics, what an optimizer-step hook saw, memory before training)."""
+    seen = {"after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
-        seen["steps"] += 1
-        if seen["steps"] == 1:
+        if not seen["times"]:  # the first step
             seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
             seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values()
                                           for t in st.values() if torch.is_tensor(t))
         seen["after_step"].append(_memory_now(device))
-        # no sync: the next step's time counts kernels still queued
-        seen["times"].append(time.perf_counter())
+        seen["times"].append(time.perf_counter())  # no sync: the next step counts queued kernels
         warned = seen.get("warnings", [])
         seen["syncs"].append(sum("synchroniz" in str(w.message) for w in warned))
 
     baseline = _memory_now(device)
     handle = register_optimizer_step_post_hook(after_step)
     with tempfile.TemporaryDirectory() as tmp:
-        run_cfg = Config(**{**vars(cfg), "output_dir": cfg.output_dir or tmp})
+        run_cfg = replace(cfg, output_dir=cfg.output_dir or tmp)
         try:
-            # stdout: JSON only
             with contextlib.redirect_stdout(sys.stderr), counting_syncs(device, seen):
                 final = training().train(run_cfg)
         finally:
@@ -183,9 +170,8 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization rate, then the training loop; the measurement dict. FLOPs count the examples
-    the timed steps trained, by the trainer's batch plan."""
-    cfg = Config(**vars(cfg)).resolve()
+    """Tokenization, then the training loop; FLOPs count the timed steps' examples (BatchPlan)."""
+    cfg = cfg.resolve()
     datasets.disable_caching()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = tokenizer_for(cfg)
@@ -193,8 +179,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t0 = time.perf_counter()
     tok_ds, _ = tokenize_dataset(train_raw, tokenizer, cfg, is_eval=False, num_proc=cfg.num_proc)
     tok_seconds = time.perf_counter() - t0
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    plan = training().BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:], world)
+    plan = training().BatchPlan(cfg, tok_ds["length"][:], tok_ds["n_labeled"][:],
+                                int(os.environ.get("WORLD_SIZE", 1)))
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
@@ -206,14 +192,14 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-    batches = [plan.batch(step)[1] for step in range(seen["steps"])]
+    t, syncs = seen["times"], seen["syncs"]
+    batches = [plan.batch(step)[1] for step in range(len(t))]
     trainable = seen["params"]
     fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
                                       trainable if cfg.lora_r else None)
-    static = min(seen["after_step"]) if seen["after_step"] else 0
+    static = min(seen["after_step"], default=0)
     tps = final["train_tokens_per_second"]
     # steps 2..N: their tokens over the time from the first step's hook to the last one's
-    t, syncs = seen["times"], seen["syncs"]
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
@@ -223,7 +209,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "baseline_memory_mb": _mb(baseline),
         "model_state_mb": _mb(16 * trainable + 4 * (n_total - trainable)),
         "optimizer_state_mb": _mb(seen["optimizer_bytes"]), "mfu": None,
-        "attention": attention_kernel(cfg, model_cfg, backbone, device),
+        "attention": attention_kernel(cfg, backbone, device),
         "host_syncs_per_step": round((syncs[-1] - syncs[0]) / (len(syncs) - 1), 2)
         if cuda and len(syncs) > 1 else None,
         "flops_per_token": round(fpt),
@@ -231,9 +217,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
         "tokenize_tokens_per_second": round(sum(plan.lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
-        "model": cfg.model, "dataset": cfg.dataset, "steps": seen["steps"],
-        **{k: getattr(cfg, k) for k in ("batch_size", "grad_accum", "max_length")},
-        "dtype": cfg.dtype or "auto", **{k: getattr(cfg, k) for k in REPORTED},
+        "model": cfg.model, "dataset": cfg.dataset, "steps": len(t),
+        **{k: getattr(cfg, k) for k in REPORTED}, "dtype": cfg.dtype or "auto",
         "torch": torch.__version__,
     }
     if cuda:
@@ -272,7 +257,7 @@ def _run(cmd: list) -> str:
 
 
 def _child(argv: list, *flags) -> dict:
-    """The JSON line of a fresh `python -m prm.bench` with argv's training flags, then `flags`."""
+    """The JSON line of a fresh `python -m prm.bench` with argv's training flags and `flags`."""
     cmd = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv), *flags]
     return json.loads(_run(cmd).strip().splitlines()[-1])
 
@@ -291,7 +276,6 @@ def _peer(a, cfg: Config) -> dict:
 
 
 def _strip_bench_flags(argv: list) -> list:
-    # skip: the previous item was a bench flag without "=", so this one is its value
     out, skip = [], False
     for x in argv:
         if not skip and x.split("=", 1)[0] not in BENCH_FLAGS:
@@ -318,20 +302,18 @@ def repeated(a, cfg: Config, argv: list) -> dict:
             out[k] = round(statistics.median(r[k] for r in ours), 4)
     out.update(repeats=a.repeats, runs_tokens_per_second=[r["tokens_per_second"] for r in ours],
                runs_peak_memory_mb=[r["peak_memory_mb"] for r in ours])
-    if peer:
-        for k in ("tokens_per_second", "tokenize_rows_per_second"):
-            out[f"peer_{k}"] = round(statistics.median(r[k] for r in peer), 1)
-            out[f"runs_peer_{k}"] = [r[k] for r in peer]
-        for k, name in (("tokens_per_second", "tokens_per_second"),
-                        ("tokenize_rows_per_second", "tokenize")):
-            out[f"speedup_{name}"] = round(out[k] / out[f"peer_{k}"], 3)
-        if cfg.dtype != "fp32":
-            out["note"] = "the peer always trains in fp32"
+    for k, name in (("tokens_per_second", "tokens_per_second"),
+                    ("tokenize_rows_per_second", "tokenize")) if peer else ():
+        out[f"peer_{k}"] = round(statistics.median(r[k] for r in peer), 1)
+        out[f"runs_peer_{k}"] = [r[k] for r in peer]
+        out[f"speedup_{name}"] = round(out[k] / out[f"peer_{k}"], 3)
+    if peer and cfg.dtype != "fp32":
+        out["note"] = "the peer always trains in fp32"
     return out
 
 
 def side_by_side(a, argv: list) -> dict:
-    """Each variant in fresh processes (--repeats each) with the same flags plus its own."""
+    """Each variant in fresh processes (--repeats each), with its own flags added."""
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
@@ -344,15 +326,10 @@ def side_by_side(a, argv: list) -> dict:
     return {"variants": out, f"tokens_per_second_vs_{names[0]}": ratios}
 
 
-def main(argv=None):
-    with exit_status():
-        return run(argv)
-
-
-def run(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+def main():
+    argv = sys.argv[1:]
     a = parser().parse_args(argv)
-    cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__}).resolve()
+    cfg = parsed(Config, a).resolve()
     if a.peer_python and not a.peer_script:
         raise UsageError("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
     if a.gpu_check:
@@ -365,12 +342,10 @@ def run(argv=None):
         out = run_once(cfg, a.peak_tflops)
     if out is not None:
         print(json.dumps(out), flush=True)
-    # --gpu-check: a failed test fails the command, after the figures print
-    if out and out.get("failed"):
+    if out and out.get("failed"):  # --gpu-check's, after the figures print
         raise PRMError(f"--gpu-check: {out['failed']} failed (its output is above)")
-    return out
-
 
 
 if __name__ == "__main__":
-    main()
+    with exit_status():
+        main()

@@ -9,6 +9,7 @@ import tempfile
 import torch
 from transformers import AutoModel, Qwen2Config
 
+from prm.files import write_lines
 from prm.loading import load_tokenizer
 from prm.core.data import pad_token_id
 from prm.errors import UsageError
@@ -29,17 +30,15 @@ REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu",
             "peak_memory_mb", "host_syncs_per_step", "padding_efficiency")
 
 
-def rows(n: int, max_length: int, seed: int = 0) -> list:
+def rows(n: int, max_length: int):
     """Rows of max_length / 8 to max_length characters, 2-12 steps each."""
-    rng = random.Random(seed)
-    out = []
+    rng = random.Random(0)
     for i in range(n):
         size, k = rng.randint(max_length // 8, max_length), rng.randint(2, 12)
         steps = [f"step {j}: " + "".join(rng.choice(CHARS[:-1]) for _ in range(size // (k + 1)))
                  for j in range(k)]  # no "\n"
-        out.append({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:],
-                    "labels": [rng.random() < 0.7 for _ in steps[1:]]})
-    return out
+        yield json.dumps({"prompt": f"problem {i}: " + steps[0], "completions": steps[1:],
+                          "labels": [rng.random() < 0.7 for _ in steps[1:]]})
 
 
 def write_inputs(path: str, dry: bool) -> tuple:
@@ -57,15 +56,8 @@ def write_inputs(path: str, dry: bool) -> tuple:
     value = dict(zip(flags[::2], flags[1::2]))  # every flag takes one value
     # 1% held out, and a margin: every timed step gets a full batch
     n_rows = int(int(value["--steps"]) * int(value["--batch-size"]) * 1.25) + 8
-    with open(data, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows(n_rows, int(value["--max-length"])))
+    write_lines(data, rows(n_rows, int(value["--max-length"])))
     return model_dir, data, ["--model", model_dir, "--dataset", data, *flags]
-
-
-def write_weights(model_dir: str, device: str):
-    torch.manual_seed(0)
-    with torch.device(device):
-        AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
 
 
 def run_tests() -> dict:
@@ -81,15 +73,17 @@ def run_tests() -> dict:
 
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
-    """UsageError without CUDA (unless dry). side_by_side: bench's runner."""
+    """side_by_side: prm.bench's; UsageError without CUDA (unless dry)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():
             with open(data) as f:
                 n = sum(1 for _ in f)
             raise UsageError(f"--gpu-check needs CUDA (built the model config, tokenizer, {n} rows;"
-                             " --dry-run runs it on the CPU)")
-        write_weights(model_dir, "cpu" if dry else "cuda")
+                             " --dry-run runs on the CPU)")
+        torch.manual_seed(0)
+        with torch.device("cpu" if dry else "cuda"):
+            AutoModel.from_config(Qwen2Config.from_pretrained(model_dir)).save_pretrained(model_dir)
         tests = run_tests()
         argv += ["--variants", "padded,packed" if dry else "padded,packed,packed-compiled"]
         bench = side_by_side(argv)
