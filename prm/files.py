@@ -50,30 +50,11 @@ def write_lines(path: str, lines, mode: str = "w"):
                 if not direct:
                     f.flush()
                     os.fsync(f.fileno())
-            if mode == "x":
-                os.link(tmp, real)
-            else:
-                os.replace(tmp, real)
+            (os.link if mode == "x" else os.replace)(tmp, real)
     finally:
         if not direct:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-
-
-def check_output(path: str, sides: tuple):
-    """Refuses an --output that cannot be a file written and read back, with `sides` beside it."""
-    folder = os.path.dirname(path) or "."
-    if not path or os.path.isdir(path):
-        why = "a folder" if path else "not a file name"
-    elif os.path.exists(path) and not os.path.isfile(path):
-        why = "not a file to read back (a FIFO, a device)"
-    elif not os.path.isdir(folder):
-        why = f"no folder {folder}"
-    elif len(os.path.basename(path)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
-        why = "a name too long for its side files"
-    else:
-        return
-    raise UsageError(f"--output {path!r}: {why}; pass another --output")
 
 
 def digest(paths: list, named: bool = True) -> str:
@@ -221,7 +202,19 @@ def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
     checked (an output without it refused); a block failing before a line is written leaves no
     file."""
     own, side = own or (output,), output + ".settings"
-    check_output(output, (".settings", *(p[len(output):] + ".lock" for p in own)))
+    sides = (".settings", *(p[len(output):] + ".lock" for p in own))
+    folder = os.path.dirname(output) or "."
+    why = ""
+    if not output or os.path.isdir(output):
+        why = "a folder" if output else "not a file name"
+    elif os.path.exists(output) and not os.path.isfile(output):
+        why = "not a file to read back (a FIFO, a device)"
+    elif not os.path.isdir(folder):
+        why = f"no folder {folder}"
+    elif len(os.path.basename(output)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
+        why = "a name too long for its side files"
+    if why:
+        raise UsageError(f"--output {output!r}: {why}; pass another --output")
     made = [p for p in own if not os.path.exists(p)]
     with locked(own[0]):
         theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]

@@ -1,5 +1,5 @@
-"""A run's output folder: checkpoints, resume, and model folders as transformers and peft read
-them. --fsdp models save with torch.distributed.checkpoint (dcp), every rank its shard."""
+"""A run's output folder: checkpoints, resume, and model folders for transformers and peft.
+--fsdp saves with torch.distributed.checkpoint (dcp), every rank its shard."""
 import contextlib
 import hashlib
 import json
@@ -26,7 +26,7 @@ from prm.errors import UsageError, WriteFailed, check, overwrites
 from prm.files import locked, staged_folder, write_lines, writing
 from prm.readers.sources import data_digest
 
-MARKER = "complete.json"  # written last, with every file's sha256: without it, a crashed save
+MARKER = "complete.json"  # written last, with every file's sha256
 NOT_REGULAR = "not a regular file"
 ABANDONED = "abandoned-"
 RUN_FILES = ("metrics.jsonl", "final")  # with (abandoned-)checkpoint-*: a folder holding a run
@@ -69,16 +69,13 @@ def files_under(path: str) -> list:  # relative paths
 
 
 def file_digests(path: str, names: list = None) -> dict:
-    """{relative path: sha256 or NOT_REGULAR} of `names` under `path` (default: all)."""
+    """{relative path: sha256 or NOT_REGULAR} of `names` (default: all) under `path`."""
     def digest(name):
         full = os.path.join(path, name)
         if not stat.S_ISREG(os.lstat(full).st_mode):
             return NOT_REGULAR
-        h = hashlib.sha256()
         with open(full, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
+            return hashlib.file_digest(f, "sha256").hexdigest()
     names = files_under(path) if names is None else names
     with ThreadPoolExecutor(8) as pool:  # hashlib and reads let go of the GIL
         return dict(zip(names, pool.map(digest, names)))
@@ -104,14 +101,14 @@ def resolve_resume(resume: str, output_dir: str):
 
 
 def prepare_output_dir(cfg):
-    """The checkpoint to resume (None: fresh). A folder holding a run is refused unless --resume
-    continues it or --overwrite replaces it (deleting only the run's files)."""
+    """The checkpoint to resume (None: fresh). A folder holding a run needs --resume, or
+    --overwrite, which deletes only the run's files."""
     out = cfg.output_dir
     names = os.listdir(out) if os.path.isdir(out) else []
     found = sorted(n for n in names
                    if n in RUN_FILES or n.startswith(("checkpoint-", ABANDONED + "checkpoint-")))
     if cfg.overwrite and cfg.resume:
-        check(["--overwrite and --resume exclude each other: replace the run, or continue it"])
+        check(["--overwrite and --resume exclude each other"])
     # what --overwrite deletes, else what the run replaces at its end
     doomed = [os.path.join(out, n) for n in (
         found + ["config.train.json", "tensorboard"] if cfg.overwrite else ["final"])]
@@ -157,7 +154,7 @@ def set_aside_after(output_dir: str, step: int):
 
 
 def keep_records_until(path: str, step: int):
-    """Drops metrics.jsonl's records past `step` and final ones: each step appears once."""
+    """Drops metrics.jsonl's records past `step`, and final ones."""
     if not os.path.isfile(path):
         return
     kept = []
@@ -180,8 +177,7 @@ def prune(output_dir: str, keep_last: int):  # keep_last 0: keeps all
 
 @contextlib.contextmanager
 def run_lock(output_dir: str):
-    """Holds <output_dir>/.lock (a second run: UsageError); removes the folder if made here and
-    left empty."""
+    """Holds output_dir/.lock; removes the folder if made here and left empty."""
     made = not os.path.isdir(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
@@ -193,14 +189,14 @@ def run_lock(output_dir: str):
                 os.rmdir(output_dir)
 
 
-def rng_state() -> dict:  # every generator the training draws from (data order, dropout)
+def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict):  # a GPU's state loads on a CPU-only machine too
+def set_rng_state(state: dict):
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -212,9 +208,9 @@ def _options(trainable_only: bool, **kw) -> StateDictOptions:  # LoRA: the base 
 
 
 def load_whole(path: str, model, trainable_only: bool):
-    """A sharded checkpoint's weights into an unsharded model."""
+    """A sharded checkpoint into an unsharded model."""
     weights = get_model_state_dict(model, options=_options(trainable_only))
-    with warnings.catch_warnings():  # that no_dist reads in one process, as asked
+    with warnings.catch_warnings():  # no_dist reads in one process, as asked
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load({"model": weights}, checkpoint_id=os.path.join(path, SHARDS), no_dist=True)
     set_model_state_dict(model, weights, options=_options(trainable_only))
@@ -228,15 +224,13 @@ def _save(tensors: dict, folder: str, name: str):
 
 def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False,
                     state: dict = None):
-    """Weights (LoRA merged; trainable_only: adapters and head), peft's adapter/, tokenizer and
-    config. state: a sharded model's weights, gathered."""
+    """Weights (LoRA merged; trainable_only: adapters and head), peft's adapter/, tokenizer,
+    config. state: a sharded model's whole weights."""
     if trainable_only:
         _save(trainable_state_dict(model), path, TRAINABLE)
     else:
-        def part(prefix):
-            if state is None:
-                return None
-            return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        def part(prefix):  # None: the module's own
+            return state and {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         backbone = merged_state_dict(model.backbone, part("backbone."))
         model.save_pretrained(path, backbone, part("head."))
     if has_lora(model):  # our lora_A, lora_B, scale are peft's
@@ -262,7 +256,6 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
 
 
 def load_trainable(model, path: str):
-    """Adapters + head into a model of the same --model and LoRA flags."""
     state, expected = load_file(path), set(trainable_state_dict(model))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -272,7 +265,7 @@ def load_trainable(model, path: str):
 
 
 class Checkpointer:
-    """Rank 0 picks the checkpoint to resume (resume_from; None: fresh) and hashes the data files
+    """Rank 0 picks the checkpoint to resume (resume_from; None: fresh) and hashes the data
     (digests: {"train", "eval"}; '' for hub or synthetic data)."""
 
     def __init__(self, cfg, rt):
@@ -280,17 +273,17 @@ class Checkpointer:
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """UsageError if the settings defining the model, the data and its order, or the data
-        files' contents differ from the checkpoint's."""
+        """Refuses a checkpoint whose model, data, data order or data contents differ."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
-        digests = {"train": data_digest(cfg.dataset), "eval": data_digest(cfg.eval_dataset)}
+        specs = {"train": cfg.dataset, "eval": cfg.eval_dataset}
+        digests = {split: data_digest(spec) for split, spec in specs.items()}
         if not path:
             return None, digests
         marker = read_marker(path)
         bad, changed = cfg.resume_conflicts(type(cfg).load(path), marker.get("world_size", 1),
                                             self.rt.world_size)
-        for split, spec in (("train", cfg.dataset), ("eval", cfg.eval_dataset)):
+        for split, spec in specs.items():
             saved = marker.get("data", {}).get(split)
             if saved and digests[split] and saved != digests[split]:
                 bad.append(f"{spec} changed since the checkpoint (its contents differ)")
@@ -334,8 +327,7 @@ class Checkpointer:
         return step
 
     def save(self, step: int, state: State):
-        """checkpoint-<step>/, every rank together: under --fsdp each writes its shards, then
-        hashes a share of them."""
+        """checkpoint-<step>/, all ranks: under --fsdp each writes and hashes its shards."""
         rt = self.rt
         barrier(rt)
         shards = {}
@@ -364,7 +356,7 @@ class Checkpointer:
         barrier(rt)
 
     def write(self, step: int, state: State, shards: dict = None):
-        """Rank 0's part of checkpoint-<step>; last the marker, with every file's sha256."""
+        """Rank 0's part of checkpoint-<step>."""
         cfg, shards = self.cfg, shards or {}
         with staged_folder(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
             saved = {"scheduler": state.scheduler.state_dict(),
@@ -384,10 +376,10 @@ class Checkpointer:
         prune(cfg.output_dir, cfg.keep_last)
 
     def save_final(self, step: int, state: State) -> str:
-        """final/ (a plain HF token classifier, adapters merged); its path on rank 0, else None."""
+        """final/ (an HF token classifier, adapters merged); its path on rank 0, else None."""
         barrier(self.rt)
         whole = None
-        if self.cfg.fsdp:  # every rank takes part in gathering the whole weights on rank 0's CPU
+        if self.cfg.fsdp:  # all ranks gather the whole weights on rank 0's CPU
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             whole = get_model_state_dict(state.model, options=options)
         path = os.path.join(self.cfg.output_dir, "final")
@@ -402,7 +394,7 @@ class Checkpointer:
         return path if self.rt.is_main else None
 
     def kept_instead(self, step: int, state: State) -> str:
-        """Where the weights of `step` are when final/ failed (writing a checkpoint if need be)."""
+        """Where final/'s weights are when it failed (writing a checkpoint if need be)."""
         ckpt = checkpoint_dir(self.cfg.output_dir, step)
         if not os.path.isfile(os.path.join(ckpt, MARKER)):
             if self.cfg.fsdp:
