@@ -1,4 +1,4 @@
-"""Files written whole or not at all, locks, and prm.label's and prm.search's resumable outputs."""
+"""Files written whole or not at all, locks, and the resumable outputs of prm.label, prm.search."""
 import contextlib
 import fcntl
 import glob
@@ -17,11 +17,11 @@ from prm.errors import UsageError, WriteFailed, check
 
 @contextlib.contextmanager
 def writing(path: str):
-    """A failed write in the block: WriteFailed naming `path`."""
+    """A failed write in the block becomes a WriteFailed naming `path`."""
     try:
         yield
     except BaseException as e:
-        # dcp.save's CheckpointException (a BaseException) holds each rank's error
+        # dcp.save's CheckpointException holds each rank's error
         error = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e
         if isinstance(error, FileExistsError) or \
                 not isinstance(error, (OSError, RuntimeError, SafetensorError)):
@@ -37,8 +37,8 @@ def writing(path: str):
 
 
 def write_lines(path: str, lines, mode: str = "w"):
-    """Via a synced temporary file renamed over `path` (a symlink: its target); mode 'x': linked,
-    never over a file (FileExistsError); mode 'a', a FIFO, a device: in place."""
+    """Via a synced temporary file renamed over `path` (a symlink: its target); mode 'x': never
+    over a file (FileExistsError); mode 'a', a FIFO, a device: in place."""
     real = os.path.realpath(path)
     direct = mode == "a" or os.path.exists(real) and not os.path.isfile(real)
     folder, name = os.path.split(real)  # name[:200]: a name near the length limit still fits
@@ -94,11 +94,6 @@ def staged_folder(path: str, fresh: bool = True):
 def locked(path: str, lock: str = ""):
     """Holds `lock` (PATH.lock: flock, pid@host) for the block; another writer: UsageError."""
     lock = lock or path + ".lock"
-
-    def busy(owner):
-        os.close(fd)
-        raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for it "
-                         f"to end, or if none is, delete {lock}")
     with writing(lock):
         while True:
             try:  # never through a link planted there: it would rewrite the file it leads to
@@ -110,14 +105,19 @@ def locked(path: str, lock: str = ""):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                busy(_owner(fd))
+                held = False
+                break
+            held = True
             with contextlib.suppress(FileNotFoundError):  # else the holder removed it meanwhile
                 if os.stat(lock).st_ino == os.fstat(fd).st_ino:
                     break
             os.close(fd)
-        owner = _owner(fd)
-        if owner and _alive(owner):
-            busy(owner)
+        text = os.read(fd, 256).decode(errors="replace").strip()
+        owner = "".join(c if c.isprintable() else "?" for c in text)  # pid@host
+        if not held or owner and _alive(owner):
+            os.close(fd)
+            raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for "
+                             f"it to end, or if none is, delete {lock}")
         if owner:
             print(f"warning: taking over the stale lock of {owner}: {lock}", file=sys.stderr)
         os.ftruncate(fd, 0)
@@ -127,12 +127,6 @@ def locked(path: str, lock: str = ""):
     finally:
         os.remove(lock)  # before the flock ends, so a waiting process sees the file gone
         os.close(fd)
-
-
-def _owner(fd: int) -> str:
-    """The lock's pid@host, unprintable characters as ?."""
-    text = os.read(fd, 256).decode(errors="replace").strip()
-    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def _alive(owner: str) -> bool:
@@ -166,8 +160,7 @@ def parts(output: str) -> list:
 
 
 def check_settings(output: str, settings: dict) -> bool:
-    """Writes OUTPUT.settings at the first run (of shards starting together, one); refuses a run
-    with other settings. Returns whether this run wrote it."""
+    """Writes OUTPUT.settings at the first run, or refuses other settings; whether it wrote it."""
     side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
     wrote = False
     if not os.path.isfile(side):
@@ -198,9 +191,8 @@ def stamp(path: str) -> str:
 
 @contextlib.contextmanager
 def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
-    """For the block: `own` (default: output) locked, less what a kill cut; OUTPUT.settings
-    checked (an output without it refused); a block failing before a line is written leaves no
-    file."""
+    """For the block: `own` (default: output) locked, less what a kill cut, and OUTPUT.settings
+    checked; a block failing before a line is written leaves no file."""
     own, side = own or (output,), output + ".settings"
     sides = (".settings", *(p[len(output):] + ".lock" for p in own))
     folder = os.path.dirname(output) or "."

@@ -37,8 +37,8 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
-    """Ends the process group and what holds it (reference cycles, fully_shard's cached meshes)
-    while the interpreter is whole: gloo's threads alive at shutdown abort the rank."""
+    """Ends the process group while the interpreter is whole (gloo's threads alive at shutdown
+    abort the rank), and what holds it: reference cycles, fully_shard's cached meshes."""
     if rt.distributed and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
@@ -88,7 +88,7 @@ def barrier(rt: Runtime):
 
 @contextlib.contextmanager
 def main_first(rt: Runtime):
-    """Rank 0 runs the block first (filling a cache), then the other ranks."""
+    """Rank 0 runs the block (filling a cache) before the other ranks."""
     if not rt.is_main:
         barrier(rt)
     yield

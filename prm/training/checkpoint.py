@@ -1,5 +1,4 @@
-"""A run's output folder: checkpoints, resume, and model folders for transformers and peft.
---fsdp saves with torch.distributed.checkpoint (dcp), every rank its shard."""
+"""Checkpoints, resume, and the model folders of a run (--fsdp: dcp shards, one per rank)."""
 import contextlib
 import hashlib
 import json
@@ -29,7 +28,6 @@ from prm.readers.sources import data_digest
 MARKER = "complete.json"  # written last, with every file's sha256
 NOT_REGULAR = "not a regular file"
 ABANDONED = "abandoned-"
-RUN_FILES = ("metrics.jsonl", "final")  # with (abandoned-)checkpoint-*: a folder holding a run
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
 ADAPTER = "adapter"  # beside config.json, transformers would apply it twice
 SHARDS = "shards"
@@ -44,11 +42,7 @@ class State:
     tokenizer: object
 
 
-def checkpoint_dir(output_dir: str, step: int) -> str:
-    return os.path.join(output_dir, f"checkpoint-{step}")
-
-
-def numbered(output_dir: str) -> list:  # (step, name) of the checkpoint-<step> folders, by step
+def numbered(output_dir: str) -> list:  # (step, name) of the checkpoint-<step>s, by step
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     return sorted((int(n.split("-")[1]), n) for n in names if re.fullmatch(r"checkpoint-\d+", n))
 
@@ -69,7 +63,7 @@ def files_under(path: str) -> list:  # relative paths
 
 
 def file_digests(path: str, names: list = None) -> dict:
-    """{relative path: sha256 or NOT_REGULAR} of `names` (default: all) under `path`."""
+    """{name: sha256 or NOT_REGULAR} of the files `names` (default: all) under `path`."""
     def digest(name):
         full = os.path.join(path, name)
         if not stat.S_ISREG(os.lstat(full).st_mode):
@@ -87,7 +81,7 @@ def resolve_resume(resume: str, output_dir: str):
     if not auto and not os.path.isfile(os.path.join(resume, MARKER)):
         check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
     for path in reversed(complete_checkpoints(output_dir)) if auto else [resume]:
-        expected, found = read_marker(path).get("sha256", {}), file_digests(path)
+        expected, found = read_marker(path)["sha256"], file_digests(path)
         strange = sorted(n for n, sha in found.items() if sha == NOT_REGULAR)
         differ = sorted({n for n, sha in expected.items() if found.get(n) != sha} - {*strange})
         damaged = ", ".join(differ + [f"{n} ({NOT_REGULAR})" for n in strange])
@@ -101,20 +95,18 @@ def resolve_resume(resume: str, output_dir: str):
 
 
 def prepare_output_dir(cfg):
-    """The checkpoint to resume (None: fresh). A folder holding a run needs --resume, or
-    --overwrite, which deletes only the run's files."""
+    """The checkpoint to resume (None: fresh); a folder with a run needs --resume or --overwrite."""
     out = cfg.output_dir
     names = os.listdir(out) if os.path.isdir(out) else []
-    found = sorted(n for n in names
-                   if n in RUN_FILES or n.startswith(("checkpoint-", ABANDONED + "checkpoint-")))
+    found = sorted(n for n in names if n in ("metrics.jsonl", "final")
+                   or n.startswith(("checkpoint-", ABANDONED + "checkpoint-")))  # a run's files
     if cfg.overwrite and cfg.resume:
         check(["--overwrite and --resume exclude each other"])
     # what --overwrite deletes, else what the run replaces at its end
     doomed = [os.path.join(out, n) for n in (
         found + ["config.train.json", "tensorboard"] if cfg.overwrite else ["final"])]
-    read = [("--" + k.replace("_", "-"), getattr(cfg, k))
-            for k in ("model", "dataset", "eval_dataset")]
-    check(overwrites([("--output-dir", p) for p in doomed], read))
+    check(overwrites([("--output-dir", p) for p in doomed], [
+        ("--model", cfg.model), ("--dataset", cfg.dataset), ("--eval-dataset", cfg.eval_dataset)]))
     ckpt = resolve_resume(cfg.resume, out) if cfg.resume else None
     if not found:
         return ckpt
@@ -123,13 +115,12 @@ def prepare_output_dir(cfg):
     if cfg.resume:
         if ckpt and os.path.dirname(os.path.abspath(ckpt)) == os.path.abspath(out):
             return ckpt
-        why = ("finds no complete checkpoint in it to continue from" if cfg.resume == "auto"
-               else "is a checkpoint of another directory")
-        check([f"{listing}, and --resume {cfg.resume} {why}; pass --overwrite (without --resume) "
-               "to replace it, or choose another --output-dir"])
-    if not cfg.overwrite:
-        check([f"{listing}; pass --resume auto to continue it, --overwrite to replace it, or "
-               "choose another --output-dir"])
+        why = ("auto finds no complete checkpoint in it" if cfg.resume == "auto"
+               else f"{cfg.resume} is a checkpoint of another directory")
+        listing += f", and --resume {why}"
+    if not cfg.overwrite:  # so --resume failed or is missing
+        resume = "" if cfg.resume else "--resume auto to continue it, "
+        check([f"{listing}; pass {resume}--overwrite to replace it, or another --output-dir"])
     links = [p for p in doomed if os.path.islink(p) and os.path.isdir(p)]  # rmtree refuses them
     check([f"--overwrite: {p} is a symbolic link to a folder: remove it yourself (nothing deleted)"
            for p in links[:1]])
@@ -149,8 +140,8 @@ def set_aside_after(output_dir: str, step: int):
             os.replace(os.path.join(output_dir, name), os.path.join(output_dir, target))
         moved.append(f"{name} -> {target}")
     if moved:
-        print(f"warning: resumed at step {step}, so the newer checkpoints are set aside in "
-              f"{output_dir}: {', '.join(moved)}", file=sys.stderr, flush=True)
+        print(f"warning: resumed at step {step}: newer checkpoints set aside in {output_dir}: "
+              f"{', '.join(moved)}", file=sys.stderr, flush=True)
 
 
 def keep_records_until(path: str, step: int):
@@ -160,12 +151,10 @@ def keep_records_until(path: str, step: int):
     kept = []
     with open(path) as f:
         for line in f:
-            try:
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash
                 rec = json.loads(line)
-            except json.JSONDecodeError:  # cut short by a crash
-                continue
-            if rec.get("step", 0) <= step and "final" not in rec:
-                kept.append(line.rstrip("\n"))
+                if rec.get("step", 0) <= step and "final" not in rec:
+                    kept.append(line.rstrip("\n"))
     write_lines(path, kept)
 
 
@@ -203,8 +192,8 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _options(trainable_only: bool, **kw) -> StateDictOptions:  # LoRA: the base is --model's
-    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only, **kw)
+def _options(trainable_only: bool) -> StateDictOptions:  # LoRA: the base is --model's
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 def load_whole(path: str, model, trainable_only: bool):
@@ -216,10 +205,10 @@ def load_whole(path: str, model, trainable_only: bool):
     set_model_state_dict(model, weights, options=_options(trainable_only))
 
 
-def _save(tensors: dict, folder: str, name: str):
-    os.makedirs(folder, exist_ok=True)
+def _save(tensors: dict, path: str):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False,
@@ -227,7 +216,7 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
     """Weights (LoRA merged; trainable_only: adapters and head), peft's adapter/, tokenizer,
     config. state: a sharded model's whole weights."""
     if trainable_only:
-        _save(trainable_state_dict(model), path, TRAINABLE)
+        _save(trainable_state_dict(model), os.path.join(path, TRAINABLE))
     else:
         def part(prefix):  # None: the module's own
             return state and {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
@@ -242,7 +231,7 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
             elif key.endswith((".lora_A", ".lora_B")):
                 name = key.removeprefix("backbone.")
                 tensors[f"base_model.model.{prefix}.{name}.weight"] = value
-        _save(tensors, os.path.join(path, ADAPTER), "adapter_model.safetensors")
+        _save(tensors, os.path.join(path, ADAPTER, "adapter_model.safetensors"))
         # the fields left out take peft's defaults
         config = dict(peft_type="LORA", task_type="TOKEN_CLS", base_model_name_or_path=cfg.model,
                       r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -273,7 +262,7 @@ class Checkpointer:
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """Refuses a checkpoint whose model, data, data order or data contents differ."""
+        """Refuses a checkpoint of another model, data, data order or data contents."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
         specs = {"train": cfg.dataset, "eval": cfg.eval_dataset}
@@ -281,10 +270,10 @@ class Checkpointer:
         if not path:
             return None, digests
         marker = read_marker(path)
-        bad, changed = cfg.resume_conflicts(type(cfg).load(path), marker.get("world_size", 1),
-                                            self.rt.world_size)
+        bad, changed = cfg.resume_conflicts(
+            type(cfg).load(path), marker["world_size"], self.rt.world_size)
         for split, spec in specs.items():
-            saved = marker.get("data", {}).get(split)
+            saved = marker["data"].get(split)
             if saved and digests[split] and saved != digests[split]:
                 bad.append(f"{spec} changed since the checkpoint (its contents differ)")
         if bad:
@@ -327,21 +316,20 @@ class Checkpointer:
         return step
 
     def save(self, step: int, state: State):
-        """checkpoint-<step>/, all ranks: under --fsdp each writes and hashes its shards."""
+        """checkpoint-<step>/ by all ranks: under --fsdp each writes and hashes shards."""
         rt = self.rt
         barrier(rt)
         shards = {}
         if self.cfg.fsdp:
-            ckpt = checkpoint_dir(self.cfg.output_dir, step)
+            ckpt = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
             tmp = ckpt + ".tmp"
             if rt.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             barrier(rt)
-            model, optimizer = state.model, state.optimizer
             try:
                 with writing(ckpt):
-                    weights, optim = get_state_dict(model, optimizer,
-                                                    options=_options(has_lora(model)))
+                    weights, optim = get_state_dict(
+                        state.model, state.optimizer, options=_options(has_lora(state.model)))
                     dcp.save({"model": weights, "optimizer": optim},
                              checkpoint_id=os.path.join(tmp, SHARDS))
             except WriteFailed:
@@ -358,7 +346,8 @@ class Checkpointer:
     def write(self, step: int, state: State, shards: dict = None):
         """Rank 0's part of checkpoint-<step>."""
         cfg, shards = self.cfg, shards or {}
-        with staged_folder(checkpoint_dir(cfg.output_dir, step), fresh=not cfg.fsdp) as tmp:
+        ckpt = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+        with staged_folder(ckpt, fresh=not cfg.fsdp) as tmp:
             saved = {"scheduler": state.scheduler.state_dict(),
                      "scaler": state.scaler.state_dict(), "rng": rng_state()}
             if cfg.fsdp:
@@ -395,7 +384,7 @@ class Checkpointer:
 
     def kept_instead(self, step: int, state: State) -> str:
         """Where final/'s weights are when it failed (writing a checkpoint if need be)."""
-        ckpt = checkpoint_dir(self.cfg.output_dir, step)
+        ckpt = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
         if not os.path.isfile(os.path.join(ckpt, MARKER)):
             if self.cfg.fsdp:
                 return f"the weights of step {step} are lost: no checkpoint holds them"
