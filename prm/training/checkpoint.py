@@ -42,14 +42,14 @@ class State:
     tokenizer: object
 
 
-def numbered(output_dir: str) -> list:  # (step, name) of the checkpoint-<step>s, by step
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+def numbered(out: str) -> list:  # (step, name) of the checkpoint-<step>s, by step
+    names = os.listdir(out) if os.path.isdir(out) else []
     return sorted((int(n.split("-")[1]), n) for n in names if re.fullmatch(r"checkpoint-\d+", n))
 
 
-def complete_checkpoints(output_dir: str) -> list:  # oldest first
-    return [os.path.join(output_dir, name) for _, name in numbered(output_dir)
-            if os.path.isfile(os.path.join(output_dir, name, MARKER))]
+def complete_checkpoints(out: str) -> list:  # oldest first
+    return [os.path.join(out, name) for _, name in numbered(out)
+            if os.path.isfile(os.path.join(out, name, MARKER))]
 
 
 def read_marker(path: str) -> dict:
@@ -75,12 +75,12 @@ def file_digests(path: str, names: list = None) -> dict:
         return dict(zip(names, pool.map(digest, names)))
 
 
-def resolve_resume(resume: str, output_dir: str):
+def resolve_resume(resume: str, out: str):
     """`resume`, or for 'auto' the newest complete undamaged checkpoint (None: none)."""
     auto = resume == "auto"
     if not auto and not os.path.isfile(os.path.join(resume, MARKER)):
         check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
-    for path in reversed(complete_checkpoints(output_dir)) if auto else [resume]:
+    for path in reversed(complete_checkpoints(out)) if auto else [resume]:
         expected, found = read_marker(path)["sha256"], file_digests(path)
         strange = sorted(n for n, sha in found.items() if sha == NOT_REGULAR)
         differ = sorted({n for n, sha in expected.items() if found.get(n) != sha} - {*strange})
@@ -118,7 +118,7 @@ def prepare_output_dir(cfg):
         why = ("auto finds no complete checkpoint in it" if cfg.resume == "auto"
                else f"{cfg.resume} is a checkpoint of another directory")
         listing += f", and --resume {why}"
-    if not cfg.overwrite:  # so --resume failed or is missing
+    if not cfg.overwrite:
         resume = "" if cfg.resume else "--resume auto to continue it, "
         check([f"{listing}; pass {resume}--overwrite to replace it, or another --output-dir"])
     links = [p for p in doomed if os.path.islink(p) and os.path.isdir(p)]  # rmtree refuses them
@@ -128,19 +128,19 @@ def prepare_output_dir(cfg):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
-def set_aside_after(output_dir: str, step: int):
+def set_aside_after(out: str, step: int):
     """checkpoint-<n> with n > step -> abandoned-checkpoint-<n>(.2, ...), which resume skips."""
     moved = []
-    for name in [name for done, name in numbered(output_dir) if done > step]:
+    for name in [name for done, name in numbered(out) if done > step]:
         target, n = ABANDONED + name, 1
-        while os.path.exists(os.path.join(output_dir, target)):
+        while os.path.exists(os.path.join(out, target)):
             n += 1
             target = f"{ABANDONED}{name}.{n}"
-        with writing(os.path.join(output_dir, target)):
-            os.replace(os.path.join(output_dir, name), os.path.join(output_dir, target))
+        with writing(os.path.join(out, target)):
+            os.replace(os.path.join(out, name), os.path.join(out, target))
         moved.append(f"{name} -> {target}")
     if moved:
-        print(f"warning: resumed at step {step}: newer checkpoints set aside in {output_dir}: "
+        print(f"warning: resumed at step {step}: newer checkpoints set aside in {out}: "
               f"{', '.join(moved)}", file=sys.stderr, flush=True)
 
 
@@ -158,24 +158,24 @@ def keep_records_until(path: str, step: int):
     write_lines(path, kept)
 
 
-def prune(output_dir: str, keep_last: int):  # keep_last 0: keeps all
+def prune(out: str, keep_last: int):  # keep_last 0: keeps all
     if keep_last > 0:
-        for old in complete_checkpoints(output_dir)[:-keep_last]:
+        for old in complete_checkpoints(out)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def run_lock(output_dir: str):
-    """Holds output_dir/.lock; removes the folder if made here and left empty."""
-    made = not os.path.isdir(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
+def run_lock(out: str):
+    """Holds out/.lock; removes `out` if made here and left empty."""
+    made = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
     try:
-        with locked(output_dir, os.path.join(output_dir, ".lock")):
+        with locked(out, os.path.join(out, ".lock")):
             yield
     finally:
         if made:
             with contextlib.suppress(OSError):
-                os.rmdir(output_dir)
+                os.rmdir(out)
 
 
 def rng_state() -> dict:
@@ -277,8 +277,8 @@ class Checkpointer:
             if saved and digests[split] and saved != digests[split]:
                 bad.append(f"{spec} changed since the checkpoint (its contents differ)")
         if bad:
-            check([f"--resume {path}: the checkpoint does not fit this model and data; these "
-                   f"settings differ: {'; '.join(bad)}. Use the checkpoint's, or start a new run"])
+            check([f"--resume {path}: the checkpoint does not fit this model and data: "
+                   f"{'; '.join(bad)}; use the checkpoint's settings, or start a new run"])
         if changed:
             print(f"resuming with changed settings: {'; '.join(changed)}")
         return path, digests
