@@ -38,7 +38,7 @@ class Stopped(PRMError):
 
 
 def check(problems: list):
-    """Raises UsageError with every problem on one line, if any."""
+    """Raises UsageError with every problem on one line."""
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -55,7 +55,7 @@ def overwrites(written: list, read: list, new: bool = False) -> list:
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError prints 'error: <message>' (Stopped: the message), exits code."""
+    """For entry points: a PRMError is printed as 'error: <message>' and exits with its code."""
     try:
         yield
     except PRMError as e:

@@ -37,9 +37,9 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
-    """Ends the process group while the interpreter is whole (gloo's threads alive at shutdown
-    abort the rank), and what holds it: reference cycles, fully_shard's cached meshes."""
-    if rt.distributed and dist.is_initialized():
+    """Ends the process group, and what holds it (cycles, fully_shard's cached meshes), while
+    the interpreter is whole: gloo's threads alive at shutdown abort the rank."""
+    if rt.distributed:
         gc.collect()
         dist.destroy_process_group()
         meshes = sys.modules.get("torch.distributed.device_mesh")  # never imported: no mesh exists
@@ -56,7 +56,6 @@ def autocast_dtype(name, device: torch.device):
 
 
 def gather_objects(obj, rt: Runtime) -> list:
-    """Every rank's obj, in rank order, on every rank."""
     if not rt.distributed:
         return [obj]
     out = [None] * rt.world_size
