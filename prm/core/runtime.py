@@ -37,8 +37,8 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
-    """Ends the process group, and what holds it (cycles, fully_shard's cached meshes), while
-    the interpreter is whole: gloo's threads alive at shutdown abort the rank."""
+    """Ends the process group, and what holds it (cycles, fully_shard's meshes), while the
+    interpreter is whole: gloo's threads alive at shutdown abort the rank."""
     if rt.distributed:
         gc.collect()
         dist.destroy_process_group()

@@ -255,7 +255,7 @@ def load_trainable(model, path: str):
 
 class Checkpointer:
     """Rank 0 picks the checkpoint to resume (resume_from; None: fresh) and hashes the data
-    (digests: {"train", "eval"}; '' for hub or synthetic data)."""
+    (digests; '' for hub or synthetic data)."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
@@ -296,10 +296,10 @@ class Checkpointer:
         if os.path.isdir(os.path.join(path, SHARDS)):  # resharded to this world size
             options = _options(has_lora(model))
             weights, optim = get_state_dict(model, optimizer, options=options)
-            shards = {"model": weights, "optimizer": optim}
-            dcp.load(shards, checkpoint_id=os.path.join(path, SHARDS))  # in place
-            set_state_dict(model, optimizer, model_state_dict=shards["model"],
-                           optim_state_dict=shards["optimizer"], options=options)
+            dcp.load({"model": weights, "optimizer": optim},  # in place
+                     checkpoint_id=os.path.join(path, SHARDS))
+            set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim,
+                           options=options)
         elif os.path.isfile(os.path.join(path, TRAINABLE)):
             load_trainable(model, os.path.join(path, TRAINABLE))
         else:
