@@ -25,11 +25,11 @@ from prm.errors import UsageError, WriteFailed, check, overwrites
 from prm.files import locked, staged_folder, write_lines, writing
 from prm.readers.sources import data_digest
 
-MARKER = "complete.json"  # written last, with every file's sha256
+MARKER = "complete.json"  # written last, with every file's sha256: missing after a crash
 NOT_REGULAR = "not a regular file"
 ABANDONED = "abandoned-"
 TRAINABLE = "trainable.safetensors"  # LoRA checkpoints: adapters + head only
-ADAPTER = "adapter"  # beside config.json, transformers would apply it twice
+ADAPTER = "adapter"  # its own folder: beside config.json, transformers would apply it twice
 SHARDS = "shards"
 
 
