@@ -1,22 +1,20 @@
-"""The errors that end a command, each with its exit status: library code raises them, entry
-points turn them into one line and the status (`exit_status()`)."""
+"""The errors that end a command, each with its exit status (see exit_status)."""
 import contextlib
 import os
 import sys
 
 
 class PRMError(Exception):
-    """Base of prm's errors; `code` is the exit status an entry point ends with."""
     code = 1
 
 
 class UsageError(PRMError, ValueError):
-    """Bad settings, flags or input data: exit status 2."""
+    """Bad settings, flags or input data."""
     code = 2
 
 
 class WriteFailed(PRMError):
-    """A failed write (a full disk, a read-only folder): exit status 1; cause: the reason alone."""
+    """A failed write (a full disk, a read-only folder); cause: the reason alone."""
 
     def __init__(self, message: str, cause: str = None):
         super().__init__(message)
@@ -24,30 +22,30 @@ class WriteFailed(PRMError):
 
 
 class Diverged(PRMError, ArithmeticError):
-    """The loss or gradient norm stopped being finite: exit status 3."""
+    """The loss or gradient norm stopped being finite."""
     code = 3
 
 
 class Stopped(PRMError):
-    """SIGTERM/SIGINT ended the run after a checkpoint: exit status 128 + the signal."""
+    """SIGTERM/SIGINT ended the run after a checkpoint."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.code = 128 + signum
 
-    def __reduce__(self):  # pickles, as every PRMError must (runtime.decided_by_main sends them)
+    def __reduce__(self):  # runtime.decided_by_main pickles errors
         return Stopped, (str(self), self.code - 128)
 
 
 def check(problems: list):
-    """Raises UsageError with every problem on one line; returns when there is none."""
+    """Raises UsageError with every problem on one line."""
     if problems:
         raise UsageError("; ".join(problems))
 
 
 def overwrites(written: list, read: list, new: bool = False) -> list:
-    """For check(): the first (flag, path) written that is, holds or lies in a (flag, path) read
-    (new: also one not there yet)."""
+    """For check(): the first (flag, path) written that is, holds or lies in one read (new: also
+    one not there yet)."""
     real = os.path.realpath
     return [f"{wf} {w} would overwrite {rf} {r}, which it reads: choose another path"
             for wf, w in written for rf, r in read
@@ -57,8 +55,7 @@ def overwrites(written: list, read: list, new: bool = False) -> list:
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError becomes 'error: <message>' (Stopped: the message), its
-    status."""
+    """For entry points: a PRMError is printed as 'error: <message>' and exits with its code."""
     try:
         yield
     except PRMError as e:

@@ -1,5 +1,4 @@
-"""Files written whole or not at all (else WriteFailed), a lock against a second writer, and the
-resumable outputs of prm.label and prm.search."""
+"""Files written whole or not at all, locks, and the resumable outputs of prm.label, prm.search."""
 import contextlib
 import fcntl
 import glob
@@ -18,40 +17,31 @@ from prm.errors import UsageError, WriteFailed, check
 
 @contextlib.contextmanager
 def writing(path: str):
-    """A failed write in the block: WriteFailed naming `path`."""
+    """A failed write in the block becomes a WriteFailed naming `path`."""
     try:
         yield
     except BaseException as e:
-        # dcp.save's CheckpointException (a BaseException) holds each rank's error
+        # dcp.save's CheckpointException holds each rank's error
         error = next(iter(e.failures.values()))[0] if getattr(e, "failures", None) else e
         if isinstance(error, FileExistsError) or \
                 not isinstance(error, (OSError, RuntimeError, SafetensorError)):
             raise
         first = (str(error).strip() or type(error).__name__).splitlines()[0]
         cause = getattr(error, "strerror", None) or first
-        # torch.save's message never says "disk full": the free space does
-        if not isinstance(error, OSError):
-            cause += f" ({free_mib(path)} MiB free there)"
+        if not isinstance(error, OSError):  # torch.save's never says "disk full": free space does
+            folder = path
+            while folder and not os.path.exists(folder):
+                folder = os.path.dirname(folder)
+            cause += f" ({shutil.disk_usage(folder or '.').free / 2 ** 20:.1f} MiB free there)"
         raise WriteFailed(f"could not write {path}: {cause}", cause=cause) from e
 
 
-def free_mib(path: str) -> str:
-    """Free MiB on the disk of `path` or its nearest parent; '?': unknown."""
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        return f"{shutil.disk_usage(path or '.').free / 2 ** 20:.1f}"
-    except OSError:
-        return "?"
-
-
 def write_lines(path: str, lines, mode: str = "w"):
-    """Via a synced temporary file renamed over `path` (a symlink: over its target); mode 'x':
-    linked there, never over a file (FileExistsError); mode 'a', a FIFO, a device: in place."""
+    """Via a synced temporary file renamed over `path` (a symlink: its target); mode 'x': never
+    over a file (FileExistsError); mode 'a', a FIFO, a device: in place."""
     real = os.path.realpath(path)
     direct = mode == "a" or os.path.exists(real) and not os.path.isfile(real)
-    # hidden, in the same folder, and short: a name near the length limit still fits
-    folder, name = os.path.split(real)
+    folder, name = os.path.split(real)  # name[:200]: a name near the length limit still fits
     tmp = real if direct else os.path.join(folder, f".{os.getpid()}.{name[:200]}.tmp")
     try:
         with writing(path):
@@ -60,34 +50,15 @@ def write_lines(path: str, lines, mode: str = "w"):
                 if not direct:
                     f.flush()
                     os.fsync(f.fileno())
-            if mode == "x":
-                os.link(tmp, real)
-            else:
-                os.replace(tmp, real)
+            (os.link if mode == "x" else os.replace)(tmp, real)
     finally:
         if not direct:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
 
 
-def check_output(path: str, sides: tuple):
-    """Refuses an --output that cannot be a file written and read back, with `sides` beside it."""
-    folder = os.path.dirname(path) or "."
-    if not path or os.path.isdir(path):
-        why = "a folder" if path else "not a file name"
-    elif os.path.exists(path) and not os.path.isfile(path):
-        why = "not a file to read back (a FIFO, a device)"
-    elif not os.path.isdir(folder):
-        why = f"no folder {folder}"
-    elif len(os.path.basename(path)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
-        why = "a name too long for its side files"
-    else:
-        return
-    raise UsageError(f"--output {path!r}: {why}; pass another --output")
-
-
 def digest(paths: list, named: bool = True) -> str:
-    """sha256 of the files' names (named) and contents, in order; a folder: its name."""
+    """sha256 of the files' names (if named) and contents; a folder: its name."""
     out = hashlib.sha256()
     for path in paths:
         out.update((os.path.basename(path) if named else "").encode() + b"\0")
@@ -100,7 +71,7 @@ def digest(paths: list, named: bool = True) -> str:
 
 @contextlib.contextmanager
 def staged_folder(path: str, fresh: bool = True):
-    """Yields PATH.tmp, a folder written in the block; it replaces `path` if the block succeeds."""
+    """Yields PATH.tmp to fill; it replaces `path` if the block succeeds."""
     tmp, old = path + ".tmp", path + ".old"
     if fresh:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -113,8 +84,7 @@ def staged_folder(path: str, fresh: bool = True):
             os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        # failed between the two renames: the old one goes back
-        if os.path.isdir(old) and not os.path.isdir(path):
+        if os.path.isdir(old) and not os.path.isdir(path):  # failed between the renames
             os.replace(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
@@ -125,61 +95,49 @@ def locked(path: str, lock: str = ""):
     """Holds `lock` (PATH.lock: flock, pid@host) for the block; another writer: UsageError."""
     lock = lock or path + ".lock"
     with writing(lock):
-        fd = _hold(lock, path)
+        while True:
+            try:  # never through a link planted there: it would rewrite the file it leads to
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError:
+                if os.path.islink(lock):
+                    check([f"{lock} is a symbolic link, not a lock; delete it"])
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = False
+                break
+            held = True
+            with contextlib.suppress(FileNotFoundError):  # else the holder removed it meanwhile
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            os.close(fd)
+        text = os.read(fd, 256).decode(errors="replace").strip()
+        owner = "".join(c if c.isprintable() else "?" for c in text)  # pid@host
+        if not held or owner and _alive(owner):
+            os.close(fd)
+            raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for "
+                             f"it to end, or if none is, delete {lock}")
+        if owner:
+            print(f"warning: taking over the stale lock of {owner}: {lock}", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}".encode(), 0)
     try:
         yield
     finally:
-        # before the hold ends, so a waiting process sees the file gone
-        os.remove(lock)
+        os.remove(lock)  # before the flock ends, so a waiting process sees the file gone
         os.close(fd)
-
-
-def _hold(lock: str, path: str) -> int:
-    def busy(owner):
-        os.close(fd)
-        raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for it "
-                         f"to end, or if none is, delete {lock}")
-    while True:
-        try:  # never through a link planted there: it would rewrite the file it leads to
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError:
-            check([f"{lock} is a symbolic link, not a lock; delete it"] if os.path.islink(lock)
-                  else [])
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            busy(_owner(fd))
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                break
-        # the holder removed the file as we opened it
-        os.close(fd)
-    owner = _owner(fd)
-    if owner and _alive(owner):
-        busy(owner)
-    if owner:
-        print(f"warning: taking over the stale lock of {owner}: {lock}", file=sys.stderr)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}".encode(), 0)
-    return fd
-
-
-def _owner(fd: int) -> str:
-    """The lock's pid@host, its other characters (newlines, escapes) as ?."""
-    text = os.read(fd, 256).decode(errors="replace").strip()
-    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def _alive(owner: str) -> bool:
-    """Whether a lock's owner may run though we hold its flock: not pid@host, or on another host
-    (flock need not reach there). A pid here proves nothing (pids are reused)."""
+    """Whether a lock's owner may run though we hold its flock: not pid@host, or another host
+    (flock need not reach there). A pid here proves nothing: pids are reused."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()
 
 
 def finished(*paths: str, writer: str = "prm.label") -> dict:
-    """{input row: its output lines} of the rows complete in one of the files, the first such."""
+    """{input row: its output lines} of the rows complete in a file (the first such)."""
     rows = {}
     for path in filter(os.path.isfile, paths):
         with open(path, "rb") as f:
@@ -202,8 +160,7 @@ def parts(output: str) -> list:
 
 
 def check_settings(output: str, settings: dict) -> bool:
-    """Writes OUTPUT.settings at the first run, atomically (of shards starting together, one
-    writes it); refuses a run with other settings. Returns whether this run wrote it."""
+    """Writes OUTPUT.settings at the first run, or refuses other settings; whether it wrote it."""
     side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
     wrote = False
     if not os.path.isfile(side):
@@ -225,8 +182,7 @@ def check_settings(output: str, settings: dict) -> bool:
 
 
 def stamp(path: str) -> str:
-    """A hash of a model folder's file names, sizes and times (a model saved again there differs);
-    '' for a hub name."""
+    """A hash of a model folder's file names, sizes and times; '' for a hub name."""
     if not os.path.isdir(path):
         return ""
     found = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path))
@@ -235,11 +191,22 @@ def stamp(path: str) -> str:
 
 @contextlib.contextmanager
 def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
-    """For the block: `own` (default: output) locked and less what a kill cut; OUTPUT.settings as
-    check_settings; an output it did not write (no OUTPUT.settings) refused; a block failing
-    before a line is written leaves no file it made."""
+    """For the block: `own` (default: output) locked, less what a kill cut, and OUTPUT.settings
+    checked; a block failing before a line is written leaves no file."""
     own, side = own or (output,), output + ".settings"
-    check_output(output, (".settings", *(p[len(output):] + ".lock" for p in own)))
+    sides = (".settings", *(p[len(output):] + ".lock" for p in own))
+    folder = os.path.dirname(output) or "."
+    why = ""
+    if not output or os.path.isdir(output):
+        why = "a folder" if output else "not a file name"
+    elif os.path.exists(output) and not os.path.isfile(output):
+        why = "not a file to read back (a FIFO, a device)"
+    elif not os.path.isdir(folder):
+        why = f"no folder {folder}"
+    elif len(os.path.basename(output)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
+        why = "a name too long for its side files"
+    if why:
+        raise UsageError(f"--output {output!r}: {why}; pass another --output")
     made = [p for p in own if not os.path.exists(p)]
     with locked(own[0]):
         theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]

@@ -12,7 +12,6 @@ import torch.distributed as dist
 @dataclass
 class Runtime:
     rank: int = 0
-    local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
 
@@ -30,18 +29,17 @@ def setup() -> Runtime:
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" not in os.environ:
         return Runtime(device=torch.device("cuda" if cuda else "cpu"))
-    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Runtime(rank, local_rank, world, device)
+    return Runtime(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
 
 
 def teardown(rt: Runtime):
-    """Destroys the process group while the interpreter is whole (gloo's threads, alive at shutdown,
-    abort the rank), and what keeps it: models in reference cycles, fully_shard's cached meshes."""
-    if rt.distributed and dist.is_initialized():
+    """Ends the process group, and what holds it (cycles, fully_shard's meshes), while the
+    interpreter is whole: gloo's threads alive at shutdown abort the rank."""
+    if rt.distributed:
         gc.collect()
         dist.destroy_process_group()
         meshes = sys.modules.get("torch.distributed.device_mesh")  # never imported: no mesh exists
@@ -50,22 +48,14 @@ def teardown(rt: Runtime):
 
 
 def autocast_dtype(name, device: torch.device):
-    """The autocast dtype of fp32 (None), bf16 or fp16; name None: bf16 where the device runs it
-    natively, else fp32."""
+    """fp32 (None), bf16 or fp16; name None: bf16 where the device runs it natively, else fp32."""
     if name is None:
         cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if (cpu_has_bf16() if device.type == "cpu" else cuda) else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def all_reduce_sum(t: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    if rt.distributed:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
 def gather_objects(obj, rt: Runtime) -> list:
-    """Every rank's obj, in rank order, on every rank (one collective)."""
     if not rt.distributed:
         return [obj]
     out = [None] * rt.world_size
@@ -81,7 +71,7 @@ def decided_by_main(rt: Runtime, decide):
     if rt.is_main:
         try:
             box[0] = (decide(), None)
-        except Exception as e:  # raised on every rank: none waits in a later collective
+        except Exception as e:  # raised on every rank: none waits in a collective
             box[0] = (None, e)
     dist.broadcast_object_list(box, src=0)
     value, error = box[0]
@@ -97,7 +87,7 @@ def barrier(rt: Runtime):
 
 @contextlib.contextmanager
 def main_first(rt: Runtime):
-    """Rank 0 runs the block first (filling a cache), then the other ranks."""
+    """Rank 0 runs the block (filling a cache) before the other ranks."""
     if not rt.is_main:
         barrier(rt)
     yield
@@ -114,7 +104,7 @@ def cpu_has_bf16() -> bool:
 
 
 def progress_off(disable: bool) -> bool:
-    """Whether progress bars (datasets' and transformers' too) stay off: if asked or no terminal."""
+    """Whether progress bars (datasets' and transformers' too) stay off: asked, or no terminal."""
     off = disable or not sys.stderr.isatty()
     if off:
         import datasets
