@@ -1,9 +1,6 @@
-"""Train a process reward model: `python train.py` (the offline default) or `torchrun
---nproc_per_node 8 train.py --model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to
-bottom: configuration, runtime, data, model, the DDP or FSDP2 wrap, optimizer, resume, the loop,
-the final save. "step": an optimizer step; "n_labeled": a count of labeled reasoning steps. A
-script beside the package (not installed): tests and `python -m prm.bench` import it and call
-train(cfg)."""
+"""Train a process reward model: `python train.py`, or `torchrun --nproc_per_node 8 train.py
+--model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to bottom. A script beside the
+package: tests and `python -m prm.bench` import it and call train(cfg)."""
 from prm.cli import parse_config  # light: no torch
 from prm.errors import exit_status
 
@@ -11,7 +8,6 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch loads
     with exit_status():
         CLI_CONFIG = parse_config()
 
-# the program's imports, after the command line is read
 import contextlib
 import dataclasses
 import datetime
@@ -53,7 +49,7 @@ from prm.training.checkpoint import Checkpointer, State, run_lock
 def train(cfg: Config, command: str = "") -> dict:
     """The final held-out metrics on rank 0, None elsewhere. command: for the model card."""
     command = command or config_command(cfg)
-    cfg = cfg.resolve()  # auto settings filled in; a resolved Config stays as it is
+    cfg = cfg.resolve()
     tracker_module(cfg.report_to)  # a missing package is refused before any work
     rt = setup()
     try:
@@ -69,23 +65,22 @@ def train(cfg: Config, command: str = "") -> dict:
 
 @dataclasses.dataclass
 class Run:
-    """The loop's state, explicit."""
+    """The loop's state ("step": an optimizer step; "n_labeled": labeled reasoning steps)."""
     cfg: Config  # resolved
     rt: Runtime
     plan: "BatchPlan"
     train_ds: object  # datasets.Dataset of input_ids, labels
-    eval_rows: list  # tokenized held-out rows
+    eval_rows: list
     processbench: bool  # the held-out rows carry a first error
     model: torch.nn.Module  # the plain PRM (sharded in place under --fsdp)
-    net: torch.nn.Module  # the model as the loop runs it: compiled, DDP-wrapped or the same
-    state: State  # model, optimizer, scheduler, scaler, tokenizer: what a checkpoint holds
+    net: torch.nn.Module  # as the loop runs it: compiled, DDP-wrapped or the same
+    state: State  # what a checkpoint holds
     amp_dtype: torch.dtype  # None: fp32
-    packed: bool  # examples packed into one row, else padded
+    packed: bool
     step: int = 0  # optimizer steps done
 
 
 def fit(cfg: Config, rt: Runtime, command: str) -> dict:
-    """The run, start to end, on every rank."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     quiet = progress_off(cfg.disable_tqdm)  # before the data: datasets' bars follow it
@@ -98,13 +93,12 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
     log = TrainLog(run, quiet)
     trainable, n_params = count_parameters(run.model)
     steps = run.plan.total - run.step
-    # the non-pad tokens of the steps this run takes
-    tokens = sum(run.plan.lengths) * steps / run.plan.steps_per_epoch
-    say = print if rt.is_main else (lambda *a: None)
-    say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
-        f"({100 * trainable / n_params:.2f}%) | {len(run.train_ds)} train examples | "
-        f"global batch {run.plan.global_batch} | {steps} steps, ~{short_number(tokens)} tokens | "
-        f"autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
+    tokens = sum(run.plan.lengths) * steps / run.plan.steps_per_epoch  # non-pad, this run's
+    if rt.is_main:
+        print(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
+              f"({100 * trainable / n_params:.2f}%) | {len(run.train_ds)} train examples | "
+              f"global batch {run.plan.global_batch} | {steps} steps, ~{short_number(tokens)} "
+              f"tokens | autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
     with log.pbar:
         loop(run, checkpointer, log)
     return finish(run, checkpointer, log, reports, command)
@@ -115,15 +109,13 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     # ---- data
     tokenizer = tokenizer_for(cfg)
     plan, train_ds, eval_ds, reports = load_data(cfg, rt, tokenizer, checkpointer.digests)
-    say = print if rt.is_main else (lambda *a: None)
-    say(f"train data: {json.dumps(reports['train_data'])}\n"
-        f"eval data: {json.dumps(reports['eval_data'])}")
-    # ---- model: model_for applies --lora-r (adapters, the backbone frozen) and --packing
+    # ---- model: with --lora-r adapters (the backbone frozen) and --packing
     model = model_for(cfg, tokenizer).to(rt.device)
-    if cfg.model != "tiny" and not checkpointer.resume_from and not is_classifier(model.config):
-        say(f"--model {cfg.model}: a backbone: the PRM head is new")
-    packed = is_packed(model)  # examples end to end in one row, else padded
-    if cfg.gradient_checkpointing:  # each layer's activations recomputed in the backward
+    new_head = cfg.model != "tiny" and not checkpointer.resume_from
+    if rt.is_main and new_head and not is_classifier(model.config):
+        print(f"--model {cfg.model}: a backbone: the PRM head is new")
+    packed = is_packed(model)
+    if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model.backbone)
     amp_dtype = autocast_dtype(cfg.dtype, rt.device)
     if cfg.lora_base_dtype == "bf16" and amp_dtype != torch.bfloat16:  # bf16 weights, bf16 inputs
@@ -147,14 +139,13 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
 # ---- data
 class BatchPlan:
     """Each step's examples: a pure function of (seed, epoch), so a resume needs no loader state.
-    lengths, n_labeled: host lists, per example."""
+    lengths, n_labeled: per example."""
 
     def __init__(self, cfg: Config, lengths: list, n_labeled: list, world_size: int):
         self.cfg, self.lengths, self.n_labeled = cfg, lengths, n_labeled
         self.global_batch = cfg.batch_size * cfg.grad_accum * world_size
         self.steps_per_epoch = math.ceil(len(lengths) / self.global_batch)
         epochs = math.ceil(cfg.epochs * self.steps_per_epoch)
-        # --max-steps, else --epochs passes (one step at least)
         self.total = cfg.max_steps if cfg.max_steps > 0 else max(1, epochs)
         self.epoch = None
         self.batches = None  # the epoch's global batches
@@ -187,6 +178,8 @@ def load_data(cfg: Config, rt: Runtime, tokenizer, digests: dict) -> tuple:
         raise UsageError(
             f"no training example has a labeled step left (--max-length {cfg.max_length}, "
             f"--max-completion-length {cfg.max_completion_length}): see the report")
+    if rt.is_main:
+        print(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
     # [:]: datasets 5 returns a lazy Column, whose every [i] slices Arrow
     plan = BatchPlan(cfg, train_ds["length"][:], train_ds["n_labeled"][:], rt.world_size)
     return plan, train_ds, eval_ds, {"train_data": train_report, "eval_data": eval_report}
@@ -197,7 +190,7 @@ def micro_batch(run: Run, idx: list) -> dict:
     cols = run.train_ds[idx]
     rows = [dict(zip(cols, row)) for row in zip(*cols.values())]
     pad = pad_token_id(run.state.tokenizer)
-    # packed: one row, the examples end to end, each attending within itself; else padded rows
+    # packed: one row, each example attending within itself; else padded rows
     mb = pack(rows, pad, run.cfg.pack_to) if run.packed else collate(rows, pad)
     pin = run.rt.device.type == "cuda"  # pinned memory makes the copies asynchronous
     return {k: (v.pin_memory() if pin else v).to(run.rt.device, non_blocking=True)
@@ -229,7 +222,7 @@ def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
 
 # ---- optimizer
 def make_optimizer(model, cfg: Config, device):
-    """AdamW at --lr, no decay on biases/norms; fused where it exists."""
+    """AdamW, no decay on biases and norms; fused where it exists."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -241,7 +234,7 @@ def make_optimizer(model, cfg: Config, device):
 
 
 def make_scheduler(optimizer, cfg: Config, total: int):
-    """--lr-scheduler-type after the warmup; cosine_with_min_lr ends at 10% of --lr."""
+    """cosine_with_min_lr ends at 10% of --lr."""
     warmup = int(cfg.warmup_steps) or math.ceil(cfg.warmup_ratio * total)
     extra = {"min_lr_rate": 0.1} if cfg.lr_scheduler_type == "cosine_with_min_lr" else None
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
@@ -250,7 +243,6 @@ def make_scheduler(optimizer, cfg: Config, total: int):
 
 # ---- the loop
 def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
-    """Optimizer steps until plan.total; evaluations, checkpoints and a stop between them."""
     cfg, total = run.cfg, run.plan.total
     eval_every = cfg.every("eval", run.plan.steps_per_epoch)  # 0: the final evaluation alone
     save_every = cfg.every("save", run.plan.steps_per_epoch)
@@ -259,9 +251,9 @@ def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
         while run.step < total:
             t0 = time.perf_counter()
             epoch, batch = run.plan.batch(run.step)
-            sums, norm = train_step(run, batch)  # forward, backward, update
+            sums, norm = train_step(run, batch)
             run.step += 1
-            # logging: the loss sums stay on the device until a log step
+            # the loss sums stay on the device until a log step
             write = run.step % cfg.log_every == 0 or run.step == total
             lr = run.state.scheduler.get_last_lr()[0]
             log.add(run.step, batch, sums, norm, t0=t0, epoch=epoch, lr=lr, write=write)
@@ -286,7 +278,7 @@ def train_step(run: Run, batch: list) -> tuple:
     n_labeled = run.plan.labeled(batch)  # over every rank and micro-batch
     micro = micro_batches(batch, run.plan.lengths, rt.world_size, rt.rank, cfg.grad_accum)
     amp = contextlib.nullcontext()
-    if run.amp_dtype:  # matmuls in bf16 or fp16; the trained weights stay fp32
+    if run.amp_dtype:  # the trained weights stay fp32
         amp = torch.autocast(rt.device.type, dtype=run.amp_dtype)
     sums = torch.zeros(2, device=rt.device)
     for a, idx in enumerate(micro):
@@ -349,8 +341,8 @@ def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
 # ---- preemption
 class Preemption:
     """In the block, SIGTERM/SIGINT checkpoint after a step every rank agrees on, then stop; a
-    second signal stops at once. Under torchrun the ranks' flags are summed on a CPU (gloo) group
-    in the background and read after the next step: no wait and no device sync in a step."""
+    second signal stops at once. The ranks' flags are summed on a gloo group in the background
+    and read after the next step: no device sync in a step."""
     signum: int = None  # received in the block
 
     def __init__(self, rt: Runtime):
@@ -369,13 +361,13 @@ class Preemption:
             self.pending[0].wait()
 
     def on_signal(self, signum, frame):
-        if self.signum is not None:  # asked twice: stop now, without a checkpoint
+        if self.signum is not None:
             name = signal.Signals(signum).name
             raise Stopped(f"stopped by {name} again: no checkpoint saved", signum)
         self.signum = signum
 
     def agreed(self, last: bool) -> bool:
-        """Whether every rank stops after this step; last: the loop's last step (read now)."""
+        """Whether every rank stops after this step; on the last step, read now."""
         mine = self.signum is not None
         if not self.rt.distributed:
             return mine
@@ -400,8 +392,8 @@ class Preemption:
 
 # ---- logging
 class TrainLog:
-    """Rank 0's progress bar, metrics.jsonl, tracker and log lines; every rank's sums behind them,
-    on the device until a log step's all-reduce; divergence; the time left."""
+    """Rank 0's progress bar, metrics.jsonl, tracker and log lines; every rank's sums, on the
+    device until a log step's all-reduce; divergence; the time left."""
 
     def __init__(self, run: Run, quiet: bool):
         cfg, rt = run.cfg, run.rt
@@ -409,9 +401,9 @@ class TrainLog:
         self.pbar = tqdm(total=run.plan.total, initial=run.step, desc="train",
                          disable=quiet or not rt.is_main)
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
-        if self.path:  # there from the start, even if the run ends before its first record
+        if self.path:  # there even if the run ends before its first record
             write_lines(self.path, [], "a")
-        tracked = rt.is_main and cfg.report_to != "none"  # TensorBoard or W&B
+        tracked = rt.is_main and cfg.report_to != "none"
         self.tracker = Tracker(cfg, run.step) if tracked else None
         self.n_chunks = rt.world_size * cfg.grad_accum  # the micro-batches of a step
         self.pack_to = cfg.pack_to if run.packed else None
@@ -422,10 +414,10 @@ class TrainLog:
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
         self.new_window()
         self.total_tokens = 0
-        self.total_padded = 0  # the tokens with padding
+        self.total_padded = 0
         self.total_seconds = 0.0
-        self.last_finite = None  # (step, loss) of the last finite log line
-        self.timed_from = None  # (step, time) the time left is estimated from
+        self.last_finite = None  # (step, loss)
+        self.timed_from = None  # (step, time)
         self.estimated = False
         self.since_resume = bool(run.step)
         self.unwritten = None  # (step, norm, epoch, lr) of a step not logged yet
@@ -478,14 +470,13 @@ class TrainLog:
         self.new_window()
 
     def new_window(self):
-        """The sums since the last log line start again."""
         self.window.zero_()
         self.window_labeled = 0
         self.window_tokens = 0
         self.window_seconds = 0.0
 
     def record(self, rec: dict, echo: bool = True):
-        """A line of metrics.jsonl (NaN and infinity as null), to the tracker, and echoed."""
+        """A line of metrics.jsonl, to the tracker, and echoed."""
         if self.path is None:
             return
         write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
@@ -495,7 +486,7 @@ class TrainLog:
             self.pbar.write(log_line(rec))
 
     def estimate(self, step: int):
-        """Says the time left once, timed after the first step (compiling)."""
+        """Says the time left once, timed from the first step's end (compiling)."""
         now = time.perf_counter()
         self.timed_from = self.timed_from or (step, now)
         done = step - self.timed_from[0]
@@ -507,7 +498,7 @@ class TrainLog:
             self.estimated = True
 
     def stop_if_diverged(self):
-        """Diverged if a step so far was not finite (syncs every rank)."""
+        """Syncs every rank."""
         bad = (self.bad_step > 0).float()
         if self.rt.distributed:
             dist.all_reduce(bad)
@@ -551,7 +542,7 @@ def log_line(rec: dict) -> str:
 
 
 def strict_json(x):
-    """NaN and infinity -> null (strict JSON)."""
+    """NaN and infinity -> null."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
