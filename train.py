@@ -41,7 +41,7 @@ from prm.files import write_lines
 from prm.loading import check_exportable, model_for, tokenizer_for
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
-from prm.training.report import (Tracker, config_command, launch_command, model_card,
+from prm.training.report import (Tracker, config_command, launch_command, model_card, shown,
                                  tracker_module)
 from prm.training.checkpoint import Checkpointer, State, run_lock
 
@@ -108,7 +108,21 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     """(the Run at its resume step, the tokenization reports)."""
     # ---- data
     tokenizer = tokenizer_for(cfg)
-    plan, train_ds, eval_ds, reports = load_data(cfg, rt, tokenizer, checkpointer.digests)
+    digests = checkpointer.digests
+    with main_first(rt):  # rank 0 fills the datasets cache, the others read it
+        splits = {cfg.dataset: digests["train"], cfg.eval_dataset: digests["eval"]}
+        train_raw, eval_raw = load_splits(cfg, splits)
+        kw = dict(tokenizer=tokenizer, cfg=cfg, num_proc=cfg.num_proc)
+        train_ds, train_report = tokenize_dataset(train_raw, is_eval=False, **kw)
+        eval_ds, eval_report = tokenize_dataset(eval_raw, is_eval=True, drop_unlabeled=False, **kw)
+    if len(train_ds) == 0:
+        raise UsageError(
+            f"no training example has a labeled step left (--max-length {cfg.max_length}, "
+            f"--max-completion-length {cfg.max_completion_length}): see the report")
+    if rt.is_main:
+        print(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
+    # [:]: a datasets 5 Column slices Arrow at every [i]
+    plan = BatchPlan(cfg, train_ds["length"][:], train_ds["n_labeled"][:], rt.world_size)
     # ---- model (--lora-r, --packing)
     model = model_for(cfg, tokenizer).to(rt.device)
     new_head = cfg.model != "tiny" and not checkpointer.resume_from
@@ -133,7 +147,7 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     step = checkpointer.load(state, plan.total)
     run = Run(cfg, rt, plan, train_ds.select_columns(["input_ids", "labels"]), eval_ds.to_list(),
               "first_error" in eval_ds.column_names, model, net, state, amp_dtype, packed, step)
-    return run, reports
+    return run, {"train_data": train_report, "eval_data": eval_report}
 
 
 # ---- data
@@ -163,24 +177,6 @@ class BatchPlan:
 
     def labeled(self, batch) -> int:
         return sum(self.n_labeled[i] for i in batch)
-
-
-def load_data(cfg: Config, rt: Runtime, tokenizer, digests: dict) -> tuple:
-    with main_first(rt):  # rank 0 fills the datasets cache, the others read it
-        splits = {cfg.dataset: digests["train"], cfg.eval_dataset: digests["eval"]}
-        train_raw, eval_raw = load_splits(cfg, splits)
-        kw = dict(tokenizer=tokenizer, cfg=cfg, num_proc=cfg.num_proc)
-        train_ds, train_report = tokenize_dataset(train_raw, is_eval=False, **kw)
-        eval_ds, eval_report = tokenize_dataset(eval_raw, is_eval=True, drop_unlabeled=False, **kw)
-    if len(train_ds) == 0:
-        raise UsageError(
-            f"no training example has a labeled step left (--max-length {cfg.max_length}, "
-            f"--max-completion-length {cfg.max_completion_length}): see the report")
-    if rt.is_main:
-        print(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
-    # [:]: a datasets 5 Column slices Arrow at every [i]
-    plan = BatchPlan(cfg, train_ds["length"][:], train_ds["n_labeled"][:], rt.world_size)
-    return plan, train_ds, eval_ds, {"train_data": train_report, "eval_data": eval_report}
 
 
 def micro_batch(run: Run, idx: list) -> dict:
@@ -398,13 +394,12 @@ class TrainLog:
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
         if self.path:  # there even with no record
             write_lines(self.path, [], "a")
-        tracked = rt.is_main and cfg.report_to != "none"
+        tracked = self.path and cfg.report_to != "none"
         self.tracker = Tracker(cfg, run.step) if tracked else None
         self.n_chunks = rt.world_size * cfg.grad_accum  # micro-batches per step
         self.pack_to = cfg.pack_to if run.packed else None
         self.check_norm = not run.state.scaler.is_enabled()  # fp16 skips inf-norm steps
-        fp16 = "; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""
-        self.hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps{fp16}"
+        self.cfg = cfg
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
         self.new_window()
@@ -418,13 +413,11 @@ class TrainLog:
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float,
             write: bool):
-        tokens = self.plan.tokens(batch)
         bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.check_norm else False)
         self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)
         self.window += sums
         self.window_labeled += self.plan.labeled(batch)
-        self.window_tokens += tokens
-        self.total_tokens += tokens
+        self.window_tokens += self.plan.tokens(batch)
         self.total_padded += padded_tokens(batch, self.plan.lengths, self.n_chunks, self.pack_to)
         self.pbar.update(1)
         self.estimate(step)
@@ -455,6 +448,7 @@ class TrainLog:
         if stats[3] > 0:
             self.diverged()
         self.total_seconds += self.window_seconds
+        self.total_tokens += self.window_tokens
         self.new_window()
 
     def new_window(self):
@@ -496,9 +490,11 @@ class TrainLog:
         last = "no finite loss logged before it"
         if self.last_finite:
             last = "last finite loss {1:.4g} at step {0}".format(*self.last_finite)
+        fp16 = "; or train in bf16 instead of fp16" if self.cfg.dtype == "fp16" else ""
         raise Diverged(f"the loss or gradient norm is not finite at step "
                        f"{int(self.bad_step) or '? (on another rank)'} ({last}); no checkpoint "
-                       f"was written from then on. {self.hint}")
+                       f"was written from then on. Lower --lr (now {self.cfg.lr:g}) or add "
+                       f"--warmup-steps{fp16}")
 
     def throughput(self) -> tuple:
         """(non-pad tokens/s, non-pad / padded tokens), None if no step ran."""
@@ -522,9 +518,7 @@ def log_line(rec: dict) -> str:
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | "
                 f"lr {rec['lr']:.2e} | norm {rec['norm']:.2f} | "
                 f"{short_number(rec['tok_per_s'])} tok/s{since}")
-    shown = {k: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
-             for k, v in rec.items()}
-    return " | ".join(f"{k} {v}" for k, v in shown.items())
+    return " | ".join(f"{k} {shown(v)}" for k, v in rec.items())
 
 
 def strict_json(x):

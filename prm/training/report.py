@@ -22,24 +22,23 @@ TEMPLATE = '''---
 # Process reward model
 
 A process reward model (PRM) trained from \
-{{ "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if tiny \
+{{ "a random 3-layer, 128-wide Qwen2 decoder (`--model tiny`)" if tiny \
 else "`%s`" % cfg.model }} on `{{ cfg.dataset }}` with `prm`, by \
 {% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha {{ g(cfg.lora_alpha) }}, dropout \
 {{ g(cfg.lora_dropout) }}, targets `{{ cfg.lora_targets }}`), merged into the weights; the 2-way \
 head fully trained{% else %}full fine-tuning of every weight{% endif %}. It gives each step of a \
-solution the probability that the step is correct.
+solution the probability that it is correct.
 
 ## How it scores
 
-- Loads with `AutoModelForTokenClassification`: the backbone plus a 2-way linear head per token.
-- Labels: class 1 = `correct`, class 0 = `incorrect` (`id2label` in `config.json`); \
-P(correct) = softmax(logits)[..., 1].
+- An `AutoModelForTokenClassification`: class 1 = `correct`, class 0 = `incorrect` \
+(`id2label`); P(correct) = softmax(logits)[..., 1].
 - Step separator: `{{ sep }}`, also in `config.json` under `prm` with the length caps.
 - Inputs: the prompt's ids (BOS first if the tokenizer has one), then ids(step) + ids(separator) \
 per step, each piece tokenized alone without special tokens (tokenizing the joined text gives \
 other ids with BPE). A step's score is read at the LAST token of its separator.
 - Training: {{ cfg.batch_size }} examples per device x {{ cfg.grad_accum }} accumulation steps, \
-peak learning rate {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
+peak lr {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
 example{{ " and %d tokens of steps" % cfg.max_completion_length if cfg.max_completion_length }}\
 {{ ", on the last step's label only" if cfg.train_on_last_step_only }}.
 
@@ -95,21 +94,9 @@ else "unknown (not in a local or cached card of the base model)") }}.
 
 ## Citations
 
-```bibtex
-@article{uesato2022solving,
-  title   = {Solving math word problems with process- and outcome-based feedback},
-  author  = {Uesato, Jonathan and others},
-  journal = {arXiv preprint arXiv:2211.14275},
-  year    = {2022}
-}
-
-@article{lightman2023lets,
-  title   = {Let's Verify Step by Step},
-  author  = {Lightman, Hunter and others},
-  journal = {arXiv preprint arXiv:2305.20050},
-  year    = {2023}
-}
-```
+- Uesato et al. 2022, Solving math word problems with process- and outcome-based feedback, \
+arXiv:2211.14275.
+- Lightman et al. 2023, Let's Verify Step by Step, arXiv:2305.20050.
 
 '''  # jinja drops the last newline
 
@@ -159,13 +146,17 @@ def model_card(cfg, metrics: dict, command: str) -> str:
                          datasets=hub or None,
                          base_model=None if tiny or os.path.exists(cfg.model) else cfg.model)
     # not the data reports nor the training figures
-    rows = [f"| {k} | {'n/a' if v is None else f'{v:.4f}' if isinstance(v, float) else v} |"
-            for k, v in metrics.items() if not isinstance(v, (dict, list))
+    rows = [f"| {k} | {shown(v)} |" for k, v in metrics.items() if not isinstance(v, (dict, list))
             and k not in ("train_tokens_per_second", "padding_efficiency")]
     return str(ModelCard.from_template(
         data, template_str=TEMPLATE, cfg=cfg, tiny=tiny, sep=repr(cfg.step_separator),
         table="\n".join(["| metric | value |", "|---|---|"] + rows), license=license,
         command=command, version=version, g=lambda x: f"{x:g}"))
+
+
+def shown(v) -> str:
+    """A metric as logged and in the card: None reads 'n/a'."""
+    return "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 def tracker_module(report_to: str):
