@@ -461,7 +461,7 @@ class TrainLog:
         if self.path is None:
             return
         write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
-        if self.tracker is not None:
+        if self.tracker:
             self.tracker.log(rec)
         if echo:
             self.pbar.write(log_line(rec))

@@ -1,5 +1,4 @@
-"""What a run reports besides metrics.jsonl: the model card (final/README.md) and the TensorBoard
-or W&B tracker."""
+"""The model card (final/README.md) and the TensorBoard or W&B tracker."""
 import dataclasses
 import importlib
 import os
@@ -14,7 +13,7 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 from prm.errors import check
 from prm.readers.sources import is_local
 
-# a jinja template; its snippet uses plain transformers, tokenizing as prm.core.data does
+# jinja; the snippet tokenizes as prm.core.data does
 TEMPLATE = '''---
 {{ card_data }}
 ---
@@ -34,9 +33,8 @@ solution the probability that it is correct.
 - An `AutoModelForTokenClassification`: class 1 = `correct`, class 0 = `incorrect` \
 (`id2label`); P(correct) = softmax(logits)[..., 1].
 - Step separator: `{{ sep }}`, also in `config.json` under `prm` with the length caps.
-- Inputs: the prompt's ids (BOS first if the tokenizer has one), then ids(step) + ids(separator) \
-per step, each piece tokenized alone without special tokens (tokenizing the joined text gives \
-other ids with BPE). A step's score is read at the LAST token of its separator.
+- Inputs: as `score()` below builds them, each piece tokenized alone (the joined text gives \
+other ids with BPE); a step's score is read at the LAST token of its separator.
 - Training: {{ cfg.batch_size }} examples per device x {{ cfg.grad_accum }} accumulation steps, \
 peak lr {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
 example{{ " and %d tokens of steps" % cfg.max_completion_length if cfg.max_completion_length }}\
@@ -83,7 +81,7 @@ P(correct) >= {{ g(cfg.threshold) }}; class 0 = incorrect step.
 ## License and versions
 
 - Base model license: {{ license or ("none: no base model (random initialization)" if tiny \
-else "unknown (not in a local or cached card of the base model)") }}.
+else "unknown (no local or cached card)") }}.
 - Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}.
 
 ## Command
@@ -102,7 +100,7 @@ arXiv:2211.14275.
 
 
 def launch_command(argv=None, env=None) -> str:
-    """The command line; under torchrun, the torchrun line that started it (no rendezvous flags)."""
+    """The command line; under torchrun, its torchrun line (no rendezvous flags)."""
     argv, env = list(sys.argv if argv is None else argv), os.environ if env is None else env
     if "LOCAL_WORLD_SIZE" in env:
         local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
@@ -112,7 +110,7 @@ def launch_command(argv=None, env=None) -> str:
 
 
 def config_command(cfg) -> str:
-    """A `python train.py` line of every non-default setting, for a run started from Python."""
+    """For a run started from Python: `python train.py` and every non-default setting."""
     default, args = type(cfg)(), []
     for name, value in vars(cfg).items():
         if value != getattr(default, name):
@@ -123,7 +121,7 @@ def config_command(cfg) -> str:
 
 
 def base_license(model: str) -> str:
-    """The license in the base model's local or cached card, or ''; offline."""
+    """From the base model's local or cached card, or ''; offline."""
     if model == "tiny":
         return ""
     try:
@@ -155,12 +153,12 @@ def model_card(cfg, metrics: dict, command: str) -> str:
 
 
 def shown(v) -> str:
-    """A metric as logged and in the card: None reads 'n/a'."""
+    """A metric in a log line or the card."""
     return "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 def tracker_module(report_to: str):
-    """None for 'none'; UsageError if the package is not installed."""
+    """None for 'none'; UsageError if not installed."""
     if report_to == "none":
         return None
     name = "torch.utils.tensorboard" if report_to == "tensorboard" else "wandb"
