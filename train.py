@@ -101,7 +101,20 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
               f"tokens | autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
     with log.pbar:
         loop(run, checkpointer, log)
-    return finish(run, checkpointer, log, reports, command)
+    # ---- the end: final/ first, so that a failed evaluation never costs the weights
+    log.stop_if_diverged()
+    path = checkpointer.save_final(run.step, run.state)
+    results = evaluate(run)
+    results["train_tokens_per_second"], results["padding_efficiency"] = log.throughput()
+    results.update(reports)
+    if rt.is_main:
+        card = model_card(cfg, results, command)
+        write_lines(os.path.join(path, "README.md"), [card.removesuffix("\n")])
+        log.record({"step": run.step, "final": results}, echo=False)
+        if log.tracker:
+            log.tracker.close()
+    barrier(rt)
+    return results if rt.is_main else None
 
 
 def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
@@ -250,7 +263,7 @@ def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
             write = run.step % cfg.log_every == 0 or run.step == total
             lr = run.state.scheduler.get_last_lr()[0]
             log.add(run.step, batch, sums, norm, t0=t0, epoch=epoch, lr=lr, write=write)
-            # (finish() evaluates the last step)
+            # (the last step is evaluated at the end)
             if eval_every and run.step % eval_every == 0 and run.step < total:
                 evals = {f"eval_{k}": v for k, v in evaluate(run).items()}
                 log.record({"step": run.step, **evals})
@@ -311,24 +324,6 @@ def evaluate(run: Run) -> dict:
                     pad_id=pad_token_id(run.state.tokenizer), amp_dtype=run.amp_dtype, rt=run.rt,
                     lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
     return report(probs, run.eval_rows, cfg.threshold, run.processbench)
-
-
-def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
-           command: str) -> dict:
-    """final/ first: a failed evaluation never costs the weights."""
-    log.stop_if_diverged()
-    path = checkpointer.save_final(run.step, run.state)
-    results = evaluate(run)
-    results["train_tokens_per_second"], results["padding_efficiency"] = log.throughput()
-    results.update(reports)
-    if run.rt.is_main:
-        card = model_card(run.cfg, results, command)
-        write_lines(os.path.join(path, "README.md"), [card.removesuffix("\n")])
-        log.record({"step": run.step, "final": results}, echo=False)
-        if log.tracker:
-            log.tracker.close()
-    barrier(run.rt)
-    return results if run.rt.is_main else None
 
 
 # ---- preemption
