@@ -1,9 +1,6 @@
-"""Train a process reward model: `python train.py` (the offline default) or `torchrun
---nproc_per_node 8 train.py --model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to
-bottom: configuration, runtime, data, model, the DDP or FSDP2 wrap, optimizer, resume, the loop,
-the final save. "step": an optimizer step; "n_labeled": a count of labeled reasoning steps. A
-script beside the package (not installed): tests and `python -m prm.bench` import it and call
-train(cfg)."""
+"""Train a process reward model: `python train.py`, or `torchrun --nproc_per_node 8 train.py
+--model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to bottom. A script beside the
+package: tests and `python -m prm.bench` import it and call train(cfg)."""
 from prm.cli import parse_config  # light: no torch
 from prm.errors import exit_status
 
@@ -11,7 +8,6 @@ if __name__ == "__main__":  # --help and a bad flag answer before torch loads
     with exit_status():
         CLI_CONFIG = parse_config()
 
-# the program's imports, after the command line is read
 import contextlib
 import dataclasses
 import datetime
@@ -45,15 +41,15 @@ from prm.files import write_lines
 from prm.loading import check_exportable, model_for, tokenizer_for
 from prm.readers.ingest import tokenize_dataset
 from prm.readers.sources import load_splits
-from prm.training.report import (Tracker, config_command, launch_command, model_card,
+from prm.training.report import (Tracker, config_command, launch_command, model_card, shown,
                                  tracker_module)
 from prm.training.checkpoint import Checkpointer, State, run_lock
 
 
 def train(cfg: Config, command: str = "") -> dict:
-    """The final held-out metrics on rank 0, None elsewhere. command: for the model card."""
+    """Rank 0: the final held-out metrics; command: for the model card."""
     command = command or config_command(cfg)
-    cfg = cfg.resolve()  # auto settings filled in; a resolved Config stays as it is
+    cfg = cfg.resolve()
     tracker_module(cfg.report_to)  # a missing package is refused before any work
     rt = setup()
     try:
@@ -69,27 +65,26 @@ def train(cfg: Config, command: str = "") -> dict:
 
 @dataclasses.dataclass
 class Run:
-    """The loop's state, explicit."""
+    """The loop's state. "step": an optimizer step; "n_labeled": labeled reasoning steps."""
     cfg: Config  # resolved
     rt: Runtime
     plan: "BatchPlan"
-    train_ds: object  # datasets.Dataset of input_ids, labels
-    eval_rows: list  # tokenized held-out rows
+    train_ds: object  # datasets.Dataset
+    eval_rows: list
     processbench: bool  # the held-out rows carry a first error
     model: torch.nn.Module  # the plain PRM (sharded in place under --fsdp)
-    net: torch.nn.Module  # the model as the loop runs it: compiled, DDP-wrapped or the same
-    state: State  # model, optimizer, scheduler, scaler, tokenizer: what a checkpoint holds
+    net: torch.nn.Module  # compiled, DDP-wrapped or the same
+    state: State  # what a checkpoint holds
     amp_dtype: torch.dtype  # None: fp32
-    packed: bool  # examples packed into one row, else padded
+    packed: bool
     step: int = 0  # optimizer steps done
 
 
 def fit(cfg: Config, rt: Runtime, command: str) -> dict:
-    """The run, start to end, on every rank."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     quiet = progress_off(cfg.disable_tqdm)  # before the data: datasets' bars follow it
-    # resume or a fresh start: a refused run loads no data, bad rows are seen before any weight
+    # a refused resume loads no data; bad rows are seen before any weight
     checkpointer = Checkpointer(cfg, rt)
     check_exportable(cfg)
     run, reports = build(cfg, rt, checkpointer)
@@ -98,35 +93,59 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
     log = TrainLog(run, quiet)
     trainable, n_params = count_parameters(run.model)
     steps = run.plan.total - run.step
-    # the non-pad tokens of the steps this run takes
-    tokens = sum(run.plan.lengths) * steps / run.plan.steps_per_epoch
-    say = print if rt.is_main else (lambda *a: None)
-    say(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
-        f"({100 * trainable / n_params:.2f}%) | {len(run.train_ds)} train examples | "
-        f"global batch {run.plan.global_batch} | {steps} steps, ~{short_number(tokens)} tokens | "
-        f"autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
+    tokens = sum(run.plan.lengths) * steps / run.plan.steps_per_epoch  # non-pad
+    if rt.is_main:
+        print(f"{n_params / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable "
+              f"({100 * trainable / n_params:.2f}%) | {len(run.train_ds)} train examples | "
+              f"global batch {run.plan.global_batch} | {steps} steps, ~{short_number(tokens)} "
+              f"tokens | autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
     with log.pbar:
         loop(run, checkpointer, log)
-    return finish(run, checkpointer, log, reports, command)
+    # ---- the end: final/ first, so that a failed evaluation never costs the weights
+    log.stop_if_diverged()
+    path = checkpointer.save_final(run.step, run.state)
+    results = evaluate(run)
+    results["train_tokens_per_second"], results["padding_efficiency"] = log.throughput()
+    results.update(reports)
+    if rt.is_main:
+        card = model_card(cfg, results, command)
+        write_lines(os.path.join(path, "README.md"), [card.removesuffix("\n")])
+        log.record({"step": run.step, "final": results}, echo=False)
+        if log.tracker:
+            log.tracker.close()
+    barrier(rt)
+    return results if rt.is_main else None
 
 
 def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
-    """(the Run at the step it resumes from, the data's tokenization reports)."""
+    """(the Run at its resume step, the tokenization reports)."""
     # ---- data
     tokenizer = tokenizer_for(cfg)
-    plan, train_ds, eval_ds, reports = load_data(cfg, rt, tokenizer, checkpointer.digests)
-    say = print if rt.is_main else (lambda *a: None)
-    say(f"train data: {json.dumps(reports['train_data'])}\n"
-        f"eval data: {json.dumps(reports['eval_data'])}")
-    # ---- model: model_for applies --lora-r (adapters, the backbone frozen) and --packing
+    digests = checkpointer.digests
+    with main_first(rt):  # rank 0 fills the datasets cache, the others read it
+        splits = {cfg.dataset: digests["train"], cfg.eval_dataset: digests["eval"]}
+        train_raw, eval_raw = load_splits(cfg, splits)
+        kw = dict(tokenizer=tokenizer, cfg=cfg, num_proc=cfg.num_proc)
+        train_ds, train_report = tokenize_dataset(train_raw, is_eval=False, **kw)
+        eval_ds, eval_report = tokenize_dataset(eval_raw, is_eval=True, drop_unlabeled=False, **kw)
+    if len(train_ds) == 0:
+        raise UsageError(
+            f"no training example has a labeled step left (--max-length {cfg.max_length}, "
+            f"--max-completion-length {cfg.max_completion_length}): see the report")
+    if rt.is_main:
+        print(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
+    # [:]: a datasets 5 Column slices Arrow at every [i]
+    plan = BatchPlan(cfg, train_ds["length"][:], train_ds["n_labeled"][:], rt.world_size)
+    # ---- model (--lora-r, --packing)
     model = model_for(cfg, tokenizer).to(rt.device)
-    if cfg.model != "tiny" and not checkpointer.resume_from and not is_classifier(model.config):
-        say(f"--model {cfg.model}: a backbone: the PRM head is new")
-    packed = is_packed(model)  # examples end to end in one row, else padded
-    if cfg.gradient_checkpointing:  # each layer's activations recomputed in the backward
+    new_head = cfg.model != "tiny" and not checkpointer.resume_from
+    if rt.is_main and new_head and not is_classifier(model.config):
+        print(f"--model {cfg.model}: a backbone: the PRM head is new")
+    packed = is_packed(model)
+    if cfg.gradient_checkpointing:
         enable_activation_checkpointing(model.backbone)
     amp_dtype = autocast_dtype(cfg.dtype, rt.device)
-    if cfg.lora_base_dtype == "bf16" and amp_dtype != torch.bfloat16:  # bf16 weights, bf16 inputs
+    if cfg.lora_base_dtype == "bf16" and amp_dtype != torch.bfloat16:  # bf16 weights need it
         raise UsageError(f"--lora-base-dtype bf16: --dtype {cfg.dtype or 'auto'} gives no "
                          f"bf16 autocast on {rt.device}")
     # ---- DDP or FSDP2
@@ -134,30 +153,28 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     # ---- optimizer and schedule
     optimizer = make_optimizer(model, cfg, rt.device)
     scheduler = make_scheduler(optimizer, cfg, plan.total)
-    # fp16 only: the loss is scaled up so that small gradients survive, then unscaled
+    # fp16: the loss scaled up so that small gradients survive
     scaler = torch.amp.GradScaler(rt.device.type, enabled=amp_dtype == torch.float16)
     state = State(model, optimizer, scheduler, scaler, tokenizer)
     # ---- resume (in place)
     step = checkpointer.load(state, plan.total)
     run = Run(cfg, rt, plan, train_ds.select_columns(["input_ids", "labels"]), eval_ds.to_list(),
               "first_error" in eval_ds.column_names, model, net, state, amp_dtype, packed, step)
-    return run, reports
+    return run, {"train_data": train_report, "eval_data": eval_report}
 
 
 # ---- data
 class BatchPlan:
-    """Each step's examples: a pure function of (seed, epoch), so a resume needs no loader state.
-    lengths, n_labeled: host lists, per example."""
+    """Each step's examples, a pure function of (seed, epoch): a resume needs no loader state."""
 
     def __init__(self, cfg: Config, lengths: list, n_labeled: list, world_size: int):
         self.cfg, self.lengths, self.n_labeled = cfg, lengths, n_labeled
         self.global_batch = cfg.batch_size * cfg.grad_accum * world_size
         self.steps_per_epoch = math.ceil(len(lengths) / self.global_batch)
         epochs = math.ceil(cfg.epochs * self.steps_per_epoch)
-        # --max-steps, else --epochs passes (one step at least)
         self.total = cfg.max_steps if cfg.max_steps > 0 else max(1, epochs)
         self.epoch = None
-        self.batches = None  # the epoch's global batches
+        self.batches = None
 
     def batch(self, step: int) -> tuple:
         """(epoch, dataset indices) of the step after `step` steps."""
@@ -175,52 +192,35 @@ class BatchPlan:
         return sum(self.n_labeled[i] for i in batch)
 
 
-def load_data(cfg: Config, rt: Runtime, tokenizer, digests: dict) -> tuple:
-    """(BatchPlan, train and eval datasets, their reports)."""
-    with main_first(rt):  # rank 0 fills the datasets cache, then the other ranks read it
-        splits = {cfg.dataset: digests["train"], cfg.eval_dataset: digests["eval"]}
-        train_raw, eval_raw = load_splits(cfg, splits)
-        kw = dict(tokenizer=tokenizer, cfg=cfg, num_proc=cfg.num_proc)
-        train_ds, train_report = tokenize_dataset(train_raw, is_eval=False, **kw)
-        eval_ds, eval_report = tokenize_dataset(eval_raw, is_eval=True, drop_unlabeled=False, **kw)
-    if len(train_ds) == 0:
-        raise UsageError(
-            f"no training example has a labeled step left (--max-length {cfg.max_length}, "
-            f"--max-completion-length {cfg.max_completion_length}): see the report")
-    # [:]: datasets 5 returns a lazy Column, whose every [i] slices Arrow
-    plan = BatchPlan(cfg, train_ds["length"][:], train_ds["n_labeled"][:], rt.world_size)
-    return plan, train_ds, eval_ds, {"train_data": train_report, "eval_data": eval_report}
-
-
 def micro_batch(run: Run, idx: list) -> dict:
-    """The model's keyword arguments and the labels of examples idx, on the device."""
+    """The inputs and labels of examples idx, on the device."""
     cols = run.train_ds[idx]
     rows = [dict(zip(cols, row)) for row in zip(*cols.values())]
     pad = pad_token_id(run.state.tokenizer)
-    # packed: one row, the examples end to end, each attending within itself; else padded rows
+    # packed: one row, each example attending within itself
     mb = pack(rows, pad, run.cfg.pack_to) if run.packed else collate(rows, pad)
-    pin = run.rt.device.type == "cuda"  # pinned memory makes the copies asynchronous
+    pin = run.rt.device.type == "cuda"  # pinned: the copies are asynchronous
     return {k: (v.pin_memory() if pin else v).to(run.rt.device, non_blocking=True)
             if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
 # ---- DDP or FSDP2
 def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
-    """The model as the loop runs it; `model` stays the plain PRM, sharded in place by --fsdp."""
-    if cfg.fsdp:  # before the optimizer: it holds the sharded parameters
+    """`model` stays the plain PRM (sharded in place by --fsdp)."""
+    if cfg.fsdp:  # before the optimizer, which holds the sharded parameters
         check([] if rt.distributed
               else ["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2+"])
-        # each layer of the backbone's longest nn.ModuleList, then the root
+        # each layer of the longest nn.ModuleList, then the root
         stacks = [m for m in model.backbone.modules() if isinstance(m, torch.nn.ModuleList)]
         if not stacks:
             raise ValueError(f"{type(model.backbone).__name__} has no nn.ModuleList to shard")
-        reduce_dtype = torch.float32 if amp_dtype else None  # gradients reduce in fp32
-        policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=reduce_dtype)
+        reduce = torch.float32 if amp_dtype else None  # gradients reduce in fp32
+        policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=reduce)
         for layer in max(stacks, key=len):
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
     net = model
-    if cfg.compile:  # a static graph only when rows padded to --pack-to repeat their shapes
+    if cfg.compile:  # static only when rows padded to --pack-to repeat their shapes
         net = torch.compile(model, dynamic=not (packed and cfg.pack_to))
     if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
         net = DDP(net, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
@@ -229,7 +229,7 @@ def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
 
 # ---- optimizer
 def make_optimizer(model, cfg: Config, device):
-    """AdamW at --lr, no decay on biases/norms; fused where it exists."""
+    """AdamW, no decay on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -241,7 +241,6 @@ def make_optimizer(model, cfg: Config, device):
 
 
 def make_scheduler(optimizer, cfg: Config, total: int):
-    """--lr-scheduler-type after the warmup; cosine_with_min_lr ends at 10% of --lr."""
     warmup = int(cfg.warmup_steps) or math.ceil(cfg.warmup_ratio * total)
     extra = {"min_lr_rate": 0.1} if cfg.lr_scheduler_type == "cosine_with_min_lr" else None
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
@@ -250,49 +249,48 @@ def make_scheduler(optimizer, cfg: Config, total: int):
 
 # ---- the loop
 def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
-    """Optimizer steps until plan.total; evaluations, checkpoints and a stop between them."""
     cfg, total = run.cfg, run.plan.total
-    eval_every = cfg.every("eval", run.plan.steps_per_epoch)  # 0: the final evaluation alone
+    eval_every = cfg.every("eval", run.plan.steps_per_epoch)  # 0: the final one alone
     save_every = cfg.every("save", run.plan.steps_per_epoch)
     run.net.train()
     with Preemption(run.rt) as preemption:
         while run.step < total:
             t0 = time.perf_counter()
             epoch, batch = run.plan.batch(run.step)
-            sums, norm = train_step(run, batch)  # forward, backward, update
+            sums, norm = train_step(run, batch)
             run.step += 1
-            # logging: the loss sums stay on the device until a log step
+            # sums stay on the device until a log step
             write = run.step % cfg.log_every == 0 or run.step == total
             lr = run.state.scheduler.get_last_lr()[0]
             log.add(run.step, batch, sums, norm, t0=t0, epoch=epoch, lr=lr, write=write)
-            # evaluation (finish() evaluates the last step)
+            # (the last step is evaluated at the end)
             if eval_every and run.step % eval_every == 0 and run.step < total:
                 evals = {f"eval_{k}": v for k, v in evaluate(run).items()}
                 log.record({"step": run.step, **evals})
             # preemption and checkpoints
             stop = preemption.agreed(last=run.step == total)
+            if stop and not write:  # the steps since the last log line
+                log.write(run.step, norm, epoch, lr)
             if stop or (save_every and run.step % save_every == 0):
-                if stop:
-                    log.write()  # the steps since the last log line, before the checkpoint
-                log.stop_if_diverged()  # never a checkpoint of non-finite weights (a device sync)
+                log.stop_if_diverged()  # never a checkpoint of non-finite weights
                 checkpointer.save(run.step, run.state)
                 if stop:
                     raise preemption.stopped(run.step)
 
 
 def train_step(run: Run, batch: list) -> tuple:
-    """One optimizer step: this rank's (cross-entropy sum, correct) on device, the grad norm."""
+    """One optimizer step: this rank's (cross-entropy sum, correct), the grad norm."""
     cfg, rt, state = run.cfg, run.rt, run.state
     n_labeled = run.plan.labeled(batch)  # over every rank and micro-batch
     micro = micro_batches(batch, run.plan.lengths, rt.world_size, rt.rank, cfg.grad_accum)
     amp = contextlib.nullcontext()
-    if run.amp_dtype:  # matmuls in bf16 or fp16; the trained weights stay fp32
+    if run.amp_dtype:  # the trained weights stay fp32
         amp = torch.autocast(rt.device.type, dtype=run.amp_dtype)
     sums = torch.zeros(2, device=rt.device)
     for a, idx in enumerate(micro):
         inputs = micro_batch(run, idx)
         labels = inputs.pop("labels")  # (B, T); packed: (1, N)
-        # gradients reduce over the ranks in the last micro-batch's backward only
+        # gradients reduce over ranks in the last micro-batch only
         last = a == len(micro) - 1
         if cfg.fsdp:
             run.model.set_requires_gradient_sync(last)
@@ -300,27 +298,27 @@ def train_step(run: Run, batch: list) -> tuple:
         with run.net.no_sync() if no_sync else contextlib.nullcontext():
             with amp:
                 logits = run.net(**inputs)  # (B, T, 2); packed: (1, N, 2)
-            # over the labels of the whole global batch: each label weighs alike
+            # over the global batch's labels: each label weighs alike
             loss, ce_sum, n_correct = step_loss(logits, labels, n_labeled)
-            # DDP averages gradients over ranks: times world size is the global sum
+            # DDP averages over ranks: times world size, the global sum
             state.scaler.scale(loss * rt.world_size).backward()
         sums += torch.stack([ce_sum, n_correct.float()])
-    state.scaler.unscale_(state.optimizer)  # clip the true gradients, not fp16-scaled ones
+    state.scaler.unscale_(state.optimizer)  # clip the true gradients
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm or math.inf)
-    if isinstance(norm, DTensor):  # sharded: the norm over every rank's gradients
+    if isinstance(norm, DTensor):  # sharded: over every rank's gradients
         norm = norm.full_tensor()
-    scale = state.scaler.get_scale()  # 1.0 without fp16; with it, a device sync
+    scale = state.scaler.get_scale()  # fp16: a device sync
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
-    # a lower scale: inf gradients skipped the update; HF's Trainer skips the schedule too
+    # a lower scale: inf gradients skipped the update; skip the schedule too, as HF does
     if state.scaler.get_scale() >= scale:
         state.scheduler.step()
     return sums, norm
 
 
 def evaluate(run: Run) -> dict:
-    """The held-out metrics, by eval.py's route."""
+    """By eval.py's route."""
     cfg = run.cfg
     probs = predict(run.model, run.eval_rows, batch_size=cfg.eval_batch_size,
                     pad_id=pad_token_id(run.state.tokenizer), amp_dtype=run.amp_dtype, rt=run.rt,
@@ -328,35 +326,16 @@ def evaluate(run: Run) -> dict:
     return report(probs, run.eval_rows, cfg.threshold, run.processbench)
 
 
-def finish(run: Run, checkpointer: Checkpointer, log: "TrainLog", reports: dict,
-           command: str) -> dict:
-    """final/ first (a failed evaluation never costs the weights), then the metrics and card."""
-    log.stop_if_diverged()
-    path = checkpointer.save_final(run.step, run.state)
-    results = evaluate(run)
-    results["train_tokens_per_second"], results["padding_efficiency"] = log.throughput()
-    results.update(reports)
-    if run.rt.is_main:
-        card = model_card(run.cfg, results, command)
-        write_lines(os.path.join(path, "README.md"), [card.removesuffix("\n")])
-        log.record({"step": run.step, "final": results}, echo=False)
-        if log.tracker:
-            log.tracker.close()
-    barrier(run.rt)
-    return results if run.rt.is_main else None
-
-
 # ---- preemption
 class Preemption:
-    """In the block, SIGTERM/SIGINT checkpoint after a step every rank agrees on, then stop; a
-    second signal stops at once. Under torchrun the ranks' flags are summed on a CPU (gloo) group
-    in the background and read after the next step: no wait and no device sync in a step."""
-    signum: int = None  # received in the block
+    """SIGTERM/SIGINT: a checkpoint after a step all ranks agree on, then stop; again: stop now.
+    The ranks' flags sum on a gloo group in the background, read a step later: no device sync."""
+    signum: int = None
 
     def __init__(self, rt: Runtime):
         self.rt = rt
         self.group = dist.new_group(backend="gloo") if rt.distributed else None
-        self.pending = None  # (work, flag): the last step's sum, in flight
+        self.pending = None  # (work, flag) in flight
 
     def __enter__(self):
         self.old = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -365,28 +344,27 @@ class Preemption:
     def __exit__(self, *exc):
         for s, handler in self.old.items():
             signal.signal(s, handler)
-        if self.pending:  # every rank started it: it completes
+        if self.pending:  # every rank started it
             self.pending[0].wait()
 
     def on_signal(self, signum, frame):
-        if self.signum is not None:  # asked twice: stop now, without a checkpoint
+        if self.signum is not None:
             name = signal.Signals(signum).name
             raise Stopped(f"stopped by {name} again: no checkpoint saved", signum)
         self.signum = signum
 
     def agreed(self, last: bool) -> bool:
-        """Whether every rank stops after this step; last: the loop's last step (read now)."""
+        """Whether every rank stops (on the last step: known now)."""
         mine = self.signum is not None
         if not self.rt.distributed:
             return mine
         if self.pending and self.read():
             return True
-        flag = torch.tensor([float(mine)])  # on the CPU: summing it never syncs the device
+        flag = torch.tensor([float(mine)])  # on the CPU: no device sync
         self.pending = (dist.all_reduce(flag, group=self.group, async_op=True), flag)
         return self.read() if last else False
 
     def read(self) -> bool:
-        """Whether a rank was signalled at the pending sum's step (waits for it)."""
         work, flag = self.pending
         self.pending = None
         work.wait()
@@ -400,8 +378,8 @@ class Preemption:
 
 # ---- logging
 class TrainLog:
-    """Rank 0's progress bar, metrics.jsonl, tracker and log lines; every rank's sums behind them,
-    on the device until a log step's all-reduce; divergence; the time left."""
+    """Progress bar, metrics.jsonl, tracker; every rank's sums, on the device until a log step;
+    divergence; the time left."""
 
     def __init__(self, run: Run, quiet: bool):
         cfg, rt = run.cfg, run.rt
@@ -409,58 +387,48 @@ class TrainLog:
         self.pbar = tqdm(total=run.plan.total, initial=run.step, desc="train",
                          disable=quiet or not rt.is_main)
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
-        if self.path:  # there from the start, even if the run ends before its first record
+        if self.path:  # there even with no record
             write_lines(self.path, [], "a")
-        tracked = rt.is_main and cfg.report_to != "none"  # TensorBoard or W&B
+        tracked = self.path and cfg.report_to != "none"
         self.tracker = Tracker(cfg, run.step) if tracked else None
-        self.n_chunks = rt.world_size * cfg.grad_accum  # the micro-batches of a step
+        self.n_chunks = rt.world_size * cfg.grad_accum  # micro-batches per step
         self.pack_to = cfg.pack_to if run.packed else None
-        self.check_norm = not run.state.scaler.is_enabled()  # fp16: inf norm, a skipped step
-        fp16 = "; or train in bf16 instead of fp16" if cfg.dtype == "fp16" else ""
-        self.hint = f"Lower --lr (now {cfg.lr:g}) or add --warmup-steps{fp16}"
+        self.check_norm = not run.state.scaler.is_enabled()  # fp16 skips inf-norm steps
+        self.cfg = cfg
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
         self.new_window()
         self.total_tokens = 0
-        self.total_padded = 0  # the tokens with padding
+        self.total_padded = 0
         self.total_seconds = 0.0
-        self.last_finite = None  # (step, loss) of the last finite log line
-        self.timed_from = None  # (step, time) the time left is estimated from
+        self.last_finite = None  # (step, loss)
+        self.timed_from = None  # (step, time)
         self.estimated = False
         self.since_resume = bool(run.step)
-        self.unwritten = None  # (step, norm, epoch, lr) of a step not logged yet
 
     def add(self, step: int, batch: list, sums, norm, *, t0: float, epoch: int, lr: float,
             write: bool):
-        """sums: this rank's (cross-entropy sum, correct) of an optimizer step."""
-        tokens = self.plan.tokens(batch)
         bad = ~torch.isfinite(sums[0]) | (~torch.isfinite(norm) if self.check_norm else False)
         self.bad_step = torch.where((self.bad_step == 0) & bad, step, self.bad_step)
         self.window += sums
         self.window_labeled += self.plan.labeled(batch)
-        self.window_tokens += tokens
-        self.total_tokens += tokens
+        self.window_tokens += self.plan.tokens(batch)
         self.total_padded += padded_tokens(batch, self.plan.lengths, self.n_chunks, self.pack_to)
         self.pbar.update(1)
         self.estimate(step)
-        self.unwritten = (step, norm, epoch, lr)
         if write:
-            self.write(t0)
+            self.write(step, norm, epoch, lr, t0)
         else:
             self.window_seconds += time.perf_counter() - t0
 
-    def write(self, t0: float = None):
-        """Logs the window's unwritten step, all ranks together."""
-        if self.unwritten is None:
-            return
-        step, norm, epoch, lr = self.unwritten
-        self.unwritten = None
+    def write(self, step: int, norm, epoch: int, lr: float, t0: float = None):
+        """Logs the window, all ranks together."""
         flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
         stats = torch.cat([self.window, flags])
         if self.rt.distributed:
             dist.all_reduce(stats)
         stats = stats.tolist()
-        if t0 is not None:  # timed after the sync, so queued device work is counted
+        if t0 is not None:  # after the sync: queued device work counts
             self.window_seconds += time.perf_counter() - t0
         n = max(self.window_labeled, 1)
         rec = {"step": step, "loss": stats[0] / n, "acc": stats[1] / n, "lr": lr,
@@ -475,27 +443,26 @@ class TrainLog:
         if stats[3] > 0:
             self.diverged()
         self.total_seconds += self.window_seconds
+        self.total_tokens += self.window_tokens
         self.new_window()
 
     def new_window(self):
-        """The sums since the last log line start again."""
         self.window.zero_()
         self.window_labeled = 0
         self.window_tokens = 0
         self.window_seconds = 0.0
 
     def record(self, rec: dict, echo: bool = True):
-        """A line of metrics.jsonl (NaN and infinity as null), to the tracker, and echoed."""
         if self.path is None:
             return
         write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
-        if self.tracker is not None:
+        if self.tracker:
             self.tracker.log(rec)
         if echo:
             self.pbar.write(log_line(rec))
 
     def estimate(self, step: int):
-        """Says the time left once, timed after the first step (compiling)."""
+        """Says the time left once, timed from the first step's end (compiling)."""
         now = time.perf_counter()
         self.timed_from = self.timed_from or (step, now)
         done = step - self.timed_from[0]
@@ -507,7 +474,7 @@ class TrainLog:
             self.estimated = True
 
     def stop_if_diverged(self):
-        """Diverged if a step so far was not finite (syncs every rank)."""
+        """Syncs every rank."""
         bad = (self.bad_step > 0).float()
         if self.rt.distributed:
             dist.all_reduce(bad)
@@ -518,12 +485,14 @@ class TrainLog:
         last = "no finite loss logged before it"
         if self.last_finite:
             last = "last finite loss {1:.4g} at step {0}".format(*self.last_finite)
+        fp16 = "; or train in bf16 instead of fp16" if self.cfg.dtype == "fp16" else ""
         raise Diverged(f"the loss or gradient norm is not finite at step "
                        f"{int(self.bad_step) or '? (on another rank)'} ({last}); no checkpoint "
-                       f"was written from then on. {self.hint}")
+                       f"was written from then on. Lower --lr (now {self.cfg.lr:g}) or add "
+                       f"--warmup-steps{fp16}")
 
     def throughput(self) -> tuple:
-        """(non-pad tokens/s, non-pad / padded tokens); None, None when no step ran."""
+        """(non-pad tokens/s, non-pad / padded tokens), None if no step ran."""
         if not self.total_tokens:
             return None, None
         return (self.total_tokens / max(self.total_seconds, 1e-9),
@@ -539,28 +508,21 @@ def short_number(n: float) -> str:
 
 
 def log_line(rec: dict) -> str:
-    """A metrics.jsonl record as a log line; None reads 'n/a'."""
     if "loss" in rec:
         since = " | since resume" if rec.get("since_resume") else ""
         return (f"step {rec['step']} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | "
                 f"lr {rec['lr']:.2e} | norm {rec['norm']:.2f} | "
                 f"{short_number(rec['tok_per_s'])} tok/s{since}")
-    shown = {k: f"{v:.4f}" if isinstance(v, float) else "n/a" if v is None else v
-             for k, v in rec.items()}
-    return " | ".join(f"{k} {v}" for k, v in shown.items())
+    return " | ".join(f"{k} {shown(v)}" for k, v in rec.items())
 
 
 def strict_json(x):
-    """NaN and infinity -> null (strict JSON)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: strict_json(v) for k, v in x.items()}
-    return [strict_json(v) for v in x] if isinstance(x, list) else x
+    """NaN and infinity -> null."""
+    return json.loads(json.dumps(x), parse_constant=lambda name: None)
 
 
 if __name__ == "__main__":
-    with exit_status():  # one line and exit status 2 (bad input), 1 (failed write), 3 (divergence)
+    with exit_status():  # one line; exit 2: bad input, 1: failed write, 3: divergence
         results = train(CLI_CONFIG, launch_command())
     if results is not None:
         summary = {k: v for k, v in results.items() if k not in ("train_data", "eval_data")}

@@ -1,2 +1,1 @@
-"""What train.py saves and reports: checkpoints, resume and model directories (checkpoint), the
-model card and trackers (report)."""
+"""What train.py saves (checkpoint) and reports (report)."""

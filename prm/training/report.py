@@ -1,6 +1,4 @@
-"""What a run reports besides metrics.jsonl: the model card (README.md) in final/ (what the model
-is, how it scores, its metrics, license, versions and command), and the TensorBoard or W&B
-tracker."""
+"""The model card (final/README.md) and the TensorBoard or W&B tracker."""
 import dataclasses
 import importlib
 import os
@@ -15,8 +13,7 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 from prm.errors import check
 from prm.readers.sources import is_local
 
-# the card, a jinja template; its usage example uses plain transformers + torch, tokenizing as
-# prm.core.data.tokenize_example does
+# jinja; the snippet tokenizes as prm.core.data does
 TEMPLATE = '''---
 {{ card_data }}
 ---
@@ -24,27 +21,22 @@ TEMPLATE = '''---
 # Process reward model
 
 A process reward model (PRM) trained from \
-{{ "a 3-layer, 128-wide Qwen2 decoder initialized at random (`--model tiny`)" if tiny \
+{{ "a random 3-layer, 128-wide Qwen2 decoder (`--model tiny`)" if tiny \
 else "`%s`" % cfg.model }} on `{{ cfg.dataset }}` with `prm`, by \
 {% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha {{ g(cfg.lora_alpha) }}, dropout \
 {{ g(cfg.lora_dropout) }}, targets `{{ cfg.lora_targets }}`), merged into the weights; the 2-way \
-head fully trained{% else %}full fine-tuning of every weight{% endif %}. For every step of a \
-solution it gives the probability that the step is correct.
+head fully trained{% else %}full fine-tuning of every weight{% endif %}. It gives each step of a \
+solution the probability that it is correct.
 
 ## How it scores
 
-- Architecture: the backbone plus a linear head with 2 outputs per token; it loads with \
-`AutoModelForTokenClassification`.
-- Labels: class 1 = `correct`, class 0 = `incorrect` (`id2label` in `config.json`); \
-P(correct) = softmax(logits)[..., 1].
+- An `AutoModelForTokenClassification`: class 1 = `correct`, class 0 = `incorrect` \
+(`id2label`); P(correct) = softmax(logits)[..., 1].
 - Step separator: `{{ sep }}`, also in `config.json` under `prm` with the length caps.
-- Tokens: the prompt's ids (BOS first only if the tokenizer has one), then for each step \
-ids(step) + ids(separator), each piece tokenized on its own without special tokens. A step's \
-score is read at the LAST token of its separator; scores elsewhere mean nothing. Build inputs \
-exactly this way (`prm.core.data.tokenize_example`, `prm.core.evaluate.score`): joining the text \
-and tokenizing it once gives other ids with BPE tokenizers.
+- Inputs: as `score()` below builds them, each piece tokenized alone (the joined text gives \
+other ids with BPE); a step's score is read at the LAST token of its separator.
 - Training: {{ cfg.batch_size }} examples per device x {{ cfg.grad_accum }} accumulation steps, \
-peak learning rate {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
+peak lr {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
 example{{ " and %d tokens of steps" % cfg.max_completion_length if cfg.max_completion_length }}\
 {{ ", on the last step's label only" if cfg.train_on_last_step_only }}.
 
@@ -61,9 +53,7 @@ sep = model.config.prm["step_separator"]  # what training appended to every step
 
 
 def score(prompt: str, steps: list) -> list:
-    """P(correct) per step. Each piece is tokenized on its own; a step's score is read at its \
-separator's last
-    token. (Training also dropped whole steps past model.config.prm["max_length"] tokens.)"""
+    """P(correct) per step (training dropped steps past model.config.prm["max_length"])."""
     piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + piece(prompt)
     ends = []
@@ -83,7 +73,7 @@ The same with this package: `prm.core.evaluate.score(model, tokenizer, prompt, s
 ## Held-out metrics
 
 On {{ "`%s`" % cfg.eval_dataset if cfg.eval_dataset \
-else "the held-out part of the training source" }}; a step counts as predicted correct when \
+else "the held-out part of the training source" }}; a step is predicted correct when \
 P(correct) >= {{ g(cfg.threshold) }}; class 0 = incorrect step.
 
 {{ table }}
@@ -91,7 +81,7 @@ P(correct) >= {{ g(cfg.threshold) }}; class 0 = incorrect step.
 ## License and versions
 
 - Base model license: {{ license or ("none: no base model (random initialization)" if tiny \
-else "unknown (not in a local or cached card of the base model): see its own card") }}.
+else "unknown (no local or cached card)") }}.
 - Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}.
 
 ## Command
@@ -102,35 +92,15 @@ else "unknown (not in a local or cached card of the base model): see its own car
 
 ## Citations
 
-Process supervision was introduced and studied in:
-
-```bibtex
-@article{uesato2022solving,
-  title   = {Solving math word problems with process- and outcome-based feedback},
-  author  = {Uesato, Jonathan and Kushman, Nate and Kumar, Ramana and Song, Francis and \
-Siegel, Noah and
-             Wang, Lisa and Creswell, Antonia and Irving, Geoffrey and Higgins, Irina},
-  journal = {arXiv preprint arXiv:2211.14275},
-  year    = {2022}
-}
-
-@article{lightman2023lets,
-  title   = {Let's Verify Step by Step},
-  author  = {Lightman, Hunter and Kosaraju, Vineet and Burda, Yura and Edwards, Harri and \
-Baker, Bowen and
-             Lee, Teddy and Leike, Jan and Schulman, John and Sutskever, Ilya and Cobbe, Karl},
-  journal = {arXiv preprint arXiv:2305.20050},
-  year    = {2023}
-}
-```
+- Uesato et al. 2022, Solving math word problems with process- and outcome-based feedback, \
+arXiv:2211.14275.
+- Lightman et al. 2023, Let's Verify Step by Step, arXiv:2305.20050.
 
 '''  # jinja drops the last newline
 
-NOT_HELD_OUT = ("train_tokens_per_second", "padding_efficiency")  # training figures, not metrics
-
 
 def launch_command(argv=None, env=None) -> str:
-    """The command line; under torchrun, the torchrun line that started it (no rendezvous flags)."""
+    """The command line; under torchrun, its torchrun line (no rendezvous flags)."""
     argv, env = list(sys.argv if argv is None else argv), os.environ if env is None else env
     if "LOCAL_WORLD_SIZE" in env:
         local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
@@ -140,7 +110,7 @@ def launch_command(argv=None, env=None) -> str:
 
 
 def config_command(cfg) -> str:
-    """A `python train.py` line for a run started from Python: every non-default setting."""
+    """For a run started from Python: `python train.py` and every non-default setting."""
     default, args = type(cfg)(), []
     for name, value in vars(cfg).items():
         if value != getattr(default, name):
@@ -151,7 +121,7 @@ def config_command(cfg) -> str:
 
 
 def base_license(model: str) -> str:
-    """The base model's license from its card in a local folder or the hub cache, or ''; offline."""
+    """From the base model's local or cached card, or ''; offline."""
     if model == "tiny":
         return ""
     try:
@@ -164,7 +134,7 @@ def base_license(model: str) -> str:
 
 
 def model_card(cfg, metrics: dict, command: str) -> str:
-    """Deterministic markdown: the same run gives the same text (no dates, no timings)."""
+    """Deterministic markdown: no dates, no timings."""
     tiny = cfg.model == "tiny"
     license = base_license(cfg.model)
     # hub metadata names hub models and datasets only
@@ -173,17 +143,22 @@ def model_card(cfg, metrics: dict, command: str) -> str:
                          tags=["process-reward-model", "prm"], license=license or None,
                          datasets=hub or None,
                          base_model=None if tiny or os.path.exists(cfg.model) else cfg.model)
-    shown = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list))}
-    rows = [f"| {k} | {'n/a' if v is None else f'{v:.4f}' if isinstance(v, float) else v} |"
-            for k, v in shown.items() if k not in NOT_HELD_OUT]
+    # not the data reports nor the training figures
+    rows = [f"| {k} | {shown(v)} |" for k, v in metrics.items() if not isinstance(v, (dict, list))
+            and k not in ("train_tokens_per_second", "padding_efficiency")]
     return str(ModelCard.from_template(
         data, template_str=TEMPLATE, cfg=cfg, tiny=tiny, sep=repr(cfg.step_separator),
         table="\n".join(["| metric | value |", "|---|---|"] + rows), license=license,
         command=command, version=version, g=lambda x: f"{x:g}"))
 
 
+def shown(v) -> str:
+    """A metric in a log line or the card."""
+    return "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
 def tracker_module(report_to: str):
-    """The tracker's module (None for 'none'); UsageError if it is not installed."""
+    """None for 'none'; UsageError if not installed."""
     if report_to == "none":
         return None
     name = "torch.utils.tensorboard" if report_to == "tensorboard" else "wandb"
