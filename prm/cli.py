@@ -48,7 +48,7 @@ class Given(argparse.Action):
 def nearest(name: str, names: list):
     """difflib's closest name whose every word is near one of name's, or None."""
     def words(text: str) -> list:
-        return [w for w in re.split(r"[-_]+", text.lower()) if w]
+        return re.findall(r"[^-_]+", text.lower())
 
     def near(typed: str, word: str) -> bool:  # 'eps' for 'epsilon', 'lenght' for 'length'
         return word.startswith(typed) or difflib.SequenceMatcher(None, typed, word).ratio() >= 0.75
@@ -118,13 +118,14 @@ class Parser(argparse.ArgumentParser):
             return
         kw["dest"] = m.get("dest", f.name)
         names = [m.get("flag", "--" + f.name)[2:]] + [t for t in m["trl"] if isinstance(t, str)]
-        dashed = list(dict.fromkeys(map(flag, names)))
+        dashed = list(map(flag, names))
         hidden = {**kw, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
         spelled = [(dashed, kw, dashed[0]), (["--" + n for n in names], hidden, dashed[0])]
-        spelled += [([flag(c.name), "--" + c.name], {**hidden, "type": str, "nargs": c.nargs,
-                                                      "const": SWITCH if c.nargs == "?" else None,
-                                                      "choices": None}, None)
-                    for c in m["trl"] if not isinstance(c, str)]
+        for c in m["trl"]:
+            if not isinstance(c, str):
+                const = SWITCH if c.nargs == "?" else None
+                more = dict(hidden, type=str, nargs=c.nargs, const=const, choices=None)
+                spelled.append(([flag(c.name), "--" + c.name], more, None))
         for spellings, more, shown_as in spelled:
             taken = group._option_string_actions
             spellings = [s for s in dict.fromkeys(spellings) if s not in taken]

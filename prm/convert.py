@@ -39,9 +39,8 @@ def main(argv=None):
 
 
 def _write(rows: list, output: str):
-    for row in rows:
-        row.pop("where", None)
-    lines = [json.dumps(row, ensure_ascii=False) for row in rows]
+    lines = [json.dumps({k: v for k, v in row.items() if k != "where"}, ensure_ascii=False)
+             for row in rows]
     try:
         if output == "-":
             sys.stdout.writelines(line + "\n" for line in lines)
