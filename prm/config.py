@@ -297,8 +297,8 @@ class Config:
         out = field_problems(self)
         if self.fsdp and self.dtype == "fp16":
             out.append("--dtype 'fp16': fp16 loss scaling is not supported with --fsdp: use bf16")
-        bf16_autocast = self.dtype in ("bf16", None)
-        if self.lora_base_dtype == "bf16" and not (self.lora_rank() and bf16_autocast):
+        bf16 = self.dtype in ("bf16", None)  # autocast
+        if self.lora_base_dtype == "bf16" and not (self.lora_rank() and bf16):
             out.append("--lora-base-dtype 'bf16': bf16 needs --lora-r > 0 and bf16 autocast "
                        "(--dtype bf16 or auto)")
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
@@ -362,8 +362,7 @@ def kind(f) -> type:  # float for Optional[float]
     return ([t for t in get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
-def unique_keys(pairs: list) -> dict:
-    """json's object_pairs_hook, refusing a key given twice."""
+def unique_keys(pairs: list) -> dict:  # json's object_pairs_hook
     out = {}
     for key, value in pairs:
         if key in out:
