@@ -1,5 +1,4 @@
-"""Flags from options dataclasses (prm.config.opt) and train.py's --config files, TRL's names
-translated alike for both; every error one line."""
+"""Flags from opt() fields, and train.py's --config files; TRL's names for both."""
 import argparse
 import difflib
 import json
@@ -17,25 +16,23 @@ from prm.errors import UsageError, check
 # {TRL name: (field, its Converted or None)}
 ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t)
            for f in fields(Config) for t in f.metadata["trl"]}
-# TRL / HF flags left out on purpose, with what to do instead
+# TRL / HF flags left out on purpose: what to do instead
 UNSUPPORTED = {name: why for names, why in [
-    ("push_to_hub hub_model_id hub_token", "upload <output-dir>/final yourself (hf upload)"),
-    ("deepspeed fsdp_config", "launch with torchrun: DDP, or --fsdp (FSDP2)"),
-    ("do_train do_eval do_predict",
-     "train.py always trains and evaluates; eval.py scores a saved model"),
-    ("optim lr_scheduler_kwargs", "the optimizer is AdamW; the schedule: --lr-scheduler-type"),
-    ("load_in_4bit load_in_8bit", "no quantized base: --lora-base-dtype bf16 halves its memory"),
-    ("use_rslora use_dora lora_modules_to_save", "plain LoRA here; the head trains fully"),
-    ("max_prompt_length", "prompts are kept whole: --max-completion-length caps the steps"),
-    ("attn_implementation", "chosen per device: SDPA, varlen flash with --packing"),
+    ("push_to_hub hub_model_id hub_token", "upload <output-dir>/final yourself"),
+    ("deepspeed fsdp_config", "launch with torchrun: DDP, or --fsdp"),
+    ("do_train do_eval do_predict", "train.py always trains and evaluates"),
+    ("optim lr_scheduler_kwargs", "the optimizer is AdamW; see --lr-scheduler-type"),
+    ("load_in_4bit load_in_8bit", "try --lora-base-dtype bf16"),
+    ("use_rslora use_dora lora_modules_to_save", "plain LoRA only"),
+    ("max_prompt_length", "prompts are kept whole; see --max-completion-length"),
+    ("attn_implementation", "chosen per device"),
 ] for name in names.split()}
-REQUIRED = "(required)"  # a required flag's default: Parser.parse_args checks, after unknown ones
-SWITCH = True  # a switch's const: its value given alone
+REQUIRED = "(required)"  # default of a required flag: checked after unknown flags
+SWITCH = True  # a switch's const: given alone
 
 
 class Given(argparse.Action):
-    """Appends (name given, field, value) to the namespace's `given`; a switch's value is a bool
-    (`--x`, `--x false`, `--no-x`)."""
+    """Appends (name given, field, value) to `given`; a switch's value: a bool."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
@@ -49,9 +46,9 @@ class Given(argparse.Action):
 
 
 def nearest(name: str, names: list):
-    """The name a typo meant: difflib's closest whose every word is near one of name's, or None."""
+    """difflib's closest name whose every word is near one of name's, or None."""
     def words(text: str) -> list:
-        return [w for w in re.split(r"[-_]+", text.lower()) if w]
+        return re.findall(r"[^-_]+", text.lower())
 
     def near(typed: str, word: str) -> bool:  # 'eps' for 'epsilon', 'lenght' for 'length'
         return word.startswith(typed) or difflib.SequenceMatcher(None, typed, word).ratio() >= 0.75
@@ -60,7 +57,7 @@ def nearest(name: str, names: list):
 
 
 class Formatter(argparse.HelpFormatter):
-    """Paragraphs kept; a default as typed: 'auto' for a choice's None, 1,4,16, '\\n'."""
+    """Paragraphs kept; defaults as typed ('auto', 1,4,16, '\\n')."""
 
     def _fill_text(self, text, width, indent):
         return "\n\n".join(super(Formatter, self)._fill_text(p, width, indent)
@@ -82,9 +79,8 @@ class Formatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """Dataclasses' opt() fields as flags; parse_args sets each to what translate() reads from
-    the flags given (also in `given`), else its default. No abbreviations: with the aliases a
-    prefix often fits several."""
+    """opt() fields as flags; the values given also in `given`. No abbreviations: with the
+    aliases a prefix often fits several."""
 
     def __init__(self, *classes, usage: str = None, **kw):
         own = [f for cls in classes for f in fields(cls) if "help" in f.metadata]
@@ -97,7 +93,6 @@ class Parser(argparse.ArgumentParser):
             self.add_fields(cls)
 
     def add_fields(self, cls, names=None, group=None):
-        """cls's fields (those in names) as flags, on group without defaults."""
         section = group or self
         for f in fields(cls):
             if "help" in f.metadata and (names is None or f.name in names):
@@ -107,15 +102,14 @@ class Parser(argparse.ArgumentParser):
                 self.fields[f.name] = f
 
     def add_field(self, group, f, shown: bool):
-        """f as --its-name (or its `flag`) and TRL names; underscore spellings and converting
-        TRL names hidden."""
+        """Underscore spellings and converting TRL names hidden."""
         m = f.metadata
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
         default = REQUIRED if m.get("required") else f.default
         kw.update(action=Given, default=default if shown else argparse.SUPPRESS)
-        if kind(f) is bool:  # `--skip-invalid INPUT`: INPUT is not its value
+        if kind(f) is bool:  # positionals: `--skip-invalid INPUT` takes no value
             kw.update(nargs=0 if self.bare else "?", const=SWITCH, metavar="BOOL")
-        elif kind(f) is tuple:  # 1,4,16; with nargs, a word an item
+        elif kind(f) is tuple:  # 1,4,16, or with nargs a word an item
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
             kw.setdefault("type", kind(f))
@@ -124,19 +118,20 @@ class Parser(argparse.ArgumentParser):
             return
         kw["dest"] = m.get("dest", f.name)
         names = [m.get("flag", "--" + f.name)[2:]] + [t for t in m["trl"] if isinstance(t, str)]
-        dashed = list(dict.fromkeys(map(flag, names)))
+        dashed = list(map(flag, names))
         hidden = {**kw, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
         spelled = [(dashed, kw, dashed[0]), (["--" + n for n in names], hidden, dashed[0])]
-        spelled += [([flag(c.name), "--" + c.name], {**hidden, "type": str, "nargs": c.nargs,
-                                                      "const": SWITCH if c.nargs == "?" else None,
-                                                      "choices": None}, None)
-                    for c in m["trl"] if not isinstance(c, str)]
+        for c in m["trl"]:
+            if not isinstance(c, str):
+                const = SWITCH if c.nargs == "?" else None
+                more = dict(hidden, type=str, nargs=c.nargs, const=const, choices=None)
+                spelled.append(([flag(c.name), "--" + c.name], more, None))
         for spellings, more, shown_as in spelled:
-            taken = group._option_string_actions  # the underscore spelling may be the dashed one
+            taken = group._option_string_actions
             spellings = [s for s in dict.fromkeys(spellings) if s not in taken]
             if more.get("const") is SWITCH:
                 spellings += ["--no-" + s[2:] for s in spellings]
-            if spellings:  # flag: the name a bad value's error gives
+            if spellings:  # flag: what a bad value's error names
                 group.add_argument(*spellings, **more).flag = shown_as
 
     def parse_known_args(self, args=None, namespace=None):
@@ -154,7 +149,6 @@ class Parser(argparse.ArgumentParser):
         return ns
 
     def error(self, message: str):
-        # a bad value's flag named as --help lists it, not "--batch_size/--per_device_train..."
         bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
         action = self._option_string_actions.get(bad[1]) if bad else None
         if getattr(action, "flag", None):
@@ -178,23 +172,20 @@ def flag_of(f) -> str:
 
 
 def comma_list(kind):
-    """--n 1,4,16 as a tuple of kind."""
     def comma_list(text: str) -> tuple:  # argparse's error names it
         return tuple(kind(x.strip()) for x in text.split(","))
     return comma_list
 
 
 def translate(pairs: list, known: dict, where: str = "") -> dict:
-    """{field: value} of (name given, field, value) from flags or a file (where: '--config
-    FILE: ', its values checked too). --bf16 / --fp16 act on the dtype so far; a field set under
-    two names is refused, under one twice: the last wins."""
+    """{field: value} of (name given, field, value); where: '--config FILE: ', values checked."""
     def fail(what: str):
         raise UsageError(where + what)
     out, named = {}, {}
     for name, dest, value in pairs:
-        plain = name.strip("'-").replace("-", "_")  # '--learning-rate' or "'learning_rate'"
+        plain = name.strip("'-").replace("-", "_")
         if plain in UNSUPPORTED:
-            if where and value in (None, False):  # `push_to_hub: false` asks nothing
+            if where and value in (None, False):  # `push_to_hub: false`
                 continue
             fail(f"{name} is not supported: {UNSUPPORTED[plain]}")
         dest, conv = ALIASES.get(plain, (dest, None))
@@ -224,7 +215,7 @@ def parsed(cls, args):
 
 
 def writable(path: str) -> bool:
-    """Whether path, or its nearest existing parent folder, is writable."""
+    """Whether path, or its nearest existing parent, is writable."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
@@ -232,7 +223,7 @@ def writable(path: str) -> bool:
 
 
 class BoundedLoader(yaml.SafeLoader):
-    """SafeLoader refusing a key given twice and over 20 aliases ('billion laughs')."""
+    """Refuses a repeated key and over 20 aliases ('billion laughs')."""
     aliases = 0
 
     def compose_node(self, parent, index):
@@ -245,7 +236,7 @@ class BoundedLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node, deep=False):
         seen = set()
-        for key, _ in node.value:  # a merge (<<: *base) may repeat a key: the mapping's own wins
+        for key, _ in node.value:  # a merge (<<: *base) may repeat a key
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
                 if key.value in seen:
                     raise yaml.MarkedYAMLError(problem=f"key {preview(key.value)} given twice",
@@ -264,7 +255,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 def read_config_file(path: str) -> dict:
     where = f"--config {path}: "
-    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block open() for ever
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO: open() blocks
         raise UsageError(where + "not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
@@ -274,7 +265,7 @@ def read_config_file(path: str) -> dict:
                 data = yaml.load(f, BoundedLoader)
     except yaml.YAMLError as e:
         raise UsageError(where + yaml_problem(e)) from None
-    except (OSError, ValueError, RecursionError) as e:  # json's decode error: a ValueError
+    except (OSError, ValueError, RecursionError) as e:
         raise UsageError(where + str(e)) from None
     if data is not None and not isinstance(data, dict):
         raise UsageError(where + f"expected a mapping of settings, got {type(data).__name__}")
@@ -283,18 +274,17 @@ def read_config_file(path: str) -> dict:
 
 
 def parse_config(argv=None) -> Config:
-    """train.py's command line, resolved: flags given win over --config FILE, then defaults."""
-    p = Parser(Config, description="Train a process reward model. Every flag also takes its "
-               "underscore spelling (--max_length) and, where it has one, TRL's name "
-               "(--learning_rate).")
-    p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON file of settings, "
-                   "keys as in config.train.json; flags given here override it")
+    """train.py's command line, resolved."""
+    p = Parser(Config, description="Train a process reward model. Flags also take their "
+               "underscore spelling (--max_length) and TRL's names (--learning_rate).")
+    p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON settings, keys as "
+                   "in config.train.json; flags override it")
     args = p.parse_args(argv)
     from_file = read_config_file(args.config) if args.config else {}
-    for key in ("overwrite", "trust_remote_code", "resume"):  # command line only
+    for key in ("overwrite", "trust_remote_code", "resume"):
         if from_file.pop(key, False):
-            print(f"note: --config {args.config}: {key} ignored: only {flag(key)} on the command "
-                  "line sets it", file=sys.stderr)
+            print(f"note: --config {args.config}: {key} ignored: command line only",
+                  file=sys.stderr)
     cfg = Config(**{**from_file, **args.given}).resolve()
     out_ok = cfg.output_dir and writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
     check([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"])

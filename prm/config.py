@@ -1,5 +1,4 @@
-"""Config: every training/eval setting, each an opt() field (help, choices, bounds). Its flags
-and --config files: prm.cli."""
+"""Config: every training/eval setting, an opt() field each; prm.cli makes them flags."""
 import contextlib
 import dataclasses
 import json
@@ -16,11 +15,9 @@ FILE = "config.train.json"
 FORMATS = ["auto", "pretokenized", "stepwise", "math_shepherd", "prm800k", "processbench",
            "candidates", "prmbench", "mrben"]
 SCHEDULES = ["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
-# a field's `rules`. change: a resume may change it; rows: it shapes the rows read (and keys their
-# cache); scoring: eval.py takes it
+# change: a resume may change it; rows: it shapes the rows read; scoring: eval.py takes it
 RULES = {"change", "rows", "scoring"}
-# auto is None; 0 (a number) or "auto" (a choice) still read as it
-AUTO = (0, "auto")
+AUTO = (0, "auto")  # still auto (None)
 BOOLEAN = ("true", "false", "yes", "no", "1", "0")
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 200, 200
@@ -32,7 +29,6 @@ def unescape(text: str) -> str:
 
 
 def boolean(value) -> bool:
-    """A switch's value as HF takes it: true/false, yes/no, 1/0, any case."""
     text = str(value).lower()
     if text not in BOOLEAN:
         raise ValueError(f"expected true or false, got {preview(value)}")
@@ -40,14 +36,13 @@ def boolean(value) -> bool:
 
 
 def preview(value) -> str:
-    """repr(value) in about 200 characters at most, a deep value unexpanded."""
     text = _SHORT.repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
 
 
 class Converted(NamedTuple):
-    """A TRL name setting a field through convert. nargs "?": a switch (convert gets a bool);
-    "+": a list. keep: values a false switch leaves alone and a true one refuses."""
+    """A TRL name setting a field through convert. nargs "?": a switch, "+": a list; keep: values
+    a false switch keeps and a true one refuses."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -62,7 +57,6 @@ def torch_dtype(name: str) -> str:
 
 
 def target_list(value) -> str:
-    """TRL's lora_target_modules (a list, or PEFT's 'all-linear') as our patterns."""
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"expected a list of module names, got {preview(value)}")
@@ -70,10 +64,8 @@ def target_list(value) -> str:
 
 
 def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like=None, **kw):
-    """A field and its flag: help; argparse's choices, type, required, nargs, metavar, dest;
-    check: bound()s; section: starts a --help group; flag: not --field-name; positional; rules:
-    words of RULES; trl: TRL names; like: another field, with what is given instead."""
-    assert set(rules.split()) <= RULES, rules
+    """A field and its flag. kw: argparse's, section (a --help group), flag, positional. like:
+    a field to copy but for what is given."""
     meta = dict(help=help, rules=frozenset(rules.split()), trl=trl, check=check, **kw)
     if like is not None:
         default, meta = like.default, {**like.metadata, **{k: v for k, v in meta.items() if v}}
@@ -89,7 +81,6 @@ def at_least(n) -> tuple:
 
 
 def within(lo, hi, ends: str = "[]") -> tuple:
-    """Each end closed ([ ]) or open (( ))."""
     def test(v) -> bool:
         return (lo <= v if ends[0] == "[" else lo < v) and (v <= hi if ends[1] == "]" else v < hi)
     return bound(test, f"must be in {ends[0]}{lo}, {hi}{ends[1]}")
@@ -102,10 +93,10 @@ def not_empty(why: str) -> tuple:
 FINITE = bound(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")  # NaN fails too
 WHOLE = bound(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)")  # inf % 1: nan
 LARGEST = bound(lambda v: v <= 2 ** 24, "must be at most 2^24")  # beyond: index lists overflow
+COUNT = at_least(0)
 
 
 def field_problems(options) -> list:
-    """'--flag value: why' for each value (a tuple's item) its field's check fails."""
     out = []
     for f in fields(options):
         value = getattr(options, f.name)
@@ -117,163 +108,157 @@ def field_problems(options) -> list:
 
 
 class Checked:
-    """Refuses values its fields' checks fail."""
-
     def __post_init__(self):
         check(field_problems(self))
 
 
 def _switch(name: str, other: str) -> Converted:
-    """TRL's --bf16 / --fp16 [BOOL]: true is that dtype, false fp32 (or the other one)."""
+    """TRL's --bf16 / --fp16 [BOOL]: false is fp32 (or the other one)."""
     return Converted(name, lambda on: name if on else "fp32", "?", keep=(other,))
 
 
 @dataclass
 class Config:
     model: str = opt(
-        "tiny", "hub id, local dir, or 'tiny' (a small random decoder, offline)",
+        "tiny", "hub id, local folder, or 'tiny' (small random decoder, offline)",
         trl=("model_name_or_path",), section="model and data")
-    tokenizer: str = opt("", "tokenizer path/id; default: the model's own", rules="scoring")
-    dataset: str = opt("synthetic", "'synthetic', a hub dataset, a .jsonl/.json/.parquet file or "
-                       "a folder", rules="rows", trl=("dataset_name",))
+    tokenizer: str = opt("", "tokenizer path or id; default: the model's", rules="scoring")
+    dataset: str = opt(
+        "synthetic", "'synthetic', a hub dataset, a .jsonl/.json/.parquet file or a folder",
+        rules="rows", trl=("dataset_name",))
     eval_dataset: str = opt(
-        "", "held-out data; default: --eval-split or an --eval-fraction share", rules="rows")
+        "", "held-out data; default: --eval-split or --eval-fraction", rules="rows")
     dataset_config: str = opt("", "hub dataset config name", rules="scoring")
     train_split: str = opt("train", "training split", rules="rows", trl=("dataset_train_split",))
-    eval_split: str = opt("test", "evaluation split, if the dataset has it", rules="rows scoring",
-                          trl=("dataset_test_split",))
+    eval_split: str = opt(
+        "test", "evaluation split, if the dataset has it", rules="rows scoring",
+        trl=("dataset_test_split",))
     eval_fraction: float = opt(
-        0.05, "share held out (split by prompt) without an eval split", rules="rows",
+        0.05, "share held out by prompt if there is no eval split", rules="rows",
         check=within(0, 1, "()"))
     format: Optional[str] = opt(
-        None, "'auto' detects it from the columns", rules="rows scoring", choices=FORMATS)
+        None, "data format; auto: from the columns", rules="rows scoring", choices=FORMATS)
     eval_format: Optional[str] = opt(None, "--eval-dataset's format", rules="rows", choices=FORMATS)
     neutral_label: str = opt(
-        "negative", "what PRM800K's rating 0 means (negative: as TRL; drop: unlabeled context)",
-        rules="rows scoring", choices=["positive", "negative", "drop"])
+        "negative", "PRM800K's rating 0 (drop: unlabeled context)", rules="rows scoring",
+        choices=["positive", "negative", "drop"])
     skip_invalid: bool = opt(False, "drop invalid rows (counted), not exit 2", rules="rows scoring")
     num_proc: Optional[int] = opt(
-        None, "tokenization processes (default, or 0: one per CPU core up to 8 from 20,000 "
-        "rows, else 1)", rules="change scoring", trl=("dataset_num_proc",), check=at_least(0))
-    synthetic_size: int = opt(32000, "rows of the synthetic default", check=at_least(1))
-    output_dir: str = opt("out", "where metrics.jsonl, checkpoints and final/ go", rules="change")
-    overwrite: bool = opt(False, "replace the run in --output-dir (command line only)",
-                          rules="change")
+        None, "tokenization processes (default, or 0: up to 8 from 20,000 rows, else 1)",
+        rules="change scoring", trl=("dataset_num_proc",), check=COUNT)
+    synthetic_size: int = opt(32000, "rows of the synthetic dataset", check=at_least(1))
+    output_dir: str = opt("out", "for metrics.jsonl, checkpoints and final/", rules="change")
+    overwrite: bool = opt(
+        False, "replace the run in --output-dir (command line only)", rules="change")
     max_length: int = opt(
-        1024, "tokens per example; truncation keeps whole steps only", rules="scoring",
+        1024, "tokens per example; truncation keeps whole steps", rules="scoring",
         section="tokenization", check=at_least(1))
     max_completion_length: int = opt(
-        0, "the steps' tokens (whole steps) before --max-length; 0: no cap", rules="scoring",
-        check=at_least(0))
+        0, "cap on the steps' tokens (whole steps); 0: none", rules="scoring", check=COUNT)
     step_separator: str = opt(
-        "\n", "appended to every step (\\n escapes read); its last token carries the step's label",
+        "\n", "appended to each step (\\n escapes read); its last token carries the label",
         rules="scoring", type=unescape, check=not_empty("its last token carries the label"))
-    train_on_last_step_only: bool = opt(False, "in training, keep only the last step's label")
+    train_on_last_step_only: bool = opt(False, "train on the last step's label only")
     cut_after_first_error: bool = opt(
-        False, "in training, end each solution at its first wrong step", rules="rows")
+        False, "train on each solution up to its first wrong step", rules="rows")
     max_steps: int = opt(
-        -1, "optimizer steps; -1 means --epochs full passes", rules="change",
-        section="optimization",
+        -1, "optimizer steps; -1: --epochs passes", rules="change", section="optimization",
         check=bound(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1"))
-    epochs: float = opt(
-        1.0, "passes if --max-steps is -1; a pass's last global batch is filled to a full batch: "
-        "some examples train twice a pass", rules="change",
-        trl=("num_train_epochs",), check=bound(lambda v: 0 < v < 2 ** 31,
-                                               "must be > 0 and below 2^31"))  # no overflow
+    epochs: float = opt(  # below 2^31: no overflow
+        1.0, "passes if --max-steps is -1; the last batch is filled to a full batch: some "
+        "examples train twice a pass", rules="change", trl=("num_train_epochs",),
+        check=bound(lambda v: 0 < v < 2 ** 31, "must be > 0 and below 2^31"))
     batch_size: Optional[int] = opt(
         None, "examples per device per micro-batch (default, or 0: 32 for 'tiny', else 8)",
-        rules="change", trl=("per_device_train_batch_size",), check=at_least(0) + LARGEST)
+        rules="change", trl=("per_device_train_batch_size",), check=COUNT + LARGEST)
     grad_accum: int = opt(
-        1, "micro-batches per optimizer step", rules="change",
-        trl=("gradient_accumulation_steps",), check=at_least(1) + LARGEST)
+        1, "micro-batches per optimizer step", rules="change", trl=("gradient_accumulation_steps",),
+        check=at_least(1) + LARGEST)
     lr: Optional[float] = opt(
-        None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' preset, "
-        "else 1e-4 with LoRA, 1e-5 without)", trl=("learning_rate",), check=FINITE)
+        None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' preset, else "
+        "1e-4 with LoRA, 1e-5 without)", trl=("learning_rate",), check=FINITE)
     lr_scheduler_type: str = opt(
-        "cosine_with_min_lr", "decay after warmup, as HF's (cosine_with_min_lr: to 10%% of --lr)",
+        "cosine_with_min_lr", "decay after warmup, as HF (cosine_with_min_lr: to 10%% of --lr)",
         choices=SCHEDULES)
-    warmup_steps: float = opt(0, "linear warmup steps; below 1: --warmup-ratio",
-                              check=at_least(0) + WHOLE)
-    warmup_ratio: float = opt(0.0, "warmup share of all steps if --warmup-steps is 0",
-                              check=within(0, 1))
+    warmup_steps: float = opt(
+        0, "linear warmup steps; below 1: --warmup-ratio", check=COUNT + WHOLE)
+    warmup_ratio: float = opt(
+        0.0, "warmup share of all steps if --warmup-steps is 0", check=within(0, 1))
     weight_decay: float = opt(0.0, "AdamW weight decay", check=FINITE)
     adam_beta1: float = opt(0.9, "AdamW beta1", check=within(0, 1, "[)"))
-    adam_beta2: float = opt(0.95, "AdamW beta2 (HF's default: 0.999)", check=within(0, 1, "[)"))
+    adam_beta2: float = opt(0.95, "AdamW beta2 (HF's: 0.999)", check=within(0, 1, "[)"))
     adam_epsilon: float = opt(1e-8, "AdamW epsilon", check=FINITE)
-    max_grad_norm: float = opt(1.0, "gradient clipping norm; 0 disables", rules="change",
-                               check=FINITE)
+    max_grad_norm: float = opt(1.0, "gradient clipping norm; 0: none", rules="change", check=FINITE)
     dtype: Optional[str] = opt(
-        None, "autocast dtype; auto: bf16 where native, else fp32 (TRL's --bf16 [BOOL], --fp16 "
-        "[BOOL], --torch_dtype set it too)", rules="scoring",
-        choices=["auto", "fp32", "bf16", "fp16"],
+        None, "autocast dtype; auto: bf16 where native, else fp32 (TRL's --bf16, --fp16, "
+        "--torch_dtype too)", rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
         trl=(_switch("bf16", "fp16"), _switch("fp16", "bf16"),
              Converted("torch_dtype", torch_dtype)))
     gradient_checkpointing: bool = opt(False, "recompute activations: less memory", rules="change")
-    fsdp: bool = opt(False, "under torchrun, shard weights, gradients and AdamW state (FSDP2), not "
-                     "copy them (DDP)")
-    group_by_length: bool = opt(True, "batch similar lengths (less padding), reproducible by seed")
+    fsdp: bool = opt(False, "under torchrun, shard weights, grads and AdamW state (FSDP2), not DDP")
+    group_by_length: bool = opt(True, "batch similar lengths (less padding), seeded")
     compile: bool = opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
-    packing: bool = opt(True, "padding-free: examples back to back in one row, each attending to "
-                        "itself; decoders only", rules="change scoring")
+    packing: bool = opt(
+        True, "padding-free, decoders only: examples back to back in a row, each attending to "
+        "itself", rules="change scoring")
     pack_to: int = opt(
-        0, "with --packing, pad rows to a multiple of N tokens (shapes repeat); 0: none",
-        rules="change", check=at_least(0))
+        0, "with --packing, pad rows to a multiple of N tokens; 0: none", rules="change",
+        check=COUNT)
     seed: int = opt(0, "seed for init, data order and dropout", rules="rows scoring")
-    disable_dropout: bool = opt(True, "the backbone's dropout 0 in training, as TRL's")
+    disable_dropout: bool = opt(True, "no backbone dropout in training, as TRL")
     lora_r: int = opt(
-        0, "LoRA rank; 0 trains every weight",
-        section="LoRA: low-rank adapters on the backbone's linear layers; the head trains fully",
-        check=at_least(0))
-    use_peft: Optional[bool] = opt(None, "TRL's: true: LoRA (rank 16 if --lora-r is 0); false: "
-                                   "full fine-tuning; unset: --lora-r decides", rules="change")
-    lora_alpha: Optional[float] = opt(None, "update: alpha/r x B A (default, or 0: 2 x --lora-r)",
-                                      check=FINITE)
-    lora_dropout: float = opt(0.0, "dropout on the LoRA branch's input", check=within(0, 1, "[)"))
+        0, "LoRA rank; 0: train every weight", check=COUNT,
+        section="LoRA: adapters on the backbone's linear layers; the head trains fully")
+    use_peft: Optional[bool] = opt(
+        None, "TRL's: true: LoRA (rank 16 if --lora-r is 0); false: full fine-tuning; unset: "
+        "--lora-r decides", rules="change")
+    lora_alpha: Optional[float] = opt(
+        None, "LoRA scale alpha/r (default, or 0: 2 x --lora-r)", check=FINITE)
+    lora_dropout: float = opt(0.0, "dropout on the LoRA input", check=within(0, 1, "[)"))
     lora_targets: str = opt(
-        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated globs of "
-        "linear layers' full or last names (TRL's --lora_target_modules: a list, or all-linear)",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "comma-separated globs of linear layer names (TRL's --lora_target_modules too)",
         trl=(Converted("lora_target_modules", target_list, "+"),))
-    lora_base_dtype: str = opt("fp32", "the frozen base's dtype under LoRA; bf16 halves its "
-                               "memory, needs bf16 autocast", choices=["fp32", "bf16"])
+    lora_base_dtype: str = opt(
+        "fp32", "frozen base dtype under LoRA; bf16 halves its memory, needs bf16 autocast",
+        choices=["fp32", "bf16"])
     eval_every: int = opt(
-        0, "evaluate every N optimizer steps (0: only at the end)", rules="change",
-        trl=("eval_steps",), section="evaluation, logging, checkpoints", check=at_least(0))
+        0, "evaluate every N steps; 0: at the end only", rules="change", trl=("eval_steps",),
+        section="evaluation, logging, checkpoints", check=COUNT)
     eval_strategy: Optional[str] = opt(
-        None, "steps: every --eval-every, else --log-every; default: steps with --eval-every, "
-        "else no",
+        None, "steps: every --eval-every (or --log-every); default: steps if --eval-every, else no",
         rules="change", choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = opt(
         None, "examples per device (default, or 0: 2 x --batch-size)", rules="change scoring",
-        trl=("per_device_eval_batch_size",), check=at_least(0))
+        trl=("per_device_eval_batch_size",), check=COUNT)
     threshold: float = opt(
-        0.5, "predict a step correct when P(correct) >= this", rules="change scoring",
+        0.5, "a step is predicted correct at P(correct) >= this", rules="change scoring",
         check=within(0, 1))
     log_every: int = opt(
-        10, "log (and metrics.jsonl) every N steps", rules="change", trl=("logging_steps",),
-        check=at_least(1))
+        10, "log every N steps", rules="change", trl=("logging_steps",), check=at_least(1))
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
     report_to: str = opt(
-        "none", "also send metrics and config to TensorBoard (<output-dir>/tensorboard) or W&B",
-        rules="change", choices=["none", "tensorboard", "wandb"])
-    run_name: str = opt("", "name in TensorBoard / W&B; default: --output-dir's", rules="change")
-    save_every: int = opt(0, "checkpoint every N steps (0: never)", rules="change",
-                          trl=("save_steps",), check=at_least(0))
+        "none", "also log to TensorBoard (<output-dir>/tensorboard) or W&B", rules="change",
+        choices=["none", "tensorboard", "wandb"])
+    run_name: str = opt("", "TensorBoard / W&B run name; default: --output-dir's", rules="change")
+    save_every: int = opt(
+        0, "checkpoint every N steps; 0: never", rules="change", trl=("save_steps",), check=COUNT)
     save_strategy: Optional[str] = opt(
-        None, "steps: every --save-every, else 500; default: steps with --save-every, else no",
+        None, "steps: every --save-every (or 500); default: steps if --save-every, else no",
         rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = opt(
         2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",),
-        check=at_least(0))
+        check=COUNT)
     resume: str = opt(
-        "", "checkpoint folder to continue, or 'auto': the newest complete one (command line "
-        "only)", rules="change", trl=("resume_from_checkpoint",),
+        "", "checkpoint folder to continue, or 'auto': the newest (command line only)",
+        rules="change", trl=("resume_from_checkpoint",),
         check=bound(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
                     "directory or 'auto' (the newest complete one in --output-dir: HF's true)"))
     trust_remote_code: bool = opt(
-        False, "allow hub models' own code (command line only)", rules="change scoring")
+        False, "run hub models' own code (command line only)", rules="change scoring")
 
     def __post_init__(self):
-        for f in fields(self):  # use_peft is a bool: its False is no 0
+        for f in fields(self):  # use_peft False is no 0
             if f.default is None and kind(f) is not bool and getattr(self, f.name) in AUTO:
                 setattr(self, f.name, None)
         if 0 < self.warmup_steps < 1:  # a ratio, as transformers 5
@@ -284,12 +269,11 @@ class Config:
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """Checked, a copy with the auto (None) fields filled in; dtype, num_proc and format,
-        decided by the device or the data, stay None."""
+        """A checked copy, auto (None) fields filled in but dtype, num_proc and format."""
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
-        # as HF's: strategy steps without an interval: eval every --log-every steps, save every 500
+        # as HF: strategy steps without an interval: eval every --log-every, save every 500
         eval_every = self.eval_every or self.log_every * (self.eval_strategy == "steps")
         save_every = self.save_every or 500 * (self.save_strategy == "steps")
         return dataclasses.replace(
@@ -301,21 +285,20 @@ class Config:
             save_strategy=self.save_strategy or ("steps" if save_every else "no"))
 
     def lora_rank(self) -> int:
-        """--lora-r as TRL reads it: use_peft false is 0, use_peft true without a rank is 16."""
+        """As TRL: use_peft false: 0; true without a rank: 16."""
         return 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
-        """Steps between evaluations (kind "eval") or checkpoints ("save"); 0: none."""
+        """Steps between evals (kind "eval") or saves ("save"); 0: none."""
         steps = {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}
         return steps[getattr(self, kind + "_strategy")]
 
     def problems(self) -> list:
-        """Every setting that cannot work, one line each."""
         out = field_problems(self)
         if self.fsdp and self.dtype == "fp16":
             out.append("--dtype 'fp16': fp16 loss scaling is not supported with --fsdp: use bf16")
-        bf16_autocast = self.dtype in ("bf16", None)
-        if self.lora_base_dtype == "bf16" and not (self.lora_rank() and bf16_autocast):
+        bf16 = self.dtype in ("bf16", None)  # autocast
+        if self.lora_base_dtype == "bf16" and not (self.lora_rank() and bf16):
             out.append("--lora-base-dtype 'bf16': bf16 needs --lora-r > 0 and bf16 autocast "
                        "(--dtype bf16 or auto)")
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
@@ -323,7 +306,7 @@ class Config:
         return out
 
     def resume_conflicts(self, saved: "Config", saved_world: int, world: int) -> tuple:
-        """(refused changes from the checkpoint's settings, harmless ones): '--x new (was old)'."""
+        """(refused changes, harmless ones), each '--x new (was old)'."""
         def fmt(name):
             new, old = (preview(getattr(c, name)) for c in (self, saved))
             return f"{flag(name)} {new} (was {old})"
@@ -375,13 +358,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def kind(f) -> type:
-    """float for `Optional[float]`."""
+def kind(f) -> type:  # float for Optional[float]
     return ([t for t in get_args(f.type) if t is not type(None)] or [f.type])[0]
 
 
-def unique_keys(pairs: list) -> dict:
-    """json's object_pairs_hook refusing a key given twice."""
+def unique_keys(pairs: list) -> dict:  # json's object_pairs_hook
     out = {}
     for key, value in pairs:
         if key in out:
@@ -391,7 +372,6 @@ def unique_keys(pairs: list) -> dict:
 
 
 def checked_value(f, value):
-    """value for field f as read from a file; ValueError saying why it does not fit."""
     want = kind(f)
     if value is None and f.default is None:  # auto
         return value

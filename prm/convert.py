@@ -1,5 +1,4 @@
-"""`python -m prm.convert INPUT [OUTPUT.jsonl]`: any supported dataset as the stepwise JSONL the
-trainer sees. Depends on: prm.cli, prm.config, prm.errors, prm.files, prm.readers.sources."""
+"""`python -m prm.convert INPUT [OUTPUT.jsonl]`: a dataset as the trainer's stepwise JSONL."""
 import json
 import os
 import sys
@@ -30,9 +29,8 @@ class ConvertOptions:
 
 def main(argv=None):
     p = Parser(ConvertOptions, usage="%(prog)s input [output] [options]", description=(
-        "Convert a PRM dataset to stepwise-supervision JSONL (prompt, completions, labels; null = "
-        "unlabeled step), validating every row. Pre-tokenized rows (input_ids, labels) pass "
-        "through validated, right padding stripped."))
+        "Convert a PRM dataset to stepwise JSONL (prompt, completions, labels; null: unlabeled), "
+        "validating every row; pre-tokenized rows pass through, right padding stripped."))
     with exit_status():
         a = p.parse_args(argv)
         check(overwrites([("output", a.output)], [("input", a.input)]))
@@ -41,18 +39,17 @@ def main(argv=None):
 
 
 def _write(rows: list, output: str):
-    for row in rows:
-        row.pop("where", None)  # a pre-tokenized row's source line
-    lines = [json.dumps(row, ensure_ascii=False) for row in rows]
+    lines = [json.dumps({k: v for k, v in row.items() if k != "where"}, ensure_ascii=False)
+             for row in rows]
     try:
         if output == "-":
             sys.stdout.writelines(line + "\n" for line in lines)
             return
         write_lines(output, lines)
-    except BrokenPipeError:  # `| head` closed stdout: Python must not complain at exit
+    except BrokenPipeError:  # `| head`: no complaint at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
-    except WriteFailed as e:  # a path that cannot be opened is wrong: exit status 2; a full disk: 1
+    except WriteFailed as e:  # a bad path: exit status 2; a full disk: 1
         if isinstance(e.__cause__, (FileNotFoundError, IsADirectoryError, PermissionError)):
             raise UsageError(str(e)) from None
         raise
