@@ -13,7 +13,7 @@ COLUMNS = {"input_ids": ["int32"], "labels": ["float32"], "steps_kept": "int32",
 
 
 def label_problem(y):
-    """Why y is no step label (bool, 0/1, a float in [0, 1] or None: unscored); None if it is."""
+    """Why y is no step label (bool, 0/1, float in [0, 1], None: unscored); None if it is."""
     hard = y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1))
     if hard or isinstance(y, float) and 0.0 <= y <= 1.0:
         return None
@@ -21,7 +21,7 @@ def label_problem(y):
 
 
 def normalize_label(label):
-    """bool and 0/1 -> int; floats in [0, 1] stay (soft labels); None (unscored) -> IGNORE."""
+    """bool, 0/1 -> int; floats stay (soft labels); None (unscored) -> IGNORE."""
     if problem := label_problem(label):
         raise ValueError(f"label {problem}")
     if label is None:
@@ -30,7 +30,7 @@ def normalize_label(label):
 
 
 def prompt_ids(prompt, tokenizer) -> list:
-    """BOS (if any) + prompt ids; a list of {role, content} goes through the chat template."""
+    """BOS + prompt ids; a chat (a list of {role, content}) goes through its template."""
     if isinstance(prompt, list):  # the template adds its special tokens
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -41,15 +41,14 @@ def prompt_ids(prompt, tokenizer) -> list:
 def separator_ids(tokenizer, step_separator: str) -> list:
     ids = tokenizer(step_separator, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise ValueError(f"step separator {step_separator!r} tokenizes to nothing: no token "
-                         "could carry the label")
+        raise ValueError(f"step separator {step_separator!r} tokenizes to nothing")
     return ids
 
 
 def make_row(ids: list, ends: list, labels: list, *, first: int = 0, max_length=None,
              max_completion_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """The row (COLUMNS) from ids, step label positions (`ends`) and labels; first: the first
-    step token. Caps (0/None: none) keep whole steps; none kept: the prompt alone."""
+    """The row from ids, label positions (`ends`) and labels; first: the first step token.
+    Caps (0/None: none) keep whole steps; none kept: the prompt alone."""
     step_labels = [normalize_label(y) for y in labels]
     if len(ends) != len(step_labels):
         raise ValueError(f"{len(ends)} steps but {len(labels)} labels")
@@ -104,9 +103,10 @@ def columns(rows: list) -> dict:
 def collate(rows: list, pad_id: int) -> dict:
     """Right padding; ids and mask int64, labels float32."""
     width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
-    labels = torch.full((len(rows), width), float(IGNORE), dtype=torch.float32)  # (B, T)
+    shape = (len(rows), width)  # (B, T)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.long)
+    labels = torch.full(shape, float(IGNORE), dtype=torch.float32)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
@@ -132,7 +132,7 @@ def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
     ids[0, :n] = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
     labels[0, :n] = torch.as_tensor([y for r in rows for y in r["labels"]], dtype=torch.float32)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # (n + 1,)
-    # an upper bound is all the kernel needs; with pack_to, the same in every batch
+    # an upper bound suffices; with pack_to, the same in every batch
     max_length = width if pack_to else max(lengths)
     return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seq_lens_q": cu,
             "cu_seq_lens_k": cu, "max_length_q": max_length, "max_length_k": max_length}
@@ -141,15 +141,14 @@ def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
 def pad_token_id(tokenizer) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
-        raise ValueError("the tokenizer has neither a pad nor an EOS token: "
-                         "set tokenizer.pad_token")
+        raise ValueError("the tokenizer has neither a pad nor an EOS token: set its pad_token")
     return pad
 
 
 def global_batches(lengths: list, global_batch: int, seed: int, epoch: int,
                    group_by_length: bool) -> list:
-    """The epoch's batches of indices from (seed, epoch) alone; grouping sorts windows of 64
-    batches by length, then shuffles the batches."""
+    """The epoch's batches from (seed, epoch) alone; grouping sorts windows of 64 batches by
+    length, then shuffles the batches."""
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(len(lengths)))
     rng.shuffle(order)

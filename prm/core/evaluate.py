@@ -15,8 +15,8 @@ from .varlen import is_packed
 @torch.inference_mode()
 def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Runtime = Runtime(),
             progress: bool = True, lockstep: bool = False) -> list:
-    """P(correct) at each row's `step_ends`, gathered on all ranks. lockstep: every rank runs as
-    many forwards (a sharded model needs every rank in each)."""
+    """P(correct) at each row's `step_ends`, gathered on all ranks. lockstep: all ranks run as
+    many forwards (as a sharded model needs)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -105,7 +105,6 @@ def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> 
             "candidates_with_answer": sum(c["answer"] is not None for g in groups for c in g)}
 
 
-@torch.inference_mode()
 def score(model, tokenizer, prompt, steps: list, step_separator: str = None, **kw) -> list:
     """P(correct) for each step of one solution; kw: score_batch's."""
     return score_batch(model, tokenizer, [(prompt, steps)], step_separator, **kw)[0]
@@ -116,21 +115,17 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
                 max_completion_length=None, batch_size: int = 16, amp_dtype=None,
                 rt: Runtime = Runtime(), progress: bool = False, tokenize=None) -> list:
     """[(prompt, steps), ...] -> [[P(correct) per step], ...], tokenized as in training. Separator
-    and caps default to the model's saved ones (else "\n", none; 0: none); cut steps get no
-    score. tokenize: the row builder (default tokenize_batch)."""
+    and caps default to the model's saved ones (else "\n", none; 0: none); cut steps get none."""
     saved = input_settings(getattr(model, "config", None))
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
-    max_length = (max_length if max_length is not None else saved.get("max_length")) or None
-    max_completion_length = (max_completion_length if max_completion_length is not None
-                             else saved.get("max_completion_length")) or None
+    caps = {"max_length": max_length, "max_completion_length": max_completion_length}
+    caps = {k: (v if v is not None else saved.get(k)) or None for k, v in caps.items()}
     rows = []
     for start in range(0, len(solutions), 256):
         chunk = solutions[start:start + 256]
         batch = {"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
-                 "labels": [[None] * len(s) for _, s in chunk]}  # no truth: every step end scored
-        cols = (tokenize or tokenize_batch)(batch, tokenizer, sep, is_eval=True,
-                                            max_length=max_length,
-                                            max_completion_length=max_completion_length)
+                 "labels": [[None] * len(s) for _, s in chunk]}  # unlabeled: all scored
+        cols = (tokenize or tokenize_batch)(batch, tokenizer, sep, is_eval=True, **caps)
         rows += [dict(zip(cols, row)) for row in zip(*cols.values())]
     return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
                    amp_dtype=amp_dtype, rt=rt, progress=progress)

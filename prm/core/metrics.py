@@ -1,5 +1,4 @@
-"""Metrics PRM papers report: step classes, AUROC, ProcessBench, best-of-N, PRMBench's PRMScore.
-Standard library only."""
+"""Metrics PRM papers report: step classes, AUROC, ProcessBench, best-of-N, PRMBench's score."""
 import bisect
 import math
 import random
@@ -12,7 +11,7 @@ def _ratio(a, b):
 
 
 def auroc(scores: list, positives: list):
-    """P(a positive outscores a negative), ties half; None: a class empty or a NaN score."""
+    """P(a positive outscores a negative), ties half; None: a class empty or a NaN."""
     if any(s != s for s in scores):
         return None
     n_pos = sum(map(bool, positives))
@@ -91,7 +90,7 @@ def outcome_metrics(step_probs: list, final_correct: list) -> dict:
 
 
 def _hit_interval(probs: list, truth: int):
-    """(lo, hi): first_error(probs, t) == truth for lo < t <= hi."""
+    """(lo, hi): first_error(probs, t) == truth iff lo < t <= hi."""
     if truth < 0:
         return -math.inf, min(probs, default=math.inf)
     if truth >= len(probs):
@@ -101,7 +100,7 @@ def _hit_interval(probs: list, truth: int):
 
 
 def tune_threshold(step_probs: list, truth: list):
-    """(threshold, f1) of the best ProcessBench F1, mid-way between two hit-interval ends."""
+    """(threshold, f1) of the best ProcessBench F1, mid-way between hit-interval ends."""
     n_error = sum(t >= 0 for t in truth)
     n_correct = len(truth) - n_error
     if not n_error or not n_correct:
@@ -149,8 +148,7 @@ def picked(keys: list, scores: list, how: str, aggregate: str) -> list:
 
 
 def pick_accuracy(cands: list, method: str) -> float:
-    """Expected accuracy of `method` picking among `cands` ({step_probs, correct, answer});
-    ties share it."""
+    """Expected accuracy of `method` picking among `cands`; ties share it."""
     correct = [bool(c["correct"]) for c in cands]
     if method == "oracle":
         return float(any(correct))
@@ -196,7 +194,7 @@ def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
 
 def prmbench_metrics(step_probs: list, step_ok: list, categories: list,
                      threshold: float = 0.5) -> dict:
-    """PRMScore overall (but category "correct") and per category, over labeled steps."""
+    """PRMScore overall (but category "correct") and per category."""
     pooled = defaultdict(list)  # category -> [(P(correct), correct)]
     for ps, ok, cat in zip(step_probs, step_ok, categories):
         pooled[cat] += [(p, y) for p, y in zip(ps, ok) if y is not None]

@@ -1,5 +1,4 @@
-"""PRM: a transformers backbone + a linear 2-way head, saved as an HF token classifier; the loss.
-Depends on torch and transformers."""
+"""PRM: a transformers backbone + a linear 2-way head, saved as an HF token classifier; the loss."""
 import json
 import os
 
@@ -65,7 +64,7 @@ class PRM(nn.Module):
 
 
 def saved_weights(name: str, *, auto, **kw):
-    """auto.from_pretrained(name, **kw), or NotAPRM naming weights missing or misplaced."""
+    """auto.from_pretrained, or NotAPRM naming weights missing or misplaced."""
     model, info = auto.from_pretrained(name, output_loading_info=True,
                                        ignore_mismatched_sizes=True, **kw)
     bad = sorted(info["missing_keys"])
@@ -96,8 +95,7 @@ def input_settings(config) -> dict:
 
 
 def add_legacy_keys(config_path: str):
-    """Adds transformers 4's keys: rope_theta (its default is wrong for Qwen2), rope_scaling,
-    torch_dtype."""
+    """Adds transformers 4's keys (its rope_theta default is wrong for Qwen2)."""
     with open(config_path) as f:
         d = json.load(f)
     rope = d.get("rope_parameters")
@@ -114,7 +112,7 @@ def add_legacy_keys(config_path: str):
 
 
 def new_head(config) -> nn.Linear:
-    """A fresh head drawn as transformers draws a token classifier's (as TRL's runs start)."""
+    """A fresh head drawn as transformers draws a token classifier's (as TRL's is)."""
     head = nn.Linear(config.get_text_config().hidden_size, 2)
     nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
     nn.init.zeros_(head.bias)
