@@ -1,6 +1,6 @@
 """Step labels on tokens, the collator, the packer, and batch plans by which 2 ranks equal 1.
-A row: prompt, completions (step texts), labels (one per step); each label sits on the last token
-of its step's separator. Torch and the standard library only."""
+A row: prompt, completions (step texts), labels (one per step, put on the last token of the step's
+separator)."""
 import math
 import random
 

@@ -1,5 +1,5 @@
-"""Attention over data.pack's rows, each example to itself only: varlen flash attention on CUDA in
-bf16/fp16, else causal SDPA per example (transformers' SDPA would attend across examples)."""
+"""Attention within each example of data.pack's row: varlen flash attention on CUDA in bf16/fp16,
+else causal SDPA per example (transformers' SDPA would attend across examples)."""
 import functools
 import inspect
 
@@ -32,7 +32,7 @@ def kernel_dtype(query):
 @functools.lru_cache
 def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
     """(causal keywords, whether to repeat K/V): torch 2.10 takes is_causal, later ones a window
-    (-1, 0); enable_gqa: native grouped heads."""
+    (-1, 0) and maybe enable_gqa."""
     params = inspect.signature(fn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     gqa = n_heads != n_kv_heads
@@ -84,7 +84,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def supports_packing(backbone) -> bool:
-    """Decoders whose attention goes through AttentionInterface, all causal, no dropout."""
+    """Decoders with AttentionInterface attention, all causal, no dropout."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
     dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
     # the kernels lack Gemma 2's logit soft-capping and gpt-oss's attention sinks
@@ -95,11 +95,11 @@ def supports_packing(backbone) -> bool:
 
 
 def is_packed(model) -> bool:
-    """Whether the model (a PRM or a backbone) runs packed attention."""
+    """Whether the model (a PRM or a backbone) runs packed_attention."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 
 def use_packed_attention(backbone):
-    """Every attention layer of the backbone runs packed_attention from now on."""
+    """Every attention layer of the backbone runs packed_attention."""
     AttentionInterface.register(NAME, packed_attention)
     backbone.set_attn_implementation(NAME)
