@@ -1,9 +1,5 @@
-"""prm: train process reward models in plain PyTorch.
-
-The public names load on first use, so `import prm` stays light (no torch until a name needs it):
-
-    from prm import PRM, PRMReward, load_tokenizer, score
-"""
+"""prm: train process reward models in plain PyTorch. Names load on first use (no torch until
+one needs it): `from prm import PRM, PRMReward, load_tokenizer, score`."""
 import importlib
 
 _HOME = {
@@ -27,7 +23,7 @@ def __getattr__(name):
     if name not in _HOME:
         raise AttributeError(f"module 'prm' has no attribute {name!r}")
     value = getattr(importlib.import_module(_HOME[name]), name)
-    globals()[name] = value  # later lookups skip this function
+    globals()[name] = value  # later lookups skip __getattr__
     return value
 
 

@@ -1,27 +1,19 @@
 """Step labels on tokens, the collator, the packer, and batch plans by which 2 ranks equal 1.
-Depends on torch and the standard library only: this file alone works in another repo.
-
-Words as the package uses them:
-- row: one solution: `prompt`, `completions` (its steps, as text), `labels` (one per step).
-- step: a reasoning step, or an optimizer step. A labeled step: the last token of a step's
-  separator, its label not IGNORE; `n_labeled` counts them.
-- example: a tokenized row (input_ids, labels; `length` tokens). A batch plan lists indices.
-- micro-batch: one forward pass's examples; a global batch: one optimizer step's, all ranks'.
-- first_error: 0-based index of a solution's first wrong step, -1 when none (ProcessBench)."""
+A row: prompt, completions (step texts), labels (one per step, put on the last token of the step's
+separator)."""
 import math
 import random
 
 import torch
 
-IGNORE = -100  # the label of a position that ends no labeled step: the loss skips it
-# The row contract: a tokenized row's columns ([t]: a list of t), all made by tokenize_example,
-# all the rest reads. step_labels: every step's given label, cut steps too (steps_kept: those kept).
+IGNORE = -100  # the loss skips it
+# A tokenized row's columns ([t]: a list of t); step_labels: every step's, cut ones too.
 COLUMNS = {"input_ids": ["int32"], "labels": ["float32"], "steps_kept": "int32", "length": "int32",
            "step_ends": ["int32"], "n_labeled": "int32", "step_labels": ["float64"]}
 
 
 def label_problem(y):
-    """Why y is no step label (bool, 0/1, a float in [0, 1] or None: unscored); None if it is."""
+    """Why y is no step label (bool, 0/1, float in [0, 1], None: unscored); None if it is."""
     hard = y is None or isinstance(y, bool) or (type(y) is int and y in (0, 1))
     if hard or isinstance(y, float) and 0.0 <= y <= 1.0:
         return None
@@ -29,7 +21,7 @@ def label_problem(y):
 
 
 def normalize_label(label):
-    """bool and 0/1 -> int; floats in [0, 1] stay (soft labels); None (unscored) -> IGNORE."""
+    """bool, 0/1 -> int; floats stay (soft labels); None (unscored) -> IGNORE."""
     if problem := label_problem(label):
         raise ValueError(f"label {problem}")
     if label is None:
@@ -38,8 +30,8 @@ def normalize_label(label):
 
 
 def prompt_ids(prompt, tokenizer) -> list:
-    """BOS (if any) + prompt ids; a list of {role, content} goes through the chat template."""
-    if isinstance(prompt, list):  # the template writes its own special tokens
+    """BOS + prompt ids; a chat (a list of {role, content}) goes through its template."""
+    if isinstance(prompt, list):  # the template adds its special tokens
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
@@ -49,16 +41,14 @@ def prompt_ids(prompt, tokenizer) -> list:
 def separator_ids(tokenizer, step_separator: str) -> list:
     ids = tokenizer(step_separator, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise ValueError(f"step separator {step_separator!r} tokenizes to nothing: no token "
-                         "could carry the label")
+        raise ValueError(f"step separator {step_separator!r} tokenizes to nothing")
     return ids
 
 
 def make_row(ids: list, ends: list, labels: list, *, first: int = 0, max_length=None,
              max_completion_length=None, train_on_last_step_only=False, is_eval=False) -> dict:
-    """The row (COLUMNS) from input ids, each step's label position (`ends`) and label; first:
-    the steps' first token. Caps (0/None: none) keep whole steps: those ending within max_length
-    tokens and max_completion_length tokens from first; none kept: the prompt."""
+    """The row from ids, label positions (`ends`) and labels; first: the first step token.
+    Caps (0/None: none) keep whole steps; none kept: the prompt alone."""
     step_labels = [normalize_label(y) for y in labels]
     if len(ends) != len(step_labels):
         raise ValueError(f"{len(ends)} steps but {len(labels)} labels")
@@ -80,15 +70,12 @@ def make_row(ids: list, ends: list, labels: list, *, first: int = 0, max_length=
 def tokenize_example(example, tokenizer, step_separator="\n", max_length=None,
                      train_on_last_step_only=False, is_eval=False,
                      max_completion_length=None) -> dict:
-    """One row {prompt, completions, labels} -> its tokenized row (COLUMNS, plain lists).
-
-    Example (a tokenizer with BOS id 1 and one id per character; separator "\\n" = id 9):
+    """{prompt, completions, labels} -> the tokenized row. With BOS id 1, separator "\\n" = 9:
 
         {"prompt": "q", "completions": ["ab", "c"], "labels": [True, False]}
         input_ids: [ 1,    q,    a,    b,  9,    c,  9]
         labels:    [-100, -100, -100, -100, 1, -100, 0]   steps_kept: 2, step_ends: [4, 6]
         length: 7, n_labeled: 2, step_labels: [1.0, 0.0]
-
     Steps and separator are tokenized apart (joined text merges differently with BPE)."""
     sep, steps = separator_ids(tokenizer, step_separator), example["completions"]
     ids = prompt_ids(example["prompt"], tokenizer)
@@ -102,7 +89,7 @@ def tokenize_example(example, tokenizer, step_separator="\n", max_length=None,
 
 
 def tokenize_batch(batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
-    """tokenize_example over columns (for datasets.map); kw: its keywords."""
+    """tokenize_example over columns (datasets.map's batched form)."""
     examples = zip(batch["prompt"], batch["completions"], batch["labels"])
     return columns([tokenize_example({"prompt": p, "completions": c, "labels": y}, tokenizer,
                                      step_separator, **kw) for p, c, y in examples])
@@ -114,11 +101,12 @@ def columns(rows: list) -> dict:
 
 
 def collate(rows: list, pad_id: int) -> dict:
-    """Right padding; ids and mask int64, labels float32 (hard and soft), -100 where unlabeled."""
+    """Right padding; ids and mask int64, labels float32."""
     width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
-    labels = torch.full((len(rows), width), float(IGNORE), dtype=torch.float32)  # (B, T)
+    shape = (len(rows), width)  # (B, T)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.long)
+    labels = torch.full(shape, float(IGNORE), dtype=torch.float32)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
@@ -128,13 +116,11 @@ def collate(rows: list, pad_id: int) -> dict:
 
 
 def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
-    """Padding-free batch in transformers' keywords: the rows back to back in ONE row, position_ids
-    from 0 for each, int32 cumulative lengths, no mask. pack_to > 0 pads to a multiple of pack_to
-    with one more example, so batches share shapes (--compile compiles once). For [a b c], [d e]:
+    """The rows back to back in ONE row, in transformers' padding-free keywords. pack_to > 0 pads
+    to a multiple of pack_to with one more example (batches share shapes). For [a b c], [d e]:
       input_ids    [a b c d e]        with pack_to=4: [a b c d e P P P]
       position_ids [0 1 2 0 1]                        [0 1 2 0 1 0 1 2]
-      cu_seq_lens  [0 3 5]                            [0 3 5 8]
-    The model takes every key but labels."""
+      cu_seq_lens  [0 3 5]                            [0 3 5 8]"""
     lengths = [len(r["input_ids"]) for r in rows]
     n = sum(lengths)
     width = -(-n // pack_to) * pack_to if pack_to else n
@@ -146,7 +132,7 @@ def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
     ids[0, :n] = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
     labels[0, :n] = torch.as_tensor([y for r in rows for y in r["labels"]], dtype=torch.float32)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # (n + 1,)
-    # an upper bound is all the kernel needs; with pack_to, the same in every batch
+    # an upper bound suffices; with pack_to, the same in every batch
     max_length = width if pack_to else max(lengths)
     return {"input_ids": ids, "position_ids": pos, "labels": labels, "cu_seq_lens_q": cu,
             "cu_seq_lens_k": cu, "max_length_q": max_length, "max_length_k": max_length}
@@ -155,20 +141,19 @@ def pack(rows: list, pad_id: int, pack_to: int = 0) -> dict:
 def pad_token_id(tokenizer) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
-        raise ValueError("the tokenizer has neither a pad nor an EOS token: "
-                         "set tokenizer.pad_token")
+        raise ValueError("the tokenizer has neither a pad nor an EOS token: set its pad_token")
     return pad
 
 
 def global_batches(lengths: list, global_batch: int, seed: int, epoch: int,
                    group_by_length: bool) -> list:
-    """The epoch's batches of `global_batch` indices from (seed, epoch) alone; grouping sorts
-    windows of 64 batches by length before cutting, then shuffles the batches."""
+    """The epoch's batches from (seed, epoch) alone; grouping sorts windows of 64 batches by
+    length, then shuffles the batches."""
     rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(len(lengths)))
     rng.shuffle(order)
     n = math.ceil(len(order) / global_batch) * global_batch
-    # the epoch's first indices complete the last batch: every rank runs as many micro-batches
+    # the first indices fill the last batch: every rank runs as many micro-batches
     order = (order * math.ceil(n / max(len(order), 1)))[:n]
     if group_by_length:
         window = 64 * global_batch
@@ -181,15 +166,15 @@ def global_batches(lengths: list, global_batch: int, seed: int, epoch: int,
 
 
 def micro_batches(batch: list, lengths: list, world_size: int, rank: int, grad_accum: int) -> list:
-    """This rank's micro-batches: the batch by length, cut into world_size x grad_accum chunks;
-    micro-step a of rank r takes chunk a x world_size + r: every split sees the same examples."""
+    """This rank's chunks of the length-sorted batch: micro-step a of rank r takes chunk
+    a x world_size + r, so every split sees the same examples."""
     ordered = sorted(batch, key=lambda i: lengths[i])
     per, n = len(batch) // (world_size * grad_accum), world_size * grad_accum
     return [ordered[c * per:(c + 1) * per] for c in range(n)][rank::world_size]
 
 
 def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> int:
-    """Tokens with padding of micro_batches' chunks: padded (pack_to None) or packed to pack_to."""
+    """Tokens with padding in micro_batches' chunks, padded (pack_to None) or packed."""
     ordered = sorted(lengths[i] for i in batch)
     per = len(batch) // n_chunks
     if pack_to is not None:
@@ -199,6 +184,6 @@ def padded_tokens(batch: list, lengths: list, n_chunks: int, pack_to=None) -> in
 
 
 def eval_batches(lengths: list, batch_size: int) -> list:
-    """Length-sorted evaluation batches; each example in one."""
+    """Length-sorted evaluation batches."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]

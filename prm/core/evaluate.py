@@ -1,5 +1,4 @@
-"""Evaluation (predict, then report) for training and eval.py; the scoring API; best-of-N reports.
-Depends on: torch, tqdm, data, metrics, model, runtime, varlen."""
+"""Evaluation (predict, then report) for training and eval.py; the scoring API; best-of-N."""
 import contextlib
 
 import torch
@@ -16,14 +15,13 @@ from .varlen import is_packed
 @torch.inference_mode()
 def predict(model, rows, *, batch_size: int, pad_id: int, amp_dtype=None, rt: Runtime = Runtime(),
             progress: bool = True, lockstep: bool = False) -> list:
-    """P(correct) at each `step_ends` position of each tokenized row, in input order ([]: none),
-    batches dealt to ranks and gathered on all. lockstep: every rank runs as many forwards (a
-    sharded model needs every rank in each)."""
+    """P(correct) at each row's `step_ends`, gathered on all ranks. lockstep: all ranks run as
+    many forwards (as a sharded model needs)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     todo = [i for i, r in enumerate(rows) if r["step_ends"]]
-    every = eval_batches([len(rows[i]["input_ids"]) for i in todo], batch_size)  # all ranks'
+    every = eval_batches([len(rows[i]["input_ids"]) for i in todo], batch_size)
     batches = every[rt.rank::rt.world_size]
     if lockstep and todo:  # the spare forwards rerun the first batch and drop its output
         batches += [None] * (-(-len(every) // rt.world_size) - len(batches))
@@ -60,9 +58,8 @@ def true_first_error(row: dict) -> int:
 
 def report(step_probs: list, rows: list, threshold: float = 0.5,
            processbench: bool = False) -> dict:
-    """Every metric of one set from predict's output, the rows' step_labels (None: unlabeled) and
-    optional first_error, final_answer_correct, PRMBench `category`. A row with no scored step is
-    dropped from every metric; a truncated one is kept."""
+    """Every metric of one set from predict's output and the rows (step_labels, optional
+    first_error, final_answer_correct, category). Rows with no scored step are dropped."""
     kept = [(ps, row) for ps, row in zip(step_probs, rows) if ps]
     scores, kept_rows = [ps for ps, _ in kept], [row for _, row in kept]
     pairs = [(p, y) for ps, row in kept for p, y in zip(ps, row["step_labels"]) if y is not None]
@@ -85,15 +82,15 @@ def report(step_probs: list, rows: list, threshold: float = 0.5,
 
 
 def candidate_groups(step_probs: list, rows: list) -> list:
-    """A list of candidates per problem (`group`), in input order; each must know its outcome."""
+    """The candidates of each problem (`group`), in input order."""
     groups = {}
     for i, (ps, row) in enumerate(zip(step_probs, rows)):
         if row.get("final_answer_correct") is None:
-            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct (or "
-                             "a candidate's 'label') for every solution")
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs final_answer_correct "
+                             "(a candidate's 'label')")
         if row.get("group") is None:
-            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem of each "
-                             "solution (a prompt, or the candidates format's question)")
+            raise ValueError(f"row {row.get('id', i)}: best-of-N needs the problem (a prompt or "
+                             "question)")
         groups.setdefault(row["group"], []).append({
             "step_probs": ps, "correct": row["final_answer_correct"],
             "answer": row.get("response_answer")})
@@ -101,15 +98,13 @@ def candidate_groups(step_probs: list, rows: list) -> list:
 
 
 def best_of_n_report(step_probs: list, rows: list, *, draws: int, seed: int) -> dict:
-    """{"best_of_n": {method: {N: accuracy}}, "n_problems": ..., "candidates_per_problem": [...],
-    "candidates_with_answer": ...} (none: no voting methods)."""
+    """best_of_n's accuracies and the candidate counts."""
     groups = candidate_groups(step_probs, rows)
     return {"best_of_n": best_of_n(groups, draws=draws, seed=seed), "n_problems": len(groups),
             "candidates_per_problem": sorted({len(g) for g in groups}),
             "candidates_with_answer": sum(c["answer"] is not None for g in groups for c in g)}
 
 
-@torch.inference_mode()
 def score(model, tokenizer, prompt, steps: list, step_separator: str = None, **kw) -> list:
     """P(correct) for each step of one solution; kw: score_batch's."""
     return score_batch(model, tokenizer, [(prompt, steps)], step_separator, **kw)[0]
@@ -120,23 +115,17 @@ def score_batch(model, tokenizer, solutions: list, step_separator: str = None, *
                 max_completion_length=None, batch_size: int = 16, amp_dtype=None,
                 rt: Runtime = Runtime(), progress: bool = False, tokenize=None) -> list:
     """[(prompt, steps), ...] -> [[P(correct) per step], ...], tokenized as in training. Separator
-    and length caps default to the model's saved ones (else "\n", no caps); 0: no cap. Steps cut
-    by a cap get no score. tokenize: the row builder over columns, tokenize_batch (None) or a
-    published PRM's own (prm.scoring.scorers.load's)."""
+    and caps default to the model's saved ones (else "\n", none; 0: none); cut steps get none."""
     saved = input_settings(getattr(model, "config", None))
     sep = step_separator if step_separator is not None else saved.get("step_separator", "\n")
-    # 0 -> None, tokenize_batch's "no cap"
-    max_length = (max_length if max_length is not None else saved.get("max_length")) or None
-    max_completion_length = (max_completion_length if max_completion_length is not None
-                             else saved.get("max_completion_length")) or None
+    caps = {"max_length": max_length, "max_completion_length": max_completion_length}
+    caps = {k: (v if v is not None else saved.get(k)) or None for k, v in caps.items()}
     rows = []
     for start in range(0, len(solutions), 256):
         chunk = solutions[start:start + 256]
         batch = {"prompt": [p for p, _ in chunk], "completions": [list(s) for _, s in chunk],
-                 "labels": [[None] * len(s) for _, s in chunk]}  # no truth: every step end scored
-        cols = (tokenize or tokenize_batch)(batch, tokenizer, sep, is_eval=True,
-                                            max_length=max_length,
-                                            max_completion_length=max_completion_length)
+                 "labels": [[None] * len(s) for _, s in chunk]}  # unlabeled: all scored
+        cols = (tokenize or tokenize_batch)(batch, tokenizer, sep, is_eval=True, **caps)
         rows += [dict(zip(cols, row)) for row in zip(*cols.values())]
     return predict(model, rows, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
                    amp_dtype=amp_dtype, rt=rt, progress=progress)

@@ -1,4 +1,4 @@
-"""LoRA in plain PyTorch. Depends on: torch."""
+"""LoRA in plain PyTorch."""
 import fnmatch
 import math
 
@@ -14,7 +14,7 @@ class LoRALinear(nn.Linear):
         nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
-        self.requires_grad_(False)  # weight and bias
+        self.requires_grad_(False)
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=dev))  # (r, in)
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=dev))  # (out, r)
@@ -51,7 +51,7 @@ def apply_lora(backbone: nn.Module, r: int, alpha: float, dropout: float, target
 
 
 def merge(weight, lora_A, lora_B, scale: float) -> torch.Tensor:
-    # in fp32 whatever the parameters' dtype
+    """W + scale B A, computed in fp32."""
     delta = lora_B.float() @ lora_A.float()  # (out, in)
     return (weight.float() + scale * delta).to(weight.dtype)
 

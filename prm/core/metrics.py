@@ -1,5 +1,4 @@
-"""Metrics PRM papers report: step classes, AUROC, ProcessBench, best-of-N, PRMBench's PRMScore.
-Depends on: stdlib only."""
+"""Metrics PRM papers report: step classes, AUROC, ProcessBench, best-of-N, PRMBench's score."""
 import bisect
 import math
 import random
@@ -21,7 +20,7 @@ def auroc(scores: list, positives: list):
         return None
     wins, negs_below = 0.0, 0
     for _, group in groupby(sorted(zip(scores, positives)), key=lambda pair: pair[0]):
-        labels = [y for _, y in group]  # of equal scores
+        labels = [y for _, y in group]
         group_pos = sum(map(bool, labels))
         group_neg = len(labels) - group_pos
         wins += group_pos * (negs_below + 0.5 * group_neg)
@@ -66,7 +65,7 @@ def processbench_metrics(predicted: list, truth: list) -> dict:
 
 
 def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
-    """ProcessBench F1 of flagging each step wrong with probability q (the best q)."""
+    """ProcessBench F1 of flagging each step wrong with the best probability q."""
     n_errors, n_passes = sum(t >= 0 for t in truth), sum(t < 0 for t in truth)
     if not n_errors or not n_passes:
         return None
@@ -80,7 +79,6 @@ def chance_f1(truth: list, n_steps: list, grid: int = 500) -> float:
 
 AGGREGATES = {"min": min, "prod": math.prod, "last": lambda ps: ps[-1],
               "mean": lambda ps: sum(ps) / len(ps)}
-# best-of-N by an aggregate (its name), a weighted vote by one, majority, any right, a random one
 VOTES = (*(f"weighted_{a}" for a in AGGREGATES), "majority_vote")
 BEST_OF_N_METHODS = (*AGGREGATES, *VOTES, "oracle", "random")
 
@@ -92,7 +90,7 @@ def outcome_metrics(step_probs: list, final_correct: list) -> dict:
 
 
 def _hit_interval(probs: list, truth: int):
-    """(lo, hi): first_error(probs, t) == truth for lo < t <= hi."""
+    """(lo, hi): first_error(probs, t) == truth iff lo < t <= hi."""
     if truth < 0:
         return -math.inf, min(probs, default=math.inf)
     if truth >= len(probs):
@@ -102,7 +100,7 @@ def _hit_interval(probs: list, truth: int):
 
 
 def tune_threshold(step_probs: list, truth: list):
-    """(threshold, f1) of the best ProcessBench F1, mid-way between two hit-interval ends."""
+    """(threshold, f1) of the best ProcessBench F1, mid-way between hit-interval ends."""
     n_error = sum(t >= 0 for t in truth)
     n_correct = len(truth) - n_error
     if not n_error or not n_correct:
@@ -134,11 +132,8 @@ def solution_score(step_probs: list, how: str) -> float:  # no scored step: rank
 
 
 def picked(keys: list, scores: list, how: str, aggregate: str) -> list:
-    """What `how` (best-of-n, majority, weighted) picks among candidates (an answer key or None,
-    step scores): the tied winners in order, each a list of candidate indices. best-of-n: each
-    candidate of the top aggregate; majority and weighted: the candidates of each answer with the
-    most candidates, or the highest sum of aggregates (no step scored: 0). One function for
-    eval.py's best-of-N and prm.search: the caller normalizes the answers into keys."""
+    """The tied winners (lists of candidate indices) by `how`: best-of-n (top aggregate), majority
+    or weighted (the answer key with most candidates, or top aggregate sum; unscored: 0)."""
     if how == "best-of-n":
         values = [solution_score(s, aggregate) for s in scores]
         return [[i] for i, v in enumerate(values) if v == max(values)]
@@ -147,14 +142,13 @@ def picked(keys: list, scores: list, how: str, aggregate: str) -> list:
         if key is not None:
             votes[key] += 1 if how == "majority" else AGGREGATES[aggregate](s) if s else 0.0
             members[key].append(i)
-    # weights tied (e.g. nothing scored: prompts past the PRM's max_length): the most candidates
+    # weights tied (e.g. nothing scored): the most candidates
     best = max(((v, len(members[k])) for k, v in votes.items()), default=None)
     return [members[k] for k, v in votes.items() if (v, len(members[k])) == best]
 
 
 def pick_accuracy(cands: list, method: str) -> float:
-    """Expected accuracy of `method` picking among `cands` ({"step_probs", "correct", "answer":
-    its key}): ties share it."""
+    """Expected accuracy of `method` picking among `cands`; ties share it."""
     correct = [bool(c["correct"]) for c in cands]
     if method == "oracle":
         return float(any(correct))
@@ -189,7 +183,7 @@ def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
     methods = [m for m in BEST_OF_N_METHODS if voting or m not in VOTES]
     out = {m: {} for m in methods}
     for size in sizes:
-        rng = random.Random(f"{seed}/{size}")  # one stream per N
+        rng = random.Random(f"{seed}/{size}")
         picks = [[[g[i] for i in idx] for idx in _subsets(len(g), size, draws, rng)]
                  for g in groups]
         for m in methods:
@@ -200,7 +194,7 @@ def best_of_n(groups: list, *, draws: int = 8, seed: int = 0) -> dict:
 
 def prmbench_metrics(step_probs: list, step_ok: list, categories: list,
                      threshold: float = 0.5) -> dict:
-    """PRMScore, overall (but category "correct") and per category, over labeled steps."""
+    """PRMScore overall (but category "correct") and per category."""
     pooled = defaultdict(list)  # category -> [(P(correct), correct)]
     for ps, ok, cat in zip(step_probs, step_ok, categories):
         pooled[cat] += [(p, y) for p, y in zip(ps, ok) if y is not None]

@@ -1,5 +1,4 @@
-"""PRM = a transformers backbone + a linear 2-way head; the per-step loss; saved and loaded as a
-standard HF token classifier. Depends on: torch, transformers (and its safetensors)."""
+"""PRM: a transformers backbone + a linear 2-way head, saved as an HF token classifier; the loss."""
 import json
 import os
 
@@ -9,12 +8,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
-ID2LABEL = {0: "incorrect", 1: "correct"}
-SETTINGS = "prm"  # config.json key of the input settings trained with (step_separator, ...)
+SETTINGS = "prm"  # config.json key of the input settings (step_separator, ...)
 
 
 class NotAPRM(ValueError):
-    """A model that cannot run as saved: a classifier of not 2 labels, or weights not all loaded."""
+    """A checkpoint that cannot run as saved: not 2 labels, or weights missing."""
 
 
 class PRM(nn.Module):
@@ -32,16 +30,15 @@ class PRM(nn.Module):
         return self.head(h)  # (B, T, 2)
 
     def save_pretrained(self, path: str, backbone_state: dict = None, head_state: dict = None):
-        """A checkpoint AutoModelForTokenClassification loads; *_state: weights to write instead of
-        the modules' own (e.g. merged_state_dict's)."""
+        """A checkpoint AutoModelForTokenClassification loads; *_state: weights to write instead."""
         state = self.backbone.state_dict() if backbone_state is None else backbone_state
         if any(".lora_" in k or k.startswith("lora_") for k in state):  # HF would drop them
             raise ValueError("the backbone has unmerged adapters: pass "
                              "backbone_state=merged_state_dict(backbone)")
         os.makedirs(path, exist_ok=True)
         cfg = self.config
-        cfg.num_labels, cfg.id2label = 2, dict(ID2LABEL)
-        cfg.label2id = {v: k for k, v in ID2LABEL.items()}
+        cfg.num_labels, cfg.id2label = 2, {0: "incorrect", 1: "correct"}
+        cfg.label2id = {"incorrect": 0, "correct": 1}
         arch, prefix, head_name = hf_names(cfg)
         cfg.architectures = [arch]
         out = {f"{prefix}.{k}": v for k, v in state.items()}
@@ -54,8 +51,7 @@ class PRM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name: str, trust_remote_code: bool = False, **kw) -> "PRM":
-        """A 2-label token classifier with all its weights saved (else NotAPRM), or a backbone with
-        a fresh head."""
+        """A 2-label token classifier (else NotAPRM), or a backbone with a fresh head."""
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         kw["trust_remote_code"] = trust_remote_code
         if is_classifier(cfg):
@@ -68,7 +64,7 @@ class PRM(nn.Module):
 
 
 def saved_weights(name: str, *, auto, **kw):
-    """auto.from_pretrained(name, **kw), or NotAPRM naming weights missing or misplaced."""
+    """auto.from_pretrained, or NotAPRM naming weights missing or misplaced."""
     model, info = auto.from_pretrained(name, output_loading_info=True,
                                        ignore_mismatched_sizes=True, **kw)
     bad = sorted(info["missing_keys"])
@@ -89,19 +85,17 @@ def saved_weights(name: str, *, auto, **kw):
 
 
 def is_classifier(config) -> bool:
-    """Whether a transformers config is a token classifier's."""
     archs = getattr(config, "architectures", None) or []
     return any(a.endswith("ForTokenClassification") for a in archs)
 
 
 def input_settings(config) -> dict:
-    """The input settings the model was trained with, from its config ({} if not ours)."""
+    """The input settings the model was trained with ({} if not ours)."""
     return dict(getattr(config, SETTINGS, None) or {})
 
 
 def add_legacy_keys(config_path: str):
-    """Adds transformers 4's keys: rope_theta (its default is wrong for Qwen2), rope_scaling,
-    torch_dtype."""
+    """Adds transformers 4's keys (its rope_theta default is wrong for Qwen2)."""
     with open(config_path) as f:
         d = json.load(f)
     rope = d.get("rope_parameters")
@@ -118,7 +112,7 @@ def add_legacy_keys(config_path: str):
 
 
 def new_head(config) -> nn.Linear:
-    """A fresh head drawn as transformers draws a token classifier's: runs start as TRL's do."""
+    """A fresh head drawn as transformers draws a token classifier's (as TRL's is)."""
     head = nn.Linear(config.get_text_config().hidden_size, 2)
     nn.init.normal_(head.weight, std=getattr(config, "initializer_range", 0.02))
     nn.init.zeros_(head.bias)
@@ -126,10 +120,9 @@ def new_head(config) -> nn.Linear:
 
 
 def step_loss(logits, labels, n_labeled):
-    """(loss, ce_sum, n_correct): the cross-entropy against [1-p, p] summed over labeled steps, over
-    n_labeled, the labeled steps of the WHOLE optimizer step (all micro-batches and ranks).
-    labels: (B, T) float, -100 where unlabeled, soft in [0, 1]."""
-    mask = labels != -100  # (B, T)
+    """(loss, ce_sum, n_correct): cross-entropy against [1-p, p] summed over labeled steps, over
+    n_labeled: those of the WHOLE optimizer step (all micro-batches and ranks)."""
+    mask = labels != -100  # (B, T); labels soft in [0, 1]
     logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, 2): no data-dependent shape, no host sync
     p = torch.where(mask, labels, 0.0)  # (B, T)
     ce = -(p * logp[..., 1] + (1 - p) * logp[..., 0])  # (B, T)
@@ -140,7 +133,7 @@ def step_loss(logits, labels, n_labeled):
 
 
 def enable_activation_checkpointing(backbone):
-    """Non-reentrant activation checkpointing: works under DDP and with inputs that need no grad."""
+    """Non-reentrant: works under DDP and with inputs that need no grad."""
     kw = {"use_reentrant": False}
     if hasattr(backbone, "activation_checkpointing_enable"):  # transformers 5
         backbone.activation_checkpointing_enable(kw)
@@ -164,7 +157,7 @@ def hf_names(config):
 
 
 def load_weights(model: PRM, path: str):
-    """Loads save_pretrained's weights back into an existing PRM."""
+    """save_pretrained's weights into an existing PRM."""
     state = load_file(os.path.join(path, "model.safetensors"))
     _, prefix, head_name = hf_names(model.config)
     for module, name in ((model.backbone, prefix + "."), (model.head, head_name + ".")):

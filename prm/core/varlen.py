@@ -1,6 +1,5 @@
-"""Attention over packed rows (data.pack's), each example attending to itself only: PyTorch's
-varlen flash attention on CUDA in bf16/fp16, else causal SDPA per example (transformers' SDPA
-would build an N x N mask and score across examples). Depends on: torch, transformers."""
+"""Attention within each example of data.pack's row: varlen flash attention on CUDA in bf16/fp16,
+else causal SDPA per example (transformers' SDPA would attend across examples)."""
 import functools
 import inspect
 
@@ -9,7 +8,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 KERNEL_DEVICE = "cuda"  # where varlen_attn runs (tests: the CPU, with a reference kernel)
-NAME = "prm_packed"  # the attention implementation's name
+NAME = "prm_packed"  # the attention implementation
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
@@ -17,8 +16,8 @@ except ImportError:
 
 
 def kernel_dtype(query):
-    """The flash kernel's dtype; None where the fallback runs (CPU, fp32, head dim > 256). Under
-    autocast RoPE hands over fp32 queries: the kernel runs in the autocast dtype, as SDPA would."""
+    """The flash kernel's dtype; None: the fallback (CPU, fp32, head dim > 256). Under autocast
+    RoPE hands over fp32 queries: the kernel runs in the autocast dtype, as SDPA would."""
     if varlen_attn is None or query.device.type != KERNEL_DEVICE or query.shape[-1] > 256:
         return None
     if query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):  # pre-Ampere
@@ -32,8 +31,8 @@ def kernel_dtype(query):
 
 @functools.lru_cache
 def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
-    """(causal keywords, whether K/V must be repeated) for this varlen_attn: torch 2.10 takes
-    is_causal, later ones a window (-1, 0); enable_gqa: native grouped heads."""
+    """(causal keywords, whether to repeat K/V): torch 2.10 takes is_causal, later ones a window
+    (-1, 0) and maybe enable_gqa."""
     params = inspect.signature(fn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     gqa = n_heads != n_kv_heads
@@ -43,8 +42,7 @@ def kernel_options(fn, n_heads: int, n_kv_heads: int) -> tuple:
 
 
 def per_example_sdpa(q, k, v, cu_seqlens, scale, window=None):
-    """Causal SDPA per example, over its last `window` keys if given. q (H, N, D), k/v (Hkv, N, D)
-    -> (H, N, D)."""
+    """Causal SDPA per example (over its last `window` keys). q (H, N, D), k/v (Hkv, N, D)."""
     bounds = cu_seqlens.tolist()
     gqa = q.shape[0] != k.shape[0]
     out = torch.empty_like(q)  # (H, N, D)
@@ -65,11 +63,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """query (1, H, N, D), key/value (1, Hkv, N, D) -> ((1, N, H, D), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
-        raise ValueError("packed attention needs one packed row and its cu_seq_lens_q "
-                         "(data.pack's output)")
+        raise ValueError("packed attention needs one row and its cu_seq_lens_q (data.pack's)")
     if not getattr(module, "is_causal", True) or dropout:
-        raise ValueError("packed attention supports causal attention without attention dropout "
-                         "only: --no-packing")
+        raise ValueError("packed attention is causal only, without dropout: --no-packing")
     window = kwargs.get("sliding_window")
     dtype = kernel_dtype(query)
     kw, repeat = kernel_options(varlen_attn, query.shape[1], key.shape[1]) if dtype else ({}, False)
@@ -88,7 +84,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def supports_packing(backbone) -> bool:
-    """True for decoders whose attention goes through AttentionInterface, all causal, no dropout."""
+    """Decoders with AttentionInterface attention, all causal, no dropout."""
     causal = [m.is_causal for m in backbone.modules() if hasattr(m, "is_causal")]
     dropout = [getattr(backbone.config, k, 0.0) or 0.0 for k in ("attention_dropout", "attn_pdrop")]
     # the kernels lack Gemma 2's logit soft-capping and gpt-oss's attention sinks
@@ -99,11 +95,11 @@ def supports_packing(backbone) -> bool:
 
 
 def is_packed(model) -> bool:
-    """Whether the model (a PRM or a backbone) runs packed attention."""
+    """Whether the model (a PRM or a backbone) runs packed_attention."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
 
 
 def use_packed_attention(backbone):
-    """Every attention layer of the backbone runs packed_attention from now on."""
+    """Every attention layer of the backbone runs packed_attention."""
     AttentionInterface.register(NAME, packed_attention)
     backbone.set_attn_implementation(NAME)
