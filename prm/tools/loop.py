@@ -1,5 +1,5 @@
-"""The whole loop offline on the counting task (prm.readers.synthetic.counting_problems): a policy
-that slips, its Monte-Carlo labels, a PRM trained on them, PRM-guided search; over seeds.
+"""The whole loop offline on the counting task: a policy that slips, its Monte-Carlo labels, a PRM
+trained on them, PRM-guided search; over seeds.
 
     python -m prm.tools.loop policy DIR  # DIR/policy (HF model folder), label/valid/test.jsonl
     python -m prm.tools.loop bench DIR   # the whole pipeline per seed in DIR/seed<k>, every figure
@@ -17,30 +17,28 @@ import time
 import torch
 
 from prm.config import Checked, at_least, opt
+from prm.core.metrics import auroc, first_error
 from prm.errors import WriteFailed, check, exit_status
-from prm.label import LabelOptions
+from prm.files import write_lines
+from prm.label import Generator, LabelOptions, label_file, step_labels
 from prm.readers.synthetic import char_tokenizer, counting_problems, step_truth
 
 SLIP, SLIP_RATE, NOISE = 7, 0.6, 0.05  # from 7 the policy adds D + 1 w.p. 0.6; else w.p. 0.05
 GEN = {"max_new_tokens": 40, "batch_size": 256}  # a solution: at most 37 tokens
-FILES = ("policy", "label.jsonl", "valid.jsonl", "test.jsonl")
-# the bench's PRMs: on prm.label's default labels (every method), on the other's (sampled ones)
-LABELS = (LabelOptions.label, "soft" if LabelOptions.label == "progress" else "progress")
+LABELS = ("hard", "progress")  # the bench's PRMs': prm.label's default labels, and progress
 
 
 @dataclasses.dataclass
 class LoopOptions(Checked):
-    """The task's split and the policy (a seed's pipeline); --seeds: the bench's pipelines."""
     stage: str = opt("", "", positional=True, choices=["policy", "bench"])
     folder: str = opt("", "a new folder, or one without what the stage writes", positional=True)
-    test: int = opt(120, "held-out test prompts (of 360), one problem each", check=at_least(1))
-    valid: int = opt(60, "validation prompts: the PRM's held-out rows (the truth's labels) and the "
-                     "search settings chosen on them", check=at_least(1))
-    rows: int = opt(180, "labeling prompts, one problem each (at most 360 - test - valid)",
-                    check=at_least(1))
+    test: int = opt(120, "held-out test prompts (of 360)", check=at_least(1))
+    valid: int = opt(60, "validation prompts: the PRM's held-out rows, and the search settings "
+                     "chosen on them", check=at_least(1))
+    rows: int = opt(180, "labeling prompts", check=at_least(1))
     steps: int = opt(500, "the policy's optimizer steps", check=at_least(1))
     seeds: int = opt(5, "bench: pipelines, seeds 0 .. seeds - 1", check=at_least(1))
-    grid_rows: int = opt(25, "bench: labeling problems of the label-quality grid (seed 0)",
+    grid_rows: int = opt(25, "bench: problems of the label-quality grid (seed 0)",
                          check=at_least(1))
 
     def __post_init__(self):
@@ -90,9 +88,8 @@ def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 
 
 
 def write_problems(folder: str, o: LoopOptions, seed: int = 0):
-    """FOLDER/test.jsonl, valid.jsonl, label.jsonl: disjoint prompts (a seeded shuffle). A valid row
-    also holds a solution written as the policy learned to and its true labels (train.py's
-    --eval-dataset)."""
+    """FOLDER/{test,valid,label}.jsonl: disjoint prompts. A valid row also holds a solution as the
+    policy learns to write it and its true labels (train.py's --eval-dataset)."""
     problems, rng = counting_problems(), random.Random(seed)
     rng.shuffle(problems)
     parts = {"test": problems[:o.test], "valid": problems[o.test:o.test + o.valid],
@@ -102,31 +99,19 @@ def write_problems(folder: str, o: LoopOptions, seed: int = 0):
         for r in rows if name == "valid" else ():
             r["completions"] = solution(r["prompt"], rng)
             r["labels"] = step_truth(r["prompt"], r["completions"])
-        with open(os.path.join(folder, name + ".jsonl"), "x", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_lines(os.path.join(folder, name + ".jsonl"), map(json.dumps, rows), "x")
 
 
 def relabeled(lines: list, how: str, n: int) -> list:
-    """prm.label's progress lines (n rollouts) with the labels `how` (soft, hard, progress) gives
-    them; a progress line's last label is the solution's outcome."""
-    from prm.label import step_labels
+    """prm.label's progress lines (n rollouts) labeled `how`; the last label is the outcome."""
     return [{**x, "labels": step_labels(x["successes"], x["labels"][-1] == 1, n, how,
                                         x["start"][1])} for x in lines]
 
 
-def step_quality(labels: list, truth: list) -> dict:
-    """Steps on the right side of 0.5 (None: unlabeled); first wrong step precision, recall."""
-    pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
-             if y is not None]
-    firsts = [(first_wrong([y is None or y >= 0.5 for y in ys]), first_wrong(ts))
-              for ys, ts in zip(labels, truth)]
-    return {"right": share([a == b for a, b in pairs]),
-            "prec": share([a == b for a, b in firsts if a >= 0]),
+def precision_recall(firsts: list) -> dict:
+    """Of (found, true) first wrong steps (-1: none)."""
+    return {"prec": share([a == b for a, b in firsts if a >= 0]),
             "recall": share([a == b for a, b in firsts if b >= 0])}
-
-
-def first_wrong(flags: list) -> int:
-    return next((k for k, ok in enumerate(flags) if not ok), -1)
 
 
 def share(flags: list) -> float:
@@ -139,26 +124,30 @@ def read(path: str) -> list:
 
 
 def label_grid(folder: str, gen, rows: int) -> list:
-    """Monte-Carlo labels of label.jsonl's first `rows` problems against step_truth, per rollouts,
-    label and search; rollouts per solution (progress: from the prompt too)."""
-    from prm.label import LabelOptions, label_file
-    found, problems = [], read(os.path.join(folder, "label.jsonl"))[:rows]
-    os.makedirs(grid := os.path.join(folder, "grid"))
-    with open(os.path.join(grid, "in.jsonl"), "x", encoding="utf-8") as f:
-        f.writelines(json.dumps(p) + "\n" for p in problems)
+    """Labels of label.jsonl's first `rows` problems against step_truth, per rollouts, label and
+    search: steps right (None: unlabeled), first wrong steps, rollouts spent per solution."""
+    found, grid = [], os.path.join(folder, "grid")
+    problems = read(os.path.join(folder, "label.jsonl"))[:rows]
+    os.makedirs(grid)
+    data = os.path.join(grid, "in.jsonl")
+    write_lines(data, map(json.dumps, problems), "x")
     for r, search in itertools.product((4, 8, 16), ("all", "binary")):
         opts = LabelOptions(policy=gen.opts.policy, rollouts=r, search=search,
                             label="progress" if search == "all" else "hard", **GEN)
         gen.opts, out = opts, os.path.join(grid, f"{r}{search}.jsonl")
-        spent = label_file(os.path.join(grid, "in.jsonl"), out, gen, opts, show=False)
+        spent = label_file(data, out, gen, opts, show=False)
         solved = read(out)
         truth = [step_truth(x["prompt"], x["completions"]) for x in solved]
         for how in ("soft", "hard", "progress") if search == "all" else ("binary",):
-            got = solved if how == "binary" else relabeled(solved, how, r)
-            labels = [x["labels"] for x in got]
+            labels = [x["labels"] for x in (solved if how == "binary" else
+                                            relabeled(solved, how, r))]
+            pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
+                     if y is not None]
+            firsts = [(first_error([y is None or y >= 0.5 for y in ys]), first_error(ts))
+                      for ys, ts in zip(labels, truth)]
             used = spent - r * len(problems) * (how != "progress")  # others: not from the prompt
-            found.append({"rollouts": r, "label": how, **step_quality(labels, truth),
-                          "spent": used / len(solved)})
+            found.append({"rollouts": r, "label": how, "right": share([a == b for a, b in pairs]),
+                          **precision_recall(firsts), "spent": used / len(solved)})
     return found
 
 
@@ -176,25 +165,28 @@ def searched(folder: str, name: str, gen, prm: str, dataset: str, **settings) ->
     return read(out)
 
 
-def accuracy(records: list, method: str, n: int, how: str, aggregate: str) -> float:
-    """The share of records' problems `how` answers right from the method's candidates at N."""
-    from prm.search import pick
-    hits = []
-    for r in records:
-        x = next(x for x in r["results"] if (x["method"], x["n"]) == (method, n))
-        cands = x.get("candidates", r.get("samples", [])[:n])  # sampled: the first N
-        hits.append(cands[i]["correct"] if (i := pick(cands, how, aggregate)) is not None else 0)
-    return share(hits)
+def result(record: dict, method: str, n: int) -> dict:
+    return next(x for x in record["results"] if (x["method"], x["n"]) == (method, n))
 
 
 def choose(folder: str, gen, prm: str, seed: int) -> dict:
-    """--aggregate (best-of-n and weighted at N = 4, 16), then --beam-width and --select (beam and
-    dvts at N = 4, 16), each the best on the validation prompts; ties keep prm.search's default."""
+    """--aggregate (best-of-n and weighted), then --beam-width and --select (beam and dvts), each
+    the best at N = 4, 16 on the validation prompts; ties keep prm.search's default."""
+    from prm.search import pick
     sampled = searched(folder, "valid", gen, prm, "valid.jsonl", methods=("best-of-n", "weighted"),
                        n=(4, 16), seeds=(seed,))
-    score = lambda recs, how, a: statistics.fmean(  # noqa: E731
-        accuracy(recs, m, n, how if how else m, a) for m, n in itertools.product(
-            ("best-of-n", "weighted") if not how else ("beam", "dvts"), (4, 16)))
+
+    def score(records, how, aggregate):  # how: the method's own if ""
+        hits = []
+        for m, n in itertools.product(("beam", "dvts") if how else ("best-of-n", "weighted"),
+                                      (4, 16)):
+            picked = []
+            for r in records:  # sampled: of the first N
+                cands = result(r, m, n).get("candidates", r.get("samples", [])[:n])
+                i = pick(cands, how or m, aggregate)
+                picked.append(cands[i]["correct"] if i is not None else 0)
+            hits.append(share(picked))
+        return statistics.fmean(hits)
     aggregate = max(("last", "min", "prod", "mean"), key=lambda a: score(sampled, "", a))
     best = (-1.0,)
     for width in (4, 2):
@@ -209,8 +201,7 @@ def choose(folder: str, gen, prm: str, seed: int) -> dict:
 def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
     """One pipeline in FOLDER: policy, labels, a PRM per LABELS, settings, test search."""
     from prm.config import Config
-    from prm.label import Generator, LabelOptions, label_file
-    from prm.bench import training  # train.py, the training program beside the package
+    from prm.bench import training  # train.py, beside the package
     train = training().train
     clock = time.time()
 
@@ -228,8 +219,8 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
     lap("label")
     out = {"policy": share([all(step_truth(x["prompt"], x["completions"])) for x in read(lab)])}
     for how in LABELS:
-        with open(path := os.path.join(folder, f"labels-{how}.jsonl"), "x") as f:
-            f.writelines(json.dumps(x) + "\n" for x in relabeled(read(lab), how, opts.rollouts))
+        path = os.path.join(folder, f"labels-{how}.jsonl")
+        write_lines(path, map(json.dumps, relabeled(read(lab), how, opts.rollouts)), "x")
         out[f"train-{how}"] = train(Config(
             model=at, dataset=path, eval_dataset=os.path.join(folder, "valid.jsonl"), lr=1e-3,
             batch_size=32, epochs=4, output_dir=os.path.join(folder, f"prm-{how}"), seed=seed))
@@ -249,21 +240,6 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
     return out
 
 
-def prm_steps(records: list, rows: list) -> dict:
-    """The PRM's step scores on the test samples against step_truth: AUROC, the first wrong step's
-    precision and recall (first score under 0.5)."""
-    from prm.core.metrics import auroc, first_error
-    scores, truths, firsts = [], [], []
-    for r in records:
-        for c in r["samples"]:
-            truth = step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])]
-            scores += c["scores"][:len(truth)]
-            truths += truth
-            firsts.append((first_error(c["scores"][:len(truth)]), first_wrong(truth)))
-    return {"auroc": auroc(scores, truths), "prec": share([a == b for a, b in firsts if a >= 0]),
-            "recall": share([a == b for a, b in firsts if b >= 0])}
-
-
 def mean_se(values: list) -> str:
     values = [v for v in values if v is not None and v == v]  # no AUROC: a class empty
     se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
@@ -278,18 +254,14 @@ def interval(diffs: list, draws: int = 2000) -> tuple:
     return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
-def hit(record: dict, method: str, n: int) -> bool:
-    return next(x["correct"] for x in record["results"] if (x["method"], x["n"]) == (method, n))
-
-
 def search_rows(runs: list, key: str, tag: str = "") -> list:
-    """Per method and N of runs[*][key]: accuracy mean ± SE over pipelines, the paired difference
-    from majority (the main search's) with its interval, pass@N over the first N samples."""
+    """Per method and N of runs[*][key]: accuracy, its paired difference from majority (the main
+    search's) with its interval, pass@N over the first N samples."""
     lines = []
     for m, n in sorted({(x["method"], x["n"]) for x in runs[0][key][0]["results"]},
                        key=lambda k: (k[1], "majority best-of-n weighted beam dvts".find(k[0]))):
-        got = [{r["row"]: hit(r, m, n) for r in run[key]} for run in runs]
-        base = [{r["row"]: hit(r, "majority", n) for r in run["test"]} for run in runs]
+        got = [{r["row"]: result(r, m, n)["correct"] for r in run[key]} for run in runs]
+        base = [{r["row"]: result(r, "majority", n)["correct"] for r in run["test"]} for run in runs]
         oracle = [share([any(c["correct"] for c in r["samples"][:n]) for r in run["test"]])
                   for run in runs]
         diff = [[g[k] - b[k] for k in g] for g, b in zip(got, base)]
@@ -303,7 +275,6 @@ def search_rows(runs: list, key: str, tag: str = "") -> list:
 
 
 def report(runs: list, times: dict, o: LoopOptions):
-    """Every figure of the bench, over the pipelines."""
     print(f"{len(runs)} pipelines (seeds 0-{len(runs) - 1}); each: {o.rows} labeling, {o.valid} "
           f"validation, {o.test} test prompts, disjoint; mean ± standard error over pipelines")
     print(f"policy: {mean_se([r['policy'] for r in runs])} of its sampled solutions right")
@@ -330,6 +301,19 @@ def report(runs: list, times: dict, o: LoopOptions):
                                                for k, v in times.items()))
 
 
+def prm_steps(records: list, rows: list) -> dict:
+    """The PRM's step scores of the test samples against step_truth: AUROC, first wrong steps
+    (the first score under 0.5)."""
+    scores, truths, firsts = [], [], []
+    for r in records:
+        for c in r["samples"]:
+            truth = step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])]
+            scores += c["scores"][:len(truth)]
+            truths += truth
+            firsts.append((first_error(c["scores"][:len(truth)]), first_error(truth)))
+    return {"auroc": auroc(scores, truths), **precision_recall(firsts)}
+
+
 def refusals(stage: str, at: str) -> list:
     """Why folder `at` cannot take the stage's files: nothing there is ever replaced."""
     if not at or os.path.isfile(at):
@@ -338,7 +322,8 @@ def refusals(stage: str, at: str) -> list:
         busy = os.path.isdir(at) and os.listdir(at)
         return [f"{at}: not empty; the bench writes a new run, pass another folder"] * bool(busy)
     return [f"{os.path.join(at, x)} exists; the policy stage writes only new files, pass another "
-            "folder" for x in FILES if os.path.lexists(os.path.join(at, x))][:1]
+            "folder" for x in ("policy", "label.jsonl", "valid.jsonl", "test.jsonl")
+            if os.path.lexists(os.path.join(at, x))][:1]
 
 
 def main(argv=None):
