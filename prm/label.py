@@ -43,18 +43,19 @@ def importable(checker: str) -> bool:
 class LabelOptions(Checked):
     """Kept in OUTPUT.settings: a rerun with others is refused."""
     rollouts: int = opt(8, "rollouts per step prefix", check=at_least(1))
-    label: str = opt("hard", "hard: 1 if any rollout is right; soft: the share V; progress: "
-                     "min(1, V after / V before)", choices=["soft", "hard", "progress"])
-    search: str = opt("all", "all: every prefix; binary: find the first step no rollout rescues",
+    label: str = opt("hard", "hard: 1 if any rollout is right; soft: the share V; progress: min(1, "
+                     "V after / V before)", choices=["soft", "hard", "progress"])
+    search: str = opt("all", "all: every prefix; binary: the first step no rollout rescues",
                       choices=["all", "binary"])
     samples: int = opt(4, "solutions sampled for a row without 'completions'", check=at_least(1))
-    step_separator: str = opt("\n", "what ends each step (escapes understood)",
-                              type=unescape, check=not_empty("it ends each step"))
+    step_separator: str = opt(
+        "\n", "what ends each step (escapes understood)", type=unescape,
+        check=not_empty("it ends each step"))
     answer_field: str = opt("answer", "the reference answer's column")
     prompt_field: str = opt("prompt", "the problem's column (MATH-500's: problem)")
-    answer_pattern: str = opt("", "regex whose last match is the answer; default: the last "
-                              "\\boxed{}, 'answer is' or number",
-                              check=bound(is_regex, "not a regular expression"))
+    answer_pattern: str = opt(
+        "", "regex whose last match is the answer; default: \\boxed{}, 'answer is' or a number",
+        check=bound(is_regex, "not a regular expression"))
     checker: str = opt("exact", "exact: normalized match; or math-verify",
                        choices=["exact", "math-verify"], check=bound(importable, "needs the "
                        "math-verify package: pip install 'math-verify[antlr4_13_2]'"))
@@ -76,16 +77,14 @@ class LabelOptions(Checked):
 class LabelRun(Checked):
     dataset: str = opt("", "a .jsonl/.json/.parquet file or folder", required=True)
     output: str = opt("", "the .jsonl written; a rerun resumes it", required=True)
-    shard: str = opt("0/1", "i/n: every n-th row from the i-th; no --shard merges",
-                     check=bound(lambda v: bool(re.fullmatch(r"\d+/\d+", v)) and
-                                 int(v.split("/")[0]) < int(v.split("/")[1]),
-                                 "expected i/n with 0 <= i < n"))
+    shard: str = opt("0/1", "i/n: every n-th row from the i-th; no --shard merges", check=bound(
+        lambda v: bool(re.fullmatch(r"\d+/\d+", v)) and int(v.split("/")[0]) < int(v.split("/")[1]),
+        "expected i/n with 0 <= i < n"))
     skip_invalid: bool = opt(False, "leave out invalid rows")
     trust_remote_code: bool = opt(False, "run the policy's code")
 
 
-def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions,
-                    seed: int) -> list:
+def label_solutions(text: str, solutions: list, right, complete, opts, seed: int) -> list:
     """{labels, rollouts, successes} per solution; progress adds `start`: [rollouts, successes]
     of the prompt alone."""
     sep, n, calls = opts.step_separator, opts.rollouts, []
@@ -97,8 +96,8 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
         calls.append(prompts := [text + b for b in before])
         outs = complete(prompts, n, seed + len(calls))
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
-            raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} "
-                             "prompts")
+            raise UsageError(
+                f"complete() must give {n} texts for each of its {len(prompts)} prompts")
         found = [sum(right(t, b) for t in texts) for b, texts in zip(before, outs)]
         for (i, k), w in zip(todo, found):
             if k:
@@ -136,7 +135,7 @@ def step_labels(wins: list, final: bool, n: int, how: str, start: int = None) ->
     return [min(1.0, v / b) if b else float(v > 0) for v, b in zip(values, before)]
 
 
-def label_row(row: dict, index: int, complete, render, opts: LabelOptions, prover=None) -> list:
+def label_row(row: dict, index: int, complete, render, opts, prover=None) -> list:
     text, sep = render(row["prompt"]), opts.step_separator
     if not isinstance(text, str):
         raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render)")
@@ -147,13 +146,14 @@ def label_row(row: dict, index: int, complete, render, opts: LabelOptions, prove
     drawn = [] if given else complete([text], opts.samples, seed)[0]
     solutions = [row["completions"]] if given else [s for d in drawn if (s := split_steps(d, sep))]
     found = label_solutions(text, solutions, judge(answer, opts), prover or complete, opts, seed)
+    ids = [{} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"}
+           for j in range(len(solutions))]
     return [json.dumps({"prompt": row["prompt"], "completions": steps, **res, "answer": answer,
-                        "row": index, "lines": len(solutions),
-                        **({} if rid is None else {"id": str(rid) if given else f"{rid}/{j}"})},
-                       ensure_ascii=False) for j, (steps, res) in enumerate(zip(solutions, found))]
+                        "row": index, "lines": len(solutions), **i}, ensure_ascii=False)
+            for steps, res, i in zip(solutions, found, ids)]
 
 
-def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
+def read_input(spec: str, opts, skip_invalid: bool):
     """([(index, row)] of the valid rows, a digest of all)."""
     rows, problems, bad, digest = [], [], 0, hashlib.sha256()
     records = ((name, rec) for name, recs in sources(spec) for rec in recs)
@@ -162,10 +162,9 @@ def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
         if opts.prompt_field != "prompt" and isinstance(r, dict):
             r = {**r, "prompt": r.get(opts.prompt_field)}
         issues = [problem] if problem else input_problems(r, opts.answer_field)
-        chat = not issues and isinstance(r["prompt"], list)
-        if not issues and rows and chat != isinstance(rows[0][1]["prompt"], list):
-            issues = ["field 'prompt': plain-text and conversational prompts are mixed in one "
-                      "dataset"]
+        if not issues and rows and \
+                isinstance(r["prompt"], list) != isinstance(rows[0][1]["prompt"], list):
+            issues = ["field 'prompt': plain-text and conversational prompts are mixed"]
         problems.extend(f"{name} {where}: {p}" for p in issues)
         bad += bool(issues)
         rows += [] if issues else [(index, r)]
@@ -259,9 +258,9 @@ class Generator:
             adds = tok("x")["input_ids"][:1] == [tok.bos_token_id]
             self.bos = tok.bos_token if adds else ""
             dtype = autocast_dtype(None, self.device) or torch.float32
-            self.model = loading("--policy", self.opts.policy, saved_weights,
-                                 auto=AutoModelForCausalLM, trust_remote_code=self.trust,
-                                 dtype=dtype).to(self.device).eval()
+            self.model = loading("--policy", self.opts.policy, saved_weights, dtype=dtype,
+                                 auto=AutoModelForCausalLM, trust_remote_code=self.trust)
+            self.model.to(self.device).eval()
             archs = self.model.config.architectures or []
             check([f"--policy {self.opts.policy}: a masked language model ({archs[0]}) writes no "
                    "text; pass a causal LM"] if any("MaskedLM" in a for a in archs) else [])
@@ -284,7 +283,7 @@ class Generator:
         import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
-                        do_sample=False)  # sampled by gumbel_max
+                        do_sample=False)  # gumbel_max samples
         if stop:
             if stop not in self.stops:  # built once: it reads the whole vocabulary
                 from transformers import StoppingCriteriaList, StopStringCriteria
@@ -295,18 +294,17 @@ class Generator:
         flat = [(p, mix(s, j)) for p, s in zip(prompts, seeds) for j in range(copies)]
         out, usage = [], []
         for batch in (flat[s:s + size] for s in range(0, len(flat), size)):
-            enc = tok([p for p, _ in batch], return_tensors="pt", padding=True,
-                      add_special_tokens=False).to(d)
+            texts = [p for p, _ in batch]
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
             if o.temperature > 0:
                 sampling["logits_processor"] = gumbel_max(o, [s for _, s in batch], d)
-            with torch.no_grad():
-                ids = self.model.generate(**enc, **sampling)  # (B, T + new)
+            ids = self.model.generate(**enc, **sampling)  # (B, T + new); generate: no_grad
             new = ids[:, enc["input_ids"].shape[1]:]  # (B, new)
             # a finished sequence is padded after its last token
             at = torch.arange(1, new.shape[1] + 1, device=d)  # (new,)
             made = ((new != tok.pad_token_id) * at).amax(1)  # (B,)
-            for text, k, last in zip(tok.batch_decode(new, skip_special_tokens=True), made.tolist(),
-                                     new[:, -1].tolist()):
+            texts = tok.batch_decode(new, skip_special_tokens=True)
+            for text, k, last in zip(texts, made.tolist(), new[:, -1].tolist()):
                 head, found, _ = text.partition(stop) if stop else (text, "", "")
                 out.append(head + found)
                 usage.append((k, k == o.max_new_tokens and last != tok.eos_token_id and not found))
@@ -331,8 +329,8 @@ def gumbel_max(opts: LabelOptions, seeds: list, device):
         # k steps' noise a draw, the same for any batch
         t, k = drawn["steps"], max(1, min(opts.max_new_tokens, 2 ** 18 // scores.shape[1]))
         if t % k == 0:
-            drawn["u"] = torch.stack([torch.rand(k, scores.shape[1], generator=g, device=device)
-                                      for g in gens])  # (B, k, V)
+            drawn["u"] = torch.stack([  # (B, k, V)
+                torch.rand(k, scores.shape[1], generator=g, device=device) for g in gens])
         drawn["steps"] += 1
         return scores - torch.log(-torch.log(drawn["u"][:, t % k]))  # (B, V)
     top_p = [TopPLogitsWarper(opts.top_p)] if opts.top_p < 1 else []
@@ -341,9 +339,8 @@ def gumbel_max(opts: LabelOptions, seeds: list, device):
 
 def main(argv=None):
     with exit_status():
-        p = Parser(LabelRun, LabelOptions, prog="python -m prm.label",
-                   description="Label solution steps by Monte-Carlo policy rollouts.")
-        a = p.parse_args(argv)
+        a = Parser(LabelRun, LabelOptions, prog="python -m prm.label", description="Label "
+                   "solution steps by Monte-Carlo policy rollouts.").parse_args(argv)
         parsed(LabelRun, a)
         opts = parsed(LabelOptions, a)
         read = [("--dataset", a.dataset), ("--policy", a.policy), ("--prover", a.prover)]
@@ -355,15 +352,15 @@ def main(argv=None):
         rt = setup()
         try:
             # ranks end at different times: a group that does not time out
-            wait = rt.distributed and dist.new_group(backend="gloo",
-                                                     timeout=datetime.timedelta(days=7))
+            wait = rt.distributed and dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(days=7))
             gen = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code)
             prover = Generator(dataclasses.replace(opts, policy=opts.prover), device=rt.device,
                                trust_remote_code=gen.trust) if opts.prover else None
             start = time.time()
-            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
-                               skip_invalid=a.skip_invalid, prover=prover,
-                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size))
+            part = (shard * rt.world_size + rt.rank, shards * rt.world_size)
+            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, part=part,
+                               show=rt.is_main, skip_invalid=a.skip_invalid, prover=prover)
             if rt.distributed:
                 dist.all_reduce(total := torch.tensor([spent]), group=wait)
                 if rt.is_main and shards == 1:

@@ -1,8 +1,8 @@
 """The whole loop offline on the counting task: a policy that slips, its Monte-Carlo labels, a PRM
-trained on them, PRM-guided search; over seeds.
+on them, PRM-guided search; over seeds.
 
-    python -m prm.tools.loop policy DIR  # DIR/policy (HF model folder), label/valid/test.jsonl
-    python -m prm.tools.loop bench DIR   # the whole pipeline per seed in DIR/seed<k>, every figure
+    python -m prm.tools.loop policy DIR  # DIR/policy, DIR/{label,valid,test}.jsonl
+    python -m prm.tools.loop bench DIR   # the pipeline per seed in DIR/seed<k>, every figure
 """
 import dataclasses
 import itertools
@@ -25,21 +25,20 @@ from prm.readers.synthetic import char_tokenizer, counting_problems, step_truth
 
 SLIP, SLIP_RATE, NOISE = 7, 0.6, 0.05  # from 7 the policy adds D + 1 w.p. 0.6; else w.p. 0.05
 GEN = {"max_new_tokens": 40, "batch_size": 256}  # a solution: at most 37 tokens
-LABELS = ("hard", "progress")  # the bench's PRMs': prm.label's default labels, and progress
+LABELS = ("hard", "progress")  # the bench's PRMs': prm.label's default, then the other
+FILES = ("policy", "label.jsonl", "valid.jsonl", "test.jsonl")  # the policy stage's
 
 
 @dataclasses.dataclass
 class LoopOptions(Checked):
     stage: str = opt("", "", positional=True, choices=["policy", "bench"])
     folder: str = opt("", "a new folder, or one without what the stage writes", positional=True)
-    test: int = opt(120, "held-out test prompts (of 360)", check=at_least(1))
-    valid: int = opt(60, "validation prompts: the PRM's held-out rows, and the search settings "
-                     "chosen on them", check=at_least(1))
+    test: int = opt(120, "test prompts (of 360)", check=at_least(1))
+    valid: int = opt(60, "validation prompts (PRM held out, search settings)", check=at_least(1))
     rows: int = opt(180, "labeling prompts", check=at_least(1))
     steps: int = opt(500, "the policy's optimizer steps", check=at_least(1))
     seeds: int = opt(5, "bench: pipelines, seeds 0 .. seeds - 1", check=at_least(1))
-    grid_rows: int = opt(25, "bench: problems of the label-quality grid (seed 0)",
-                         check=at_least(1))
+    grid_rows: int = opt(25, "bench: problems of the label grid (seed 0)", check=at_least(1))
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,7 +48,7 @@ class LoopOptions(Checked):
 
 
 def solution(prompt: str, rng) -> list:
-    """Steps as the policy learns to write them: from SLIP it slips (adds D + 1) at SLIP_RATE."""
+    """Steps as the policy learns to write them."""
     count, d, x = map(int, re.findall(r"\d+", prompt))
     steps = []
     for _ in range(count):
@@ -59,15 +58,15 @@ def solution(prompt: str, rng) -> list:
     return steps
 
 
-def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 3e-3, seed=0):
-    """A tiny Qwen2 causal LM trained on solution()'s texts, saved with its tokenizer."""
+def train_policy(output: str, *, steps: int = 500, batch: int = 32, seed=0):
+    """A tiny Qwen2 trained on solution()'s texts."""
     from transformers import AutoModelForCausalLM, Qwen2Config
     from prm.loading import tiny_config
     tok, start, rng = char_tokenizer(), time.time(), random.Random(seed)
     torch.manual_seed(seed)
     shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, layer_types=None)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**{**tiny_config(tok).to_dict(), **shape}))
-    opt_ = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt_ = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     prompts = [p["prompt"] for p in counting_problems()]
     for i in range(steps):
         texts = [p + "\n" + "".join(s + "\n" for s in solution(p, rng)) + tok.eos_token
@@ -77,9 +76,9 @@ def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 
         loss = model(**enc, labels=ids).loss
         loss.backward()
         for g in opt_.param_groups:  # linear decay to 0
-            g["lr"] = lr * (1 - i / steps)
+            g["lr"] = 3e-3 * (1 - i / steps)
         opt_.step()
-        opt_.zero_grad(set_to_none=True)
+        opt_.zero_grad()
         if i % 100 == 0 or i == steps - 1:
             print(f"policy step {i}: loss {loss.item():.4f}, {time.time() - start:.0f} s",
                   file=sys.stderr)
@@ -88,8 +87,8 @@ def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 
 
 
 def write_problems(folder: str, o: LoopOptions, seed: int = 0):
-    """FOLDER/{test,valid,label}.jsonl: disjoint prompts. A valid row also holds a solution as the
-    policy learns to write it and its true labels (train.py's --eval-dataset)."""
+    """FOLDER/{test,valid,label}.jsonl: disjoint prompts; a valid row also holds a solution and
+    its true labels (train.py's --eval-dataset)."""
     problems, rng = counting_problems(), random.Random(seed)
     rng.shuffle(problems)
     parts = {"test": problems[:o.test], "valid": problems[o.test:o.test + o.valid],
@@ -103,13 +102,13 @@ def write_problems(folder: str, o: LoopOptions, seed: int = 0):
 
 
 def relabeled(lines: list, how: str, n: int) -> list:
-    """prm.label's progress lines (n rollouts) labeled `how`; the last label is the outcome."""
+    """prm.label's progress lines (n rollouts) labeled `how`."""
     return [{**x, "labels": step_labels(x["successes"], x["labels"][-1] == 1, n, how,
                                         x["start"][1])} for x in lines]
 
 
 def precision_recall(firsts: list) -> dict:
-    """Of (found, true) first wrong steps (-1: none)."""
+    """Of (found, true) first wrong steps."""
     return {"prec": share([a == b for a, b in firsts if a >= 0]),
             "recall": share([a == b for a, b in firsts if b >= 0])}
 
@@ -124,8 +123,7 @@ def read(path: str) -> list:
 
 
 def label_grid(folder: str, gen, rows: int) -> list:
-    """Labels of label.jsonl's first `rows` problems against step_truth, per rollouts, label and
-    search: steps right (None: unlabeled), first wrong steps, rollouts spent per solution."""
+    """Labels of label.jsonl's first `rows` problems vs the truth, per rollouts, label, search."""
     found, grid = [], os.path.join(folder, "grid")
     problems = read(os.path.join(folder, "label.jsonl"))[:rows]
     os.makedirs(grid)
@@ -151,17 +149,17 @@ def label_grid(folder: str, gen, rows: int) -> list:
     return found
 
 
-def searched(folder: str, name: str, gen, prm: str, dataset: str, **settings) -> list:
-    """prm.search's records of `dataset` (FOLDER/search-NAME.jsonl) with the PRM at `prm`."""
+def searched(folder: str, name: str, gen, prm: str, seed: int, **settings) -> list:
+    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with (valid, test)."""
     from prm.scoring.reward import PRMReward
     from prm.search import SearchOptions, search_file
     from prm.trees import cached
-    opts = SearchOptions(policy=gen.opts.policy, problems=30, **GEN, **settings)
+    opts = SearchOptions(policy=gen.opts.policy, problems=30, seeds=(seed,), **GEN, **settings)
     reward = PRMReward(prm, batch_size=GEN["batch_size"])
     gen.opts, out = opts, os.path.join(folder, f"search-{name}.jsonl")
-    # as prm.search runs it: each tree step's tokens on the PRM's cache
-    search_file(os.path.join(folder, dataset), out, gen, reward.score, opts, render=gen.render,
-                show=False, extend=cached(reward))
+    part = os.path.join(folder, name.split("-")[0] + ".jsonl")
+    search_file(part, out, gen, reward.score, opts, render=gen.render, show=False,
+                extend=cached(reward))
     return read(out)
 
 
@@ -170,45 +168,41 @@ def result(record: dict, method: str, n: int) -> dict:
 
 
 def choose(folder: str, gen, prm: str, seed: int) -> dict:
-    """--aggregate (best-of-n and weighted), then --beam-width and --select (beam and dvts), each
-    the best at N = 4, 16 on the validation prompts; ties keep prm.search's default."""
+    """--aggregate, then --beam-width and --select: the best on the validation prompts; ties keep
+    prm.search's default."""
     from prm.search import pick
-    sampled = searched(folder, "valid", gen, prm, "valid.jsonl", methods=("best-of-n", "weighted"),
-                       n=(4, 16), seeds=(seed,))
+    sampled = searched(folder, "valid", gen, prm, seed, methods=("best-of-n", "weighted"),
+                       n=(4, 16))
 
-    def score(records, how, aggregate):  # how: the method's own if ""
-        hits = []
-        for m, n in itertools.product(("beam", "dvts") if how else ("best-of-n", "weighted"),
-                                      (4, 16)):
-            picked = []
-            for r in records:  # sampled: of the first N
-                cands = result(r, m, n).get("candidates", r.get("samples", [])[:n])
-                i = pick(cands, how or m, aggregate)
-                picked.append(cands[i]["correct"] if i is not None else 0)
-            hits.append(share(picked))
-        return statistics.fmean(hits)
+    def right(r, m, n, how, aggregate):  # sampled: of the first N
+        cands = result(r, m, n).get("candidates", r.get("samples", [])[:n])
+        i = pick(cands, how, aggregate)
+        return cands[i]["correct"] if i is not None else 0
+
+    def score(records, how, aggregate):  # "": each method's own
+        methods = ("beam", "dvts") if how else ("best-of-n", "weighted")
+        return statistics.fmean(share([right(r, m, n, how or m, aggregate) for r in records])
+                                for m, n in itertools.product(methods, (4, 16)))
     aggregate = max(("last", "min", "prod", "mean"), key=lambda a: score(sampled, "", a))
     best = (-1.0,)
     for width in (4, 2):
-        trees = searched(folder, f"valid-m{width}", gen, prm, "valid.jsonl", n=(4, 16),
-                         methods=("beam", "dvts"), seeds=(seed,), beam_width=width,
-                         aggregate=aggregate)
+        trees = searched(folder, f"valid-m{width}", gen, prm, seed, n=(4, 16),
+                         methods=("beam", "dvts"), beam_width=width, aggregate=aggregate)
         for how in ("weighted", "best-of-n", "majority"):
             best = max(best, (score(trees, how, aggregate), width, how), key=lambda b: b[0])
     return {"aggregate": aggregate, "beam_width": best[1], "select": best[2]}
 
 
 def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
-    """One pipeline in FOLDER: policy, labels, a PRM per LABELS, settings, test search."""
+    """Policy, labels, a PRM per LABELS, settings, test search."""
     from prm.config import Config
-    from prm.bench import training  # train.py, beside the package
+    from prm.bench import training
     train = training().train
-    clock = time.time()
+    clock = [time.time()]
 
     def lap(stage):
-        nonlocal clock
-        times.setdefault(stage, []).append(time.time() - clock)
-        clock = time.time()
+        clock.append(time.time())
+        times.setdefault(stage, []).append(clock[-1] - clock[-2])
     write_problems(folder, o, seed)
     train_policy(at := os.path.join(folder, "policy"), steps=o.steps, seed=seed)
     lap("policy")
@@ -228,11 +222,11 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
     prm = os.path.join(folder, f"prm-{LABELS[0]}", "final")
     out["chosen"] = choose(folder, gen, prm, seed)
     lap("choose")
-    out["test"] = searched(folder, "test", gen, prm, "test.jsonl", seeds=(seed,), **out["chosen"])
+    out["test"] = searched(folder, "test", gen, prm, seed, **out["chosen"])
     lap("search")
-    out["other"] = searched(folder, "test-" + LABELS[1], gen, os.path.join(
-        folder, f"prm-{LABELS[1]}", "final"), "test.jsonl", methods=("best-of-n", "weighted"),
-        seeds=(seed,), **{**out["chosen"], "beam_width": 4})
+    other = os.path.join(folder, f"prm-{LABELS[1]}", "final")
+    out["other"] = searched(folder, "test-" + LABELS[1], gen, other, seed,
+                            methods=("best-of-n", "weighted"), **{**out["chosen"], "beam_width": 4})
     lap("search")
     if seed == 0:
         out["grid"] = label_grid(folder, gen, o.grid_rows)
@@ -246,22 +240,22 @@ def mean_se(values: list) -> str:
     return f"{statistics.fmean(values):.3f} ± {se:.3f}"
 
 
-def interval(diffs: list, draws: int = 2000) -> tuple:
-    """95% bootstrap interval of the mean difference, each pipeline's prompts resampled."""
+def interval(diffs: list) -> tuple:
+    """95% bootstrap interval of the mean, each pipeline's values resampled (2000 draws)."""
     rng = random.Random(0)
     means = sorted(statistics.fmean(v for d in diffs for v in rng.choices(d, k=len(d)))
-                   for _ in range(draws))
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+                   for _ in range(2000))
+    return means[50], means[1949]
 
 
 def search_rows(runs: list, key: str, tag: str = "") -> list:
-    """Per method and N of runs[*][key]: accuracy, its paired difference from majority (the main
-    search's) with its interval, pass@N over the first N samples."""
+    """Per method and N: accuracy, the paired difference from majority, pass@N."""
     lines = []
     for m, n in sorted({(x["method"], x["n"]) for x in runs[0][key][0]["results"]},
                        key=lambda k: (k[1], "majority best-of-n weighted beam dvts".find(k[0]))):
         got = [{r["row"]: result(r, m, n)["correct"] for r in run[key]} for run in runs]
-        base = [{r["row"]: result(r, "majority", n)["correct"] for r in run["test"]} for run in runs]
+        base = [{r["row"]: result(r, "majority", n)["correct"] for r in run["test"]}
+                for run in runs]
         oracle = [share([any(c["correct"] for c in r["samples"][:n]) for r in run["test"]])
                   for run in runs]
         diff = [[g[k] - b[k] for k in g] for g, b in zip(got, base)]
@@ -289,21 +283,20 @@ def report(runs: list, times: dict, o: LoopOptions):
         held = [r[f"train-{label}"] for r in runs]
         got = [mean_se([s[k] for s in steps]) for k in ("auroc", "prec", "recall")] + \
             [mean_se([h[k] for h in held]) for k in ("step_accuracy", "auroc")]
-        print("PRM on {} labels, its scores of the test samples against the truth: step AUROC {}, "
-              "first wrong step precision {} recall {}; train.py's held-out figures (validation "
-              "prompts, true labels): step accuracy {}, AUROC {}".format(label, *got))
+        print("PRM on {} labels, its test sample scores against the truth: step AUROC {}, first "
+              "wrong step precision {} recall {}; train.py's held-out (validation prompts, true "
+              "labels): step accuracy {}, AUROC {}".format(label, *got))
     print(f"label grid (seed 0, {o.grid_rows} problems, their sampled solutions) against the "
           "truth:\n rollouts    label    right     prec   recall    spent")
     for q in runs[0]["grid"]:
         print(f"{q['rollouts']:>9}{q['label']:>9}{q['right']:>9.3f}{q['prec']:>9.3f}"
               f"{q['recall']:>9.3f}{q['spent']:>9.1f}")
-    print("wall s per pipeline: " + ", ".join(f"{k} {sum(v) / len(runs):.0f}"
-                                               for k, v in times.items()))
+    print("wall s per pipeline:", ", ".join(f"{k} {sum(v) / len(runs):.0f}"
+                                             for k, v in times.items()))
 
 
 def prm_steps(records: list, rows: list) -> dict:
-    """The PRM's step scores of the test samples against step_truth: AUROC, first wrong steps
-    (the first score under 0.5)."""
+    """The PRM's step scores of the test samples against the truth."""
     scores, truths, firsts = [], [], []
     for r in records:
         for c in r["samples"]:
@@ -315,14 +308,12 @@ def prm_steps(records: list, rows: list) -> dict:
 
 
 def refusals(stage: str, at: str) -> list:
-    """Why folder `at` cannot take the stage's files: nothing there is ever replaced."""
     if not at or os.path.isfile(at):
         return [f"{at!r}: not a folder"]
     if stage == "bench":
         busy = os.path.isdir(at) and os.listdir(at)
-        return [f"{at}: not empty; the bench writes a new run, pass another folder"] * bool(busy)
-    return [f"{os.path.join(at, x)} exists; the policy stage writes only new files, pass another "
-            "folder" for x in ("policy", "label.jsonl", "valid.jsonl", "test.jsonl")
+        return [f"{at}: not empty; pass another folder"] * bool(busy)
+    return [f"{os.path.join(at, x)} exists; pass another folder" for x in FILES
             if os.path.lexists(os.path.join(at, x))][:1]
 
 
@@ -344,7 +335,7 @@ def main(argv=None):
                 os.makedirs(folder := os.path.join(at, f"seed{seed}"))
                 runs.append({"folder": folder, **pipeline(folder, o, seed, times)})
                 with open(os.path.join(folder, "run.json"), "x", encoding="utf-8") as f:
-                    json.dump({"run": runs[-1], "times": times}, f)  # report() reads them again
+                    json.dump({"run": runs[-1], "times": times}, f)
             report(runs, times, o)
             print(f"bench: {time.time() - start:.0f} s wall")
         except OSError as e:
