@@ -85,8 +85,7 @@ class LabelRun(Checked):
 
 
 def label_solutions(text: str, solutions: list, right, complete, opts, seed: int) -> list:
-    """{labels, rollouts, successes} per solution; progress adds `start`: [rollouts, successes]
-    of the prompt alone."""
+    """{labels, rollouts, successes} per solution (progress: `start`, the prompt's own too)."""
     sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
@@ -192,13 +191,13 @@ def input_problems(r, field: str) -> list:
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
                render=lambda prompt: prompt, part=(0, 1), skip_invalid=False, show=True,
                prover=None) -> int:
-    """Labels the rows whose index % m == p, part=(p, m), into `output` (a share: into
-    OUTPUT.part<p>of<m>; all: the parts merged). Returns the rollouts spent."""
+    """Labels the rows i % m == p, part=(p, m), into `output` (OUTPUT.part<p>of<m> if m > 1);
+    returns the rollouts spent."""
     from tqdm import tqdm
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
-    blank = own + ".blank"  # the rows whose samples were all blank
+    blank = own + ".blank"  # rows whose samples were all blank; per part, as the output
     settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), "dataset": digest}
     with resumed(output, settings, "prm.label", (own, blank)):
         done = finished(output, *parts(output), *glob.glob(glob.escape(output) + "*.blank"))
@@ -294,8 +293,8 @@ class Generator:
         flat = [(p, mix(s, j)) for p, s in zip(prompts, seeds) for j in range(copies)]
         out, usage = [], []
         for batch in (flat[s:s + size] for s in range(0, len(flat), size)):
-            texts = [p for p, _ in batch]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(d)
+            enc = tok([p for p, _ in batch], return_tensors="pt", padding=True,
+                      add_special_tokens=False).to(d)
             if o.temperature > 0:
                 sampling["logits_processor"] = gumbel_max(o, [s for _, s in batch], d)
             ids = self.model.generate(**enc, **sampling)  # (B, T + new); generate: no_grad
