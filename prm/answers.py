@@ -1,5 +1,4 @@
-"""Final answers: found in a text, normalized, judged against the reference (exact or
-math-verify), keyed for votes."""
+"""Final answers: found in a text, normalized, judged against the reference, keyed for votes."""
 import re
 import sys
 from fractions import Fraction
