@@ -12,10 +12,15 @@ import sys
 import time
 
 import regex
+import torch
+import torch.distributed as dist
+from jinja2 import TemplateError
+from tqdm import tqdm
 
 from prm.answers import judge
 from prm.cli import Parser, parsed
 from prm.config import Checked, at_least, bound, not_empty, opt, unescape, within
+from prm.core.runtime import autocast_dtype, setup, teardown
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
 from prm.files import finished, locked, parts, resumed, stamp, write_lines
 from prm.readers.formats import row_problems, split_steps
@@ -193,7 +198,6 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
                prover=None) -> int:
     """Labels the rows i % m == p, part=(p, m), into `output` (OUTPUT.part<p>of<m> if m > 1);
     returns the rollouts spent."""
-    from tqdm import tqdm
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
@@ -247,11 +251,9 @@ class Generator:
     def tokenizer(self):
         """The first call loads the tokenizer and the model."""
         if self.tok is None:
-            import torch
             from transformers import AutoModelForCausalLM
             from prm.loading import load_tokenizer, loading
             from prm.core.model import saved_weights
-            from prm.core.runtime import autocast_dtype
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
             tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
             adds = tok("x")["input_ids"][:1] == [tok.bos_token_id]
@@ -267,7 +269,6 @@ class Generator:
 
     def render(self, prompt) -> str:
         """As the tokenizer starts it (its BOS if it adds one); chat by its template."""
-        from jinja2 import TemplateError
         tok = self.tokenizer()
         try:
             return self.bos + prompt if isinstance(prompt, str) else \
@@ -279,7 +280,6 @@ class Generator:
     def __call__(self, prompts: list, n: int, seed, stop: str = None) -> list:
         """n texts per prompt (seed: an int or one per prompt), cut after `stop`; self.usage: per
         text, (tokens made, whether max_new_tokens cut it)."""
-        import torch
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
                         do_sample=False)  # gumbel_max samples
@@ -320,7 +320,6 @@ def mix(*parts) -> int:
 
 def gumbel_max(opts: LabelOptions, seeds: list, device):
     """Sampling under greedy decoding: Gumbel noise, each row's from its own seed."""
-    import torch
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
     gens, drawn = [torch.Generator(device).manual_seed(s) for s in seeds], {"steps": 0}
 
@@ -345,9 +344,6 @@ def main(argv=None):
         read = [("--dataset", a.dataset), ("--policy", a.policy), ("--prover", a.prover)]
         check(overwrites([("--output", a.output)], read, new=True))
         shard, shards = map(int, a.shard.split("/"))
-        import torch
-        import torch.distributed as dist
-        from prm.core.runtime import setup, teardown
         rt = setup()
         try:
             # ranks end at different times: a group that does not time out

@@ -16,12 +16,15 @@ import time
 
 import torch
 
-from prm.config import Checked, at_least, opt
+from prm.cli import Parser, parsed
+from prm.config import Checked, Config, at_least, opt
 from prm.core.metrics import auroc, first_error
 from prm.errors import WriteFailed, check, exit_status
 from prm.files import write_lines
 from prm.label import Generator, LabelOptions, label_file, step_labels
 from prm.readers.synthetic import char_tokenizer, counting_problems, step_truth
+from prm.search import SearchOptions, pick, search_file
+from prm.trees import cached
 
 SLIP, SLIP_RATE, NOISE = 7, 0.6, 0.05  # from 7 the policy adds D + 1 w.p. 0.6; else w.p. 0.05
 GEN = {"max_new_tokens": 40, "batch_size": 256}  # a solution: at most 37 tokens
@@ -152,8 +155,6 @@ def label_grid(folder: str, gen, rows: int) -> list:
 def searched(folder: str, name: str, gen, prm: str, seed: int, **settings) -> list:
     """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with (valid, test)."""
     from prm.scoring.reward import PRMReward
-    from prm.search import SearchOptions, search_file
-    from prm.trees import cached
     opts = SearchOptions(policy=gen.opts.policy, problems=30, seeds=(seed,), **GEN, **settings)
     reward = PRMReward(prm, batch_size=GEN["batch_size"])
     gen.opts, out = opts, os.path.join(folder, f"search-{name}.jsonl")
@@ -170,7 +171,6 @@ def result(record: dict, method: str, n: int) -> dict:
 def choose(folder: str, gen, prm: str, seed: int) -> dict:
     """--aggregate, then --beam-width and --select: the best on the validation prompts; ties keep
     prm.search's default."""
-    from prm.search import pick
     sampled = searched(folder, "valid", gen, prm, seed, methods=("best-of-n", "weighted"),
                        n=(4, 16))
 
@@ -195,7 +195,6 @@ def choose(folder: str, gen, prm: str, seed: int) -> dict:
 
 def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
     """Policy, labels, a PRM per LABELS, settings, test search."""
-    from prm.config import Config
     from prm.bench import training
     train = training().train
     clock = [time.time()]
@@ -318,7 +317,6 @@ def refusals(stage: str, at: str) -> list:
 
 
 def main(argv=None):
-    from prm.cli import Parser, parsed
     with exit_status():
         p = Parser(LoopOptions, prog="python -m prm.tools.loop",
                    description=__doc__.split("\n\n")[0])
