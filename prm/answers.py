@@ -1,5 +1,4 @@
-"""Final answers: found in a solution's text, normalized, judged against the reference (exact,
-or math-verify), keyed for votes (prm.search, eval.py's best-of-N)."""
+"""Final answers: found in a text, normalized, judged against the reference, keyed for votes."""
 import re
 import sys
 from fractions import Fraction
@@ -10,8 +9,8 @@ from prm.errors import UsageError
 
 
 def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its first group that took part, else all of it; within 2 s),
-    else of \\boxed{...}, "answer is ...", a number."""
+    """The last match of `pattern` (its first group that took part, else all of it), else of
+    \\boxed{...}, "answer is ...", a number."""
     if pattern:
         try:
             found = list(regex.finditer(pattern, text, timeout=2.0))
@@ -33,42 +32,35 @@ def extract_answer(text: str, pattern: str = ""):
 
 
 def normalize(answer: str) -> str:
-    """Without spaces, $, \\left/\\right, \\text{}, \\dfrac, final period, "x =", 1,000's comma; a
-    number as its exact value (0.5, 1/2 and \\frac{1}{2} as 1/2): equal answers, equal texts."""
+    """Without spaces, $, \\left/\\right, \\text{}, final period, "x =", 1,000's comma; a number
+    as its exact value (0.5, 1/2 and \\frac{1}{2} as 1/2)."""
     s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                      ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
         s = s.replace(old, new)
     s = re.sub(r"^[a-zA-Z]=", "", s.strip().rstrip("."))
     s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
-    value = _number(s)
-    return s if value is None else str(value)
+    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}"
+                     r"|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
+    if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int(): kept as text
+        return s
+    if m.group(2) is not None:
+        return str(Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1))
+    return str(Fraction(m.group(4)) / int(m.group(5) or 1))
 
 
 def answer_key(answer):
-    """What votes group by: normalize()d (0.5 = 1/2); None: None."""
+    """What votes group by; None: None."""
     return None if answer is None else normalize(str(answer))
 
 
-def _number(s: str):
-    """The exact value of an integer, decimal, a/b or \\frac{a}{b}; None for anything else."""
-    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}"
-                     r"|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
-    if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int(): compared as text
-        return None
-    if m.group(2) is not None:
-        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1)
-    return Fraction(m.group(4)) / int(m.group(5) or 1)
-
-
 def same_answer(found, reference) -> bool:
-    """Normalized exact match (0.5 = 1/2 = \\frac{1}{2}); no answer is wrong."""
     return found is not None and normalize(str(found)) == normalize(str(reference))
 
 
 def judge(reference: str, opts):
-    """right(text, before=""): text's answer, else before + text's last one, is the reference
-    (opts: answer_pattern, checker)."""
+    """right(text, before=""): whether text's answer, else before + text's last one, is the
+    reference."""
     def answer(text, before=""):
         own = extract_answer(text, opts.answer_pattern)
         return extract_answer(before + text, opts.answer_pattern) if own is None and before else own

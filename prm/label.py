@@ -1,5 +1,5 @@
-"""`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd's soft or
-hard estimate, OmegaPRM's binary search). The API takes any `complete(prompts, n, seed)`."""
+"""`python -m prm.label`: step labels by Monte-Carlo rollouts of a policy (Math-Shepherd, OmegaPRM's
+binary search); the API takes any `complete(prompts, n, seed)`."""
 import dataclasses
 import datetime
 import glob
@@ -12,10 +12,15 @@ import sys
 import time
 
 import regex
+import torch
+import torch.distributed as dist
+from jinja2 import TemplateError
+from tqdm import tqdm
 
 from prm.answers import judge
 from prm.cli import Parser, parsed
 from prm.config import Checked, at_least, bound, not_empty, opt, unescape, within
+from prm.core.runtime import autocast_dtype, setup, teardown
 from prm.errors import Stopped, UsageError, check, exit_status, overwrites
 from prm.files import finished, locked, parts, resumed, stamp, write_lines
 from prm.readers.formats import row_problems, split_steps
@@ -31,10 +36,9 @@ def is_regex(text: str) -> bool:
 
 
 def importable(checker: str) -> bool:
-    """Whether the checker's package imports (math-verify needs its own)."""
     try:
         if checker == "math-verify":
-            import math_verify  # noqa: F401 (judge uses it)
+            import math_verify  # noqa: F401
     except ImportError:
         return False
     return True
@@ -42,32 +46,30 @@ def importable(checker: str) -> bool:
 
 @dataclasses.dataclass
 class LabelOptions(Checked):
-    """What decides the labels: kept in OUTPUT.settings; a rerun with others is refused. Each
-    check refuses what would fail only after the policy loads."""
-    rollouts: int = opt(8, "continuations rolled out from each step's prefix", check=at_least(1))
-    label: str = opt("hard", "hard: 1 if any rollout is right; soft: the share (V); progress: "
-                     "min(1, V after / V before) (V before 0: 1 if V after > 0; V before "
-                     "step 1: the prompt's rollouts)", choices=["soft", "hard", "progress"])
-    search: str = opt("all", "all: roll out every step's prefix; binary: search the first step no "
-                      "rollout rescues (1 before, 0 at, null after)", choices=["all", "binary"])
+    """Kept in OUTPUT.settings: a rerun with others is refused."""
+    rollouts: int = opt(8, "rollouts per step prefix", check=at_least(1))
+    label: str = opt("hard", "hard: 1 if any rollout is right; soft: the share V; progress: min(1, "
+                     "V after / V before)", choices=["soft", "hard", "progress"])
+    search: str = opt("all", "all: every prefix; binary: the first step no rollout rescues",
+                      choices=["all", "binary"])
     samples: int = opt(4, "solutions sampled for a row without 'completions'", check=at_least(1))
-    step_separator: str = opt("\n", "what ends each step (escapes such as \\n understood)",
-                              type=unescape, check=not_empty("it ends each step"))
-    answer_field: str = opt("answer", "the column of the reference final answer")
-    prompt_field: str = opt("prompt", "the column of the problem (MATH-500's: problem)")
-    answer_pattern: str = opt("", "regex whose last match (its first group that took part) is the "
-                              "answer; default: the last \\boxed{}, 'the answer is ...' or number",
-                              check=bound(is_regex, "not a regular expression"))
+    step_separator: str = opt(
+        "\n", "what ends each step (escapes understood)", type=unescape,
+        check=not_empty("it ends each step"))
+    answer_field: str = opt("answer", "the reference answer's column")
+    prompt_field: str = opt("prompt", "the problem's column (MATH-500's: problem)")
+    answer_pattern: str = opt(
+        "", "regex whose last match is the answer; default: \\boxed{}, 'answer is' or a number",
+        check=bound(is_regex, "not a regular expression"))
     checker: str = opt("exact", "exact: normalized match; or math-verify",
                        choices=["exact", "math-verify"], check=bound(importable, "needs the "
                        "math-verify package: pip install 'math-verify[antlr4_13_2]'"))
-    seed: int = opt(0, "each row is seeded from it and the row's index")
-    policy: str = opt("", "the model rolled out (a hub name or folder)", required=True)
-    prover: str = opt("", "the model rolled out from each prefix, if not --policy (it continues "
-                      "the text --policy renders)")
-    temperature: float = opt(0.7, "sampling temperature; 0: greedy", check=at_least(0))
+    seed: int = opt(0, "rows are seeded from it and their index")
+    policy: str = opt("", "the model rolled out (hub name or folder)", required=True)
+    prover: str = opt("", "the model rolled out from prefixes, if not --policy")
+    temperature: float = opt(0.7, "0: greedy", check=at_least(0))
     top_p: float = opt(1.0, "nucleus sampling share", check=within(0, 1, "(]"))
-    max_new_tokens: int = opt(512, "tokens per rollout or sampled solution", check=at_least(1))
+    max_new_tokens: int = opt(512, "tokens per rollout or sample", check=at_least(1))
     batch_size: int = opt(16, "sequences per generate call", check=at_least(1))
 
     def __post_init__(self):
@@ -78,51 +80,48 @@ class LabelOptions(Checked):
 
 @dataclasses.dataclass
 class LabelRun(Checked):
-    """prm.label's other flags: where rows come from and go."""
     dataset: str = opt("", "a .jsonl/.json/.parquet file or folder", required=True)
     output: str = opt("", "the .jsonl written; a rerun resumes it", required=True)
-    shard: str = opt("0/1", "i/n: every n-th row from the i-th; no --shard merges",
-                     check=bound(lambda v: bool(re.fullmatch(r"\d+/\d+", v)) and
-                                 int(v.split("/")[0]) < int(v.split("/")[1]),
-                                 "expected i/n with 0 <= i < n"))
+    shard: str = opt("0/1", "i/n: every n-th row from the i-th; no --shard merges", check=bound(
+        lambda v: bool(re.fullmatch(r"\d+/\d+", v)) and int(v.split("/")[0]) < int(v.split("/")[1]),
+        "expected i/n with 0 <= i < n"))
     skip_invalid: bool = opt(False, "leave out invalid rows")
     trust_remote_code: bool = opt(False, "run the policy's code")
 
 
-def label_solutions(text: str, solutions: list, right, complete, opts: LabelOptions,
-                    seed: int) -> list:
-    """{labels, rollouts, successes} per solution (a list of steps; the last by its answer), and
-    for progress `start`: [rollouts, successes] from the prompt alone."""
+def label_solutions(text: str, solutions: list, right, complete, opts, seed: int) -> list:
+    """{labels, rollouts, successes} per solution (progress: `start`, the prompt's own too)."""
     sep, n, calls = opts.step_separator, opts.rollouts, []
     tries, wins = [[0] * len(s) for s in solutions], [[0] * len(s) for s in solutions]
     final = [right(sep.join(s)) for s in solutions]
 
-    def roll(todo):  # [(solution, k)]: n continuations of each prefix (steps 1..k), in one call
+    def roll(todo):  # [(solution, k)]: n rollouts of each k-step prefix, in one call
         before = ["".join(step + sep for step in solutions[i][:k]) for i, k in todo]
         calls.append(prompts := [text + b for b in before])
         outs = complete(prompts, n, seed + len(calls))
         if len(outs) != len(prompts) or any(len(o) != n for o in outs):
-            raise UsageError(f"complete() must give {n} texts for each of its {len(prompts)} "
-                             "prompts")
-        return [sum(right(t, b) for t in texts) for b, texts in zip(before, outs)]
+            raise UsageError(
+                f"complete() must give {n} texts for each of its {len(prompts)} prompts")
+        found = [sum(right(t, b) for t in texts) for b, texts in zip(before, outs)]
+        for (i, k), w in zip(todo, found):
+            if k:
+                tries[i][k - 1], wins[i][k - 1] = n, w
+        return found
     start = None
     if opts.search == "binary":  # the first error is a step in lo..hi; one call per round
         lo, hi = [1] * len(solutions), [len(s) for s in solutions]
         while todo := [(i, (lo[i] + hi[i]) // 2) for i in range(len(solutions))
                        if lo[i] < hi[i] and not final[i]]:
             for (i, k), w in zip(todo, roll(todo)):
-                tries[i][k - 1], wins[i][k - 1] = n, w
                 lo[i], hi[i] = (k + 1, hi[i]) if w else (lo[i], k)
         labels = [[True] * len(s) if final[i] else
                   [True] * (hi[i] - 1) + [False] + [None] * (len(s) - hi[i])
                   for i, s in enumerate(solutions)]
-    else:  # progress: first the prompt's own rollouts, as a prefix of 0 steps
+    else:  # progress: the prompt's own rollouts first, as a 0-step prefix
         todo = [(i, k) for i, s in enumerate(solutions) for k in range(1, len(s))]
         asked = ([(0, 0)] if opts.label == "progress" and solutions else []) + todo
         found = roll(asked) if asked else []
-        start = found.pop(0) if len(found) > len(todo) else None
-        for (i, k), w in zip(todo, found):
-            tries[i][k - 1], wins[i][k - 1] = n, w
+        start = found[0] if len(found) > len(todo) else None
         labels = [step_labels(ws, f, n, opts.label, start) for ws, f in zip(wins, final)]
     more = {} if start is None else {"start": [n, start]}
     return [{"labels": y, "rollouts": t, "successes": w, **more}
@@ -130,7 +129,7 @@ def label_solutions(text: str, solutions: list, right, complete, opts: LabelOpti
 
 
 def step_labels(wins: list, final: bool, n: int, how: str, start: int = None) -> list:
-    """A solution's labels from its steps' successes (of n; the last step's unused) and outcome."""
+    """From each step's successes of n (the last one's unused) and the outcome."""
     if how == "hard":
         return [w > 0 for w in wins[:-1]] + [final]
     values = [w / n for w in wins[:-1]] + [float(final)]  # V after each step
@@ -140,8 +139,7 @@ def step_labels(wins: list, final: bool, n: int, how: str, start: int = None) ->
     return [min(1.0, v / b) if b else float(v > 0) for v, b in zip(values, before)]
 
 
-def label_row(row: dict, index: int, complete, render, opts: LabelOptions, prover=None) -> list:
-    """The output lines of one row: its completions, or opts.samples sampled solutions."""
+def label_row(row: dict, index: int, complete, render, opts, prover=None) -> list:
     text, sep = render(row["prompt"]), opts.step_separator
     if not isinstance(text, str):
         raise UsageError(f"row {index}: a chat prompt needs render= (e.g. Generator(...).render)")
@@ -159,19 +157,18 @@ def label_row(row: dict, index: int, complete, render, opts: LabelOptions, prove
             for steps, res, i in zip(solutions, found, ids)]
 
 
-def read_input(spec: str, opts: LabelOptions, skip_invalid: bool):
-    """([(index, row)] of the valid rows, a digest of all); bad rows: DataError, or skipped."""
+def read_input(spec: str, opts, skip_invalid: bool):
+    """([(index, row)] of the valid rows, a digest of all)."""
     rows, problems, bad, digest = [], [], 0, hashlib.sha256()
     records = ((name, rec) for name, recs in sources(spec) for rec in recs)
     for index, (name, (where, r, problem)) in enumerate(records):
         digest.update(json.dumps(r, sort_keys=True, default=str).encode())
-        if opts.prompt_field != "prompt" and isinstance(r, dict):  # read as the prompt
+        if opts.prompt_field != "prompt" and isinstance(r, dict):
             r = {**r, "prompt": r.get(opts.prompt_field)}
         issues = [problem] if problem else input_problems(r, opts.answer_field)
-        chat = not issues and isinstance(r["prompt"], list)
-        if not issues and rows and chat != isinstance(rows[0][1]["prompt"], list):
-            issues = ["field 'prompt': plain-text and conversational prompts are mixed in one "
-                      "dataset (training refuses such an output)"]
+        if not issues and rows and \
+                isinstance(r["prompt"], list) != isinstance(rows[0][1]["prompt"], list):
+            issues = ["field 'prompt': plain-text and conversational prompts are mixed"]
         problems.extend(f"{name} {where}: {p}" for p in issues)
         bad += bool(issues)
         rows += [] if issues else [(index, r)]
@@ -199,17 +196,14 @@ def input_problems(r, field: str) -> list:
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
                render=lambda prompt: prompt, part=(0, 1), skip_invalid=False, show=True,
                prover=None) -> int:
-    """Labels the rows whose index % part[1] == part[0] into `output` (OUTPUT.part<p>of<m> for a
-    share; a run of all rows merges the parts); render(prompt): the text the policy continues.
-    Returns rollouts spent."""
-    from tqdm import tqdm
+    """Labels the rows i % m == p, part=(p, m), into `output` (OUTPUT.part<p>of<m> if m > 1);
+    returns the rollouts spent."""
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
-    blank = own + ".blank"  # its own per part: a cut last line is dropped as the output's is
+    blank = own + ".blank"  # rows whose samples were all blank; per part, as the output
     settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), "dataset": digest}
     with resumed(output, settings, "prm.label", (own, blank)):
-        # OUTPUT.blank and OUTPUT.part<p>of<m>.blank: the rows whose samples were all blank
         done = finished(output, *parts(output), *glob.glob(glob.escape(output) + "*.blank"))
         todo = [(i, r) for i, r in rows if i % m == p and i not in done]
         for i, row in (bar := tqdm(todo, desc="labeling rows", disable=not show or None)):
@@ -217,8 +211,8 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
             if not lines:
                 mark = {"row": i, "lines": 1, "blank_samples": opts.samples}
                 write_lines(blank, [json.dumps(mark)], "a")
-                bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank; no line "
-                          f"written, listed in {blank}, not sampled again", file=sys.stderr)
+                bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank; listed "
+                          f"in {blank}, not sampled again", file=sys.stderr)
             spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
             spent += json.loads(lines[0]).get("start", [0])[0] if lines else 0  # one per row
             bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
@@ -232,12 +226,12 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
 
 def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True,
           writer: str = "prm.label"):
-    """Writes the finished rows of `output` and its parts into `output` in order, less the parts."""
+    """Writes the finished rows of `output` and its parts into `output`; the parts go."""
     rows = finished(output, *(old := parts(output)), writer=writer)
     write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
         os.remove(path)
-    if show:  # prm.search's lines too, unshown
+    if show:
         solutions = [json.loads(line) for line in lines]
         labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
         print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps "
@@ -252,33 +246,29 @@ class Generator:
     def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust = opts, device, trust_remote_code
         self.tok = self.model = None
-        self.stops = {}  # stop string -> its stopping criteria
+        self.stops = {}
 
     def tokenizer(self):
-        """The policy's tokenizer, with its model, loaded at the first row."""
+        """The first call loads the tokenizer and the model."""
         if self.tok is None:
-            import torch
             from transformers import AutoModelForCausalLM
             from prm.loading import load_tokenizer, loading
             from prm.core.model import saved_weights
-            from prm.core.runtime import autocast_dtype
             self.tok = tok = load_tokenizer(self.opts.policy, self.trust, "--policy")
             tok.padding_side, tok.pad_token = "left", tok.pad_token or tok.eos_token
-            bos = tok.bos_token_id
-            adds = bos is not None and tok("x")["input_ids"][:1] == [bos]
+            adds = tok("x")["input_ids"][:1] == [tok.bos_token_id]
             self.bos = tok.bos_token if adds else ""
             dtype = autocast_dtype(None, self.device) or torch.float32
-            self.model = loading("--policy", self.opts.policy, saved_weights,
-                                 auto=AutoModelForCausalLM, trust_remote_code=self.trust,
-                                 dtype=dtype).to(self.device).eval()
+            self.model = loading("--policy", self.opts.policy, saved_weights, dtype=dtype,
+                                 auto=AutoModelForCausalLM, trust_remote_code=self.trust)
+            self.model.to(self.device).eval()
             archs = self.model.config.architectures or []
             check([f"--policy {self.opts.policy}: a masked language model ({archs[0]}) writes no "
                    "text; pass a causal LM"] if any("MaskedLM" in a for a in archs) else [])
         return self.tok
 
     def render(self, prompt) -> str:
-        """Text as the tokenizer starts it (its BOS if it adds one); chat by its template."""
-        from jinja2 import TemplateError
+        """As the tokenizer starts it (its BOS if it adds one); chat by its template."""
         tok = self.tokenizer()
         try:
             return self.bos + prompt if isinstance(prompt, str) else \
@@ -288,12 +278,11 @@ class Generator:
                              f"{' '.join(str(e).split())}") from None
 
     def __call__(self, prompts: list, n: int, seed, stop: str = None) -> list:
-        """n texts per prompt (seed: an int or one per prompt; not the batch), each ended after its
-        first `stop`; `usage`: per text, (tokens generated, whether max_new_tokens cut it)."""
-        import torch
+        """n texts per prompt (seed: an int or one per prompt), cut after `stop`; self.usage: per
+        text, (tokens made, whether max_new_tokens cut it)."""
         o, d, tok = self.opts, self.device, self.tokenizer()
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
-                        do_sample=False)  # sampled: greedy over noisy logits (gumbel_max)
+                        do_sample=False)  # gumbel_max samples
         if stop:
             if stop not in self.stops:  # built once: it reads the whole vocabulary
                 from transformers import StoppingCriteriaList, StopStringCriteria
@@ -308,14 +297,13 @@ class Generator:
                       add_special_tokens=False).to(d)
             if o.temperature > 0:
                 sampling["logits_processor"] = gumbel_max(o, [s for _, s in batch], d)
-            with torch.no_grad():
-                ids = self.model.generate(**enc, **sampling)  # (B, T + new)
+            ids = self.model.generate(**enc, **sampling)  # (B, T + new); generate: no_grad
             new = ids[:, enc["input_ids"].shape[1]:]  # (B, new)
-            # a finished sequence is padded: its tokens end at its last non-pad one
+            # a finished sequence is padded after its last token
             at = torch.arange(1, new.shape[1] + 1, device=d)  # (new,)
             made = ((new != tok.pad_token_id) * at).amax(1)  # (B,)
-            for text, k, last in zip(tok.batch_decode(new, skip_special_tokens=True), made.tolist(),
-                                     new[:, -1].tolist()):
+            texts = tok.batch_decode(new, skip_special_tokens=True)
+            for text, k, last in zip(texts, made.tolist(), new[:, -1].tolist()):
                 head, found, _ = text.partition(stop) if stop else (text, "", "")
                 out.append(head + found)
                 usage.append((k, k == o.max_new_tokens and last != tok.eos_token_id and not found))
@@ -331,17 +319,16 @@ def mix(*parts) -> int:
 
 
 def gumbel_max(opts: LabelOptions, seeds: list, device):
-    """Processors sampling under greedy decoding: Gumbel noise, each row's from its own seed."""
-    import torch
+    """Sampling under greedy decoding: Gumbel noise, each row's from its own seed."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
     gens, drawn = [torch.Generator(device).manual_seed(s) for s in seeds], {"steps": 0}
 
     def noise(input_ids, scores):  # argmax(scores + Gumbel noise): a sample of softmax(scores)
-        # k steps a draw (the same for any batch): all of them, if 2 ** 18 values or fewer
+        # k steps' noise a draw, the same for any batch
         t, k = drawn["steps"], max(1, min(opts.max_new_tokens, 2 ** 18 // scores.shape[1]))
         if t % k == 0:
-            drawn["u"] = torch.stack([torch.rand(k, scores.shape[1], generator=g, device=device)
-                                      for g in gens])  # (B, k, V)
+            drawn["u"] = torch.stack([  # (B, k, V)
+                torch.rand(k, scores.shape[1], generator=g, device=device) for g in gens])
         drawn["steps"] += 1
         return scores - torch.log(-torch.log(drawn["u"][:, t % k]))  # (B, V)
     top_p = [TopPLogitsWarper(opts.top_p)] if opts.top_p < 1 else []
@@ -349,30 +336,26 @@ def gumbel_max(opts: LabelOptions, seeds: list, device):
 
 
 def main(argv=None):
-    with exit_status():  # a bad flag too: one line and exit status 2
-        p = Parser(LabelRun, LabelOptions, prog="python -m prm.label",
-                   description="Label solution steps by Monte-Carlo policy rollouts.")
-        a = p.parse_args(argv)
+    with exit_status():
+        a = Parser(LabelRun, LabelOptions, prog="python -m prm.label", description="Label "
+                   "solution steps by Monte-Carlo policy rollouts.").parse_args(argv)
         parsed(LabelRun, a)
         opts = parsed(LabelOptions, a)
         read = [("--dataset", a.dataset), ("--policy", a.policy), ("--prover", a.prover)]
         check(overwrites([("--output", a.output)], read, new=True))
         shard, shards = map(int, a.shard.split("/"))
-        import torch
-        import torch.distributed as dist
-        from prm.core.runtime import setup, teardown
         rt = setup()
         try:
             # ranks end at different times: a group that does not time out
-            wait = rt.distributed and dist.new_group(backend="gloo",
-                                                     timeout=datetime.timedelta(days=7))
+            wait = rt.distributed and dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(days=7))
             gen = Generator(opts, device=rt.device, trust_remote_code=a.trust_remote_code)
-            prover = opts.prover and Generator(dataclasses.replace(opts, policy=opts.prover),
-                                               device=rt.device, trust_remote_code=gen.trust)
+            prover = Generator(dataclasses.replace(opts, policy=opts.prover), device=rt.device,
+                               trust_remote_code=gen.trust) if opts.prover else None
             start = time.time()
-            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, show=rt.is_main,
-                               skip_invalid=a.skip_invalid, prover=prover or None,
-                               part=(shard * rt.world_size + rt.rank, shards * rt.world_size))
+            part = (shard * rt.world_size + rt.rank, shards * rt.world_size)
+            spent = label_file(a.dataset, a.output, gen, opts, render=gen.render, part=part,
+                               show=rt.is_main, skip_invalid=a.skip_invalid, prover=prover)
             if rt.distributed:
                 dist.all_reduce(total := torch.tensor([spent]), group=wait)
                 if rt.is_main and shards == 1:

@@ -1,1 +1,1 @@
-"""Developer tools: the training benchmark and the GPU check (`python -m prm.bench`)."""
+"""Developer tools: the training benchmark and the GPU check."""

@@ -1,8 +1,8 @@
-"""The whole loop offline on the counting task (prm.readers.synthetic.counting_problems): a policy
-that slips, its Monte-Carlo labels, a PRM trained on them, PRM-guided search; over seeds.
+"""The whole loop offline on the counting task: a policy that slips, its Monte-Carlo labels, a PRM
+on them, PRM-guided search; over seeds.
 
-    python -m prm.tools.loop policy DIR  # DIR/policy (HF model folder), label/valid/test.jsonl
-    python -m prm.tools.loop bench DIR   # the whole pipeline per seed in DIR/seed<k>, every figure
+    python -m prm.tools.loop policy DIR  # DIR/policy, DIR/{label,valid,test}.jsonl
+    python -m prm.tools.loop bench DIR   # the pipeline per seed in DIR/seed<k>, every figure
 """
 import dataclasses
 import itertools
@@ -16,32 +16,32 @@ import time
 
 import torch
 
-from prm.config import Checked, at_least, opt
+from prm.cli import Parser, parsed
+from prm.config import Checked, Config, at_least, opt
+from prm.core.metrics import auroc, first_error
 from prm.errors import WriteFailed, check, exit_status
-from prm.label import LabelOptions
+from prm.files import write_lines
+from prm.label import Generator, LabelOptions, label_file, step_labels
 from prm.readers.synthetic import char_tokenizer, counting_problems, step_truth
+from prm.search import SearchOptions, pick, search_file
+from prm.trees import cached
 
 SLIP, SLIP_RATE, NOISE = 7, 0.6, 0.05  # from 7 the policy adds D + 1 w.p. 0.6; else w.p. 0.05
 GEN = {"max_new_tokens": 40, "batch_size": 256}  # a solution: at most 37 tokens
-FILES = ("policy", "label.jsonl", "valid.jsonl", "test.jsonl")
-# the bench's PRMs: on prm.label's default labels (every method), on the other's (sampled ones)
-LABELS = (LabelOptions.label, "soft" if LabelOptions.label == "progress" else "progress")
+LABELS = ("hard", "progress")  # the bench's PRMs': prm.label's default, then the other
+FILES = ("policy", "label.jsonl", "valid.jsonl", "test.jsonl")  # the policy stage's
 
 
 @dataclasses.dataclass
 class LoopOptions(Checked):
-    """The task's split and the policy (a seed's pipeline); --seeds: the bench's pipelines."""
     stage: str = opt("", "", positional=True, choices=["policy", "bench"])
     folder: str = opt("", "a new folder, or one without what the stage writes", positional=True)
-    test: int = opt(120, "held-out test prompts (of 360), one problem each", check=at_least(1))
-    valid: int = opt(60, "validation prompts: the PRM's held-out rows (the truth's labels) and the "
-                     "search settings chosen on them", check=at_least(1))
-    rows: int = opt(180, "labeling prompts, one problem each (at most 360 - test - valid)",
-                    check=at_least(1))
+    test: int = opt(120, "test prompts (of 360)", check=at_least(1))
+    valid: int = opt(60, "validation prompts (PRM held out, search settings)", check=at_least(1))
+    rows: int = opt(180, "labeling prompts", check=at_least(1))
     steps: int = opt(500, "the policy's optimizer steps", check=at_least(1))
     seeds: int = opt(5, "bench: pipelines, seeds 0 .. seeds - 1", check=at_least(1))
-    grid_rows: int = opt(25, "bench: labeling problems of the label-quality grid (seed 0)",
-                         check=at_least(1))
+    grid_rows: int = opt(25, "bench: problems of the label grid (seed 0)", check=at_least(1))
 
     def __post_init__(self):
         super().__post_init__()
@@ -51,7 +51,7 @@ class LoopOptions(Checked):
 
 
 def solution(prompt: str, rng) -> list:
-    """Steps as the policy learns to write them: from SLIP it slips (adds D + 1) at SLIP_RATE."""
+    """Steps as the policy learns to write them."""
     count, d, x = map(int, re.findall(r"\d+", prompt))
     steps = []
     for _ in range(count):
@@ -61,15 +61,15 @@ def solution(prompt: str, rng) -> list:
     return steps
 
 
-def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 3e-3, seed=0):
-    """A tiny Qwen2 causal LM trained on solution()'s texts, saved with its tokenizer."""
+def train_policy(output: str, *, steps: int = 500, batch: int = 32, seed=0):
+    """A tiny Qwen2 trained on solution()'s texts."""
     from transformers import AutoModelForCausalLM, Qwen2Config
     from prm.loading import tiny_config
     tok, start, rng = char_tokenizer(), time.time(), random.Random(seed)
     torch.manual_seed(seed)
     shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, layer_types=None)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**{**tiny_config(tok).to_dict(), **shape}))
-    opt_ = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt_ = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     prompts = [p["prompt"] for p in counting_problems()]
     for i in range(steps):
         texts = [p + "\n" + "".join(s + "\n" for s in solution(p, rng)) + tok.eos_token
@@ -79,9 +79,9 @@ def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 
         loss = model(**enc, labels=ids).loss
         loss.backward()
         for g in opt_.param_groups:  # linear decay to 0
-            g["lr"] = lr * (1 - i / steps)
+            g["lr"] = 3e-3 * (1 - i / steps)
         opt_.step()
-        opt_.zero_grad(set_to_none=True)
+        opt_.zero_grad()
         if i % 100 == 0 or i == steps - 1:
             print(f"policy step {i}: loss {loss.item():.4f}, {time.time() - start:.0f} s",
                   file=sys.stderr)
@@ -90,9 +90,8 @@ def train_policy(output: str, *, steps: int = 500, batch: int = 32, lr: float = 
 
 
 def write_problems(folder: str, o: LoopOptions, seed: int = 0):
-    """FOLDER/test.jsonl, valid.jsonl, label.jsonl: disjoint prompts (a seeded shuffle). A valid row
-    also holds a solution written as the policy learned to and its true labels (train.py's
-    --eval-dataset)."""
+    """FOLDER/{test,valid,label}.jsonl: disjoint prompts; a valid row also holds a solution and
+    its true labels (train.py's --eval-dataset)."""
     problems, rng = counting_problems(), random.Random(seed)
     rng.shuffle(problems)
     parts = {"test": problems[:o.test], "valid": problems[o.test:o.test + o.valid],
@@ -102,31 +101,19 @@ def write_problems(folder: str, o: LoopOptions, seed: int = 0):
         for r in rows if name == "valid" else ():
             r["completions"] = solution(r["prompt"], rng)
             r["labels"] = step_truth(r["prompt"], r["completions"])
-        with open(os.path.join(folder, name + ".jsonl"), "x", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_lines(os.path.join(folder, name + ".jsonl"), map(json.dumps, rows), "x")
 
 
 def relabeled(lines: list, how: str, n: int) -> list:
-    """prm.label's progress lines (n rollouts) with the labels `how` (soft, hard, progress) gives
-    them; a progress line's last label is the solution's outcome."""
-    from prm.label import step_labels
+    """prm.label's progress lines (n rollouts) labeled `how`."""
     return [{**x, "labels": step_labels(x["successes"], x["labels"][-1] == 1, n, how,
                                         x["start"][1])} for x in lines]
 
 
-def step_quality(labels: list, truth: list) -> dict:
-    """Steps on the right side of 0.5 (None: unlabeled); first wrong step precision, recall."""
-    pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
-             if y is not None]
-    firsts = [(first_wrong([y is None or y >= 0.5 for y in ys]), first_wrong(ts))
-              for ys, ts in zip(labels, truth)]
-    return {"right": share([a == b for a, b in pairs]),
-            "prec": share([a == b for a, b in firsts if a >= 0]),
+def precision_recall(firsts: list) -> dict:
+    """Of (found, true) first wrong steps."""
+    return {"prec": share([a == b for a, b in firsts if a >= 0]),
             "recall": share([a == b for a, b in firsts if b >= 0])}
-
-
-def first_wrong(flags: list) -> int:
-    return next((k for k, ok in enumerate(flags) if not ok), -1)
 
 
 def share(flags: list) -> float:
@@ -139,85 +126,82 @@ def read(path: str) -> list:
 
 
 def label_grid(folder: str, gen, rows: int) -> list:
-    """Monte-Carlo labels of label.jsonl's first `rows` problems against step_truth, per rollouts,
-    label and search; rollouts per solution (progress: from the prompt too)."""
-    from prm.label import LabelOptions, label_file
-    found, problems = [], read(os.path.join(folder, "label.jsonl"))[:rows]
-    os.makedirs(grid := os.path.join(folder, "grid"))
-    with open(os.path.join(grid, "in.jsonl"), "x", encoding="utf-8") as f:
-        f.writelines(json.dumps(p) + "\n" for p in problems)
+    """Labels of label.jsonl's first `rows` problems vs the truth, per rollouts, label, search."""
+    found, grid = [], os.path.join(folder, "grid")
+    problems = read(os.path.join(folder, "label.jsonl"))[:rows]
+    os.makedirs(grid)
+    data = os.path.join(grid, "in.jsonl")
+    write_lines(data, map(json.dumps, problems), "x")
     for r, search in itertools.product((4, 8, 16), ("all", "binary")):
         opts = LabelOptions(policy=gen.opts.policy, rollouts=r, search=search,
                             label="progress" if search == "all" else "hard", **GEN)
         gen.opts, out = opts, os.path.join(grid, f"{r}{search}.jsonl")
-        spent = label_file(os.path.join(grid, "in.jsonl"), out, gen, opts, show=False)
+        spent = label_file(data, out, gen, opts, show=False)
         solved = read(out)
         truth = [step_truth(x["prompt"], x["completions"]) for x in solved]
         for how in ("soft", "hard", "progress") if search == "all" else ("binary",):
-            got = solved if how == "binary" else relabeled(solved, how, r)
-            labels = [x["labels"] for x in got]
+            labels = [x["labels"] for x in (solved if how == "binary" else
+                                            relabeled(solved, how, r))]
+            pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
+                     if y is not None]
+            firsts = [(first_error([y is None or y >= 0.5 for y in ys]), first_error(ts))
+                      for ys, ts in zip(labels, truth)]
             used = spent - r * len(problems) * (how != "progress")  # others: not from the prompt
-            found.append({"rollouts": r, "label": how, **step_quality(labels, truth),
-                          "spent": used / len(solved)})
+            found.append({"rollouts": r, "label": how, "right": share([a == b for a, b in pairs]),
+                          **precision_recall(firsts), "spent": used / len(solved)})
     return found
 
 
-def searched(folder: str, name: str, gen, prm: str, dataset: str, **settings) -> list:
-    """prm.search's records of `dataset` (FOLDER/search-NAME.jsonl) with the PRM at `prm`."""
+def searched(folder: str, name: str, gen, prm: str, seed: int, **settings) -> list:
+    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with (valid, test)."""
     from prm.scoring.reward import PRMReward
-    from prm.search import SearchOptions, search_file
-    from prm.trees import cached
-    opts = SearchOptions(policy=gen.opts.policy, problems=30, **GEN, **settings)
+    opts = SearchOptions(policy=gen.opts.policy, problems=30, seeds=(seed,), **GEN, **settings)
     reward = PRMReward(prm, batch_size=GEN["batch_size"])
     gen.opts, out = opts, os.path.join(folder, f"search-{name}.jsonl")
-    # as prm.search runs it: each tree step's tokens on the PRM's cache
-    search_file(os.path.join(folder, dataset), out, gen, reward.score, opts, render=gen.render,
-                show=False, extend=cached(reward))
+    part = os.path.join(folder, name.split("-")[0] + ".jsonl")
+    search_file(part, out, gen, reward.score, opts, render=gen.render, show=False,
+                extend=cached(reward))
     return read(out)
 
 
-def accuracy(records: list, method: str, n: int, how: str, aggregate: str) -> float:
-    """The share of records' problems `how` answers right from the method's candidates at N."""
-    from prm.search import pick
-    hits = []
-    for r in records:
-        x = next(x for x in r["results"] if (x["method"], x["n"]) == (method, n))
-        cands = x.get("candidates", r.get("samples", [])[:n])  # sampled: the first N
-        hits.append(cands[i]["correct"] if (i := pick(cands, how, aggregate)) is not None else 0)
-    return share(hits)
+def result(record: dict, method: str, n: int) -> dict:
+    return next(x for x in record["results"] if (x["method"], x["n"]) == (method, n))
 
 
 def choose(folder: str, gen, prm: str, seed: int) -> dict:
-    """--aggregate (best-of-n and weighted at N = 4, 16), then --beam-width and --select (beam and
-    dvts at N = 4, 16), each the best on the validation prompts; ties keep prm.search's default."""
-    sampled = searched(folder, "valid", gen, prm, "valid.jsonl", methods=("best-of-n", "weighted"),
-                       n=(4, 16), seeds=(seed,))
-    score = lambda recs, how, a: statistics.fmean(  # noqa: E731
-        accuracy(recs, m, n, how if how else m, a) for m, n in itertools.product(
-            ("best-of-n", "weighted") if not how else ("beam", "dvts"), (4, 16)))
+    """--aggregate, then --beam-width and --select: the best on the validation prompts; ties keep
+    prm.search's default."""
+    sampled = searched(folder, "valid", gen, prm, seed, methods=("best-of-n", "weighted"),
+                       n=(4, 16))
+
+    def right(r, m, n, how, aggregate):  # sampled: of the first N
+        cands = result(r, m, n).get("candidates", r.get("samples", [])[:n])
+        i = pick(cands, how, aggregate)
+        return cands[i]["correct"] if i is not None else 0
+
+    def score(records, how, aggregate):  # "": each method's own
+        methods = ("beam", "dvts") if how else ("best-of-n", "weighted")
+        return statistics.fmean(share([right(r, m, n, how or m, aggregate) for r in records])
+                                for m, n in itertools.product(methods, (4, 16)))
     aggregate = max(("last", "min", "prod", "mean"), key=lambda a: score(sampled, "", a))
     best = (-1.0,)
     for width in (4, 2):
-        trees = searched(folder, f"valid-m{width}", gen, prm, "valid.jsonl", n=(4, 16),
-                         methods=("beam", "dvts"), seeds=(seed,), beam_width=width,
-                         aggregate=aggregate)
+        trees = searched(folder, f"valid-m{width}", gen, prm, seed, n=(4, 16),
+                         methods=("beam", "dvts"), beam_width=width, aggregate=aggregate)
         for how in ("weighted", "best-of-n", "majority"):
             best = max(best, (score(trees, how, aggregate), width, how), key=lambda b: b[0])
     return {"aggregate": aggregate, "beam_width": best[1], "select": best[2]}
 
 
 def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
-    """One pipeline in FOLDER: policy, labels, a PRM per LABELS, settings, test search."""
-    from prm.config import Config
-    from prm.label import Generator, LabelOptions, label_file
-    from prm.bench import training  # train.py, the training program beside the package
+    """Policy, labels, a PRM per LABELS, settings, test search."""
+    from prm.bench import training
     train = training().train
-    clock = time.time()
+    clock = [time.time()]
 
     def lap(stage):
-        nonlocal clock
-        times.setdefault(stage, []).append(time.time() - clock)
-        clock = time.time()
+        clock.append(time.time())
+        times.setdefault(stage, []).append(clock[-1] - clock[-2])
     write_problems(folder, o, seed)
     train_policy(at := os.path.join(folder, "policy"), steps=o.steps, seed=seed)
     lap("policy")
@@ -228,8 +212,8 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
     lap("label")
     out = {"policy": share([all(step_truth(x["prompt"], x["completions"])) for x in read(lab)])}
     for how in LABELS:
-        with open(path := os.path.join(folder, f"labels-{how}.jsonl"), "x") as f:
-            f.writelines(json.dumps(x) + "\n" for x in relabeled(read(lab), how, opts.rollouts))
+        path = os.path.join(folder, f"labels-{how}.jsonl")
+        write_lines(path, map(json.dumps, relabeled(read(lab), how, opts.rollouts)), "x")
         out[f"train-{how}"] = train(Config(
             model=at, dataset=path, eval_dataset=os.path.join(folder, "valid.jsonl"), lr=1e-3,
             batch_size=32, epochs=4, output_dir=os.path.join(folder, f"prm-{how}"), seed=seed))
@@ -237,31 +221,16 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
     prm = os.path.join(folder, f"prm-{LABELS[0]}", "final")
     out["chosen"] = choose(folder, gen, prm, seed)
     lap("choose")
-    out["test"] = searched(folder, "test", gen, prm, "test.jsonl", seeds=(seed,), **out["chosen"])
+    out["test"] = searched(folder, "test", gen, prm, seed, **out["chosen"])
     lap("search")
-    out["other"] = searched(folder, "test-" + LABELS[1], gen, os.path.join(
-        folder, f"prm-{LABELS[1]}", "final"), "test.jsonl", methods=("best-of-n", "weighted"),
-        seeds=(seed,), **{**out["chosen"], "beam_width": 4})
+    other = os.path.join(folder, f"prm-{LABELS[1]}", "final")
+    out["other"] = searched(folder, "test-" + LABELS[1], gen, other, seed,
+                            methods=("best-of-n", "weighted"), **{**out["chosen"], "beam_width": 4})
     lap("search")
     if seed == 0:
         out["grid"] = label_grid(folder, gen, o.grid_rows)
         lap("grid")
     return out
-
-
-def prm_steps(records: list, rows: list) -> dict:
-    """The PRM's step scores on the test samples against step_truth: AUROC, the first wrong step's
-    precision and recall (first score under 0.5)."""
-    from prm.core.metrics import auroc, first_error
-    scores, truths, firsts = [], [], []
-    for r in records:
-        for c in r["samples"]:
-            truth = step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])]
-            scores += c["scores"][:len(truth)]
-            truths += truth
-            firsts.append((first_error(c["scores"][:len(truth)]), first_wrong(truth)))
-    return {"auroc": auroc(scores, truths), "prec": share([a == b for a, b in firsts if a >= 0]),
-            "recall": share([a == b for a, b in firsts if b >= 0])}
 
 
 def mean_se(values: list) -> str:
@@ -270,26 +239,22 @@ def mean_se(values: list) -> str:
     return f"{statistics.fmean(values):.3f} ± {se:.3f}"
 
 
-def interval(diffs: list, draws: int = 2000) -> tuple:
-    """95% bootstrap interval of the mean difference, each pipeline's prompts resampled."""
+def interval(diffs: list) -> tuple:
+    """95% bootstrap interval of the mean, each pipeline's values resampled (2000 draws)."""
     rng = random.Random(0)
     means = sorted(statistics.fmean(v for d in diffs for v in rng.choices(d, k=len(d)))
-                   for _ in range(draws))
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
-
-
-def hit(record: dict, method: str, n: int) -> bool:
-    return next(x["correct"] for x in record["results"] if (x["method"], x["n"]) == (method, n))
+                   for _ in range(2000))
+    return means[50], means[1949]
 
 
 def search_rows(runs: list, key: str, tag: str = "") -> list:
-    """Per method and N of runs[*][key]: accuracy mean ± SE over pipelines, the paired difference
-    from majority (the main search's) with its interval, pass@N over the first N samples."""
+    """Per method and N: accuracy, the paired difference from majority, pass@N."""
     lines = []
     for m, n in sorted({(x["method"], x["n"]) for x in runs[0][key][0]["results"]},
                        key=lambda k: (k[1], "majority best-of-n weighted beam dvts".find(k[0]))):
-        got = [{r["row"]: hit(r, m, n) for r in run[key]} for run in runs]
-        base = [{r["row"]: hit(r, "majority", n) for r in run["test"]} for run in runs]
+        got = [{r["row"]: result(r, m, n)["correct"] for r in run[key]} for run in runs]
+        base = [{r["row"]: result(r, "majority", n)["correct"] for r in run["test"]}
+                for run in runs]
         oracle = [share([any(c["correct"] for c in r["samples"][:n]) for r in run["test"]])
                   for run in runs]
         diff = [[g[k] - b[k] for k in g] for g, b in zip(got, base)]
@@ -303,7 +268,6 @@ def search_rows(runs: list, key: str, tag: str = "") -> list:
 
 
 def report(runs: list, times: dict, o: LoopOptions):
-    """Every figure of the bench, over the pipelines."""
     print(f"{len(runs)} pipelines (seeds 0-{len(runs) - 1}); each: {o.rows} labeling, {o.valid} "
           f"validation, {o.test} test prompts, disjoint; mean ± standard error over pipelines")
     print(f"policy: {mean_se([r['policy'] for r in runs])} of its sampled solutions right")
@@ -318,31 +282,41 @@ def report(runs: list, times: dict, o: LoopOptions):
         held = [r[f"train-{label}"] for r in runs]
         got = [mean_se([s[k] for s in steps]) for k in ("auroc", "prec", "recall")] + \
             [mean_se([h[k] for h in held]) for k in ("step_accuracy", "auroc")]
-        print("PRM on {} labels, its scores of the test samples against the truth: step AUROC {}, "
-              "first wrong step precision {} recall {}; train.py's held-out figures (validation "
-              "prompts, true labels): step accuracy {}, AUROC {}".format(label, *got))
+        print("PRM on {} labels, its test sample scores against the truth: step AUROC {}, first "
+              "wrong step precision {} recall {}; train.py's held-out (validation prompts, true "
+              "labels): step accuracy {}, AUROC {}".format(label, *got))
     print(f"label grid (seed 0, {o.grid_rows} problems, their sampled solutions) against the "
           "truth:\n rollouts    label    right     prec   recall    spent")
     for q in runs[0]["grid"]:
         print(f"{q['rollouts']:>9}{q['label']:>9}{q['right']:>9.3f}{q['prec']:>9.3f}"
               f"{q['recall']:>9.3f}{q['spent']:>9.1f}")
-    print("wall s per pipeline: " + ", ".join(f"{k} {sum(v) / len(runs):.0f}"
-                                               for k, v in times.items()))
+    print("wall s per pipeline:", ", ".join(f"{k} {sum(v) / len(runs):.0f}"
+                                             for k, v in times.items()))
+
+
+def prm_steps(records: list, rows: list) -> dict:
+    """The PRM's step scores of the test samples against the truth."""
+    scores, truths, firsts = [], [], []
+    for r in records:
+        for c in r["samples"]:
+            truth = step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])]
+            scores += c["scores"][:len(truth)]
+            truths += truth
+            firsts.append((first_error(c["scores"][:len(truth)]), first_error(truth)))
+    return {"auroc": auroc(scores, truths), **precision_recall(firsts)}
 
 
 def refusals(stage: str, at: str) -> list:
-    """Why folder `at` cannot take the stage's files: nothing there is ever replaced."""
     if not at or os.path.isfile(at):
         return [f"{at!r}: not a folder"]
     if stage == "bench":
         busy = os.path.isdir(at) and os.listdir(at)
-        return [f"{at}: not empty; the bench writes a new run, pass another folder"] * bool(busy)
-    return [f"{os.path.join(at, x)} exists; the policy stage writes only new files, pass another "
-            "folder" for x in FILES if os.path.lexists(os.path.join(at, x))][:1]
+        return [f"{at}: not empty; pass another folder"] * bool(busy)
+    return [f"{os.path.join(at, x)} exists; pass another folder" for x in FILES
+            if os.path.lexists(os.path.join(at, x))][:1]
 
 
 def main(argv=None):
-    from prm.cli import Parser, parsed
     with exit_status():
         p = Parser(LoopOptions, prog="python -m prm.tools.loop",
                    description=__doc__.split("\n\n")[0])
@@ -359,7 +333,7 @@ def main(argv=None):
                 os.makedirs(folder := os.path.join(at, f"seed{seed}"))
                 runs.append({"folder": folder, **pipeline(folder, o, seed, times)})
                 with open(os.path.join(folder, "run.json"), "x", encoding="utf-8") as f:
-                    json.dump({"run": runs[-1], "times": times}, f)  # report() reads them again
+                    json.dump({"run": runs[-1], "times": times}, f)
             report(runs, times, o)
             print(f"bench: {time.time() - start:.0f} s wall")
         except OSError as e:
