@@ -23,7 +23,7 @@ EMPTY_REWARD = 0.0  # a completion with no step scored
 
 
 def suffix_minima(ps: list) -> list:
-    """PURE's min-form credit (arXiv 2504.15275): each suffix sums to its lowest P."""
+    """PURE's min form (arXiv 2504.15275): each suffix sums to its lowest P."""
     m = list(itertools.accumulate(reversed(ps), min))[::-1] + [0.0]
     return [a - b for a, b in zip(m, m[1:])]
 
@@ -34,8 +34,7 @@ SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] +
 
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
-    """char index -> index of the token of ids that completes that character of text; ValueError
-    naming the row if ids do not decode to text."""
+    """char index -> index of the token of ids that completes that character of text."""
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
@@ -49,7 +48,6 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
 
 
 def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores=None):
-    """ValueError naming the first unreadable argument and its completion."""
     for name, value in (("prompts", prompts), ("completion_ids", ids), ("scores", scores)):
         if value is not None and len(value) != len(completions):
             raise ValueError(f"{len(value)} {name} for {len(completions)} completions")
@@ -77,9 +75,8 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
 
 
 class PRMReward:
-    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in
-    training, aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring:
-    ScorerOptions' fields; dtype: eval.py's --dtype (default: the run's, else auto)."""
+    """reward(prompts, completions) -> [float]: each completion's steps scored as in training,
+    aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring: ScorerOptions'."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
@@ -130,20 +127,7 @@ class PRMReward:
             return prompt
         return "\n".join(m["content"] for m in prompt)
 
-    def template_failure(self, prompts: dict):
-        """UsageError naming the first completion ({index: prompt}) whose prompt the template
-        refuses."""
-        for i, prompt in prompts.items():
-            try:
-                if not isinstance(prompt, str):
-                    self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                       add_generation_prompt=True)
-            except Exception as e:
-                raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
-                                 f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
-
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; steps past max_length unscored (a warning)."""
         return [[p for *_, p in steps if p is not None]
                 for steps in self.step_scores(prompts, completions)]
 
@@ -161,7 +145,15 @@ class PRMReward:
                                 max_length=self.max_length, batch_size=self.batch_size,
                                 tokenize=self.tokenize, amp_dtype=self.amp_dtype)
         except Exception:  # a template failure said as such, else as it is
-            self.template_failure({i: prompt for i, (prompt, _) in zip(todo, solutions)})
+            for i, (prompt, _) in zip(todo, solutions):
+                try:
+                    if not isinstance(prompt, str):
+                        self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                           add_generation_prompt=True)
+                except Exception as e:
+                    raise UsageError(f"completion {i}: the tokenizer's chat template fails on "
+                                     f"its prompt: {type(e).__name__}: {str(e).strip()[:200]}"
+                                     ) from e
             raise
         scored = dict(zip(todo, probs))
         cut = [ps for i, ps in scored.items() if len(ps) < len(spans[i])]
@@ -188,19 +180,15 @@ class PRMReward:
 
     @property
     def cacheable(self) -> bool:
-        """Whether extend() can score on the key/value cache: a classifier (its rows as trained) on
-        a causal decoder (a step's score reads only what came before)."""
+        """Whether extend() is exact: a classifier on a causal decoder."""
         causal = [m.is_causal for m in self.model.modules() if hasattr(m, "is_causal")]
         return self.tokenize is None and isinstance(self.model, PRM) and all(causal or [False])
 
     def start(self, question) -> Prefix:
-        """A question (str or messages) for extend(); nothing runs yet."""
         return start(self.prompt(question), self.tokenizer)
 
     def extend(self, prefixes: list, steps: list) -> list:
-        """Per (prefix: start()'s or extend()'s, step): (the prefix with the step, the step's
-        P(correct) or None past max_length, the tokens run), each token run once after the PRM's
-        cache of its prefix (prm.scoring.prefix): score()'s scores of the whole text."""
+        """prm.scoring.prefix.extend: each step scored on its prefix's cache."""
         if not self.cacheable:
             raise UsageError("PRMReward.extend needs a classifier PRM: use score()")
         refuse_bad_input(["q"] * len(steps), steps)
@@ -210,9 +198,8 @@ class PRMReward:
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "min", *, scores: list = None) -> list:
-        """Per completion, a float per token of completion_ids: each scored step's SHAPINGS value on
-        the token holding its last character; scores: step_scores' answer, if known. min (PURE's)
-        sums to the lowest P: more steps earn nothing."""
+        """Per completion, a float per token: each scored step's SHAPINGS value on the token
+        holding its last character; scores: step_scores' answer, if known."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
         refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)
@@ -228,10 +215,8 @@ class PRMReward:
             out.append(row)
         return out
 
-    def __call__(self, prompts: list, completions: list, **kwargs) -> list:
-        """One float per completion; TRL's extra columns (kwargs) unused."""
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list:  # kwargs: TRL's
         return self.aggregated(self.step_probs(prompts, completions))
 
     def aggregated(self, step_probs: list) -> list:
-        """Each list's aggregate, EMPTY_REWARD if empty."""
         return [float(AGGREGATES[self.aggregate](ps)) if ps else EMPTY_REWARD for ps in step_probs]

@@ -1,9 +1,5 @@
-"""Published PRMs read as their authors read them: per family a row builder (input_ids and the
-positions read as step scores) and a model giving (B, T, 2) logits, [bad, good].
-- classifier: a token-classification head (ours, TRL's).
-- qwen-prm (Qwen2.5-Math-PRM): its own code; chat template, system prompt, steps end in <extra_0>.
-- step-tag (Math-Shepherd): problem, then each step + " " + a tag; LM logits at each tag.
-- chat-turns (RLHFlow): a user turn per step answered by the good token; LM logits predicting it."""
+"""Published PRMs scored as their authors score them: per family a row builder (input_ids, the
+positions read) and a model giving (B, T, 2) logits, [bad, good]."""
 import bisect
 import dataclasses
 import hashlib
@@ -13,38 +9,36 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from prm.loading import load_tokenizer, load_trained, loading
+from prm.loading import load_tokenizer, load_trained, loading, set_packing
 from prm.core.data import columns, make_row
 from prm.core.model import PRM, saved_weights
 from prm.errors import UsageError
 from prm.scoring import FAMILIES, ScorerOptions
-from prm.core.varlen import supports_packing, use_packed_attention
 
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
-with open(__file__, "rb") as _f:  # in every Family: a change of this file is a new cache
+with open(__file__, "rb") as _f:  # in every Family: an edit here is a new cache
     CODE = hashlib.sha256(_f.read()).hexdigest()
 
 
 def detect(model: str, scorer) -> str:
-    """scorer; auto: qwen-prm for a *ForProcessRewardModel config, else classifier."""
+    """auto: qwen-prm for a *ForProcessRewardModel config, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:  # no code runs: Qwen's PRMs declare a known model type
         archs = AutoConfig.from_pretrained(model).architectures or []
-    except Exception:  # unreadable: load_trained says why
+    except Exception:  # load_trained says why
         return "classifier"
     qwen = any(str(a).endswith("ForProcessRewardModel") for a in archs)
     return "qwen-prm" if qwen else "classifier"
 
 
 def shown(tokenizer, ids: list) -> list:
-    """Each token as the text it stands for ('к', not its byte-level spelling 'Ðº')."""
+    """Each token's text ('к', not its byte-level 'Ðº')."""
     return [tokenizer.decode([i], clean_up_tokenization_spaces=False) for i in ids]
 
 
 def one_token(tokenizer, flag: str, text: str) -> int:
-    """The id of text if it is one known token, else UsageError."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
@@ -57,7 +51,6 @@ def one_token(tokenizer, flag: str, text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A family's settings, its tokens checked (`family` builds it)."""
     name: str
     tag: str = ""
     good: str = "+"
@@ -67,11 +60,10 @@ class Family:
     code: str = CODE
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
-        """tokenize_batch's columns, each row built as the family's authors build it (kw:
-        make_row's; the family's own text ends the steps, not step_separator)."""
+        """tokenize_batch's columns, rows built as the family's authors build them."""
         rows = []
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
-            problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat's user turns
+            problem = prompt if isinstance(prompt, str) else "\n".join(
                 m["content"] for m in prompt if m.get("role", "user") == "user")
             ids, reads, first = BUILDERS[self.name](self, tokenizer, problem, list(steps))
             rows.append(make_row(ids, reads, labels, first=first, **kw))
@@ -79,7 +71,6 @@ class Family:
 
 
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
-    """The family's settings: each token one of the tokenizer's, no flag it ignores."""
     lm = name in ("step-tag", "chat-turns")
     given = (("--step-tag", step_tag != "", name == "step-tag"),
              ("--good-token", good_token != "+", lm), ("--bad-token", bad_token != "-", lm))
@@ -109,8 +100,8 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *,
            first_char: int, shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids of text, the position + shift of the `token_id` token ending at each of `ends`,
-    the first step's first token)."""
+    """(input_ids, the position + shift of the token_id ending at each of ends, first step's
+    first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
@@ -173,7 +164,7 @@ BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_r
 
 
 class FirstOutput(nn.Module):
-    """A model with its own code (Qwen2.5-Math-PRM); its first output: (B, T, 2) logits."""
+    """A model with its own code (Qwen2.5-Math-PRM): its first output."""
 
     def __init__(self, model):
         super().__init__()
@@ -193,7 +184,7 @@ class FirstOutput(nn.Module):
 
 
 def lm_head_rows(lm, ids: list) -> PRM:
-    """A causal LM as a PRM whose head is its LM head's rows `ids` ([bad, good]: (B, T, 2))."""
+    """A causal LM as a PRM whose head is its LM head's rows ids ([bad, good])."""
     head = lm.get_output_embeddings()
     rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device,
                      head.weight.dtype)  # weight (2, H), bias (2,)
@@ -203,8 +194,8 @@ def lm_head_rows(lm, ids: list) -> PRM:
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
          dtype=torch.float32) -> tuple:
-    """(tokenizer, model giving (B, T, 2) logits, the family's row builder: tokenize_dataset's and
-    score_batch's `tokenize`, None for a classifier); published weights in `dtype`."""
+    """(tokenizer, model, the family's row builder: score_batch's `tokenize`, None for a
+    classifier)."""
     settings = dataclasses.asdict(opts)
     name = detect(cfg.model, settings.pop("scorer"))
     if name not in FAMILIES:
@@ -225,14 +216,12 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
     if name == "qwen-prm":
         model = FirstOutput(model)
     else:
-        model = lm_head_rows(model, [fam.bad_id, fam.good_id])
-        if cfg.packing and supports_packing(model.backbone):
-            use_packed_attention(model.backbone)
+        model = set_packing(lm_head_rows(model, [fam.bad_id, fam.good_id]), cfg.packing)
     return (*embeddable(tokenizer, model.eval(), cfg, flag), fam.tokenize_batch)
 
 
 def embeddable(tokenizer, model, cfg, flag: str) -> tuple:
-    """(tokenizer, model); UsageError if the tokenizer has ids past the embeddings."""
+    """(tokenizer, model) if the model embeds every token."""
     rows = model.config.get_text_config().vocab_size
     if len(tokenizer) > rows:
         raise UsageError(f"{flag} {getattr(cfg, flag[2:])}: {len(tokenizer)} tokens, more than "

@@ -1,6 +1,5 @@
-"""verl 0.9.1's reward manager: a PRM's step scores on the policy's response tokens
-(PRMReward.token_rewards) fill `rm_scores`; the aggregate goes in reward_extra_info. verl loads
-this file by path (the README says how; reward_kwargs: PRMReward's keywords and `shaping`)."""
+"""verl 0.9.1's reward manager, loaded by path: PRMReward.token_rewards fill `rm_scores`
+(reward_kwargs: PRMReward's keywords and `shaping`)."""
 import asyncio
 import os
 import threading
@@ -10,15 +9,14 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 try:
     from prm.scoring.reward import PRMReward
-except ModuleNotFoundError as e:  # verl loads this file by path: prm must import in verl's python
+except ModuleNotFoundError as e:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     raise ImportError(f"{e} in verl's python: install prm there (pip install -e {root})") from e
 
 
 class PRMRewardManager(RewardManagerBase):
-    """run_single -> {"reward_score": a float per response token, "reward_extra_info": ...}."""
     reward: PRMReward = None  # one per process (init_class)
-    shaping = "min"  # token_rewards' default
+    shaping = "min"
     lock = threading.Lock()
 
     def __init__(self, config, tokenizer, compute_score=None, **kwargs):  # kwargs: verl's routing
@@ -46,7 +44,7 @@ class PRMRewardManager(RewardManagerBase):
         return {"reward_score": rewards, "reward_extra_info": {self.reward.__name__: aggregate}}
 
     async def run_single(self, data) -> dict:
-        item = data[-1:][0]  # as verl's own managers read it
+        item = data[-1:][0]
         responses, mask = item.batch["responses"], item.batch["attention_mask"]  # (R,), (P + R,)
         ids = responses[mask[-responses.shape[-1]:].bool()].tolist()  # left- or right-padded
         prompt = item.non_tensor_batch.get("raw_prompt")
@@ -60,7 +58,6 @@ class PRMRewardManager(RewardManagerBase):
 
     @classmethod
     def assemble_rm_scores(cls, data, scores: list) -> torch.Tensor:
-        """(batch, response_length) rm_scores: each sample's rewards on its own tokens."""
         rm_scores = torch.zeros_like(data.batch["responses"], dtype=torch.float32)  # (B, R)
         kept = data.batch["attention_mask"][:, -rm_scores.shape[1]:].bool()  # (B, R)
         for i, rewards in enumerate(scores):
