@@ -1,6 +1,5 @@
 """Tree search's scorer: each step run once on the PRM's key/value cache of what came before.
 Exact for rows as trained: steps and separators tokenized apart never change earlier ids."""
-import contextlib
 import dataclasses
 import inspect
 
@@ -8,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from prm.core.data import eval_batches, prompt_ids, separator_ids
+from prm.core.data import eval_batches, separator_ids
 from prm.core.varlen import NAME
 
 
@@ -21,10 +20,6 @@ class Prefix:
     todo: tuple = ()
 
 
-def start(question, tokenizer) -> Prefix:
-    return Prefix(0, (), tuple(prompt_ids(question, tokenizer)))
-
-
 def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max_length=None,
            batch_size: int = 16, amp_dtype=None) -> list:
     """Per (prefix, step): (the prefix with the step, its P(correct) or None past max_length,
@@ -33,17 +28,23 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
         return []
     sep = separator_ids(tokenizer, separator)
     new = [ids + sep for ids in tokenizer(list(steps), add_special_tokens=False)["input_ids"]]
-    # as in training's rows, a step ending past max_length is unscored: not run
+    # as in training, a step ending past max_length is unscored: not run
     fits = [not max_length or p.length + len(p.todo) + len(ids) <= max_length
             for p, ids in zip(prefixes, new)]
     # a question's ids run once, however many steps extend it
     opening = list({id(p): p for p, ok in zip(prefixes, fits) if ok and p.todo}.values())
     todo = [i for i, ok in enumerate(fits) if ok]
-    with padded_attention(model.backbone):
+    packed = model.backbone.config._attn_implementation == NAME
+    if packed:  # it reads neither padding nor a cache
+        model.backbone.set_attn_implementation("sdpa")
+    try:
         ran = run(model, opening, [p.todo for p in opening], batch_size, amp_dtype)
         opened = {id(p): prefix for p, (prefix, _) in zip(opening, ran)}
         grown = run(model, [opened.get(id(prefixes[i]), prefixes[i]) for i in todo],
                     [new[i] for i in todo], batch_size, amp_dtype)
+    finally:
+        if packed:
+            model.backbone.set_attn_implementation(NAME)
     out = [(Prefix(p.length + len(p.todo) + len(ids)), None, 0) for p, ids in zip(prefixes, new)]
     lasts = torch.stack([probs[-1] for _, probs in grown]).tolist() if grown else []  # one sync
     for i, (prefix, _), p in zip(todo, grown, lasts):
@@ -54,23 +55,9 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
     return out
 
 
-@contextlib.contextmanager
-def padded_attention(backbone):
-    """Meanwhile, attention that reads padding and a cache (packed attention reads neither)."""
-    packed = backbone.config._attn_implementation == NAME
-    if packed:
-        backbone.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        if packed:
-            backbone.set_attn_implementation(NAME)
-
-
 @torch.no_grad()
 def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
-    """Per prefix, (the prefix with ids, P(correct) at each of ids): the past left-padded, the new
-    ids right-padded."""
+    """Per prefix, (the prefix with ids, P(correct) at each of ids)."""
     out = [None] * len(prefixes)
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)

@@ -1,5 +1,4 @@
-"""A trained PRM as an RL reward: a float per completion, as TRL's GRPOTrainer calls it
-(`reward_funcs=[PRMReward("out/final")]`), or per token (token_rewards)."""
+"""A trained PRM as an RL reward: a float per completion (TRL's reward_funcs) or per token."""
 import bisect
 import functools
 import itertools
@@ -10,13 +9,14 @@ import torch
 
 from prm.config import FILE, Config
 from prm.errors import UsageError
+from prm.core.data import prompt_ids
 from prm.core.evaluate import score_batch
 from prm.readers.formats import step_spans
 from prm.core.metrics import AGGREGATES
 from prm.core.model import PRM, input_settings
 from prm.core.runtime import autocast_dtype
 from prm.scoring import ScorerOptions
-from prm.scoring.prefix import Prefix, extend, start
+from prm.scoring.prefix import Prefix, extend
 from prm.scoring.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step scored
@@ -28,7 +28,7 @@ def suffix_minima(ps: list) -> list:
     return [a - b for a, b in zip(m, m[1:])]
 
 
-# a step's reward from the P(correct)s: its own; P_k - P_(k-1) (sums to the last P); min form
+# a step's reward from the P(correct)s: its own; P_k - P_(k-1); PURE's min form
 SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] + ps[:-1])],
             "min": suffix_minima}
 
@@ -64,7 +64,7 @@ def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
-    """(tokenizer, model, run config, row builder) of a model directory, as eval.py reads it."""
+    """(tokenizer, model, config, row builder), as eval.py loads them."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model, cfg.trust_remote_code = path, trust_remote_code
@@ -75,8 +75,7 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
 
 
 class PRMReward:
-    """reward(prompts, completions) -> [float]: each completion's steps scored as in training,
-    aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring: ScorerOptions'."""
+    """reward(prompts, completions) -> per completion, its step scores aggregated."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
@@ -91,7 +90,7 @@ class PRMReward:
                 ("dtype", dtype in (None, "auto", "fp32", "bf16", "fp16"),
                  "auto, fp32, bf16 or fp16")):
             if not ok:
-                raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")  # a ValueError
+                raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")
         scorer, self.tokenize = ScorerOptions(**scoring).scorer, None
         if isinstance(model, str):
             tokenizer, model, cfg, self.tokenize = load_reward_model(model, trust_remote_code,
@@ -137,14 +136,14 @@ class PRMReward:
         texts = [self.text(c) for c in completions]
         spans = [step_spans(text, self.step_separator) for text in texts]
         todo = [i for i, s in enumerate(spans) if s]
-        cap = self.max_length or None  # a step takes a token at least: later ones are not tokenized
+        cap = self.max_length or None  # steps past it cannot fit: not tokenized
         solutions = [(self.prompt(prompts[i]), [texts[i][a:b] for a, b in spans[i][:cap]])
                      for i in todo]
         try:
             probs = score_batch(self.model, self.tokenizer, solutions, self.step_separator,
                                 max_length=self.max_length, batch_size=self.batch_size,
                                 tokenize=self.tokenize, amp_dtype=self.amp_dtype)
-        except Exception:  # a template failure said as such, else as it is
+        except Exception:  # a chat template failure named as such
             for i, (prompt, _) in zip(todo, solutions):
                 try:
                     if not isinstance(prompt, str):
@@ -166,7 +165,7 @@ class PRMReward:
                 for i, s in enumerate(spans)]
 
     def score(self, questions: list, outputs: list) -> list:
-        """search-and-learn's PRM interface: per question, per output, P(correct) per step."""
+        """search-and-learn's: per question, per output, P(correct) per step."""
         if len(questions) != len(outputs):
             raise ValueError(f"{len(questions)} questions for {len(outputs)} lists of outputs")
         for i, texts in enumerate(outputs):
@@ -184,11 +183,10 @@ class PRMReward:
         causal = [m.is_causal for m in self.model.modules() if hasattr(m, "is_causal")]
         return self.tokenize is None and isinstance(self.model, PRM) and all(causal or [False])
 
-    def start(self, question) -> Prefix:
-        return start(self.prompt(question), self.tokenizer)
+    def start(self, question) -> Prefix:  # its ids run with its first extension
+        return Prefix(0, (), tuple(prompt_ids(self.prompt(question), self.tokenizer)))
 
     def extend(self, prefixes: list, steps: list) -> list:
-        """prm.scoring.prefix.extend: each step scored on its prefix's cache."""
         if not self.cacheable:
             raise UsageError("PRMReward.extend needs a classifier PRM: use score()")
         refuse_bad_input(["q"] * len(steps), steps)
@@ -198,8 +196,8 @@ class PRMReward:
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "min", *, scores: list = None) -> list:
-        """Per completion, a float per token: each scored step's SHAPINGS value on the token
-        holding its last character; scores: step_scores' answer, if known."""
+        """Per completion, per token: a step's SHAPINGS value on the token of its last character;
+        scores: step_scores', if known."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
         refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)

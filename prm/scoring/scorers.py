@@ -76,8 +76,7 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
              ("--good-token", good_token != "+", lm), ("--bad-token", bad_token != "-", lm))
     unread = [flag for flag, set_, read in given if set_ and not read]
     if unread:
-        raise UsageError(f"{', '.join(unread)}: not read by --scorer {name} (only step-tag reads "
-                         "--step-tag; step-tag and chat-turns read --good-token and --bad-token)")
+        raise UsageError(f"{', '.join(unread)}: not read by --scorer {name}")
     if name == "classifier":
         return Family(name)
     if name == "qwen-prm":  # checked before asking to run the model's code
@@ -87,8 +86,7 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
         raise UsageError("--scorer step-tag needs --step-tag, the token that ends every step "
                          "(Math-Shepherd's: 'ки')")
     if name == "chat-turns" and not getattr(tokenizer, "chat_template", None):
-        raise UsageError("--scorer chat-turns needs the tokenizer's chat template: this tokenizer "
-                         "has none")
+        raise UsageError("--scorer chat-turns needs a tokenizer with a chat template")
     tag_id = one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1
     good_id = one_token(tokenizer, "--good-token", good_token)
     bad_id = one_token(tokenizer, "--bad-token", bad_token)
@@ -100,7 +98,7 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *,
            first_char: int, shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids, the position + shift of the token_id ending at each of ends, first step's
+    """(input_ids, the position + shift of the token_id ending at each of ends, the first step's
     first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
@@ -124,8 +122,8 @@ def qwen_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     at = text.rfind(content)
     if at < 0:
-        raise UsageError("--scorer qwen-prm: the chat template changes the assistant's text, so "
-                         f"its {fam.tag} step ends cannot be found")
+        raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text: "
+                         f"no {fam.tag} step end found")
     ends = list(itertools.accumulate((len(s) + len(fam.tag) for s in steps), initial=at))[1:]
     return locate(tokenizer, text, ends, fam.tag_id, "qwen-prm's step separator", fam.tag,
                   first_char=at)
@@ -152,8 +150,8 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
                                              add_generation_prompt=True)
         if not text.startswith(head + fam.good):
             raise UsageError(f"--scorer chat-turns: the chat template does not render turn "
-                             f"{2 * k + 2} (the assistant's {fam.good!r} after step {k + 1}) where "
-                             "the conversation up to it ends: it cannot hold a step boundary")
+                             f"{2 * k + 2} ({fam.good!r} after step {k + 1}) where the turns "
+                             "before it end: it cannot hold a step boundary")
         ends.append(len(head) + len(fam.good))
     at = text.find(problem + " " + steps[0]) if steps else -1
     return locate(tokenizer, text, ends, fam.good_id, "--good-token", fam.good, shift=-1,
@@ -168,18 +166,13 @@ class FirstOutput(nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.model = model
-
-    @property
-    def config(self):
-        return self.model.config
+        self.model, self.config = model, model.config
 
     def forward(self, input_ids, attention_mask=None):
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
         if logits.dim() != 3 or logits.shape[-1] != 2:
             raise UsageError("--scorer qwen-prm: the model's first output has shape "
-                             f"{tuple(logits.shape)}, not (batch, tokens, 2): is it a "
-                             "Qwen2.5-Math-PRM-style model?")
+                             f"{tuple(logits.shape)}, not (batch, tokens, 2)")
         return logits
 
 
@@ -194,36 +187,32 @@ def lm_head_rows(lm, ids: list) -> PRM:
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
          dtype=torch.float32) -> tuple:
-    """(tokenizer, model, the family's row builder: score_batch's `tokenize`, None for a
-    classifier)."""
+    """(tokenizer, model, score_batch's `tokenize`: None for a classifier)."""
     settings = dataclasses.asdict(opts)
     name = detect(cfg.model, settings.pop("scorer"))
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
-    if name == "classifier":  # refuses the flags it ignores
-        family(None, name, **settings)
-        return (*embeddable(*load_trained(cfg, tokenizer_given), cfg, flag), None)
-    path = cfg.tokenizer if flag == "--tokenizer" else cfg.model
-    tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
-    fam = family(tokenizer, name, **settings)
-    if name == "qwen-prm" and not cfg.trust_remote_code:
-        raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add "
-                         "--trust-remote-code")
-    auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
-    model = loading("--model", cfg.model, saved_weights, auto=auto,
-                    trust_remote_code=cfg.trust_remote_code, dtype=dtype)
-    if name == "qwen-prm":
-        model = FirstOutput(model)
+    if name == "classifier":
+        family(None, name, **settings)  # refuses the flags it ignores
+        (tokenizer, model), tokenize = load_trained(cfg, tokenizer_given), None
     else:
-        model = set_packing(lm_head_rows(model, [fam.bad_id, fam.good_id]), cfg.packing)
-    return (*embeddable(tokenizer, model.eval(), cfg, flag), fam.tokenize_batch)
-
-
-def embeddable(tokenizer, model, cfg, flag: str) -> tuple:
-    """(tokenizer, model) if the model embeds every token."""
+        path = cfg.tokenizer if flag == "--tokenizer" else cfg.model
+        tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
+        fam = family(tokenizer, name, **settings)
+        if name == "qwen-prm" and not cfg.trust_remote_code:
+            raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add "
+                             "--trust-remote-code")
+        auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
+        model = loading("--model", cfg.model, saved_weights, auto=auto,
+                        trust_remote_code=cfg.trust_remote_code, dtype=dtype)
+        if name == "qwen-prm":
+            model = FirstOutput(model)
+        else:
+            model = set_packing(lm_head_rows(model, [fam.bad_id, fam.good_id]), cfg.packing)
+        model, tokenize = model.eval(), fam.tokenize_batch
     rows = model.config.get_text_config().vocab_size
     if len(tokenizer) > rows:
         raise UsageError(f"{flag} {getattr(cfg, flag[2:])}: {len(tokenizer)} tokens, more than "
                          f"--model {cfg.model}'s {rows} embeddings")
-    return tokenizer, model
+    return tokenizer, model, tokenize
