@@ -20,6 +20,7 @@ from prm.readers.synthetic import char_tokenizer
 from prm.core.varlen import supports_packing, use_packed_attention
 
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}
+GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # from a JSON file's content
 
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
@@ -54,7 +55,7 @@ def outside_weights(path: str) -> list:
         try:
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except GARBAGE as e:
             problems.append(f"{index}: not a sharded-weights index with a weight_map "
                             f"({type(e).__name__}: {e})")
             continue
@@ -80,7 +81,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
         tokenizer = loading(flag, name, load, weights=weights, **kw)
     except UsageError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except GARBAGE as e:
         raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}"
                          ) from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
@@ -100,10 +101,9 @@ def tokenizer_for(cfg):
 def tiny_config(tokenizer):
     return Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512,
                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096,
-                       tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       attention_dropout=0.0)
+                       max_position_embeddings=4096, tie_word_embeddings=False,
+                       pad_token_id=pad_token_id(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, attention_dropout=0.0)
 
 
 def hf_config_for(cfg, tokenizer):
@@ -121,8 +121,7 @@ def check_exportable(cfg):
         hf_names(hf_cfg)
     except ValueError:
         raise UsageError(f"--model {cfg.model}: model type {hf_cfg.model_type!r} has no "
-                         "transformers token classifier, the form final/ is saved in: it cannot "
-                         "be trained here") from None
+                         "transformers token classifier, the form final/ is saved in") from None
 
 
 def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
@@ -139,7 +138,7 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, **remote)
     if classifier_only and not is_classifier(hf_cfg):
         raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
-                         f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+                         f"{hf_cfg.architectures})")
     model = loading("--model", name, PRM.from_pretrained, **remote, **kw)
     names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
     if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:

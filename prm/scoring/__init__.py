@@ -8,10 +8,8 @@ FAMILIES = ("classifier", "qwen-prm", "step-tag", "chat-turns")
 
 @dataclasses.dataclass(frozen=True)
 class ScorerOptions:
-    scorer: str = opt("auto", "how the model scores steps, as its authors do: a token "
-                      "classifier; Qwen2.5-Math-PRM's <extra_0> head; Math-Shepherd's LM logits "
-                      "at a --step-tag; RLHFlow's at each assistant turn. auto: qwen-prm for a "
-                      "*ForProcessRewardModel config, else classifier",
+    scorer: str = opt("auto", "how the model scores steps, as its authors do (auto: qwen-prm "
+                      "for a *ForProcessRewardModel config, else classifier)",
                       choices=("auto",) + FAMILIES)
     step_tag: str = opt("", "step-tag: the token ending each step (Math-Shepherd: ки)")
     good_token: str = opt("+", "step-tag, chat-turns: the token meaning 'correct'")

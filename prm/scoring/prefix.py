@@ -61,11 +61,10 @@ def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
     out = [None] * len(prefixes)
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-    lengths = [p.length + len(x) for p, x in zip(prefixes, ids)]
     # transformers 5's name for the cache, else the older one
     name = next((k for k in ("cache", "past_key_values")
                  if k in inspect.signature(model.backbone.forward).parameters), "past_key_values")
-    for batch in eval_batches(lengths, batch_size):
+    for batch in eval_batches([p.length + len(x) for p, x in zip(prefixes, ids)], batch_size):
         past = max(prefixes[i].length for i in batch)
         width = max(len(ids[i]) for i in batch)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L)

@@ -96,8 +96,7 @@ class PRMReward:
             tokenizer, model, cfg, self.tokenize = load_reward_model(model, trust_remote_code,
                                                                      **scoring)
         elif scorer not in ("auto", "classifier"):
-            raise ValueError(f"scorer {scorer!r} reads a model directory; "
-                             "prm.scoring.scorers.load gives a loaded one")
+            raise ValueError(f"scorer {scorer!r} reads a model directory, not a loaded model")
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
@@ -114,14 +113,12 @@ class PRMReward:
             self.model.to(torch.bfloat16)
 
     def text(self, completion) -> str:
-        """A string, or the assistant messages' contents, each ending a step."""
         if isinstance(completion, str):
             return completion
         return self.step_separator.join(m["content"] for m in completion
                                         if m.get("role", "assistant") == "assistant")
 
     def prompt(self, prompt):
-        """Messages for the chat template; without one, their text."""
         if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
             return prompt
         return "\n".join(m["content"] for m in prompt)
@@ -144,15 +141,14 @@ class PRMReward:
                                 max_length=self.max_length, batch_size=self.batch_size,
                                 tokenize=self.tokenize, amp_dtype=self.amp_dtype)
         except Exception:  # a chat template failure named as such
-            for i, (prompt, _) in zip(todo, solutions):
+            chats = [(i, p) for i, (p, _) in zip(todo, solutions) if not isinstance(p, str)]
+            for i, prompt in chats:
                 try:
-                    if not isinstance(prompt, str):
-                        self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                           add_generation_prompt=True)
+                    self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                       add_generation_prompt=True)
                 except Exception as e:
-                    raise UsageError(f"completion {i}: the tokenizer's chat template fails on "
-                                     f"its prompt: {type(e).__name__}: {str(e).strip()[:200]}"
-                                     ) from e
+                    raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
+                                     f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
             raise
         scored = dict(zip(todo, probs))
         cut = [ps for i, ps in scored.items() if len(ps) < len(spans[i])]

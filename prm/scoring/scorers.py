@@ -41,8 +41,8 @@ def shown(tokenizer, ids: list) -> list:
 def one_token(tokenizer, flag: str, text: str) -> int:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
-                         f"into {len(ids)}, {shown(tokenizer, ids)}")
+        raise UsageError(f"{flag} {text!r} must be one token: it splits into {len(ids)}, "
+                         f"{shown(tokenizer, ids)}")
     if ids[0] == tokenizer.unk_token_id:
         raise UsageError(f"{flag} {text!r} is not in the model's vocabulary: its tokenizer reads "
                          f"it as its unknown token {tokenizer.unk_token!r}")
@@ -109,8 +109,8 @@ def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str
         if j is None or ids[j] != token_id:
             start = end - len(mark) - 1
             pieces = shown(tokenizer, [i for i, (s, e) in zip(ids, spans) if e > start and s < end])
-            raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its "
-                             f"own ends the step: there {text[start:end]!r} tokenizes as {pieces}")
+            raise UsageError(f"{flag} {mark!r} merges with the text around it: there "
+                             f"{text[start:end]!r} tokenizes as {pieces}")
         reads.append(j + shift)
     return ids, reads, bisect.bisect_right([e for _, e in spans], first_char)
 

@@ -28,8 +28,7 @@ class PRMRewardManager(RewardManagerBase):
             return
         kwargs = dict(config.reward.get("reward_kwargs") or {})
         if "model" not in kwargs:
-            raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR (a train.py "
-                             "output or any 2-label token classifier)")
+            raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR")
         cls.shaping = kwargs.pop("shaping", cls.shaping)
         cls.reward = PRMReward(kwargs.pop("model"), **kwargs)
         super().init_class(config, tokenizer)
