@@ -24,8 +24,8 @@ GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # from a J
 
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
-    """load(name, **kw), failures a UsageError; weights: a --model folder must hold a model."""
-    # a path, not a hub id: the hub's "Repo id must be in the form ..." would hide the typo
+    """load(name, **kw), a failure one UsageError line."""
+    # a path: the hub's "Repo id must be in the form ..." would hide the typo
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         check([] if os.path.exists(name) else [f"{flag} {name}: no such folder"])
     if weights and flag == "--model" and os.path.isdir(name):
@@ -68,8 +68,7 @@ def outside_weights(path: str) -> list:
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *,
                    weights=True):
-    """AutoTokenizer; a generic tokenizer.json loads as written (the model type's class would drop
-    the character tokenizer's <unk>)."""
+    """AutoTokenizer; a generic tokenizer.json as written (the model's class drops its <unk>)."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
@@ -99,11 +98,12 @@ def tokenizer_for(cfg):
 
 
 def tiny_config(tokenizer):
-    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512,
-                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096, tie_word_embeddings=False,
-                       pad_token_id=pad_token_id(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, attention_dropout=0.0)
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        attention_dropout=0.0)
 
 
 def hf_config_for(cfg, tokenizer):
@@ -142,10 +142,7 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
     model = loading("--model", name, PRM.from_pretrained, **remote, **kw)
     names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
     if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:
-        with torch.no_grad():
-            model.head.weight.copy_(model.head.weight.flip(0))
-            if model.head.bias is not None:
-                model.head.bias.copy_(model.head.bias.flip(0))
+        model.head.load_state_dict({k: v.flip(0) for k, v in model.head.state_dict().items()})
     return model
 
 
@@ -166,7 +163,7 @@ def model_for(cfg, tokenizer) -> PRM:
             for p in model.backbone.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
-    # in config.json, so that scoring reads the input as training did
+    # in config.json: scoring reads the input as training did
     keys = ("step_separator", "max_length", "max_completion_length")
     setattr(model.config, SETTINGS, {k: getattr(cfg, k) for k in keys})
     return set_packing(model, cfg.packing)

@@ -1,5 +1,4 @@
-"""Tree search's scorer: each step run once on the PRM's key/value cache of what came before.
-Exact for rows as trained: steps and separators tokenized apart never change earlier ids."""
+"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix."""
 import dataclasses
 import inspect
 
@@ -22,8 +21,7 @@ class Prefix:
 
 def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max_length=None,
            batch_size: int = 16, amp_dtype=None) -> list:
-    """Per (prefix, step): (the prefix with the step, its P(correct) or None past max_length,
-    the tokens run)."""
+    """Per (prefix, step): (prefix + step, its P(correct) or None past max_length, tokens run)."""
     if not steps:
         return []
     sep = separator_ids(tokenizer, separator)
@@ -48,10 +46,8 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
     out = [(Prefix(p.length + len(p.todo) + len(ids)), None, 0) for p, ids in zip(prefixes, new)]
     lasts = torch.stack([probs[-1] for _, probs in grown]).tolist() if grown else []  # one sync
     for i, (prefix, _), p in zip(todo, grown, lasts):
-        out[i] = (prefix, p, len(new[i]))
-    for p in opening:  # counted with the first step extending it
-        i = next(i for i in todo if prefixes[i] is p)
-        out[i] = (out[i][0], out[i][1], out[i][2] + len(p.todo))
+        asked = opened.pop(id(prefixes[i]), None)  # counted with the first step extending it
+        out[i] = (prefix, p, len(new[i]) + (len(prefixes[i].todo) if asked else 0))
     return out
 
 
@@ -76,9 +72,9 @@ def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
         positions = starts[:, None] + torch.arange(width)  # (B, L)
         cache = DynamicCache(padded([prefixes[i] for i in batch], past)) if past else None
         with amp:
-            result = model.backbone(input_ids=tokens.to(device), attention_mask=mask.to(device),
-                                    position_ids=positions.to(device), use_cache=True,
-                                    **{name: cache})
+            result = model.backbone(
+                input_ids=tokens.to(device), attention_mask=mask.to(device),
+                position_ids=positions.to(device), use_cache=True, **{name: cache})
             logits = model.head(result.last_hidden_state)  # (B, L, 2)
         probs = torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, L)
         layers = [(x.keys, x.values) for x in getattr(result, name).layers]

@@ -93,8 +93,8 @@ class PRMReward:
                 raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")
         scorer, self.tokenize = ScorerOptions(**scoring).scorer, None
         if isinstance(model, str):
-            tokenizer, model, cfg, self.tokenize = load_reward_model(model, trust_remote_code,
-                                                                     **scoring)
+            tokenizer, model, cfg, self.tokenize = load_reward_model(
+                model, trust_remote_code, **scoring)
         elif scorer not in ("auto", "classifier"):
             raise ValueError(f"scorer {scorer!r} reads a model directory, not a loaded model")
         elif tokenizer is None:
@@ -103,12 +103,12 @@ class PRMReward:
             cfg = Config.from_dict(input_settings(model.config))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = model.to(self.device).eval(), tokenizer
-        self.step_separator = step_separator if step_separator is not None else cfg.step_separator
+        self.step_separator = step_separator or cfg.step_separator
         self.max_length = max_length if max_length is not None else cfg.max_length
         self.aggregate, self.batch_size = aggregate, batch_size
         self.__name__ = f"prm_{aggregate}"  # TRL's logged column
-        self.amp_dtype = autocast_dtype(None if dtype == "auto" else dtype or cfg.dtype,
-                                        self.device)
+        dtype = None if dtype == "auto" else dtype or cfg.dtype
+        self.amp_dtype = autocast_dtype(dtype, self.device)
         if self.amp_dtype == torch.bfloat16 and self.tokenize:  # a published PRM, as eval.py's
             self.model.to(torch.bfloat16)
 
@@ -128,7 +128,7 @@ class PRMReward:
                 for steps in self.step_scores(prompts, completions)]
 
     def step_scores(self, prompts: list, completions: list) -> list:
-        """Per completion, (start, end, P(correct) or None if cut) per step of text(completion)."""
+        """Per completion, (start, end, P(correct) or None if cut) per step."""
         refuse_bad_input(prompts, completions)
         texts = [self.text(c) for c in completions]
         spans = [step_spans(text, self.step_separator) for text in texts]
@@ -137,15 +137,16 @@ class PRMReward:
         solutions = [(self.prompt(prompts[i]), [texts[i][a:b] for a, b in spans[i][:cap]])
                      for i in todo]
         try:
-            probs = score_batch(self.model, self.tokenizer, solutions, self.step_separator,
-                                max_length=self.max_length, batch_size=self.batch_size,
-                                tokenize=self.tokenize, amp_dtype=self.amp_dtype)
+            probs = score_batch(
+                self.model, self.tokenizer, solutions, self.step_separator,
+                max_length=self.max_length, batch_size=self.batch_size, tokenize=self.tokenize,
+                amp_dtype=self.amp_dtype)
         except Exception:  # a chat template failure named as such
             chats = [(i, p) for i, (p, _) in zip(todo, solutions) if not isinstance(p, str)]
             for i, prompt in chats:
                 try:
-                    self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                       add_generation_prompt=True)
+                    self.tokenizer.apply_chat_template(
+                        prompt, tokenize=False, add_generation_prompt=True)
                 except Exception as e:
                     raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
                                      f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
@@ -170,8 +171,8 @@ class PRMReward:
                                  "question, such as [['1+1=2\\n2+1=3']]")
         probs = self.step_probs([q for q, texts in zip(questions, outputs) for _ in texts],
                                 [text for texts in outputs for text in texts])
-        ends = list(itertools.accumulate(map(len, outputs), initial=0))
-        return [probs[a:b] for a, b in zip(ends, ends[1:])]
+        rest = iter(probs)
+        return [list(itertools.islice(rest, len(texts))) for texts in outputs]
 
     @property
     def cacheable(self) -> bool:
@@ -192,16 +193,15 @@ class PRMReward:
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "min", *, scores: list = None) -> list:
-        """Per completion, per token: a step's SHAPINGS value on the token of its last character;
-        scores: step_scores', if known."""
+        """Per completion, per token: a step's SHAPINGS value on its last character's token."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
         refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)
         holders = [token_holders(tokenizer, ids, self.text(c), i)
                    for i, (c, ids) in enumerate(zip(completions, completion_ids))]
         out = []
-        for steps, holder, ids in zip(scores or self.step_scores(prompts, completions), holders,
-                                      completion_ids):
+        scores = scores or self.step_scores(prompts, completions)
+        for steps, holder, ids in zip(scores, holders, completion_ids):
             scored = [(end, p) for _, end, p in steps if p is not None]
             row = [0.0] * len(ids)
             for (end, _), value in zip(scored, SHAPINGS[shaping]([p for _, p in scored])):

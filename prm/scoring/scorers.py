@@ -1,5 +1,4 @@
-"""Published PRMs scored as their authors score them: per family a row builder (input_ids, the
-positions read) and a model giving (B, T, 2) logits, [bad, good]."""
+"""Published PRMs scored as their authors score them: a row builder and (B, T, 2) logits."""
 import bisect
 import dataclasses
 import hashlib
@@ -41,8 +40,8 @@ def shown(tokenizer, ids: list) -> list:
 def one_token(tokenizer, flag: str, text: str) -> int:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        raise UsageError(f"{flag} {text!r} must be one token: it splits into {len(ids)}, "
-                         f"{shown(tokenizer, ids)}")
+        raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
+                         f"into {len(ids)}, {shown(tokenizer, ids)}")
     if ids[0] == tokenizer.unk_token_id:
         raise UsageError(f"{flag} {text!r} is not in the model's vocabulary: its tokenizer reads "
                          f"it as its unknown token {tokenizer.unk_token!r}")
@@ -98,8 +97,7 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *,
            first_char: int, shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids, the position + shift of the token_id ending at each of ends, the first step's
-    first token)."""
+    """(input_ids, positions + shift of the token_id ending at ends, first step's first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
@@ -119,7 +117,7 @@ def qwen_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     content = "".join(s + fam.tag for s in steps)
     messages = [{"role": "system", "content": QWEN_SYSTEM}, {"role": "user", "content": problem},
                 {"role": "assistant", "content": content}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
     at = text.rfind(content)
     if at < 0:
         raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text: "
@@ -146,8 +144,8 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     text = tokenizer.apply_chat_template(turns, tokenize=False) if turns else ""
     ends = []
     for k in range(len(steps)):
-        head = tokenizer.apply_chat_template(turns[:2 * k + 1], tokenize=False,
-                                             add_generation_prompt=True)
+        head = tokenizer.apply_chat_template(
+            turns[:2 * k + 1], tokenize=False, add_generation_prompt=True)
         if not text.startswith(head + fam.good):
             raise UsageError(f"--scorer chat-turns: the chat template does not render turn "
                              f"{2 * k + 2} ({fam.good!r} after step {k + 1}) where the turns "
@@ -195,7 +193,8 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     if name == "classifier":
         family(None, name, **settings)  # refuses the flags it ignores
-        (tokenizer, model), tokenize = load_trained(cfg, tokenizer_given), None
+        tokenizer, model = load_trained(cfg, tokenizer_given)
+        tokenize = None
     else:
         path = cfg.tokenizer if flag == "--tokenizer" else cfg.model
         tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
@@ -210,7 +209,8 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
             model = FirstOutput(model)
         else:
             model = set_packing(lm_head_rows(model, [fam.bad_id, fam.good_id]), cfg.packing)
-        model, tokenize = model.eval(), fam.tokenize_batch
+        model.eval()
+        tokenize = fam.tokenize_batch
     rows = model.config.get_text_config().vocab_size
     if len(tokenizer) > rows:
         raise UsageError(f"{flag} {getattr(cfg, flag[2:])}: {len(tokenizer)} tokens, more than "

@@ -1,5 +1,4 @@
-"""verl 0.9.1's reward manager, loaded by path: PRMReward.token_rewards fill `rm_scores`
-(reward_kwargs: PRMReward's keywords and `shaping`)."""
+"""verl 0.9.1's reward manager, loaded by path: PRMReward.token_rewards fill `rm_scores`."""
 import asyncio
 import os
 import threading
@@ -15,7 +14,7 @@ except ModuleNotFoundError as e:
 
 
 class PRMRewardManager(RewardManagerBase):
-    reward: PRMReward = None  # one per process (init_class)
+    reward: PRMReward = None  # one per process
     shaping = "min"
     lock = threading.Lock()
 
@@ -37,8 +36,8 @@ class PRMRewardManager(RewardManagerBase):
         with self.lock:
             completion = self.tokenizer.decode(ids, skip_special_tokens=True)
             scores = self.reward.step_scores([prompt], [completion])
-            rewards = self.reward.token_rewards([prompt], [completion], [ids], self.tokenizer,
-                                                self.shaping, scores=scores)[0]
+            rewards = self.reward.token_rewards(
+                [prompt], [completion], [ids], self.tokenizer, self.shaping, scores=scores)[0]
         aggregate = self.reward.aggregated([[p for *_, p in scores[0] if p is not None]])[0]
         return {"reward_score": rewards, "reward_extra_info": {self.reward.__name__: aggregate}}
 
@@ -49,8 +48,8 @@ class PRMRewardManager(RewardManagerBase):
         prompt = item.non_tensor_batch.get("raw_prompt")
         if prompt is None:  # the prompt's own tokens, left-padded
             prompt_ids = item.batch["prompts"]  # (P,)
-            prompt = self.tokenizer.decode(prompt_ids[mask[:len(prompt_ids)].bool()],
-                                           skip_special_tokens=True)
+            kept = prompt_ids[mask[:len(prompt_ids)].bool()]
+            prompt = self.tokenizer.decode(kept, skip_special_tokens=True)
         elif not isinstance(prompt, (str, dict)):  # chat messages: a list or verl's numpy array
             prompt = list(prompt)
         return await asyncio.get_running_loop().run_in_executor(None, self.score, prompt, ids)
