@@ -20,7 +20,7 @@ from prm.readers.synthetic import char_tokenizer
 from prm.core.varlen import supports_packing, use_packed_attention
 
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}
-GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # from a JSON file's content
+GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # a JSON file's, read
 
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
@@ -39,7 +39,7 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
         return load(name, **kw)
     except NotAPRM as e:
         raise UsageError(f"{flag} {e}") from None
-    # a truncated file; a pickled .bin weights_only refuses; a config.json its class refuses
+    # truncated weights; a .bin weights_only refuses; a config.json its class refuses
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError,
             StrictDataclassError) as e:
         why = str(e.__cause__ if isinstance(e, StrictDataclassError) else e).strip()
@@ -149,7 +149,7 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
 def model_for(cfg, tokenizer) -> PRM:
     """The run's PRM on CPU, with --lora-r its adapters (before DDP, so DDP sees what trains)."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
-    if cfg.disable_dropout:  # as TRL's PRMTrainer; before the adapters, whose --lora-dropout stays
+    if cfg.disable_dropout:  # as TRL's; before the adapters: --lora-dropout stays
         for module in model.backbone.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
@@ -191,6 +191,6 @@ def load_trained(cfg, tokenizer_given: bool):
     model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     given = cfg.tokenizer and (tokenizer_given or not own)
-    tokenizer = load_tokenizer(cfg.tokenizer if given else cfg.model, cfg.trust_remote_code,
-                               "--tokenizer" if given else "--model")
+    path, flag = (cfg.tokenizer, "--tokenizer") if given else (cfg.model, "--model")
+    tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
     return tokenizer, set_packing(model, cfg.packing)

@@ -12,15 +12,15 @@ from prm.core.varlen import NAME
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Prefix:
-    """`length` ids read, their (keys, values) per layer, each (heads, length, head_dim); `todo`:
-    the question's ids, not run yet."""
+    """`length` ids read and their (keys, values) per layer; `todo`: the question's ids, not run
+    yet."""
     length: int
     cache: tuple = ()
     todo: tuple = ()
 
 
-def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max_length=None,
-           batch_size: int = 16, amp_dtype=None) -> list:
+def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max_length,
+           batch_size: int, amp_dtype) -> list:
     """Per (prefix, step): (prefix + step, its P(correct) or None past max_length, tokens run)."""
     if not steps:
         return []
@@ -57,7 +57,7 @@ def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
     out = [None] * len(prefixes)
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-    # transformers 5's name for the cache, else the older one
+    # transformers 5's name, else the older one
     name = next((k for k in ("cache", "past_key_values")
                  if k in inspect.signature(model.backbone.forward).parameters), "past_key_values")
     for batch in eval_batches([p.length + len(x) for p, x in zip(prefixes, ids)], batch_size):

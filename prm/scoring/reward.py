@@ -34,7 +34,7 @@ SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] +
 
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
-    """char index -> index of the token of ids that completes that character of text."""
+    """char index -> the index of the token of ids that completes it."""
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
@@ -115,8 +115,8 @@ class PRMReward:
     def text(self, completion) -> str:
         if isinstance(completion, str):
             return completion
-        return self.step_separator.join(m["content"] for m in completion
-                                        if m.get("role", "assistant") == "assistant")
+        return self.step_separator.join(
+            m["content"] for m in completion if m.get("role", "assistant") == "assistant")
 
     def prompt(self, prompt):
         if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
@@ -128,7 +128,7 @@ class PRMReward:
                 for steps in self.step_scores(prompts, completions)]
 
     def step_scores(self, prompts: list, completions: list) -> list:
-        """Per completion, (start, end, P(correct) or None if cut) per step."""
+        """Per completion, per step (start, end, P(correct) or None if cut)."""
         refuse_bad_input(prompts, completions)
         texts = [self.text(c) for c in completions]
         spans = [step_spans(text, self.step_separator) for text in texts]
@@ -142,11 +142,9 @@ class PRMReward:
                 max_length=self.max_length, batch_size=self.batch_size, tokenize=self.tokenize,
                 amp_dtype=self.amp_dtype)
         except Exception:  # a chat template failure named as such
-            chats = [(i, p) for i, (p, _) in zip(todo, solutions) if not isinstance(p, str)]
-            for i, prompt in chats:
+            for i, (prompt, _) in zip(todo, solutions):
                 try:
-                    self.tokenizer.apply_chat_template(
-                        prompt, tokenize=False, add_generation_prompt=True)
+                    prompt_ids(prompt, self.tokenizer)
                 except Exception as e:
                     raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
                                      f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
@@ -187,9 +185,9 @@ class PRMReward:
         if not self.cacheable:
             raise UsageError("PRMReward.extend needs a classifier PRM: use score()")
         refuse_bad_input(["q"] * len(steps), steps)
-        return extend(self.model, self.tokenizer, prefixes, steps, self.step_separator,
-                      max_length=self.max_length, batch_size=self.batch_size,
-                      amp_dtype=self.amp_dtype)
+        return extend(
+            self.model, self.tokenizer, prefixes, steps, self.step_separator,
+            max_length=self.max_length, batch_size=self.batch_size, amp_dtype=self.amp_dtype)
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "min", *, scores: list = None) -> list:

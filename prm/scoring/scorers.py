@@ -21,7 +21,6 @@ with open(__file__, "rb") as _f:  # in every Family: an edit here is a new cache
 
 
 def detect(model: str, scorer) -> str:
-    """auto: qwen-prm for a *ForProcessRewardModel config, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:  # no code runs: Qwen's PRMs declare a known model type
@@ -59,7 +58,6 @@ class Family:
     code: str = CODE
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
-        """tokenize_batch's columns, rows built as the family's authors build them."""
         rows = []
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
             problem = prompt if isinstance(prompt, str) else "\n".join(
