@@ -20,7 +20,7 @@ from prm.readers.synthetic import char_tokenizer
 from prm.core.varlen import supports_packing, use_packed_attention
 
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}
-GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # a JSON file's, read
+GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # from garbage JSON
 
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
@@ -31,7 +31,7 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
     if weights and flag == "--model" and os.path.isdir(name):
         check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
-    # transformers' load report: saved_weights checks the keys itself
+    # saved_weights checks the keys itself: no load report
     report = hf_logging.get_logger("transformers.modeling_utils")
     quiet = lambda record: "LOAD REPORT" not in record.getMessage()  # noqa: E731
     report.addFilter(quiet)
@@ -102,8 +102,7 @@ def tiny_config(tokenizer):
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        attention_dropout=0.0)
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
 def hf_config_for(cfg, tokenizer):
@@ -147,7 +146,7 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU, with --lora-r its adapters (before DDP, so DDP sees what trains)."""
+    """The run's PRM on CPU, its --lora-r adapters added before DDP sees what trains."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.disable_dropout:  # as TRL's; before the adapters: --lora-dropout stays
         for module in model.backbone.modules():

@@ -1,4 +1,5 @@
-"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix."""
+"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix, exact as
+training's rows tokenize steps and separators apart."""
 import dataclasses
 import inspect
 
@@ -46,8 +47,9 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
     out = [(Prefix(p.length + len(p.todo) + len(ids)), None, 0) for p, ids in zip(prefixes, new)]
     lasts = torch.stack([probs[-1] for _, probs in grown]).tolist() if grown else []  # one sync
     for i, (prefix, _), p in zip(todo, grown, lasts):
-        asked = opened.pop(id(prefixes[i]), None)  # counted with the first step extending it
-        out[i] = (prefix, p, len(new[i]) + (len(prefixes[i].todo) if asked else 0))
+        # a question's tokens: counted with the first step extending it
+        question = len(prefixes[i].todo) if opened.pop(id(prefixes[i]), None) else 0
+        out[i] = (prefix, p, len(new[i]) + question)
     return out
 
 

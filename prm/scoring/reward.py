@@ -39,8 +39,7 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
         raise ValueError(f"completion {row}: completion_ids do not decode to its text (from "
-                         f"character {at}: {whole[at:at + 30]!r}, not {text[at:at + 30]!r}): "
-                         "pass the policy's own ids and tokenizer")
+                         f"character {at}: {whole[at:at + 30]!r}, not {text[at:at + 30]!r})")
 
     def covered(k):  # the characters of text that ids[:k] surely decode to
         return len(os.path.commonprefix([decode(k), text]))
@@ -152,10 +151,10 @@ class PRMReward:
         scored = dict(zip(todo, probs))
         cut = [ps for i, ps in scored.items() if len(ps) < len(spans[i])]
         if cut:
-            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated "
-                          f"(their cut steps are unscored), {cut.count([])} with no step that fits "
-                          f"(reward {EMPTY_REWARD}); raise max_length (now {self.max_length})",
-                          stacklevel=2)
+            warnings.warn(
+                f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
+                f"steps are unscored), {cut.count([])} with no step that fits (reward "
+                f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
         return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, scored.get(i, []))]
                 for i, s in enumerate(spans)]
 

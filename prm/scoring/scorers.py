@@ -58,6 +58,7 @@ class Family:
     code: str = CODE
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
+        """As data.tokenize_batch, the family's own text ending the steps."""
         rows = []
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
             problem = prompt if isinstance(prompt, str) else "\n".join(
@@ -80,8 +81,7 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
         flag = "--scorer qwen-prm: is --model a Qwen PRM? Its step separator"
         return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, flag, QWEN_SEP))
     if name == "step-tag" and not step_tag:
-        raise UsageError("--scorer step-tag needs --step-tag, the token that ends every step "
-                         "(Math-Shepherd's: 'ки')")
+        raise UsageError("--scorer step-tag needs --step-tag (Math-Shepherd's: 'ки')")
     if name == "chat-turns" and not getattr(tokenizer, "chat_template", None):
         raise UsageError("--scorer chat-turns needs a tokenizer with a chat template")
     tag_id = one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1
