@@ -1,4 +1,4 @@
-"""Builds a run's tokenizer and PRM from its Config: training, resume, eval.py, the benchmark."""
+"""A run's tokenizer and PRM from its Config, each load failure one line."""
 import glob
 import json
 import os
@@ -19,31 +19,27 @@ from prm.core.model import PRM, SETTINGS, NotAPRM, hf_names, is_classifier, new_
 from prm.readers.synthetic import char_tokenizer
 from prm.core.varlen import supports_packing, use_packed_attention
 
-# id2label names meaning "this step is right"
 POSITIVE = {"correct", "positive", "good", "+", "true", "yes"}
+GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # from garbage JSON
 
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
-    """load(name, **kw), with a one-line UsageError instead of a library traceback.
-    weights: a --model folder must be a model's (False: a checkpoint read for its tokenizer)."""
-    # a path, not a hub id: else the hub's "Repo id must be in the form ..." hides the typo
+    """load(name, **kw), a failure one UsageError line."""
+    # a path: the hub's "Repo id must be in the form ..." would hide the typo
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         check([] if os.path.exists(name) else [f"{flag} {name}: no such folder"])
     if weights and flag == "--model" and os.path.isdir(name):
-        # config.json, then the files its index names
         check(outside_weights(name) if os.path.isfile(os.path.join(name, "config.json"))
               else [f"{flag} {name}: no config.json: not a Hugging Face model directory"])
-    # transformers' load report: saved_weights checks the keys itself; a causal LM's lm_head,
-    # unexpected in a backbone, is expected here
+    # saved_weights checks the keys itself: no load report
     report = hf_logging.get_logger("transformers.modeling_utils")
     quiet = lambda record: "LOAD REPORT" not in record.getMessage()  # noqa: E731
     report.addFilter(quiet)
     try:
         return load(name, **kw)
-    except NotAPRM as e:  # its own message: it loads, but cannot score as saved
+    except NotAPRM as e:
         raise UsageError(f"{flag} {e}") from None
-    # SafetensorError: a truncated file; UnpicklingError: a pickled .bin that weights_only refuses;
-    # StrictDataclassError: a config.json its class refuses (why: its cause)
+    # truncated weights; a .bin weights_only refuses; a config.json its class refuses
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError,
             StrictDataclassError) as e:
         why = str(e.__cause__ if isinstance(e, StrictDataclassError) else e).strip()
@@ -53,19 +49,18 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
 
 
 def outside_weights(path: str) -> list:
-    """Problems with the weight files a sharded index names: each must be a file inside `path`."""
+    """Weight files a sharded index names that are not files inside path."""
     problems, root = [], os.path.realpath(path)
     for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
         try:
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        # garbage, not an index
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except GARBAGE as e:
             problems.append(f"{index}: not a sharded-weights index with a weight_map "
                             f"({type(e).__name__}: {e})")
             continue
         for name in files:
-            where = os.path.realpath(os.path.join(path, str(name)))  # a symlink: where it leads
+            where = os.path.realpath(os.path.join(path, str(name)))
             if os.path.commonpath([root, where]) != root or not os.path.isfile(where):
                 problems.append(f"{index}: weight_map names {name!r}, not a file inside {path}")
     return problems
@@ -73,8 +68,7 @@ def outside_weights(path: str) -> list:
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *,
                    weights=True):
-    """AutoTokenizer; a generic tokenizer.json (the character tokenizer) loads as written, not
-    rebuilt as the model type's class (which drops its <unk>)."""
+    """AutoTokenizer; a generic tokenizer.json as written (the model's class drops its <unk>)."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
@@ -86,11 +80,10 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
         tokenizer = loading(flag, name, load, weights=weights, **kw)
     except UsageError:
         raise
-    # not JSON, or JSON but not a tokenizer's
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        why = f"{type(e).__name__}: {e}"
-        raise UsageError(f"{flag} {name}: cannot load its tokenizer: {why}") from None
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:  # batches pad with one
+    except GARBAGE as e:
+        raise UsageError(f"{flag} {name}: cannot load its tokenizer: {type(e).__name__}: {e}"
+                         ) from None
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise UsageError(f"{flag} {name}: the tokenizer has neither a pad nor an EOS token: set "
                          "pad_token in its tokenizer_config.json"
                          + (", or pass --tokenizer" if flag == "--model" else ""))
@@ -98,7 +91,6 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
 
 
 def tokenizer_for(cfg):
-    """--tokenizer, else the model's own; the built-in character tokenizer for --model tiny."""
     if cfg.model == "tiny" and not cfg.tokenizer:
         return char_tokenizer()
     flag = "--tokenizer" if cfg.tokenizer else "--model"
@@ -106,24 +98,20 @@ def tokenizer_for(cfg):
 
 
 def tiny_config(tokenizer):
-    """The offline preset: a 3-layer, 128-wide Qwen2 decoder."""
-    return Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512,
-                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096,
-                       tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                       attention_dropout=0.0)
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=False, pad_token_id=pad_token_id(tokenizer),
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
 def hf_config_for(cfg, tokenizer):
-    """The backbone's transformers config, without building any weight."""
     if cfg.model == "tiny":
         return tiny_config(tokenizer)
     return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
 
 
 def check_exportable(cfg):
-    """UsageError for a --model with no transformers token classifier: final/ is saved as one."""
     if cfg.model == "tiny":
         return
     hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained,
@@ -131,44 +119,36 @@ def check_exportable(cfg):
     try:
         hf_names(hf_cfg)
     except ValueError:
-        why = (f"model type {hf_cfg.model_type!r} has no transformers token classifier, the form "
-               "final/ is saved in: it cannot be trained here")
-        raise UsageError(f"--model {cfg.model}: {why}") from None
+        raise UsageError(f"--model {cfg.model}: model type {hf_cfg.model_type!r} has no "
+                         "transformers token classifier, the form final/ is saved in") from None
 
 
 def build_model(name: str, tokenizer, seed: int, trust_remote_code: bool = False) -> PRM:
-    """'tiny' -> random init from tiny_config (seeded); anything else -> pretrained()."""
     torch.manual_seed(seed)
     if name == "tiny":
         cfg = tiny_config(tokenizer)
         return PRM(AutoModel.from_config(cfg, attn_implementation="sdpa"), new_head(cfg))
-    # fp32 master weights whatever the checkpoint's dtype
     return pretrained(name, trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = False, **kw) -> PRM:
-    """PRM.from_pretrained: a 2-label token classifier (head flipped if its label 0 means 'correct':
-    ours is 1), else a backbone with a new head."""
+    """PRM.from_pretrained, the head flipped if its label 0 means 'correct'."""
     remote = {"trust_remote_code": trust_remote_code}
     hf_cfg = loading("--model", name, AutoConfig.from_pretrained, **remote)
     if classifier_only and not is_classifier(hf_cfg):
         raise UsageError(f"--model {name}: not a token-classification checkpoint (architectures "
-                         f"{hf_cfg.architectures}); a PRM needs its trained 2-label head")
+                         f"{hf_cfg.architectures})")
     model = loading("--model", name, PRM.from_pretrained, **remote, **kw)
     names = {int(i): str(n).lower() for i, n in (model.config.id2label or {}).items()}
-    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:  # 'correct' first
-        with torch.no_grad():
-            model.head.weight.copy_(model.head.weight.flip(0))
-            if model.head.bias is not None:
-                model.head.bias.copy_(model.head.bias.flip(0))
+    if names.get(0) in POSITIVE and names.get(1) not in POSITIVE:
+        model.head.load_state_dict({k: v.flip(0) for k, v in model.head.state_dict().items()})
     return model
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU: the backbone and, with --lora-r, its adapters (before DDP, so DDP sees
-    which parameters train). Resume and eval.py rebuild a LoRA checkpoint's base with it too."""
+    """The run's PRM on CPU, its --lora-r adapters added before DDP sees what trains."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
-    if cfg.disable_dropout:  # as TRL's PRMTrainer; before the adapters, whose --lora-dropout stays
+    if cfg.disable_dropout:  # as TRL's; before the adapters: --lora-dropout stays
         for module in model.backbone.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
@@ -176,43 +156,40 @@ def model_for(cfg, tokenizer) -> PRM:
         try:
             apply_lora(model.backbone, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
                        cfg.lora_targets)
-        except ValueError as e:  # --lora-targets that match no layer: a bad flag
+        except ValueError as e:  # --lora-targets that match no layer
             raise UsageError(str(e)) from None
-        if cfg.lora_base_dtype == "bf16":  # the frozen base needs no fp32 master copy
+        if cfg.lora_base_dtype == "bf16":
             for p in model.backbone.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
-    # travels in config.json: scoring reads the input as training did
+    # in config.json: scoring reads the input as training did
     keys = ("step_separator", "max_length", "max_completion_length")
     setattr(model.config, SETTINGS, {k: getattr(cfg, k) for k in keys})
     return set_packing(model, cfg.packing)
 
 
 def set_packing(model: PRM, packing: bool) -> PRM:
-    """With --packing, a backbone that supports it runs varlen's packed attention; others pad."""
     if packing and supports_packing(model.backbone):
         use_packed_attention(model.backbone)
     return model
 
 
 def load_trained(cfg, tokenizer_given: bool):
-    """(tokenizer, model) of a trained PRM for evaluation: a LoRA or --fsdp checkpoint (rebuilt
-    from the run's config) or any 2-label token classifier; its own tokenizer unless --tokenizer."""
-    sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))  # a checkpoint of an --fsdp run
+    """(tokenizer, model) of a LoRA or --fsdp checkpoint or any 2-label token classifier."""
+    sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
-        run.trust_remote_code = cfg.trust_remote_code  # the user's choice, never the file's
+        run.trust_remote_code = cfg.trust_remote_code  # never the file's
         tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model", weights=False)
-        model = model_for(run, tokenizer)  # LoRA dropout is off: predict() sets eval mode
+        model = model_for(run, tokenizer)
         if sharded:
             load_whole(cfg.model, model, trainable_only=has_lora(model))
         else:
             load_trainable(model, os.path.join(cfg.model, TRAINABLE))
-        # fp32, as a classifier loads: scoring without bf16 autocast gets no bf16 weight
-        return tokenizer, model.float()
+        return tokenizer, model.float()  # as a classifier loads
     model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
     own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
     given = cfg.tokenizer and (tokenizer_given or not own)
-    tokenizer = load_tokenizer(cfg.tokenizer if given else cfg.model, cfg.trust_remote_code,
-                               "--tokenizer" if given else "--model")
+    path, flag = (cfg.tokenizer, "--tokenizer") if given else (cfg.model, "--model")
+    tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
     return tokenizer, set_packing(model, cfg.packing)

@@ -1,7 +1,5 @@
-"""A solution scored step by step on the PRM's key/value cache of what came before, each token run
-once (tree search's scorer). Exact for rows as trained: the prompt's ids, then each step's and the
-separator's, tokenized apart, so a step never changes the ids before it."""
-import contextlib
+"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix, exact as
+training's rows tokenize steps and separators apart."""
 import dataclasses
 import inspect
 
@@ -9,78 +7,62 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from prm.core.data import eval_batches, prompt_ids, separator_ids
+from prm.core.data import eval_batches, separator_ids
 from prm.core.varlen import NAME
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Prefix:
-    """A question and steps the PRM has read: `length` ids, their cached (keys, values) per layer,
-    each (heads, length, head_dim); `todo`: the question's ids, not run yet."""
+    """`length` ids read and their (keys, values) per layer; `todo`: the question's ids, not run
+    yet."""
     length: int
     cache: tuple = ()
     todo: tuple = ()
 
 
-def start(question, tokenizer) -> Prefix:
-    """A question; its ids run with its first extension."""
-    return Prefix(0, (), tuple(prompt_ids(question, tokenizer)))
-
-
-def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max_length=None,
-           batch_size: int = 16, amp_dtype=None) -> list:
-    """Per (prefix, step): (the prefix with the step, P(correct) at the step's last separator token
-    or None past max_length, the tokens run for it)."""
+def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max_length,
+           batch_size: int, amp_dtype) -> list:
+    """Per (prefix, step): (prefix + step, its P(correct) or None past max_length, tokens run)."""
     if not steps:
         return []
     sep = separator_ids(tokenizer, separator)
     new = [ids + sep for ids in tokenizer(list(steps), add_special_tokens=False)["input_ids"]]
-    # a step ending past max_length is unscored, as in training's rows: it is not run
+    # as in training, a step ending past max_length is unscored: not run
     fits = [not max_length or p.length + len(p.todo) + len(ids) <= max_length
             for p, ids in zip(prefixes, new)]
     # a question's ids run once, however many steps extend it
     opening = list({id(p): p for p, ok in zip(prefixes, fits) if ok and p.todo}.values())
     todo = [i for i, ok in enumerate(fits) if ok]
-    with padded_attention(model.backbone):
+    packed = model.backbone.config._attn_implementation == NAME
+    if packed:  # it reads neither padding nor a cache
+        model.backbone.set_attn_implementation("sdpa")
+    try:
         ran = run(model, opening, [p.todo for p in opening], batch_size, amp_dtype)
         opened = {id(p): prefix for p, (prefix, _) in zip(opening, ran)}
         grown = run(model, [opened.get(id(prefixes[i]), prefixes[i]) for i in todo],
                     [new[i] for i in todo], batch_size, amp_dtype)
+    finally:
+        if packed:
+            model.backbone.set_attn_implementation(NAME)
     out = [(Prefix(p.length + len(p.todo) + len(ids)), None, 0) for p, ids in zip(prefixes, new)]
     lasts = torch.stack([probs[-1] for _, probs in grown]).tolist() if grown else []  # one sync
     for i, (prefix, _), p in zip(todo, grown, lasts):
-        out[i] = (prefix, p, len(new[i]))
-    for p in opening:  # a question's tokens: counted with the first step extending it
-        i = next(i for i in todo if prefixes[i] is p)
-        out[i] = (out[i][0], out[i][1], out[i][2] + len(p.todo))
+        # a question's tokens: counted with the first step extending it
+        question = len(prefixes[i].todo) if opened.pop(id(prefixes[i]), None) else 0
+        out[i] = (prefix, p, len(new[i]) + question)
     return out
-
-
-@contextlib.contextmanager
-def padded_attention(backbone):
-    """Meanwhile, attention on padded rows and a cache (packed attention reads neither)."""
-    packed = backbone.config._attn_implementation == NAME
-    if packed:
-        backbone.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        if packed:
-            backbone.set_attn_implementation(NAME)
 
 
 @torch.no_grad()
 def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
-    """Per prefix, (the prefix with ids, P(correct) at each of ids): batches of similar lengths,
-    each past left-padded to the longest, the new ids right-padded, positions each row's own."""
+    """Per prefix, (the prefix with ids, P(correct) at each of ids)."""
     out = [None] * len(prefixes)
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-    lengths = [p.length + len(x) for p, x in zip(prefixes, ids)]
-    # transformers 5's name for the cache, else the older one
+    # transformers 5's name, else the older one
     name = next((k for k in ("cache", "past_key_values")
                  if k in inspect.signature(model.backbone.forward).parameters), "past_key_values")
-    for batch in eval_batches(lengths, batch_size):
+    for batch in eval_batches([p.length + len(x) for p, x in zip(prefixes, ids)], batch_size):
         past = max(prefixes[i].length for i in batch)
         width = max(len(ids[i]) for i in batch)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)  # (B, L)
@@ -89,26 +71,25 @@ def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
             tokens[b, :len(ids[i])] = torch.tensor(ids[i])
             mask[b, past - prefixes[i].length:past + len(ids[i])] = 1
         starts = torch.tensor([prefixes[i].length for i in batch])
-        positions = starts[:, None] + torch.arange(width)  # (B, L): each row's own
+        positions = starts[:, None] + torch.arange(width)  # (B, L)
         cache = DynamicCache(padded([prefixes[i] for i in batch], past)) if past else None
         with amp:
-            result = model.backbone(input_ids=tokens.to(device), attention_mask=mask.to(device),
-                                    position_ids=positions.to(device), use_cache=True,
-                                    **{name: cache})
+            result = model.backbone(
+                input_ids=tokens.to(device), attention_mask=mask.to(device),
+                position_ids=positions.to(device), use_cache=True, **{name: cache})
             logits = model.head(result.last_hidden_state)  # (B, L, 2)
         probs = torch.softmax(logits.float(), dim=-1)[..., 1].cpu()  # (B, L)
-        # per layer (keys, values), each (B, heads, P + L, head_dim)
         layers = [(x.keys, x.values) for x in getattr(result, name).layers]
         for b, i in enumerate(batch):
             length, n = prefixes[i].length, len(ids[i])
             kv = tuple(tuple(x[b, :, past - length:past + n].clone() for x in pair)
-                       for pair in layers)  # the prefix's own positions, then the new ones
+                       for pair in layers)  # (heads, length + n, head_dim)
             out[i] = Prefix(length + n, kv), probs[b, :n]
     return out
 
 
 def padded(prefixes: list, past: int) -> list:
-    """Per layer, the prefixes' (keys, values) left-padded with zeros: (B, heads, past, dim)."""
+    """Per layer, the prefixes' (keys, values) left-padded: (B, heads, past, dim)."""
     like = next(p.cache for p in prefixes if p.cache)
     return [tuple(torch.stack([F.pad(p.cache[layer][k] if p.cache else like[layer][k][:, :0],
                                      (0, 0, past - p.length, 0)) for p in prefixes])

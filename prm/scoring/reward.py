@@ -1,5 +1,4 @@
-"""A trained PRM as an RL reward: a float per completion, as TRL's GRPOTrainer calls it
-(`reward_funcs=[PRMReward("out/final")]`), or per token (token_rewards)."""
+"""A trained PRM as an RL reward: a float per completion (TRL's reward_funcs) or per token."""
 import bisect
 import functools
 import itertools
@@ -10,38 +9,37 @@ import torch
 
 from prm.config import FILE, Config
 from prm.errors import UsageError
+from prm.core.data import prompt_ids
 from prm.core.evaluate import score_batch
 from prm.readers.formats import step_spans
 from prm.core.metrics import AGGREGATES
 from prm.core.model import PRM, input_settings
 from prm.core.runtime import autocast_dtype
 from prm.scoring import ScorerOptions
-from prm.scoring.prefix import Prefix, extend, start
+from prm.scoring.prefix import Prefix, extend
 from prm.scoring.scorers import load
 
 EMPTY_REWARD = 0.0  # a completion with no step scored
 
 
 def suffix_minima(ps: list) -> list:
-    """PURE's min-form credit (arXiv 2504.15275): each suffix sums to its lowest P."""
+    """PURE's min form (arXiv 2504.15275): each suffix sums to its lowest P."""
     m = list(itertools.accumulate(reversed(ps), min))[::-1] + [0.0]
     return [a - b for a, b in zip(m, m[1:])]
 
 
-# a step's reward from the P(correct)s: its own; P_k - P_(k-1) (sums to the last P); min form
+# a step's reward from the P(correct)s: its own; P_k - P_(k-1); PURE's min form
 SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] + ps[:-1])],
             "min": suffix_minima}
 
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
-    """char index -> index of the token of ids that completes that character of text; ValueError
-    naming the row if ids do not decode to text."""
+    """char index -> the index of the token of ids that completes it."""
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
         raise ValueError(f"completion {row}: completion_ids do not decode to its text (from "
-                         f"character {at}: {whole[at:at + 30]!r}, not {text[at:at + 30]!r}): "
-                         "pass the policy's own ids and tokenizer")
+                         f"character {at}: {whole[at:at + 30]!r}, not {text[at:at + 30]!r})")
 
     def covered(k):  # the characters of text that ids[:k] surely decode to
         return len(os.path.commonprefix([decode(k), text]))
@@ -49,7 +47,6 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
 
 
 def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores=None):
-    """ValueError naming the first unreadable argument and its completion."""
     for name, value in (("prompts", prompts), ("completion_ids", ids), ("scores", scores)):
         if value is not None and len(value) != len(completions):
             raise ValueError(f"{len(value)} {name} for {len(completions)} completions")
@@ -66,7 +63,7 @@ def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
-    """(tokenizer, model, run config, row builder) of a model directory, as eval.py reads it."""
+    """(tokenizer, model, config, row builder), as eval.py loads them."""
     saved = os.path.isfile(os.path.join(path, FILE))
     cfg = Config.load(path) if saved else Config()
     cfg.model, cfg.trust_remote_code = path, trust_remote_code
@@ -77,9 +74,7 @@ def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
 
 
 class PRMReward:
-    """reward(prompts, completions, **kwargs) -> [float]: each completion's steps scored as in
-    training, aggregated. model: a directory, or a loaded PRM with `tokenizer=`; scoring:
-    ScorerOptions' fields; dtype: eval.py's --dtype (default: the run's, else auto)."""
+    """reward(prompts, completions) -> per completion, its step scores aggregated."""
 
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
@@ -94,87 +89,77 @@ class PRMReward:
                 ("dtype", dtype in (None, "auto", "fp32", "bf16", "fp16"),
                  "auto, fp32, bf16 or fp16")):
             if not ok:
-                raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")  # a ValueError
+                raise UsageError(f"{name} {locals()[name]!r}: expected {expected}")
         scorer, self.tokenize = ScorerOptions(**scoring).scorer, None
         if isinstance(model, str):
-            tokenizer, model, cfg, self.tokenize = load_reward_model(model, trust_remote_code,
-                                                                     **scoring)
+            tokenizer, model, cfg, self.tokenize = load_reward_model(
+                model, trust_remote_code, **scoring)
         elif scorer not in ("auto", "classifier"):
-            raise ValueError(f"scorer {scorer!r} reads a model directory; "
-                             "prm.scoring.scorers.load gives a loaded one")
+            raise ValueError(f"scorer {scorer!r} reads a model directory, not a loaded model")
         elif tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
         else:
             cfg = Config.from_dict(input_settings(model.config))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = model.to(self.device).eval(), tokenizer
-        self.step_separator = step_separator if step_separator is not None else cfg.step_separator
+        self.step_separator = step_separator or cfg.step_separator
         self.max_length = max_length if max_length is not None else cfg.max_length
         self.aggregate, self.batch_size = aggregate, batch_size
         self.__name__ = f"prm_{aggregate}"  # TRL's logged column
-        self.amp_dtype = autocast_dtype(None if dtype == "auto" else dtype or cfg.dtype,
-                                        self.device)
+        dtype = None if dtype == "auto" else dtype or cfg.dtype
+        self.amp_dtype = autocast_dtype(dtype, self.device)
         if self.amp_dtype == torch.bfloat16 and self.tokenize:  # a published PRM, as eval.py's
             self.model.to(torch.bfloat16)
 
     def text(self, completion) -> str:
-        """A string, or the assistant messages' contents, each ending a step."""
         if isinstance(completion, str):
             return completion
-        return self.step_separator.join(m["content"] for m in completion
-                                        if m.get("role", "assistant") == "assistant")
+        return self.step_separator.join(
+            m["content"] for m in completion if m.get("role", "assistant") == "assistant")
 
     def prompt(self, prompt):
-        """Messages for the chat template; without one, their text."""
         if isinstance(prompt, str) or getattr(self.tokenizer, "chat_template", None):
             return prompt
         return "\n".join(m["content"] for m in prompt)
 
-    def template_failure(self, prompts: dict):
-        """UsageError naming the first completion ({index: prompt}) whose prompt the template
-        refuses."""
-        for i, prompt in prompts.items():
-            try:
-                if not isinstance(prompt, str):
-                    self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                       add_generation_prompt=True)
-            except Exception as e:
-                raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
-                                 f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
-
     def step_probs(self, prompts: list, completions: list) -> list:
-        """P(correct) per step of each completion; steps past max_length unscored (a warning)."""
         return [[p for *_, p in steps if p is not None]
                 for steps in self.step_scores(prompts, completions)]
 
     def step_scores(self, prompts: list, completions: list) -> list:
-        """Per completion, (start, end, P(correct) or None if cut) per step of text(completion)."""
+        """Per completion, per step (start, end, P(correct) or None if cut)."""
         refuse_bad_input(prompts, completions)
         texts = [self.text(c) for c in completions]
         spans = [step_spans(text, self.step_separator) for text in texts]
         todo = [i for i, s in enumerate(spans) if s]
-        cap = self.max_length or None  # a step takes a token at least: later ones are not tokenized
+        cap = self.max_length or None  # steps past it cannot fit: not tokenized
         solutions = [(self.prompt(prompts[i]), [texts[i][a:b] for a, b in spans[i][:cap]])
                      for i in todo]
         try:
-            probs = score_batch(self.model, self.tokenizer, solutions, self.step_separator,
-                                max_length=self.max_length, batch_size=self.batch_size,
-                                tokenize=self.tokenize, amp_dtype=self.amp_dtype)
-        except Exception:  # a template failure said as such, else as it is
-            self.template_failure({i: prompt for i, (prompt, _) in zip(todo, solutions)})
+            probs = score_batch(
+                self.model, self.tokenizer, solutions, self.step_separator,
+                max_length=self.max_length, batch_size=self.batch_size, tokenize=self.tokenize,
+                amp_dtype=self.amp_dtype)
+        except Exception:  # a chat template failure named as such
+            for i, (prompt, _) in zip(todo, solutions):
+                try:
+                    prompt_ids(prompt, self.tokenizer)
+                except Exception as e:
+                    raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
+                                     f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
             raise
         scored = dict(zip(todo, probs))
         cut = [ps for i, ps in scored.items() if len(ps) < len(spans[i])]
         if cut:
-            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated "
-                          f"(their cut steps are unscored), {cut.count([])} with no step that fits "
-                          f"(reward {EMPTY_REWARD}); raise max_length (now {self.max_length})",
-                          stacklevel=2)
+            warnings.warn(
+                f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
+                f"steps are unscored), {cut.count([])} with no step that fits (reward "
+                f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
         return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, scored.get(i, []))]
                 for i, s in enumerate(spans)]
 
     def score(self, questions: list, outputs: list) -> list:
-        """search-and-learn's PRM interface: per question, per output, P(correct) per step."""
+        """search-and-learn's: per question, per output, P(correct) per step."""
         if len(questions) != len(outputs):
             raise ValueError(f"{len(questions)} questions for {len(outputs)} lists of outputs")
         for i, texts in enumerate(outputs):
@@ -183,44 +168,37 @@ class PRMReward:
                                  "question, such as [['1+1=2\\n2+1=3']]")
         probs = self.step_probs([q for q, texts in zip(questions, outputs) for _ in texts],
                                 [text for texts in outputs for text in texts])
-        ends = list(itertools.accumulate(map(len, outputs), initial=0))
-        return [probs[a:b] for a, b in zip(ends, ends[1:])]
+        rest = iter(probs)
+        return [list(itertools.islice(rest, len(texts))) for texts in outputs]
 
     @property
     def cacheable(self) -> bool:
-        """Whether extend() can score on the key/value cache: a classifier (its rows as trained) on
-        a causal decoder (a step's score reads only what came before)."""
+        """Whether extend() is exact: a classifier on a causal decoder."""
         causal = [m.is_causal for m in self.model.modules() if hasattr(m, "is_causal")]
         return self.tokenize is None and isinstance(self.model, PRM) and all(causal or [False])
 
-    def start(self, question) -> Prefix:
-        """A question (str or messages) for extend(); nothing runs yet."""
-        return start(self.prompt(question), self.tokenizer)
+    def start(self, question) -> Prefix:  # its ids run with its first extension
+        return Prefix(0, (), tuple(prompt_ids(self.prompt(question), self.tokenizer)))
 
     def extend(self, prefixes: list, steps: list) -> list:
-        """Per (prefix: start()'s or extend()'s, step): (the prefix with the step, the step's
-        P(correct) or None past max_length, the tokens run), each token run once after the PRM's
-        cache of its prefix (prm.scoring.prefix): score()'s scores of the whole text."""
         if not self.cacheable:
             raise UsageError("PRMReward.extend needs a classifier PRM: use score()")
         refuse_bad_input(["q"] * len(steps), steps)
-        return extend(self.model, self.tokenizer, prefixes, steps, self.step_separator,
-                      max_length=self.max_length, batch_size=self.batch_size,
-                      amp_dtype=self.amp_dtype)
+        return extend(
+            self.model, self.tokenizer, prefixes, steps, self.step_separator,
+            max_length=self.max_length, batch_size=self.batch_size, amp_dtype=self.amp_dtype)
 
     def token_rewards(self, prompts: list, completions: list, completion_ids: list, tokenizer,
                       shaping: str = "min", *, scores: list = None) -> list:
-        """Per completion, a float per token of completion_ids: each scored step's SHAPINGS value on
-        the token holding its last character; scores: step_scores' answer, if known. min (PURE's)
-        sums to the lowest P: more steps earn nothing."""
+        """Per completion, per token: a step's SHAPINGS value on its last character's token."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
         refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)
         holders = [token_holders(tokenizer, ids, self.text(c), i)
                    for i, (c, ids) in enumerate(zip(completions, completion_ids))]
         out = []
-        for steps, holder, ids in zip(scores or self.step_scores(prompts, completions), holders,
-                                      completion_ids):
+        scores = scores or self.step_scores(prompts, completions)
+        for steps, holder, ids in zip(scores, holders, completion_ids):
             scored = [(end, p) for _, end, p in steps if p is not None]
             row = [0.0] * len(ids)
             for (end, _), value in zip(scored, SHAPINGS[shaping]([p for _, p in scored])):
@@ -228,10 +206,8 @@ class PRMReward:
             out.append(row)
         return out
 
-    def __call__(self, prompts: list, completions: list, **kwargs) -> list:
-        """One float per completion; TRL's extra columns (kwargs) unused."""
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list:  # kwargs: TRL's
         return self.aggregated(self.step_probs(prompts, completions))
 
     def aggregated(self, step_probs: list) -> list:
-        """Each list's aggregate, EMPTY_REWARD if empty."""
         return [float(AGGREGATES[self.aggregate](ps)) if ps else EMPTY_REWARD for ps in step_probs]

@@ -1,9 +1,4 @@
-"""Published PRMs read as their authors read them: per family a row builder (input_ids and the
-positions read as step scores) and a model giving (B, T, 2) logits, [bad, good].
-- classifier: a token-classification head (ours, TRL's).
-- qwen-prm (Qwen2.5-Math-PRM): its own code; chat template, system prompt, steps end in <extra_0>.
-- step-tag (Math-Shepherd): problem, then each step + " " + a tag; LM logits at each tag.
-- chat-turns (RLHFlow): a user turn per step answered by the good token; LM logits predicting it."""
+"""Published PRMs scored as their authors score them: a row builder and (B, T, 2) logits."""
 import bisect
 import dataclasses
 import hashlib
@@ -13,38 +8,35 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from prm.loading import load_tokenizer, load_trained, loading
+from prm.loading import load_tokenizer, load_trained, loading, set_packing
 from prm.core.data import columns, make_row
 from prm.core.model import PRM, saved_weights
 from prm.errors import UsageError
 from prm.scoring import FAMILIES, ScorerOptions
-from prm.core.varlen import supports_packing, use_packed_attention
 
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
-with open(__file__, "rb") as _f:  # in every Family: a change of this file is a new cache
+with open(__file__, "rb") as _f:  # in every Family: an edit here is a new cache
     CODE = hashlib.sha256(_f.read()).hexdigest()
 
 
 def detect(model: str, scorer) -> str:
-    """scorer; auto: qwen-prm for a *ForProcessRewardModel config, else classifier."""
     if scorer and scorer != "auto":
         return scorer
     try:  # no code runs: Qwen's PRMs declare a known model type
         archs = AutoConfig.from_pretrained(model).architectures or []
-    except Exception:  # unreadable: load_trained says why
+    except Exception:  # load_trained says why
         return "classifier"
     qwen = any(str(a).endswith("ForProcessRewardModel") for a in archs)
     return "qwen-prm" if qwen else "classifier"
 
 
 def shown(tokenizer, ids: list) -> list:
-    """Each token as the text it stands for ('к', not its byte-level spelling 'Ðº')."""
+    """Each token's text ('к', not its byte-level 'Ðº')."""
     return [tokenizer.decode([i], clean_up_tokenization_spaces=False) for i in ids]
 
 
 def one_token(tokenizer, flag: str, text: str) -> int:
-    """The id of text if it is one known token, else UsageError."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
@@ -57,7 +49,6 @@ def one_token(tokenizer, flag: str, text: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A family's settings, its tokens checked (`family` builds it)."""
     name: str
     tag: str = ""
     good: str = "+"
@@ -67,11 +58,10 @@ class Family:
     code: str = CODE
 
     def tokenize_batch(self, batch: dict, tokenizer, step_separator="\n", **kw) -> dict:
-        """tokenize_batch's columns, each row built as the family's authors build it (kw:
-        make_row's; the family's own text ends the steps, not step_separator)."""
+        """As data.tokenize_batch, the family's own text ending the steps."""
         rows = []
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
-            problem = prompt if isinstance(prompt, str) else "\n".join(  # a chat's user turns
+            problem = prompt if isinstance(prompt, str) else "\n".join(
                 m["content"] for m in prompt if m.get("role", "user") == "user")
             ids, reads, first = BUILDERS[self.name](self, tokenizer, problem, list(steps))
             rows.append(make_row(ids, reads, labels, first=first, **kw))
@@ -79,25 +69,21 @@ class Family:
 
 
 def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") -> Family:
-    """The family's settings: each token one of the tokenizer's, no flag it ignores."""
     lm = name in ("step-tag", "chat-turns")
     given = (("--step-tag", step_tag != "", name == "step-tag"),
              ("--good-token", good_token != "+", lm), ("--bad-token", bad_token != "-", lm))
     unread = [flag for flag, set_, read in given if set_ and not read]
     if unread:
-        raise UsageError(f"{', '.join(unread)}: not read by --scorer {name} (only step-tag reads "
-                         "--step-tag; step-tag and chat-turns read --good-token and --bad-token)")
+        raise UsageError(f"{', '.join(unread)}: not read by --scorer {name}")
     if name == "classifier":
         return Family(name)
     if name == "qwen-prm":  # checked before asking to run the model's code
         flag = "--scorer qwen-prm: is --model a Qwen PRM? Its step separator"
         return Family(name, QWEN_SEP, tag_id=one_token(tokenizer, flag, QWEN_SEP))
     if name == "step-tag" and not step_tag:
-        raise UsageError("--scorer step-tag needs --step-tag, the token that ends every step "
-                         "(Math-Shepherd's: 'ки')")
+        raise UsageError("--scorer step-tag needs --step-tag (Math-Shepherd's: 'ки')")
     if name == "chat-turns" and not getattr(tokenizer, "chat_template", None):
-        raise UsageError("--scorer chat-turns needs the tokenizer's chat template: this tokenizer "
-                         "has none")
+        raise UsageError("--scorer chat-turns needs a tokenizer with a chat template")
     tag_id = one_token(tokenizer, "--step-tag", step_tag) if step_tag else -1
     good_id = one_token(tokenizer, "--good-token", good_token)
     bad_id = one_token(tokenizer, "--bad-token", bad_token)
@@ -109,8 +95,7 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
 
 def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *,
            first_char: int, shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids of text, the position + shift of the `token_id` token ending at each of `ends`,
-    the first step's first token)."""
+    """(input_ids, positions + shift of the token_id ending at ends, first step's first token)."""
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
@@ -120,8 +105,8 @@ def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str
         if j is None or ids[j] != token_id:
             start = end - len(mark) - 1
             pieces = shown(tokenizer, [i for i, (s, e) in zip(ids, spans) if e > start and s < end])
-            raise UsageError(f"{flag} {mark!r} merges with the text around it, so no token of its "
-                             f"own ends the step: there {text[start:end]!r} tokenizes as {pieces}")
+            raise UsageError(f"{flag} {mark!r} merges with the text around it: there "
+                             f"{text[start:end]!r} tokenizes as {pieces}")
         reads.append(j + shift)
     return ids, reads, bisect.bisect_right([e for _, e in spans], first_char)
 
@@ -130,11 +115,11 @@ def qwen_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     content = "".join(s + fam.tag for s in steps)
     messages = [{"role": "system", "content": QWEN_SYSTEM}, {"role": "user", "content": problem},
                 {"role": "assistant", "content": content}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
     at = text.rfind(content)
     if at < 0:
-        raise UsageError("--scorer qwen-prm: the chat template changes the assistant's text, so "
-                         f"its {fam.tag} step ends cannot be found")
+        raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text: "
+                         f"no {fam.tag} step end found")
     ends = list(itertools.accumulate((len(s) + len(fam.tag) for s in steps), initial=at))[1:]
     return locate(tokenizer, text, ends, fam.tag_id, "qwen-prm's step separator", fam.tag,
                   first_char=at)
@@ -157,12 +142,12 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     text = tokenizer.apply_chat_template(turns, tokenize=False) if turns else ""
     ends = []
     for k in range(len(steps)):
-        head = tokenizer.apply_chat_template(turns[:2 * k + 1], tokenize=False,
-                                             add_generation_prompt=True)
+        head = tokenizer.apply_chat_template(
+            turns[:2 * k + 1], tokenize=False, add_generation_prompt=True)
         if not text.startswith(head + fam.good):
             raise UsageError(f"--scorer chat-turns: the chat template does not render turn "
-                             f"{2 * k + 2} (the assistant's {fam.good!r} after step {k + 1}) where "
-                             "the conversation up to it ends: it cannot hold a step boundary")
+                             f"{2 * k + 2} ({fam.good!r} after step {k + 1}) where the turns "
+                             "before it end: it cannot hold a step boundary")
         ends.append(len(head) + len(fam.good))
     at = text.find(problem + " " + steps[0]) if steps else -1
     return locate(tokenizer, text, ends, fam.good_id, "--good-token", fam.good, shift=-1,
@@ -173,27 +158,22 @@ BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_r
 
 
 class FirstOutput(nn.Module):
-    """A model with its own code (Qwen2.5-Math-PRM); its first output: (B, T, 2) logits."""
+    """A model with its own code (Qwen2.5-Math-PRM): its first output."""
 
     def __init__(self, model):
         super().__init__()
-        self.model = model
-
-    @property
-    def config(self):
-        return self.model.config
+        self.model, self.config = model, model.config
 
     def forward(self, input_ids, attention_mask=None):
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, 2)
         if logits.dim() != 3 or logits.shape[-1] != 2:
             raise UsageError("--scorer qwen-prm: the model's first output has shape "
-                             f"{tuple(logits.shape)}, not (batch, tokens, 2): is it a "
-                             "Qwen2.5-Math-PRM-style model?")
+                             f"{tuple(logits.shape)}, not (batch, tokens, 2)")
         return logits
 
 
 def lm_head_rows(lm, ids: list) -> PRM:
-    """A causal LM as a PRM whose head is its LM head's rows `ids` ([bad, good]: (B, T, 2))."""
+    """A causal LM as a PRM whose head is its LM head's rows ids ([bad, good])."""
     head = lm.get_output_embeddings()
     rows = nn.Linear(head.in_features, len(ids), head.bias is not None, head.weight.device,
                      head.weight.dtype)  # weight (2, H), bias (2,)
@@ -203,38 +183,34 @@ def lm_head_rows(lm, ids: list) -> PRM:
 
 def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
          dtype=torch.float32) -> tuple:
-    """(tokenizer, model giving (B, T, 2) logits, the family's row builder: tokenize_dataset's and
-    score_batch's `tokenize`, None for a classifier); published weights in `dtype`."""
+    """(tokenizer, model, score_batch's `tokenize`: None for a classifier)."""
     settings = dataclasses.asdict(opts)
     name = detect(cfg.model, settings.pop("scorer"))
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
     flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
-    if name == "classifier":  # refuses the flags it ignores
-        family(None, name, **settings)
-        return (*embeddable(*load_trained(cfg, tokenizer_given), cfg, flag), None)
-    path = cfg.tokenizer if flag == "--tokenizer" else cfg.model
-    tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
-    fam = family(tokenizer, name, **settings)
-    if name == "qwen-prm" and not cfg.trust_remote_code:
-        raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add "
-                         "--trust-remote-code")
-    auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
-    model = loading("--model", cfg.model, saved_weights, auto=auto,
-                    trust_remote_code=cfg.trust_remote_code, dtype=dtype)
-    if name == "qwen-prm":
-        model = FirstOutput(model)
+    if name == "classifier":
+        family(None, name, **settings)  # refuses the flags it ignores
+        tokenizer, model = load_trained(cfg, tokenizer_given)
+        tokenize = None
     else:
-        model = lm_head_rows(model, [fam.bad_id, fam.good_id])
-        if cfg.packing and supports_packing(model.backbone):
-            use_packed_attention(model.backbone)
-    return (*embeddable(tokenizer, model.eval(), cfg, flag), fam.tokenize_batch)
-
-
-def embeddable(tokenizer, model, cfg, flag: str) -> tuple:
-    """(tokenizer, model); UsageError if the tokenizer has ids past the embeddings."""
+        path = cfg.tokenizer if flag == "--tokenizer" else cfg.model
+        tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
+        fam = family(tokenizer, name, **settings)
+        if name == "qwen-prm" and not cfg.trust_remote_code:
+            raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add "
+                             "--trust-remote-code")
+        auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
+        model = loading("--model", cfg.model, saved_weights, auto=auto,
+                        trust_remote_code=cfg.trust_remote_code, dtype=dtype)
+        if name == "qwen-prm":
+            model = FirstOutput(model)
+        else:
+            model = set_packing(lm_head_rows(model, [fam.bad_id, fam.good_id]), cfg.packing)
+        model.eval()
+        tokenize = fam.tokenize_batch
     rows = model.config.get_text_config().vocab_size
     if len(tokenizer) > rows:
         raise UsageError(f"{flag} {getattr(cfg, flag[2:])}: {len(tokenizer)} tokens, more than "
                          f"--model {cfg.model}'s {rows} embeddings")
-    return tokenizer, model
+    return tokenizer, model, tokenize

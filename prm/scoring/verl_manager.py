@@ -1,6 +1,4 @@
-"""verl 0.9.1's reward manager: a PRM's step scores on the policy's response tokens
-(PRMReward.token_rewards) fill `rm_scores`; the aggregate goes in reward_extra_info. verl loads
-this file by path (the README says how; reward_kwargs: PRMReward's keywords and `shaping`)."""
+"""verl 0.9.1's reward manager, loaded by path: PRMReward.token_rewards fill `rm_scores`."""
 import asyncio
 import os
 import threading
@@ -10,15 +8,14 @@ from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 try:
     from prm.scoring.reward import PRMReward
-except ModuleNotFoundError as e:  # verl loads this file by path: prm must import in verl's python
+except ModuleNotFoundError as e:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     raise ImportError(f"{e} in verl's python: install prm there (pip install -e {root})") from e
 
 
 class PRMRewardManager(RewardManagerBase):
-    """run_single -> {"reward_score": a float per response token, "reward_extra_info": ...}."""
-    reward: PRMReward = None  # one per process (init_class)
-    shaping = "min"  # token_rewards' default
+    reward: PRMReward = None  # one per process
+    shaping = "min"
     lock = threading.Lock()
 
     def __init__(self, config, tokenizer, compute_score=None, **kwargs):  # kwargs: verl's routing
@@ -30,8 +27,7 @@ class PRMRewardManager(RewardManagerBase):
             return
         kwargs = dict(config.reward.get("reward_kwargs") or {})
         if "model" not in kwargs:
-            raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR (a train.py "
-                             "output or any 2-label token classifier)")
+            raise ValueError("PRMRewardManager needs +reward.reward_kwargs.model=DIR")
         cls.shaping = kwargs.pop("shaping", cls.shaping)
         cls.reward = PRMReward(kwargs.pop("model"), **kwargs)
         super().init_class(config, tokenizer)
@@ -40,27 +36,26 @@ class PRMRewardManager(RewardManagerBase):
         with self.lock:
             completion = self.tokenizer.decode(ids, skip_special_tokens=True)
             scores = self.reward.step_scores([prompt], [completion])
-            rewards = self.reward.token_rewards([prompt], [completion], [ids], self.tokenizer,
-                                                self.shaping, scores=scores)[0]
+            rewards = self.reward.token_rewards(
+                [prompt], [completion], [ids], self.tokenizer, self.shaping, scores=scores)[0]
         aggregate = self.reward.aggregated([[p for *_, p in scores[0] if p is not None]])[0]
         return {"reward_score": rewards, "reward_extra_info": {self.reward.__name__: aggregate}}
 
     async def run_single(self, data) -> dict:
-        item = data[-1:][0]  # as verl's own managers read it
+        item = data[-1:][0]
         responses, mask = item.batch["responses"], item.batch["attention_mask"]  # (R,), (P + R,)
         ids = responses[mask[-responses.shape[-1]:].bool()].tolist()  # left- or right-padded
         prompt = item.non_tensor_batch.get("raw_prompt")
         if prompt is None:  # the prompt's own tokens, left-padded
             prompt_ids = item.batch["prompts"]  # (P,)
-            prompt = self.tokenizer.decode(prompt_ids[mask[:len(prompt_ids)].bool()],
-                                           skip_special_tokens=True)
+            kept = prompt_ids[mask[:len(prompt_ids)].bool()]
+            prompt = self.tokenizer.decode(kept, skip_special_tokens=True)
         elif not isinstance(prompt, (str, dict)):  # chat messages: a list or verl's numpy array
             prompt = list(prompt)
         return await asyncio.get_running_loop().run_in_executor(None, self.score, prompt, ids)
 
     @classmethod
     def assemble_rm_scores(cls, data, scores: list) -> torch.Tensor:
-        """(batch, response_length) rm_scores: each sample's rewards on its own tokens."""
         rm_scores = torch.zeros_like(data.batch["responses"], dtype=torch.float32)  # (B, R)
         kept = data.batch["attention_mask"][:, -rm_scores.shape[1]:].bool()  # (B, R)
         for i, rewards in enumerate(scores):
