@@ -36,7 +36,8 @@ def expected(reward):
 
 @contextlib.contextmanager
 def running(reward, timeout: float, **limits):
-    server = serve.make_server(reward, name="tiny", timeout=timeout, max_body=LIMIT, **limits)
+    opts = serve.ServeOptions(model="tiny", port=0, timeout=timeout, max_body_bytes=LIMIT, **limits)
+    server = serve.make_server(reward, opts)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
