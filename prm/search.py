@@ -30,7 +30,6 @@ SPEED = ("problems", "batch_size", "prm_batch_size")  # a rerun may change them:
 
 
 def label(name: str, **kw):
-    """prm.label's field of that name."""
     return opt(like=LabelOptions.__dataclass_fields__[name], **kw)
 
 
@@ -85,8 +84,10 @@ class SearchRun(Checked):
     trust_remote_code: bool = opt(False, "allow the models' code")
 
 
-def prm_tokens(reward, question, text: str) -> int:
-    """The tokens a PRMReward reads."""
+def prm_tokens(reward, question, text: str):
+    """The tokens a PRMReward reads; None (not counted) for another scorer."""
+    if not hasattr(reward, "tokenizer"):
+        return None
     if not isinstance(question, str):
         question = "\n".join(m["content"] for m in question)
     n = len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
@@ -167,10 +168,7 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
     continuing it. PRM tokens: count(question, text)'s, else a PRMReward's own."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
-    owner = getattr(score, "__self__", None)
-    if not count:
-        count = functools.partial(prm_tokens, owner) if hasattr(owner, "tokenizer") else \
-            lambda q, t: None
+    count = count or functools.partial(prm_tokens, getattr(score, "__self__", None))
     (p, m), size = part, opts.problems
     own = output if m == 1 else f"{output}.part{p}of{m}"
     kept = {k: v for k, v in dataclasses.asdict(opts).items() if k not in SPEED}
@@ -250,8 +248,7 @@ def main(argv=None):
         try:
             search(a, opts, problems, tuple(map(int, a.shard.split("/"))))
         except KeyboardInterrupt:
-            raise Stopped("stopped by SIGINT; run the same command again to continue",
-                          signal.SIGINT) from None
+            raise Stopped("stopped by SIGINT; rerun to continue", signal.SIGINT) from None
 
 
 def search(a, opts: SearchOptions, problems, shard: tuple):
@@ -277,8 +274,7 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
         cache = reward.cacheable and reward.step_separator == opts.step_separator
         run = functools.partial(search_file, problems, a.output, gen, reward.score, opts,
-                                render=render, count=functools.partial(prm_tokens, reward),
-                                settings=model,
+                                render=render, settings=model,
                                 extend=cached(reward) if cache else None)
         out = run(part=part, show=rt.is_main)
         if rt.distributed:

@@ -23,7 +23,7 @@ from prm.scoring.reward import PRMReward
 
 PATH, HEALTH = "/get_reward", "/health"
 PROBE = "\x00question\x00"  # no chat template rewrites it, no prompt holds it
-BUSY = b'{"error": "too many connections at once (--max-connections); try again"}'
+BUSY = b'{"error": "too many connections (--max-connections); try again"}'
 BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
     len(BUSY), BUSY)
 
@@ -98,8 +98,7 @@ class Scorer:
             raise BadRequest("expected a JSON object with 'query' and 'prompts'")
         queries = texts(data, "query")
         if len(queries) > self.max_batch:
-            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per "
-                             "request (--max-batch)", 413)
+            raise BadRequest(f"{len(queries)} queries: over --max-batch {self.max_batch}", 413)
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
         prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
         if len(queries) != len(prompts):
@@ -158,7 +157,6 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(Deadline(self))
 
     def known(self, path: str, other: str, allow: str) -> bool:
-        """Whether the request is for `path`; else a 405 or a 404 sent."""
         at = self.path.rstrip("/")
         if at == other:
             self.reply(405, {"error": f"{self.command} {other}: use {allow}"}, allow=allow)
@@ -194,8 +192,7 @@ class Handler(BaseHTTPRequestHandler):
         if not (digits.isascii() and digits.isdigit()):
             raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
         if len(digits.lstrip("0")) > 18 or int(digits) > limit:
-            raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} "
-                             "(--max-body-bytes)", 413)
+            raise BadRequest(f"a body of {digits[:40]} bytes: over --max-body-bytes {limit}", 413)
         body = self.rfile.read(int(digits))
         if len(body) < int(digits):  # send_error answers a 408 if the deadline cut it
             raise BadRequest(f"the body ended after {len(body)} of its {digits} bytes "
@@ -206,7 +203,7 @@ class Handler(BaseHTTPRequestHandler):
         """Every error as JSON; one the deadline caused: a 408."""
         self.close_connection = True
         if self.expired:
-            code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
+            code, message = 408, f"the request took over {self.timeout} s (--timeout)"
         self.reply(code, {"error": message or HTTPStatus(code).phrase})
 
     def reply(self, status: int, payload: dict, *, allow: str = ""):
@@ -224,7 +221,6 @@ class Handler(BaseHTTPRequestHandler):
 class Server(ThreadingHTTPServer):
     """A thread per connection, up to `slots`; one more gets a 503."""
     request_queue_size = 128
-    slots: threading.BoundedSemaphore
 
     def process_request(self, request, client_address):
         if self.slots.acquire(blocking=False):
@@ -252,7 +248,7 @@ def make_server(reward: PRMReward, opts):
 @dataclass
 class ServeOptions(Checked):
     model: str = opt("", "a train.py output or any 2-label token classifier", required=True)
-    host: str = opt("127.0.0.1", "address to bind (0.0.0.0: every interface)")
+    host: str = opt("127.0.0.1", "address to bind")
     port: int = opt(5000, "0: a free one", check=within(0, 65535))
     aggregate: str = opt("min", "a solution's score from its step scores",
                          choices=["min", "prod", "last", "mean"])
