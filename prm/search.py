@@ -153,8 +153,8 @@ def search_block(block: list, propose, score, count, opts, seed: int, extend=Non
                 for r in these}
             for m, n in kinds:
                 beam = {k: v for k, v in got.get(("beam", n), {}).items() if k in RESULT}
-                records[i]["results"].append(got.get((m, n)) or
-                                             {"method": m, **beam, "same_as": "beam"})
+                records[i]["results"].append(
+                    got.get((m, n)) or {"method": m, **beam, "same_as": "beam"})
             del runs[i]
             yield records[i]
         grow(list(itertools.chain(*runs.values())), propose, extend, opts, stops)
@@ -242,8 +242,8 @@ def main(argv=None):
                    description="Search a policy's answers with a PRM.").parse_args(argv)
         parsed(SearchRun, a)
         opts = parsed(SearchOptions, a)
-        check(overwrites([("--output", a.output)], [("--dataset", a.dataset), ("--model", a.model),
-                                                     ("--policy", a.policy)], new=True))
+        check(overwrites([("--output", a.output)], [
+            ("--dataset", a.dataset), ("--model", a.model), ("--policy", a.policy)], new=True))
         problems = read_input(a.dataset, opts, a.skip_invalid)  # before any model loads
         try:
             search(a, opts, problems, tuple(map(int, a.shard.split("/"))))
@@ -274,8 +274,7 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
         cache = reward.cacheable and reward.step_separator == opts.step_separator
         run = functools.partial(search_file, problems, a.output, gen, reward.score, opts,
-                                render=render, settings=model,
-                                extend=cached(reward) if cache else None)
+                                render=render, settings=model, extend=cache and cached(reward))
         out = run(part=part, show=rt.is_main)
         if rt.distributed:
             dist.barrier(group=wait)

@@ -238,9 +238,8 @@ class Server(ThreadingHTTPServer):
 
 def make_server(reward: PRMReward, opts):
     """The server on opts (ServeOptions), bound, not yet serving."""
-    handler = type("Handler", (Handler,), {"scorer": Scorer(reward, opts.max_batch), "opts": opts,
-                                           "timeout": opts.timeout})
-    server = Server((opts.host, opts.port), handler)
+    attrs = {"scorer": Scorer(reward, opts.max_batch), "opts": opts, "timeout": opts.timeout}
+    server = Server((opts.host, opts.port), type("Handler", (Handler,), attrs))
     server.slots = threading.BoundedSemaphore(opts.max_connections)
     return server
 
@@ -264,8 +263,7 @@ class ServeOptions(Checked):
                          check=FINITE + bound(lambda v: v > 0, "must be > 0"))
     max_body_bytes: int = opt(8 << 20, "larger request bodies get a 413", check=at_least(1))
     max_batch: int = opt(1024, "more queries per request get a 413", check=at_least(1))
-    max_connections: int = opt(64, "connections served at once; more get a 503",
-                               check=at_least(1))
+    max_connections: int = opt(64, "more connections at once get a 503", check=at_least(1))
 
 
 def main(argv=None):
