@@ -1,6 +1,5 @@
-"""`python -m prm.search`: a PRM picks a policy's answer among sampled solutions (best-of-n,
-weighted; majority the baseline) or step by step (beam, dvts: prm.trees). A policy is any
-`propose(prefixes, n, seeds, stop) -> list[list[str]]`, a PRM any `score(questions, outputs)`."""
+"""`python -m prm.search`: a PRM picks a policy's answer among sampled solutions (majority,
+best-of-n, weighted) or step by step (beam, dvts: prm.trees)."""
 import collections
 import dataclasses
 import datetime
@@ -28,42 +27,42 @@ METHODS = SAMPLED + TREES
 COSTS = ("policy_tokens", "prm_tokens", "seconds")
 RESULT = ("n", "answer", "correct", *COSTS)  # what a "same_as" result repeats
 SPEED = ("problems", "batch_size", "prm_batch_size")  # a rerun may change them: not settings
-LABEL = LabelOptions.__dataclass_fields__
+
+
+def label(name: str, **kw):
+    return opt(like=LabelOptions.__dataclass_fields__[name], **kw)
 
 
 @dataclasses.dataclass
 class SearchOptions(Checked):
-    """What decides the results: kept in the output's settings, which a rerun must match."""
+    """Kept in the output's settings, which a rerun must match."""
     methods: tuple = opt(METHODS, "comma list of " + ", ".join(METHODS),
                          check=bound(lambda m: m in METHODS, "expected " + ", ".join(METHODS)))
-    n: tuple = opt((1, 4, 16), "comma list of budgets N: solutions sampled, or beams",
+    n: tuple = opt((1, 4, 16), "comma list of budgets N (solutions or beams)",
                    check=within(1, 1 << 16))
-    beam_width: int = opt(4, "M: beam keeps N/M beams, each extended M ways; dvts grows N/M "
-                          "subtrees (M = N for N < M)", check=at_least(1))
+    beam_width: int = opt(4, "M: N/M beams (dvts: subtrees), each extended M ways",
+                          check=at_least(1))
     aggregate: str = opt("last", "a solution's score from its step scores",
                          choices=list(AGGREGATES))
     select: str = opt("weighted", "how beam and dvts pick a finished beam", choices=SAMPLED)
-    max_steps: int = opt(40, "steps a beam takes at most", check=at_least(1))
+    max_steps: int = opt(40, "most steps per beam", check=at_least(1))
     seeds: tuple = opt((0,), "comma list; the summary is over them")
-    problems: int = opt(8, "problems searched together, sharing calls: a speed knob",
-                        check=at_least(1))
-    policy: str = opt(like=LABEL["policy"], help="the policy (a Hugging Face name or folder)")
-    temperature: float = opt(like=LABEL["temperature"])
-    top_p: float = opt(like=LABEL["top_p"])
-    max_new_tokens: int = opt(like=LABEL["max_new_tokens"],
-                              help="tokens per sampled solution or beam step")
-    batch_size: int = opt(like=LABEL["batch_size"])
+    problems: int = opt(8, "problems searched together (a speed knob)", check=at_least(1))
+    policy: str = label("policy")
+    temperature: float = label("temperature")
+    top_p: float = label("top_p")
+    max_new_tokens: int = label("max_new_tokens", help="tokens per solution or step")
+    batch_size: int = label("batch_size")
     prm_batch_size: int = opt(16, "solutions per PRM forward", check=at_least(1))
     dtype: str = opt("auto", "the PRM's dtype (auto: its run's)",
                      choices=["auto", "fp32", "bf16", "fp16"])
-    max_length: int = opt(0, "the PRM's tokens per solution, steps past it unscored; 0: its run's",
-                          check=at_least(0))
-    prompt_field: str = opt(like=LABEL["prompt_field"])
+    max_length: int = opt(0, "the PRM's tokens per solution (0: its run's)", check=at_least(0))
+    prompt_field: str = label("prompt_field")
     system_prompt: str = opt("", "a system message for the policy (not the PRM)")
-    step_separator: str = opt(like=LABEL["step_separator"])
-    answer_field: str = opt(like=LABEL["answer_field"])
-    answer_pattern: str = opt(like=LABEL["answer_pattern"])
-    checker: str = opt(like=LABEL["checker"])
+    step_separator: str = label("step_separator")
+    answer_field: str = label("answer_field")
+    answer_pattern: str = label("answer_pattern")
+    checker: str = label("checker")
 
     def __post_init__(self):
         check([f"SearchOptions({k}={v!r}): expected a tuple, such as {(v,)!r}"
@@ -71,40 +70,28 @@ class SearchOptions(Checked):
                and not isinstance(v, (tuple, list))][:1])
         super().__post_init__()
         m = self.beam_width
-        check([f"--n {n}: not a multiple of --beam-width {m} (beam and dvts keep N/M beams)"
+        check([f"--n {n}: not a multiple of --beam-width {m}"
                for n in self.n if n > m and n % m and set(self.methods) & set(TREES)])
 
 
 @dataclasses.dataclass
 class SearchRun(Checked):
     dataset: str = opt("", "problems with a reference answer", required=True)
-    output: str = opt("", "the .jsonl written, a line per problem and seed (candidates' 'scores': "
-                      "the PRM's P(correct) per step); a rerun continues it", required=True)
+    output: str = opt("", "a line per problem and seed; a rerun continues it", required=True)
     model: str = opt("", "the PRM, as eval.py's --model", required=True)
     shard: str = opt(like=LabelRun.__dataclass_fields__["shard"])
     skip_invalid: bool = opt(False, "leave out invalid rows")
     trust_remote_code: bool = opt(False, "allow the models' code")
 
 
-def counted(propose, tokenizer):
-    """propose() with its own `usage`, else its texts' tokens by `tokenizer`."""
-    def call(*args):
-        outs = propose(*args)
-        call.usage = getattr(propose, "usage", None) or [
-            [(len(tokenizer(t, add_special_tokens=False)["input_ids"]), False) for t in ts]
-            for ts in outs]
-        return outs
-    return call
-
-
-def prm_counter(reward):
-    """count(question, text): the tokens a PRMReward reads, at most its max_length."""
-    def count(question, text):
-        question = question if isinstance(question, str) else \
-            "\n".join(m["content"] for m in question)
-        n = len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
-        return min(n, reward.max_length or n)
-    return count
+def prm_tokens(reward, question, text: str):
+    """The tokens a PRMReward reads; None (not counted) for another scorer."""
+    if not hasattr(reward, "tokenizer"):
+        return None
+    if not isinstance(question, str):
+        question = "\n".join(m["content"] for m in question)
+    n = len(reward.tokenizer(question + reward.step_separator + text)["input_ids"])
+    return min(n, reward.max_length or n)
 
 
 def pick(cands: list, how: str, aggregate: str):
@@ -144,8 +131,7 @@ def sample(block: list, records: dict, propose, score, count, opts, seed: int):
 
 def search_block(block: list, propose, score, count, opts, seed: int, extend=None,
                  stops=False):
-    """Yields each problem's record as its searches end; the problems share calls, each with its
-    own seeds. extend: grow's scorer (default: rescoring)."""
+    """Yields each problem's record as its searches end; the problems share calls."""
     records = {p.index: {"row": p.index, "lines": len(opts.seeds), "seed": seed,
                          **({"id": p.row["id"]} if "id" in p.row else {}),
                          "answer": str(p.row[opts.answer_field]), "results": []} for p in block}
@@ -157,7 +143,6 @@ def search_block(block: list, propose, score, count, opts, seed: int, extend=Non
     runs = {p.index: [TreeRun(p, m, n, min(n, opts.beam_width), opts, seed) for m, n in kinds
                       if (m, n) not in same] for p in block}
     extend = extend or rescoring(score, count, opts.step_separator)
-    first = stops
     while runs:
         for i, these in list(runs.items()):
             if any(r.request for r in these):
@@ -168,26 +153,22 @@ def search_block(block: list, propose, score, count, opts, seed: int, extend=Non
                 for r in these}
             for m, n in kinds:
                 beam = {k: v for k, v in got.get(("beam", n), {}).items() if k in RESULT}
-                records[i]["results"].append(got.get((m, n)) or
-                                             {"method": m, **beam, "same_as": "beam"})
+                records[i]["results"].append(
+                    got.get((m, n)) or {"method": m, **beam, "same_as": "beam"})
             del runs[i]
             yield records[i]
-        grow(list(itertools.chain(*runs.values())), propose, extend, opts, first)
-        first = False
+        grow(list(itertools.chain(*runs.values())), propose, extend, opts, stops)
+        stops = False
 
 
 def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
-                render=lambda prompt: prompt, count=None, tokenizer=None, settings: dict = None,
+                render=lambda prompt: prompt, count=None, settings: dict = None,
                 part=(0, 1), skip_invalid=False, show=True, extend=None) -> dict:
-    """Searches the problems (a path or read_input's answer) with index % part[1] == part[0] at
-    each seed into `output` (OUTPUT.part<p>of<m> for a share; a run of all merges the parts),
-    continuing it. render(prompt): what the policy continues. Tokens: propose.usage's or
-    `tokenizer`'s; count(question, text)'s or a PRMReward's own; else None."""
+    """Searches rows with index % part[1] == part[0] into `output` (a share: OUTPUT.part<p>of<m>),
+    continuing it. PRM tokens: count(question, text)'s, else a PRMReward's own."""
     from tqdm import tqdm
     rows, digest = read_input(dataset, opts, skip_invalid) if isinstance(dataset, str) else dataset
-    owner = getattr(score, "__self__", None)
-    count = count or (prm_counter(owner) if hasattr(owner, "tokenizer") else lambda q, t: None)
-    propose = counted(propose, tokenizer) if tokenizer else propose
+    count = count or functools.partial(prm_tokens, getattr(score, "__self__", None))
     (p, m), size = part, opts.problems
     own = output if m == 1 else f"{output}.part{p}of{m}"
     kept = {k: v for k, v in dataclasses.asdict(opts).items() if k not in SPEED}
@@ -200,7 +181,7 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
             chunk = todo[b:b + size]
             texts = [render(row["prompt"]) for _, row in chunk]
             if not all(isinstance(t, str) for t in texts):
-                raise UsageError("a chat prompt needs render= (e.g. Generator(...).render)")
+                raise UsageError("a chat prompt needs render=")
             block = [Problem(i, row, text + ("" if text[-1:].isspace() else opts.step_separator),
                              judge(str(row[opts.answer_field]), opts))
                      for (i, row), text in zip(chunk, texts)]
@@ -217,8 +198,7 @@ def search_file(dataset, output: str, propose, score, opts: SearchOptions, *,
 
 
 def summary(records: list, opts) -> dict:
-    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS[, same_as]}}}}: over
-    seeds."""
+    """{problems, seeds, results: {method: {N: {accuracy, min, max, *COSTS[, same_as]}}}}."""
     by = collections.defaultdict(list)
     for r in records:
         for x in r["results"]:
@@ -237,7 +217,7 @@ def summary(records: list, opts) -> dict:
 
 
 def mean(values: list):
-    """Their mean; None (not counted) if one is."""
+    """None (not counted) if one is."""
     return None if None in values else statistics.fmean(values)
 
 
@@ -262,14 +242,13 @@ def main(argv=None):
                    description="Search a policy's answers with a PRM.").parse_args(argv)
         parsed(SearchRun, a)
         opts = parsed(SearchOptions, a)
-        check(overwrites([("--output", a.output)], [("--dataset", a.dataset), ("--model", a.model),
-                                                     ("--policy", a.policy)], new=True))
+        check(overwrites([("--output", a.output)], [
+            ("--dataset", a.dataset), ("--model", a.model), ("--policy", a.policy)], new=True))
         problems = read_input(a.dataset, opts, a.skip_invalid)  # before any model loads
-        try:  # Ctrl-C while the models load too: one line
+        try:
             search(a, opts, problems, tuple(map(int, a.shard.split("/"))))
         except KeyboardInterrupt:
-            raise Stopped("stopped by SIGINT; run the same command again to continue",
-                          signal.SIGINT) from None
+            raise Stopped("stopped by SIGINT; rerun to continue", signal.SIGINT) from None
 
 
 def search(a, opts: SearchOptions, problems, shard: tuple):
@@ -281,7 +260,7 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
     try:
         # ranks end at different times
         wait = rt.distributed and dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
-        reward = PRMReward(a.model, opts.aggregate, rt.device, opts.prm_batch_size,  # first
+        reward = PRMReward(a.model, opts.aggregate, rt.device, opts.prm_batch_size,
                            trust_remote_code=a.trust_remote_code, dtype=opts.dtype,
                            max_length=opts.max_length or None, **scoring)
         if reward.step_separator != opts.step_separator and rt.is_main:
@@ -293,11 +272,9 @@ def search(a, opts: SearchOptions, problems, shard: tuple):
         render = (lambda q: gen.render(system + chat(q))) if system else gen.render
         part = (shard[0] * rt.world_size + rt.rank, shard[1] * rt.world_size)
         model = {"model": a.model, "model_files": stamp(a.model), **scoring}
-        # a new step scored alone on the PRM's cache where it can
         cache = reward.cacheable and reward.step_separator == opts.step_separator
         run = functools.partial(search_file, problems, a.output, gen, reward.score, opts,
-                                render=render, count=prm_counter(reward), settings=model,
-                                extend=cached(reward) if cache else None)
+                                render=render, settings=model, extend=cache and cached(reward))
         out = run(part=part, show=rt.is_main)
         if rt.distributed:
             dist.barrier(group=wait)

@@ -1,7 +1,5 @@
-"""`python -m prm.serve --model DIR --port P`: a PRM behind OpenRLHF's remote reward model
-protocol. POST /get_reward {"query": [prompt + response, ...], "prompts": [prompt, ...]} answers
-{"rewards", "scores", "extra_logs"}; "step_rewards": true adds [start, end, P(correct)] per step
-of each query. GET /health. Errors: {"error": message}."""
+"""`python -m prm.serve`: a PRM behind OpenRLHF's remote reward model protocol (POST /get_reward;
+"step_rewards": true adds [start, end, P(correct)] per step of each query; GET /health)."""
 import contextlib
 import io
 import json
@@ -25,14 +23,12 @@ from prm.scoring.reward import PRMReward
 
 PATH, HEALTH = "/get_reward", "/health"
 PROBE = "\x00question\x00"  # no chat template rewrites it, no prompt holds it
-MAX_BODY, MAX_BATCH, MAX_CONNECTIONS = 8 << 20, 1024, 64
-BUSY = json.dumps({"error": "too many connections at once (--max-connections); try again"}).encode()
+BUSY = b'{"error": "too many connections (--max-connections); try again"}'
 BUSY = b"HTTP/1.0 503 Busy\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
     len(BUSY), BUSY)
 
 
 def parse(body: bytes):
-    """The body as JSON, read as the data files are."""
     text, problem, line = decode(body)
     if text is not None:
         value, problem, line = read_json(text)
@@ -69,9 +65,7 @@ def strip_tokens(text: str, left: list, right: list) -> str:
 
 
 class Scorer:
-    """The /get_reward answer to a body; one request at a time."""
-
-    def __init__(self, reward: PRMReward, max_batch: int = MAX_BATCH):
+    def __init__(self, reward: PRMReward, max_batch: int = 1024):
         self.reward, self.max_batch, self.lock = reward, max_batch, threading.Lock()
         tok = reward.tokenizer
         self.right = [t for t in (tok.pad_token, tok.eos_token) if t]
@@ -80,7 +74,7 @@ class Scorer:
         self.frame = tuple(probe.split(PROBE)) if probe.count(PROBE) == 1 else (PROBE, "")
 
     def turn(self, text: str) -> str:
-        """One user turn holding text, in the chat template, stripped; "" if none."""
+        """text as one user turn in the chat template; "" if none."""
         try:
             text = self.reward.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -89,25 +83,22 @@ class Scorer:
         return strip_tokens(text, self.left, self.right)
 
     def question(self, prompt: str):
-        """A prompt that is one user turn in the chat template, as that turn (its text for a
-        published PRM)."""
+        """A prompt that is one user turn in the chat template, as that turn."""
         head, tail = self.frame
         if not (prompt.startswith(head) and prompt.endswith(tail)):
             return prompt
         text = prompt[len(head):len(prompt) - len(tail)]
-        # one turn only: rendering it gives the prompt back
         if self.turn(text) != prompt or any(end and end in text for end in self.frame):
             return prompt
         return text if self.reward.tokenize else [{"role": "user", "content": text}]
 
     def split(self, data) -> tuple:
-        """(prompts, completions) of a /get_reward body, stripped of padding, EOS and BOS."""
+        """(prompts, completions) of a body, without padding, EOS and BOS."""
         if not isinstance(data, dict):
             raise BadRequest("expected a JSON object with 'query' and 'prompts'")
         queries = texts(data, "query")
         if len(queries) > self.max_batch:
-            raise BadRequest(f"{len(queries)} queries: over the limit of {self.max_batch} per "
-                             "request (--max-batch)", 413)
+            raise BadRequest(f"{len(queries)} queries: over --max-batch {self.max_batch}", 413)
         queries = [strip_tokens(q, self.left, self.right) for q in queries]
         prompts = [strip_tokens(p, self.left, self.right) for p in texts(data, "prompts")]
         if len(queries) != len(prompts):
@@ -156,7 +147,7 @@ class Deadline(socket.SocketIO):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """make_server sets scorer, model_name, timeout, max_body."""
+    """make_server sets scorer, opts (ServeOptions), timeout."""
     expired = False
     default_request_version = "HTTP/1.0"  # an answer to a cut request line has a status line
 
@@ -166,7 +157,6 @@ class Handler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(Deadline(self))
 
     def known(self, path: str, other: str, allow: str) -> bool:
-        """Whether the request is for `path`; else a 405 or a 404 sent."""
         at = self.path.rstrip("/")
         if at == other:
             self.reply(405, {"error": f"{self.command} {other}: use {allow}"}, allow=allow)
@@ -176,8 +166,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.known(HEALTH, PATH, "POST"):
-            aggregate = self.scorer.reward.aggregate
-            self.reply(200, {"status": "ok", "model": self.model_name, "aggregate": aggregate})
+            self.reply(200, {"status": "ok", "model": self.opts.model,
+                             "aggregate": self.scorer.reward.aggregate})
 
     def do_POST(self):
         if not self.known(PATH, HEALTH, "GET"):
@@ -192,18 +182,17 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, payload)
 
     def body(self) -> bytes:
-        headers, limit = self.headers.get_all("Content-Length"), self.max_body
+        headers, limit = self.headers.get_all("Content-Length"), self.opts.max_body_bytes
         if not headers:
             raise BadRequest("Content-Length is required", 411)
         if len({h.strip() for h in headers}) > 1:
             raise BadRequest(f"{len(headers)} different Content-Length headers")
         digits = headers[0].strip()
-        # int() takes '-5', '+5', '1_0', non-ASCII digits, and refuses over 4300 digits
+        # int() takes '-5', '1_0', non-ASCII digits
         if not (digits.isascii() and digits.isdigit()):
             raise BadRequest(f"Content-Length {digits[:40]!r}: expected a number of bytes")
         if len(digits.lstrip("0")) > 18 or int(digits) > limit:
-            raise BadRequest(f"a body of {digits[:40]} bytes: over the limit of {limit} "
-                             "(--max-body-bytes)", 413)
+            raise BadRequest(f"a body of {digits[:40]} bytes: over --max-body-bytes {limit}", 413)
         body = self.rfile.read(int(digits))
         if len(body) < int(digits):  # send_error answers a 408 if the deadline cut it
             raise BadRequest(f"the body ended after {len(body)} of its {digits} bytes "
@@ -211,10 +200,10 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def send_error(self, code, message=None, explain=None):
-        """Every error (the standard library's too) as JSON; one the deadline caused: a 408."""
+        """Every error as JSON; one the deadline caused: a 408."""
         self.close_connection = True
         if self.expired:
-            code, message = 408, f"the request did not arrive within {self.timeout} s (--timeout)"
+            code, message = 408, f"the request took over {self.timeout} s (--timeout)"
         self.reply(code, {"error": message or HTTPStatus(code).phrase})
 
     def reply(self, status: int, payload: dict, *, allow: str = ""):
@@ -232,7 +221,6 @@ class Handler(BaseHTTPRequestHandler):
 class Server(ThreadingHTTPServer):
     """A thread per connection, up to `slots`; one more gets a 503."""
     request_queue_size = 128
-    slots: threading.BoundedSemaphore
 
     def process_request(self, request, client_address):
         if self.slots.acquire(blocking=False):
@@ -248,50 +236,42 @@ class Server(ThreadingHTTPServer):
             self.slots.release()
 
 
-def make_server(reward: PRMReward, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
-                timeout: float = 30.0, max_body: int = MAX_BODY, max_batch: int = MAX_BATCH,
-                max_connections: int = MAX_CONNECTIONS):
-    """The server, bound, not yet serving (port 0: a free one, server.server_port)."""
-    handler = type("Handler", (Handler,), {"scorer": Scorer(reward, max_batch),
-                                           "model_name": name, "timeout": timeout,
-                                           "max_body": max_body})
-    server = Server((host, port), handler)
-    server.slots = threading.BoundedSemaphore(max_connections)
+def make_server(reward: PRMReward, opts):
+    """The server on opts (ServeOptions), bound, not yet serving."""
+    attrs = {"scorer": Scorer(reward, opts.max_batch), "opts": opts, "timeout": opts.timeout}
+    server = Server((opts.host, opts.port), type("Handler", (Handler,), attrs))
+    server.slots = threading.BoundedSemaphore(opts.max_connections)
     return server
 
 
 @dataclass
 class ServeOptions(Checked):
     model: str = opt("", "a train.py output or any 2-label token classifier", required=True)
-    host: str = opt("127.0.0.1", "address to bind (0.0.0.0: every interface)")
-    port: int = opt(5000, "0 picks a free port (printed at start)", check=within(0, 65535))
+    host: str = opt("127.0.0.1", "address to bind")
+    port: int = opt(5000, "0: a free one", check=within(0, 65535))
     aggregate: str = opt("min", "a solution's score from its step scores",
                          choices=["min", "prod", "last", "mean"])
     batch_size: int = opt(16, "texts per forward pass", check=at_least(1))
-    step_separator: str = opt(None, "what ends each step, escapes such as \\n understood "
-                              "(default: the model's own, else \\n)", type=unescape,
+    step_separator: str = opt(None, "what ends each step (default: the model's own)", type=unescape,
                               check=not_empty("its last token carries the step's score"))
-    max_length: int = opt(None, "tokens per prompt and completion, steps past it unscored "
-                          "(default: the model's own, else 1024)", check=at_least(1))
+    max_length: int = opt(None, "tokens per text (default: the model's own)", check=at_least(1))
     device: str = opt(None, "default: cuda if available, else cpu")
-    dtype: str = opt(None, "autocast, as eval.py's (default: the run's, else auto)",
+    dtype: str = opt(None, "autocast (default: the run's, else auto)",
                      choices=["auto", "fp32", "bf16", "fp16"])
     trust_remote_code: bool = opt(False, "allow the model's own code")
-    timeout: float = opt(30.0, "seconds a client has to send its whole request; then a 408",
+    timeout: float = opt(30.0, "seconds to send a whole request; then a 408",
                          check=FINITE + bound(lambda v: v > 0, "must be > 0"))
-    max_body_bytes: int = opt(MAX_BODY, "larger request bodies get a 413", check=at_least(1))
-    max_batch: int = opt(MAX_BATCH, "more queries per request get a 413", check=at_least(1))
-    max_connections: int = opt(MAX_CONNECTIONS, "connections served at once; more get a 503",
-                               check=at_least(1))
+    max_body_bytes: int = opt(8 << 20, "larger request bodies get a 413", check=at_least(1))
+    max_batch: int = opt(1024, "more queries per request get a 413", check=at_least(1))
+    max_connections: int = opt(64, "more connections at once get a 503", check=at_least(1))
 
 
 def main(argv=None):
-    """Serves until interrupted; a bad flag, model or address: one line, status 2."""
     with exit_status():
         a = Parser(ServeOptions, ScorerOptions, prog="python -m prm.serve",
                    description=__doc__).parse_args(argv)
-        parsed(ServeOptions, a)
-        try:  # a device this torch build lacks: one line, not torch's assertion
+        opts = parsed(ServeOptions, a)
+        try:
             torch.empty(0, device=a.device)
         except (RuntimeError, AssertionError) as e:
             raise UsageError(f"--device {a.device}: {str(e).strip().splitlines()[0]}") from None
@@ -300,9 +280,7 @@ def main(argv=None):
                            trust_remote_code=a.trust_remote_code, dtype=a.dtype,
                            **vars(parsed(ScorerOptions, a)))
         try:
-            server = make_server(reward, a.host, a.port, name=a.model, timeout=a.timeout,
-                                 max_body=a.max_body_bytes, max_batch=a.max_batch,
-                                 max_connections=a.max_connections)
+            server = make_server(reward, opts)
         except OSError as e:
             raise UsageError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
         print(f"serving {a.model} on http://{a.host}:{server.server_port}{PATH}", flush=True)

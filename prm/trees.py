@@ -11,7 +11,7 @@ from prm.label import mix
 
 # text: what the policy continues; is_correct(text) -> bool
 Problem = collections.namedtuple("Problem", "index row text is_correct")
-# state: the scorer's after the steps (PRMReward.extend's prefix)
+# state: PRMReward.extend's prefix after the steps
 Beam = collections.namedtuple("Beam", "steps scores state")
 
 
@@ -25,7 +25,7 @@ def proposed(propose, prefixes: list, n: int, seeds: list, stop) -> tuple:
 
 
 def plus(*counts):
-    """Their sum; None (not counted) if one is."""
+    """None (not counted) if one is."""
     return None if None in counts else sum(counts)
 
 
@@ -37,11 +37,9 @@ def candidate(steps, scores, end: str, problem: Problem, opts) -> dict:
 
 
 def tree_search(problem: Problem, method: str, n: int, width: int, opts):
-    """One problem's beam search or DVTS (Snell et al. 2024; search-and-learn): beam keeps the
-    best N/M beams, each extended M ways; DVTS the best of each of N/M groups of one. Unlike
-    theirs: no lookahead, no duplicate filtering, survivors ended at --max-steps. Yields
-    ("propose", beams, M), sent M (text, cut) per beam, and ("score", [(parent, steps)]), sent a
-    Beam each; returns the candidates."""
+    """One problem's beam search or DVTS (Snell et al. 2024; search-and-learn); unlike theirs: no
+    lookahead, no duplicate filtering, survivors ended at --max-steps. Yields ("propose", beams,
+    M), sent M (text, cut) per beam, and ("score", [(parent, steps)]), sent a Beam each."""
     keep, groups = (n // width, 1) if method == "beam" else (1, n // width)
     groups = [[Beam((), [], None)] * keep for _ in range(groups)]
     done = []
@@ -96,7 +94,7 @@ class TreeRun:
 
 
 def rescoring(score, count, sep: str):
-    """grow's scorer of each new beam's whole text; count(question, text): its PRM tokens."""
+    """grow's scorer: each new beam's whole text rescored."""
     def extend(asked: list) -> list:  # [(run, parent, steps)] -> [(Beam, tokens)]
         questions = [r.problem.row["prompt"] for r, _, _ in asked]
         texts = [sep.join(steps) for _, _, steps in asked]
@@ -107,8 +105,7 @@ def rescoring(score, count, sep: str):
 
 
 def cached(reward):
-    """grow's scorer on the PRM's caches (PRMReward.extend): a new step's tokens run after its
-    parent's."""
+    """grow's scorer: a new step's tokens run on its parent's PRM cache."""
     def extend(asked: list) -> list:
         roots = {r: reward.start(r.problem.row["prompt"]) for r, parent, _ in asked
                  if parent.state is None}
@@ -138,8 +135,8 @@ def grow(runs: list, propose, extend, opts, stops=False):
         for r, texts in answers.items():
             r.send(texts)
     if stops and ended and not any(ended):
-        raise UsageError(f"not one of propose()'s {len(ended)} first steps ends at the stop "
-                         f"{sep!r}: it must keep it (vLLM: include_stop_str_in_output=True)")
+        raise UsageError(f"propose() drops the stop {sep!r} from all {len(ended)} first steps "
+                         "(vLLM: include_stop_str_in_output=True)")
     # the order they proposed in
     asking = sorted([r for r in runs if r.request and r.request[0] == "score"],
                     key=lambda r: r.width)

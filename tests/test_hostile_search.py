@@ -37,8 +37,10 @@ class FakePRM:
     step_separator, max_length, device, cacheable = "\n", 20, "cpu", False
 
     def __init__(self, model, *args, **kwargs):
-        self.score = scripted_score
         self.tokenizer = lambda text: {"input_ids": list(text)}
+
+    def score(self, questions, outputs):
+        return scripted_score(questions, outputs)
 
 
 class FakePolicy:
