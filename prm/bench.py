@@ -1,10 +1,6 @@
-"""Benchmark the real training loop for a fixed number of steps and print one JSON line.
-
-Takes every train.py flag; times the tokenization (cache off), then the trainer on that data.
-tokens_per_second: non-pad tokens / optimizer-step time; steady_*: from step 2 on. Memory: CUDA's
-max allocated, else max RSS (static_memory_mb then an upper bound, activation_memory_mb a lower
-one). model_state_mb: 16 B per trainable parameter + 4 B per frozen one. mfu: CUDA only.
-"""
+"""Times train.py's tokenization and training loop (any train.py flag); prints one JSON line.
+steady_*: from step 2 on. Memory: CUDA's max allocated, else max RSS (static_memory_mb then an
+upper bound). model_state_mb: 16 B per trainable parameter + 4 B per frozen one."""
 import contextlib
 import json
 import os
@@ -38,28 +34,26 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H
                     "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
-# what a child process is not given (--peak-tflops passes through)
-BENCH_FLAGS = ("--repeats", "--peer-python", "--peer-script", "--variants")
+# a child runs once, without the peer or variants (the last of a flag given twice wins)
+ONCE = ["--repeats", "1", "--variants", "", "--peer-python", "", "--peer-script", ""]
 MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
             "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
             "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
-# the run's settings each result names
 REPORTED = ("batch_size", "grad_accum", "max_length", "dtype", "group_by_length",
             "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
 
 
 @dataclass
 class BenchOptions:
-    steps: int = opt(20, "optimizer steps to time (= --max-steps)", dest="max_steps",
-                     section="benchmark")
-    repeats: int = opt(1, "fresh processes to run; medians are reported")
-    peak_tflops: float = opt(0.0, "bf16 dense peak for MFU (0: by name)")
-    peer_python: str = opt("", "python of a venv with trl==1.13.0 (runs the TRL peer)")
-    peer_script: str = opt("", "path to shared/tools/bench/trl_peer.py")
-    variants: str = opt("", f"comma-separated, of {', '.join(VARIANTS)}: each in fresh processes")
-    gpu_check: bool = opt(False, "the CUDA tests, then the variants on a random Qwen2-0.5B "
+    steps: int = opt(20, "optimizer steps to time", dest="max_steps", section="benchmark")
+    repeats: int = opt(1, "fresh processes to run; medians reported")
+    peak_tflops: float = opt(0.0, "bf16 dense peak for MFU (0: by device name)")
+    peer_python: str = opt("", "python of a venv with trl==1.13.0, to run the TRL peer")
+    peer_script: str = opt("", "shared/tools/bench/trl_peer.py")
+    variants: str = opt("", f"comma-separated, of {', '.join(VARIANTS)}")
+    gpu_check: bool = opt(False, "CUDA tests, then the variants on a random Qwen2-0.5B "
                           "(other flags ignored)")
-    dry_run: bool = opt(False, "with --gpu-check: on the CPU at a tiny shape")
+    dry_run: bool = opt(False, "--gpu-check on the CPU at a tiny shape")
 
 
 def parser():
@@ -76,14 +70,14 @@ def _memory_now(device) -> int:
 
 
 def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
-    """(FLOPs per trained token: 6 per weight (4 if frozen under LoRA) + 12 x layers x attention
-    width x s_eff, non-embedding parameters); lora_trainable: adapter + head parameters."""
+    """(FLOPs per token: 6 per weight, 4 per frozen one, + 12 x layers x attention width x s_eff,
+    non-embedding parameters); lora_trainable: adapter + head parameters."""
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
     embed = sum(p.numel() for m in backbone.modules() if isinstance(m, torch.nn.Embedding)
                 for p in m.parameters())
     text = model_cfg.get_text_config()
-    head = 2 * text.hidden_size + 2  # the 2-way head
+    head = 2 * text.hidden_size + 2
     n = sum(p.numel() for p in backbone.parameters()) - embed + head
     width = text.num_attention_heads * head_dim(text)
     s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
@@ -120,7 +114,7 @@ def attention_kernel(cfg: Config, backbone, device) -> str:
 
 @contextlib.contextmanager
 def counting_syncs(device, seen: dict):
-    """CUDA: torch's sync debug mode's warnings into seen["warnings"]."""
+    """CUDA: sync debug mode's warnings into seen["warnings"]."""
     if device.type != "cuda":
         yield
         return
@@ -134,8 +128,7 @@ def counting_syncs(device, seen: dict):
             torch.cuda.set_sync_debug_mode("default")
 
 
-def training():
-    """train.py, beside the package."""
+def training():  # train.py, beside the package
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -148,7 +141,7 @@ def _train_watched(cfg: Config, device) -> tuple:
     seen = {"after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
-        if not seen["times"]:  # the first step
+        if not seen["times"]:
             seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
             seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values()
                                           for t in st.values() if torch.is_tensor(t))
@@ -170,7 +163,7 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization, then the training loop; FLOPs count the timed steps' examples (BatchPlan)."""
+    """FLOPs count the timed steps' examples (BatchPlan)."""
     cfg = cfg.resolve()
     datasets.disable_caching()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -187,7 +180,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     head = 2 * (model_cfg.get_text_config().hidden_size + 1)
     n_total = sum(p.numel() for p in backbone.parameters()) + head
     final, seen, baseline = _train_watched(cfg, device)
-    if final is None:  # not rank 0 under torchrun: rank 0 reports
+    if final is None:  # not rank 0
         return None
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else (
@@ -199,7 +192,6 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
                                       trainable if cfg.lora_r else None)
     static = min(seen["after_step"], default=0)
     tps = final["train_tokens_per_second"]
-    # steps 2..N: their tokens over the time from the first step's hook to the last one's
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
@@ -230,20 +222,19 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
 
 
 PEER_TOKENIZE = r"""
-import sys, time, datasets
-from datasets import features, load_dataset
+import sys, time
+from datasets import Features, Sequence, Value, disable_caching, load_dataset
 from transformers import AutoTokenizer
 from trl.experimental.prm import PRMTrainer
-datasets.disable_caching()
+disable_caching()
 model, data, max_length = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tok = AutoTokenizer.from_pretrained(model)
 ds = load_dataset("json", data_files=data, split="train")
-feats = features.Features({"labels": features.Sequence(features.Value("int64")),
-                           "input_ids": features.Sequence(features.Value("int64"))})
+ids = Sequence(Value("int64"))
 t0 = time.perf_counter()  # the same map call PRMTrainer.__init__ makes
 ds.map(PRMTrainer.tokenize_row, fn_kwargs=dict(tokenizer=tok, step_separator="\n",
        max_length=max_length, max_completion_length=None, train_on_last_step_only=False,
-       is_eval=False), remove_columns=ds.features, features=feats)
+       is_eval=False), remove_columns=ds.features, features=Features(labels=ids, input_ids=ids))
 print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
 """
 
@@ -257,8 +248,7 @@ def _run(cmd: list) -> str:
 
 
 def _child(argv: list, *flags) -> dict:
-    """The JSON line of a fresh `python -m prm.bench` with argv's training flags and `flags`."""
-    cmd = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv), *flags]
+    cmd = [sys.executable, "-m", "prm.bench", *argv, *ONCE, *flags]
     return json.loads(_run(cmd).strip().splitlines()[-1])
 
 
@@ -267,21 +257,12 @@ def _peer(a, cfg: Config) -> dict:
         cmd = [a.peer_python, a.peer_script, cfg.model, cfg.dataset, tmp,
                "--steps", str(cfg.max_steps), "--batch", str(cfg.batch_size),
                "--max-length", str(cfg.max_length)]
-        train_out = _run(cmd + (["--gc"] if cfg.gradient_checkpointing else []))
-    tok_out = _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset,
-                    str(cfg.max_length)])
-    return {"tokens_per_second": float(re.search(r"tok_per_s=([\d.]+)", train_out).group(1)),
-            "tokenize_rows_per_second":
-                float(re.search(r"tokenize_rows_per_second=([\d.]+)", tok_out).group(1))}
-
-
-def _strip_bench_flags(argv: list) -> list:
-    out, skip = [], False
-    for x in argv:
-        if not skip and x.split("=", 1)[0] not in BENCH_FLAGS:
-            out.append(x)
-        skip = not skip and x in BENCH_FLAGS
-    return out
+        text = _run(cmd + (["--gc"] if cfg.gradient_checkpointing else []))
+    text += _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset,
+                  str(cfg.max_length)])
+    found = dict(re.findall(r"(tok_per_s|tokenize_rows_per_second)=([\d.]+)", text))
+    return {"tokens_per_second": float(found["tok_per_s"]),
+            "tokenize_rows_per_second": float(found["tokenize_rows_per_second"])}
 
 
 def repeated(a, cfg: Config, argv: list) -> dict:
@@ -313,7 +294,7 @@ def repeated(a, cfg: Config, argv: list) -> dict:
 
 
 def side_by_side(a, argv: list) -> dict:
-    """Each variant in fresh processes (--repeats each), with its own flags added."""
+    """Each variant in fresh processes (--repeats each)."""
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
@@ -342,7 +323,7 @@ def main():
         out = run_once(cfg, a.peak_tflops)
     if out is not None:
         print(json.dumps(out), flush=True)
-    if out and out.get("failed"):  # --gpu-check's, after the figures print
+    if out and out.get("failed"):  # --gpu-check's
         raise PRMError(f"--gpu-check: {out['failed']} failed (its output is above)")
 
 

@@ -1,4 +1,4 @@
-"""prm.bench: one tiny in-process run returns every documented key; the FLOPs formula and the flag stripping."""
+"""prm.bench: one tiny in-process run returns every documented key; the FLOPs formula and a child's flags."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from prm.bench import BF16_PEAK_TFLOPS, _strip_bench_flags, flops_per_token, parser, run_once
+from prm.bench import BF16_PEAK_TFLOPS, ONCE, flops_per_token, parser, run_once
 from prm.config import Config
 
 
@@ -69,10 +69,11 @@ def test_variants_side_by_side(tmp_path):
     assert out["tokens_per_second_vs_padded"]["padded"] == 1.0 and out["tokens_per_second_vs_padded"]["packed"] > 0
 
 
-def test_strip_bench_flags():
+def test_a_child_runs_once_without_the_peer_or_variants():
     argv = ["--model", "m", "--repeats", "3", "--peer-python=/x/py", "--peer-script", "s.py", "--steps", "5",
             "--variants", "padded,packed"]
-    assert _strip_bench_flags(argv) == ["--model", "m", "--steps", "5"]
+    a = parser().parse_args(argv + ONCE + ["--repeats", "2"])  # a variant's child repeats
+    assert (a.repeats, a.variants, a.peer_python, a.peer_script, a.max_steps, a.model) == (2, "", "", "", 5, "m")
 
 
 def test_flops_by_hand_for_one_layer():
