@@ -39,7 +39,7 @@ class Options(Checked):
         if path and not (os.path.isdir(folder) and not os.path.isdir(path) and writable(path)):
             why = "a folder, not a file" if os.path.isdir(path) else \
                 "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
-            problems.insert(0, f"--predictions {path}: {why}")  # no folder is made
+            problems.insert(0, f"--predictions {path}: {why}")
         check(problems)
 
 
@@ -51,7 +51,6 @@ def build_eval_parser() -> Parser:
 
 
 def tuned_on_reported(tune: str, reported: list) -> list:
-    """[the problem] if the --tune-threshold file is a reported source."""
     files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
              for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
     if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
@@ -87,7 +86,7 @@ from prm.readers.sources import load_eval
 
 def settings(opts: Options) -> Config:
     """A run setting not given: the run's."""
-    given = {k: v for k, v in opts.given.items() if k in SCORING}
+    given = dict(opts.given)  # from_dict keeps the Config fields
     if os.path.isfile(os.path.join(opts.model, FILE)):
         base = Config.load(opts.model).__dict__
     else:
@@ -103,14 +102,14 @@ def settings(opts: Options) -> Config:
     cfg = Config.from_dict({**base, **fixed, **given}).resolve()
     reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
     check(tuned_on_reported(opts.tune_threshold, reported))
-    read = [("--dataset", d) for d in reported] + [("--model", cfg.model)]
+    read = [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]
     check(overwrites([("--predictions", opts.predictions)],
-                     read + [("--tune-threshold", opts.tune_threshold)]))
+                     [("--dataset", d) for d in reported] + read))
     return cfg
 
 
 @dataclass
-class Evaluator:  # the model under evaluation on this rank
+class Evaluator:
     cfg: Config
     rt: Runtime
     tokenizer: object
@@ -150,7 +149,7 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
     kept = [(ps, true_first_error(r)) for ps, r in zip(probs, dev) if ps]
     try:
         t, f1 = tune_threshold([ps for ps, _ in kept], [e for _, e in kept])
-    except ValueError as e:  # e.g. no wrong solution
+    except ValueError as e:
         raise UsageError(f"--tune-threshold {path}: {e}") from None
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1,
             "dev": report(probs, dev, t, True)}
@@ -177,13 +176,11 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
             if pb:
                 line.update(first_error_pred=first_error(ps, threshold),
                             first_error=true_first_error(row))
-            if row.get("final_answer_correct") is not None:
-                line["final_answer_correct"] = row["final_answer_correct"]
             if opts.best_of_n:
                 line.update(group=row["group"], correct=row.get("final_answer_correct"),
                             response_answer=row.get("response_answer"))
-            if row.get("category") is not None:
-                line["category"] = row["category"]
+            line.update({k: row[k] for k in ("final_answer_correct", "category")
+                         if row.get(k) is not None})
             lines.append(line)
     return blocks, lines
 
@@ -197,10 +194,9 @@ def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
     out, cap = [], cfg.max_completion_length
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
-            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (cut steps "
-                       f"unscored), {b['examples_dropped']} dropped (no step fits); raise "
-                       f"--max-length (now {cfg.max_length})"
-                       + (f" or --max-completion-length (now {cap})" if cap else ""))
+            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated, "
+                       f"{b['examples_dropped']} dropped: raise --max-length ({cfg.max_length})"
+                       + (f" or --max-completion-length ({cap})" if cap else ""))
         if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):
             verdict = "correct" if b["precision_0"] is None else "wrong"
             out.append(f"warning: {name}: every labeled step is predicted {verdict} at "

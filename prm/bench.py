@@ -1,6 +1,6 @@
 """Times train.py's tokenization and training loop (any train.py flag); prints one JSON line.
 steady_*: from step 2 on. Memory: CUDA's max allocated, else max RSS (static_memory_mb then an
-upper bound). model_state_mb: 16 B per trainable parameter + 4 B per frozen one."""
+upper bound)."""
 import contextlib
 import json
 import os
@@ -36,10 +36,7 @@ VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", 
             "packed-compiled": ["--packing", "--compile"]}
 # a child runs once, without the peer or variants (the last of a flag given twice wins)
 ONCE = ["--repeats", "1", "--variants", "", "--peer-python", "", "--peer-script", ""]
-MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
-            "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
-            "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
-REPORTED = ("batch_size", "grad_accum", "max_length", "dtype", "group_by_length",
+REPORTED = ("batch_size", "grad_accum", "max_length", "group_by_length",
             "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
 
 
@@ -278,8 +275,8 @@ def repeated(a, cfg: Config, argv: list) -> dict:
         print(f"run {i + 1}/{a.repeats}: ours {ours[-1]['tokens_per_second']} tok/s{versus}",
               file=sys.stderr, flush=True)
     out = dict(ours[0])
-    for k in MEASURED:
-        if out.get(k) is not None:
+    for k, v in out.items():
+        if isinstance(v, float):  # a measurement
             out[k] = round(statistics.median(r[k] for r in ours), 4)
     out.update(repeats=a.repeats, runs_tokens_per_second=[r["tokens_per_second"] for r in ours],
                runs_peak_memory_mb=[r["peak_memory_mb"] for r in ours])
