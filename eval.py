@@ -35,12 +35,10 @@ class Options(Checked):
     def __post_init__(self):
         super().__post_init__()
         path, folder = self.predictions, os.path.dirname(os.path.abspath(self.predictions))
-        problems = tuned_on_reported(self.tune_threshold, self.datasets)
-        if path and not (os.path.isdir(folder) and not os.path.isdir(path) and writable(path)):
-            why = "a folder, not a file" if os.path.isdir(path) else \
-                "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
-            problems.insert(0, f"--predictions {path}: {why}")
-        check(problems)
+        why = ("a folder, not a file" if os.path.isdir(path) else f"no such folder {folder}"
+               if not os.path.isdir(folder) else None if writable(path) else "not writable")
+        check([f"--predictions {path}: {why}"] if path and why else [])
+        refuse_tuning_on(self.tune_threshold, self.datasets)
 
 
 def build_eval_parser() -> Parser:
@@ -50,13 +48,13 @@ def build_eval_parser() -> Parser:
     return p
 
 
-def tuned_on_reported(tune: str, reported: list) -> list:
+def refuse_tuning_on(tune: str, reported: list):
+    """UsageError if the --tune-threshold file is a reported source."""
     files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
              for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
-    if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
-        return []
-    return [f"--tune-threshold {tune} is also read for the reported set "
-            f"({', '.join(reported)}): tune on a separate dev set"]
+    if tune and os.path.realpath(tune) in map(os.path.realpath, files):
+        raise UsageError(f"--tune-threshold {tune} is also read for the reported set "
+                         f"({', '.join(reported)}): tune on a separate dev set")
 
 
 def parse_args(argv=None) -> Options:
@@ -86,22 +84,21 @@ from prm.readers.sources import load_eval
 
 def settings(opts: Options) -> Config:
     """A run setting not given: the run's."""
-    given = dict(opts.given)  # from_dict keeps the Config fields
     if os.path.isfile(os.path.join(opts.model, FILE)):
         base = Config.load(opts.model).__dict__
     else:
         try:
-            trust = given.get("trust_remote_code", False)
+            trust = opts.given.get("trust_remote_code", False)
             base = input_settings(AutoConfig.from_pretrained(opts.model, trust_remote_code=trust))
         except Exception:  # load_scorer says why
             base = {}
-    if opts.datasets:  # new files: format auto
-        given.setdefault("format", None)
     # a model's code runs only if the command line says so; a LoRA base scores in fp32
     fixed = {"model": opts.model, "trust_remote_code": False, "lora_base_dtype": "fp32"}
-    cfg = Config.from_dict({**base, **fixed, **given}).resolve()
+    if opts.datasets:  # new files: format auto
+        fixed["format"] = None
+    cfg = Config.from_dict({**base, **fixed, **opts.given}).resolve()  # Config fields only
     reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
-    check(tuned_on_reported(opts.tune_threshold, reported))
+    refuse_tuning_on(opts.tune_threshold, reported)
     read = [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]
     check(overwrites([("--predictions", opts.predictions)],
                      [("--dataset", d) for d in reported] + read))
@@ -253,9 +250,9 @@ def main(argv=None) -> dict:
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
         bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # a published PRM's too
-        tokenizer, model, tokenize = load_scorer(cfg, "tokenizer" in opts.given, opts.scoring,
-                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
-        ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device), tokenize)
+        ev = Evaluator(cfg, rt, *load_scorer(cfg, "tokenizer" in opts.given, opts.scoring,
+                                             dtype=torch.bfloat16 if bf16 else torch.float32))
+        ev.model.to(rt.device)
         head = tuned_threshold(ev, opts) if opts.tune_threshold else {"threshold": cfg.threshold}
         t = head["threshold"]
         blocks, lines = evaluate(ev, opts, t)

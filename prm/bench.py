@@ -266,11 +266,11 @@ def repeated(a, cfg: Config, argv: list) -> dict:
     """Fresh processes, ours and the peer's alternating so drift hits both."""
     ours, peer = [], []
     for i in range(a.repeats):
-        jobs = [lambda: ours.append(_child(argv))]
-        if a.peer_python:
-            jobs.append(lambda: peer.append(_peer(a, cfg)))
-        for job in (jobs if i % 2 == 0 else jobs[::-1]):
-            job()
+        if a.peer_python and i % 2:
+            peer.append(_peer(a, cfg))
+        ours.append(_child(argv))
+        if a.peer_python and not i % 2:
+            peer.append(_peer(a, cfg))
         versus = f", peer {peer[-1]['tokens_per_second']} tok/s" if peer else ""
         print(f"run {i + 1}/{a.repeats}: ours {ours[-1]['tokens_per_second']} tok/s{versus}",
               file=sys.stderr, flush=True)
