@@ -21,8 +21,8 @@ class Options(Checked):
                      required=True)
     datasets: tuple = opt((), "sources to report (default: the run's held-out set); several: "
                           "their mean F1 too", flag="--dataset", nargs="+", metavar="SOURCE")
-    predictions: str = opt("", "write a JSON line per example: step P(correct), labels, first "
-                           "errors", metavar="OUT_JSONL")
+    predictions: str = opt("", "a JSON line per example: step P(correct), labels, first errors",
+                           metavar="OUT_JSONL")
     processbench: bool = opt(False, "ProcessBench metrics from the step labels")
     tune_threshold: str = opt("", "tune the F1 threshold on this dev set (reported as 'dev')",
                               metavar="DEV_FILE")
@@ -111,7 +111,7 @@ class Evaluator:
     rt: Runtime
     tokenizer: object
     model: object
-    tokenize: object = None  # a published PRM's row builder
+    tokenize: object  # a published PRM's row builder
 
     def sets(self, sources: list) -> dict:
         """{subset name: tokenized rows}, every row kept; `group` defaults to the prompt."""
@@ -191,14 +191,14 @@ def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
     out, cap = [], cfg.max_completion_length
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
-            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated, "
+            out.append(f"{name}: {b['examples_truncated']} examples truncated, "
                        f"{b['examples_dropped']} dropped: raise --max-length ({cfg.max_length})"
                        + (f" or --max-completion-length ({cap})" if cap else ""))
         if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):
             verdict = "correct" if b["precision_0"] is None else "wrong"
-            out.append(f"warning: {name}: every labeled step is predicted {verdict} at "
-                       f"threshold {threshold:g}: its step_accuracy is the share of that class")
-    return out
+            out.append(f"{name}: every labeled step is predicted {verdict} at threshold "
+                       f"{threshold:g}: step_accuracy is that class's share")
+    return ["warning: " + w for w in out]
 
 
 def why_undefined(b: dict, column: str) -> str:

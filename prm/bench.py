@@ -1,6 +1,5 @@
 """Times train.py's tokenization and training loop (any train.py flag); prints one JSON line.
-steady_*: from step 2 on. Memory: CUDA's max allocated, else max RSS (static_memory_mb then an
-upper bound)."""
+steady_*: from step 2 on. Memory: CUDA's max allocated, else max RSS."""
 import contextlib
 import json
 import os
@@ -34,7 +33,7 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H
                     "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
-# a child runs once, without the peer or variants (the last of a flag given twice wins)
+# a child runs once (of a flag given twice, the last wins)
 ONCE = ["--repeats", "1", "--variants", "", "--peer-python", "", "--peer-script", ""]
 REPORTED = ("batch_size", "grad_accum", "max_length", "group_by_length",
             "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
@@ -67,8 +66,8 @@ def _memory_now(device) -> int:
 
 
 def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
-    """(FLOPs per token: 6 per weight, 4 per frozen one, + 12 x layers x attention width x s_eff,
-    non-embedding parameters); lora_trainable: adapter + head parameters."""
+    """(6 FLOPs per weight (4 if frozen) + 12 x layers x attention width x s_eff, non-embedding
+    parameters, all parameters), the 2-way head's included; lora_trainable: adapter + head."""
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
     embed = sum(p.numel() for m in backbone.modules() if isinstance(m, torch.nn.Embedding)
@@ -79,7 +78,7 @@ def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tup
     width = text.num_attention_heads * head_dim(text)
     s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
     weights = 6 * n if lora_trainable is None else 4 * (n - head) + 6 * lora_trainable
-    return weights + 12 * text.num_hidden_layers * width * s_eff, n
+    return weights + 12 * text.num_hidden_layers * width * s_eff, n, n + embed
 
 
 def head_dim(text) -> int:
@@ -174,8 +173,6 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
-    head = 2 * (model_cfg.get_text_config().hidden_size + 1)
-    n_total = sum(p.numel() for p in backbone.parameters()) + head
     final, seen, baseline = _train_watched(cfg, device)
     if final is None:  # not rank 0
         return None
@@ -185,8 +182,9 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t, syncs = seen["times"], seen["syncs"]
     batches = [plan.batch(step)[1] for step in range(len(t))]
     trainable = seen["params"]
-    fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
-                                      trainable if cfg.lora_r else None)
+    lengths = [plan.lengths[i] for b in batches for i in b]
+    fpt, n_nonembed, n_total = flops_per_token(model_cfg, lengths,
+                                               trainable if cfg.lora_r else None)
     static = min(seen["after_step"], default=0)
     tps = final["train_tokens_per_second"]
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
@@ -290,8 +288,9 @@ def repeated(a, cfg: Config, argv: list) -> dict:
     return out
 
 
-def side_by_side(a, argv: list) -> dict:
-    """Each variant in fresh processes (--repeats each)."""
+def side_by_side(argv: list) -> dict:
+    """Each of argv's --variants in fresh processes (--repeats each)."""
+    a = parser().parse_args(argv)
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
@@ -311,9 +310,9 @@ def main():
     if a.peer_python and not a.peer_script:
         raise UsageError("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
     if a.gpu_check:
-        out = gpu_check(lambda args: side_by_side(parser().parse_args(args), args), dry=a.dry_run)
+        out = gpu_check(side_by_side, dry=a.dry_run)
     elif a.variants:
-        out = side_by_side(a, argv)
+        out = side_by_side(argv)
     elif a.repeats > 1 or a.peer_python:
         out = repeated(a, cfg, argv)
     else:
