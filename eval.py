@@ -19,8 +19,8 @@ STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
 class Options(Checked):
     model: str = opt("", "a run's final/ or checkpoint, or any 2-label token classifier",
                      required=True)
-    datasets: tuple = opt((), "sources to report (default: the run's held-out set); several: "
-                          "their mean F1 too", flag="--dataset", nargs="+", metavar="SOURCE")
+    datasets: tuple = opt((), "sources to report (default: the run's held-out set)",
+                          flag="--dataset", nargs="+", metavar="SOURCE")
     predictions: str = opt("", "a JSON line per example: step P(correct), labels, first errors",
                            metavar="OUT_JSONL")
     processbench: bool = opt(False, "ProcessBench metrics from the step labels")
@@ -49,9 +49,8 @@ def build_eval_parser() -> Parser:
 
 
 def refuse_tuning_on(tune: str, reported: list):
-    """UsageError if the --tune-threshold file is a reported source."""
-    files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
-             for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
+    files = [os.path.join(s, n) for s in reported  # "x.json/": realpath drops the "/"
+             for n in (os.listdir(s) if os.path.isdir(s) else [""])]
     if tune and os.path.realpath(tune) in map(os.path.realpath, files):
         raise UsageError(f"--tune-threshold {tune} is also read for the reported set "
                          f"({', '.join(reported)}): tune on a separate dev set")
@@ -96,7 +95,7 @@ def settings(opts: Options) -> Config:
     fixed = {"model": opts.model, "trust_remote_code": False, "lora_base_dtype": "fp32"}
     if opts.datasets:  # new files: format auto
         fixed["format"] = None
-    cfg = Config.from_dict({**base, **fixed, **opts.given}).resolve()  # Config fields only
+    cfg = Config.from_dict({**base, **fixed, **opts.given}).resolve()
     reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
     refuse_tuning_on(opts.tune_threshold, reported)
     read = [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]
@@ -157,7 +156,7 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
     blocks, lines = {}, []
     for name, rows in ev.sets(opts.datasets).items():
         pb = (opts.processbench or ev.cfg.format == "processbench"
-              or bool(rows and "first_error" in rows[0]))
+              or rows and "first_error" in rows[0])
         probs = ev.probs(rows)
         blocks[name] = report(probs, rows, threshold, pb)
         if opts.best_of_n:  # answers vote as prm.search's do
@@ -234,7 +233,7 @@ def table(blocks: dict, *, threshold: float) -> str:
             accs = ", ".join(f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
             notes.append(f"best-of-N accuracy with all {n} candidates: {accs}")
         if b.get("candidates_with_answer") == 0:
-            notes.append("weighted_*, majority_vote n/a (no candidate has an extractable answer)")
+            notes.append("weighted_*, majority_vote n/a (no extractable answer)")
         if "prmbench" in b:
             pb = {k: cell(v) for k, v in b["prmbench"].items()}
             notes.append(f"PRMScore {pb['prmscore']} (f1 {pb['f1']}, f1_neg {pb['f1_neg']})")

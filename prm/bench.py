@@ -35,7 +35,7 @@ VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", 
             "packed-compiled": ["--packing", "--compile"]}
 # a child runs once (of a flag given twice, the last wins)
 ONCE = ["--repeats", "1", "--variants", "", "--peer-python", "", "--peer-script", ""]
-REPORTED = ("batch_size", "grad_accum", "max_length", "group_by_length",
+REPORTED = ("model", "dataset", "batch_size", "grad_accum", "max_length", "group_by_length",
             "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
 
 
@@ -101,7 +101,7 @@ def attention_kernel(cfg: Config, backbone, device) -> str:
         return "sdpa (padded, with a mask)"
     dim = head_dim(backbone.config.get_text_config())
     amp = autocast_dtype(cfg.dtype, device)
-    with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
         half = kernel_dtype(torch.empty((1, 1, 1, dim), device=device))
     if not half:
         return "sdpa per example (packed, exact fallback)"
@@ -133,7 +133,7 @@ def training():  # train.py, beside the package
 
 
 def _train_watched(cfg: Config, device) -> tuple:
-    """(final metrics, what an optimizer-step hook saw, memory before training)."""
+    """(final metrics, what the optimizer-step hook saw, baseline memory)."""
     seen = {"after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
@@ -182,9 +182,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t, syncs = seen["times"], seen["syncs"]
     batches = [plan.batch(step)[1] for step in range(len(t))]
     trainable = seen["params"]
-    lengths = [plan.lengths[i] for b in batches for i in b]
-    fpt, n_nonembed, n_total = flops_per_token(model_cfg, lengths,
-                                               trainable if cfg.lora_r else None)
+    fpt, n_nonembed, n_total = flops_per_token(
+        model_cfg, [plan.lengths[i] for b in batches for i in b], trainable if cfg.lora_r else None)
     static = min(seen["after_step"], default=0)
     tps = final["train_tokens_per_second"]
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
@@ -204,8 +203,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
         "tokenize_tokens_per_second": round(sum(plan.lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
-        "model": cfg.model, "dataset": cfg.dataset, "steps": len(t),
-        **{k: getattr(cfg, k) for k in REPORTED}, "dtype": cfg.dtype or "auto",
+        "steps": len(t), **{k: getattr(cfg, k) for k in REPORTED}, "dtype": cfg.dtype or "auto",
         "torch": torch.__version__,
     }
     if cuda:
@@ -222,13 +220,13 @@ from datasets import Features, Sequence, Value, disable_caching, load_dataset
 from transformers import AutoTokenizer
 from trl.experimental.prm import PRMTrainer
 disable_caching()
-model, data, max_length = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model, data, max_length = sys.argv[1:]
 tok = AutoTokenizer.from_pretrained(model)
 ds = load_dataset("json", data_files=data, split="train")
 ids = Sequence(Value("int64"))
 t0 = time.perf_counter()  # the same map call PRMTrainer.__init__ makes
 ds.map(PRMTrainer.tokenize_row, fn_kwargs=dict(tokenizer=tok, step_separator="\n",
-       max_length=max_length, max_completion_length=None, train_on_last_step_only=False,
+       max_length=int(max_length), max_completion_length=None, train_on_last_step_only=False,
        is_eval=False), remove_columns=ds.features, features=Features(labels=ids, input_ids=ids))
 print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
 """
@@ -308,7 +306,7 @@ def main():
     a = parser().parse_args(argv)
     cfg = parsed(Config, a).resolve()
     if a.peer_python and not a.peer_script:
-        raise UsageError("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
+        raise UsageError("--peer-python needs --peer-script")
     if a.gpu_check:
         out = gpu_check(side_by_side, dry=a.dry_run)
     elif a.variants:

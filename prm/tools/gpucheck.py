@@ -74,11 +74,9 @@ def run_tests() -> dict:
 def gpu_check(side_by_side, *, dry: bool) -> dict:
     """side_by_side: prm.bench's (no import circle)."""
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data, argv = write_inputs(tmp, dry)
+        model_dir, _, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():
-            with open(data) as f:
-                n = sum(1 for _ in f)
-            raise UsageError(f"--gpu-check needs CUDA (built the model config, tokenizer, {n} rows;"
+            raise UsageError("--gpu-check needs CUDA (built the model config, tokenizer and rows;"
                              " --dry-run runs on the CPU)")
         torch.manual_seed(0)
         with torch.device("cpu" if dry else "cuda"):
