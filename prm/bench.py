@@ -90,10 +90,9 @@ def _mb(n: int) -> float:
 
 
 def _device_peak(device, override: float) -> float:
-    if override:
-        return override * 1e12
     name = torch.cuda.get_device_name(device)
-    return next((tflops * 1e12 for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), 0.0)
+    by_name = (tflops for key, tflops in BF16_PEAK_TFLOPS.items() if key in name)
+    return (override or next(by_name, 0.0)) * 1e12
 
 
 def attention_kernel(cfg: Config, backbone, device) -> str:
