@@ -1,6 +1,5 @@
 """Evaluate a PRM (ours or any 2-label token classifier): step metrics, ProcessBench F1, AUROC,
 PRMScore, best-of-N. A table to stderr; stdout's last line: one JSON object."""
-import argparse
 import json
 import os
 import sys
@@ -11,70 +10,61 @@ from prm.config import FILE, Checked, Config, at_least, opt
 from prm.errors import UsageError, check, exit_status, overwrites
 from prm.scoring import ScorerOptions
 
-# the run settings eval.py takes; the rest: the run's
-SCORING = Config.names_with("scoring")
-# chance_f1: F1 of random flags
+SCORING = Config.names_with("scoring")  # the run settings eval.py takes
 PROCESSBENCH_COLUMNS = ("f1", "acc_error", "acc_correct", "auroc", "chance_f1")
 STEP_COLUMNS = ("step_accuracy", "positive_rate", "f1_0", "auroc", "n_steps")
 
 
 @dataclass(frozen=True)
 class Options(Checked):
-    model: str = opt("", "train.py's final/ or a checkpoint, or any 2-label token classifier",
+    model: str = opt("", "a run's final/ or checkpoint, or any 2-label token classifier",
                      required=True)
-    datasets: tuple = opt((), "sources to evaluate (default: the run's held-out set); several: "
-                          "their mean F1 too", flag="--dataset", nargs="+", metavar="SOURCE")
+    datasets: tuple = opt((), "sources to report (default: the run's held-out set)",
+                          flag="--dataset", nargs="+", metavar="SOURCE")
     predictions: str = opt("", "a JSON line per example: step P(correct), labels, first errors",
                            metavar="OUT_JSONL")
     processbench: bool = opt(False, "ProcessBench metrics from the step labels")
-    tune_threshold: str = opt("", "tune the threshold for ProcessBench F1 on this dev set (its "
-                              "metrics: 'dev'; --format if given)", metavar="DEV_FILE")
-    best_of_n: bool = opt(False, "best-of-N accuracy by final_answer_correct; candidates share a "
-                          "'group' (else a prompt)")
-    best_of_n_draws: int = opt(8, "seeded shuffles per N, each cut into sets of N", metavar="K",
-                               check=at_least(1))
-    scoring: ScorerOptions = ScorerOptions()  # no flags: settings() sets these two
+    tune_threshold: str = opt("", "tune the F1 threshold on this dev set (reported as 'dev')",
+                              metavar="DEV_FILE")
+    best_of_n: bool = opt(False, "best-of-N accuracy by final_answer_correct, per 'group' (else "
+                          "prompt)")
+    best_of_n_draws: int = opt(8, "seeded shuffles per N", metavar="K", check=at_least(1))
+    scoring: ScorerOptions = ScorerOptions()  # set by parse_args
     given: dict = None
 
     def __post_init__(self):
         super().__post_init__()
         path, folder = self.predictions, os.path.dirname(os.path.abspath(self.predictions))
-        problems = tuned_on_reported(self.tune_threshold, self.datasets)
-        if path and not (os.path.isdir(folder) and not os.path.isdir(path) and writable(path)):
-            why = "a folder, not a file" if os.path.isdir(path) else \
-                "not writable" if os.path.isdir(folder) else f"no such folder {folder}"
-            problems.insert(0, f"--predictions {path}: {why}")  # no folder is made
-        check(problems)
+        why = ("a folder, not a file" if os.path.isdir(path) else f"no such folder {folder}"
+               if not os.path.isdir(folder) else None if writable(path) else "not writable")
+        check([f"--predictions {path}: {why}"] if path and why else [])
+        refuse_tuning_on(self.tune_threshold, self.datasets)
 
 
 def build_eval_parser() -> Parser:
     p = Parser(Options, ScorerOptions, description=__doc__)
-    p.add_fields(Config, SCORING, group=p.add_argument_group("run settings", "each not given: "
-                 "the run's config.train.json's (else config.json's 'prm', else the default)"))
+    p.add_fields(Config, SCORING, group=p.add_argument_group(
+        "run settings", "not given: the run's (config.train.json, else config.json's 'prm')"))
     return p
 
 
-def tuned_on_reported(tune: str, reported: list) -> list:
-    """[the problem] if the --tune-threshold file is a reported source."""
-    files = [os.path.join(spec, n) if os.path.isdir(spec) else spec for spec in reported
-             for n in (os.listdir(spec) if os.path.isdir(spec) else [""])]
-    if not tune or os.path.realpath(tune) not in map(os.path.realpath, files):
-        return []
-    return [f"--tune-threshold {tune} is also read for the reported set "
-            f"({', '.join(reported)}): tuning on it flatters it; tune on a separate dev set"]
+def refuse_tuning_on(tune: str, reported: list):
+    files = [os.path.join(s, n) for s in reported  # "x.json/": realpath drops the "/"
+             for n in (os.listdir(s) if os.path.isdir(s) else [""])]
+    if tune and os.path.realpath(tune) in map(os.path.realpath, files):
+        raise UsageError(f"--tune-threshold {tune} is also read for the reported set "
+                         f"({', '.join(reported)}): tune on a separate dev set")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> Options:
     args = build_eval_parser().parse_args(argv)
-    parsed(Options, args)
-    return args
+    return replace(parsed(Options, args), scoring=parsed(ScorerOptions, args))
 
 
 if __name__ == "__main__":  # --help and a bad flag answer before torch loads
     with exit_status():
         parse_args()
 
-# the program's imports, after the command line is read
 import torch
 from transformers import AutoConfig
 
@@ -91,38 +81,36 @@ from prm.scoring.scorers import load as load_scorer
 from prm.readers.sources import load_eval
 
 
-def settings(args: argparse.Namespace) -> tuple:
-    """(Config, Options); a run setting not given: the run's."""
-    given = {k: v for k, v in args.given.items() if k in SCORING}
-    opts = replace(parsed(Options, args), scoring=parsed(ScorerOptions, args))
+def settings(opts: Options) -> Config:
+    """A run setting not given: the run's."""
     if os.path.isfile(os.path.join(opts.model, FILE)):
         base = Config.load(opts.model).__dict__
     else:
         try:
-            trust = given.get("trust_remote_code", False)
+            trust = opts.given.get("trust_remote_code", False)
             base = input_settings(AutoConfig.from_pretrained(opts.model, trust_remote_code=trust))
-        except Exception:  # unreadable: load_scorer says why
+        except Exception:  # load_scorer says why
             base = {}
-    if opts.datasets:  # new files: format auto
-        given.setdefault("format", None)
     # a model's code runs only if the command line says so; a LoRA base scores in fp32
     fixed = {"model": opts.model, "trust_remote_code": False, "lora_base_dtype": "fp32"}
-    cfg = Config.from_dict({**base, **fixed, **given}).resolve()
+    if opts.datasets:  # new files: format auto
+        fixed["format"] = None
+    cfg = Config.from_dict({**base, **fixed, **opts.given}).resolve()
     reported = opts.datasets or [cfg.eval_dataset or cfg.dataset]
-    check(tuned_on_reported(opts.tune_threshold, reported))
-    read = [("--dataset", d) for d in reported] + [("--model", cfg.model)]
+    refuse_tuning_on(opts.tune_threshold, reported)
+    read = [("--model", cfg.model), ("--tune-threshold", opts.tune_threshold)]
     check(overwrites([("--predictions", opts.predictions)],
-                     read + [("--tune-threshold", opts.tune_threshold)]))
-    return cfg, opts
+                     [("--dataset", d) for d in reported] + read))
+    return cfg
 
 
 @dataclass
-class Evaluator:  # the model under evaluation on this rank
+class Evaluator:
     cfg: Config
     rt: Runtime
     tokenizer: object
     model: object
-    tokenize: object = None  # a published PRM's row builder (load_scorer's)
+    tokenize: object  # a published PRM's row builder
 
     def sets(self, sources: list) -> dict:
         """{subset name: tokenized rows}, every row kept; `group` defaults to the prompt."""
@@ -143,7 +131,7 @@ class Evaluator:  # the model under evaluation on this rank
         return sets
 
     def probs(self, rows: list) -> list:
-        """P(correct) at each row's step ends, gathered from every rank."""
+        """P(correct) at each row's step ends, from every rank."""
         return predict(self.model, rows, batch_size=self.cfg.eval_batch_size, rt=self.rt,
                        pad_id=pad_token_id(self.tokenizer),
                        amp_dtype=autocast_dtype(self.cfg.dtype, self.rt.device),
@@ -157,7 +145,7 @@ def tuned_threshold(ev: Evaluator, opts: Options) -> dict:
     kept = [(ps, true_first_error(r)) for ps, r in zip(probs, dev) if ps]
     try:
         t, f1 = tune_threshold([ps for ps, _ in kept], [e for _, e in kept])
-    except ValueError as e:  # e.g. a dev set without a single wrong solution
+    except ValueError as e:
         raise UsageError(f"--tune-threshold {path}: {e}") from None
     return {"threshold": t, "threshold_tuned_on": path, "dev_f1": f1,
             "dev": report(probs, dev, t, True)}
@@ -168,16 +156,15 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
     blocks, lines = {}, []
     for name, rows in ev.sets(opts.datasets).items():
         pb = (opts.processbench or ev.cfg.format == "processbench"
-              or bool(rows and "first_error" in rows[0]))
+              or rows and "first_error" in rows[0])
         probs = ev.probs(rows)
         blocks[name] = report(probs, rows, threshold, pb)
-        if opts.best_of_n:
-            # answers vote as prm.search's do: normalized, a number by its value
+        if opts.best_of_n:  # answers vote as prm.search's do
             keyed = [{**r, "response_answer": answer_key(r.get("response_answer"))} for r in rows]
             try:
                 blocks[name].update(best_of_n_report(
                     probs, keyed, draws=opts.best_of_n_draws, seed=ev.cfg.seed))
-            except ValueError as e:  # rows without a known outcome or problem
+            except ValueError as e:
                 raise UsageError(f"{name}: {e}") from None
         for i, (ps, row) in enumerate(zip(probs, rows)):
             line = {"subset": name, "id": row.get("id", i), "step_probs": ps,
@@ -185,13 +172,11 @@ def evaluate(ev: Evaluator, opts: Options, threshold: float) -> tuple:
             if pb:
                 line.update(first_error_pred=first_error(ps, threshold),
                             first_error=true_first_error(row))
-            if row.get("final_answer_correct") is not None:
-                line["final_answer_correct"] = row["final_answer_correct"]
             if opts.best_of_n:
                 line.update(group=row["group"], correct=row.get("final_answer_correct"),
                             response_answer=row.get("response_answer"))
-            if row.get("category") is not None:
-                line["category"] = row["category"]
+            line.update({k: row[k] for k in ("final_answer_correct", "category")
+                         if row.get(k) is not None})
             lines.append(line)
     return blocks, lines
 
@@ -205,15 +190,14 @@ def warnings_for(blocks: dict, cfg: Config, threshold: float) -> list:
     out, cap = [], cfg.max_completion_length
     for name, b in blocks.items():
         if b["examples_truncated"] or b["examples_dropped"]:
-            out.append(f"warning: {name}: {b['examples_truncated']} examples truncated (cut steps "
-                       f"unscored), {b['examples_dropped']} dropped (no step fits); raise "
-                       f"--max-length (now {cfg.max_length})"
-                       + (f" or --max-completion-length (now {cap})" if cap else ""))
-        if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):  # a class never predicted
+            out.append(f"{name}: {b['examples_truncated']} examples truncated, "
+                       f"{b['examples_dropped']} dropped: raise --max-length ({cfg.max_length})"
+                       + (f" or --max-completion-length ({cap})" if cap else ""))
+        if b["n_steps"] and None in (b["precision_0"], b["precision_1"]):
             verdict = "correct" if b["precision_0"] is None else "wrong"
-            out.append(f"warning: {name}: every labeled step is predicted {verdict} at "
-                       f"threshold {threshold:g}: its step_accuracy is the share of that class")
-    return out
+            out.append(f"{name}: every labeled step is predicted {verdict} at threshold "
+                       f"{threshold:g}: step_accuracy is that class's share")
+    return ["warning: " + w for w in out]
 
 
 def why_undefined(b: dict, column: str) -> str:
@@ -233,42 +217,41 @@ def cell(v) -> str:
 
 def table(blocks: dict, *, threshold: float) -> str:
     cols = PROCESSBENCH_COLUMNS if all("f1" in b for b in blocks.values()) else STEP_COLUMNS
-    width = max(len("subset"), *map(len, blocks))
-    rows = [["subset", *cols]]
-    rows += [[name, *(cell(b.get(c)) for c in cols)] for name, b in blocks.items()]
+    rows = [["subset", *cols]] + [[k, *(cell(b.get(c)) for c in cols)] for k, b in blocks.items()]
     if len(blocks) > 1 and cols == PROCESSBENCH_COLUMNS:
-        rows.append(["mean", cell(mean_f1(blocks))] + [""] * (len(cols) - 1))
+        rows.append(["mean", cell(mean_f1(blocks))])
+    width = max(len(r[0]) for r in rows)
     lines = [f"{r[0]:<{width}}" + "".join(f"  {v:>13}" for v in r[1:]) for r in rows]
     lines.append(f"threshold {threshold:g}: a step with P(correct) below it is predicted wrong")
     for name, b in blocks.items():
         undefined = {}
         for c in (c for c in cols if b.get(c) is None):
             undefined.setdefault(why_undefined(b, c), []).append(c)
-        lines += [f"{name}: {', '.join(cs)} n/a ({why})" for why, cs in undefined.items()]
+        notes = [f"{', '.join(cs)} n/a ({why})" for why, cs in undefined.items()]
         if "best_of_n" in b:
             n = "/".join(map(str, b["candidates_per_problem"]))
             accs = ", ".join(f"{m} {cell(acc['all'])}" for m, acc in b["best_of_n"].items())
-            lines.append(f"{name}: best-of-N accuracy with all {n} candidates: {accs}")
+            notes.append(f"best-of-N accuracy with all {n} candidates: {accs}")
         if b.get("candidates_with_answer") == 0:
-            lines.append(f"{name}: weighted_*, majority_vote n/a (no candidate has an extractable "
-                         "answer)")
+            notes.append("weighted_*, majority_vote n/a (no extractable answer)")
         if "prmbench" in b:
             pb = {k: cell(v) for k, v in b["prmbench"].items()}
-            lines.append(f"{name}: PRMScore {pb['prmscore']} (f1 {pb['f1']}, f1_neg "
-                         f"{pb['f1_neg']})")
+            notes.append(f"PRMScore {pb['prmscore']} (f1 {pb['f1']}, f1_neg {pb['f1_neg']})")
+        lines += [f"{name}: {note}" for note in notes]
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     """Warnings and the table to stderr, the JSON to stdout (returned)."""
-    cfg, opts = settings(parse_args(argv))
+    opts = parse_args(argv)
+    cfg = settings(opts)
     rt = setup()
     progress_off(cfg.disable_tqdm)  # before loading, for transformers' bars too
     try:
         bf16 = autocast_dtype(cfg.dtype, rt.device) == torch.bfloat16  # a published PRM's too
-        tokenizer, model, tokenize = load_scorer(cfg, "tokenizer" in opts.given, opts.scoring,
-                                                 dtype=torch.bfloat16 if bf16 else torch.float32)
-        ev = Evaluator(cfg, rt, tokenizer, model.to(rt.device), tokenize)
+        ev = Evaluator(cfg, rt, *load_scorer(cfg, "tokenizer" in opts.given, opts.scoring,
+                                             dtype=torch.bfloat16 if bf16 else torch.float32))
+        ev.model.to(rt.device)
         head = tuned_threshold(ev, opts) if opts.tune_threshold else {"threshold": cfg.threshold}
         t = head["threshold"]
         blocks, lines = evaluate(ev, opts, t)

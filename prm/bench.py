@@ -1,10 +1,5 @@
-"""Benchmark the real training loop for a fixed number of steps and print one JSON line.
-
-Takes every train.py flag; times the tokenization (cache off), then the trainer on that data.
-tokens_per_second: non-pad tokens / optimizer-step time; steady_*: from step 2 on. Memory: CUDA's
-max allocated, else max RSS (static_memory_mb then an upper bound, activation_memory_mb a lower
-one). model_state_mb: 16 B per trainable parameter + 4 B per frozen one. mfu: CUDA only.
-"""
+"""Times train.py's tokenization and training loop (any train.py flag); prints one JSON line.
+steady_*: from step 2 on. Memory: CUDA's max allocated, else max RSS."""
 import contextlib
 import json
 import os
@@ -38,28 +33,23 @@ BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H
                     "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 VARIANTS = {"padded": ["--no-packing", "--no-compile"], "packed": ["--packing", "--no-compile"],
             "packed-compiled": ["--packing", "--compile"]}
-# what a child process is not given (--peak-tflops passes through)
-BENCH_FLAGS = ("--repeats", "--peer-python", "--peer-script", "--variants")
-MEASURED = ("tokens_per_second", "steady_tokens_per_second", "steady_mfu", "padding_efficiency",
-            "peak_memory_mb", "static_memory_mb", "activation_memory_mb", "baseline_memory_mb",
-            "optimizer_state_mb", "mfu", "tokenize_rows_per_second", "tokenize_tokens_per_second")
-# the run's settings each result names
-REPORTED = ("batch_size", "grad_accum", "max_length", "dtype", "group_by_length",
+# a child runs once (of a flag given twice, the last wins)
+ONCE = ["--repeats", "1", "--variants", "", "--peer-python", "", "--peer-script", ""]
+REPORTED = ("model", "dataset", "batch_size", "grad_accum", "max_length", "group_by_length",
             "gradient_checkpointing", "compile", "packing", "pack_to", "lora_r")
 
 
 @dataclass
 class BenchOptions:
-    steps: int = opt(20, "optimizer steps to time (= --max-steps)", dest="max_steps",
-                     section="benchmark")
-    repeats: int = opt(1, "fresh processes to run; medians are reported")
-    peak_tflops: float = opt(0.0, "bf16 dense peak for MFU (0: by name)")
-    peer_python: str = opt("", "python of a venv with trl==1.13.0 (runs the TRL peer)")
-    peer_script: str = opt("", "path to shared/tools/bench/trl_peer.py")
-    variants: str = opt("", f"comma-separated, of {', '.join(VARIANTS)}: each in fresh processes")
-    gpu_check: bool = opt(False, "the CUDA tests, then the variants on a random Qwen2-0.5B "
+    steps: int = opt(20, "optimizer steps to time", dest="max_steps", section="benchmark")
+    repeats: int = opt(1, "fresh processes to run; medians reported")
+    peak_tflops: float = opt(0.0, "bf16 dense peak for MFU (0: by device name)")
+    peer_python: str = opt("", "python of a venv with trl==1.13.0, to run the TRL peer")
+    peer_script: str = opt("", "shared/tools/bench/trl_peer.py")
+    variants: str = opt("", f"comma-separated, of {', '.join(VARIANTS)}")
+    gpu_check: bool = opt(False, "CUDA tests, then the variants on a random Qwen2-0.5B "
                           "(other flags ignored)")
-    dry_run: bool = opt(False, "with --gpu-check: on the CPU at a tiny shape")
+    dry_run: bool = opt(False, "--gpu-check on the CPU at a tiny shape")
 
 
 def parser():
@@ -76,19 +66,19 @@ def _memory_now(device) -> int:
 
 
 def flops_per_token(model_cfg, lengths: list, lora_trainable: int = None) -> tuple:
-    """(FLOPs per trained token: 6 per weight (4 if frozen under LoRA) + 12 x layers x attention
-    width x s_eff, non-embedding parameters); lora_trainable: adapter + head parameters."""
+    """(6 FLOPs per weight (4 if frozen) + 12 x layers x attention width x s_eff, non-embedding
+    parameters, all parameters), the 2-way head's included; lora_trainable: adapter + head."""
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
     embed = sum(p.numel() for m in backbone.modules() if isinstance(m, torch.nn.Embedding)
                 for p in m.parameters())
     text = model_cfg.get_text_config()
-    head = 2 * text.hidden_size + 2  # the 2-way head
+    head = 2 * text.hidden_size + 2
     n = sum(p.numel() for p in backbone.parameters()) - embed + head
     width = text.num_attention_heads * head_dim(text)
     s_eff = sum(x * x for x in lengths) / max(sum(lengths), 1)
     weights = 6 * n if lora_trainable is None else 4 * (n - head) + 6 * lora_trainable
-    return weights + 12 * text.num_hidden_layers * width * s_eff, n
+    return weights + 12 * text.num_hidden_layers * width * s_eff, n, n + embed
 
 
 def head_dim(text) -> int:
@@ -100,10 +90,9 @@ def _mb(n: int) -> float:
 
 
 def _device_peak(device, override: float) -> float:
-    if override:
-        return override * 1e12
     name = torch.cuda.get_device_name(device)
-    return next((tflops * 1e12 for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), 0.0)
+    by_name = (tflops for key, tflops in BF16_PEAK_TFLOPS.items() if key in name)
+    return (override or next(by_name, 0.0)) * 1e12
 
 
 def attention_kernel(cfg: Config, backbone, device) -> str:
@@ -111,7 +100,7 @@ def attention_kernel(cfg: Config, backbone, device) -> str:
         return "sdpa (padded, with a mask)"
     dim = head_dim(backbone.config.get_text_config())
     amp = autocast_dtype(cfg.dtype, device)
-    with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
         half = kernel_dtype(torch.empty((1, 1, 1, dim), device=device))
     if not half:
         return "sdpa per example (packed, exact fallback)"
@@ -120,7 +109,7 @@ def attention_kernel(cfg: Config, backbone, device) -> str:
 
 @contextlib.contextmanager
 def counting_syncs(device, seen: dict):
-    """CUDA: torch's sync debug mode's warnings into seen["warnings"]."""
+    """CUDA: sync debug mode's warnings into seen["warnings"]."""
     if device.type != "cuda":
         yield
         return
@@ -134,8 +123,7 @@ def counting_syncs(device, seen: dict):
             torch.cuda.set_sync_debug_mode("default")
 
 
-def training():
-    """train.py, beside the package."""
+def training():  # train.py, beside the package
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -144,11 +132,11 @@ def training():
 
 
 def _train_watched(cfg: Config, device) -> tuple:
-    """(final metrics, what an optimizer-step hook saw, memory before training)."""
+    """(final metrics, what the optimizer-step hook saw, baseline memory)."""
     seen = {"after_step": [], "params": 0, "syncs": [], "times": []}
 
     def after_step(optimizer, args, kwargs):
-        if not seen["times"]:  # the first step
+        if not seen["times"]:
             seen["params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
             seen["optimizer_bytes"] = sum(t.nbytes for st in optimizer.state.values()
                                           for t in st.values() if torch.is_tensor(t))
@@ -170,7 +158,7 @@ def _train_watched(cfg: Config, device) -> tuple:
 
 
 def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
-    """Tokenization, then the training loop; FLOPs count the timed steps' examples (BatchPlan)."""
+    """FLOPs count the timed steps' examples (BatchPlan)."""
     cfg = cfg.resolve()
     datasets.disable_caching()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -184,10 +172,8 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     model_cfg = hf_config_for(cfg, tokenizer)
     with torch.device("meta"):
         backbone = AutoModel.from_config(model_cfg)
-    head = 2 * (model_cfg.get_text_config().hidden_size + 1)
-    n_total = sum(p.numel() for p in backbone.parameters()) + head
     final, seen, baseline = _train_watched(cfg, device)
-    if final is None:  # not rank 0 under torchrun: rank 0 reports
+    if final is None:  # not rank 0
         return None
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else (
@@ -195,11 +181,10 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
     t, syncs = seen["times"], seen["syncs"]
     batches = [plan.batch(step)[1] for step in range(len(t))]
     trainable = seen["params"]
-    fpt, n_nonembed = flops_per_token(model_cfg, [plan.lengths[i] for b in batches for i in b],
-                                      trainable if cfg.lora_r else None)
+    fpt, n_nonembed, n_total = flops_per_token(
+        model_cfg, [plan.lengths[i] for b in batches for i in b], trainable if cfg.lora_r else None)
     static = min(seen["after_step"], default=0)
     tps = final["train_tokens_per_second"]
-    # steps 2..N: their tokens over the time from the first step's hook to the last one's
     steady = sum(map(plan.tokens, batches[1:])) / (t[-1] - t[0]) if len(t) > 1 else None
     out = {
         "tokens_per_second": round(tps, 1), "steady_tokens_per_second": steady and round(steady, 1),
@@ -217,8 +202,7 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
         "tokenize_rows_per_second": round(len(train_raw) / tok_seconds, 1),
         "tokenize_tokens_per_second": round(sum(plan.lengths) / tok_seconds, 1),
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()}",
-        "model": cfg.model, "dataset": cfg.dataset, "steps": len(t),
-        **{k: getattr(cfg, k) for k in REPORTED}, "dtype": cfg.dtype or "auto",
+        "steps": len(t), **{k: getattr(cfg, k) for k in REPORTED}, "dtype": cfg.dtype or "auto",
         "torch": torch.__version__,
     }
     if cuda:
@@ -230,20 +214,19 @@ def run_once(cfg: Config, peak_tflops: float = 0.0) -> dict:
 
 
 PEER_TOKENIZE = r"""
-import sys, time, datasets
-from datasets import features, load_dataset
+import sys, time
+from datasets import Features, Sequence, Value, disable_caching, load_dataset
 from transformers import AutoTokenizer
 from trl.experimental.prm import PRMTrainer
-datasets.disable_caching()
-model, data, max_length = sys.argv[1], sys.argv[2], int(sys.argv[3])
+disable_caching()
+model, data, max_length = sys.argv[1:]
 tok = AutoTokenizer.from_pretrained(model)
 ds = load_dataset("json", data_files=data, split="train")
-feats = features.Features({"labels": features.Sequence(features.Value("int64")),
-                           "input_ids": features.Sequence(features.Value("int64"))})
+ids = Sequence(Value("int64"))
 t0 = time.perf_counter()  # the same map call PRMTrainer.__init__ makes
 ds.map(PRMTrainer.tokenize_row, fn_kwargs=dict(tokenizer=tok, step_separator="\n",
-       max_length=max_length, max_completion_length=None, train_on_last_step_only=False,
-       is_eval=False), remove_columns=ds.features, features=feats)
+       max_length=int(max_length), max_completion_length=None, train_on_last_step_only=False,
+       is_eval=False), remove_columns=ds.features, features=Features(labels=ids, input_ids=ids))
 print(f"tokenize_rows_per_second={len(ds) / (time.perf_counter() - t0):.1f}")
 """
 
@@ -257,8 +240,7 @@ def _run(cmd: list) -> str:
 
 
 def _child(argv: list, *flags) -> dict:
-    """The JSON line of a fresh `python -m prm.bench` with argv's training flags and `flags`."""
-    cmd = [sys.executable, "-m", "prm.bench", *_strip_bench_flags(argv), *flags]
+    cmd = [sys.executable, "-m", "prm.bench", *argv, *ONCE, *flags]
     return json.loads(_run(cmd).strip().splitlines()[-1])
 
 
@@ -267,38 +249,29 @@ def _peer(a, cfg: Config) -> dict:
         cmd = [a.peer_python, a.peer_script, cfg.model, cfg.dataset, tmp,
                "--steps", str(cfg.max_steps), "--batch", str(cfg.batch_size),
                "--max-length", str(cfg.max_length)]
-        train_out = _run(cmd + (["--gc"] if cfg.gradient_checkpointing else []))
-    tok_out = _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset,
-                    str(cfg.max_length)])
-    return {"tokens_per_second": float(re.search(r"tok_per_s=([\d.]+)", train_out).group(1)),
-            "tokenize_rows_per_second":
-                float(re.search(r"tokenize_rows_per_second=([\d.]+)", tok_out).group(1))}
-
-
-def _strip_bench_flags(argv: list) -> list:
-    out, skip = [], False
-    for x in argv:
-        if not skip and x.split("=", 1)[0] not in BENCH_FLAGS:
-            out.append(x)
-        skip = not skip and x in BENCH_FLAGS
-    return out
+        text = _run(cmd + (["--gc"] if cfg.gradient_checkpointing else []))
+    text += _run([a.peer_python, "-c", PEER_TOKENIZE, cfg.model, cfg.dataset,
+                  str(cfg.max_length)])
+    found = dict(re.findall(r"(tok_per_s|tokenize_rows_per_second)=([\d.]+)", text))
+    return {"tokens_per_second": float(found["tok_per_s"]),
+            "tokenize_rows_per_second": float(found["tokenize_rows_per_second"])}
 
 
 def repeated(a, cfg: Config, argv: list) -> dict:
     """Fresh processes, ours and the peer's alternating so drift hits both."""
     ours, peer = [], []
     for i in range(a.repeats):
-        jobs = [lambda: ours.append(_child(argv))]
-        if a.peer_python:
-            jobs.append(lambda: peer.append(_peer(a, cfg)))
-        for job in (jobs if i % 2 == 0 else jobs[::-1]):
-            job()
+        if a.peer_python and i % 2:
+            peer.append(_peer(a, cfg))
+        ours.append(_child(argv))
+        if a.peer_python and not i % 2:
+            peer.append(_peer(a, cfg))
         versus = f", peer {peer[-1]['tokens_per_second']} tok/s" if peer else ""
         print(f"run {i + 1}/{a.repeats}: ours {ours[-1]['tokens_per_second']} tok/s{versus}",
               file=sys.stderr, flush=True)
     out = dict(ours[0])
-    for k in MEASURED:
-        if out.get(k) is not None:
+    for k, v in out.items():
+        if isinstance(v, float):  # a measurement
             out[k] = round(statistics.median(r[k] for r in ours), 4)
     out.update(repeats=a.repeats, runs_tokens_per_second=[r["tokens_per_second"] for r in ours],
                runs_peak_memory_mb=[r["peak_memory_mb"] for r in ours])
@@ -312,8 +285,9 @@ def repeated(a, cfg: Config, argv: list) -> dict:
     return out
 
 
-def side_by_side(a, argv: list) -> dict:
-    """Each variant in fresh processes (--repeats each), with its own flags added."""
+def side_by_side(argv: list) -> dict:
+    """Each of argv's --variants in fresh processes (--repeats each)."""
+    a = parser().parse_args(argv)
     names = a.variants.split(",")
     if not set(names) <= set(VARIANTS):
         raise UsageError(f"--variants {a.variants!r}: choose from {', '.join(VARIANTS)}")
@@ -331,18 +305,18 @@ def main():
     a = parser().parse_args(argv)
     cfg = parsed(Config, a).resolve()
     if a.peer_python and not a.peer_script:
-        raise UsageError("--peer-python needs --peer-script (shared/tools/bench/trl_peer.py)")
+        raise UsageError("--peer-python needs --peer-script")
     if a.gpu_check:
-        out = gpu_check(lambda args: side_by_side(parser().parse_args(args), args), dry=a.dry_run)
+        out = gpu_check(side_by_side, dry=a.dry_run)
     elif a.variants:
-        out = side_by_side(a, argv)
+        out = side_by_side(argv)
     elif a.repeats > 1 or a.peer_python:
         out = repeated(a, cfg, argv)
     else:
         out = run_once(cfg, a.peak_tflops)
     if out is not None:
         print(json.dumps(out), flush=True)
-    if out and out.get("failed"):  # --gpu-check's, after the figures print
+    if out and out.get("failed"):  # --gpu-check's
         raise PRMError(f"--gpu-check: {out['failed']} failed (its output is above)")
 
 

@@ -1,4 +1,4 @@
-"""prm.bench: one tiny in-process run returns every documented key; the FLOPs formula and the flag stripping."""
+"""prm.bench: one tiny in-process run returns every documented key; the FLOPs formula and a child's flags."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from prm.bench import BF16_PEAK_TFLOPS, _strip_bench_flags, flops_per_token, parser, run_once
+from prm.bench import BF16_PEAK_TFLOPS, ONCE, flops_per_token, parser, run_once
 from prm.config import Config
 
 
@@ -31,10 +31,10 @@ def test_flops_per_token_formula():
     from transformers import AutoModel, Qwen2Config
     c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
-    fpt, n = flops_per_token(c, [10, 30])
+    fpt, n, everything = flops_per_token(c, [10, 30])
     with torch.device("meta"):
         total = sum(p.numel() for p in AutoModel.from_config(c).parameters())
-    assert n == total - 1000 * 64 + 2 * 64 + 2  # embedding out, 2-way head in
+    assert n == total - 1000 * 64 + 2 * 64 + 2 and everything == total + 2 * 64 + 2  # embedding out, 2-way head in
     assert fpt == 6 * n + 12 * 2 * 64 * (100 + 900) / 40
 
 
@@ -42,8 +42,8 @@ def test_lora_counts_4_flops_per_frozen_weight():
     from transformers import Qwen2Config
     c = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)
-    full, n = flops_per_token(c, [10, 30])
-    lora, _ = flops_per_token(c, [10, 30], lora_trainable=500 + 130)  # 500 adapter weights + the 130-weight head
+    full, n, _ = flops_per_token(c, [10, 30])
+    lora, *_ = flops_per_token(c, [10, 30], lora_trainable=500 + 130)  # 500 adapter weights + the 130-weight head
     assert full - lora == 2 * (n - 130) - 6 * 500
 
 
@@ -69,10 +69,11 @@ def test_variants_side_by_side(tmp_path):
     assert out["tokens_per_second_vs_padded"]["padded"] == 1.0 and out["tokens_per_second_vs_padded"]["packed"] > 0
 
 
-def test_strip_bench_flags():
+def test_a_child_runs_once_without_the_peer_or_variants():
     argv = ["--model", "m", "--repeats", "3", "--peer-python=/x/py", "--peer-script", "s.py", "--steps", "5",
             "--variants", "padded,packed"]
-    assert _strip_bench_flags(argv) == ["--model", "m", "--steps", "5"]
+    a = parser().parse_args(argv + ONCE + ["--repeats", "2"])  # a variant's child repeats
+    assert (a.repeats, a.variants, a.peer_python, a.peer_script, a.max_steps, a.model) == (2, "", "", "", 5, "m")
 
 
 def test_flops_by_hand_for_one_layer():
@@ -86,10 +87,10 @@ def test_flops_by_hand_for_one_layer():
                     num_attention_heads=heads, num_key_value_heads=kv)
     attn = (d * heads * hd + heads * hd) + 2 * (d * kv * hd + kv * hd) + heads * hd * d  # q, k, v (+ biases), o
     n = attn + 3 * d * inner + 2 * d + d + (2 * d + 2)  # MLP (gate, up, down), 2 layer norms + final, head
-    fpt, counted = flops_per_token(c, [3, 5])
+    fpt, counted, _ = flops_per_token(c, [3, 5])
     assert counted == n == 37314
     assert fpt == 6 * n + 12 * 1 * heads * hd * (9 + 25) / 8
-    lora, _ = flops_per_token(c, [3, 5], lora_trainable=1000 + 130)  # 1000 adapter weights and the head
+    lora, *_ = flops_per_token(c, [3, 5], lora_trainable=1000 + 130)  # 1000 adapter weights and the head
     assert lora == 4 * (n - 130) + 6 * 1130 + 12 * heads * hd * (9 + 25) / 8
 
 

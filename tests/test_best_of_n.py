@@ -140,7 +140,7 @@ def test_flat_rows_are_grouped_by_prompt(model_dir, tmp_path, capsys):
     assert out["best_of_n"]["oracle"]["all"] == 1.0  # k = 0 (count 0:) and k = 3 (count 1:) are right
     # the votes left out are said to be so, in the JSON and the table
     assert out["candidates_with_answer"] == 0
-    assert "flat: weighted_*, majority_vote n/a (no candidate has an extractable answer)" in \
+    assert "flat: weighted_*, majority_vote n/a (no extractable answer)" in \
         capsys.readouterr().err
 
 

@@ -149,8 +149,8 @@ def test_eval_table_adds_best_of_n_and_prmscore_and_warns_of_a_one_class_verdict
     assert lines[3:] == ["bench: best-of-N accuracy with all 4 candidates: min 0.750, oracle 1.000",
                          "bench: PRMScore 0.520 (f1 0.900, f1_neg 0.140)"]
     assert eval_cli.warnings_for({"bench": block}, Config(), 0.5) == [
-        "warning: bench: every labeled step is predicted correct at threshold 0.5: its step_accuracy is the share "
-        "of that class"]
+        "warning: bench: every labeled step is predicted correct at threshold 0.5: step_accuracy is that class's "
+        "share"]
     assert eval_cli.warnings_for({"bench": {**block, "precision_0": 0.5}}, Config(), 0.5) == []
 
 

@@ -30,8 +30,7 @@ REPORTED = ("attention", "tokens_per_second", "steady_tokens_per_second", "mfu",
             "peak_memory_mb", "host_syncs_per_step", "padding_efficiency")
 
 
-def rows(n: int, max_length: int):
-    """Rows of max_length / 8 to max_length characters, 2-12 steps each."""
+def rows(n: int, max_length: int):  # max_length / 8 to max_length characters, 2-12 steps
     rng = random.Random(0)
     for i in range(n):
         size, k = rng.randint(max_length // 8, max_length), rng.randint(2, 12)
@@ -73,13 +72,11 @@ def run_tests() -> dict:
 
 
 def gpu_check(side_by_side, *, dry: bool) -> dict:
-    """side_by_side: prm.bench's; UsageError without CUDA (unless dry)."""
+    """side_by_side: prm.bench's (no import circle)."""
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data, argv = write_inputs(tmp, dry)
+        model_dir, _, argv = write_inputs(tmp, dry)
         if not dry and not torch.cuda.is_available():
-            with open(data) as f:
-                n = sum(1 for _ in f)
-            raise UsageError(f"--gpu-check needs CUDA (built the model config, tokenizer, {n} rows;"
+            raise UsageError("--gpu-check needs CUDA (built the model config, tokenizer and rows;"
                              " --dry-run runs on the CPU)")
         torch.manual_seed(0)
         with torch.device("cpu" if dry else "cuda"):
