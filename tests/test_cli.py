@@ -30,7 +30,7 @@ def test_trl_names_and_underscore_spellings_parse_to_the_same_config(tmp_path):
     assert parse_config(DASHED + out) == parse_config(ALIASES + out) != parse_config(out)
 
 
-@pytest.mark.parametrize("argv, hint", [(["--learnin_rate", "1"], "(did you mean --lr / --learning-rate?)"),
+@pytest.mark.parametrize("argv, hint", [(["--learnin_rate", "1"], "(did you mean --learning_rate?)"),
                                         (["--max-len", "64"], "(did you mean --max-length?)")])  # no abbreviations
 def test_an_unknown_flag_exits_2_naming_the_nearest(argv, hint):
     with pytest.raises(UsageError) as e:

@@ -54,8 +54,8 @@ def test_flags_given_override_the_file_and_the_rest_keeps_its_values(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("max_lenght: 512\n", "unknown key 'max_lenght' (did you mean 'max_length'?)"),
-    ("learnin_rate: 1.0e-5\n", "unknown key 'learnin_rate' (did you mean 'lr'?)"),  # TRL's name, mistyped
+    ("max_lenght: 512\n", "unknown key 'max_lenght' (did you mean max_length?)"),
+    ("learnin_rate: 1.0e-5\n", "unknown key 'learnin_rate' (did you mean learning_rate?)"),  # TRL's name, mistyped
     ("lr: 1.0e-5\nlearning_rate: 1.0e-5\n", "'lr' and 'learning_rate' both set --lr: give one"),  # as flags
     ("max_length: long\n", "'max_length' must be int, got str 'long'"),
     ("dtype: fp8\n", "'dtype' must be one of"),
@@ -83,7 +83,7 @@ def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
         parse_config(["--help"])
     text = capsys.readouterr().out
     assert "(default: '\\n')" in " ".join(text.split())  # the newline separator, visible
-    assert "full batch: some examples train twice a pass" in " ".join(text.split())  # --epochs: data.global_batches
+    assert "filled up with repeats" in " ".join(text.split())  # --epochs: data.global_batches
     with pytest.raises(SystemExit):
         eval_cli.main(["--help"])
     text = capsys.readouterr().out
