@@ -104,10 +104,9 @@ class Parser(argparse.ArgumentParser):
         """One action for a flag's spellings; one, hidden, per converting TRL name."""
         m = f.metadata
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
-        if m.get("required"):  # checked after unknown flags
-            kw["help"] += " (required)"
-        shown = shown and not m.get("required")
-        kw.update(action=Given, default=f.default if shown else argparse.SUPPRESS)
+        required = m.get("required")  # checked after unknown flags
+        kw["help"] += " (required)" if required else ""
+        kw.update(action=Given, default=f.default if shown and not required else argparse.SUPPRESS)
         if kind(f) is bool:  # positionals: `--skip-invalid INPUT` takes no value
             kw.update(nargs=0 if self.bare else "?", const=SWITCH, metavar="BOOL")
         elif kind(f) is tuple:  # 1,4,16, or with nargs a word an item
@@ -256,7 +255,7 @@ def read_config_file(path: str) -> dict:
     except (OSError, ValueError, RecursionError) as e:
         raise UsageError(where + str(e)) from None
     if data is not None and not isinstance(data, dict):
-        raise UsageError(where + f"expected a mapping of settings, got {type(data).__name__}")
+        raise UsageError(where + f"expected a mapping, got {type(data).__name__}")
     pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in (data or {}).items()]
     return translate(pairs, Config.__dataclass_fields__, where)
 

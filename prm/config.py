@@ -41,8 +41,7 @@ def preview(value) -> str:
 
 
 class Converted(NamedTuple):
-    """A TRL name whose value convert() maps; nargs "?": a switch, "+": a list; keep: the
-    values a false switch keeps and a true one refuses."""
+    """A TRL name set through convert(); nargs "?": a switch, "+": a list; keep: see translate."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -131,8 +130,7 @@ class Config:
     eval_split: str = opt(
         "test", "eval split, if present", rules="rows scoring", trl=("dataset_test_split",))
     eval_fraction: float = opt(
-        0.05, "share held out by prompt without an eval split", rules="rows",
-        check=within(0, 1, "()"))
+        0.05, "held out by prompt if no eval split", rules="rows", check=within(0, 1, "()"))
     format: Optional[str] = opt(None, "auto: by the columns", rules="rows scoring", choices=FORMATS)
     eval_format: Optional[str] = opt(None, "--eval-dataset's format", rules="rows", choices=FORMATS)
     neutral_label: str = opt(
@@ -159,8 +157,7 @@ class Config:
         check=bound(lambda v: v == -1 or v >= 1, "must be -1 or >= 1"))
     epochs: float = opt(  # below 2^31: no overflow
         1.0, "passes if --max-steps is -1 (a last batch is filled up with repeats)", rules="change",
-        trl=("num_train_epochs",),
-        check=bound(lambda v: 0 < v < 2 ** 31, "must be > 0 and below 2^31"))
+        trl=("num_train_epochs",), check=within(0, 2 ** 31, "()"))
     batch_size: Optional[int] = opt(
         None, "per device and micro-batch; default/0: 32 for 'tiny', else 8", rules="change",
         trl=("per_device_train_batch_size",), check=COUNT + LARGEST)
@@ -217,8 +214,7 @@ class Config:
         None, "per device; default/0: 2 x --batch-size", rules="change scoring",
         trl=("per_device_eval_batch_size",), check=COUNT)
     threshold: float = opt(
-        0.5, "a step is predicted correct at P(correct) >= this", rules="change scoring",
-        check=within(0, 1))
+        0.5, "a step is correct at P(correct) >= this", rules="change scoring", check=within(0, 1))
     log_every: int = opt(
         10, "log every N steps", rules="change", trl=("logging_steps",), check=at_least(1))
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
@@ -234,10 +230,9 @@ class Config:
     keep_last: int = opt(
         2, "checkpoints kept; 0: all", rules="change", trl=("save_total_limit",), check=COUNT)
     resume: str = opt(
-        "", "checkpoint folder to continue, or 'auto': the newest (command line only)",
-        rules="change", trl=("resume_from_checkpoint",),
-        check=bound(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
-                    "folder or 'auto' (HF's true)"))
+        "", "checkpoint folder, or 'auto': the newest (command line only)", rules="change",
+        trl=("resume_from_checkpoint",), check=bound(
+            lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a folder or 'auto'"))
     trust_remote_code: bool = opt(
         False, "run hub models' own code (command line only)", rules="change scoring")
 
@@ -318,8 +313,7 @@ class Config:
         except (OSError, ValueError) as e:
             raise UsageError(f"{path}: cannot read it: {e}") from None
         if not isinstance(saved, dict):
-            raise UsageError(f"{path}: expected a JSON object of settings, got "
-                             f"{type(saved).__name__}")
+            raise UsageError(f"{path}: expected a JSON object, got {type(saved).__name__}")
         problems, by_name = [], cls.__dataclass_fields__
         for key, value in saved.items():
             try:

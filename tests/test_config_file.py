@@ -59,7 +59,7 @@ def test_flags_given_override_the_file_and_the_rest_keeps_its_values(tmp_path):
     ("lr: 1.0e-5\nlearning_rate: 1.0e-5\n", "'lr' and 'learning_rate' both set --lr: give one"),  # as flags
     ("max_length: long\n", "'max_length' must be int, got str 'long'"),
     ("dtype: fp8\n", "'dtype' must be one of"),
-    ("- lr\n", "expected a mapping of settings, got list"),
+    ("- lr\n", "expected a mapping, got list"),
 ])
 def test_bad_config_files_exit_2_naming_the_problem(tmp_path, text, message):
     (tmp_path / "bad.yaml").write_text(text)
