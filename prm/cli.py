@@ -28,7 +28,6 @@ UNSUPPORTED = {name: why for names, why in [
     ("max_prompt_length", "prompts stay whole; see --max-completion-length"),
     ("attn_implementation", "chosen per device"),
 ] for name in names.split()}
-SWITCH = True  # a switch's const: given alone
 
 
 class Given(argparse.Action):
@@ -36,11 +35,8 @@ class Given(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
-        if self.const is SWITCH:
-            try:
-                on = boolean(values or SWITCH)  # nargs 0: []
-            except ValueError as e:
-                raise argparse.ArgumentError(self, str(e)) from None
+        if self.type is boolean:  # a switch; values: a bool, or [] for nargs 0
+            on = values is not False
             values, name = on != name.startswith("--no-"), name.replace("--no-", "--", 1)
         namespace.given.append((name, self.dest, values))
 
@@ -108,7 +104,7 @@ class Parser(argparse.ArgumentParser):
         kw["help"] += " (required)" if required else ""
         kw.update(action=Given, default=f.default if shown and not required else argparse.SUPPRESS)
         if kind(f) is bool:  # positionals: `--skip-invalid INPUT` takes no value
-            kw.update(nargs=0 if self.bare else "?", const=SWITCH, metavar="BOOL")
+            kw.update(nargs=0 if self.bare else "?", const=True, metavar="BOOL", type=boolean)
         elif kind(f) is tuple:  # 1,4,16, or with nargs a word an item
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
@@ -121,12 +117,12 @@ class Parser(argparse.ArgumentParser):
         spelled = [([*map(flag, names), *("--" + n for n in names)], kw)]
         for c in m["trl"]:
             if not isinstance(c, str):
-                more = dict(kw, default=argparse.SUPPRESS, help=argparse.SUPPRESS, type=str,
-                            nargs=c.nargs, const=SWITCH if c.nargs == "?" else None, choices=None)
+                more = dict(kw, default=argparse.SUPPRESS, help=argparse.SUPPRESS, nargs=c.nargs,
+                            type=boolean if c.nargs == "?" else str, const=True, choices=None)
                 spelled.append(([flag(c.name), "--" + c.name], more))
         for spellings, more in spelled:
             spellings = list(dict.fromkeys(spellings))
-            if more.get("const") is SWITCH:
+            if more["type"] is boolean:
                 spellings += ["--no-" + s[2:] for s in spellings]
             group.add_argument(*spellings, **more)
 

@@ -231,7 +231,7 @@ def test_eval_py_refuses_one_setting_under_two_names_too():
 @pytest.mark.parametrize("argv, message", [
     (["--batch_size", "x"], "argument --batch-size: invalid int value: 'x'"),
     (["--per-device-train-batch-size", "x"], "argument --batch-size: invalid int value: 'x'"),
-    (["--gradient_checkpointing", "maybe"], "argument --gradient-checkpointing: expected true or false, got 'maybe'"),
+    (["--gradient_checkpointing", "maybe"], "argument --gradient-checkpointing: invalid boolean value: 'maybe'"),
     (["--dataset_test_split"], "argument --eval-split: expected one argument"),
 ])
 def test_a_bad_value_names_the_flag_as_help_lists_it(argv, message):

@@ -203,7 +203,7 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
     (["--logging_step", "5"], "(did you mean --logging_steps?)"),
     (["--resume_from_checkpoint", "true"], "--resume 'true': takes a folder or 'auto'"),
     (["--torch_dtype", "int8"], "--torch_dtype: expected one of auto, bfloat16, float16, float32, got 'int8'"),
-    (["--bf16", "maybe"], "argument --bf16: expected true or false, got 'maybe'"),
+    (["--bf16", "maybe"], "argument --bf16: invalid boolean value: 'maybe'"),
     (["--lr-scheduler-type", "cosine", "--warmup-steps", "2", "--lr-scheduler-type", "constant"],
      "--lr-scheduler-type 'constant': takes no warmup: use constant_with_warmup"),
     (["--step-separator", ""], "--step-separator '': must not be empty"),
