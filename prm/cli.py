@@ -42,7 +42,7 @@ class Given(argparse.Action):
 
 
 def hint(name: str, names: list) -> str:
-    """' (did you mean X?)': X, difflib's closest name, has a word near each of name's; or ''."""
+    """' (did you mean X?)', X the closest name with a word near each of name's; or ''."""
     def words(text: str) -> list:
         return re.findall(r"[^-_]+", text.lower())
 
@@ -144,8 +144,8 @@ class Parser(argparse.ArgumentParser):
         bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
         if bad:  # the first spelling only
             raise UsageError(f"argument {bad[1]}: {bad[2]}")
-        unknown = [a for a in message.split()[2:] if a.startswith("-")]
-        given = unknown[0].split("=")[0] if unknown and "unrecognized" in message else ""
+        unknown = re.search(r"unrecognized arguments:.*? (-[^\s=]*)", message)
+        given = unknown[1] if unknown else ""
         why = UNSUPPORTED.get(given.lstrip("-").replace("-", "_"))
         if why:
             raise UsageError(f"{given} is not supported: {why}")
@@ -170,7 +170,7 @@ def translate(pairs: list, known: dict, where: str = "") -> dict:
     for name, dest, value in pairs:
         plain = name.strip("'-").replace("-", "_")
         if plain in UNSUPPORTED:
-            if where and value in (None, False):  # `push_to_hub: false`
+            if value in (None, False):  # `push_to_hub: false` in a file
                 continue
             fail(f"{name} is not supported: {UNSUPPORTED[plain]}")
         dest, conv = ALIASES.get(plain, (dest, None))
@@ -242,10 +242,8 @@ def read_config_file(path: str) -> dict:
         raise UsageError(where + "not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
-            if path.endswith(".json"):
-                data = json.load(f, object_pairs_hook=unique_keys)
-            else:
-                data = yaml.load(f, BoundedLoader)
+            data = (json.load(f, object_pairs_hook=unique_keys) if path.endswith(".json")
+                    else yaml.load(f, BoundedLoader))
     except yaml.YAMLError as e:
         raise UsageError(where + yaml_problem(e)) from None
     except (OSError, ValueError, RecursionError) as e:

@@ -90,7 +90,7 @@ def not_empty(why: str) -> tuple:
 
 FINITE = bound(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")  # NaN fails too
 WHOLE = bound(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)")  # inf % 1: nan
-LARGEST = bound(lambda v: v <= 2 ** 24, "must be at most 2^24")  # beyond: index lists overflow
+LARGEST = 2 ** 24  # beyond: index lists overflow
 COUNT = at_least(0)
 
 
@@ -160,10 +160,10 @@ class Config:
         trl=("num_train_epochs",), check=within(0, 2 ** 31, "()"))
     batch_size: Optional[int] = opt(
         None, "per device and micro-batch; default/0: 32 for 'tiny', else 8", rules="change",
-        trl=("per_device_train_batch_size",), check=COUNT + LARGEST)
+        trl=("per_device_train_batch_size",), check=within(0, LARGEST))
     grad_accum: int = opt(
         1, "micro-batches per optimizer step", rules="change", trl=("gradient_accumulation_steps",),
-        check=at_least(1) + LARGEST)
+        check=within(1, LARGEST))
     lr: Optional[float] = opt(
         None, "peak AdamW lr; default/0: 1e-3 for 'tiny', 1e-4 with LoRA, else 1e-5",
         trl=("learning_rate",), check=FINITE)
@@ -208,7 +208,7 @@ class Config:
         0, "evaluate every N steps; 0: at the end only", rules="change", trl=("eval_steps",),
         section="evaluation, logging, checkpoints", check=COUNT)
     eval_strategy: Optional[str] = opt(
-        None, "steps: every --eval-every (or --log-every); default: steps if --eval-every, else no",
+        None, "steps: every --eval-every (or --log-every); default: steps if --eval-every",
         rules="change", choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = opt(
         None, "per device; default/0: 2 x --batch-size", rules="change scoring",
@@ -219,13 +219,13 @@ class Config:
         10, "log every N steps", rules="change", trl=("logging_steps",), check=at_least(1))
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
     report_to: str = opt(
-        "none", "also log to TensorBoard (<output-dir>/tensorboard) or W&B", rules="change",
+        "none", "also log to TensorBoard (in --output-dir) or W&B", rules="change",
         choices=["none", "tensorboard", "wandb"])
     run_name: str = opt("", "TensorBoard / W&B run name; default: --output-dir's", rules="change")
     save_every: int = opt(
         0, "checkpoint every N steps; 0: never", rules="change", trl=("save_steps",), check=COUNT)
     save_strategy: Optional[str] = opt(
-        None, "steps: every --save-every (or 500); default: steps if --save-every, else no",
+        None, "steps: every --save-every (or 500); default: steps if --save-every",
         rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = opt(
         2, "checkpoints kept; 0: all", rules="change", trl=("save_total_limit",), check=COUNT)
@@ -294,8 +294,8 @@ class Config:
         if batch * world != was * saved_world:
             bad.append(f"global batch {self.batch_size} x {self.grad_accum} x {world} ranks (was "
                        f"{saved.batch_size} x {saved.grad_accum} x {saved_world})")
-        fine = [n for n in differ if n in MAY_CHANGE and n not in ("resume", "output_dir")]
-        return bad, [fmt(n) for n in fine]
+        fine = [fmt(n) for n in differ if n in MAY_CHANGE and n not in ("resume", "output_dir")]
+        return bad, fine
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
