@@ -2,15 +2,12 @@
 import argparse
 import copy
 import difflib
-import json
 import os
 import re
 import sys
 from dataclasses import fields
 
-import yaml
-
-from prm.config import Config, boolean, checked_value, flag, kind, preview, unique_keys
+from prm.config import Config, boolean, checked_value, flag, kind, preview, read_mapping
 from prm.errors import UsageError, check
 
 
@@ -205,52 +202,10 @@ def writable(path: str) -> bool:
     return (part == target or os.path.isdir(part)) and os.access(part, os.W_OK)
 
 
-class BoundedLoader(yaml.SafeLoader):
-    """Refuses a repeated key and over 20 aliases ('billion laughs')."""
-    aliases = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.aliases += 1
-            if self.aliases > 20:
-                raise yaml.MarkedYAMLError(problem="more than 20 aliases (*name)",
-                                           problem_mark=self.peek_event().start_mark)
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key, _ in node.value:  # a merge (<<: *base) may repeat a key
-            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                if key.value in seen:
-                    raise yaml.MarkedYAMLError(problem=f"key {preview(key.value)} given twice",
-                                               problem_mark=key.start_mark)
-                seen.add(key.value)
-        return super().construct_mapping(node, deep)
-
-
-def yaml_problem(e: yaml.YAMLError) -> str:
-    at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"
-    if getattr(e, "problem_mark", None) is None or not e.problem:
-        return " ".join(str(e).split())
-    context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
-    return f"{at(e.problem_mark)}: {e.problem}{context}"
-
-
 def read_config_file(path: str) -> dict:
     where = f"--config {path}: "
-    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO: open() blocks
-        raise UsageError(where + "not a regular file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = (json.load(f, object_pairs_hook=unique_keys) if path.endswith(".json")
-                    else yaml.load(f, BoundedLoader))
-    except yaml.YAMLError as e:
-        raise UsageError(where + yaml_problem(e)) from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise UsageError(where + str(e)) from None
-    if data is not None and not isinstance(data, dict):
-        raise UsageError(where + f"expected a mapping, got {type(data).__name__}")
-    pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in (data or {}).items()]
+    data = read_mapping(path, where)
+    pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in data.items()]
     return translate(pairs, Config.__dataclass_fields__, where)
 
 

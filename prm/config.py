@@ -8,6 +8,8 @@ import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Callable, NamedTuple, Optional, get_args
 
+import yaml
+
 from prm.errors import UsageError, check
 from prm.files import write_lines
 
@@ -307,14 +309,7 @@ class Config:
     @classmethod
     def load(cls, directory: str) -> "Config":
         path = os.path.join(directory, FILE)
-        try:
-            with open(path) as f:
-                saved = json.load(f, object_pairs_hook=unique_keys)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{path}: cannot read it: {e}") from None
-        if not isinstance(saved, dict):
-            raise UsageError(f"{path}: expected a JSON object, got {type(saved).__name__}")
-        problems, by_name = [], cls.__dataclass_fields__
+        saved, problems, by_name = read_mapping(path, path + ": "), [], cls.__dataclass_fields__
         for key, value in saved.items():
             try:
                 saved[key] = checked_value(by_name[key], value) if key in by_name else value
@@ -361,3 +356,53 @@ def checked_value(f, value):
     if f.metadata.get("choices") and value not in f.metadata["choices"]:
         raise ValueError(f"'{f.name}' must be one of {f.metadata['choices']}, got {preview(value)}")
     return value
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """Refuses a repeated key and over 20 aliases ('billion laughs')."""
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > 20:
+                raise yaml.MarkedYAMLError(problem="more than 20 aliases (*name)",
+                                           problem_mark=self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:  # a merge (<<: *base) may repeat a key
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.MarkedYAMLError(problem=f"key {preview(key.value)} given twice",
+                                               problem_mark=key.start_mark)
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"
+    if getattr(e, "problem_mark", None) is None or not e.problem:
+        return " ".join(str(e).split())
+    context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
+    return f"{at(e.problem_mark)}: {e.problem}{context}"
+
+
+def read_mapping(path: str, where: str) -> dict:
+    """The object in a JSON (.json) or YAML file; UsageError(where + why) if there is none."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO: open() blocks
+        raise UsageError(where + "not a regular file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = (json.load(f, object_pairs_hook=unique_keys) if path.endswith(".json")
+                    else yaml.load(f, BoundedLoader))
+    except yaml.YAMLError as e:
+        raise UsageError(where + yaml_problem(e)) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise UsageError(where + str(e)) from None
+    if data is None and not path.endswith(".json"):  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(where + f"expected a mapping, got {type(data).__name__}")
+    return data

@@ -134,7 +134,7 @@ def test_a_key_given_twice_in_a_config_file_is_refused_naming_file_key_and_yaml_
 
 def test_a_yaml_merge_may_still_override_a_merged_key():
     import yaml
-    from prm.cli import BoundedLoader
+    from prm.config import BoundedLoader
     assert yaml.load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n", BoundedLoader)["b"] == {"x": 3, "y": 2}
 
 
