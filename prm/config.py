@@ -366,8 +366,7 @@ class BoundedLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             self.aliases += 1
             if self.aliases > 20:
-                raise yaml.MarkedYAMLError(problem="more than 20 aliases (*name)",
-                                           problem_mark=self.peek_event().start_mark)
+                raise ValueError(f"{at(self.peek_event().start_mark)}: over 20 aliases (*name)")
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
@@ -375,14 +374,16 @@ class BoundedLoader(yaml.SafeLoader):
         for key, _ in node.value:  # a merge (<<: *base) may repeat a key
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
                 if key.value in seen:
-                    raise yaml.MarkedYAMLError(problem=f"key {preview(key.value)} given twice",
-                                               problem_mark=key.start_mark)
+                    raise ValueError(f"{at(key.start_mark)}: key {preview(key.value)} given twice")
                 seen.add(key.value)
         return super().construct_mapping(node, deep)
 
 
+def at(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
 def yaml_problem(e: yaml.YAMLError) -> str:
-    at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"
     if getattr(e, "problem_mark", None) is None or not e.problem:
         return " ".join(str(e).split())
     context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
