@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from prm.config import Config, boolean, checked_value, flag, kind, preview, read_mapping
-from prm.errors import UsageError, check
+from prm.errors import UsageError
 
 
 # {TRL name: (field, its Converted or None)}
@@ -202,13 +202,6 @@ def writable(path: str) -> bool:
     return (part == target or os.path.isdir(part)) and os.access(part, os.W_OK)
 
 
-def read_config_file(path: str) -> dict:
-    where = f"--config {path}: "
-    data = read_mapping(path, where)
-    pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in data.items()]
-    return translate(pairs, Config.__dataclass_fields__, where)
-
-
 def parse_config(argv=None) -> Config:
     """train.py's command line, resolved."""
     p = Parser(Config, description="Train a process reward model. Flags also take underscores "
@@ -216,12 +209,14 @@ def parse_config(argv=None) -> Config:
     p.add_argument("--config", default="", metavar="FILE",
                    help="YAML/JSON settings as in config.train.json; flags override them")
     args = p.parse_args(argv)
-    from_file = read_config_file(args.config) if args.config else {}
+    where = f"--config {args.config}: "
+    data = read_mapping(args.config, where) if args.config else {}
+    pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in data.items()]
+    from_file = translate(pairs, Config.__dataclass_fields__, where)
     for key in ("overwrite", "trust_remote_code", "resume"):
         if from_file.pop(key, False):
-            print(f"note: --config {args.config}: {key} ignored: command line only",
-                  file=sys.stderr)
+            print(f"note: {where}{key} ignored: command line only", file=sys.stderr)
     cfg = Config(**{**from_file, **args.given}).resolve()
-    out_ok = cfg.output_dir and writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
-    check([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"])
+    if not (cfg.output_dir and writable(cfg.output_dir)) or os.path.isfile(cfg.output_dir):
+        raise UsageError(f"--output-dir {cfg.output_dir}: not a writable folder")
     return cfg
