@@ -106,10 +106,11 @@ class Parser(argparse.ArgumentParser):
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
             kw.setdefault("type", kind(f))
+        dest = m.get("dest", f.name)
         if m.get("positional"):
-            group.add_argument(m.get("dest", f.name), **kw)
+            group.add_argument(dest, **kw)
             return
-        kw["dest"] = m.get("dest", f.name)
+        kw["dest"] = dest
         names = [m.get("flag", "--" + f.name)[2:]] + [t for t in m["trl"] if isinstance(t, str)]
         spelled = [([*map(flag, names), *("--" + n for n in names)], kw)]
         for c in m["trl"]:
@@ -123,14 +124,10 @@ class Parser(argparse.ArgumentParser):
                 spellings += ["--no-" + s[2:] for s in spellings]
             group.add_argument(*spellings, **more)
 
-    def parse_known_args(self, args=None, namespace=None):
-        ns, rest = super().parse_known_args(args, argparse.Namespace(given=[]))
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, argparse.Namespace(given=[]))
         ns.given = translate(ns.given, self.fields)
         vars(ns).update(ns.given)
-        return ns, rest
-
-    def parse_args(self, args=None, namespace=None):
-        ns = super().parse_args(args, namespace)
         missing = [flag_of(f) for f in self.fields.values()
                    if f.metadata.get("required") and f.name not in ns.given]
         if missing:
@@ -160,7 +157,7 @@ def comma_list(kind):
 
 
 def translate(pairs: list, known: dict, where: str = "") -> dict:
-    """{field: value} of (name given, field, value); where: '--config FILE: ', values checked."""
+    """{field: value} of (name given, field, value); where: '--config FILE: ' (values checked)."""
     def fail(what: str):
         raise UsageError(where + what)
     out, named = {}, {}

@@ -120,11 +120,11 @@ def _switch(name: str, other: str) -> Converted:
 @dataclass
 class Config:
     model: str = opt(
-        "tiny", "hub id, folder, or 'tiny': a small random decoder", trl=("model_name_or_path",),
+        "tiny", "hub id, folder or 'tiny' (small, random)", trl=("model_name_or_path",),
         section="model and data")
     tokenizer: str = opt("", "path or hub id; default: the model's", rules="scoring")
     dataset: str = opt(
-        "synthetic", "'synthetic', a hub id, a .jsonl/.json/.parquet file or folder", rules="rows",
+        "synthetic", "'synthetic', hub id, .jsonl/.json/.parquet file or folder", rules="rows",
         trl=("dataset_name",))
     eval_dataset: str = opt("", "held out; default: --eval-split or --eval-fraction", rules="rows")
     dataset_config: str = opt("", "hub dataset config", rules="scoring")
@@ -146,7 +146,7 @@ class Config:
     output_dir: str = opt("out", "for metrics.jsonl, checkpoints and final/", rules="change")
     overwrite: bool = opt(False, "replace --output-dir's run (command line only)", rules="change")
     max_length: int = opt(
-        1024, "tokens per example; truncation keeps whole steps", rules="scoring",
+        1024, "tokens per example (whole steps kept)", rules="scoring",
         section="tokenization", check=at_least(1))
     max_completion_length: int = opt(0, "cap on step tokens; 0: none", rules="scoring", check=COUNT)
     step_separator: str = opt(
@@ -158,7 +158,7 @@ class Config:
         -1, "optimizer steps; -1: --epochs passes", rules="change", section="optimization",
         check=bound(lambda v: v == -1 or v >= 1, "must be -1 or >= 1"))
     epochs: float = opt(  # below 2^31: no overflow
-        1.0, "passes if --max-steps is -1 (a last batch is filled up with repeats)", rules="change",
+        1.0, "passes if --max-steps is -1 (a last batch is filled with repeats)", rules="change",
         trl=("num_train_epochs",), check=within(0, 2 ** 31, "()"))
     batch_size: Optional[int] = opt(
         None, "per device and micro-batch; default/0: 32 for 'tiny', else 8", rules="change",
@@ -180,7 +180,7 @@ class Config:
     adam_epsilon: float = opt(1e-8, "AdamW epsilon", check=FINITE)
     max_grad_norm: float = opt(1.0, "gradient clipping norm; 0: none", rules="change", check=FINITE)
     dtype: Optional[str] = opt(
-        None, "autocast; auto: bf16 where native, else fp32 (or TRL's --bf16/--fp16/--torch_dtype)",
+        None, "autocast; auto: bf16 where native (or TRL's --bf16/--fp16/--torch_dtype)",
         rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
         trl=(_switch("bf16", "fp16"), _switch("fp16", "bf16"),
              Converted("torch_dtype", torch_dtype)))
@@ -197,7 +197,7 @@ class Config:
         0, "rank; 0: train every weight", check=COUNT,
         section="LoRA on the backbone's linear layers (the head trains fully)")
     use_peft: Optional[bool] = opt(
-        None, "TRL's: LoRA (rank 16 if --lora-r is 0) or not; unset: by --lora-r", rules="change")
+        None, "TRL's: LoRA (rank 16 if --lora-r 0) or not; unset: by --lora-r", rules="change")
     lora_alpha: Optional[float] = opt(None, "scale alpha/r; default/0: 2 x --lora-r", check=FINITE)
     lora_dropout: float = opt(0.0, "dropout on the LoRA input", check=within(0, 1, "[)"))
     lora_targets: str = opt(
@@ -232,7 +232,7 @@ class Config:
     keep_last: int = opt(
         2, "checkpoints kept; 0: all", rules="change", trl=("save_total_limit",), check=COUNT)
     resume: str = opt(
-        "", "checkpoint folder, or 'auto': the newest (command line only)", rules="change",
+        "", "checkpoint folder or 'auto': the newest (command line only)", rules="change",
         trl=("resume_from_checkpoint",), check=bound(
             lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a folder or 'auto'"))
     trust_remote_code: bool = opt(
@@ -270,7 +270,7 @@ class Config:
         return 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
-        """Steps between evals (kind "eval") or saves ("save"); 0: none."""
+        """Steps between evals or saves (kind "eval", "save"); 0: none."""
         steps = {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}
         return steps[getattr(self, kind + "_strategy")]
 

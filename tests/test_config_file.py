@@ -83,7 +83,7 @@ def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
         parse_config(["--help"])
     text = capsys.readouterr().out
     assert "(default: '\\n')" in " ".join(text.split())  # the newline separator, visible
-    assert "filled up with repeats" in " ".join(text.split())  # --epochs: data.global_batches
+    assert "filled with repeats" in " ".join(text.split())  # --epochs: data.global_batches
     with pytest.raises(SystemExit):
         eval_cli.main(["--help"])
     text = capsys.readouterr().out
