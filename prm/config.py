@@ -120,12 +120,10 @@ def _switch(name: str, other: str) -> Converted:
 @dataclass
 class Config:
     model: str = opt(
-        "tiny", "hub id, folder or 'tiny' (small, random)", trl=("model_name_or_path",),
-        section="model and data")
+        "tiny", "hub id, folder or 'tiny'", trl=("model_name_or_path",), section="model and data")
     tokenizer: str = opt("", "path or hub id; default: the model's", rules="scoring")
     dataset: str = opt(
-        "synthetic", "'synthetic', hub id, .jsonl/.json/.parquet file or folder", rules="rows",
-        trl=("dataset_name",))
+        "synthetic", "hub id, .jsonl/.json/.parquet or folder", rules="rows", trl=("dataset_name",))
     eval_dataset: str = opt("", "held out; default: --eval-split or --eval-fraction", rules="rows")
     dataset_config: str = opt("", "hub dataset config", rules="scoring")
     train_split: str = opt("train", "training split", rules="rows", trl=("dataset_train_split",))
@@ -170,8 +168,7 @@ class Config:
         None, "peak AdamW lr; default/0: 1e-3 for 'tiny', 1e-4 with LoRA, else 1e-5",
         trl=("learning_rate",), check=FINITE)
     lr_scheduler_type: str = opt(
-        "cosine_with_min_lr", "decay after warmup, as HF's (cosine_with_min_lr: to 10%% of --lr)",
-        choices=SCHEDULES)
+        "cosine_with_min_lr", "HF's decay; cosine_with_min_lr: to 10%%", choices=SCHEDULES)
     warmup_steps: float = opt(0, "linear warmup steps; below 1: a ratio", check=COUNT + WHOLE)
     warmup_ratio: float = opt(0.0, "warmup share if --warmup-steps is 0", check=within(0, 1))
     weight_decay: float = opt(0.0, "AdamW weight decay", check=FINITE)
@@ -194,8 +191,7 @@ class Config:
     seed: int = opt(0, "for init, data order and dropout", rules="rows scoring")
     disable_dropout: bool = opt(True, "no backbone dropout in training, as TRL")
     lora_r: int = opt(
-        0, "rank; 0: train every weight", check=COUNT,
-        section="LoRA on the backbone's linear layers (the head trains fully)")
+        0, "rank; 0: train every weight", check=COUNT, section="LoRA (the head trains fully)")
     use_peft: Optional[bool] = opt(
         None, "TRL's: LoRA (rank 16 if --lora-r 0) or not; unset: by --lora-r", rules="change")
     lora_alpha: Optional[float] = opt(None, "scale alpha/r; default/0: 2 x --lora-r", check=FINITE)
@@ -221,8 +217,7 @@ class Config:
         10, "log every N steps", rules="change", trl=("logging_steps",), check=at_least(1))
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
     report_to: str = opt(
-        "none", "also log to TensorBoard (in --output-dir) or W&B", rules="change",
-        choices=["none", "tensorboard", "wandb"])
+        "none", "also to TensorBoard/W&B", rules="change", choices=["none", "tensorboard", "wandb"])
     run_name: str = opt("", "TensorBoard / W&B run name; default: --output-dir's", rules="change")
     save_every: int = opt(
         0, "checkpoint every N steps; 0: never", rules="change", trl=("save_steps",), check=COUNT)
