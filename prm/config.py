@@ -249,7 +249,7 @@ class Config:
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
-        # as HF: strategy steps without an interval: eval every --log-every, save every 500
+        # as HF: strategy steps with no interval: eval every --log-every, save every 500
         eval_every = self.eval_every or self.log_every * (self.eval_strategy == "steps")
         save_every = self.save_every or 500 * (self.save_strategy == "steps")
         return dataclasses.replace(
@@ -304,10 +304,10 @@ class Config:
     @classmethod
     def load(cls, directory: str) -> "Config":
         path = os.path.join(directory, FILE)
-        saved, problems, by_name = read_mapping(path, path + ": "), [], cls.__dataclass_fields__
-        for key, value in saved.items():
+        saved, problems = read_mapping(path, path + ": "), []
+        for f in fields(cls):
             try:
-                saved[key] = checked_value(by_name[key], value) if key in by_name else value
+                saved[f.name] = checked_value(f, saved[f.name]) if f.name in saved else f.default
             except ValueError as e:
                 problems.append(f"{path}: {e}")
         check(problems)
@@ -346,8 +346,7 @@ def checked_value(f, value):
         with contextlib.suppress(ValueError, OverflowError):
             value = float(value)
     if type(value) is not want:  # type(), not isinstance: a bool is an int to isinstance
-        raise ValueError(f"'{f.name}' must be {want.__name__}, got {type(value).__name__} "
-                         f"{preview(value)}")
+        raise ValueError(f"'{f.name}' must be {want.__name__}, got {preview(value)}")
     if f.metadata.get("choices") and value not in f.metadata["choices"]:
         raise ValueError(f"'{f.name}' must be one of {f.metadata['choices']}, got {preview(value)}")
     return value

@@ -57,7 +57,7 @@ def test_flags_given_override_the_file_and_the_rest_keeps_its_values(tmp_path):
     ("max_lenght: 512\n", "unknown key 'max_lenght' (did you mean max_length?)"),
     ("learnin_rate: 1.0e-5\n", "unknown key 'learnin_rate' (did you mean learning_rate?)"),  # TRL's name, mistyped
     ("lr: 1.0e-5\nlearning_rate: 1.0e-5\n", "'lr' and 'learning_rate' both set --lr: give one"),  # as flags
-    ("max_length: long\n", "'max_length' must be int, got str 'long'"),
+    ("max_length: long\n", "'max_length' must be int, got 'long'"),
     ("dtype: fp8\n", "'dtype' must be one of"),
     ("- lr\n", "expected a mapping, got list"),
 ])

@@ -140,8 +140,8 @@ def test_prm_from_pretrained_never_scores_with_made_up_weights(model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("text, message", [("{not json", "config.train.json: Expecting property"),
-                                           ('{"lr": "abc"}', "config.train.json: 'lr' must be float, got str 'abc'"),
-                                           ('{"max_length": [1]}', "'max_length' must be int, got list [1]"),
+                                           ('{"lr": "abc"}', "config.train.json: 'lr' must be float, got 'abc'"),
+                                           ('{"max_length": [1]}', "'max_length' must be int, got [1]"),
                                            ("[1]", "expected a mapping, got list")])
 def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_field(model_dir, tmp_path, text, message):
     from prm.errors import UsageError
