@@ -16,19 +16,19 @@ ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t)
            for f in fields(Config) for t in f.metadata["trl"]}
 # TRL / HF flags refused: what to do instead
 UNSUPPORTED = {name: why for names, why in [
-    ("push_to_hub hub_model_id hub_token", "upload <output-dir>/final yourself"),
+    ("push_to_hub hub_model_id hub_token", "upload final/ yourself"),
     ("deepspeed fsdp_config", "use torchrun (DDP) or --fsdp"),
-    ("do_train do_eval do_predict", "train.py always trains and evaluates"),
+    ("do_train do_eval do_predict", "train.py always does both"),
     ("optim lr_scheduler_kwargs", "AdamW only; see --lr-scheduler-type"),
     ("load_in_4bit load_in_8bit", "try --lora-base-dtype bf16"),
     ("use_rslora use_dora lora_modules_to_save", "plain LoRA only"),
-    ("max_prompt_length", "prompts stay whole; see --max-completion-length"),
+    ("max_prompt_length", "see --max-completion-length"),
     ("attn_implementation", "chosen per device"),
 ] for name in names.split()}
 
 
 class Given(argparse.Action):
-    """Appends (name given, field, value) to `given`; a switch's value: a bool."""
+    """Appends (name given, field, value) to `given`; a switch's value is a bool."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
@@ -39,7 +39,7 @@ class Given(argparse.Action):
 
 
 def hint(name: str, names: list) -> str:
-    """' (did you mean X?)', X the closest name with a word near each of name's; or ''."""
+    """' (did you mean X?)', X the closest name with words near name's, or ''."""
     def words(text: str) -> list:
         return re.findall(r"[^-_]+", text.lower())
 
@@ -135,9 +135,7 @@ class Parser(argparse.ArgumentParser):
         return ns
 
     def error(self, message: str):
-        bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
-        if bad:  # the first spelling only
-            raise UsageError(f"argument {bad[1]}: {bad[2]}")
+        message = re.sub(r"^(argument [^/:]+)[^:]*", r"\1", message)  # its first spelling only
         unknown = re.search(r"unrecognized arguments:.*? (-[^\s=]*)", message)
         given = unknown[1] if unknown else ""
         why = UNSUPPORTED.get(given.lstrip("-").replace("-", "_"))
@@ -157,7 +155,7 @@ def comma_list(kind):
 
 
 def translate(pairs: list, known: dict, where: str = "") -> dict:
-    """{field: value} of (name given, field, value); where: '--config FILE: ' (values checked)."""
+    """{field: value} of (name given, field, value); where: '--config FILE: ', checks values."""
     def fail(what: str):
         raise UsageError(where + what)
     out, named = {}, {}

@@ -191,11 +191,11 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--push_to_hub"], "--push_to_hub is not supported: upload <output-dir>/final yourself"),
+    (["--push_to_hub"], "--push_to_hub is not supported: upload final/ yourself"),
     (["--hub-model-id", "me/prm"], "--hub-model-id is not supported: upload"),
     (["--deepspeed", "ds.json"], "--deepspeed is not supported: use torchrun"),
     (["--fsdp_config", "f.json"], "--fsdp_config is not supported: use torchrun"),
-    (["--do_eval"], "--do_eval is not supported: train.py always trains and evaluates"),
+    (["--do_eval"], "--do_eval is not supported: train.py always does both"),
     (["--optim", "adamw_torch"], "--optim is not supported: AdamW only"),
     (["--adam_eps", "1e-8"], "(did you mean --adam_epsilon?)"),
     (["--warmup-ratios", "0.1"], "(did you mean --warmup-ratio?)"),
