@@ -1,4 +1,4 @@
-"""Flags from opt() fields, and train.py's --config files; TRL's names for both."""
+"""opt() fields as flags, and train.py's --config files; TRL's names for both."""
 import argparse
 import copy
 import difflib
@@ -14,7 +14,7 @@ from prm.errors import UsageError
 # {TRL name: (field, its Converted or None)}
 ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t)
            for f in fields(Config) for t in f.metadata["trl"]}
-# TRL / HF flags refused: what to do instead
+# TRL / HF flags refused: the alternative
 UNSUPPORTED = {name: why for names, why in [
     ("push_to_hub hub_model_id hub_token", "upload final/ yourself"),
     ("deepspeed fsdp_config", "use torchrun (DDP) or --fsdp"),
@@ -72,10 +72,10 @@ class Formatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """opt() fields as flags, also in `given`; no abbreviations: aliases share prefixes."""
+    """opt() fields as flags; no abbreviations: aliases share prefixes."""
 
     def __init__(self, *classes, usage: str = None, **kw):
-        own = [f for cls in classes for f in fields(cls) if "help" in f.metadata]
+        own = [f for cls in classes for f in fields(cls)]
         needed = [flag_of(f) + " " + f.name.upper() for f in own if f.metadata.get("required")]
         self.bare = [f.name for f in own if f.metadata.get("positional")]
         super().__init__(usage=usage or " ".join(["%(prog)s", *needed, *self.bare, "[options]"]),
@@ -141,7 +141,7 @@ class Parser(argparse.ArgumentParser):
         why = UNSUPPORTED.get(given.lstrip("-").replace("-", "_"))
         if why:
             raise UsageError(f"{given} is not supported: {why}")
-        raise UsageError(message + hint(given, list(self._option_string_actions)))
+        raise UsageError(message + hint(given, self._option_string_actions))
 
 
 def flag_of(f) -> str:
@@ -190,7 +190,6 @@ def parsed(cls, args):
 
 
 def writable(path: str) -> bool:
-    """Whether path (or its nearest existing parent) is writable."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)

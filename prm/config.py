@@ -43,7 +43,7 @@ def preview(value) -> str:
 
 
 class Converted(NamedTuple):
-    """A TRL name set through convert(); nargs "?": a switch, "+": a list; keep: see translate."""
+    """A TRL name set through convert(); nargs "?": switch, "+": list; keep: see translate."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -60,7 +60,7 @@ def torch_dtype(name: str) -> str:
 def target_list(value) -> str:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"expected a list of module names, got {preview(value)}")
+        raise ValueError(f"expected module names, got {preview(value)}")
     return "*" if names == ["all-linear"] else ",".join(names)
 
 
@@ -90,7 +90,7 @@ def not_empty(why: str) -> tuple:
     return bound(lambda v: v != "", "must not be empty: " + why)
 
 
-FINITE = bound(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")  # NaN fails too
+FINITE = bound(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")
 WHOLE = bound(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)")  # inf % 1: nan
 LARGEST = 2 ** 24  # beyond: index lists overflow
 COUNT = at_least(0)
@@ -121,10 +121,10 @@ def _switch(name: str, other: str) -> Converted:
 class Config:
     model: str = opt(
         "tiny", "hub id, folder or 'tiny'", trl=("model_name_or_path",), section="model and data")
-    tokenizer: str = opt("", "path or hub id; default: the model's", rules="scoring")
+    tokenizer: str = opt("", "default: the model's", rules="scoring")
     dataset: str = opt(
         "synthetic", "hub id, .jsonl/.json/.parquet or folder", rules="rows", trl=("dataset_name",))
-    eval_dataset: str = opt("", "held out; default: --eval-split or --eval-fraction", rules="rows")
+    eval_dataset: str = opt("", "held out; default: --eval-split/--eval-fraction", rules="rows")
     dataset_config: str = opt("", "hub dataset config", rules="scoring")
     train_split: str = opt("train", "training split", rules="rows", trl=("dataset_train_split",))
     eval_split: str = opt(
@@ -150,13 +150,13 @@ class Config:
     step_separator: str = opt(
         "\n", "ends each step (\\n read); its last token carries the label", rules="scoring",
         type=unescape, check=not_empty("it carries the label"))
-    train_on_last_step_only: bool = opt(False, "train on the last step's label only")
+    train_on_last_step_only: bool = opt(False, "the last step's label only")
     cut_after_first_error: bool = opt(False, "drop steps after the first wrong one", rules="rows")
     max_steps: int = opt(
         -1, "optimizer steps; -1: --epochs passes", rules="change", section="optimization",
         check=bound(lambda v: v == -1 or v >= 1, "must be -1 or >= 1"))
     epochs: float = opt(  # below 2^31: no overflow
-        1.0, "passes if --max-steps is -1 (a last batch is filled with repeats)", rules="change",
+        1.0, "passes if --max-steps is -1 (the last batch filled with repeats)", rules="change",
         trl=("num_train_epochs",), check=within(0, 2 ** 31, "()"))
     batch_size: Optional[int] = opt(
         None, "per device and micro-batch; default/0: 32 for 'tiny', else 8", rules="change",
@@ -183,13 +183,13 @@ class Config:
              Converted("torch_dtype", torch_dtype)))
     gradient_checkpointing: bool = opt(False, "recompute activations: less memory", rules="change")
     fsdp: bool = opt(False, "under torchrun: FSDP2 sharding, not DDP")
-    group_by_length: bool = opt(True, "batch similar lengths (less padding), seeded")
+    group_by_length: bool = opt(True, "batch similar lengths (seeded)")
     compile: bool = opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
     packing: bool = opt(
-        True, "padding-free (decoders): examples back to back in a row", rules="change scoring")
+        True, "padding-free (decoders): examples back to back", rules="change scoring")
     pack_to: int = opt(0, "pad packed rows to a multiple of N tokens", rules="change", check=COUNT)
     seed: int = opt(0, "for init, data order and dropout", rules="rows scoring")
-    disable_dropout: bool = opt(True, "no backbone dropout in training, as TRL")
+    disable_dropout: bool = opt(True, "no backbone dropout, as TRL")
     lora_r: int = opt(
         0, "rank; 0: train every weight", check=COUNT, section="LoRA (the head trains fully)")
     use_peft: Optional[bool] = opt(
@@ -198,15 +198,15 @@ class Config:
     lora_dropout: float = opt(0.0, "dropout on the LoRA input", check=within(0, 1, "[)"))
     lora_targets: str = opt(
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "globs of linear layer names (or TRL's --lora_target_modules)",
+        "linear layer globs (or TRL's --lora_target_modules)",
         trl=(Converted("lora_target_modules", target_list, "+"),))
     lora_base_dtype: str = opt(
         "fp32", "frozen base's dtype; bf16 needs bf16 autocast", choices=["fp32", "bf16"])
     eval_every: int = opt(
-        0, "evaluate every N steps; 0: at the end only", rules="change", trl=("eval_steps",),
+        0, "eval every N steps; 0: at the end", rules="change", trl=("eval_steps",),
         section="evaluation, logging, checkpoints", check=COUNT)
     eval_strategy: Optional[str] = opt(
-        None, "steps: every --eval-every (or --log-every); default: steps if --eval-every",
+        None, "steps: every --eval-every or --log-every; default: steps if --eval-every",
         rules="change", choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = opt(
         None, "per device; default/0: 2 x --batch-size", rules="change scoring",
@@ -218,11 +218,11 @@ class Config:
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
     report_to: str = opt(
         "none", "also to TensorBoard/W&B", rules="change", choices=["none", "tensorboard", "wandb"])
-    run_name: str = opt("", "TensorBoard / W&B run name; default: --output-dir's", rules="change")
+    run_name: str = opt("", "TensorBoard/W&B name; default: --output-dir's", rules="change")
     save_every: int = opt(
         0, "checkpoint every N steps; 0: never", rules="change", trl=("save_steps",), check=COUNT)
     save_strategy: Optional[str] = opt(
-        None, "steps: every --save-every (or 500); default: steps if --save-every",
+        None, "steps: every --save-every or 500; default: steps if --save-every",
         rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = opt(
         2, "checkpoints kept; 0: all", rules="change", trl=("save_total_limit",), check=COUNT)
@@ -245,11 +245,11 @@ class Config:
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """A checked copy, auto (None) fields filled in but dtype, num_proc and format."""
+        """A checked copy; auto (None) fields filled but dtype, num_proc, format."""
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
-        # as HF: strategy steps with no interval: eval every --log-every, save every 500
+        # as HF: strategy steps, no interval: eval every --log-every, save every 500
         eval_every = self.eval_every or self.log_every * (self.eval_strategy == "steps")
         save_every = self.save_every or 500 * (self.save_strategy == "steps")
         return dataclasses.replace(
@@ -265,7 +265,7 @@ class Config:
         return 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
-        """Steps between evals or saves (kind "eval", "save"); 0: none."""
+        """Steps between evals or saves (kind "eval"/"save"); 0: none."""
         steps = {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}
         return steps[getattr(self, kind + "_strategy")]
 
@@ -385,7 +385,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def read_mapping(path: str, where: str) -> dict:
-    """The object in a JSON (.json) or YAML file; UsageError(where + why) if there is none."""
+    """A .json or YAML file's mapping, else UsageError(where + why)."""
     if os.path.exists(path) and not os.path.isfile(path):  # a FIFO: open() blocks
         raise UsageError(where + "not a regular file")
     try:
