@@ -1,89 +1,81 @@
-"""Flags from opt() fields, and train.py's --config files; TRL's names for both."""
+"""opt() fields as flags, and train.py's --config files; TRL's names for both."""
 import argparse
+import copy
 import difflib
-import json
 import os
 import re
 import sys
 from dataclasses import fields
 
-import yaml
-
-from prm.config import Config, boolean, checked_value, flag, kind, preview, unique_keys
-from prm.errors import UsageError, check
+from prm.config import Config, boolean, checked_value, flag, kind, preview, read_mapping
+from prm.errors import UsageError
 
 
 # {TRL name: (field, its Converted or None)}
 ALIASES = {getattr(t, "name", t): (f.name, None if isinstance(t, str) else t)
            for f in fields(Config) for t in f.metadata["trl"]}
-# TRL / HF flags left out on purpose: what to do instead
+# TRL / HF flags refused: the alternative
 UNSUPPORTED = {name: why for names, why in [
-    ("push_to_hub hub_model_id hub_token", "upload <output-dir>/final yourself"),
-    ("deepspeed fsdp_config", "launch with torchrun: DDP, or --fsdp"),
-    ("do_train do_eval do_predict", "train.py always trains and evaluates"),
-    ("optim lr_scheduler_kwargs", "the optimizer is AdamW; see --lr-scheduler-type"),
+    ("push_to_hub hub_model_id hub_token", "upload final/ yourself"),
+    ("deepspeed fsdp_config", "use torchrun (DDP) or --fsdp"),
+    ("do_train do_eval do_predict", "train.py always does both"),
+    ("optim lr_scheduler_kwargs", "AdamW only; see --lr-scheduler-type"),
     ("load_in_4bit load_in_8bit", "try --lora-base-dtype bf16"),
     ("use_rslora use_dora lora_modules_to_save", "plain LoRA only"),
-    ("max_prompt_length", "prompts are kept whole; see --max-completion-length"),
+    ("max_prompt_length", "see --max-completion-length"),
     ("attn_implementation", "chosen per device"),
 ] for name in names.split()}
-REQUIRED = "(required)"  # default of a required flag: checked after unknown flags
-SWITCH = True  # a switch's const: given alone
 
 
 class Given(argparse.Action):
-    """Appends (name given, field, value) to `given`; a switch's value: a bool."""
+    """Appends (name given, field, value) to `given`; a switch's value is a bool."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = option_string or self.dest
-        if self.const is SWITCH:
-            try:
-                on = boolean(values or SWITCH)  # nargs 0: []
-            except ValueError as e:
-                raise argparse.ArgumentError(self, str(e)) from None
+        if self.type is boolean:  # a switch; values: a bool, or [] for nargs 0
+            on = values is not False
             values, name = on != name.startswith("--no-"), name.replace("--no-", "--", 1)
         namespace.given.append((name, self.dest, values))
 
 
-def nearest(name: str, names: list):
-    """difflib's closest name whose every word is near one of name's, or None."""
+def hint(name: str, names: list) -> str:
+    """' (did you mean X?)', X the closest name with words near name's, or ''."""
     def words(text: str) -> list:
         return re.findall(r"[^-_]+", text.lower())
 
     def near(typed: str, word: str) -> bool:  # 'eps' for 'epsilon', 'lenght' for 'length'
         return word.startswith(typed) or difflib.SequenceMatcher(None, typed, word).ratio() >= 0.75
-    return next((c for c in difflib.get_close_matches(name, names, n=5)
+    best = next((c for c in difflib.get_close_matches(name, names, n=5)
                  if all(any(near(t, w) for w in words(c)) for t in words(name))), None)
+    return f" (did you mean {best}?)" if best else ""
 
 
 class Formatter(argparse.HelpFormatter):
-    """Paragraphs kept; defaults as typed ('auto', 1,4,16, '\\n')."""
+    """Underscore spellings hidden; defaults as typed ('auto', 1,4,16, '\\n')."""
 
-    def _fill_text(self, text, width, indent):
-        return "\n\n".join(super(Formatter, self)._fill_text(p, width, indent)
-                            for p in text.split("\n\n"))
+    def _format_action_invocation(self, action):
+        shown = copy.copy(action)
+        shown.option_strings = [s for s in action.option_strings if "_" not in s]
+        return super()._format_action_invocation(shown)
 
     def _get_help_string(self, action):
-        text, default = action.help or "", action.default
+        default = action.default
         if default is None and "auto" in (action.choices or ()):
             default = "auto"
-        if default is REQUIRED:
-            return text + " (required)"
-        if default is None or default in (argparse.SUPPRESS, ()) or action.required:
-            return text  # action.required: a positional
+        if default in (None, argparse.SUPPRESS, ()) or action.required:  # required: a positional
+            return action.help
         if isinstance(default, tuple):
             default = ",".join(map(str, default))
-        elif isinstance(default, str) and not (default and default.isprintable()):
+        elif default == "" or not str(default).isprintable():
             default = repr(default)
-        return f"{text} (default: {str(default).replace('%', '%%')})"
+        return f"{action.help} (default: {str(default).replace('%', '%%')})"
 
 
 class Parser(argparse.ArgumentParser):
-    """opt() fields as flags; the values given also in `given`. No abbreviations: with the
-    aliases a prefix often fits several."""
+    """opt() fields as flags; no abbreviations: aliases share prefixes."""
 
     def __init__(self, *classes, usage: str = None, **kw):
-        own = [f for cls in classes for f in fields(cls) if "help" in f.metadata]
+        own = [f for cls in classes for f in fields(cls)]
         needed = [flag_of(f) + " " + f.name.upper() for f in own if f.metadata.get("required")]
         self.bare = [f.name for f in own if f.metadata.get("positional")]
         super().__init__(usage=usage or " ".join(["%(prog)s", *needed, *self.bare, "[options]"]),
@@ -102,46 +94,40 @@ class Parser(argparse.ArgumentParser):
                 self.fields[f.name] = f
 
     def add_field(self, group, f, shown: bool):
-        """Underscore spellings and converting TRL names hidden."""
+        """One action for a flag's spellings; one, hidden, per converting TRL name."""
         m = f.metadata
         kw = {k: m[k] for k in ("help", "choices", "type", "nargs", "metavar") if k in m}
-        default = REQUIRED if m.get("required") else f.default
-        kw.update(action=Given, default=default if shown else argparse.SUPPRESS)
+        required = m.get("required")  # checked after unknown flags
+        kw["help"] += " (required)" if required else ""
+        kw.update(action=Given, default=f.default if shown and not required else argparse.SUPPRESS)
         if kind(f) is bool:  # positionals: `--skip-invalid INPUT` takes no value
-            kw.update(nargs=0 if self.bare else "?", const=SWITCH, metavar="BOOL")
+            kw.update(nargs=0 if self.bare else "?", const=True, metavar="BOOL", type=boolean)
         elif kind(f) is tuple:  # 1,4,16, or with nargs a word an item
             kw.setdefault("type", str if "nargs" in kw else comma_list(type(f.default[0])))
         else:
             kw.setdefault("type", kind(f))
+        dest = m.get("dest", f.name)
         if m.get("positional"):
-            group.add_argument(m.get("dest", f.name), **kw)
+            group.add_argument(dest, **kw)
             return
-        kw["dest"] = m.get("dest", f.name)
+        kw["dest"] = dest
         names = [m.get("flag", "--" + f.name)[2:]] + [t for t in m["trl"] if isinstance(t, str)]
-        dashed = list(map(flag, names))
-        hidden = {**kw, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
-        spelled = [(dashed, kw, dashed[0]), (["--" + n for n in names], hidden, dashed[0])]
+        spelled = [([*map(flag, names), *("--" + n for n in names)], kw)]
         for c in m["trl"]:
             if not isinstance(c, str):
-                const = SWITCH if c.nargs == "?" else None
-                more = dict(hidden, type=str, nargs=c.nargs, const=const, choices=None)
-                spelled.append(([flag(c.name), "--" + c.name], more, None))
-        for spellings, more, shown_as in spelled:
-            taken = group._option_string_actions
-            spellings = [s for s in dict.fromkeys(spellings) if s not in taken]
-            if more.get("const") is SWITCH:
+                more = dict(kw, default=argparse.SUPPRESS, help=argparse.SUPPRESS, nargs=c.nargs,
+                            type=boolean if c.nargs == "?" else str, const=True, choices=None)
+                spelled.append(([flag(c.name), "--" + c.name], more))
+        for spellings, more in spelled:
+            spellings = list(dict.fromkeys(spellings))
+            if more["type"] is boolean:
                 spellings += ["--no-" + s[2:] for s in spellings]
-            if spellings:  # flag: what a bad value's error names
-                group.add_argument(*spellings, **more).flag = shown_as
-
-    def parse_known_args(self, args=None, namespace=None):
-        ns, rest = super().parse_known_args(args, argparse.Namespace(given=[]))
-        ns.given = translate(ns.given, self.fields)
-        vars(ns).update(ns.given)
-        return ns, rest
+            group.add_argument(*spellings, **more)
 
     def parse_args(self, args=None, namespace=None):
-        ns = super().parse_args(args, namespace)
+        ns = super().parse_args(args, argparse.Namespace(given=[]))
+        ns.given = translate(ns.given, self.fields)
+        vars(ns).update(ns.given)
         missing = [flag_of(f) for f in self.fields.values()
                    if f.metadata.get("required") and f.name not in ns.given]
         if missing:
@@ -149,22 +135,13 @@ class Parser(argparse.ArgumentParser):
         return ns
 
     def error(self, message: str):
-        bad = re.fullmatch(r"argument ([^/:]+)[^:]*: (.*)", message, re.S)
-        action = self._option_string_actions.get(bad[1]) if bad else None
-        if getattr(action, "flag", None):
-            raise UsageError(f"argument {action.flag}: {bad[2]}")
-        unknown = [a for a in message.split()[2:] if a.startswith("-")]
-        given = unknown[0].split("=")[0] if unknown and "unrecognized" in message else ""
+        message = re.sub(r"^(argument [^/:]+)[^:]*", r"\1", message)  # its first spelling only
+        unknown = re.search(r"unrecognized arguments:.*? (-[^\s=]*)", message)
+        given = unknown[1] if unknown else ""
         why = UNSUPPORTED.get(given.lstrip("-").replace("-", "_"))
         if why:
             raise UsageError(f"{given} is not supported: {why}")
-        near = nearest(given, list(self._option_string_actions))
-        if near:
-            action = self._option_string_actions[near]
-            shown = next((a for a in self._actions
-                          if a.dest == action.dest and a.help != argparse.SUPPRESS), action)
-            message += f" (did you mean {' / '.join(shown.option_strings)}?)"
-        raise UsageError(message)
+        raise UsageError(message + hint(given, self._option_string_actions))
 
 
 def flag_of(f) -> str:
@@ -178,21 +155,19 @@ def comma_list(kind):
 
 
 def translate(pairs: list, known: dict, where: str = "") -> dict:
-    """{field: value} of (name given, field, value); where: '--config FILE: ', values checked."""
+    """{field: value} of (name given, field, value); where: '--config FILE: ', checks values."""
     def fail(what: str):
         raise UsageError(where + what)
     out, named = {}, {}
     for name, dest, value in pairs:
         plain = name.strip("'-").replace("-", "_")
         if plain in UNSUPPORTED:
-            if where and value in (None, False):  # `push_to_hub: false`
+            if value in (None, False):  # `push_to_hub: false` in a file
                 continue
             fail(f"{name} is not supported: {UNSUPPORTED[plain]}")
         dest, conv = ALIASES.get(plain, (dest, None))
         if dest not in known:
-            near = nearest(plain, list(known) + list(ALIASES))
-            fail(f"unknown key {name}" + (f" (did you mean '{ALIASES.get(near, (near,))[0]}'?)"
-                                          if near else ""))
+            fail(f"unknown key {name}" + hint(plain, [*known, *ALIASES]))
         try:
             if conv:
                 value = conv.convert(boolean(value) if conv.nargs == "?" else value)
@@ -202,7 +177,7 @@ def translate(pairs: list, known: dict, where: str = "") -> dict:
         keep = conv.keep if conv else ()
         if out.get(dest) in keep:  # `--bf16 --fp16 false`: bf16
             if value != "fp32":
-                fail(f"at most one of fp16 and bf16 can be true ({dest} is {out[dest]} already)")
+                fail(f"{name} and {out[dest]} both true: give one")
             continue
         if not keep and named.setdefault(dest, name) != name:
             fail(f"{named[dest]} and {name} both set {flag(dest)}: give one")
@@ -215,77 +190,27 @@ def parsed(cls, args):
 
 
 def writable(path: str) -> bool:
-    """Whether path, or its nearest existing parent, is writable."""
     target = part = os.path.abspath(path)
     while not os.path.exists(part):
         part = os.path.dirname(part)
     return (part == target or os.path.isdir(part)) and os.access(part, os.W_OK)
 
 
-class BoundedLoader(yaml.SafeLoader):
-    """Refuses a repeated key and over 20 aliases ('billion laughs')."""
-    aliases = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.aliases += 1
-            if self.aliases > 20:
-                raise yaml.MarkedYAMLError(problem="more than 20 aliases (*name)",
-                                           problem_mark=self.peek_event().start_mark)
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key, _ in node.value:  # a merge (<<: *base) may repeat a key
-            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                if key.value in seen:
-                    raise yaml.MarkedYAMLError(problem=f"key {preview(key.value)} given twice",
-                                               problem_mark=key.start_mark)
-                seen.add(key.value)
-        return super().construct_mapping(node, deep)
-
-
-def yaml_problem(e: yaml.YAMLError) -> str:
-    at = lambda mark: f"line {mark.line + 1}, column {mark.column + 1}"
-    if getattr(e, "problem_mark", None) is None or not e.problem:
-        return " ".join(str(e).split())
-    context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
-    return f"{at(e.problem_mark)}: {e.problem}{context}"
-
-
-def read_config_file(path: str) -> dict:
-    where = f"--config {path}: "
-    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO: open() blocks
-        raise UsageError(where + "not a regular file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".json"):
-                data = json.load(f, object_pairs_hook=unique_keys)
-            else:
-                data = yaml.load(f, BoundedLoader)
-    except yaml.YAMLError as e:
-        raise UsageError(where + yaml_problem(e)) from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise UsageError(where + str(e)) from None
-    if data is not None and not isinstance(data, dict):
-        raise UsageError(where + f"expected a mapping of settings, got {type(data).__name__}")
-    pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in (data or {}).items()]
-    return translate(pairs, Config.__dataclass_fields__, where)
-
-
 def parse_config(argv=None) -> Config:
     """train.py's command line, resolved."""
-    p = Parser(Config, description="Train a process reward model. Flags also take their "
-               "underscore spelling (--max_length) and TRL's names (--learning_rate).")
-    p.add_argument("--config", default="", metavar="FILE", help="YAML or JSON settings, keys as "
-                   "in config.train.json; flags override it")
+    p = Parser(Config, description="Train a process reward model. Flags also take underscores "
+               "(--max_length) and TRL's names (--learning_rate).")
+    p.add_argument("--config", default="", metavar="FILE",
+                   help="YAML/JSON settings as in config.train.json; flags override them")
     args = p.parse_args(argv)
-    from_file = read_config_file(args.config) if args.config else {}
+    where = f"--config {args.config}: "
+    data = read_mapping(args.config, where) if args.config else {}
+    pairs = [(preview(k), str(k).replace("-", "_"), v) for k, v in data.items()]
+    from_file = translate(pairs, Config.__dataclass_fields__, where)
     for key in ("overwrite", "trust_remote_code", "resume"):
         if from_file.pop(key, False):
-            print(f"note: --config {args.config}: {key} ignored: command line only",
-                  file=sys.stderr)
+            print(f"note: {where}{key} ignored: command line only", file=sys.stderr)
     cfg = Config(**{**from_file, **args.given}).resolve()
-    out_ok = cfg.output_dir and writable(cfg.output_dir) and not os.path.isfile(cfg.output_dir)
-    check([] if out_ok else [f"--output-dir {cfg.output_dir}: not a writable folder"])
+    if not (cfg.output_dir and writable(cfg.output_dir)) or os.path.isfile(cfg.output_dir):
+        raise UsageError(f"--output-dir {cfg.output_dir}: not a writable folder")
     return cfg

@@ -1,4 +1,4 @@
-"""Config: every training/eval setting, an opt() field each; prm.cli makes them flags."""
+"""Every training/eval setting as an opt() field; prm.cli makes them flags."""
 import contextlib
 import dataclasses
 import json
@@ -7,6 +7,8 @@ import os
 import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Callable, NamedTuple, Optional, get_args
+
+import yaml
 
 from prm.errors import UsageError, check
 from prm.files import write_lines
@@ -41,8 +43,7 @@ def preview(value) -> str:
 
 
 class Converted(NamedTuple):
-    """A TRL name setting a field through convert. nargs "?": a switch, "+": a list; keep: values
-    a false switch keeps and a true one refuses."""
+    """A TRL name set through convert(); nargs "?": switch, "+": list; keep: see translate."""
     name: str
     convert: Callable
     nargs: Optional[str] = None
@@ -59,13 +60,12 @@ def torch_dtype(name: str) -> str:
 def target_list(value) -> str:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"expected a list of module names, got {preview(value)}")
+        raise ValueError(f"expected module names, got {preview(value)}")
     return "*" if names == ["all-linear"] else ",".join(names)
 
 
 def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like=None, **kw):
-    """A field and its flag. kw: argparse's, section (a --help group), flag, positional. like:
-    a field to copy but for what is given."""
+    """A field and its flag. kw: argparse's, section, flag, positional. like: a field to copy."""
     meta = dict(help=help, rules=frozenset(rules.split()), trl=trl, check=check, **kw)
     if like is not None:
         default, meta = like.default, {**like.metadata, **{k: v for k, v in meta.items() if v}}
@@ -90,9 +90,9 @@ def not_empty(why: str) -> tuple:
     return bound(lambda v: v != "", "must not be empty: " + why)
 
 
-FINITE = bound(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")  # NaN fails too
+FINITE = bound(lambda v: math.isfinite(v) and v >= 0, "must be finite and >= 0")
 WHOLE = bound(lambda v: v % 1 == 0, "must be a whole number (or a ratio below 1)")  # inf % 1: nan
-LARGEST = bound(lambda v: v <= 2 ** 24, "must be at most 2^24")  # beyond: index lists overflow
+LARGEST = 2 ** 24  # beyond: index lists overflow
 COUNT = at_least(0)
 
 
@@ -113,147 +113,123 @@ class Checked:
 
 
 def _switch(name: str, other: str) -> Converted:
-    """TRL's --bf16 / --fp16 [BOOL]: false is fp32 (or the other one)."""
+    """TRL's --bf16 / --fp16 [BOOL]: false is fp32 (or the other)."""
     return Converted(name, lambda on: name if on else "fp32", "?", keep=(other,))
 
 
 @dataclass
 class Config:
     model: str = opt(
-        "tiny", "hub id, local folder, or 'tiny' (small random decoder, offline)",
-        trl=("model_name_or_path",), section="model and data")
-    tokenizer: str = opt("", "tokenizer path or id; default: the model's", rules="scoring")
+        "tiny", "hub id, folder or 'tiny'", trl=("model_name_or_path",), section="model and data")
+    tokenizer: str = opt("", "default: the model's", rules="scoring")
     dataset: str = opt(
-        "synthetic", "'synthetic', a hub dataset, a .jsonl/.json/.parquet file or a folder",
-        rules="rows", trl=("dataset_name",))
-    eval_dataset: str = opt(
-        "", "held-out data; default: --eval-split or --eval-fraction", rules="rows")
-    dataset_config: str = opt("", "hub dataset config name", rules="scoring")
+        "synthetic", "hub id, .jsonl/.json/.parquet or folder", rules="rows", trl=("dataset_name",))
+    eval_dataset: str = opt("", "held out; default: --eval-split/--eval-fraction", rules="rows")
+    dataset_config: str = opt("", "hub dataset config", rules="scoring")
     train_split: str = opt("train", "training split", rules="rows", trl=("dataset_train_split",))
     eval_split: str = opt(
-        "test", "evaluation split, if the dataset has it", rules="rows scoring",
-        trl=("dataset_test_split",))
+        "test", "eval split, if present", rules="rows scoring", trl=("dataset_test_split",))
     eval_fraction: float = opt(
-        0.05, "share held out by prompt if there is no eval split", rules="rows",
-        check=within(0, 1, "()"))
-    format: Optional[str] = opt(
-        None, "data format; auto: from the columns", rules="rows scoring", choices=FORMATS)
+        0.05, "held out by prompt if no eval split", rules="rows", check=within(0, 1, "()"))
+    format: Optional[str] = opt(None, "auto: by the columns", rules="rows scoring", choices=FORMATS)
     eval_format: Optional[str] = opt(None, "--eval-dataset's format", rules="rows", choices=FORMATS)
     neutral_label: str = opt(
         "negative", "PRM800K's rating 0 (drop: unlabeled context)", rules="rows scoring",
         choices=["positive", "negative", "drop"])
     skip_invalid: bool = opt(False, "drop invalid rows (counted), not exit 2", rules="rows scoring")
     num_proc: Optional[int] = opt(
-        None, "tokenization processes (default, or 0: up to 8 from 20,000 rows, else 1)",
+        None, "tokenizing processes; default/0: up to 8 from 20k rows, else 1",
         rules="change scoring", trl=("dataset_num_proc",), check=COUNT)
-    synthetic_size: int = opt(32000, "rows of the synthetic dataset", check=at_least(1))
+    synthetic_size: int = opt(32000, "synthetic dataset rows", check=at_least(1))
     output_dir: str = opt("out", "for metrics.jsonl, checkpoints and final/", rules="change")
-    overwrite: bool = opt(
-        False, "replace the run in --output-dir (command line only)", rules="change")
+    overwrite: bool = opt(False, "replace --output-dir's run (command line only)", rules="change")
     max_length: int = opt(
-        1024, "tokens per example; truncation keeps whole steps", rules="scoring",
+        1024, "tokens per example (whole steps kept)", rules="scoring",
         section="tokenization", check=at_least(1))
-    max_completion_length: int = opt(
-        0, "cap on the steps' tokens (whole steps); 0: none", rules="scoring", check=COUNT)
+    max_completion_length: int = opt(0, "cap on step tokens; 0: none", rules="scoring", check=COUNT)
     step_separator: str = opt(
-        "\n", "appended to each step (\\n escapes read); its last token carries the label",
-        rules="scoring", type=unescape, check=not_empty("its last token carries the label"))
-    train_on_last_step_only: bool = opt(False, "train on the last step's label only")
-    cut_after_first_error: bool = opt(
-        False, "train on each solution up to its first wrong step", rules="rows")
+        "\n", "ends each step (\\n read); its last token carries the label", rules="scoring",
+        type=unescape, check=not_empty("it carries the label"))
+    train_on_last_step_only: bool = opt(False, "the last step's label only")
+    cut_after_first_error: bool = opt(False, "drop steps after the first wrong one", rules="rows")
     max_steps: int = opt(
         -1, "optimizer steps; -1: --epochs passes", rules="change", section="optimization",
-        check=bound(lambda v: v == -1 or v >= 1, "must be -1 (train --epochs) or >= 1"))
+        check=bound(lambda v: v == -1 or v >= 1, "must be -1 or >= 1"))
     epochs: float = opt(  # below 2^31: no overflow
-        1.0, "passes if --max-steps is -1; the last batch is filled to a full batch: some "
-        "examples train twice a pass", rules="change", trl=("num_train_epochs",),
-        check=bound(lambda v: 0 < v < 2 ** 31, "must be > 0 and below 2^31"))
+        1.0, "passes if --max-steps is -1 (the last batch filled with repeats)", rules="change",
+        trl=("num_train_epochs",), check=within(0, 2 ** 31, "()"))
     batch_size: Optional[int] = opt(
-        None, "examples per device per micro-batch (default, or 0: 32 for 'tiny', else 8)",
-        rules="change", trl=("per_device_train_batch_size",), check=COUNT + LARGEST)
+        None, "per device and micro-batch; default/0: 32 for 'tiny', else 8", rules="change",
+        trl=("per_device_train_batch_size",), check=within(0, LARGEST))
     grad_accum: int = opt(
         1, "micro-batches per optimizer step", rules="change", trl=("gradient_accumulation_steps",),
-        check=at_least(1) + LARGEST)
+        check=within(1, LARGEST))
     lr: Optional[float] = opt(
-        None, "peak AdamW learning rate (default, or 0: 1e-3 for the random 'tiny' preset, else "
-        "1e-4 with LoRA, 1e-5 without)", trl=("learning_rate",), check=FINITE)
+        None, "peak AdamW lr; default/0: 1e-3 for 'tiny', 1e-4 with LoRA, else 1e-5",
+        trl=("learning_rate",), check=FINITE)
     lr_scheduler_type: str = opt(
-        "cosine_with_min_lr", "decay after warmup, as HF (cosine_with_min_lr: to 10%% of --lr)",
-        choices=SCHEDULES)
-    warmup_steps: float = opt(
-        0, "linear warmup steps; below 1: --warmup-ratio", check=COUNT + WHOLE)
-    warmup_ratio: float = opt(
-        0.0, "warmup share of all steps if --warmup-steps is 0", check=within(0, 1))
+        "cosine_with_min_lr", "HF's decay; cosine_with_min_lr: to 10%%", choices=SCHEDULES)
+    warmup_steps: float = opt(0, "linear warmup steps; below 1: a ratio", check=COUNT + WHOLE)
+    warmup_ratio: float = opt(0.0, "warmup share if --warmup-steps is 0", check=within(0, 1))
     weight_decay: float = opt(0.0, "AdamW weight decay", check=FINITE)
     adam_beta1: float = opt(0.9, "AdamW beta1", check=within(0, 1, "[)"))
     adam_beta2: float = opt(0.95, "AdamW beta2 (HF's: 0.999)", check=within(0, 1, "[)"))
     adam_epsilon: float = opt(1e-8, "AdamW epsilon", check=FINITE)
     max_grad_norm: float = opt(1.0, "gradient clipping norm; 0: none", rules="change", check=FINITE)
     dtype: Optional[str] = opt(
-        None, "autocast dtype; auto: bf16 where native, else fp32 (TRL's --bf16, --fp16, "
-        "--torch_dtype too)", rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
+        None, "autocast; auto: bf16 where native (or TRL's --bf16/--fp16/--torch_dtype)",
+        rules="scoring", choices=["auto", "fp32", "bf16", "fp16"],
         trl=(_switch("bf16", "fp16"), _switch("fp16", "bf16"),
              Converted("torch_dtype", torch_dtype)))
     gradient_checkpointing: bool = opt(False, "recompute activations: less memory", rules="change")
-    fsdp: bool = opt(False, "under torchrun, shard weights, grads and AdamW state (FSDP2), not DDP")
-    group_by_length: bool = opt(True, "batch similar lengths (less padding), seeded")
+    fsdp: bool = opt(False, "under torchrun: FSDP2 sharding, not DDP")
+    group_by_length: bool = opt(True, "batch similar lengths (seeded)")
     compile: bool = opt(False, "torch.compile the model", rules="change", trl=("torch_compile",))
     packing: bool = opt(
-        True, "padding-free, decoders only: examples back to back in a row, each attending to "
-        "itself", rules="change scoring")
-    pack_to: int = opt(
-        0, "with --packing, pad rows to a multiple of N tokens; 0: none", rules="change",
-        check=COUNT)
-    seed: int = opt(0, "seed for init, data order and dropout", rules="rows scoring")
-    disable_dropout: bool = opt(True, "no backbone dropout in training, as TRL")
+        True, "padding-free (decoders): examples back to back", rules="change scoring")
+    pack_to: int = opt(0, "pad packed rows to a multiple of N tokens", rules="change", check=COUNT)
+    seed: int = opt(0, "for init, data order and dropout", rules="rows scoring")
+    disable_dropout: bool = opt(True, "no backbone dropout, as TRL")
     lora_r: int = opt(
-        0, "LoRA rank; 0: train every weight", check=COUNT,
-        section="LoRA: adapters on the backbone's linear layers; the head trains fully")
+        0, "rank; 0: train every weight", check=COUNT, section="LoRA (the head trains fully)")
     use_peft: Optional[bool] = opt(
-        None, "TRL's: true: LoRA (rank 16 if --lora-r is 0); false: full fine-tuning; unset: "
-        "--lora-r decides", rules="change")
-    lora_alpha: Optional[float] = opt(
-        None, "LoRA scale alpha/r (default, or 0: 2 x --lora-r)", check=FINITE)
+        None, "TRL's: LoRA (rank 16 if --lora-r 0) or not; unset: by --lora-r", rules="change")
+    lora_alpha: Optional[float] = opt(None, "scale alpha/r; default/0: 2 x --lora-r", check=FINITE)
     lora_dropout: float = opt(0.0, "dropout on the LoRA input", check=within(0, 1, "[)"))
     lora_targets: str = opt(
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "comma-separated globs of linear layer names (TRL's --lora_target_modules too)",
+        "linear layer globs (or TRL's --lora_target_modules)",
         trl=(Converted("lora_target_modules", target_list, "+"),))
     lora_base_dtype: str = opt(
-        "fp32", "frozen base dtype under LoRA; bf16 halves its memory, needs bf16 autocast",
-        choices=["fp32", "bf16"])
+        "fp32", "frozen base's dtype; bf16 needs bf16 autocast", choices=["fp32", "bf16"])
     eval_every: int = opt(
-        0, "evaluate every N steps; 0: at the end only", rules="change", trl=("eval_steps",),
+        0, "eval every N steps; 0: at the end", rules="change", trl=("eval_steps",),
         section="evaluation, logging, checkpoints", check=COUNT)
     eval_strategy: Optional[str] = opt(
-        None, "steps: every --eval-every (or --log-every); default: steps if --eval-every, else no",
+        None, "steps: every --eval-every or --log-every; default: steps if --eval-every",
         rules="change", choices=["steps", "epoch", "no"])
     eval_batch_size: Optional[int] = opt(
-        None, "examples per device (default, or 0: 2 x --batch-size)", rules="change scoring",
+        None, "per device; default/0: 2 x --batch-size", rules="change scoring",
         trl=("per_device_eval_batch_size",), check=COUNT)
     threshold: float = opt(
-        0.5, "a step is predicted correct at P(correct) >= this", rules="change scoring",
-        check=within(0, 1))
+        0.5, "a step is correct at P(correct) >= this", rules="change scoring", check=within(0, 1))
     log_every: int = opt(
         10, "log every N steps", rules="change", trl=("logging_steps",), check=at_least(1))
     disable_tqdm: bool = opt(False, "no progress bars", rules="change scoring")
     report_to: str = opt(
-        "none", "also log to TensorBoard (<output-dir>/tensorboard) or W&B", rules="change",
-        choices=["none", "tensorboard", "wandb"])
-    run_name: str = opt("", "TensorBoard / W&B run name; default: --output-dir's", rules="change")
+        "none", "also to TensorBoard/W&B", rules="change", choices=["none", "tensorboard", "wandb"])
+    run_name: str = opt("", "TensorBoard/W&B name; default: --output-dir's", rules="change")
     save_every: int = opt(
         0, "checkpoint every N steps; 0: never", rules="change", trl=("save_steps",), check=COUNT)
     save_strategy: Optional[str] = opt(
-        None, "steps: every --save-every (or 500); default: steps if --save-every, else no",
+        None, "steps: every --save-every or 500; default: steps if --save-every",
         rules="change", choices=["steps", "epoch", "no"])
     keep_last: int = opt(
-        2, "newest checkpoints kept; 0: all", rules="change", trl=("save_total_limit",),
-        check=COUNT)
+        2, "checkpoints kept; 0: all", rules="change", trl=("save_total_limit",), check=COUNT)
     resume: str = opt(
-        "", "checkpoint folder to continue, or 'auto': the newest (command line only)",
-        rules="change", trl=("resume_from_checkpoint",),
-        check=bound(lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a checkpoint "
-                    "directory or 'auto' (the newest complete one in --output-dir: HF's true)"))
+        "", "checkpoint folder or 'auto': the newest (command line only)", rules="change",
+        trl=("resume_from_checkpoint",), check=bound(
+            lambda v: v.lower() not in BOOLEAN or os.path.isdir(v), "takes a folder or 'auto'"))
     trust_remote_code: bool = opt(
         False, "run hub models' own code (command line only)", rules="change scoring")
 
@@ -269,11 +245,11 @@ class Config:
         return tuple(f.name for f in fields(cls) if rule in f.metadata["rules"])
 
     def resolve(self) -> "Config":
-        """A checked copy, auto (None) fields filled in but dtype, num_proc and format."""
+        """A checked copy; auto (None) fields filled but dtype, num_proc, format."""
         check(self.problems())
         tiny, lora_r = self.model == "tiny", self.lora_rank()
         batch = self.batch_size or (32 if tiny else 8)
-        # as HF: strategy steps without an interval: eval every --log-every, save every 500
+        # as HF: strategy steps, no interval: eval every --log-every, save every 500
         eval_every = self.eval_every or self.log_every * (self.eval_strategy == "steps")
         save_every = self.save_every or 500 * (self.save_strategy == "steps")
         return dataclasses.replace(
@@ -289,18 +265,17 @@ class Config:
         return 0 if self.use_peft is False else self.lora_r or 16 * bool(self.use_peft)
 
     def every(self, kind: str, steps_per_epoch: int) -> int:
-        """Steps between evals (kind "eval") or saves ("save"); 0: none."""
+        """Steps between evals or saves (kind "eval"/"save"); 0: none."""
         steps = {"steps": getattr(self, kind + "_every"), "epoch": steps_per_epoch, "no": 0}
         return steps[getattr(self, kind + "_strategy")]
 
     def problems(self) -> list:
         out = field_problems(self)
         if self.fsdp and self.dtype == "fp16":
-            out.append("--dtype 'fp16': fp16 loss scaling is not supported with --fsdp: use bf16")
+            out.append("--dtype 'fp16': not with --fsdp: use bf16")
         bf16 = self.dtype in ("bf16", None)  # autocast
         if self.lora_base_dtype == "bf16" and not (self.lora_rank() and bf16):
-            out.append("--lora-base-dtype 'bf16': bf16 needs --lora-r > 0 and bf16 autocast "
-                       "(--dtype bf16 or auto)")
+            out.append("--lora-base-dtype 'bf16': needs LoRA and bf16 autocast")
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
             out.append("--lr-scheduler-type 'constant': takes no warmup: use constant_with_warmup")
         return out
@@ -316,8 +291,8 @@ class Config:
         if batch * world != was * saved_world:
             bad.append(f"global batch {self.batch_size} x {self.grad_accum} x {world} ranks (was "
                        f"{saved.batch_size} x {saved.grad_accum} x {saved_world})")
-        fine = [n for n in differ if n in MAY_CHANGE and n not in ("resume", "output_dir")]
-        return bad, [fmt(n) for n in fine]
+        fine = [fmt(n) for n in differ if n in MAY_CHANGE and n not in ("resume", "output_dir")]
+        return bad, fine
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -329,18 +304,10 @@ class Config:
     @classmethod
     def load(cls, directory: str) -> "Config":
         path = os.path.join(directory, FILE)
-        try:
-            with open(path) as f:
-                saved = json.load(f, object_pairs_hook=unique_keys)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"{path}: cannot read it: {e}") from None
-        if not isinstance(saved, dict):
-            raise UsageError(f"{path}: expected a JSON object of settings, got "
-                             f"{type(saved).__name__}")
-        problems, by_name = [], cls.__dataclass_fields__
-        for key, value in saved.items():
+        saved, problems = read_mapping(path, path + ": "), []
+        for f in fields(cls):
             try:
-                saved[key] = checked_value(by_name[key], value) if key in by_name else value
+                saved[f.name] = checked_value(f, saved[f.name]) if f.name in saved else f.default
             except ValueError as e:
                 problems.append(f"{path}: {e}")
         check(problems)
@@ -379,8 +346,58 @@ def checked_value(f, value):
         with contextlib.suppress(ValueError, OverflowError):
             value = float(value)
     if type(value) is not want:  # type(), not isinstance: a bool is an int to isinstance
-        raise ValueError(f"'{f.name}' must be {want.__name__}, got {type(value).__name__} "
-                         f"{preview(value)}")
+        raise ValueError(f"'{f.name}' must be {want.__name__}, got {preview(value)}")
     if f.metadata.get("choices") and value not in f.metadata["choices"]:
         raise ValueError(f"'{f.name}' must be one of {f.metadata['choices']}, got {preview(value)}")
     return value
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """Refuses a repeated key and over 20 aliases ('billion laughs')."""
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > 20:
+                raise ValueError(f"{at(self.peek_event().start_mark)}: over 20 aliases (*name)")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:  # a merge (<<: *base) may repeat a key
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise ValueError(f"{at(key.start_mark)}: key {preview(key.value)} given twice")
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
+def at(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    if getattr(e, "problem_mark", None) is None or not e.problem:
+        return " ".join(str(e).split())
+    context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
+    return f"{at(e.problem_mark)}: {e.problem}{context}"
+
+
+def read_mapping(path: str, where: str) -> dict:
+    """A .json or YAML file's mapping, else UsageError(where + why)."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO: open() blocks
+        raise UsageError(where + "not a regular file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = (json.load(f, object_pairs_hook=unique_keys) if path.endswith(".json")
+                    else yaml.load(f, BoundedLoader))
+    except yaml.YAMLError as e:
+        raise UsageError(where + yaml_problem(e)) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise UsageError(where + str(e)) from None
+    if data is None and not path.endswith(".json"):  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(where + f"expected a mapping, got {type(data).__name__}")
+    return data

@@ -17,8 +17,7 @@ RUN = Config.__dataclass_fields__
 
 @dataclass
 class ConvertOptions:
-    input: str = opt("", RUN["dataset"].metadata["help"].replace("'synthetic', ", ""),
-                     positional=True)
+    input: str = opt("", "hub id, .jsonl/.json/.parquet file or folder", positional=True)
     output: str = opt("-", "a .jsonl file; '-': stdout", positional=True, nargs="?")
     format: str = opt(like=RUN["format"])
     neutral_label: str = opt(like=RUN["neutral_label"])
@@ -28,9 +27,8 @@ class ConvertOptions:
 
 
 def main(argv=None):
-    p = Parser(ConvertOptions, usage="%(prog)s input [output] [options]", description=(
-        "Convert a PRM dataset to stepwise JSONL (prompt, completions, labels; null: unlabeled), "
-        "validating every row; pre-tokenized rows pass through, right padding stripped."))
+    p = Parser(ConvertOptions, usage="%(prog)s input [output] [options]", description="Convert "
+               "a PRM dataset to stepwise JSONL, every row checked; pre-tokenized rows pass.")
     with exit_status():
         a = p.parse_args(argv)
         check(overwrites([("output", a.output)], [("input", a.input)]))

@@ -86,7 +86,7 @@ def test_help_says_what_auto_means(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default, or 0: 1e-3 for the random 'tiny' preset" in text and "(default: None)" not in text
+    assert "default/0: 1e-3 for 'tiny'" in text and "(default: None)" not in text
     assert "--gradient-checkpointing [BOOL], --no-gradient-checkpointing [BOOL]" in text
 
 
@@ -98,7 +98,7 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
     (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)  # 9**9 items once expanded
     with pytest.raises(UsageError) as e:
         parse_config(["--config", str(tmp_path / "bomb.yaml")])
-    assert "more than 20 aliases" in str(e.value) and len(str(e.value)) < 300
+    assert "over 20 aliases" in str(e.value) and len(str(e.value)) < 300
 
 
 def test_a_huge_wrong_value_is_shown_as_a_short_preview(tmp_path):
@@ -156,7 +156,7 @@ def test_a_false_precision_switch_means_not_this_one_in_any_order(argv, dtype):
 def test_bf16_and_fp16_both_true_are_refused_as_in_hf(argv):
     with pytest.raises(UsageError) as e:
         parse_config(argv)
-    assert e.value.code == 2 and "at most one of fp16 and bf16 can be true" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.code == 2 and "both true" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("text, dtype", [
@@ -164,7 +164,7 @@ def test_bf16_and_fp16_both_true_are_refused_as_in_hf(argv):
     ("fp16: true\nbf16: false\n", "fp16"), ("bf16: false\nfp16: false\n", "fp32"),
     ("dtype: fp16\nbf16: false\n", "fp16"),
     ("dtype: bf16\nbf16: false\n", "fp32"),  # in order, as `--dtype bf16 --no-bf16`
-    ("bf16: true\nfp16: true\n", "at most one of fp16 and bf16 can be true"),
+    ("bf16: true\nfp16: true\n", "'fp16' and bf16 both true"),
 ])
 def test_a_trl_recipe_with_bf16_true_and_fp16_false_is_bf16(text, dtype, tmp_path):
     (tmp_path / "recipe.yaml").write_text(text)
@@ -191,23 +191,23 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--push_to_hub"], "--push_to_hub is not supported: upload <output-dir>/final yourself"),
+    (["--push_to_hub"], "--push_to_hub is not supported: upload final/ yourself"),
     (["--hub-model-id", "me/prm"], "--hub-model-id is not supported: upload"),
-    (["--deepspeed", "ds.json"], "--deepspeed is not supported: launch with torchrun"),
-    (["--fsdp_config", "f.json"], "--fsdp_config is not supported: launch with torchrun"),
-    (["--do_eval"], "--do_eval is not supported: train.py always trains and evaluates"),
-    (["--optim", "adamw_torch"], "--optim is not supported: the optimizer is AdamW"),
-    (["--adam_eps", "1e-8"], "(did you mean --adam-epsilon?)"),
+    (["--deepspeed", "ds.json"], "--deepspeed is not supported: use torchrun"),
+    (["--fsdp_config", "f.json"], "--fsdp_config is not supported: use torchrun"),
+    (["--do_eval"], "--do_eval is not supported: train.py always does both"),
+    (["--optim", "adamw_torch"], "--optim is not supported: AdamW only"),
+    (["--adam_eps", "1e-8"], "(did you mean --adam_epsilon?)"),
     (["--warmup-ratios", "0.1"], "(did you mean --warmup-ratio?)"),
-    (["--lr_scheduler", "linear"], "(did you mean --lr-scheduler-type?)"),
-    (["--logging_step", "5"], "(did you mean --log-every / --logging-steps?)"),
-    (["--resume_from_checkpoint", "true"], "--resume 'true': takes a checkpoint directory or 'auto' (the newest"),
+    (["--lr_scheduler", "linear"], "(did you mean --lr_scheduler_type?)"),
+    (["--logging_step", "5"], "(did you mean --logging_steps?)"),
+    (["--resume_from_checkpoint", "true"], "--resume 'true': takes a folder or 'auto'"),
     (["--torch_dtype", "int8"], "--torch_dtype: expected one of auto, bfloat16, float16, float32, got 'int8'"),
-    (["--bf16", "maybe"], "argument --bf16/--no-bf16: expected true or false, got 'maybe'"),
+    (["--bf16", "maybe"], "argument --bf16: invalid boolean value: 'maybe'"),
     (["--lr-scheduler-type", "cosine", "--warmup-steps", "2", "--lr-scheduler-type", "constant"],
      "--lr-scheduler-type 'constant': takes no warmup: use constant_with_warmup"),
     (["--step-separator", ""], "--step-separator '': must not be empty"),
-    (["--batch-size", "-1"], "--batch-size -1: must be >= 0"),
+    (["--batch-size", "-1"], "--batch-size -1: must be in [0, 16777216]"),
     (["--lr", "nan"], "--lr nan: must be finite"),
     (["--lr", "-1"], "--lr -1.0: must be finite and >= 0"),
     (["--max-steps", "0"], "--max-steps 0: must be -1"),
@@ -216,8 +216,8 @@ def test_a_trl_config_file_reads_as_its_flags(tmp_path):
     (["--eval-fraction", "1.0"], "--eval-fraction 1.0: must be in (0, 1)"),
     (["--eval-fraction", "0"], "--eval-fraction 0.0: must be in (0, 1)"),
     (["--output-dir", ""], "--output-dir : not a writable folder"),
-    (["--epochs", "1e308"], "--epochs 1e+308: must be > 0 and below 2^31"),
-    (["--grad-accum", str(10 ** 20)], f"--grad-accum {10 ** 20}: must be at most 2^24"),
+    (["--epochs", "1e308"], "--epochs 1e+308: must be in (0, 2147483648)"),
+    (["--grad-accum", str(10 ** 20)], f"--grad-accum {10 ** 20}: must be in [1, 16777216]"),
 ])
 def test_refused_flags_say_why_in_one_line(argv, message):
     with pytest.raises(UsageError) as e:
@@ -382,5 +382,5 @@ def test_a_saved_config_with_the_old_spellings_of_auto_still_loads(tmp_path):
 
 def test_a_saved_config_with_a_key_given_twice_is_refused(tmp_path):
     (tmp_path / "config.train.json").write_text('{"lr": 0.001, "lr": 0.002}')
-    with pytest.raises(UsageError, match="config.train.json: cannot read it: key 'lr' given twice"):
+    with pytest.raises(UsageError, match="config.train.json: key 'lr' given twice"):
         Config.load(str(tmp_path))

@@ -54,12 +54,12 @@ def test_flags_given_override_the_file_and_the_rest_keeps_its_values(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("max_lenght: 512\n", "unknown key 'max_lenght' (did you mean 'max_length'?)"),
-    ("learnin_rate: 1.0e-5\n", "unknown key 'learnin_rate' (did you mean 'lr'?)"),  # TRL's name, mistyped
+    ("max_lenght: 512\n", "unknown key 'max_lenght' (did you mean max_length?)"),
+    ("learnin_rate: 1.0e-5\n", "unknown key 'learnin_rate' (did you mean learning_rate?)"),  # TRL's name, mistyped
     ("lr: 1.0e-5\nlearning_rate: 1.0e-5\n", "'lr' and 'learning_rate' both set --lr: give one"),  # as flags
-    ("max_length: long\n", "'max_length' must be int, got str 'long'"),
+    ("max_length: long\n", "'max_length' must be int, got 'long'"),
     ("dtype: fp8\n", "'dtype' must be one of"),
-    ("- lr\n", "expected a mapping of settings, got list"),
+    ("- lr\n", "expected a mapping, got list"),
 ])
 def test_bad_config_files_exit_2_naming_the_problem(tmp_path, text, message):
     (tmp_path / "bad.yaml").write_text(text)
@@ -83,7 +83,7 @@ def test_help_shows_escaped_defaults_and_eval_options_first(capsys):
         parse_config(["--help"])
     text = capsys.readouterr().out
     assert "(default: '\\n')" in " ".join(text.split())  # the newline separator, visible
-    assert "full batch: some examples train twice a pass" in " ".join(text.split())  # --epochs: data.global_batches
+    assert "filled with repeats" in " ".join(text.split())  # --epochs: data.global_batches
     with pytest.raises(SystemExit):
         eval_cli.main(["--help"])
     text = capsys.readouterr().out
@@ -134,7 +134,7 @@ def test_a_key_given_twice_in_a_config_file_is_refused_naming_file_key_and_yaml_
 
 def test_a_yaml_merge_may_still_override_a_merged_key():
     import yaml
-    from prm.cli import BoundedLoader
+    from prm.config import BoundedLoader
     assert yaml.load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n", BoundedLoader)["b"] == {"x": 3, "y": 2}
 
 

@@ -139,10 +139,10 @@ def test_prm_from_pretrained_never_scores_with_made_up_weights(model_dir, tmp_pa
     assert isinstance(PRM.from_pretrained(model_dir), PRM)
 
 
-@pytest.mark.parametrize("text, message", [("{not json", "config.train.json: cannot read it: Expecting property"),
-                                           ('{"lr": "abc"}', "config.train.json: 'lr' must be float, got str 'abc'"),
-                                           ('{"max_length": [1]}', "'max_length' must be int, got list [1]"),
-                                           ("[1]", "expected a JSON object of settings, got list")])
+@pytest.mark.parametrize("text, message", [("{not json", "config.train.json: Expecting property"),
+                                           ('{"lr": "abc"}', "config.train.json: 'lr' must be float, got 'abc'"),
+                                           ('{"max_length": [1]}', "'max_length' must be int, got [1]"),
+                                           ("[1]", "expected a mapping, got list")])
 def test_a_garbage_or_wrong_typed_config_train_json_exits_2_naming_file_and_field(model_dir, tmp_path, text, message):
     from prm.errors import UsageError
     from prm.scoring.reward import load_reward_model
