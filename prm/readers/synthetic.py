@@ -23,8 +23,7 @@ def char_tokenizer():
 
 
 def make_rows(n: int, seed: int) -> list:
-    """Chains of `x+1=y` steps (mod 10), half with one slip (y off by one): it and every later
-    step are wrong, so the model must read the earlier steps."""
+    """Chains of `x+1=y` steps (mod 10), half with a slip (y off by one) wrong from there on."""
     rng, rows = random.Random(seed), []
     for i in range(n):
         start, n_steps = rng.randrange(10), rng.randint(3, 6)
@@ -42,8 +41,8 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def step_truth(prompt: str, steps: list) -> list:
-    """Whether each step of a solution to a make_rows or counting_problems prompt follows the
-    chain within the count; the last one right only if it ends on the answer."""
+    """Whether each step of a counting solution follows the chain within the count; the last
+    right only if it ends on the answer."""
     count, *size, x = map(int, re.findall(r"\d+", prompt))
     d, truth = size[0] if size else 1, []
     for k, step in enumerate(steps):
@@ -54,14 +53,13 @@ def step_truth(prompt: str, steps: list) -> list:
 
 
 def counting_problems() -> list:
-    """The 360 prompts `count N steps of D from S:` and answers; steps are `x+D=y`, mod 10."""
+    """The 360 prompts `count N steps of D from S:` and answers."""
     return [{"prompt": f"count {n} steps of {d} from {s}:", "answer": str((s + n * d) % 10)}
             for n in range(3, 7) for d in range(1, 10) for s in range(10)]
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):
-    """(train, held-out) rows: held out, every row of a seeded share of the distinct solutions,
-    so none copies a training row."""
+    """(train, held-out) rows: held out, a seeded share of the distinct solutions."""
     rows = make_rows(n, seed)
     distinct = sorted({tuple(r["completions"]) for r in rows})
     random.Random(seed).shuffle(distinct)
