@@ -209,8 +209,9 @@ def test_pretokenized_rows_are_checked_and_right_padding_stripped():
         "field 'labels': 3 labels for 4 input_ids": {**ok, "labels": [-100, 1, 0]},
         "field 'labels': no position is labeled": {**ok, "labels": [-100] * 4},
         "field 'labels': position 3 is padding": {**padded, "labels": [-100, 1, -100, 0]},
-        "field 'attention_mask': expected ones then zeros": {**padded, "attention_mask": [0, 0, 1, 1]},
-        "field 'attention_mask': expected 4 zeros and ones": {**padded, "attention_mask": [1, 2, 0, 0]},
+        "field 'attention_mask': expected 4 ones then zeros": {**padded, "attention_mask": [0, 0, 1, 1]},
+        "field 'attention_mask': expected 4 ones then zeros (right padding), got list [1, 2": {
+            **padded, "attention_mask": [1, 2, 0, 0]},
     }
     for message, row in problems.items():
         assert [p for p in token_problems(row) if p.startswith(message)], (message, token_problems(row))

@@ -92,7 +92,7 @@ BAD_ROWS = [
     ({"input_ids": [1, 10, 11.5, 12], "labels": [-100, -100, -100, 1]},
      "field 'input_ids': position 2: float 11.5 is not a token id"),
     ({"input_ids": [0, 0, 10, 12], "labels": [-100, -100, -100, 1], "attention_mask": [0, 0, 1, 1]},
-     "field 'attention_mask': expected ones then zeros (right padding)"),
+     "field 'attention_mask': expected 4 ones then zeros (right padding)"),
 ]
 
 

@@ -1,2 +1,2 @@
-"""Reading data: JSON and splits (sources), the formats (formats), tokenizing (ingest), the
-offline default task (synthetic)."""
+"""Reading data: files and splits (sources), formats, tokenizing (ingest), the offline task
+(synthetic)."""

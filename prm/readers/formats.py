@@ -1,4 +1,4 @@
-"""Safe JSON reading, format detection, and each format's records made into checked rows."""
+"""JSON reading, format detection, and each format's records made into checked rows."""
 import difflib
 import itertools
 import json
@@ -16,7 +16,7 @@ FORMATS = {  # each format's columns, in detection order
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
     "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
-# source columns kept for evaluation's reports
+# source columns kept for eval's reports
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
 WHAT = {str: "text", bool: "true/false", list: "a list", dict: "an object"}
@@ -61,9 +61,9 @@ class _Repeated(dict):  # a JSON object that gave one key twice
     key = None
 
 
-def field_problem(value, field: str = ""):
+def field_problem(value):
     """The first key given twice or lone surrogate in value, or None."""
-    todo = [(field, value)]  # a loop, not recursion: any depth json reads
+    todo = [("", value)]  # a loop, not recursion: any depth json reads
     while todo:
         field, value = todo.pop()
         if isinstance(value, str):
@@ -86,14 +86,14 @@ class BadField(ValueError):
         super().__init__(f"field '{field}': {problem}")
 
 
-def is_blank(text: str) -> bool:  # whitespace and zero-width characters only
+def is_blank(text: str) -> bool:
     return not text.translate(ZERO_WIDTH).strip()
 
 
 def step_spans(text: str, separator: str) -> list:
     pieces = text.split(separator)
     starts = itertools.accumulate((len(p) + len(separator) for p in pieces), initial=0)
-    blank = {p for p in set(pieces) if is_blank(p)}  # each distinct piece checked once
+    blank = {p for p in set(pieces) if is_blank(p)}
     return [(a, a + len(p)) for a, p in zip(starts, pieces) if p not in blank]
 
 
@@ -137,7 +137,6 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
-    """The row with its META columns."""
     row = {k: _need(r, k) for k in FORMATS["stepwise"]}
     if r.get("first_error") is not None:
         n = len(row["completions"]) if isinstance(row["completions"], list) else 0
@@ -327,7 +326,7 @@ def row_problems(row: dict) -> list:
     if not (chat or isinstance(prompt, str)):
         out.append(f"field 'prompt': expected text or [{{role, content}}], got {_kind(prompt)}")
     if not isinstance(steps, list) or not steps:
-        out.append(f"field 'completions': expected a non-empty list of steps, got {_kind(steps)}")
+        out.append(f"field 'completions': expected a non-empty list, got {_kind(steps)}")
     else:
         bad = [(i, "empty" if isinstance(s, str) else _kind(s)) for i, s in enumerate(steps)
                if not isinstance(s, str) or is_blank(s)]
@@ -363,11 +362,11 @@ def token_problems(row: dict) -> list:
     n = len(labels)
     if mask is not None:
         if not isinstance(mask, list) or len(mask) != n or any(
-                type(m) not in (int, bool) or m not in (0, 1) for m in mask):
-            return out + [f"field 'attention_mask': expected {n} zeros and ones, got {_kind(mask)}"]
+                type(m) not in (int, bool) or m not in (0, 1) for m in mask) or any(
+                mask[sum(mask):]):
+            return out + [f"field 'attention_mask': expected {n} ones then zeros (right padding), "
+                          f"got {_kind(mask)}"]
         n = sum(mask)
-        if any(mask[n:]):
-            return out + ["field 'attention_mask': expected ones then zeros (right padding)"]
         padded = [i for i in range(n, len(labels)) if labels[i] != IGNORE]
         if padded and not bad:
             out.append(f"field 'labels': position {padded[0]} is padding but has a label")
