@@ -1,2 +1,1 @@
-"""Reading data: files and splits (sources), formats, tokenizing (ingest), the offline task
-(synthetic)."""
+"""Reading data: sources, formats, tokenizing (ingest), the offline task (synthetic)."""

@@ -98,7 +98,7 @@ def step_spans(text: str, separator: str) -> list:
 
 
 def split_steps(text: str, separator: str) -> list:
-    """The non-blank steps, whitespace kept, as training splits them."""
+    """The non-blank steps, whitespace kept."""
     return [text[a:b] for a, b in step_spans(text, separator)]
 
 
@@ -124,7 +124,7 @@ def _need(record: dict, key: str, kind=None, where: str = "", optional: bool = F
         return None
     if key not in record:
         near = difflib.get_close_matches(key, [str(k) for k in record], 1, 0.6)
-        near = f" (found '{near[0]}': misnamed?)" if near else ""
+        near = f" (misnamed '{near[0]}'?)" if near else ""
         raise BadField(where + key, "missing" + near)
     value = record[key]
     if kind is not None and not isinstance(value, kind):
@@ -273,8 +273,8 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution, its 1-based error_steps wrong (past the end: ignored, as PRMBench
-    does); a redundancy row also gives the original ("correct")."""
+    """The modified solution, 1-based error_steps wrong (past the end: ignored, as PRMBench does);
+    redundancy also gives the original."""
     steps = _unnumbered(_need(r, "modified_process", list))
     errors = _need(r, "error_steps", list)
     for e in errors:
@@ -297,7 +297,7 @@ def from_prmbench(r: dict, neutral: str) -> list:
 
 
 def _unnumbered(steps: list) -> list:
-    """PRMBench's remove_step_prefix ("k." or "Step k." dropped), but a bare prefix stays."""
+    """PRMBench's remove_step_prefix, but a bare prefix stays."""
     prefix = re.compile(r"^(Step\s*\d+\.\s*|\d+\.\s*)", re.IGNORECASE)
     bare = [prefix.sub("", s.strip()) if isinstance(s, str) else s for s in steps]
     return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
@@ -343,7 +343,7 @@ def row_problems(row: dict) -> list:
 
 
 def token_problems(row: dict) -> list:
-    """Every problem of a pre-tokenized row; padding only on the right."""
+    """Every problem of a pre-tokenized row."""
     ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
     out = []
     if not isinstance(ids, list) or not ids:
@@ -356,7 +356,7 @@ def token_problems(row: dict) -> list:
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
     bad = [(i, p) for i, y in enumerate(labels) if type(y) not in (int, float) or y != IGNORE
            for p in [label_problem(y) if y is not None else "null is not a label"] if p]
-    out += _first_bad(bad, "field 'labels': position {}: {}, nor -100 (no label)")
+    out += _first_bad(bad, "field 'labels': position {}: {}, nor -100")
     if isinstance(ids, list) and len(labels) != len(ids):
         return out + [f"field 'labels': {len(labels)} labels for {len(ids)} input_ids"]
     n = len(labels)
@@ -376,7 +376,7 @@ def token_problems(row: dict) -> list:
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) of a record in format `fmt`; no rows if any problem."""
+    """(rows, problems) of a record; no rows if any problem."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:
@@ -391,8 +391,8 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
         if record.get("id") is not None:
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
         if fmt == "pretokenized":
-            mask = row.pop("attention_mask", None)
-            end = sum(mask) if mask is not None else len(row["input_ids"])
+            mask = row.pop("attention_mask")
+            end = sum(mask) if mask else len(row["input_ids"])
             row["input_ids"] = row["input_ids"][:end]
             row["labels"] = [y if isinstance(y, float) else int(y) for y in row["labels"][:end]]
         else:

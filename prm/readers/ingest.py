@@ -133,6 +133,6 @@ def dataset_report(ds, tok, kept, separator: str) -> dict:
     return {"examples": len(kept), "labeled_steps": n,
             "positive_rate": round(_total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
             "mean_tokens": round(_total(lengths) / max(len(lengths), 1), 1),
-            "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
+            "max_tokens": pc.max(lengths).as_py() or 0,
             "examples_dropped": len(ds) - len(kept), "steps_truncated": cut,
             "steps_with_separator": with_sep}

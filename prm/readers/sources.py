@@ -1,4 +1,4 @@
-"""Checked, cached train/held-out rows of a hub dataset or .jsonl/.json/.parquet files."""
+"""Checked, cached train/held-out rows of a hub dataset or local files."""
 import contextlib
 import inspect
 import json
@@ -24,7 +24,7 @@ from prm.readers.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
 SHOWN = 15  # problems listed before "... and N more"
-SHAPING = Config.names_with("rows")  # settings that shape rows: in the rows cache's key
+SHAPING = Config.names_with("rows")  # in the rows cache's key
 
 
 class DataError(UsageError):
@@ -110,8 +110,7 @@ def split_files(folder: str, split: str, names: tuple = ()) -> list:
 
 
 def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -> list:
-    """(name, [(where, record, problem)]) per file of a local spec (by_split: those named for
-    split), or of a hub split."""
+    """(name, [(where, record, problem)]) per file of a local spec, or of a hub split."""
     cfg = cfg or Config()
     if not is_local(spec):
         try:
@@ -141,8 +140,7 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
               by_split: bool = False) -> list:
-    """A source's checked rows in format cfg.<format_key> or detected; what was read is said and
-    added to notes."""
+    """A source's checked rows in format cfg.<format_key> or detected; notes gets what was read."""
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
@@ -150,9 +148,7 @@ def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: 
         fmt = forced
         for where, record, problem in records:
             n_records += 1
-            if fmt is None and problem is None:  # from each file's first readable record
-                if not isinstance(record, dict):
-                    raise DataError([f"{name} {where}: expected a JSON object"])
+            if fmt is None and isinstance(record, dict) and not problem:  # a file's first object
                 fmt = detect_format(record)
                 if fmt is None:
                     raise DataError([f"{name} {where}: {format_help(record)}"])
@@ -197,7 +193,7 @@ def _shape(row: dict) -> str:
 
 
 def to_dataset(rows: list, *, cache_dir=None, fingerprint=None, notes=None) -> Dataset:
-    """An arrow-backed Dataset (so map caches tokenization) in cache_dir, notes in its info."""
+    """An arrow-backed Dataset in cache_dir, notes in its info."""
     if "input_ids" in rows[0]:
         features = {"input_ids": List(Value("int64")), "labels": List(Value("float64")),
                     "where": Value("string")}
@@ -280,8 +276,8 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """The cache folder of local files' splits, keyed by SHAPING, this code and data_digest
-    (digests: {spec: digest} if known); None if not cached."""
+    """The cache folder of local splits, keyed by SHAPING, this code and the data (digests:
+    {spec: digest} if known); None if not cached."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     local = all(is_local(s) and os.path.exists(s) for s in specs)
     if not (local and datasets.is_caching_enabled()):

@@ -1,4 +1,4 @@
-"""The offline default: a character tokenizer built in code and a step-labelled counting task."""
+"""The offline default: a character tokenizer and a step-labelled counting task."""
 import random
 import re
 
@@ -9,17 +9,16 @@ CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 
 def char_tokenizer():
-    """A token per character of CHARS and 4 specials: a byte-level BPE without merges, as
-    AutoTokenizer rebuilds it for a saved qwen2 model."""
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    """A token per character of CHARS: a byte-level BPE without merges, as AutoTokenizer rebuilds
+    it for a saved qwen2 model."""
+    specials = {f"{s}_token": f"<{s}>" for s in ("pad", "bos", "eos", "unk")}
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     names = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]  # " " -> "Ġ", "\n" -> "Ċ"
-    vocab = {t: i for i, t in enumerate(specials + names)}
+    vocab = {t: i for i, t in enumerate([*specials.values(), *names])}
     tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
 
 
 def make_rows(n: int, seed: int) -> list:
@@ -41,8 +40,8 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def step_truth(prompt: str, steps: list) -> list:
-    """Whether each step of a counting solution follows the chain within the count; the last
-    right only if it ends on the answer."""
+    """Whether each step of a counting solution follows the chain within the count (the last: ends
+    on the answer)."""
     count, *size, x = map(int, re.findall(r"\d+", prompt))
     d, truth = size[0] if size else 1, []
     for k, step in enumerate(steps):
