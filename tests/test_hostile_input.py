@@ -159,7 +159,6 @@ def test_bad_data_is_a_usage_error_with_the_same_message(tmp_path, capsys):
     with pytest.raises(UsageError) as e:
         read_rows(str(tmp_path / "d.jsonl"), "train", Config())
     assert e.value.code == 2 and str(e.value).splitlines() == [
-        "1 invalid rows (lines 1-based, rows 0-based):",
+        "1 invalid rows (lines 1-based, rows 0-based; --skip-invalid drops them):",
         f"  {tmp_path / 'd.jsonl'} line 2: malformed JSON: Expecting property name enclosed in double quotes "
-        "(column 2)",
-        "Fix them, or pass --skip-invalid to drop them."]
+        "(column 2)"]

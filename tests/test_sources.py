@@ -413,7 +413,7 @@ def test_a_folder_of_files_named_for_splits_is_read_as_those_splits(tmp_path, ca
     with pytest.raises(DataError, match="no file named for split 'dev' among test-00000-of-00001.jsonl, tr"):
         load_splits(cfg_for(str(split), train_split="dev"))
     write_jsonl(split / "extra.jsonl", rows("extra", 2))  # read by no split: refused, never left out silently
-    with pytest.raises(DataError, match=r"split: extra.jsonl named for no split, unlike test-"):
+    with pytest.raises(DataError, match=r"split: extra.jsonl named for no split, unlike the others"):
         load_splits(cfg_for(str(split)))
     (split / "extra.jsonl").unlink()
     (split / "test-00000-of-00001.jsonl").unlink()  # no held-out file: --eval-fraction of the train split

@@ -57,7 +57,7 @@ def read_json(text: str) -> tuple:
     return value, field_problem(value) if look else None, None
 
 
-class _Repeated(dict):  # a JSON object that gave one key twice
+class _Repeated(dict):
     key = None
 
 
@@ -93,7 +93,7 @@ def is_blank(text: str) -> bool:
 def step_spans(text: str, separator: str) -> list:
     pieces = text.split(separator)
     starts = itertools.accumulate((len(p) + len(separator) for p in pieces), initial=0)
-    blank = {p for p in set(pieces) if is_blank(p)}
+    blank = {p for p in set(pieces) if is_blank(p)}  # each distinct piece checked once
     return [(a, a + len(p)) for a, p in zip(starts, pieces) if p not in blank]
 
 
@@ -173,7 +173,7 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
         raise BadField("label", f"expected +/- marked text or a list, got {_kind(label)}")
     question, marker, first = steps[0].rpartition("Step 1:")
     if not marker:
-        raise BadField("input", "no 'Step 1:' to end the question")
+        raise BadField("input", "no 'Step 1:' after the question")
     steps[0] = (marker + first).strip()
     return [{"prompt": question.strip(), "completions": steps, "labels": labels}]
 

@@ -73,7 +73,6 @@ def template_problems(ds, tokenizer, which: str) -> list:
     """(index, message) per row the chat template cannot render."""
     if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     out = []
     ids = ds["id"][:] if "id" in ds.column_names else [None] * len(ds)
     for i, (prompt, id_) in enumerate(zip(ds["prompt"][:], ids)):
@@ -82,8 +81,7 @@ def template_problems(ds, tokenizer, which: str) -> list:
         except Exception as e:
             row = f"{which} row {i}" + (f" (id {id_})" if id_ else "")
             why = str(e).strip().splitlines()[0][:200]
-            out.append((i, f"{row}: field 'prompt': chat template of {name}: "
-                           f"{type(e).__name__}: {why}"))
+            out.append((i, f"{row}: field 'prompt': chat template: {type(e).__name__}: {why}"))
     return out
 
 

@@ -32,18 +32,19 @@ class DataError(UsageError):
 
     def __init__(self, problems: list, total_rows: int = 0):
         self.problems, self.total_rows = problems, total_rows
-        head = f"{total_rows} invalid rows (lines 1-based, rows 0-based):" if total_rows else \
-            "invalid input data:"
+        head = "invalid input data:"
+        if total_rows:
+            head = (f"{total_rows} invalid rows (lines 1-based, rows 0-based; --skip-invalid "
+                    "drops them):")
         more = [f"  ... and {len(problems) - SHOWN} more"] if len(problems) > SHOWN else []
-        tail = ["Fix them, or pass --skip-invalid to drop them."] if total_rows else []
-        super().__init__("\n".join([head] + [f"  {p}" for p in problems[:SHOWN]] + more + tail))
+        super().__init__("\n".join([head] + [f"  {p}" for p in problems[:SHOWN]] + more))
 
     def __reduce__(self):  # rank 0's error is pickled to the others
         return type(self), (self.problems, self.total_rows)
 
 
 class MissingSplit(DataError):
-    """The source has no such split."""
+    """No such split."""
 
 
 def say(msg: str):
@@ -100,8 +101,7 @@ def split_files(folder: str, split: str, names: tuple = ()) -> list:
     if len(unnamed) == len(named):
         return None
     if unnamed:
-        one = next(f for f, splits in named.items() if splits)
-        raise DataError([f"{folder}: {', '.join(unnamed)} named for no split, unlike {one}"])
+        raise DataError([f"{folder}: {', '.join(unnamed)} named for no split, unlike the others"])
     twice = [f"{f} ({' and '.join(s)})" for f, s in named.items() if len(s) > 1]
     if twice:
         raise DataError([f"{folder}: {', '.join(twice)} named for more than one split"])
@@ -276,8 +276,7 @@ def data_digest(spec: str) -> str:
 
 
 def rows_cache(cfg, digests: dict = None):
-    """The cache folder of local splits, keyed by SHAPING, this code and the data (digests:
-    {spec: digest} if known); None if not cached."""
+    """The cache folder of local splits (digests: {spec: digest} if known); None if not cached."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
     local = all(is_local(s) and os.path.exists(s) for s in specs)
     if not (local and datasets.is_caching_enabled()):
@@ -310,8 +309,8 @@ def _not_cached():
 
 
 def _read_back(path: str):
-    """(train, held) of a cache entry, its notes said; None if partial or damaged (removed).
-    Files are written train, held, then rows.sha256."""
+    """(train, held) of a cache entry, its notes said; None if partial (rows.sha256 comes last) or
+    damaged (removed)."""
     sums = os.path.join(path, "rows.sha256")
     try:
         train, held = (Dataset.from_generator(_not_cached, **_entry(path, split))
