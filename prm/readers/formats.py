@@ -1,4 +1,4 @@
-"""JSON reading, format detection, and each format's records made into checked rows."""
+"""JSON reading, format detection, and records made into checked rows."""
 import difflib
 import itertools
 import json
@@ -117,7 +117,7 @@ def format_help(record: dict) -> str:
 
 
 def _need(record: dict, key: str, kind=None, where: str = "", optional: bool = False):
-    """record[key] of type kind (optional: None if absent or null); where: "outputs[3]." etc."""
+    """record[key] of type kind (optional: None if absent or null); where: a prefix."""
     if not isinstance(record, dict):
         raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
     if optional and record.get(key) is None:
@@ -246,8 +246,7 @@ def _tagged_steps(text: str, field: str) -> list:
     if len(parts) < 2:
         raise BadField(field, f"no '{STEP_TAG}' step tag")
     if parts[-1].strip():
-        tail = parts[-1].strip()[:40]
-        raise BadField(field, f"text after the last '{STEP_TAG}': {tail!r}")
+        raise BadField(field, f"text after the last '{STEP_TAG}': {parts[-1].strip()[:40]!r}")
     return [s.strip() for s in parts[:-1]]
 
 
@@ -312,9 +311,8 @@ CONVERTERS = {name: globals()["from_" + name] for name in FORMATS}
 
 
 def _first_bad(bad: list, message: str) -> list:
-    if not bad:
-        return []
-    return [message.format(*bad[0]) + (f" ({len(bad) - 1} more)" if len(bad) > 1 else "")]
+    more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
+    return [message.format(*bad[0]) + more] if bad else []
 
 
 def row_problems(row: dict) -> list:

@@ -16,7 +16,7 @@ AUTO_PROC_ROWS = 20_000  # --num-proc 0: several processes from this many rows o
 
 
 def processes(num_proc: int, n_rows: int) -> int:
-    """--num-proc, or for 0 one per usable core (at most 8) from AUTO_PROC_ROWS rows on."""
+    """--num-proc, or for 0: one per usable core (at most 8) on big data."""
     if num_proc or n_rows < AUTO_PROC_ROWS:
         return num_proc or 1
     usable = getattr(os, "sched_getaffinity", None)

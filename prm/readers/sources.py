@@ -28,7 +28,7 @@ SHAPING = Config.names_with("rows")  # in the rows cache's key
 
 
 class DataError(UsageError):
-    """Bad input data: a "<source> <line|row> N: field 'x': ..." line per problem."""
+    """A "<source> <line|row> N: field 'x': ..." line per problem."""
 
     def __init__(self, problems: list, total_rows: int = 0):
         self.problems, self.total_rows = problems, total_rows
@@ -90,11 +90,12 @@ def data_files(folder: str) -> list:
     return sorted(os.path.join(folder, f) for f in names)
 
 
-def split_files(folder: str, split: str, names: tuple = ()) -> list:
+def split_files(folder: str, split: str, cfg) -> list:
     """The folder's files named for split (as datasets reads names); None if none names one."""
     paths = {os.path.basename(f): f for f in data_files(folder)}
     keywords = {str(s): set(k) for s, k in SPLIT_KEYWORDS.items()}
-    keywords.update((s, {s}) for s in {*names, split} - set().union(*keywords.values()))
+    ours = {cfg.train_split, cfg.eval_split, split}
+    keywords.update((s, {s}) for s in ours - set().union(*keywords.values()))
     words = lambda f: set(re.split(f"[{NON_WORDS_CHARS}]+", f.lower()))
     named = {f: [s for s, k in keywords.items() if k & words(f)] for f in paths}
     unnamed = [f for f, splits in named.items() if not splits]
@@ -115,7 +116,7 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
     if not is_local(spec):
         try:
             ds = load_dataset(spec, cfg.dataset_config or None, split=split)
-        except Exception as e:  # offline, no such dataset, a mistyped local path
+        except Exception as e:  # offline, unknown, or a mistyped local path
             if isinstance(e, ValueError) and "split" in str(e).lower():
                 raise MissingSplit([f"{spec}: {e}"]) from None
             raise DataError([f"{spec}: no local data file nor loaded from the hub "
@@ -126,7 +127,7 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
         files = data_files(spec)
         if not files:
             raise DataError([f"{spec}: no {'/'.join(LOCAL_EXT)} files"])
-        named = split_files(spec, split, (cfg.train_split, cfg.eval_split)) if by_split else None
+        named = split_files(spec, split, cfg) if by_split else None
         if named == []:
             among = ", ".join(os.path.basename(f) for f in files)
             raise MissingSplit([f"{spec}: no file named for split {split!r} among {among}"])
@@ -243,10 +244,10 @@ def read_splits(cfg, cache_dir: str = None) -> tuple:
     if cfg.eval_dataset:
         held = read(cfg.eval_dataset, cfg.eval_split, "eval_format")
     elif not is_local(cfg.dataset) or os.path.isdir(cfg.dataset) and split_files(
-            cfg.dataset, cfg.eval_split, (cfg.train_split, cfg.eval_split)) is not None:
+            cfg.dataset, cfg.eval_split, cfg) is not None:
         with contextlib.suppress(MissingSplit):
             held = read(cfg.dataset, cfg.eval_split)
-    if held is None:  # split by prompt (pre-tokenized: by row): no problem on both sides
+    if held is None:  # by prompt (pre-tokenized: by row): no problem on both sides
         keys = [json.dumps(r["prompt"] if "prompt" in r else r["input_ids"]) for r in train]
         prompts = sorted(set(keys))
         n = len(prompts)
@@ -278,13 +279,12 @@ def data_digest(spec: str) -> str:
 def rows_cache(cfg, digests: dict = None):
     """The cache folder of local splits (digests: {spec: digest} if known); None if not cached."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
-    local = all(is_local(s) and os.path.exists(s) for s in specs)
-    if not (local and datasets.is_caching_enabled()):
+    sums = [(digests or {}).get(s) or data_digest(s) for s in specs]
+    if not (datasets.is_caching_enabled() and all(sums)):
         return None
-    # datasets' Hasher does not follow a function's callees: hash the code
+    # Hasher does not follow a function's callees: hash the code
     code = [inspect.getsource(sys.modules[m]) for m in (__name__, to_rows.__module__)]
-    key = [[getattr(cfg, k) for k in SHAPING], code]
-    key += [(digests or {}).get(s) or data_digest(s) for s in specs]
+    key = [[getattr(cfg, k) for k in SHAPING], code, *sums]
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "prm_rows", Hasher.hash(key))
 
 
