@@ -16,7 +16,7 @@ FORMATS = {  # each format's columns, in detection order
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
     "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
-# source columns kept for eval's reports
+# source columns for eval's reports
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
 WHAT = {str: "text", bool: "true/false", list: "a list", dict: "an object"}
@@ -62,7 +62,7 @@ class _Repeated(dict):
 
 
 def field_problem(value):
-    """The first key given twice or lone surrogate in value, or None."""
+    """The first key given twice or lone surrogate, or None."""
     todo = [("", value)]  # a loop, not recursion: any depth json reads
     while todo:
         field, value = todo.pop()
@@ -151,8 +151,8 @@ def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
     first = _need(r, key)
     if type(first) is not int or not -1 <= first < n_steps:
         raise BadField(key, f"first error {_kind(first)} is out of range for {n_steps} steps")
-    correct = _need(r, "final_answer_correct", bool, optional=True)
-    return {"first_error": first, "final_answer_correct": correct}
+    return {"first_error": first,
+            "final_answer_correct": _need(r, "final_answer_correct", bool, optional=True)}
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
@@ -179,7 +179,7 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """A row per rated alternative not chosen, then the trajectory unless the last row holds it."""
+    """A row per rated alternative not chosen, then the trajectory unless the last row is it."""
     problem = _need(_need(r, "question", dict), "problem", str, "question.")
     label = _need(r, "label", dict)
     steps = _need(label, "steps", list, "label.")
@@ -232,8 +232,8 @@ def from_mrben(r: dict, neutral: str) -> list:
     if first != "N/A" and not number:
         raise BadField("Model_Solution_First_Error_Step",
                        f"{_kind(first)} is not 1-{len(steps)} or N/A")
-    options = _need(r, "Options", str) if r.get("Options") else ""
-    prompt = _need(r, "Question", str) + ("\n" + options.strip() if options.strip() else "")
+    options = _need(r, "Options", str).strip() if r.get("Options") else ""
+    prompt = _need(r, "Question", str) + ("\n" + options if options else "")
     label = -1 if first == "N/A" else int(first) - 1
     correct = r.get("Model_Solution_Correctness") == "correct"
     record = {"problem": prompt, "steps": steps, "label": label, "final_answer_correct": correct}

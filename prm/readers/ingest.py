@@ -1,4 +1,4 @@
-"""Datasets of rows -> tokenized rows (COLUMNS), and the data report."""
+"""Rows -> tokenized rows (COLUMNS), and the data report."""
 import os
 
 import pyarrow.compute as pc
@@ -25,7 +25,7 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
                      desc: str = "tokenize", drop_unlabeled: bool = True, tokenize=None):
-    """(dataset, report); rows with no labeled step dropped unless drop_unlabeled=False."""
+    """(dataset, report); rows with no labeled step dropped if drop_unlabeled."""
     features = Features({**FEATURES, **{k: v for k, v in ds.features.items() if k in META}})
     kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
                   train_on_last_step_only=cfg.train_on_last_step_only)

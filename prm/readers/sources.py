@@ -23,7 +23,7 @@ from prm.readers.formats import (FORMATS, META, decode, detect_format, field_pro
 from prm.readers.synthetic import train_eval_rows
 
 LOCAL_EXT = (".jsonl", ".json", ".parquet")
-SHOWN = 15  # problems listed before "... and N more"
+SHOWN = 15  # problems listed in full
 SHAPING = Config.names_with("rows")  # in the rows cache's key
 
 
@@ -141,7 +141,7 @@ def sources(spec: str, split: str = "train", cfg=None, by_split: bool = False) -
 
 def read_rows(spec: str, split: str, cfg, format_key: str = "format", *, notes: list = None,
               by_split: bool = False) -> list:
-    """A source's checked rows in format cfg.<format_key> or detected; notes gets what was read."""
+    """A source's checked rows; notes gets what was read."""
     rows, problems, bad, n_records, empty, ids, repeated = [], [], 0, 0, 0, set(), 0
     forced = getattr(cfg, format_key)
     formats = {forced: f"forced by --{format_key.replace('_', '-')}"} if forced else {}
@@ -309,7 +309,7 @@ def _not_cached():
 
 
 def _read_back(path: str):
-    """(train, held) of a cache entry, its notes said; None if partial (rows.sha256 comes last) or
+    """(train, held) of a cache entry, notes said; None if partial (rows.sha256 comes last) or
     damaged (removed)."""
     sums = os.path.join(path, "rows.sha256")
     try:

@@ -40,8 +40,7 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def step_truth(prompt: str, steps: list) -> list:
-    """Whether each step of a counting solution follows the chain within the count (the last: ends
-    on the answer)."""
+    """Whether each step follows the chain within the count; the last must end on the answer."""
     count, *size, x = map(int, re.findall(r"\d+", prompt))
     d, truth = size[0] if size else 1, []
     for k, step in enumerate(steps):
@@ -58,7 +57,7 @@ def counting_problems() -> list:
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):
-    """(train, held-out) rows: held out, a seeded share of the distinct solutions."""
+    """(train, held-out): a seeded share of the distinct solutions held out."""
     rows = make_rows(n, seed)
     distinct = sorted({tuple(r["completions"]) for r in rows})
     random.Random(seed).shuffle(distinct)
