@@ -88,11 +88,11 @@ BAD_ROWS = [
     ({"input_ids": [1, 10, 11, 12], "labels": [-100, 1, 0]}, "field 'labels': 3 labels for 4 input_ids"),
     ({"input_ids": [1, 10, 11, 12], "labels": [-100] * 4}, "field 'labels': no position is labeled"),
     ({"input_ids": [1, 10, 0, 0], "labels": [-100, 1, -100, 0], "attention_mask": [1, 1, 0, 0]},
-     "field 'labels': position 3 is padding (attention_mask 0) but has a label"),
+     "field 'labels': position 3 is padding but has a label"),
     ({"input_ids": [1, 10, 11.5, 12], "labels": [-100, -100, -100, 1]},
      "field 'input_ids': position 2: float 11.5 is not a token id"),
     ({"input_ids": [0, 0, 10, 12], "labels": [-100, -100, -100, 1], "attention_mask": [0, 0, 1, 1]},
-     "field 'attention_mask': expected ones then zeros (right padding)"),
+     "field 'attention_mask': expected 4 ones then zeros (right padding)"),
 ]
 
 
@@ -130,7 +130,7 @@ def test_max_length_cuts_pretokenized_rows_and_counts_lost_labels(tmp_path):
     assert whole["input_ids"] == [r["input_ids"] for r in rows] and report["steps_truncated"] == 0
     last, _ = tokenize_dataset(ds, tok, Config(train_on_last_step_only=True), is_eval=False)
     assert [[y for y in r if y != IGNORE] for r in last["labels"]] == [[1.0], [0.5]]
-    with pytest.raises(DataError, match="--max-completion-length 4: pre-tokenized rows carry no prompt/step"):
+    with pytest.raises(DataError, match="--max-completion-length 4: pre-tokenized rows have no prompt"):
         tokenize_dataset(ds, tok, Config(max_completion_length=4), is_eval=True)
 
 
@@ -153,7 +153,7 @@ def test_mixing_with_text_rows_and_holding_out_a_share(tmp_path):
     (tmp_path / "mix").mkdir()
     write_jsonl(tmp_path / "mix" / "a.jsonl", [GOOD])
     write_jsonl(tmp_path / "mix" / "b.jsonl", [{"prompt": "p", "completions": ["a"], "labels": [True]}])
-    with pytest.raises(DataError, match="b.jsonl line 1: pre-tokenized and text rows are mixed"):
+    with pytest.raises(DataError, match="b.jsonl line 1: plain-prompt rows mixed with pre-tokenized rows"):
         read_rows(str(tmp_path / "mix"), "train", Config())
     rows = [{**GOOD, "input_ids": [1, 10 + i, 11, 12]} for i in range(10)]
     train, held = load_splits(Config(dataset=write_jsonl(tmp_path / "tok.jsonl", rows), eval_fraction=0.3))

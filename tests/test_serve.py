@@ -141,7 +141,7 @@ def test_idle_and_slow_clients_do_not_stop_the_others(reward, expected):
     (5001, b"1" * 5001, 400, "the body: unreadable JSON: Exceeds the limit (4300 digits)"),
     (1325, b'{"query": ' + b"[" * 650 + rb'"\ud83d\ude00"' + b"]" * 650 + b"}", 400,  # as deep as json reads,
      "field 'query': item 0 is list, not a string"),  # and an escape that has every string checked for surrogates
-    (29, b'{"query": ["a"], "query": []}', 400, "the body: field 'query': given twice in one object"),
+    (29, b'{"query": ["a"], "query": []}', 400, "the body: field 'query': given twice"),
 ])
 def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expected, length, body, status, message):
     got, out = raw(port, length, body)
@@ -151,7 +151,7 @@ def test_malformed_requests_get_a_json_4xx_and_the_server_serves_on(port, expect
 
 @pytest.mark.parametrize("body, message", [
     ({**GOOD, "query": ["count from 1:\ud800"], "prompts": ["count from 1:"]},
-     "the body: field 'query[0]': a lone UTF-16 surrogate '\\ud800' (position 13) is not text"),
+     "the body: field 'query[0]': a lone UTF-16 surrogate '\\ud800' at 13"),
     ({**GOOD, "query": "count from 1:"}, "field 'query'"),
     ({**GOOD, "prompts": ["count from 1:", 2, 3]}, "field 'prompts': item 1 is int, not a string"),
     ([GOOD], "expected a JSON object"),

@@ -46,7 +46,7 @@ def test_prmbench_out_of_range_first_errors_are_named(tmp_path):
     with pytest.raises(DataError) as e:
         read_rows(str(tmp_path), "train", Config())
     assert named_rows(e.value) == expected and len(expected) >= 16
-    assert any("first-error index" in p and "out of range" in p for p in e.value.problems)
+    assert any("first error" in p and "out of range" in p for p in e.value.problems)
     assert len(read_rows(str(tmp_path), "train", Config(skip_invalid=True))) == total - len(expected)
 
 

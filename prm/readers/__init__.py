@@ -1,2 +1,1 @@
-"""Reading data: JSON and splits (sources), the formats (formats), tokenizing (ingest), the
-offline default task (synthetic)."""
+"""Reading data: sources, formats, tokenizing (ingest), the offline task (synthetic)."""

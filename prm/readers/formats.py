@@ -1,4 +1,4 @@
-"""Read JSON safely, detect a record's format, make and check stepwise or pre-tokenized rows."""
+"""JSON reading, format detection, and records made into checked rows."""
 import difflib
 import itertools
 import json
@@ -16,17 +16,17 @@ FORMATS = {  # each format's columns, in detection order
     "prmbench": ("original_process", "modified_process", "error_steps", "classification"),
     "mrben": ("Question", "Model_Solution_Steps", "Model_Solution_First_Error_Step"),
 }
-# source columns kept for evaluation's reports
+# source columns for eval's reports
 META = {"id": "string", "first_error": "int64", "final_answer_correct": "bool", "group": "string",
         "response_answer": "string", "category": "string"}
-WHAT = {str: "text", bool: "true/false", list: "a list", dict: "an object"}  # for _need's messages
+WHAT = {str: "text", bool: "true/false", list: "a list", dict: "an object"}
 STEP_TAG = "ки"  # Math-Shepherd's end-of-step marker
-NEUTRAL = {"positive": True, "negative": False, "drop": None}  # what a PRM800K rating of 0 becomes
+NEUTRAL = {"positive": True, "negative": False, "drop": None}  # a PRM800K rating of 0
 ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 
 
 def decode(data: bytes) -> tuple:
-    """(text, problem, line): the UTF-8 text, or why it is not."""
+    """(text, problem, line)."""
     try:
         return data.decode("utf-8-sig"), None, None
     except UnicodeDecodeError as e:
@@ -35,7 +35,7 @@ def decode(data: bytes) -> tuple:
 
 
 def read_json(text: str) -> tuple:
-    """(value, problem, line): the JSON text's value, or why it cannot be read."""
+    """(value, problem, line)."""
     repeated = []
 
     def pairs_hook(pairs: list) -> dict:
@@ -57,24 +57,23 @@ def read_json(text: str) -> tuple:
     return value, field_problem(value) if look else None, None
 
 
-class _Repeated(dict):  # a JSON object that gave one key twice
+class _Repeated(dict):
     key = None
 
 
-def field_problem(value, field: str = ""):
-    """The first key given twice or lone surrogate in value, or None."""
-    todo = [(field, value)]  # a loop, not recursion: any depth json reads
+def field_problem(value):
+    """The first key given twice or lone surrogate, or None."""
+    todo = [("", value)]  # a loop, not recursion: any depth json reads
     while todo:
         field, value = todo.pop()
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as e:
-                return (f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} "
-                        f"(position {e.start}) is not text")
+                return f"field '{field}': a lone UTF-16 surrogate {value[e.start]!r} at {e.start}"
         if isinstance(value, _Repeated):
             where = f"{field}.{value.key}" if field else value.key
-            return f"field '{where}': given twice in one object (which value is meant?)"
+            return f"field '{where}': given twice"
         if isinstance(value, dict):
             todo += reversed([(f"{field}.{k}" if field else k, v) for k, v in value.items()])
         elif isinstance(value, list):
@@ -87,7 +86,7 @@ class BadField(ValueError):
         super().__init__(f"field '{field}': {problem}")
 
 
-def is_blank(text: str) -> bool:  # whitespace and zero-width characters only
+def is_blank(text: str) -> bool:
     return not text.translate(ZERO_WIDTH).strip()
 
 
@@ -99,7 +98,7 @@ def step_spans(text: str, separator: str) -> list:
 
 
 def split_steps(text: str, separator: str) -> list:
-    """The non-blank steps of a text, whitespace kept, as training splits them."""
+    """The non-blank steps, whitespace kept."""
     return [text[a:b] for a, b in step_spans(text, separator)]
 
 
@@ -113,24 +112,23 @@ def format_help(record: dict) -> str:
     near = [f"'{k}' -> '{m[0]}'" for k in record if k not in known
             for m in [difflib.get_close_matches(str(k), known, 1, 0.75)] if m]
     expected = "; ".join(f"{n} ({', '.join(c)})" for n, c in FORMATS.items())
-    return (f"columns {sorted(map(str, record))} match no format. Expected one of: {expected}."
-            + (f" Misnamed? {', '.join(near)}." if near else "") + " Or force one with --format.")
+    return (f"columns {sorted(map(str, record))} match no format ({expected})."
+            + (f" Misnamed? {', '.join(near)}." if near else "") + " Or pass --format.")
 
 
 def _need(record: dict, key: str, kind=None, where: str = "", optional: bool = False):
-    """record[key] of type `kind` (optional: None if absent or null); `where`: "outputs[3]." etc."""
+    """record[key] of type kind (optional: None if absent or null); where: a prefix."""
     if not isinstance(record, dict):
         raise BadField(where.rstrip("."), f"expected an object, got {_kind(record)}")
     if optional and record.get(key) is None:
         return None
     if key not in record:
         near = difflib.get_close_matches(key, [str(k) for k in record], 1, 0.6)
-        near = f" (found '{near[0]}': misnamed?)" if near else ""
+        near = f" (misnamed '{near[0]}'?)" if near else ""
         raise BadField(where + key, "missing" + near)
     value = record[key]
     if kind is not None and not isinstance(value, kind):
-        what = "the final answer as text" if key == "response_answer" else WHAT[kind]
-        raise BadField(where + key, f"expected {what}, got {_kind(value)}")
+        raise BadField(where + key, f"expected {WHAT[kind]}, got {_kind(value)}")
     return value
 
 
@@ -139,12 +137,11 @@ def _kind(value) -> str:
 
 
 def from_stepwise(r: dict, neutral: str) -> list:
-    """The row with its META columns, so a converted file reads as its source."""
     row = {k: _need(r, k) for k in FORMATS["stepwise"]}
     if r.get("first_error") is not None:
         n = len(row["completions"]) if isinstance(row["completions"], list) else 0
         row.update(_benchmark_columns(r, "first_error", n))
-    for col, kind in META.items():  # first_error is in row when given
+    for col, kind in META.items():
         if col not in row and col != "id" and r.get(col) is not None:
             row[col] = _need(r, col, bool if kind == "bool" else str)
     return [row]
@@ -153,10 +150,9 @@ def from_stepwise(r: dict, neutral: str) -> list:
 def _benchmark_columns(r: dict, key: str, n_steps: int) -> dict:
     first = _need(r, key)
     if type(first) is not int or not -1 <= first < n_steps:
-        raise BadField(key, f"first-error index {_kind(first)} is out of range for {n_steps} steps "
-                            "(0-based, -1 = no error)")
-    correct = _need(r, "final_answer_correct", bool, optional=True)
-    return {"first_error": first, "final_answer_correct": correct}
+        raise BadField(key, f"first error {_kind(first)} is out of range for {n_steps} steps")
+    return {"first_error": first,
+            "final_answer_correct": _need(r, "final_answer_correct", bool, optional=True)}
 
 
 def from_math_shepherd(r: dict, neutral: str) -> list:
@@ -168,26 +164,22 @@ def from_math_shepherd(r: dict, neutral: str) -> list:
         for k, part in enumerate(text.split(STEP_TAG)[:-1]):
             end = pos + len(part)
             if not label.startswith(part, pos) or label[end:end + 1] not in ("+", "-"):
-                raise BadField("label", f"does not match 'input' at step {k + 1}: expected the "
-                                        f"same text with + or - in place of each '{STEP_TAG}'")
+                raise BadField("label", f"not 'input' with +/- per '{STEP_TAG}' at step {k + 1}")
             labels.append(label[end] == "+")
             pos = end + 1
     elif isinstance(label, list):
         labels = label
     else:
-        raise BadField("label", "expected text with +/- step marks or a list of step labels, got "
-                                + _kind(label))
+        raise BadField("label", f"expected +/- marked text or a list, got {_kind(label)}")
     question, marker, first = steps[0].rpartition("Step 1:")
     if not marker:
-        raise BadField("input", "no 'Step 1:' before the first step tag: cannot tell the "
-                                "question from the first step")
+        raise BadField("input", "no 'Step 1:' after the question")
     steps[0] = (marker + first).strip()
     return [{"prompt": question.strip(), "completions": steps, "labels": labels}]
 
 
 def from_prm800k(r: dict, neutral: str) -> list:
-    """A row per rated alternative not chosen, then the trajectory to where the labeler stopped
-    unless the last row holds it; none from a bad_problem."""
+    """A row per rated alternative not chosen, then the trajectory unless the last row is it."""
     problem = _need(_need(r, "question", dict), "problem", str, "question.")
     label = _need(r, "label", dict)
     steps = _need(label, "steps", list, "label.")
@@ -203,14 +195,13 @@ def from_prm800k(r: dict, neutral: str) -> list:
             rating = c.get("rating") if isinstance(c, dict) else "not an object"
             if type(rating) not in (int, type(None)) or rating not in rate:  # True is no rating
                 raise BadField(f"{where}.completions[{i}].rating",
-                               f"expected -1, 0, 1 or null in {_kind(c)}")
+                               f"not -1, 0, 1 or null: {_kind(c)}")
             if i != chosen and rate[rating] is not None:
                 rows.append({"prompt": problem, "completions": texts + [c.get("text")],
                              "labels": labels + [rate[rating]]})
         if chosen is not None:
             if type(chosen) is not int or not 0 <= chosen < len(options):  # True is no index
-                raise BadField(f"{where}.chosen_completion",
-                               f"{chosen!r} is not an index of its completions")
+                raise BadField(f"{where}.chosen_completion", f"{chosen!r} is not an index")
             texts.append(options[chosen].get("text"))
             labels.append(rate[options[chosen].get("rating")])
         elif isinstance(step.get("human_completion"), dict):
@@ -224,7 +215,7 @@ def from_prm800k(r: dict, neutral: str) -> list:
 
 
 def from_processbench(r: dict, neutral: str) -> list:
-    """Correct up to the first error, wrong at it, unlabeled (None) after it."""
+    """Right before the first error, wrong at it, None after."""
     steps = _need(r, "steps", list)
     extra = _benchmark_columns(r, "label", len(steps))
     n, first = len(steps), extra["first_error"]
@@ -233,16 +224,16 @@ def from_processbench(r: dict, neutral: str) -> list:
 
 
 def from_mrben(r: dict, neutral: str) -> list:
-    """As ProcessBench: question + options; steps lose "Step k: "; first error 1-based."""
+    """As ProcessBench; steps lose "Step k: "; first error 1-based."""
     steps = [re.sub(r"^Step \d+:\s*", "", s).strip() if isinstance(s, str) else s
              for s in _need(r, "Model_Solution_Steps", list)]
     first = _need(r, "Model_Solution_First_Error_Step")
     number = type(first) in (str, int) and str(first).isdigit() and 1 <= int(first) <= len(steps)
     if first != "N/A" and not number:
         raise BadField("Model_Solution_First_Error_Step",
-                       f"{_kind(first)} is not a step number (1 to {len(steps)}) or 'N/A'")
-    options = _need(r, "Options", str) if r.get("Options") else ""
-    prompt = _need(r, "Question", str) + ("\n" + options.strip() if options.strip() else "")
+                       f"{_kind(first)} is not 1-{len(steps)} or N/A")
+    options = _need(r, "Options", str).strip() if r.get("Options") else ""
+    prompt = _need(r, "Question", str) + ("\n" + options if options else "")
     label = -1 if first == "N/A" else int(first) - 1
     correct = r.get("Model_Solution_Correctness") == "correct"
     record = {"problem": prompt, "steps": steps, "label": label, "final_answer_correct": correct}
@@ -255,13 +246,12 @@ def _tagged_steps(text: str, field: str) -> list:
     if len(parts) < 2:
         raise BadField(field, f"no '{STEP_TAG}' step tag")
     if parts[-1].strip():
-        tail = parts[-1].strip()[:40]
-        raise BadField(field, f"text after the last '{STEP_TAG}' step tag: {tail!r}")
+        raise BadField(field, f"text after the last '{STEP_TAG}': {parts[-1].strip()[:40]!r}")
     return [s.strip() for s in parts[:-1]]
 
 
 def from_candidates(r: dict, neutral: str) -> list:
-    """A row per solution (step-tagged `response`, or `steps`), one `group`."""
+    """A row per solution (tagged `response`, or `steps`), one `group`."""
     question = _need(r, "question", str)
     outputs = _need(r, "outputs", list)
     group = str(r["idx"] if r.get("idx") is not None else r.get("id", question))
@@ -282,8 +272,8 @@ def from_candidates(r: dict, neutral: str) -> list:
 
 
 def from_prmbench(r: dict, neutral: str) -> list:
-    """The modified solution, its 1-based `error_steps` wrong (past the end: ignored, as PRMBench
-    does); a redundancy row also gives the original ("correct")."""
+    """The modified solution, 1-based error_steps wrong (past the end: ignored, as PRMBench does);
+    redundancy also gives the original."""
     steps = _unnumbered(_need(r, "modified_process", list))
     errors = _need(r, "error_steps", list)
     for e in errors:
@@ -291,9 +281,7 @@ def from_prmbench(r: dict, neutral: str) -> list:
             raise BadField("error_steps", f"{_kind(e)} is not a 1-based step index")
     within = [e for e in errors if e <= len(steps)]
     if errors and not within:
-        raise BadField("error_steps", f"every error step {errors} is past the end of "
-                                      f"'modified_process' ({len(steps)} steps, 1-based): "
-                                      "no step would be labeled wrong")
+        raise BadField("error_steps", f"every error step {errors} is past the {len(steps)} steps")
     category = _need(r, "classification", str)
     key = r.get("idx", "")
     rows = [{"prompt": _need(r, "modified_question", str), "completions": steps,
@@ -308,7 +296,7 @@ def from_prmbench(r: dict, neutral: str) -> list:
 
 
 def _unnumbered(steps: list) -> list:
-    """PRMBench's remove_step_prefix ("k." or "Step k." dropped) but for a bare prefix."""
+    """PRMBench's remove_step_prefix, but a bare prefix stays."""
     prefix = re.compile(r"^(Step\s*\d+\.\s*|\d+\.\s*)", re.IGNORECASE)
     bare = [prefix.sub("", s.strip()) if isinstance(s, str) else s for s in steps]
     return [s.strip() if isinstance(b, str) and is_blank(b) else b for s, b in zip(steps, bare)]
@@ -316,33 +304,27 @@ def _unnumbered(steps: list) -> list:
 
 def from_pretokenized(r: dict, neutral: str) -> list:
     row = {k: _need(r, k) for k in FORMATS["pretokenized"]}
-    if r.get("attention_mask") is not None:
-        row["attention_mask"] = r["attention_mask"]
-    return [row]
+    return [{**row, "attention_mask": r.get("attention_mask")}]
 
 
 CONVERTERS = {name: globals()["from_" + name] for name in FORMATS}
 
 
 def _first_bad(bad: list, message: str) -> list:
-    if not bad:
-        return []
-    return [message.format(*bad[0]) + (f" ({len(bad) - 1} more)" if len(bad) > 1 else "")]
+    more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
+    return [message.format(*bad[0]) + more] if bad else []
 
 
 def row_problems(row: dict) -> list:
     out = []
     prompt, steps, labels = row["prompt"], row["completions"], row["labels"]
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                 and isinstance(m.get("content"), str) for m in prompt):
-            out.append("field 'prompt': a conversational prompt must be a non-empty list of "
-                       "{role, content} strings")
-    elif not isinstance(prompt, str):
-        out.append("field 'prompt': expected text or a list of {role, content}, got "
-                   + _kind(prompt))
+    chat = isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt)
+    if not (chat or isinstance(prompt, str)):
+        out.append(f"field 'prompt': expected text or [{{role, content}}], got {_kind(prompt)}")
     if not isinstance(steps, list) or not steps:
-        out.append(f"field 'completions': expected a non-empty list of steps, got {_kind(steps)}")
+        out.append(f"field 'completions': expected a non-empty list, got {_kind(steps)}")
     else:
         bad = [(i, "empty" if isinstance(s, str) else _kind(s)) for i, s in enumerate(steps)
                if not isinstance(s, str) or is_blank(s)]
@@ -359,42 +341,40 @@ def row_problems(row: dict) -> list:
 
 
 def token_problems(row: dict) -> list:
-    """Every problem of a pre-tokenized row; padding only trails."""
+    """Every problem of a pre-tokenized row."""
     ids, labels, mask = row["input_ids"], row["labels"], row.get("attention_mask")
     out = []
     if not isinstance(ids, list) or not ids:
-        out.append(f"field 'input_ids': expected a non-empty list of token ids, got {_kind(ids)}")
+        out.append(f"field 'input_ids': expected a non-empty list, got {_kind(ids)}")
     else:  # True is no token id; the column is int64
         bad = [(i, _kind(x)) for i, x in enumerate(ids)
                if type(x) is not int or not 0 <= x < 2 ** 63]
-        out += _first_bad(bad, "field 'input_ids': position {}: {} is not a token id (an int >= 0)")
+        out += _first_bad(bad, "field 'input_ids': position {}: {} is not a token id")
     if not isinstance(labels, list):
         return out + [f"field 'labels': expected a list, got {_kind(labels)}"]
     bad = [(i, p) for i, y in enumerate(labels) if type(y) not in (int, float) or y != IGNORE
            for p in [label_problem(y) if y is not None else "null is not a label"] if p]
-    out += _first_bad(bad, "field 'labels': position {}: {}, nor -100 (no label)")
+    out += _first_bad(bad, "field 'labels': position {}: {}, nor -100")
     if isinstance(ids, list) and len(labels) != len(ids):
         return out + [f"field 'labels': {len(labels)} labels for {len(ids)} input_ids"]
     n = len(labels)
     if mask is not None:
         if not isinstance(mask, list) or len(mask) != n or any(
-                type(m) not in (int, bool) or m not in (0, 1) for m in mask):
-            return out + [f"field 'attention_mask': expected {n} zeros and ones, got {_kind(mask)}"]
+                type(m) not in (int, bool) or m not in (0, 1) for m in mask) or any(
+                mask[sum(mask):]):
+            return out + [f"field 'attention_mask': expected {n} ones then zeros (right padding), "
+                          f"got {_kind(mask)}"]
         n = sum(mask)
-        if any(mask[n:]):
-            return out + ["field 'attention_mask': expected ones then zeros (right padding); "
-                          "left or inner padding is not supported"]
         padded = [i for i in range(n, len(labels)) if labels[i] != IGNORE]
         if padded and not bad:
-            out.append(f"field 'labels': position {padded[0]} is padding (attention_mask 0) "
-                       "but has a label")
+            out.append(f"field 'labels': position {padded[0]} is padding but has a label")
     if not bad and all(y == IGNORE for y in labels[:n]):
-        out.append("field 'labels': no position is labeled (every label is -100)")
+        out.append("field 'labels': no position is labeled")
     return out
 
 
 def to_rows(record, fmt: str, neutral: str = "negative"):
-    """(rows, problems) of a record in format `fmt`; no rows if any problem."""
+    """(rows, problems) of a record; no rows if any problem."""
     if not isinstance(record, dict):
         return [], [f"expected a JSON object, got {_kind(record)}"]
     try:
@@ -409,8 +389,8 @@ def to_rows(record, fmt: str, neutral: str = "negative"):
         if record.get("id") is not None:
             row["id"] = str(record["id"]) if len(rows) == 1 else f"{record['id']}/{n}"
         if fmt == "pretokenized":
-            mask = row.pop("attention_mask", None)
-            end = sum(mask) if mask is not None else len(row["input_ids"])
+            mask = row.pop("attention_mask")
+            end = sum(mask) if mask else len(row["input_ids"])
             row["input_ids"] = row["input_ids"][:end]
             row["labels"] = [y if isinstance(y, float) else int(y) for y in row["labels"][:end]]
         else:

@@ -1,4 +1,4 @@
-"""Stepwise or pre-tokenized datasets -> tokenized rows (COLUMNS), and the data report."""
+"""Rows -> tokenized rows (COLUMNS), and the data report."""
 import os
 
 import pyarrow.compute as pc
@@ -16,7 +16,7 @@ AUTO_PROC_ROWS = 20_000  # --num-proc 0: several processes from this many rows o
 
 
 def processes(num_proc: int, n_rows: int) -> int:
-    """--num-proc, or for 0 one per usable core (at most 8) from AUTO_PROC_ROWS rows on."""
+    """--num-proc, or for 0: one per usable core (at most 8) on big data."""
     if num_proc or n_rows < AUTO_PROC_ROWS:
         return num_proc or 1
     usable = getattr(os, "sched_getaffinity", None)
@@ -25,8 +25,7 @@ def processes(num_proc: int, n_rows: int) -> int:
 
 def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
                      desc: str = "tokenize", drop_unlabeled: bool = True, tokenize=None):
-    """(dataset, report) by datasets.map(tokenize or tokenize_batch; pre-tokenized rows:
-    cut_pretokenized); rows with no labeled step dropped unless drop_unlabeled=False."""
+    """(dataset, report); rows with no labeled step dropped if drop_unlabeled."""
     features = Features({**FEATURES, **{k: v for k, v in ds.features.items() if k in META}})
     kwargs = dict(max_length=cfg.max_length, is_eval=is_eval,
                   train_on_last_step_only=cfg.train_on_last_step_only)
@@ -45,20 +44,18 @@ def tokenize_dataset(ds, tokenizer, cfg, *, is_eval: bool, num_proc: int = 0,
                      num_proc=n_proc if n_proc > 1 else None, desc=desc,
                      new_fingerprint=fingerprint)
     except OSError as e:
-        raise WriteFailed("cannot write tokenized rows to the datasets cache: "
-                          f"{e.strerror or e}") from None
+        why = e.strerror or e
+        raise WriteFailed(f"cannot write tokenized rows to the datasets cache: {why}") from None
     except Exception:
         which = "held-out" if is_eval else "training"
         bad = template_problems(ds, tokenizer, which)
         if not bad:
             raise
         if len(bad) == len(ds):  # the template is at fault, not the rows
-            raise UsageError(f"the chat template fails on every one of the {len(ds)} {which} rows; "
-                             f"{bad[0][1]}")
+            raise UsageError(f"the chat template fails on all {len(ds)} {which} rows; {bad[0][1]}")
         if not (cfg.skip_invalid and drop_unlabeled):
             raise DataError([p for _, p in bad], total_rows=len(bad)) from None
-        say(f"skipped {len(bad)} rows whose chat prompt the template cannot render "
-            f"(--skip-invalid): {bad[0][1]}")
+        say(f"skipped {len(bad)} rows the chat template cannot render: {bad[0][1]}")
         keep = sorted(set(range(len(ds))) - {i for i, _ in bad})
         tok, report = tokenize_dataset(ds.select(keep), tokenizer, cfg, is_eval=is_eval,
                                        num_proc=num_proc, desc=desc, tokenize=tokenize)
@@ -73,10 +70,9 @@ def _total(values) -> int:
 
 
 def template_problems(ds, tokenizer, which: str) -> list:
-    """(index, message) per row whose chat prompt the template cannot render."""
+    """(index, message) per row the chat template cannot render."""
     if "prompt" not in ds.column_names or len(ds) == 0 or not isinstance(ds[0]["prompt"], list):
         return []
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     out = []
     ids = ds["id"][:] if "id" in ds.column_names else [None] * len(ds)
     for i, (prompt, id_) in enumerate(zip(ds["prompt"][:], ids)):
@@ -84,14 +80,13 @@ def template_problems(ds, tokenizer, which: str) -> list:
             tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         except Exception as e:
             row = f"{which} row {i}" + (f" (id {id_})" if id_ else "")
-            out.append((i, f"{row}: field 'prompt': a chat prompt (list of role/content) needs "
-                           f"the tokenizer's chat template; tokenizer {name}: "
-                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
+            why = str(e).strip().splitlines()[0][:200]
+            out.append((i, f"{row}: field 'prompt': chat template: {type(e).__name__}: {why}"))
     return out
 
 
 def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str:
-    """map's fingerprint from data, tokenizer, settings and code: cheaper than map's own."""
+    """map's fingerprint: cheaper than map's own."""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # its JSON: cheaper to hash
     tok = Hasher.hash(tokenizer if backend is None else backend.to_str())
     special = (tokenizer.bos_token_id, getattr(tokenizer, "chat_template", None))
@@ -101,29 +96,28 @@ def map_fingerprint(ds, tokenizer, kwargs: dict, tokenize=tokenize_batch) -> str
 
 
 def check_pretokenized(ds, tokenizer, cfg):
-    """DataError for ids past the vocabulary, or --max-completion-length (no prompt to cut)."""
+    """DataError for ids past the vocabulary, or --max-completion-length."""
     if cfg.max_completion_length:
         raise DataError([f"--max-completion-length {cfg.max_completion_length}: pre-tokenized rows "
-                         "carry no prompt/step boundary to apply it to; set it to 0 and cap them "
-                         "with --max-length"])
+                         "have no prompt to cut; use --max-length"])
     n_vocab, ids = len(tokenizer), ds.with_format("arrow")["input_ids"]
     over = pc.greater_equal(pc.list_flatten(ids), n_vocab)
     bad = pc.unique(pc.filter(pc.list_parent_indices(ids), over)).to_pylist()  # row indices
     if bad:
         raise DataError([f"{r.get('where', f'row {i}')}: field 'input_ids': token id "
-                         f"{max(r['input_ids'])} is out of the tokenizer's {n_vocab} tokens: was "
-                         "it tokenized with another tokenizer?" for i in bad for r in [ds[i]]])
+                         f"{max(r['input_ids'])} is out of the tokenizer's {n_vocab} tokens"
+                         for i in bad for r in [ds[i]]])
 
 
 def cut_pretokenized(batch: dict, **kw) -> dict:
-    """Pre-tokenized rows as tokenize_batch returns them, each labeled token ending a step."""
+    """Pre-tokenized rows as tokenize_batch returns them, a step per labeled token."""
     ends = [[i for i, y in enumerate(labels) if y != IGNORE] for labels in batch["labels"]]
     return columns([make_row(ids, e, [labels[i] for i in e], **kw)
                     for ids, labels, e in zip(batch["input_ids"], batch["labels"], ends)])
 
 
 def dataset_report(ds, tok, kept, separator: str) -> dict:
-    """The data report of rows read (ds), tokenized (tok) and kept, counted in Arrow."""
+    """The data report of rows read (ds), tokenized (tok) and kept."""
     t = kept.with_format("arrow")
     lengths, labels = t["length"], pc.list_flatten(t["labels"])
     labels = pc.filter(labels, pc.not_equal(labels, IGNORE))
@@ -137,6 +131,6 @@ def dataset_report(ds, tok, kept, separator: str) -> dict:
     return {"examples": len(kept), "labeled_steps": n,
             "positive_rate": round(_total(pc.greater_equal(labels, 0.5)) / max(n, 1), 4),
             "mean_tokens": round(_total(lengths) / max(len(lengths), 1), 1),
-            "max_tokens": (pc.max(lengths).as_py() or 0) if len(lengths) else 0,
+            "max_tokens": pc.max(lengths).as_py() or 0,
             "examples_dropped": len(ds) - len(kept), "steps_truncated": cut,
             "steps_with_separator": with_sep}

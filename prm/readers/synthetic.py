@@ -1,4 +1,4 @@
-"""The offline default: a character tokenizer built in code and a step-labelled counting task."""
+"""The offline default: a character tokenizer and a step-labelled counting task."""
 import random
 import re
 
@@ -9,22 +9,20 @@ CHARS = "0123456789+-=*/()., abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY
 
 
 def char_tokenizer():
-    """A token per character of CHARS and 4 specials: a byte-level BPE without merges, as
-    AutoTokenizer rebuilds it for a saved qwen2 model."""
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    """A token per character of CHARS: a byte-level BPE without merges, as AutoTokenizer rebuilds
+    it for a saved qwen2 model."""
+    specials = {f"{s}_token": f"<{s}>" for s in ("pad", "bos", "eos", "unk")}
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     names = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]  # " " -> "Ġ", "\n" -> "Ċ"
-    vocab = {t: i for i, t in enumerate(specials + names)}
+    vocab = {t: i for i, t in enumerate([*specials.values(), *names])}
     tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
 
 
 def make_rows(n: int, seed: int) -> list:
-    """Chains of `x+1=y` steps (mod 10), half with one slip (y off by one): it and every later
-    step are wrong, so the model must read the earlier steps."""
+    """Chains of `x+1=y` steps (mod 10), half with a slip (y off by one) wrong from there on."""
     rng, rows = random.Random(seed), []
     for i in range(n):
         start, n_steps = rng.randrange(10), rng.randint(3, 6)
@@ -42,8 +40,7 @@ def make_rows(n: int, seed: int) -> list:
 
 
 def step_truth(prompt: str, steps: list) -> list:
-    """Whether each step of a solution to a make_rows or counting_problems prompt follows the
-    chain within the count; the last one right only if it ends on the answer."""
+    """Whether each step follows the chain within the count; the last must end on the answer."""
     count, *size, x = map(int, re.findall(r"\d+", prompt))
     d, truth = size[0] if size else 1, []
     for k, step in enumerate(steps):
@@ -54,14 +51,13 @@ def step_truth(prompt: str, steps: list) -> list:
 
 
 def counting_problems() -> list:
-    """The 360 prompts `count N steps of D from S:` and answers; steps are `x+D=y`, mod 10."""
+    """The 360 prompts `count N steps of D from S:` and answers."""
     return [{"prompt": f"count {n} steps of {d} from {s}:", "answer": str((s + n * d) % 10)}
             for n in range(3, 7) for d in range(1, 10) for s in range(10)]
 
 
 def train_eval_rows(n: int, seed: int, eval_share: float = 0.1):
-    """(train, held-out) rows: held out, every row of a seeded share of the distinct solutions,
-    so none copies a training row."""
+    """(train, held-out): a seeded share of the distinct solutions held out."""
     rows = make_rows(n, seed)
     distinct = sorted({tuple(r["completions"]) for r in rows})
     random.Random(seed).shuffle(distinct)
