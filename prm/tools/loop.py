@@ -90,8 +90,7 @@ def train_policy(output: str, *, steps: int = 500, batch: int = 32, seed=0):
 
 
 def write_problems(folder: str, o: LoopOptions, seed: int = 0):
-    """FOLDER/{test,valid,label}.jsonl: disjoint prompts; a valid row also holds a solution and
-    its true labels (train.py's --eval-dataset)."""
+    """FOLDER/{test,valid,label}.jsonl, disjoint; a valid row holds a solution, its true labels."""
     problems, rng = counting_problems(), random.Random(seed)
     rng.shuffle(problems)
     parts = {"test": problems[:o.test], "valid": problems[o.test:o.test + o.valid],
@@ -110,8 +109,9 @@ def relabeled(lines: list, how: str, n: int) -> list:
                                         x["start"][1])} for x in lines]
 
 
-def precision_recall(firsts: list) -> dict:
-    """Of (found, true) first wrong steps."""
+def precision_recall(found: list, truth: list) -> dict:
+    """Of each solution's first wrong step (first under 0.5) in `found` vs `truth`."""
+    firsts = [(first_error(f), first_error(t)) for f, t in zip(found, truth)]
     return {"prec": share([a == b for a, b in firsts if a >= 0]),
             "recall": share([a == b for a, b in firsts if b >= 0])}
 
@@ -128,32 +128,31 @@ def read(path: str) -> list:
 def label_grid(folder: str, gen, rows: int) -> list:
     """Labels of label.jsonl's first `rows` problems vs the truth, per rollouts, label, search."""
     found, grid = [], os.path.join(folder, "grid")
-    problems = read(os.path.join(folder, "label.jsonl"))[:rows]
     os.makedirs(grid)
     data = os.path.join(grid, "in.jsonl")
+    problems = read(os.path.join(folder, "label.jsonl"))[:rows]
     write_lines(data, map(json.dumps, problems), "x")
     for r, search in itertools.product((4, 8, 16), ("all", "binary")):
-        opts = LabelOptions(policy=gen.opts.policy, rollouts=r, search=search,
-                            label="progress" if search == "all" else "hard", **GEN)
-        gen.opts, out = opts, os.path.join(grid, f"{r}{search}.jsonl")
-        spent = label_file(data, out, gen, opts, show=False)
+        gen.opts = LabelOptions(policy=gen.opts.policy, rollouts=r, search=search,
+                                label="progress" if search == "all" else "hard", **GEN)
+        spent = label_file(data, out := os.path.join(grid, f"{r}{search}.jsonl"), gen, gen.opts,
+                           show=False)
         solved = read(out)
         truth = [step_truth(x["prompt"], x["completions"]) for x in solved]
         for how in ("soft", "hard", "progress") if search == "all" else ("binary",):
             labels = [x["labels"] for x in (solved if how == "binary" else
                                             relabeled(solved, how, r))]
-            pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
+            right = [(y >= 0.5) == t for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
                      if y is not None]
-            firsts = [(first_error([y is None or y >= 0.5 for y in ys]), first_error(ts))
-                      for ys, ts in zip(labels, truth)]
+            oks = [[y is None or y >= 0.5 for y in ys] for ys in labels]
             used = spent - r * len(problems) * (how != "progress")  # others: not from the prompt
-            found.append({"rollouts": r, "label": how, "right": share([a == b for a, b in pairs]),
-                          **precision_recall(firsts), "spent": used / len(solved)})
+            found.append({"rollouts": r, "label": how, "right": share(right),
+                          **precision_recall(oks, truth), "spent": used / len(solved)})
     return found
 
 
 def searched(folder: str, name: str, gen, prm: str, seed: int, **settings) -> list:
-    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with (valid, test)."""
+    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with."""
     from prm.scoring.reward import PRMReward
     opts = SearchOptions(policy=gen.opts.policy, problems=30, seeds=(seed,), **GEN, **settings)
     reward = PRMReward(prm, batch_size=GEN["batch_size"])
@@ -169,8 +168,7 @@ def result(record: dict, method: str, n: int) -> dict:
 
 
 def choose(folder: str, gen, prm: str, seed: int) -> dict:
-    """--aggregate, then --beam-width and --select: the best on the validation prompts; ties keep
-    prm.search's default."""
+    """--aggregate, then --beam-width and --select: the best on validation; ties: the default."""
     sampled = searched(folder, "valid", gen, prm, seed, methods=("best-of-n", "weighted"),
                        n=(4, 16))
 
@@ -240,7 +238,7 @@ def mean_se(values: list) -> str:
 
 
 def interval(diffs: list) -> tuple:
-    """95% bootstrap interval of the mean, each pipeline's values resampled (2000 draws)."""
+    """95% bootstrap interval of the mean, each pipeline's values resampled."""
     rng = random.Random(0)
     means = sorted(statistics.fmean(v for d in diffs for v in rng.choices(d, k=len(d)))
                    for _ in range(2000))
@@ -248,7 +246,7 @@ def interval(diffs: list) -> tuple:
 
 
 def search_rows(runs: list, key: str, tag: str = "") -> list:
-    """Per method and N: accuracy, the paired difference from majority, pass@N."""
+    """Per method and N: accuracy, its paired difference from majority, pass@N."""
     lines = []
     for m, n in sorted({(x["method"], x["n"]) for x in runs[0][key][0]["results"]},
                        key=lambda k: (k[1], "majority best-of-n weighted beam dvts".find(k[0]))):
@@ -282,9 +280,9 @@ def report(runs: list, times: dict, o: LoopOptions):
         held = [r[f"train-{label}"] for r in runs]
         got = [mean_se([s[k] for s in steps]) for k in ("auroc", "prec", "recall")] + \
             [mean_se([h[k] for h in held]) for k in ("step_accuracy", "auroc")]
-        print("PRM on {} labels, its test sample scores against the truth: step AUROC {}, first "
-              "wrong step precision {} recall {}; train.py's held-out (validation prompts, true "
-              "labels): step accuracy {}, AUROC {}".format(label, *got))
+        print("PRM on {} labels, test samples vs the truth: step AUROC {}, first wrong step "
+              "precision {} recall {}; train.py on validation: step accuracy {}, AUROC {}"
+              .format(label, *got))
     print(f"label grid (seed 0, {o.grid_rows} problems, their sampled solutions) against the "
           "truth:\n rollouts    label    right     prec   recall    spent")
     for q in runs[0]["grid"]:
@@ -295,15 +293,13 @@ def report(runs: list, times: dict, o: LoopOptions):
 
 
 def prm_steps(records: list, rows: list) -> dict:
-    """The PRM's step scores of the test samples against the truth."""
-    scores, truths, firsts = [], [], []
+    """The PRM's step scores of the test samples vs the truth."""
+    found, truths = [], []
     for r in records:
         for c in r["samples"]:
-            truth = step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])]
-            scores += c["scores"][:len(truth)]
-            truths += truth
-            firsts.append((first_error(c["scores"][:len(truth)]), first_error(truth)))
-    return {"auroc": auroc(scores, truths), **precision_recall(firsts)}
+            truths.append(step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])])
+            found.append(c["scores"][:len(truths[-1])])
+    return {"auroc": auroc(sum(found, []), sum(truths, [])), **precision_recall(found, truths)}
 
 
 def refusals(stage: str, at: str) -> list:
