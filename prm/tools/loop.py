@@ -151,11 +151,11 @@ def label_grid(folder: str, gen, rows: int) -> list:
     return found
 
 
-def searched(folder: str, name: str, gen, prm: str, seed: int, **settings) -> list:
-    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with."""
+def searched(folder: str, name: str, gen, seed: int, label=LABELS[0], **settings) -> list:
+    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with, by the PRM on `label`."""
     from prm.scoring.reward import PRMReward
     opts = SearchOptions(policy=gen.opts.policy, problems=30, seeds=(seed,), **GEN, **settings)
-    reward = PRMReward(prm, batch_size=GEN["batch_size"])
+    reward = PRMReward(os.path.join(folder, f"prm-{label}", "final"), batch_size=GEN["batch_size"])
     gen.opts, out = opts, os.path.join(folder, f"search-{name}.jsonl")
     part = os.path.join(folder, name.split("-")[0] + ".jsonl")
     search_file(part, out, gen, reward.score, opts, render=gen.render, show=False,
@@ -167,10 +167,9 @@ def result(record: dict, method: str, n: int) -> dict:
     return next(x for x in record["results"] if (x["method"], x["n"]) == (method, n))
 
 
-def choose(folder: str, gen, prm: str, seed: int) -> dict:
+def choose(folder: str, gen, seed: int) -> dict:
     """--aggregate, then --beam-width and --select: the best on validation; ties: the default."""
-    sampled = searched(folder, "valid", gen, prm, seed, methods=("best-of-n", "weighted"),
-                       n=(4, 16))
+    sampled = searched(folder, "valid", gen, seed, methods=("best-of-n", "weighted"), n=(4, 16))
 
     def right(r, m, n, how, aggregate):  # sampled: of the first N
         cands = result(r, m, n).get("candidates", r.get("samples", [])[:n])
@@ -184,7 +183,7 @@ def choose(folder: str, gen, prm: str, seed: int) -> dict:
     aggregate = max(("last", "min", "prod", "mean"), key=lambda a: score(sampled, "", a))
     best = (-1.0,)
     for width in (4, 2):
-        trees = searched(folder, f"valid-m{width}", gen, prm, seed, n=(4, 16),
+        trees = searched(folder, f"valid-m{width}", gen, seed, n=(4, 16),
                          methods=("beam", "dvts"), beam_width=width, aggregate=aggregate)
         for how in ("weighted", "best-of-n", "majority"):
             best = max(best, (score(trees, how, aggregate), width, how), key=lambda b: b[0])
@@ -216,13 +215,11 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
             model=at, dataset=path, eval_dataset=os.path.join(folder, "valid.jsonl"), lr=1e-3,
             batch_size=32, epochs=4, output_dir=os.path.join(folder, f"prm-{how}"), seed=seed))
         lap("train")
-    prm = os.path.join(folder, f"prm-{LABELS[0]}", "final")
-    out["chosen"] = choose(folder, gen, prm, seed)
+    out["chosen"] = choose(folder, gen, seed)
     lap("choose")
-    out["test"] = searched(folder, "test", gen, prm, seed, **out["chosen"])
+    out["test"] = searched(folder, "test", gen, seed, **out["chosen"])
     lap("search")
-    other = os.path.join(folder, f"prm-{LABELS[1]}", "final")
-    out["other"] = searched(folder, "test-" + LABELS[1], gen, other, seed,
+    out["other"] = searched(folder, "test-" + LABELS[1], gen, seed, LABELS[1],
                             methods=("best-of-n", "weighted"), **{**out["chosen"], "beam_width": 4})
     lap("search")
     if seed == 0:
