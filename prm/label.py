@@ -183,7 +183,7 @@ def input_problems(r, field: str) -> list:
     out = row_problems({"prompt": r.get("prompt"), "completions": ["-"] if steps is None else steps,
                         "labels": [True] * (len(steps) if isinstance(steps, list) else 1)})
     if type(answer) not in (str, int, float) or not str(answer).strip():
-        got = f"expected the reference answer (text, number), got {answer!r}"
+        got = f"expected text or a number, got {answer!r}"
         out.append(f"field '{field}': {got[:110] if field in r else 'missing'}")
     return out
 
@@ -196,7 +196,7 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
-    blank = own + ".blank"  # rows whose samples were all blank
+    blank = own + ".blank"
     settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), "dataset": digest}
     with resumed(output, settings, "prm.label", (own, blank)):
         done = finished(output, *parts(output), *glob.glob(glob.escape(output) + "*.blank"))

@@ -264,7 +264,7 @@ def search_rows(runs: list, key: str, tag: str = "") -> list:
 
 def report(runs: list, times: dict, o: LoopOptions):
     print(f"{len(runs)} pipelines (seeds 0-{len(runs) - 1}); each: {o.rows} labeling, {o.valid} "
-          f"validation, {o.test} test prompts, disjoint; mean ± standard error over pipelines")
+          f"validation, {o.test} test prompts, disjoint; mean ± SE over pipelines")
     print(f"policy: {mean_se([r['policy'] for r in runs])} of its sampled solutions right")
     for r in runs:
         print("chosen on validation: " + ", ".join(f"{k} {v}" for k, v in r["chosen"].items()))
@@ -280,8 +280,8 @@ def report(runs: list, times: dict, o: LoopOptions):
         print("PRM on {} labels, test samples vs the truth: step AUROC {}, first wrong step "
               "precision {} recall {}; train.py on validation: step accuracy {}, AUROC {}"
               .format(label, *got))
-    print(f"label grid (seed 0, {o.grid_rows} problems, their sampled solutions) against the "
-          "truth:\n rollouts    label    right     prec   recall    spent")
+    print(f"label grid (seed 0, {o.grid_rows} problems) vs the truth:\n rollouts    label    right"
+          "     prec   recall    spent")
     for q in runs[0]["grid"]:
         print(f"{q['rollouts']:>9}{q['label']:>9}{q['right']:>9.3f}{q['prec']:>9.3f}"
               f"{q['recall']:>9.3f}{q['spent']:>9.1f}")
