@@ -1,9 +1,6 @@
 """The whole loop offline on the counting task: a policy that slips, its Monte-Carlo labels, a PRM
-on them, PRM-guided search; over seeds.
-
-    python -m prm.tools.loop policy DIR  # DIR/policy, DIR/{label,valid,test}.jsonl
-    python -m prm.tools.loop bench DIR   # the pipeline per seed in DIR/seed<k>, every figure
-"""
+on them, PRM-guided search; over seeds. `policy DIR`: DIR/policy, DIR/{label,valid,test}.jsonl;
+`bench DIR`: the pipeline per seed in DIR/seed<k>, every figure."""
 import dataclasses
 import itertools
 import json
@@ -312,7 +309,7 @@ def refusals(stage: str, at: str) -> list:
 def main(argv=None):
     with exit_status():
         p = Parser(LoopOptions, prog="python -m prm.tools.loop",
-                   description=__doc__.split("\n\n")[0])
+                   description=__doc__)
         o = parsed(LoopOptions, p.parse_args(argv))
         at = o.folder
         check(refusals(o.stage, at))
