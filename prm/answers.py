@@ -9,8 +9,8 @@ from prm.errors import UsageError
 
 
 def extract_answer(text: str, pattern: str = ""):
-    """The last match of `pattern` (its first group that took part, else all of it), else of
-    \\boxed{...}, "answer is ...", a number."""
+    """The last match of `pattern` (its first group that matched, else all), else of \\boxed{},
+    "answer is ...", a number."""
     if pattern:
         try:
             found = list(regex.finditer(pattern, text, timeout=2.0))
@@ -25,15 +25,15 @@ def extract_answer(text: str, pattern: str = ""):
         if depth == 0:
             return text[start + 7:j]
     ends = [m.end() for m in re.finditer(r"answer is:?\s*", text, re.I)]
-    # the rest of its line or sentence, less a closing period
+    # the rest of its line or sentence
     said = re.split(r"\n|\.\s", text[ends[-1]:], maxsplit=1)[0] if ends else ""
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return said.rstrip().removesuffix(".") or (numbers[-1].rstrip(",") if numbers else None)
 
 
 def normalize(answer: str) -> str:
-    """Without spaces, $, \\left/\\right, \\text{}, final period, "x =", 1,000's comma; a number
-    as its exact value (0.5, 1/2 and \\frac{1}{2} as 1/2)."""
+    """Without spaces, $, \\left, \\text{}, "x =", 1,000's comma...; a number as its exact value
+    (0.5 and \\frac{1}{2} as 1/2)."""
     s = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
     for old, new in (("\\left", ""), ("\\right", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
                      ("$", ""), ("\\!", ""), ("\\,", ""), (" ", "")):
@@ -42,7 +42,7 @@ def normalize(answer: str) -> str:
     s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
     m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?0*[1-9]\d*)\}"
                      r"|(-?\d+(?:\.\d+)?)(?:/(0*[1-9]\d*))?", s)
-    if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int(): kept as text
+    if not m or len(s) > sys.get_int_max_str_digits() > 0:  # too long for int()
         return s
     if m.group(2) is not None:
         return str(Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) else 1))
@@ -50,7 +50,7 @@ def normalize(answer: str) -> str:
 
 
 def answer_key(answer):
-    """What votes group by; None: None."""
+    """What votes group by."""
     return None if answer is None else normalize(str(answer))
 
 
@@ -59,8 +59,7 @@ def same_answer(found, reference) -> bool:
 
 
 def judge(reference: str, opts):
-    """right(text, before=""): whether text's answer, else before + text's last one, is the
-    reference."""
+    """right(text, before=""): whether text's answer (else before + text's) is the reference."""
     def answer(text, before=""):
         own = extract_answer(text, opts.answer_pattern)
         return extract_answer(before + text, opts.answer_pattern) if own is None and before else own

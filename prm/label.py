@@ -4,6 +4,7 @@ import dataclasses
 import datetime
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -36,34 +37,28 @@ def is_regex(text: str) -> bool:
 
 
 def importable(checker: str) -> bool:
-    try:
-        if checker == "math-verify":
-            import math_verify  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return checker != "math-verify" or importlib.util.find_spec("math_verify") is not None
 
 
 @dataclasses.dataclass
 class LabelOptions(Checked):
     """Kept in OUTPUT.settings: a rerun with others is refused."""
     rollouts: int = opt(8, "rollouts per step prefix", check=at_least(1))
-    label: str = opt("hard", "hard: 1 if any rollout is right; soft: the share V; progress: min(1, "
-                     "V after / V before)", choices=["soft", "hard", "progress"])
+    label: str = opt("hard", "hard: any rollout right; soft: the share V right; progress: min(1, "
+                     "V / V before)", choices=["soft", "hard", "progress"])
     search: str = opt("all", "all: every prefix; binary: the first step no rollout rescues",
                       choices=["all", "binary"])
     samples: int = opt(4, "solutions sampled for a row without 'completions'", check=at_least(1))
-    step_separator: str = opt(
-        "\n", "what ends each step (escapes understood)", type=unescape,
-        check=not_empty("it ends each step"))
+    step_separator: str = opt("\n", "what ends each step (escapes understood)", type=unescape,
+                              check=not_empty("it ends each step"))
     answer_field: str = opt("answer", "the reference answer's column")
     prompt_field: str = opt("prompt", "the problem's column (MATH-500's: problem)")
-    answer_pattern: str = opt(
-        "", "regex whose last match is the answer; default: \\boxed{}, 'answer is' or a number",
-        check=bound(is_regex, "not a regular expression"))
+    answer_pattern: str = opt("", "regex whose last match is the answer (default: \\boxed{}, "
+                              "'answer is', a number)",
+                              check=bound(is_regex, "not a regular expression"))
     checker: str = opt("exact", "exact: normalized match; or math-verify",
-                       choices=["exact", "math-verify"], check=bound(importable, "needs the "
-                       "math-verify package: pip install 'math-verify[antlr4_13_2]'"))
+                       choices=["exact", "math-verify"],
+                       check=bound(importable, "needs pip install 'math-verify[antlr4_13_2]'"))
     seed: int = opt(0, "rows are seeded from it and their index")
     policy: str = opt("", "the model rolled out (hub name or folder)", required=True)
     prover: str = opt("", "the model rolled out from prefixes, if not --policy")
@@ -188,7 +183,7 @@ def input_problems(r, field: str) -> list:
     out = row_problems({"prompt": r.get("prompt"), "completions": ["-"] if steps is None else steps,
                         "labels": [True] * (len(steps) if isinstance(steps, list) else 1)})
     if type(answer) not in (str, int, float) or not str(answer).strip():
-        got = f"expected the reference answer (text, number), got {answer!r}"
+        got = f"expected text or a number, got {answer!r}"
         out.append(f"field '{field}': {got[:110] if field in r else 'missing'}")
     return out
 
@@ -196,12 +191,12 @@ def input_problems(r, field: str) -> list:
 def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
                render=lambda prompt: prompt, part=(0, 1), skip_invalid=False, show=True,
                prover=None) -> int:
-    """Labels the rows i % m == p, part=(p, m), into `output` (OUTPUT.part<p>of<m> if m > 1);
-    returns the rollouts spent."""
+    """Labels rows i % m == p, part=(p, m), into `output` (.part<p>of<m> if m > 1); returns the
+    rollouts spent."""
     start, (p, m) = time.time(), part
     rows, digest = read_input(dataset, opts, skip_invalid)
     own, spent = output if m == 1 else f"{output}.part{p}of{m}", 0
-    blank = own + ".blank"  # rows whose samples were all blank; per part, as the output
+    blank = own + ".blank"
     settings = {**dataclasses.asdict(opts), "policy_files": stamp(opts.policy), "dataset": digest}
     with resumed(output, settings, "prm.label", (own, blank)):
         done = finished(output, *parts(output), *glob.glob(glob.escape(output) + "*.blank"))
@@ -211,8 +206,8 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
             if not lines:
                 mark = {"row": i, "lines": 1, "blank_samples": opts.samples}
                 write_lines(blank, [json.dumps(mark)], "a")
-                bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank; listed "
-                          f"in {blank}, not sampled again", file=sys.stderr)
+                bar.write(f"row {i}: its {opts.samples} sampled solutions are all blank (kept in "
+                          f"{blank})", file=sys.stderr)
             spent += sum(sum(json.loads(line)["rollouts"]) for line in lines)
             spent += json.loads(lines[0]).get("start", [0])[0] if lines else 0  # one per row
             bar.set_postfix_str(f"{spent / (time.time() - start):.1f} rollouts/s")
@@ -226,7 +221,7 @@ def label_file(dataset: str, output: str, complete, opts: LabelOptions, *,
 
 def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True,
           writer: str = "prm.label"):
-    """Writes the finished rows of `output` and its parts into `output`; the parts go."""
+    """The finished rows of `output` and its parts into `output`; the parts go."""
     rows = finished(output, *(old := parts(output)), writer=writer)
     write_lines(output, lines := [line for k in sorted(rows) for line in rows[k]])
     for path in old:
@@ -234,22 +229,21 @@ def merge(output: str, spent: int = 0, seconds: float = 0.0, show: bool = True,
     if show:
         solutions = [json.loads(line) for line in lines]
         labels = [float(y) for r in solutions for y in r["labels"] if y is not None]
+        high = sum(y >= 0.5 for y in labels) / max(1, len(labels))
         print(f"{output}: {len(rows)} rows, {len(solutions)} solutions, {len(labels)} steps "
-              f"labeled ({sum(y >= 0.5 for y in labels) / max(1, len(labels)):.0%} at least 0.5), "
-              f"{sum(sum(r['rollouts']) for r in solutions)} rollouts in all; this run: {spent} "
-              f"rollouts, {seconds:.0f} s", file=sys.stderr, flush=True)
+              f"({high:.0%} >= 0.5), {sum(sum(r['rollouts']) for r in solutions)} rollouts; this "
+              f"run: {spent}, {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 class Generator:
-    """complete() by a transformers causal LM: batched, left-padded, seeded; bf16 where native."""
+    """complete() by a transformers causal LM: batched, seeded; bf16 where native."""
 
     def __init__(self, opts: LabelOptions, *, device, trust_remote_code: bool = False):
         self.opts, self.device, self.trust = opts, device, trust_remote_code
         self.tok = self.model = None
         self.stops = {}
 
-    def tokenizer(self):
-        """The first call loads the tokenizer and the model."""
+    def tokenizer(self):  # the first call loads the model too
         if self.tok is None:
             from transformers import AutoModelForCausalLM
             from prm.loading import load_tokenizer, loading
@@ -268,7 +262,7 @@ class Generator:
         return self.tok
 
     def render(self, prompt) -> str:
-        """As the tokenizer starts it (its BOS if it adds one); chat by its template."""
+        """With the BOS the tokenizer adds; chat by its template."""
         tok = self.tokenizer()
         try:
             return self.bos + prompt if isinstance(prompt, str) else \
@@ -284,7 +278,7 @@ class Generator:
         sampling = dict(max_new_tokens=o.max_new_tokens, pad_token_id=tok.pad_token_id,
                         do_sample=False)  # gumbel_max samples
         if stop:
-            if stop not in self.stops:  # built once: it reads the whole vocabulary
+            if stop not in self.stops:  # it reads the whole vocabulary
                 from transformers import StoppingCriteriaList, StopStringCriteria
                 self.stops[stop] = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
             sampling.update(stopping_criteria=self.stops[stop])
@@ -314,7 +308,7 @@ class Generator:
 
 
 def mix(*parts) -> int:
-    """A 63-bit seed from ints: different parts, unrelated seeds."""
+    """A 63-bit seed: different parts, unrelated seeds."""
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:16], 16) >> 1
 
 
@@ -323,8 +317,8 @@ def gumbel_max(opts: LabelOptions, seeds: list, device):
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
     gens, drawn = [torch.Generator(device).manual_seed(s) for s in seeds], {"steps": 0}
 
-    def noise(input_ids, scores):  # argmax(scores + Gumbel noise): a sample of softmax(scores)
-        # k steps' noise a draw, the same for any batch
+    def noise(input_ids, scores):  # argmax(scores + Gumbel noise) samples softmax(scores)
+        # k steps' noise a draw: the same for any batch
         t, k = drawn["steps"], max(1, min(opts.max_new_tokens, 2 ** 18 // scores.shape[1]))
         if t % k == 0:
             drawn["u"] = torch.stack([  # (B, k, V)
@@ -337,8 +331,8 @@ def gumbel_max(opts: LabelOptions, seeds: list, device):
 
 def main(argv=None):
     with exit_status():
-        a = Parser(LabelRun, LabelOptions, prog="python -m prm.label", description="Label "
-                   "solution steps by Monte-Carlo policy rollouts.").parse_args(argv)
+        a = Parser(LabelRun, LabelOptions, prog="python -m prm.label",
+                   description="Step labels by policy rollouts.").parse_args(argv)
         parsed(LabelRun, a)
         opts = parsed(LabelOptions, a)
         read = [("--dataset", a.dataset), ("--policy", a.policy), ("--prover", a.prover)]

@@ -1,9 +1,6 @@
 """The whole loop offline on the counting task: a policy that slips, its Monte-Carlo labels, a PRM
-on them, PRM-guided search; over seeds.
-
-    python -m prm.tools.loop policy DIR  # DIR/policy, DIR/{label,valid,test}.jsonl
-    python -m prm.tools.loop bench DIR   # the pipeline per seed in DIR/seed<k>, every figure
-"""
+on them, PRM-guided search; over seeds. `policy DIR`: DIR/policy, DIR/{label,valid,test}.jsonl;
+`bench DIR`: the pipeline per seed in DIR/seed<k>, every figure."""
 import dataclasses
 import itertools
 import json
@@ -90,8 +87,7 @@ def train_policy(output: str, *, steps: int = 500, batch: int = 32, seed=0):
 
 
 def write_problems(folder: str, o: LoopOptions, seed: int = 0):
-    """FOLDER/{test,valid,label}.jsonl: disjoint prompts; a valid row also holds a solution and
-    its true labels (train.py's --eval-dataset)."""
+    """FOLDER/{test,valid,label}.jsonl, disjoint; a valid row holds a solution, its true labels."""
     problems, rng = counting_problems(), random.Random(seed)
     rng.shuffle(problems)
     parts = {"test": problems[:o.test], "valid": problems[o.test:o.test + o.valid],
@@ -110,8 +106,9 @@ def relabeled(lines: list, how: str, n: int) -> list:
                                         x["start"][1])} for x in lines]
 
 
-def precision_recall(firsts: list) -> dict:
-    """Of (found, true) first wrong steps."""
+def precision_recall(found: list, truth: list) -> dict:
+    """Of each solution's first wrong step (first under 0.5) in `found` vs `truth`."""
+    firsts = [(first_error(f), first_error(t)) for f, t in zip(found, truth)]
     return {"prec": share([a == b for a, b in firsts if a >= 0]),
             "recall": share([a == b for a, b in firsts if b >= 0])}
 
@@ -128,35 +125,34 @@ def read(path: str) -> list:
 def label_grid(folder: str, gen, rows: int) -> list:
     """Labels of label.jsonl's first `rows` problems vs the truth, per rollouts, label, search."""
     found, grid = [], os.path.join(folder, "grid")
-    problems = read(os.path.join(folder, "label.jsonl"))[:rows]
     os.makedirs(grid)
     data = os.path.join(grid, "in.jsonl")
+    problems = read(os.path.join(folder, "label.jsonl"))[:rows]
     write_lines(data, map(json.dumps, problems), "x")
     for r, search in itertools.product((4, 8, 16), ("all", "binary")):
-        opts = LabelOptions(policy=gen.opts.policy, rollouts=r, search=search,
-                            label="progress" if search == "all" else "hard", **GEN)
-        gen.opts, out = opts, os.path.join(grid, f"{r}{search}.jsonl")
-        spent = label_file(data, out, gen, opts, show=False)
+        gen.opts = LabelOptions(policy=gen.opts.policy, rollouts=r, search=search,
+                                label="progress" if search == "all" else "hard", **GEN)
+        spent = label_file(data, out := os.path.join(grid, f"{r}{search}.jsonl"), gen, gen.opts,
+                           show=False)
         solved = read(out)
         truth = [step_truth(x["prompt"], x["completions"]) for x in solved]
         for how in ("soft", "hard", "progress") if search == "all" else ("binary",):
             labels = [x["labels"] for x in (solved if how == "binary" else
                                             relabeled(solved, how, r))]
-            pairs = [(y >= 0.5, t) for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
+            right = [(y >= 0.5) == t for ys, ts in zip(labels, truth) for y, t in zip(ys, ts)
                      if y is not None]
-            firsts = [(first_error([y is None or y >= 0.5 for y in ys]), first_error(ts))
-                      for ys, ts in zip(labels, truth)]
+            oks = [[y is None or y >= 0.5 for y in ys] for ys in labels]
             used = spent - r * len(problems) * (how != "progress")  # others: not from the prompt
-            found.append({"rollouts": r, "label": how, "right": share([a == b for a, b in pairs]),
-                          **precision_recall(firsts), "spent": used / len(solved)})
+            found.append({"rollouts": r, "label": how, "right": share(right),
+                          **precision_recall(oks, truth), "spent": used / len(solved)})
     return found
 
 
-def searched(folder: str, name: str, gen, prm: str, seed: int, **settings) -> list:
-    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with (valid, test)."""
+def searched(folder: str, name: str, gen, seed: int, label=LABELS[0], **settings) -> list:
+    """FOLDER/search-NAME.jsonl: prm.search of the part NAME starts with, by the PRM on `label`."""
     from prm.scoring.reward import PRMReward
     opts = SearchOptions(policy=gen.opts.policy, problems=30, seeds=(seed,), **GEN, **settings)
-    reward = PRMReward(prm, batch_size=GEN["batch_size"])
+    reward = PRMReward(os.path.join(folder, f"prm-{label}", "final"), batch_size=GEN["batch_size"])
     gen.opts, out = opts, os.path.join(folder, f"search-{name}.jsonl")
     part = os.path.join(folder, name.split("-")[0] + ".jsonl")
     search_file(part, out, gen, reward.score, opts, render=gen.render, show=False,
@@ -168,11 +164,9 @@ def result(record: dict, method: str, n: int) -> dict:
     return next(x for x in record["results"] if (x["method"], x["n"]) == (method, n))
 
 
-def choose(folder: str, gen, prm: str, seed: int) -> dict:
-    """--aggregate, then --beam-width and --select: the best on the validation prompts; ties keep
-    prm.search's default."""
-    sampled = searched(folder, "valid", gen, prm, seed, methods=("best-of-n", "weighted"),
-                       n=(4, 16))
+def choose(folder: str, gen, seed: int) -> dict:
+    """--aggregate, then --beam-width and --select: the best on validation; ties: the default."""
+    sampled = searched(folder, "valid", gen, seed, methods=("best-of-n", "weighted"), n=(4, 16))
 
     def right(r, m, n, how, aggregate):  # sampled: of the first N
         cands = result(r, m, n).get("candidates", r.get("samples", [])[:n])
@@ -186,7 +180,7 @@ def choose(folder: str, gen, prm: str, seed: int) -> dict:
     aggregate = max(("last", "min", "prod", "mean"), key=lambda a: score(sampled, "", a))
     best = (-1.0,)
     for width in (4, 2):
-        trees = searched(folder, f"valid-m{width}", gen, prm, seed, n=(4, 16),
+        trees = searched(folder, f"valid-m{width}", gen, seed, n=(4, 16),
                          methods=("beam", "dvts"), beam_width=width, aggregate=aggregate)
         for how in ("weighted", "best-of-n", "majority"):
             best = max(best, (score(trees, how, aggregate), width, how), key=lambda b: b[0])
@@ -218,13 +212,11 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
             model=at, dataset=path, eval_dataset=os.path.join(folder, "valid.jsonl"), lr=1e-3,
             batch_size=32, epochs=4, output_dir=os.path.join(folder, f"prm-{how}"), seed=seed))
         lap("train")
-    prm = os.path.join(folder, f"prm-{LABELS[0]}", "final")
-    out["chosen"] = choose(folder, gen, prm, seed)
+    out["chosen"] = choose(folder, gen, seed)
     lap("choose")
-    out["test"] = searched(folder, "test", gen, prm, seed, **out["chosen"])
+    out["test"] = searched(folder, "test", gen, seed, **out["chosen"])
     lap("search")
-    other = os.path.join(folder, f"prm-{LABELS[1]}", "final")
-    out["other"] = searched(folder, "test-" + LABELS[1], gen, other, seed,
+    out["other"] = searched(folder, "test-" + LABELS[1], gen, seed, LABELS[1],
                             methods=("best-of-n", "weighted"), **{**out["chosen"], "beam_width": 4})
     lap("search")
     if seed == 0:
@@ -240,7 +232,7 @@ def mean_se(values: list) -> str:
 
 
 def interval(diffs: list) -> tuple:
-    """95% bootstrap interval of the mean, each pipeline's values resampled (2000 draws)."""
+    """95% bootstrap interval of the mean, each pipeline's values resampled."""
     rng = random.Random(0)
     means = sorted(statistics.fmean(v for d in diffs for v in rng.choices(d, k=len(d)))
                    for _ in range(2000))
@@ -248,7 +240,7 @@ def interval(diffs: list) -> tuple:
 
 
 def search_rows(runs: list, key: str, tag: str = "") -> list:
-    """Per method and N: accuracy, the paired difference from majority, pass@N."""
+    """Per method and N: accuracy, its paired difference from majority, pass@N."""
     lines = []
     for m, n in sorted({(x["method"], x["n"]) for x in runs[0][key][0]["results"]},
                        key=lambda k: (k[1], "majority best-of-n weighted beam dvts".find(k[0]))):
@@ -269,7 +261,7 @@ def search_rows(runs: list, key: str, tag: str = "") -> list:
 
 def report(runs: list, times: dict, o: LoopOptions):
     print(f"{len(runs)} pipelines (seeds 0-{len(runs) - 1}); each: {o.rows} labeling, {o.valid} "
-          f"validation, {o.test} test prompts, disjoint; mean ± standard error over pipelines")
+          f"validation, {o.test} test prompts, disjoint; mean ± SE over pipelines")
     print(f"policy: {mean_se([r['policy'] for r in runs])} of its sampled solutions right")
     for r in runs:
         print("chosen on validation: " + ", ".join(f"{k} {v}" for k, v in r["chosen"].items()))
@@ -282,11 +274,11 @@ def report(runs: list, times: dict, o: LoopOptions):
         held = [r[f"train-{label}"] for r in runs]
         got = [mean_se([s[k] for s in steps]) for k in ("auroc", "prec", "recall")] + \
             [mean_se([h[k] for h in held]) for k in ("step_accuracy", "auroc")]
-        print("PRM on {} labels, its test sample scores against the truth: step AUROC {}, first "
-              "wrong step precision {} recall {}; train.py's held-out (validation prompts, true "
-              "labels): step accuracy {}, AUROC {}".format(label, *got))
-    print(f"label grid (seed 0, {o.grid_rows} problems, their sampled solutions) against the "
-          "truth:\n rollouts    label    right     prec   recall    spent")
+        print("PRM on {} labels, test samples vs the truth: step AUROC {}, first wrong step "
+              "precision {} recall {}; train.py on validation: step accuracy {}, AUROC {}"
+              .format(label, *got))
+    print(f"label grid (seed 0, {o.grid_rows} problems) vs the truth:\n rollouts    label    right"
+          "     prec   recall    spent")
     for q in runs[0]["grid"]:
         print(f"{q['rollouts']:>9}{q['label']:>9}{q['right']:>9.3f}{q['prec']:>9.3f}"
               f"{q['recall']:>9.3f}{q['spent']:>9.1f}")
@@ -295,15 +287,13 @@ def report(runs: list, times: dict, o: LoopOptions):
 
 
 def prm_steps(records: list, rows: list) -> dict:
-    """The PRM's step scores of the test samples against the truth."""
-    scores, truths, firsts = [], [], []
+    """The PRM's step scores of the test samples vs the truth."""
+    found, truths = [], []
     for r in records:
         for c in r["samples"]:
-            truth = step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])]
-            scores += c["scores"][:len(truth)]
-            truths += truth
-            firsts.append((first_error(c["scores"][:len(truth)]), first_error(truth)))
-    return {"auroc": auroc(scores, truths), **precision_recall(firsts)}
+            truths.append(step_truth(rows[r["row"]]["prompt"], c["steps"])[:len(c["scores"])])
+            found.append(c["scores"][:len(truths[-1])])
+    return {"auroc": auroc(sum(found, []), sum(truths, [])), **precision_recall(found, truths)}
 
 
 def refusals(stage: str, at: str) -> list:
@@ -319,7 +309,7 @@ def refusals(stage: str, at: str) -> list:
 def main(argv=None):
     with exit_status():
         p = Parser(LoopOptions, prog="python -m prm.tools.loop",
-                   description=__doc__.split("\n\n")[0])
+                   description=__doc__)
         o = parsed(LoopOptions, p.parse_args(argv))
         at = o.folder
         check(refusals(o.stage, at))
