@@ -225,3 +225,9 @@ def test_the_interval_resamples_each_pipelines_prompts():
     lo, hi = interval([[1, 0, 0, 1, 0, 1, 1, 0] * 5, [0, 1] * 20])
     assert lo < 0.5 < hi and hi - lo < 0.4
     assert interval([[1] * 40, [0] * 40]) == (0.5, 0.5)  # pipelines kept whole: no spread
+
+
+def test_a_figure_no_pipeline_has_reads_none_not_a_crash():
+    from prm.tools.loop import mean_se
+    assert mean_se([None, float("nan")]) == "none"
+    assert mean_se([0.5, 0.7]).startswith("0.600 ± ")

@@ -227,6 +227,8 @@ def pipeline(folder: str, o: LoopOptions, seed: int, times: dict) -> dict:
 
 def mean_se(values: list) -> str:
     values = [v for v in values if v is not None and v == v]  # no AUROC: a class empty
+    if not values:  # no pipeline has the figure: the report goes on
+        return "none"
     se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
     return f"{statistics.fmean(values):.3f} ± {se:.3f}"
 
