@@ -1,6 +1,5 @@
-"""Train a process reward model: `python train.py`, or `torchrun --nproc_per_node 8 train.py
---model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to bottom. A script beside the
-package: tests and `python -m prm.bench` import it and call train(cfg)."""
+"""Train a process reward model: `python train.py`, or `torchrun --nproc_per_node 8 train.py`.
+Read top to bottom; tests and prm.bench import it and call train(cfg)."""
 from prm.cli import parse_config  # light: no torch
 from prm.errors import exit_status
 
@@ -47,7 +46,7 @@ from prm.training.checkpoint import Checkpointer, State, run_lock
 
 
 def train(cfg: Config, command: str = "") -> dict:
-    """Rank 0: the final held-out metrics; command: for the model card."""
+    """Rank 0: the final held-out metrics."""
     command = command or config_command(cfg)
     cfg = cfg.resolve()
     tracker_module(cfg.report_to)  # a missing package is refused before any work
@@ -65,15 +64,14 @@ def train(cfg: Config, command: str = "") -> dict:
 
 @dataclasses.dataclass
 class Run:
-    """The loop's state. "step": an optimizer step; "n_labeled": labeled reasoning steps."""
+    """The loop's state. "step": an optimizer step; "n_labeled": labeled solution steps."""
     cfg: Config  # resolved
     rt: Runtime
     plan: "BatchPlan"
     train_ds: object  # datasets.Dataset
     eval_rows: list
     processbench: bool  # the held-out rows carry a first error
-    model: torch.nn.Module  # the plain PRM (sharded in place under --fsdp)
-    net: torch.nn.Module  # compiled, DDP-wrapped or the same
+    net: torch.nn.Module  # state.model compiled, DDP-wrapped or the same
     state: State  # what a checkpoint holds
     amp_dtype: torch.dtype  # None: fp32
     packed: bool
@@ -91,7 +89,7 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
     if rt.is_main:
         cfg.save(cfg.output_dir)
     log = TrainLog(run, quiet)
-    trainable, n_params = count_parameters(run.model)
+    trainable, n_params = count_parameters(run.state.model)
     steps = run.plan.total - run.step
     tokens = sum(run.plan.lengths) * steps / run.plan.steps_per_epoch  # non-pad
     if rt.is_main:
@@ -129,9 +127,8 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
         train_ds, train_report = tokenize_dataset(train_raw, is_eval=False, **kw)
         eval_ds, eval_report = tokenize_dataset(eval_raw, is_eval=True, drop_unlabeled=False, **kw)
     if len(train_ds) == 0:
-        raise UsageError(
-            f"no training example has a labeled step left (--max-length {cfg.max_length}, "
-            f"--max-completion-length {cfg.max_completion_length}): see the report")
+        raise UsageError(f"no training example has a labeled step left (--max-length "
+                         f"{cfg.max_length}, --max-completion-length {cfg.max_completion_length})")
     if rt.is_main:
         print(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
     # [:]: a datasets 5 Column slices Arrow at every [i]
@@ -159,7 +156,7 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     # ---- resume (in place)
     step = checkpointer.load(state, plan.total)
     run = Run(cfg, rt, plan, train_ds.select_columns(["input_ids", "labels"]), eval_ds.to_list(),
-              "first_error" in eval_ds.column_names, model, net, state, amp_dtype, packed, step)
+              "first_error" in eval_ds.column_names, net, state, amp_dtype, packed, step)
     return run, {"train_data": train_report, "eval_data": eval_report}
 
 
@@ -177,7 +174,7 @@ class BatchPlan:
         self.batches = None
 
     def batch(self, step: int) -> tuple:
-        """(epoch, dataset indices) of the step after `step` steps."""
+        """(epoch, dataset indices) of step `step` + 1."""
         epoch, position = divmod(step, self.steps_per_epoch)
         if epoch != self.epoch:
             self.epoch = epoch
@@ -193,7 +190,6 @@ class BatchPlan:
 
 
 def micro_batch(run: Run, idx: list) -> dict:
-    """The inputs and labels of examples idx, on the device."""
     cols = run.train_ds[idx]
     rows = [dict(zip(cols, row)) for row in zip(*cols.values())]
     pad = pad_token_id(run.state.tokenizer)
@@ -206,7 +202,7 @@ def micro_batch(run: Run, idx: list) -> dict:
 
 # ---- DDP or FSDP2
 def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
-    """`model` stays the plain PRM (sharded in place by --fsdp)."""
+    """`model` stays the plain PRM (--fsdp shards it in place)."""
     if cfg.fsdp:  # before the optimizer, which holds the sharded parameters
         check([] if rt.distributed
               else ["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2+"])
@@ -293,7 +289,7 @@ def train_step(run: Run, batch: list) -> tuple:
         # gradients reduce over ranks in the last micro-batch only
         last = a == len(micro) - 1
         if cfg.fsdp:
-            run.model.set_requires_gradient_sync(last)
+            state.model.set_requires_gradient_sync(last)
         no_sync = rt.distributed and not cfg.fsdp and not last
         with run.net.no_sync() if no_sync else contextlib.nullcontext():
             with amp:
@@ -304,7 +300,7 @@ def train_step(run: Run, batch: list) -> tuple:
             state.scaler.scale(loss * rt.world_size).backward()
         sums += torch.stack([ce_sum, n_correct.float()])
     state.scaler.unscale_(state.optimizer)  # clip the true gradients
-    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm or math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm or math.inf)
     if isinstance(norm, DTensor):  # sharded: over every rank's gradients
         norm = norm.full_tensor()
     scale = state.scaler.get_scale()  # fp16: a device sync
@@ -320,7 +316,7 @@ def train_step(run: Run, batch: list) -> tuple:
 def evaluate(run: Run) -> dict:
     """By eval.py's route."""
     cfg = run.cfg
-    probs = predict(run.model, run.eval_rows, batch_size=cfg.eval_batch_size,
+    probs = predict(run.state.model, run.eval_rows, batch_size=cfg.eval_batch_size,
                     pad_id=pad_token_id(run.state.tokenizer), amp_dtype=run.amp_dtype, rt=run.rt,
                     lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
     return report(probs, run.eval_rows, cfg.threshold, run.processbench)
@@ -378,8 +374,8 @@ class Preemption:
 
 # ---- logging
 class TrainLog:
-    """Progress bar, metrics.jsonl, tracker; every rank's sums, on the device until a log step;
-    divergence; the time left."""
+    """Progress bar, metrics.jsonl, tracker, divergence, the time left; the ranks' sums stay on
+    the device until a log step."""
 
     def __init__(self, run: Run, quiet: bool):
         cfg, rt = run.cfg, run.rt
@@ -488,8 +484,7 @@ class TrainLog:
         fp16 = "; or train in bf16 instead of fp16" if self.cfg.dtype == "fp16" else ""
         raise Diverged(f"the loss or gradient norm is not finite at step "
                        f"{int(self.bad_step) or '? (on another rank)'} ({last}); no checkpoint "
-                       f"was written from then on. Lower --lr (now {self.cfg.lr:g}) or add "
-                       f"--warmup-steps{fp16}")
+                       f"since. Lower --lr (now {self.cfg.lr:g}) or add --warmup-steps{fp16}")
 
     def throughput(self) -> tuple:
         """(non-pad tokens/s, non-pad / padded tokens), None if no step ran."""

@@ -63,7 +63,7 @@ def files_under(path: str) -> list:  # relative paths
 
 
 def file_digests(path: str, names: list = None) -> dict:
-    """{name: sha256 or NOT_REGULAR} of the files `names` (default: all) under `path`."""
+    """{name: sha256 or NOT_REGULAR} of `names` (default: all) under `path`."""
     def digest(name):
         full = os.path.join(path, name)
         if not stat.S_ISREG(os.lstat(full).st_mode):
@@ -76,7 +76,7 @@ def file_digests(path: str, names: list = None) -> dict:
 
 
 def resolve_resume(resume: str, out: str):
-    """`resume`, or for 'auto' the newest complete undamaged checkpoint (None: none)."""
+    """`resume`, or for 'auto' the newest undamaged checkpoint (or None)."""
     auto = resume == "auto"
     if not auto and not os.path.isfile(os.path.join(resume, MARKER)):
         check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
@@ -122,14 +122,13 @@ def prepare_output_dir(cfg):
         resume = "" if cfg.resume else "--resume auto to continue it, "
         check([f"{listing}; pass {resume}--overwrite to replace it, or another --output-dir"])
     links = [p for p in doomed if os.path.islink(p) and os.path.isdir(p)]  # rmtree refuses them
-    check([f"--overwrite: {p} is a symbolic link to a folder: remove it yourself (nothing deleted)"
-           for p in links[:1]])
+    check([f"--overwrite: {p} is a link to a folder; remove it yourself" for p in links[:1]])
     for path in filter(os.path.lexists, doomed):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def set_aside_after(out: str, step: int):
-    """checkpoint-<n> with n > step -> abandoned-checkpoint-<n>(.2, ...), which resume skips."""
+    """checkpoint-<n>, n > step -> abandoned-checkpoint-<n>(.2, ...): resume skips them."""
     moved = []
     for name in [name for done, name in numbered(out) if done > step]:
         target, n = ABANDONED + name, 1
@@ -145,7 +144,7 @@ def set_aside_after(out: str, step: int):
 
 
 def keep_records_until(path: str, step: int):
-    """Drops metrics.jsonl's records past `step`, and final ones."""
+    """Drops the records past `step`, and final ones."""
     if not os.path.isfile(path):
         return
     kept = []
@@ -166,7 +165,7 @@ def prune(out: str, keep_last: int):  # keep_last 0: keeps all
 
 @contextlib.contextmanager
 def run_lock(out: str):
-    """Holds out/.lock; removes `out` if made here and left empty."""
+    """Holds out/.lock; removes `out` if made here and empty."""
     made = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     try:
@@ -213,8 +212,8 @@ def _save(tensors: dict, path: str):
 
 def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False,
                     state: dict = None):
-    """Weights (LoRA merged; trainable_only: adapters and head), peft's adapter/, tokenizer,
-    config. state: a sharded model's whole weights."""
+    """Weights (LoRA merged, or trainable_only), peft's adapter/, tokenizer, config; state: a
+    sharded model's whole weights."""
     if trainable_only:
         _save(trainable_state_dict(model), os.path.join(path, TRAINABLE))
     else:
@@ -248,21 +247,20 @@ def load_trainable(model, path: str):
     state, expected = load_file(path), set(trainable_state_dict(model))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise UsageError(f"{path} does not fit this model (same --model and --lora-* flags as the "
-                         f"run?): missing {missing[:3]}, unexpected {extra[:3]}")
+        raise UsageError(f"{path} does not fit this model (--model, --lora-*?): missing "
+                         f"{missing[:3]}, unexpected {extra[:3]}")
     model.load_state_dict(state, strict=False)
 
 
 class Checkpointer:
-    """Rank 0 picks the checkpoint to resume (resume_from; None: fresh) and hashes the data
-    (digests; '' for hub or synthetic data)."""
+    """Rank 0 picks resume_from (None: fresh) and hashes the data (digests; '': not a file)."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """Refuses a checkpoint of another model, data, data order or data contents."""
+        """Refuses a checkpoint of another model or data."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
         specs = {"train": cfg.dataset, "eval": cfg.eval_dataset}
@@ -278,20 +276,20 @@ class Checkpointer:
                 bad.append(f"{spec} changed since the checkpoint (its contents differ)")
         if bad:
             check([f"--resume {path}: the checkpoint does not fit this model and data: "
-                   f"{'; '.join(bad)}; use the checkpoint's settings, or start a new run"])
+                   f"{'; '.join(bad)}"])
         if changed:
             print(f"resuming with changed settings: {'; '.join(changed)}")
         return path, digests
 
     def load(self, state: State, last_step: int) -> int:
-        """The step to continue from (0: fresh); a resume restores `state` in place."""
+        """The step to continue from (0: fresh); restores `state` in place."""
         path, model, optimizer = self.resume_from, state.model, state.optimizer
         if not path:
             return 0
         step = read_marker(path)["step"]
         if step > last_step:
             raise UsageError(f"--resume {path}: the checkpoint is at step {step}, past this run's "
-                             f"last step {last_step} (--max-steps, --epochs): nothing to continue")
+                             f"last step {last_step} (--max-steps, --epochs)")
         saved = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
         if os.path.isdir(os.path.join(path, SHARDS)):  # resharded to this world size
             options = _options(has_lora(model))
@@ -316,7 +314,7 @@ class Checkpointer:
         return step
 
     def save(self, step: int, state: State):
-        """checkpoint-<step>/ by all ranks: under --fsdp each writes and hashes shards."""
+        """checkpoint-<step>/, by all ranks (--fsdp: each writes and hashes shards)."""
         rt = self.rt
         barrier(rt)
         shards = {}
@@ -365,7 +363,7 @@ class Checkpointer:
         prune(cfg.output_dir, cfg.keep_last)
 
     def save_final(self, step: int, state: State) -> str:
-        """final/ (an HF token classifier, adapters merged); its path on rank 0, else None."""
+        """final/ (adapters merged): its path on rank 0, else None."""
         barrier(self.rt)
         whole = None
         if self.cfg.fsdp:  # all ranks gather the whole weights on rank 0's CPU
@@ -383,15 +381,14 @@ class Checkpointer:
         return path if self.rt.is_main else None
 
     def kept_instead(self, step: int, state: State) -> str:
-        """Where final/'s weights are when it failed (writing a checkpoint if need be)."""
+        """Where final/'s weights are kept (writing a checkpoint if need be)."""
         ckpt = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
+        lost = f"the weights of step {step} are lost"
         if not os.path.isfile(os.path.join(ckpt, MARKER)):
             if self.cfg.fsdp:
-                return f"the weights of step {step} are lost: no checkpoint holds them"
+                return f"{lost}: no checkpoint holds them"
             try:
                 self.write(step, state)
             except WriteFailed as e:
-                return (f"{ckpt} could not be written either ({e.cause}): the weights of step "
-                        f"{step} are lost")
-        return (f"the weights of step {step} are kept in {ckpt}: free space, then export final/ "
-                "with --resume auto")
+                return f"{ckpt} could not be written either ({e.cause}): {lost}"
+        return f"the weights of step {step} are kept in {ckpt}: free space, then --resume auto"

@@ -20,27 +20,19 @@ TEMPLATE = '''---
 
 # Process reward model
 
-A process reward model (PRM) trained from \
-{{ "a random 3-layer, 128-wide Qwen2 decoder (`--model tiny`)" if tiny \
-else "`%s`" % cfg.model }} on `{{ cfg.dataset }}` with `prm`, by \
-{% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha {{ g(cfg.lora_alpha) }}, dropout \
-{{ g(cfg.lora_dropout) }}, targets `{{ cfg.lora_targets }}`), merged into the weights; the 2-way \
-head fully trained{% else %}full fine-tuning of every weight{% endif %}. It gives each step of a \
-solution the probability that it is correct.
+Trained by `prm` from {{ "a random tiny Qwen2 (`--model tiny`)" if tiny else "`%s`" % cfg.model }} \
+on `{{ cfg.dataset }}` by {% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha \
+{{ g(cfg.lora_alpha) }}, targets `{{ cfg.lora_targets }}`), merged{% else %}full fine-tuning\
+{% endif %}. It gives each step of a solution P(correct).
 
-## How it scores
+- An `AutoModelForTokenClassification`: class 1 = `correct`, class 0 = `incorrect`.
+- Step separator: `{{ sep }}` (also `prm` in `config.json`); each piece is tokenized alone, and \
+a step scored at the LAST token of its separator.
+- Every training setting: `config.train.json`; the command:
 
-- An `AutoModelForTokenClassification`: class 1 = `correct`, class 0 = `incorrect` \
-(`id2label`); P(correct) = softmax(logits)[..., 1].
-- Step separator: `{{ sep }}`, also in `config.json` under `prm` with the length caps.
-- Inputs: as `score()` below builds them, each piece tokenized alone (the joined text gives \
-other ids with BPE); a step's score is read at the LAST token of its separator.
-- Training: {{ cfg.batch_size }} examples per device x {{ cfg.grad_accum }} accumulation steps, \
-peak lr {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
-example{{ " and %d tokens of steps" % cfg.max_completion_length if cfg.max_completion_length }}\
-{{ ", on the last step's label only" if cfg.train_on_last_step_only }}.
-
-## Use with transformers only
+```bash
+{{ command }}
+```
 
 ```python
 import torch
@@ -49,11 +41,10 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer
 MODEL = "."  # this folder, or its hub id
 tok = AutoTokenizer.from_pretrained(MODEL)
 model = AutoModelForTokenClassification.from_pretrained(MODEL).eval()
-sep = model.config.prm["step_separator"]  # what training appended to every step
+sep = model.config.prm["step_separator"]
 
 
 def score(prompt: str, steps: list) -> list:
-    """P(correct) per step (training dropped steps past model.config.prm["max_length"])."""
     piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + piece(prompt)
     ends = []
@@ -68,33 +59,17 @@ def score(prompt: str, steps: list) -> list:
 print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))
 ```
 
-The same with this package: `prm.core.evaluate.score(model, tokenizer, prompt, steps)`.
-
 ## Held-out metrics
 
-On {{ "`%s`" % cfg.eval_dataset if cfg.eval_dataset \
-else "the held-out part of the training source" }}; a step is predicted correct when \
-P(correct) >= {{ g(cfg.threshold) }}; class 0 = incorrect step.
+On {{ "`%s`" % cfg.eval_dataset if cfg.eval_dataset else "held-out training rows" }}; \
+correct: P(correct) >= {{ g(cfg.threshold) }}; class 0: an incorrect step.
 
 {{ table }}
 
-## License and versions
-
-- Base model license: {{ license or ("none: no base model (random initialization)" if tiny \
-else "unknown (no local or cached card)") }}.
+- Base model license: {{ license or ("none: random initialization" if tiny else "unknown") }}.
 - Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}.
-
-## Command
-
-```bash
-{{ command }}
-```
-
-## Citations
-
-- Uesato et al. 2022, Solving math word problems with process- and outcome-based feedback, \
-arXiv:2211.14275.
-- Lightman et al. 2023, Let's Verify Step by Step, arXiv:2305.20050.
+- Uesato et al. 2022, arXiv:2211.14275; Lightman et al. 2023, Let's Verify Step by Step, \
+arXiv:2305.20050.
 
 '''  # jinja drops the last newline
 
