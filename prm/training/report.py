@@ -20,19 +20,11 @@ TEMPLATE = '''---
 
 # Process reward model
 
-Trained by `prm` from {{ "a random tiny Qwen2 (`--model tiny`)" if tiny else "`%s`" % cfg.model }} \
-on `{{ cfg.dataset }}` by {% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha \
-{{ g(cfg.lora_alpha) }}, targets `{{ cfg.lora_targets }}`), merged{% else %}full fine-tuning\
-{% endif %}. It gives each step of a solution P(correct).
-
-- An `AutoModelForTokenClassification`: class 1 = `correct`, class 0 = `incorrect`.
-- Step separator: `{{ sep }}` (also `prm` in `config.json`); each piece is tokenized alone, and \
-a step scored at the LAST token of its separator.
-- Every training setting: `config.train.json`; the command:
-
-```bash
-{{ command }}
-```
+Trained by `prm` from {{ "a random tiny Qwen2" if tiny else "`%s`" % cfg.model }} on \
+`{{ cfg.dataset }}` by {% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha \
+{{ g(cfg.lora_alpha) }}), merged{% else %}full fine-tuning{% endif %} (settings: \
+`config.train.json`). An `AutoModelForTokenClassification`, class 1 = `correct`. Step separator: \
+`{{ sep }}`; a step is scored at the LAST token of its separator, each piece tokenized alone:
 
 ```python
 import torch
@@ -59,17 +51,18 @@ def score(prompt: str, steps: list) -> list:
 print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))
 ```
 
-## Held-out metrics
-
-On {{ "`%s`" % cfg.eval_dataset if cfg.eval_dataset else "held-out training rows" }}; \
-correct: P(correct) >= {{ g(cfg.threshold) }}; class 0: an incorrect step.
+Held-out metrics{{ " on `%s`" % cfg.eval_dataset if cfg.eval_dataset }}, a step correct when \
+P(correct) >= {{ g(cfg.threshold) }}:
 
 {{ table }}
 
-- Base model license: {{ license or ("none: random initialization" if tiny else "unknown") }}.
-- Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}.
-- Uesato et al. 2022, arXiv:2211.14275; Lightman et al. 2023, Let's Verify Step by Step, \
-arXiv:2305.20050.
+Base model license: {{ license or ("none: random initialization" if tiny else "unknown") }}. \
+Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}. Cite: \
+Uesato et al. 2022, arXiv:2211.14275; Lightman et al. 2023, arXiv:2305.20050. The command:
+
+```bash
+{{ command }}
+```
 
 '''  # jinja drops the last newline
 
