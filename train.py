@@ -99,7 +99,7 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
               f"tokens | autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
     with log.pbar:
         loop(run, checkpointer, log)
-    # ---- the end: final/ first, so that a failed evaluation never costs the weights
+    # ---- the end: final/ first: a failed evaluation never costs the weights
     log.stop_if_diverged()
     path = checkpointer.save_final(run.step, run.state)
     results = evaluate(run)
@@ -204,8 +204,7 @@ def micro_batch(run: Run, idx: list) -> dict:
 def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
     """`model` stays the plain PRM (--fsdp shards it in place)."""
     if cfg.fsdp:  # before the optimizer, which holds the sharded parameters
-        check([] if rt.distributed
-              else ["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2+"])
+        check([] if rt.distributed else ["--fsdp needs torchrun --nproc_per_node 2+"])
         # each layer of the longest nn.ModuleList, then the root
         stacks = [m for m in model.backbone.modules() if isinstance(m, torch.nn.ModuleList)]
         if not stacks:
@@ -219,7 +218,7 @@ def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
     if cfg.compile:  # static only when rows padded to --pack-to repeat their shapes
         net = torch.compile(model, dynamic=not (packed and cfg.pack_to))
     if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
-        net = DDP(net, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        net = DDP(net, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
     return net
 
 
@@ -255,7 +254,6 @@ def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
             epoch, batch = run.plan.batch(run.step)
             sums, norm = train_step(run, batch)
             run.step += 1
-            # sums stay on the device until a log step
             write = run.step % cfg.log_every == 0 or run.step == total
             lr = run.state.scheduler.get_last_lr()[0]
             log.add(run.step, batch, sums, norm, t0=t0, epoch=epoch, lr=lr, write=write)
@@ -263,7 +261,6 @@ def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
             if eval_every and run.step % eval_every == 0 and run.step < total:
                 evals = {f"eval_{k}": v for k, v in evaluate(run).items()}
                 log.record({"step": run.step, **evals})
-            # preemption and checkpoints
             stop = preemption.agreed(last=run.step == total)
             if stop and not write:  # the steps since the last log line
                 log.write(run.step, norm, epoch, lr)
@@ -451,7 +448,7 @@ class TrainLog:
     def record(self, rec: dict, echo: bool = True):
         if self.path is None:
             return
-        write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
+        write_lines(self.path, [json.dumps(strict_json(rec))], "a")
         if self.tracker:
             self.tracker.log(rec)
         if echo:

@@ -273,7 +273,7 @@ class Checkpointer:
         for split, spec in specs.items():
             saved = marker["data"].get(split)
             if saved and digests[split] and saved != digests[split]:
-                bad.append(f"{spec} changed since the checkpoint (its contents differ)")
+                bad.append(f"{spec} changed since the checkpoint")
         if bad:
             check([f"--resume {path}: the checkpoint does not fit this model and data: "
                    f"{'; '.join(bad)}"])
