@@ -49,7 +49,7 @@ def train(cfg: Config, command: str = "") -> dict:
     """Rank 0: the final held-out metrics."""
     command = command or config_command(cfg)
     cfg = cfg.resolve()
-    tracker_module(cfg.report_to)  # a missing package is refused before any work
+    tracker_module(cfg.report_to)  # refuses a missing package before any work
     rt = setup()
     try:
         with run_lock(cfg.output_dir) if rt.is_main else contextlib.nullcontext():
@@ -75,7 +75,7 @@ class Run:
     state: State  # what a checkpoint holds
     amp_dtype: torch.dtype  # None: fp32
     packed: bool
-    step: int = 0  # optimizer steps done
+    step: int = 0
 
 
 def fit(cfg: Config, rt: Runtime, command: str) -> dict:
@@ -415,7 +415,6 @@ class TrainLog:
             self.window_seconds += time.perf_counter() - t0
 
     def write(self, step: int, norm, epoch: int, lr: float, t0: float = None):
-        """Logs the window, all ranks together."""
         flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
         stats = torch.cat([self.window, flags])
         if self.rt.distributed:

@@ -21,8 +21,7 @@ class WriteFailed(PRMError):
         self.cause = cause or message
 
 
-class Diverged(PRMError, ArithmeticError):
-    """The loss or gradient norm stopped being finite."""
+class Diverged(PRMError, ArithmeticError):  # a non-finite loss or gradient norm
     code = 3
 
 

@@ -70,11 +70,10 @@ def digest(paths: list, named: bool = True) -> str:
 
 
 @contextlib.contextmanager
-def staged_folder(path: str, fresh: bool = True):
-    """Yields PATH.tmp to fill; it replaces `path` if the block succeeds."""
+def staged_folder(path: str):
+    """Yields PATH.tmp (emptied) to fill; it replaces `path` if the block succeeds."""
     tmp, old = path + ".tmp", path + ".old"
-    if fresh:
-        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
         with writing(path):
             yield tmp
@@ -116,8 +115,8 @@ def locked(path: str, lock: str = ""):
         owner = "".join(c if c.isprintable() else "?" for c in text)  # pid@host
         if not held or owner and _alive(owner):
             os.close(fd)
-            raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for "
-                             f"it to end, or if none is, delete {lock}")
+            raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); if none "
+                             f"is, delete {lock}")
         if owner:
             print(f"warning: taking over the stale lock of {owner}: {lock}", file=sys.stderr)
         os.ftruncate(fd, 0)
@@ -200,7 +199,7 @@ def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
     if not output or os.path.isdir(output):
         why = "a folder" if output else "not a file name"
     elif os.path.exists(output) and not os.path.isfile(output):
-        why = "not a file to read back (a FIFO, a device)"
+        why = "not a regular file"
     elif not os.path.isdir(folder):
         why = f"no folder {folder}"
     elif len(os.path.basename(output)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):

@@ -95,7 +95,7 @@ def resolve_resume(resume: str, out: str):
 
 
 def prepare_output_dir(cfg):
-    """The checkpoint to resume (None: fresh); a folder with a run needs --resume or --overwrite."""
+    """The checkpoint to resume (None: fresh); a run's folder needs --resume or --overwrite."""
     out = cfg.output_dir
     names = os.listdir(out) if os.path.isdir(out) else []
     found = sorted(n for n in names if n in ("metrics.jsonl", "final")
@@ -235,8 +235,7 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
         config = dict(peft_type="LORA", task_type="TOKEN_CLS", base_model_name_or_path=cfg.model,
                       r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=peft_targets(model.backbone), modules_to_save=[head_name],
-                      bias="none", fan_in_fan_out=False, use_rslora=False, use_dora=False,
-                      init_lora_weights=True, inference_mode=True)
+                      bias="none", fan_in_fan_out=False, use_rslora=False)
         write_lines(os.path.join(path, ADAPTER, "adapter_config.json"),
                     [json.dumps(config, indent=2)])
     tokenizer.save_pretrained(path)
@@ -315,52 +314,42 @@ class Checkpointer:
 
     def save(self, step: int, state: State):
         """checkpoint-<step>/, by all ranks (--fsdp: each writes and hashes shards)."""
-        rt = self.rt
+        rt, ckpt = self.rt, os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
         barrier(rt)
-        shards = {}
-        if self.cfg.fsdp:
-            ckpt = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
-            tmp = ckpt + ".tmp"
+        with staged_folder(ckpt) if rt.is_main else writing(ckpt):  # rank 0 stages ckpt.tmp
+            tmp, shards = ckpt + ".tmp", {}
+            if self.cfg.fsdp:
+                barrier(rt)  # ckpt.tmp is empty
+                weights, optim = get_state_dict(
+                    state.model, state.optimizer, options=_options(has_lora(state.model)))
+                dcp.save({"model": weights, "optimizer": optim},
+                         checkpoint_id=os.path.join(tmp, SHARDS))
+                barrier(rt)
+                share = file_digests(tmp, files_under(tmp)[rt.rank::rt.world_size])
+                shards = {k: v for part in gather_objects(share, rt) for k, v in part.items()}
             if rt.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            barrier(rt)
-            try:
-                with writing(ckpt):
-                    weights, optim = get_state_dict(
-                        state.model, state.optimizer, options=_options(has_lora(state.model)))
-                    dcp.save({"model": weights, "optimizer": optim},
-                             checkpoint_id=os.path.join(tmp, SHARDS))
-            except WriteFailed:
-                if rt.is_main:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            barrier(rt)
-            share = file_digests(tmp, files_under(tmp)[rt.rank::rt.world_size])
-            shards = {k: v for part in gather_objects(share, rt) for k, v in part.items()}
+                self.write(tmp, step, state, shards)
         if rt.is_main:
-            self.write(step, state, shards)
+            prune(self.cfg.output_dir, self.cfg.keep_last)
         barrier(rt)
 
-    def write(self, step: int, state: State, shards: dict = None):
-        """Rank 0's part of checkpoint-<step>."""
+    def write(self, tmp: str, step: int, state: State, shards: dict = None):
+        """Rank 0's part of checkpoint-<step>, into its staged folder."""
         cfg, shards = self.cfg, shards or {}
-        ckpt = os.path.join(cfg.output_dir, f"checkpoint-{step}")
-        with staged_folder(ckpt, fresh=not cfg.fsdp) as tmp:
-            saved = {"scheduler": state.scheduler.state_dict(),
-                     "scaler": state.scaler.state_dict(), "rng": rng_state()}
-            if cfg.fsdp:
-                state.tokenizer.save_pretrained(tmp)
-                cfg.save(tmp)
-            else:
-                write_model_dir(tmp, state.model, state.tokenizer, cfg,
-                                trainable_only=has_lora(state.model))
-                saved["optimizer"] = state.optimizer.state_dict()
-            torch.save(saved, os.path.join(tmp, "trainer_state.pt"))
-            mine = file_digests(tmp, [n for n in files_under(tmp) if n not in shards])
-            marker = {"step": step, "world_size": self.rt.world_size, "data": self.digests,
-                      "sha256": {**shards, **mine}}
-            write_lines(os.path.join(tmp, MARKER), [json.dumps(marker)])
-        prune(cfg.output_dir, cfg.keep_last)
+        saved = {"scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
+                 "rng": rng_state()}
+        if cfg.fsdp:
+            state.tokenizer.save_pretrained(tmp)
+            cfg.save(tmp)
+        else:
+            write_model_dir(tmp, state.model, state.tokenizer, cfg,
+                            trainable_only=has_lora(state.model))
+            saved["optimizer"] = state.optimizer.state_dict()
+        torch.save(saved, os.path.join(tmp, "trainer_state.pt"))
+        mine = file_digests(tmp, [n for n in files_under(tmp) if n not in shards])
+        marker = {"step": step, "world_size": self.rt.world_size, "data": self.digests,
+                  "sha256": {**shards, **mine}}
+        write_lines(os.path.join(tmp, MARKER), [json.dumps(marker)])
 
     def save_final(self, step: int, state: State) -> str:
         """final/ (adapters merged): its path on rank 0, else None."""
@@ -388,7 +377,9 @@ class Checkpointer:
             if self.cfg.fsdp:
                 return f"{lost}: no checkpoint holds them"
             try:
-                self.write(step, state)
+                with staged_folder(ckpt) as tmp:
+                    self.write(tmp, step, state)
             except WriteFailed as e:
                 return f"{ckpt} could not be written either ({e.cause}): {lost}"
+            prune(self.cfg.output_dir, self.cfg.keep_last)
         return f"the weights of step {step} are kept in {ckpt}: free space, then --resume auto"

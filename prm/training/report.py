@@ -36,7 +36,7 @@ model = AutoModelForTokenClassification.from_pretrained(MODEL).eval()
 sep = model.config.prm["step_separator"]
 
 
-def score(prompt: str, steps: list) -> list:
+def score(prompt, steps):
     piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + piece(prompt)
     ends = []
@@ -121,7 +121,6 @@ def model_card(cfg, metrics: dict, command: str) -> str:
 
 
 def shown(v) -> str:
-    """A metric in a log line or the card."""
     return "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
@@ -141,7 +140,7 @@ def scalars(record: dict) -> dict:
     if "final" in record:
         items = {f"final/{k}": v for k, v in record["final"].items()}
     else:
-        items = {(f"eval/{k.removeprefix('eval_')}" if k.startswith("eval_") else f"train/{k}"): v
+        items = {("eval/" + k[5:] if k.startswith("eval_") else "train/" + k): v
                  for k, v in record.items() if k != "step"}
     return {k: float(v) for k, v in items.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
