@@ -371,8 +371,7 @@ class Preemption:
 
 # ---- logging
 class TrainLog:
-    """Progress bar, metrics.jsonl, tracker, divergence, the time left; the ranks' sums stay on
-    the device until a log step."""
+    """Progress bar, metrics.jsonl, tracker, divergence, time left; sums stay on the device."""
 
     def __init__(self, run: Run, quiet: bool):
         cfg, rt = run.cfg, run.rt
@@ -391,9 +390,7 @@ class TrainLog:
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
         self.new_window()
-        self.total_tokens = 0
-        self.total_padded = 0
-        self.total_seconds = 0.0
+        self.total_tokens = self.total_padded = self.total_seconds = 0
         self.last_finite = None  # (step, loss)
         self.timed_from = None  # (step, time)
         self.estimated = False
@@ -440,9 +437,7 @@ class TrainLog:
 
     def new_window(self):
         self.window.zero_()
-        self.window_labeled = 0
-        self.window_tokens = 0
-        self.window_seconds = 0.0
+        self.window_labeled = self.window_tokens = self.window_seconds = 0
 
     def record(self, rec: dict, echo: bool = True):
         if self.path is None:
@@ -477,7 +472,7 @@ class TrainLog:
         last = "no finite loss logged before it"
         if self.last_finite:
             last = "last finite loss {1:.4g} at step {0}".format(*self.last_finite)
-        fp16 = "; or train in bf16 instead of fp16" if self.cfg.dtype == "fp16" else ""
+        fp16 = ", or --dtype bf16" if self.cfg.dtype == "fp16" else ""
         raise Diverged(f"the loss or gradient norm is not finite at step "
                        f"{int(self.bad_step) or '? (on another rank)'} ({last}); no checkpoint "
                        f"since. Lower --lr (now {self.cfg.lr:g}) or add --warmup-steps{fp16}")

@@ -43,8 +43,7 @@ def check(problems: list):
 
 
 def overwrites(written: list, read: list, new: bool = False) -> list:
-    """For check(): the first (flag, path) written that is, holds or lies in one read (new: even
-    if not there yet)."""
+    """For check(): the first (flag, path) written that is, holds or lies in one read."""
     real = os.path.realpath
     return [f"{wf} {w} would overwrite {rf} {r}, which it reads: choose another path"
             for wf, w in written for rf, r in read

@@ -129,8 +129,7 @@ def locked(path: str, lock: str = ""):
 
 
 def _alive(owner: str) -> bool:
-    """Whether a lock's owner may run though we hold its flock: on another host (flock need not
-    reach it), or not pid@host. A pid here proves nothing: pids are reused."""
+    """Whether the owner may run though we hold its flock: on another host, or not pid@host."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()
 

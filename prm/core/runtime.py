@@ -37,8 +37,7 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
-    """Ends the process group and what holds it (fully_shard's meshes) while the interpreter is
-    whole: gloo's threads alive at shutdown abort the rank."""
+    """Ends the process group and fully_shard's meshes now: gloo threads alive at exit abort."""
     if rt.distributed:
         gc.collect()
         dist.destroy_process_group()

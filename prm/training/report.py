@@ -46,9 +46,6 @@ def score(prompt, steps):
     with torch.no_grad():
         probs = model(torch.tensor([ids])).logits.float().softmax(-1)[0, :, 1]
     return probs[ends].tolist()
-
-
-print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))
 ```
 
 Held-out metrics{{ " on `%s`" % cfg.eval_dataset if cfg.eval_dataset }}, a step correct when \
