@@ -202,7 +202,6 @@ def micro_batch(run: Run, idx: list) -> dict:
 
 # ---- DDP or FSDP2
 def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
-    """`model` stays the plain PRM (--fsdp shards it in place)."""
     if cfg.fsdp:  # before the optimizer, which holds the sharded parameters
         check([] if rt.distributed else ["--fsdp needs torchrun --nproc_per_node 2+"])
         # each layer of the longest nn.ModuleList, then the root

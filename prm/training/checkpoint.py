@@ -157,12 +157,6 @@ def keep_records_until(path: str, step: int):
     write_lines(path, kept)
 
 
-def prune(out: str, keep_last: int):  # keep_last 0: keeps all
-    if keep_last > 0:
-        for old in complete_checkpoints(out)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def run_lock(out: str):
     """Holds out/.lock; removes `out` if made here and empty."""
@@ -230,14 +224,14 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
             elif key.endswith((".lora_A", ".lora_B")):
                 name = key.removeprefix("backbone.")
                 tensors[f"base_model.model.{prefix}.{name}.weight"] = value
-        _save(tensors, os.path.join(path, ADAPTER, "adapter_model.safetensors"))
+        adapter = os.path.join(path, ADAPTER)
+        _save(tensors, os.path.join(adapter, "adapter_model.safetensors"))
         # the fields left out take peft's defaults
         config = dict(peft_type="LORA", task_type="TOKEN_CLS", base_model_name_or_path=cfg.model,
                       r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=peft_targets(model.backbone), modules_to_save=[head_name],
                       bias="none", fan_in_fan_out=False, use_rslora=False)
-        write_lines(os.path.join(path, ADAPTER, "adapter_config.json"),
-                    [json.dumps(config, indent=2)])
+        write_lines(os.path.join(adapter, "adapter_config.json"), [json.dumps(config, indent=2)])
     tokenizer.save_pretrained(path)
     cfg.save(path)
 
@@ -330,7 +324,7 @@ class Checkpointer:
             if rt.is_main:
                 self.write(tmp, step, state, shards)
         if rt.is_main:
-            prune(self.cfg.output_dir, self.cfg.keep_last)
+            self.prune()
         barrier(rt)
 
     def write(self, tmp: str, step: int, state: State, shards: dict = None):
@@ -351,6 +345,11 @@ class Checkpointer:
                   "sha256": {**shards, **mine}}
         write_lines(os.path.join(tmp, MARKER), [json.dumps(marker)])
 
+    def prune(self):  # --keep-last 0: keeps all
+        if self.cfg.keep_last > 0:
+            for old in complete_checkpoints(self.cfg.output_dir)[:-self.cfg.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
     def save_final(self, step: int, state: State) -> str:
         """final/ (adapters merged): its path on rank 0, else None."""
         barrier(self.rt)
@@ -365,7 +364,7 @@ class Checkpointer:
                     write_model_dir(tmp, state.model, state.tokenizer, self.cfg, state=whole)
             except WriteFailed as e:
                 raise WriteFailed(f"{e}; {self.kept_instead(step, state)}") from e.__cause__
-            prune(self.cfg.output_dir, self.cfg.keep_last)
+            self.prune()
         barrier(self.rt)
         return path if self.rt.is_main else None
 
@@ -381,5 +380,5 @@ class Checkpointer:
                     self.write(tmp, step, state)
             except WriteFailed as e:
                 return f"{ckpt} could not be written either ({e.cause}): {lost}"
-            prune(self.cfg.output_dir, self.cfg.keep_last)
+            self.prune()
         return f"the weights of step {step} are kept in {ckpt}: free space, then --resume auto"

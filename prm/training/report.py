@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 from prm.errors import check
 from prm.readers.sources import is_local
 
-# jinja; the snippet tokenizes as prm.core.data does
+# the snippet tokenizes as prm.core.data does
 TEMPLATE = '''---
 {{ card_data }}
 ---
@@ -87,8 +87,6 @@ def config_command(cfg) -> str:
 
 def base_license(model: str) -> str:
     """From the base model's local or cached card, or ''; offline."""
-    if model == "tiny":
-        return ""
     try:
         card = (os.path.join(model, "README.md") if os.path.isdir(model)
                 else try_to_load_from_cache(model, "README.md"))
@@ -101,7 +99,7 @@ def base_license(model: str) -> str:
 def model_card(cfg, metrics: dict, command: str) -> str:
     """Deterministic markdown: no dates, no timings."""
     tiny = cfg.model == "tiny"
-    license = base_license(cfg.model)
+    license = "" if tiny else base_license(cfg.model)
     # hub metadata names hub models and datasets only
     hub = [d for d in (cfg.dataset, cfg.eval_dataset) if d and d != "synthetic" and not is_local(d)]
     data = ModelCardData(library_name="transformers", pipeline_tag="token-classification",
