@@ -374,7 +374,7 @@ class TrainLog:
 
     def __init__(self, run: Run, quiet: bool):
         cfg, rt = run.cfg, run.rt
-        self.rt, self.plan = rt, run.plan
+        self.cfg, self.rt, self.plan = cfg, rt, run.plan
         self.pbar = tqdm(total=run.plan.total, initial=run.step, desc="train",
                          disable=quiet or not rt.is_main)
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
@@ -385,7 +385,6 @@ class TrainLog:
         self.n_chunks = rt.world_size * cfg.grad_accum  # micro-batches per step
         self.pack_to = cfg.pack_to if run.packed else None
         self.check_norm = not run.state.scaler.is_enabled()  # fp16 skips inf-norm steps
-        self.cfg = cfg
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
         self.new_window()

@@ -327,9 +327,9 @@ class Checkpointer:
             self.prune()
         barrier(rt)
 
-    def write(self, tmp: str, step: int, state: State, shards: dict = None):
+    def write(self, tmp: str, step: int, state: State, shards: dict):
         """Rank 0's part of checkpoint-<step>, into its staged folder."""
-        cfg, shards = self.cfg, shards or {}
+        cfg = self.cfg
         saved = {"scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
                  "rng": rng_state()}
         if cfg.fsdp:
@@ -377,7 +377,7 @@ class Checkpointer:
                 return f"{lost}: no checkpoint holds them"
             try:
                 with staged_folder(ckpt) as tmp:
-                    self.write(tmp, step, state)
+                    self.write(tmp, step, state, {})
             except WriteFailed as e:
                 return f"{ckpt} could not be written either ({e.cause}): {lost}"
             self.prune()
