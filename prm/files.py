@@ -95,7 +95,7 @@ def locked(path: str, lock: str = ""):
     lock = lock or path + ".lock"
     with writing(lock):
         while True:
-            try:  # never through a link planted there: it would rewrite the file it leads to
+            try:  # O_NOFOLLOW: a link planted there would redirect the write
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError:
                 if os.path.islink(lock):
@@ -124,7 +124,7 @@ def locked(path: str, lock: str = ""):
     try:
         yield
     finally:
-        os.remove(lock)  # before the flock ends, so a waiting process sees the file gone
+        os.remove(lock)  # before the flock ends: a waiting process sees it gone
         os.close(fd)
 
 

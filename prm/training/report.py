@@ -66,7 +66,7 @@ Uesato et al. 2022, arXiv:2211.14275; Lightman et al. 2023, arXiv:2305.20050. Th
 
 def launch_command(argv=None, env=None) -> str:
     """The command line; under torchrun, its torchrun line (no rendezvous flags)."""
-    argv, env = list(sys.argv if argv is None else argv), os.environ if env is None else env
+    argv, env = sys.argv if argv is None else argv, os.environ if env is None else env
     if "LOCAL_WORLD_SIZE" in env:
         local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
         nodes = f"--nnodes {world // local} " if world > local else ""
