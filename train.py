@@ -1,6 +1,5 @@
-"""Train a process reward model: `python train.py`, or `torchrun --nproc_per_node 8 train.py
---model Qwen/Qwen2.5-Math-1.5B --dataset rows.jsonl`. Read top to bottom. A script beside the
-package: tests and `python -m prm.bench` import it and call train(cfg)."""
+"""Train a process reward model: `python train.py`, or `torchrun --nproc_per_node 8 train.py`.
+Read top to bottom; tests and prm.bench import it and call train(cfg)."""
 from prm.cli import parse_config  # light: no torch
 from prm.errors import exit_status
 
@@ -47,10 +46,10 @@ from prm.training.checkpoint import Checkpointer, State, run_lock
 
 
 def train(cfg: Config, command: str = "") -> dict:
-    """Rank 0: the final held-out metrics; command: for the model card."""
+    """Rank 0: the final held-out metrics."""
     command = command or config_command(cfg)
     cfg = cfg.resolve()
-    tracker_module(cfg.report_to)  # a missing package is refused before any work
+    tracker_module(cfg.report_to)  # refuses a missing package before any work
     rt = setup()
     try:
         with run_lock(cfg.output_dir) if rt.is_main else contextlib.nullcontext():
@@ -65,19 +64,18 @@ def train(cfg: Config, command: str = "") -> dict:
 
 @dataclasses.dataclass
 class Run:
-    """The loop's state. "step": an optimizer step; "n_labeled": labeled reasoning steps."""
+    """The loop's state. "step": an optimizer step; "n_labeled": labeled solution steps."""
     cfg: Config  # resolved
     rt: Runtime
     plan: "BatchPlan"
     train_ds: object  # datasets.Dataset
     eval_rows: list
     processbench: bool  # the held-out rows carry a first error
-    model: torch.nn.Module  # the plain PRM (sharded in place under --fsdp)
-    net: torch.nn.Module  # compiled, DDP-wrapped or the same
+    net: torch.nn.Module  # state.model compiled, DDP-wrapped or the same
     state: State  # what a checkpoint holds
     amp_dtype: torch.dtype  # None: fp32
     packed: bool
-    step: int = 0  # optimizer steps done
+    step: int = 0
 
 
 def fit(cfg: Config, rt: Runtime, command: str) -> dict:
@@ -91,7 +89,7 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
     if rt.is_main:
         cfg.save(cfg.output_dir)
     log = TrainLog(run, quiet)
-    trainable, n_params = count_parameters(run.model)
+    trainable, n_params = count_parameters(run.state.model)
     steps = run.plan.total - run.step
     tokens = sum(run.plan.lengths) * steps / run.plan.steps_per_epoch  # non-pad
     if rt.is_main:
@@ -101,7 +99,7 @@ def fit(cfg: Config, rt: Runtime, command: str) -> dict:
               f"tokens | autocast {run.amp_dtype or 'off'} | world {rt.world_size}")
     with log.pbar:
         loop(run, checkpointer, log)
-    # ---- the end: final/ first, so that a failed evaluation never costs the weights
+    # ---- the end: final/ first: a failed evaluation never costs the weights
     log.stop_if_diverged()
     path = checkpointer.save_final(run.step, run.state)
     results = evaluate(run)
@@ -129,9 +127,8 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
         train_ds, train_report = tokenize_dataset(train_raw, is_eval=False, **kw)
         eval_ds, eval_report = tokenize_dataset(eval_raw, is_eval=True, drop_unlabeled=False, **kw)
     if len(train_ds) == 0:
-        raise UsageError(
-            f"no training example has a labeled step left (--max-length {cfg.max_length}, "
-            f"--max-completion-length {cfg.max_completion_length}): see the report")
+        raise UsageError(f"no training example has a labeled step left (--max-length "
+                         f"{cfg.max_length}, --max-completion-length {cfg.max_completion_length})")
     if rt.is_main:
         print(f"train data: {json.dumps(train_report)}\neval data: {json.dumps(eval_report)}")
     # [:]: a datasets 5 Column slices Arrow at every [i]
@@ -159,7 +156,7 @@ def build(cfg: Config, rt: Runtime, checkpointer: Checkpointer) -> tuple:
     # ---- resume (in place)
     step = checkpointer.load(state, plan.total)
     run = Run(cfg, rt, plan, train_ds.select_columns(["input_ids", "labels"]), eval_ds.to_list(),
-              "first_error" in eval_ds.column_names, model, net, state, amp_dtype, packed, step)
+              "first_error" in eval_ds.column_names, net, state, amp_dtype, packed, step)
     return run, {"train_data": train_report, "eval_data": eval_report}
 
 
@@ -177,7 +174,7 @@ class BatchPlan:
         self.batches = None
 
     def batch(self, step: int) -> tuple:
-        """(epoch, dataset indices) of the step after `step` steps."""
+        """(epoch, dataset indices) of step `step` + 1."""
         epoch, position = divmod(step, self.steps_per_epoch)
         if epoch != self.epoch:
             self.epoch = epoch
@@ -193,7 +190,6 @@ class BatchPlan:
 
 
 def micro_batch(run: Run, idx: list) -> dict:
-    """The inputs and labels of examples idx, on the device."""
     cols = run.train_ds[idx]
     rows = [dict(zip(cols, row)) for row in zip(*cols.values())]
     pad = pad_token_id(run.state.tokenizer)
@@ -206,10 +202,8 @@ def micro_batch(run: Run, idx: list) -> dict:
 
 # ---- DDP or FSDP2
 def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
-    """`model` stays the plain PRM (sharded in place by --fsdp)."""
     if cfg.fsdp:  # before the optimizer, which holds the sharded parameters
-        check([] if rt.distributed
-              else ["--fsdp shards over ranks: launch with torchrun --nproc_per_node 2+"])
+        check([] if rt.distributed else ["--fsdp needs torchrun --nproc_per_node 2+"])
         # each layer of the longest nn.ModuleList, then the root
         stacks = [m for m in model.backbone.modules() if isinstance(m, torch.nn.ModuleList)]
         if not stacks:
@@ -223,7 +217,7 @@ def wrap(model, cfg: Config, rt: Runtime, amp_dtype, packed: bool):
     if cfg.compile:  # static only when rows padded to --pack-to repeat their shapes
         net = torch.compile(model, dynamic=not (packed and cfg.pack_to))
     if rt.distributed and not cfg.fsdp:  # a sharded model reduces its own gradients
-        net = DDP(net, device_ids=[rt.local_rank] if rt.device.type == "cuda" else None)
+        net = DDP(net, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
     return net
 
 
@@ -259,7 +253,6 @@ def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
             epoch, batch = run.plan.batch(run.step)
             sums, norm = train_step(run, batch)
             run.step += 1
-            # sums stay on the device until a log step
             write = run.step % cfg.log_every == 0 or run.step == total
             lr = run.state.scheduler.get_last_lr()[0]
             log.add(run.step, batch, sums, norm, t0=t0, epoch=epoch, lr=lr, write=write)
@@ -267,7 +260,6 @@ def loop(run: Run, checkpointer: Checkpointer, log: "TrainLog"):
             if eval_every and run.step % eval_every == 0 and run.step < total:
                 evals = {f"eval_{k}": v for k, v in evaluate(run).items()}
                 log.record({"step": run.step, **evals})
-            # preemption and checkpoints
             stop = preemption.agreed(last=run.step == total)
             if stop and not write:  # the steps since the last log line
                 log.write(run.step, norm, epoch, lr)
@@ -293,7 +285,7 @@ def train_step(run: Run, batch: list) -> tuple:
         # gradients reduce over ranks in the last micro-batch only
         last = a == len(micro) - 1
         if cfg.fsdp:
-            run.model.set_requires_gradient_sync(last)
+            state.model.set_requires_gradient_sync(last)
         no_sync = rt.distributed and not cfg.fsdp and not last
         with run.net.no_sync() if no_sync else contextlib.nullcontext():
             with amp:
@@ -304,7 +296,7 @@ def train_step(run: Run, batch: list) -> tuple:
             state.scaler.scale(loss * rt.world_size).backward()
         sums += torch.stack([ce_sum, n_correct.float()])
     state.scaler.unscale_(state.optimizer)  # clip the true gradients
-    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm or math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), cfg.max_grad_norm or math.inf)
     if isinstance(norm, DTensor):  # sharded: over every rank's gradients
         norm = norm.full_tensor()
     scale = state.scaler.get_scale()  # fp16: a device sync
@@ -320,7 +312,7 @@ def train_step(run: Run, batch: list) -> tuple:
 def evaluate(run: Run) -> dict:
     """By eval.py's route."""
     cfg = run.cfg
-    probs = predict(run.model, run.eval_rows, batch_size=cfg.eval_batch_size,
+    probs = predict(run.state.model, run.eval_rows, batch_size=cfg.eval_batch_size,
                     pad_id=pad_token_id(run.state.tokenizer), amp_dtype=run.amp_dtype, rt=run.rt,
                     lockstep=cfg.fsdp, progress=not cfg.disable_tqdm)
     return report(probs, run.eval_rows, cfg.threshold, run.processbench)
@@ -378,12 +370,11 @@ class Preemption:
 
 # ---- logging
 class TrainLog:
-    """Progress bar, metrics.jsonl, tracker; every rank's sums, on the device until a log step;
-    divergence; the time left."""
+    """Progress bar, metrics.jsonl, tracker, divergence, time left; sums stay on the device."""
 
     def __init__(self, run: Run, quiet: bool):
         cfg, rt = run.cfg, run.rt
-        self.rt, self.plan = rt, run.plan
+        self.cfg, self.rt, self.plan = cfg, rt, run.plan
         self.pbar = tqdm(total=run.plan.total, initial=run.step, desc="train",
                          disable=quiet or not rt.is_main)
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl") if rt.is_main else None
@@ -394,13 +385,10 @@ class TrainLog:
         self.n_chunks = rt.world_size * cfg.grad_accum  # micro-batches per step
         self.pack_to = cfg.pack_to if run.packed else None
         self.check_norm = not run.state.scaler.is_enabled()  # fp16 skips inf-norm steps
-        self.cfg = cfg
         self.window = torch.zeros(2, device=rt.device)  # (cross-entropy sum, correct)
         self.bad_step = torch.zeros((), dtype=torch.long, device=rt.device)  # 0: none
         self.new_window()
-        self.total_tokens = 0
-        self.total_padded = 0
-        self.total_seconds = 0.0
+        self.total_tokens = self.total_padded = self.total_seconds = 0
         self.last_finite = None  # (step, loss)
         self.timed_from = None  # (step, time)
         self.estimated = False
@@ -422,7 +410,6 @@ class TrainLog:
             self.window_seconds += time.perf_counter() - t0
 
     def write(self, step: int, norm, epoch: int, lr: float, t0: float = None):
-        """Logs the window, all ranks together."""
         flags = torch.stack([norm.detach().float(), (self.bad_step > 0).float()])
         stats = torch.cat([self.window, flags])
         if self.rt.distributed:
@@ -448,14 +435,12 @@ class TrainLog:
 
     def new_window(self):
         self.window.zero_()
-        self.window_labeled = 0
-        self.window_tokens = 0
-        self.window_seconds = 0.0
+        self.window_labeled = self.window_tokens = self.window_seconds = 0
 
     def record(self, rec: dict, echo: bool = True):
         if self.path is None:
             return
-        write_lines(self.path, [json.dumps(strict_json(rec), allow_nan=False)], "a")
+        write_lines(self.path, [json.dumps(strict_json(rec))], "a")
         if self.tracker:
             self.tracker.log(rec)
         if echo:
@@ -485,11 +470,10 @@ class TrainLog:
         last = "no finite loss logged before it"
         if self.last_finite:
             last = "last finite loss {1:.4g} at step {0}".format(*self.last_finite)
-        fp16 = "; or train in bf16 instead of fp16" if self.cfg.dtype == "fp16" else ""
+        fp16 = ", or --dtype bf16" if self.cfg.dtype == "fp16" else ""
         raise Diverged(f"the loss or gradient norm is not finite at step "
                        f"{int(self.bad_step) or '? (on another rank)'} ({last}); no checkpoint "
-                       f"was written from then on. Lower --lr (now {self.cfg.lr:g}) or add "
-                       f"--warmup-steps{fp16}")
+                       f"since. Lower --lr (now {self.cfg.lr:g}) or add --warmup-steps{fp16}")
 
     def throughput(self) -> tuple:
         """(non-pad tokens/s, non-pad / padded tokens), None if no step ran."""

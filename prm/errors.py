@@ -14,20 +14,19 @@ class UsageError(PRMError, ValueError):
 
 
 class WriteFailed(PRMError):
-    """A failed write (a full disk, a read-only folder); cause: the reason alone."""
+    """A failed write (full disk, read-only folder); cause: the reason alone."""
 
     def __init__(self, message: str, cause: str = None):
         super().__init__(message)
         self.cause = cause or message
 
 
-class Diverged(PRMError, ArithmeticError):
-    """The loss or gradient norm stopped being finite."""
+class Diverged(PRMError, ArithmeticError):  # a non-finite loss or gradient norm
     code = 3
 
 
 class Stopped(PRMError):
-    """SIGTERM/SIGINT ended the run after a checkpoint."""
+    """SIGTERM/SIGINT ended the run."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -44,8 +43,7 @@ def check(problems: list):
 
 
 def overwrites(written: list, read: list, new: bool = False) -> list:
-    """For check(): the first (flag, path) written that is, holds or lies in one read (new: also
-    one not there yet)."""
+    """For check(): the first (flag, path) written that is, holds or lies in one read."""
     real = os.path.realpath
     return [f"{wf} {w} would overwrite {rf} {r}, which it reads: choose another path"
             for wf, w in written for rf, r in read
@@ -55,7 +53,7 @@ def overwrites(written: list, read: list, new: bool = False) -> list:
 
 @contextlib.contextmanager
 def exit_status():
-    """For entry points: a PRMError is printed as 'error: <message>' and exits with its code."""
+    """For entry points: a PRMError prints 'error: <message>' and exits with its code."""
     try:
         yield
     except PRMError as e:

@@ -37,8 +37,8 @@ def writing(path: str):
 
 
 def write_lines(path: str, lines, mode: str = "w"):
-    """Via a synced temporary file renamed over `path` (a symlink: its target); mode 'x': never
-    over a file (FileExistsError); mode 'a', a FIFO, a device: in place."""
+    """Via a synced temporary file renamed over `path` (a symlink: its target); 'x': never over
+    a file (FileExistsError); 'a', a FIFO, a device: in place."""
     real = os.path.realpath(path)
     direct = mode == "a" or os.path.exists(real) and not os.path.isfile(real)
     folder, name = os.path.split(real)  # name[:200]: a name near the length limit still fits
@@ -70,11 +70,10 @@ def digest(paths: list, named: bool = True) -> str:
 
 
 @contextlib.contextmanager
-def staged_folder(path: str, fresh: bool = True):
-    """Yields PATH.tmp to fill; it replaces `path` if the block succeeds."""
+def staged_folder(path: str):
+    """Yields PATH.tmp (emptied) to fill; it replaces `path` if the block succeeds."""
     tmp, old = path + ".tmp", path + ".old"
-    if fresh:
-        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
         with writing(path):
             yield tmp
@@ -96,7 +95,7 @@ def locked(path: str, lock: str = ""):
     lock = lock or path + ".lock"
     with writing(lock):
         while True:
-            try:  # never through a link planted there: it would rewrite the file it leads to
+            try:  # O_NOFOLLOW: a link planted there would redirect the write
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError:
                 if os.path.islink(lock):
@@ -116,8 +115,8 @@ def locked(path: str, lock: str = ""):
         owner = "".join(c if c.isprintable() else "?" for c in text)  # pid@host
         if not held or owner and _alive(owner):
             os.close(fd)
-            raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); wait for "
-                             f"it to end, or if none is, delete {lock}")
+            raise UsageError(f"{path} is in use by another run ({owner or 'starting'}); if none "
+                             f"is, delete {lock}")
         if owner:
             print(f"warning: taking over the stale lock of {owner}: {lock}", file=sys.stderr)
         os.ftruncate(fd, 0)
@@ -125,19 +124,18 @@ def locked(path: str, lock: str = ""):
     try:
         yield
     finally:
-        os.remove(lock)  # before the flock ends, so a waiting process sees the file gone
+        os.remove(lock)  # before the flock ends: a waiting process sees it gone
         os.close(fd)
 
 
 def _alive(owner: str) -> bool:
-    """Whether a lock's owner may run though we hold its flock: not pid@host, or another host
-    (flock need not reach there). A pid here proves nothing: pids are reused."""
+    """Whether the owner may run though we hold its flock: on another host, or not pid@host."""
     pid, _, host = owner.partition("@")
     return host != socket.gethostname() or not pid.isdigit()
 
 
 def finished(*paths: str, writer: str = "prm.label") -> dict:
-    """{input row: its output lines} of the rows complete in a file (the first such)."""
+    """{input row: its output lines} of the complete rows (from the first file holding one)."""
     rows = {}
     for path in filter(os.path.isfile, paths):
         with open(path, "rb") as f:
@@ -160,7 +158,7 @@ def parts(output: str) -> list:
 
 
 def check_settings(output: str, settings: dict) -> bool:
-    """Writes OUTPUT.settings at the first run, or refuses other settings; whether it wrote it."""
+    """Writes OUTPUT.settings (returns True) or refuses other settings."""
     side, now = output + ".settings", json.loads(json.dumps(settings))  # tuples as JSON lists
     wrote = False
     if not os.path.isfile(side):
@@ -173,11 +171,11 @@ def check_settings(output: str, settings: dict) -> bool:
         if not isinstance(old, dict):
             raise ValueError(f"a JSON {type(old).__name__}, not an object")
     except ValueError as e:  # cut short, not JSON, not UTF-8
-        raise UsageError(f"{side}: not the settings {now['writer']} writes ({e}); restore it, or "
-                         "pass another --output") from None
+        raise UsageError(f"{side}: not the settings {now['writer']} writes ({e}); pass another "
+                         "--output") from None
     diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in now.items() if old.get(k) != v]
-    check([f"{output} was written with other settings: {', '.join(diff)}; rerun with those to "
-           "continue it, or pass another --output"] if diff else [])
+    check([f"{output} was written with other settings: {', '.join(diff)}; rerun with those, or "
+           "pass another --output"] if diff else [])
     return wrote
 
 
@@ -191,7 +189,7 @@ def stamp(path: str) -> str:
 
 @contextlib.contextmanager
 def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
-    """For the block: `own` (default: output) locked, less what a kill cut, and OUTPUT.settings
+    """For the block: `own` (default: output) locked, cut to its complete rows, OUTPUT.settings
     checked; a block failing before a line is written leaves no file."""
     own, side = own or (output,), output + ".settings"
     sides = (".settings", *(p[len(output):] + ".lock" for p in own))
@@ -200,7 +198,7 @@ def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
     if not output or os.path.isdir(output):
         why = "a folder" if output else "not a file name"
     elif os.path.exists(output) and not os.path.isfile(output):
-        why = "not a file to read back (a FIFO, a device)"
+        why = "not a regular file"
     elif not os.path.isdir(folder):
         why = f"no folder {folder}"
     elif len(os.path.basename(output)) + max(map(len, sides)) > os.pathconf(folder, "PC_NAME_MAX"):
@@ -210,7 +208,7 @@ def resumed(output: str, settings: dict, writer: str, own: tuple = ()):
     made = [p for p in own if not os.path.exists(p)]
     with locked(own[0]):
         theirs = [p for p in (output, *own) if os.path.isfile(p) and os.path.getsize(p)]
-        check([f"{theirs[0]}: not written by {writer} (no .settings file beside it); pass another "
+        check([f"{theirs[0]}: not written by {writer} (no .settings beside it); pass another "
                "--output"] if theirs and not os.path.isfile(side) else [])
         made += [side] if check_settings(output, {"writer": writer, **settings}) else []
         for path in filter(os.path.isfile, own):

@@ -161,7 +161,7 @@ def test_any_write_failure_names_its_cause_when_final_cannot_be_rescued(tmp_path
     checkpointer = Checkpointer.__new__(Checkpointer)
     checkpointer.cfg = SimpleNamespace(output_dir=str(tmp_path), fsdp=False)
 
-    def write(step, state):  # a WriteFailed not made by writing(): no cause given
+    def write(tmp, step, state, shards):  # a WriteFailed not made by writing(): no cause given
         raise WriteFailed("cannot write the rows")
     monkeypatch.setattr(checkpointer, "write", write)
     assert "could not be written either (cannot write the rows)" in checkpointer.kept_instead(2, None)

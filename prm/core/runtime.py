@@ -1,4 +1,4 @@
-"""Device, autocast dtype and torchrun plumbing. Depends on: torch."""
+"""Device, autocast dtype and torchrun plumbing."""
 import contextlib
 import gc
 import os
@@ -37,8 +37,7 @@ def setup() -> Runtime:
 
 
 def teardown(rt: Runtime):
-    """Ends the process group, and what holds it (cycles, fully_shard's meshes), while the
-    interpreter is whole: gloo's threads alive at shutdown abort the rank."""
+    """Ends the process group and fully_shard's meshes now: gloo threads alive at exit abort."""
     if rt.distributed:
         gc.collect()
         dist.destroy_process_group()
@@ -48,7 +47,7 @@ def teardown(rt: Runtime):
 
 
 def autocast_dtype(name, device: torch.device):
-    """fp32 (None), bf16 or fp16; name None: bf16 where the device runs it natively, else fp32."""
+    """None (fp32), bf16 or fp16; name None: bf16 where the device runs it natively."""
     if name is None:
         cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if (cpu_has_bf16() if device.type == "cpu" else cuda) else None
@@ -64,7 +63,7 @@ def gather_objects(obj, rt: Runtime) -> list:
 
 
 def decided_by_main(rt: Runtime, decide):
-    """decide() run by rank 0 alone; its value or exception reaches every rank."""
+    """decide() by rank 0 alone; its value or exception reaches every rank."""
     if not rt.distributed:
         return decide()
     box = [None]
@@ -87,7 +86,7 @@ def barrier(rt: Runtime):
 
 @contextlib.contextmanager
 def main_first(rt: Runtime):
-    """Rank 0 runs the block (filling a cache) before the other ranks."""
+    """Rank 0 runs the block (filling a cache) before the others."""
     if not rt.is_main:
         barrier(rt)
     yield
@@ -96,7 +95,7 @@ def main_first(rt: Runtime):
 
 
 def cpu_has_bf16() -> bool:
-    """Native bf16 matrix units on this CPU (AMX, AVX512-BF16); PRM_CPU_BF16=1/0 overrides."""
+    """Native bf16 on this CPU (AMX, AVX512-BF16); PRM_CPU_BF16=1/0 overrides."""
     if os.environ.get("PRM_CPU_BF16") in ("0", "1"):
         return os.environ["PRM_CPU_BF16"] == "1"
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
@@ -104,7 +103,7 @@ def cpu_has_bf16() -> bool:
 
 
 def progress_off(disable: bool) -> bool:
-    """Whether progress bars (datasets' and transformers' too) stay off: asked, or no terminal."""
+    """Whether progress bars (datasets', transformers' too) stay off: asked, or no terminal."""
     off = disable or not sys.stderr.isatty()
     if off:
         import datasets

@@ -63,7 +63,7 @@ def files_under(path: str) -> list:  # relative paths
 
 
 def file_digests(path: str, names: list = None) -> dict:
-    """{name: sha256 or NOT_REGULAR} of the files `names` (default: all) under `path`."""
+    """{name: sha256 or NOT_REGULAR} of `names` (default: all) under `path`."""
     def digest(name):
         full = os.path.join(path, name)
         if not stat.S_ISREG(os.lstat(full).st_mode):
@@ -76,7 +76,7 @@ def file_digests(path: str, names: list = None) -> dict:
 
 
 def resolve_resume(resume: str, out: str):
-    """`resume`, or for 'auto' the newest complete undamaged checkpoint (None: none)."""
+    """`resume`, or for 'auto' the newest undamaged checkpoint (or None)."""
     auto = resume == "auto"
     if not auto and not os.path.isfile(os.path.join(resume, MARKER)):
         check([f"--resume {resume}: not a complete checkpoint (no {MARKER})"])
@@ -95,7 +95,7 @@ def resolve_resume(resume: str, out: str):
 
 
 def prepare_output_dir(cfg):
-    """The checkpoint to resume (None: fresh); a folder with a run needs --resume or --overwrite."""
+    """The checkpoint to resume (None: fresh); a run's folder needs --resume or --overwrite."""
     out = cfg.output_dir
     names = os.listdir(out) if os.path.isdir(out) else []
     found = sorted(n for n in names if n in ("metrics.jsonl", "final")
@@ -122,14 +122,13 @@ def prepare_output_dir(cfg):
         resume = "" if cfg.resume else "--resume auto to continue it, "
         check([f"{listing}; pass {resume}--overwrite to replace it, or another --output-dir"])
     links = [p for p in doomed if os.path.islink(p) and os.path.isdir(p)]  # rmtree refuses them
-    check([f"--overwrite: {p} is a symbolic link to a folder: remove it yourself (nothing deleted)"
-           for p in links[:1]])
+    check([f"--overwrite: {p} is a link to a folder; remove it yourself" for p in links[:1]])
     for path in filter(os.path.lexists, doomed):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def set_aside_after(out: str, step: int):
-    """checkpoint-<n> with n > step -> abandoned-checkpoint-<n>(.2, ...), which resume skips."""
+    """checkpoint-<n>, n > step -> abandoned-checkpoint-<n>(.2, ...): resume skips them."""
     moved = []
     for name in [name for done, name in numbered(out) if done > step]:
         target, n = ABANDONED + name, 1
@@ -145,7 +144,7 @@ def set_aside_after(out: str, step: int):
 
 
 def keep_records_until(path: str, step: int):
-    """Drops metrics.jsonl's records past `step`, and final ones."""
+    """Drops the records past `step`, and final ones."""
     if not os.path.isfile(path):
         return
     kept = []
@@ -158,15 +157,9 @@ def keep_records_until(path: str, step: int):
     write_lines(path, kept)
 
 
-def prune(out: str, keep_last: int):  # keep_last 0: keeps all
-    if keep_last > 0:
-        for old in complete_checkpoints(out)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def run_lock(out: str):
-    """Holds out/.lock; removes `out` if made here and left empty."""
+    """Holds out/.lock; removes `out` if made here and empty."""
     made = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
     try:
@@ -213,8 +206,8 @@ def _save(tensors: dict, path: str):
 
 def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = False,
                     state: dict = None):
-    """Weights (LoRA merged; trainable_only: adapters and head), peft's adapter/, tokenizer,
-    config. state: a sharded model's whole weights."""
+    """Weights (LoRA merged, or trainable_only), peft's adapter/, tokenizer, config; state: a
+    sharded model's whole weights."""
     if trainable_only:
         _save(trainable_state_dict(model), os.path.join(path, TRAINABLE))
     else:
@@ -231,15 +224,14 @@ def write_model_dir(path: str, model, tokenizer, cfg, trainable_only: bool = Fal
             elif key.endswith((".lora_A", ".lora_B")):
                 name = key.removeprefix("backbone.")
                 tensors[f"base_model.model.{prefix}.{name}.weight"] = value
-        _save(tensors, os.path.join(path, ADAPTER, "adapter_model.safetensors"))
+        adapter = os.path.join(path, ADAPTER)
+        _save(tensors, os.path.join(adapter, "adapter_model.safetensors"))
         # the fields left out take peft's defaults
         config = dict(peft_type="LORA", task_type="TOKEN_CLS", base_model_name_or_path=cfg.model,
                       r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=peft_targets(model.backbone), modules_to_save=[head_name],
-                      bias="none", fan_in_fan_out=False, use_rslora=False, use_dora=False,
-                      init_lora_weights=True, inference_mode=True)
-        write_lines(os.path.join(path, ADAPTER, "adapter_config.json"),
-                    [json.dumps(config, indent=2)])
+                      bias="none", fan_in_fan_out=False, use_rslora=False)
+        write_lines(os.path.join(adapter, "adapter_config.json"), [json.dumps(config, indent=2)])
     tokenizer.save_pretrained(path)
     cfg.save(path)
 
@@ -248,21 +240,20 @@ def load_trainable(model, path: str):
     state, expected = load_file(path), set(trainable_state_dict(model))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise UsageError(f"{path} does not fit this model (same --model and --lora-* flags as the "
-                         f"run?): missing {missing[:3]}, unexpected {extra[:3]}")
+        raise UsageError(f"{path} does not fit this model (--model, --lora-*?): missing "
+                         f"{missing[:3]}, unexpected {extra[:3]}")
     model.load_state_dict(state, strict=False)
 
 
 class Checkpointer:
-    """Rank 0 picks the checkpoint to resume (resume_from; None: fresh) and hashes the data
-    (digests; '' for hub or synthetic data)."""
+    """Rank 0 picks resume_from (None: fresh) and hashes the data (digests; '': not a file)."""
 
     def __init__(self, cfg, rt):
         self.cfg, self.rt = cfg, rt
         self.resume_from, self.digests = decided_by_main(rt, self.decide)
 
     def decide(self) -> tuple:
-        """Refuses a checkpoint of another model, data, data order or data contents."""
+        """Refuses a checkpoint of another model or data."""
         cfg = self.cfg
         path = prepare_output_dir(cfg)
         specs = {"train": cfg.dataset, "eval": cfg.eval_dataset}
@@ -275,23 +266,23 @@ class Checkpointer:
         for split, spec in specs.items():
             saved = marker["data"].get(split)
             if saved and digests[split] and saved != digests[split]:
-                bad.append(f"{spec} changed since the checkpoint (its contents differ)")
+                bad.append(f"{spec} changed since the checkpoint")
         if bad:
             check([f"--resume {path}: the checkpoint does not fit this model and data: "
-                   f"{'; '.join(bad)}; use the checkpoint's settings, or start a new run"])
+                   f"{'; '.join(bad)}"])
         if changed:
             print(f"resuming with changed settings: {'; '.join(changed)}")
         return path, digests
 
     def load(self, state: State, last_step: int) -> int:
-        """The step to continue from (0: fresh); a resume restores `state` in place."""
+        """The step to continue from (0: fresh); restores `state` in place."""
         path, model, optimizer = self.resume_from, state.model, state.optimizer
         if not path:
             return 0
         step = read_marker(path)["step"]
         if step > last_step:
             raise UsageError(f"--resume {path}: the checkpoint is at step {step}, past this run's "
-                             f"last step {last_step} (--max-steps, --epochs): nothing to continue")
+                             f"last step {last_step} (--max-steps, --epochs)")
         saved = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
         if os.path.isdir(os.path.join(path, SHARDS)):  # resharded to this world size
             options = _options(has_lora(model))
@@ -316,56 +307,51 @@ class Checkpointer:
         return step
 
     def save(self, step: int, state: State):
-        """checkpoint-<step>/ by all ranks: under --fsdp each writes and hashes shards."""
-        rt = self.rt
+        """checkpoint-<step>/, by all ranks (--fsdp: each writes and hashes shards)."""
+        rt, ckpt = self.rt, os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
         barrier(rt)
-        shards = {}
-        if self.cfg.fsdp:
-            ckpt = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
-            tmp = ckpt + ".tmp"
+        with staged_folder(ckpt) if rt.is_main else writing(ckpt):  # rank 0 stages ckpt.tmp
+            tmp, shards = ckpt + ".tmp", {}
+            if self.cfg.fsdp:
+                barrier(rt)  # ckpt.tmp is empty
+                weights, optim = get_state_dict(
+                    state.model, state.optimizer, options=_options(has_lora(state.model)))
+                dcp.save({"model": weights, "optimizer": optim},
+                         checkpoint_id=os.path.join(tmp, SHARDS))
+                barrier(rt)
+                share = file_digests(tmp, files_under(tmp)[rt.rank::rt.world_size])
+                shards = {k: v for part in gather_objects(share, rt) for k, v in part.items()}
             if rt.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            barrier(rt)
-            try:
-                with writing(ckpt):
-                    weights, optim = get_state_dict(
-                        state.model, state.optimizer, options=_options(has_lora(state.model)))
-                    dcp.save({"model": weights, "optimizer": optim},
-                             checkpoint_id=os.path.join(tmp, SHARDS))
-            except WriteFailed:
-                if rt.is_main:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            barrier(rt)
-            share = file_digests(tmp, files_under(tmp)[rt.rank::rt.world_size])
-            shards = {k: v for part in gather_objects(share, rt) for k, v in part.items()}
+                self.write(tmp, step, state, shards)
         if rt.is_main:
-            self.write(step, state, shards)
+            self.prune()
         barrier(rt)
 
-    def write(self, step: int, state: State, shards: dict = None):
-        """Rank 0's part of checkpoint-<step>."""
-        cfg, shards = self.cfg, shards or {}
-        ckpt = os.path.join(cfg.output_dir, f"checkpoint-{step}")
-        with staged_folder(ckpt, fresh=not cfg.fsdp) as tmp:
-            saved = {"scheduler": state.scheduler.state_dict(),
-                     "scaler": state.scaler.state_dict(), "rng": rng_state()}
-            if cfg.fsdp:
-                state.tokenizer.save_pretrained(tmp)
-                cfg.save(tmp)
-            else:
-                write_model_dir(tmp, state.model, state.tokenizer, cfg,
-                                trainable_only=has_lora(state.model))
-                saved["optimizer"] = state.optimizer.state_dict()
-            torch.save(saved, os.path.join(tmp, "trainer_state.pt"))
-            mine = file_digests(tmp, [n for n in files_under(tmp) if n not in shards])
-            marker = {"step": step, "world_size": self.rt.world_size, "data": self.digests,
-                      "sha256": {**shards, **mine}}
-            write_lines(os.path.join(tmp, MARKER), [json.dumps(marker)])
-        prune(cfg.output_dir, cfg.keep_last)
+    def write(self, tmp: str, step: int, state: State, shards: dict):
+        """Rank 0's part of checkpoint-<step>, into its staged folder."""
+        cfg = self.cfg
+        saved = {"scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(),
+                 "rng": rng_state()}
+        if cfg.fsdp:
+            state.tokenizer.save_pretrained(tmp)
+            cfg.save(tmp)
+        else:
+            write_model_dir(tmp, state.model, state.tokenizer, cfg,
+                            trainable_only=has_lora(state.model))
+            saved["optimizer"] = state.optimizer.state_dict()
+        torch.save(saved, os.path.join(tmp, "trainer_state.pt"))
+        mine = file_digests(tmp, [n for n in files_under(tmp) if n not in shards])
+        marker = {"step": step, "world_size": self.rt.world_size, "data": self.digests,
+                  "sha256": {**shards, **mine}}
+        write_lines(os.path.join(tmp, MARKER), [json.dumps(marker)])
+
+    def prune(self):  # --keep-last 0: keeps all
+        if self.cfg.keep_last > 0:
+            for old in complete_checkpoints(self.cfg.output_dir)[:-self.cfg.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def save_final(self, step: int, state: State) -> str:
-        """final/ (an HF token classifier, adapters merged); its path on rank 0, else None."""
+        """final/ (adapters merged): its path on rank 0, else None."""
         barrier(self.rt)
         whole = None
         if self.cfg.fsdp:  # all ranks gather the whole weights on rank 0's CPU
@@ -378,20 +364,21 @@ class Checkpointer:
                     write_model_dir(tmp, state.model, state.tokenizer, self.cfg, state=whole)
             except WriteFailed as e:
                 raise WriteFailed(f"{e}; {self.kept_instead(step, state)}") from e.__cause__
-            prune(self.cfg.output_dir, self.cfg.keep_last)
+            self.prune()
         barrier(self.rt)
         return path if self.rt.is_main else None
 
     def kept_instead(self, step: int, state: State) -> str:
-        """Where final/'s weights are when it failed (writing a checkpoint if need be)."""
+        """Where final/'s weights are kept (writing a checkpoint if need be)."""
         ckpt = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
+        lost = f"the weights of step {step} are lost"
         if not os.path.isfile(os.path.join(ckpt, MARKER)):
             if self.cfg.fsdp:
-                return f"the weights of step {step} are lost: no checkpoint holds them"
+                return f"{lost}: no checkpoint holds them"
             try:
-                self.write(step, state)
+                with staged_folder(ckpt) as tmp:
+                    self.write(tmp, step, state, {})
             except WriteFailed as e:
-                return (f"{ckpt} could not be written either ({e.cause}): the weights of step "
-                        f"{step} are lost")
-        return (f"the weights of step {step} are kept in {ckpt}: free space, then export final/ "
-                "with --resume auto")
+                return f"{ckpt} could not be written either ({e.cause}): {lost}"
+            self.prune()
+        return f"the weights of step {step} are kept in {ckpt}: free space, then --resume auto"

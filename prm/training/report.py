@@ -13,34 +13,18 @@ from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 from prm.errors import check
 from prm.readers.sources import is_local
 
-# jinja; the snippet tokenizes as prm.core.data does
+# the snippet tokenizes as prm.core.data does
 TEMPLATE = '''---
 {{ card_data }}
 ---
 
 # Process reward model
 
-A process reward model (PRM) trained from \
-{{ "a random 3-layer, 128-wide Qwen2 decoder (`--model tiny`)" if tiny \
-else "`%s`" % cfg.model }} on `{{ cfg.dataset }}` with `prm`, by \
-{% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha {{ g(cfg.lora_alpha) }}, dropout \
-{{ g(cfg.lora_dropout) }}, targets `{{ cfg.lora_targets }}`), merged into the weights; the 2-way \
-head fully trained{% else %}full fine-tuning of every weight{% endif %}. It gives each step of a \
-solution the probability that it is correct.
-
-## How it scores
-
-- An `AutoModelForTokenClassification`: class 1 = `correct`, class 0 = `incorrect` \
-(`id2label`); P(correct) = softmax(logits)[..., 1].
-- Step separator: `{{ sep }}`, also in `config.json` under `prm` with the length caps.
-- Inputs: as `score()` below builds them, each piece tokenized alone (the joined text gives \
-other ids with BPE); a step's score is read at the LAST token of its separator.
-- Training: {{ cfg.batch_size }} examples per device x {{ cfg.grad_accum }} accumulation steps, \
-peak lr {{ g(cfg.lr) }}, seed {{ cfg.seed }}; at most {{ cfg.max_length }} tokens per \
-example{{ " and %d tokens of steps" % cfg.max_completion_length if cfg.max_completion_length }}\
-{{ ", on the last step's label only" if cfg.train_on_last_step_only }}.
-
-## Use with transformers only
+Trained by `prm` from {{ "a random tiny Qwen2" if tiny else "`%s`" % cfg.model }} on \
+`{{ cfg.dataset }}` by {% if cfg.lora_r %}LoRA (rank {{ cfg.lora_r }}, alpha \
+{{ g(cfg.lora_alpha) }}), merged{% else %}full fine-tuning{% endif %} (settings: \
+`config.train.json`). An `AutoModelForTokenClassification`, class 1 = `correct`. Step separator: \
+`{{ sep }}`; a step is scored at the LAST token of its separator, each piece tokenized alone:
 
 ```python
 import torch
@@ -49,11 +33,10 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer
 MODEL = "."  # this folder, or its hub id
 tok = AutoTokenizer.from_pretrained(MODEL)
 model = AutoModelForTokenClassification.from_pretrained(MODEL).eval()
-sep = model.config.prm["step_separator"]  # what training appended to every step
+sep = model.config.prm["step_separator"]
 
 
-def score(prompt: str, steps: list) -> list:
-    """P(correct) per step (training dropped steps past model.config.prm["max_length"])."""
+def score(prompt, steps):
     piece = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + piece(prompt)
     ends = []
@@ -63,45 +46,27 @@ def score(prompt: str, steps: list) -> list:
     with torch.no_grad():
         probs = model(torch.tensor([ids])).logits.float().softmax(-1)[0, :, 1]
     return probs[ends].tolist()
-
-
-print(score("What is 2+3*4?", ["3*4 = 12.", "2+12 = 14.", "The answer is 14."]))
 ```
 
-The same with this package: `prm.core.evaluate.score(model, tokenizer, prompt, steps)`.
-
-## Held-out metrics
-
-On {{ "`%s`" % cfg.eval_dataset if cfg.eval_dataset \
-else "the held-out part of the training source" }}; a step is predicted correct when \
-P(correct) >= {{ g(cfg.threshold) }}; class 0 = incorrect step.
+Held-out metrics{{ " on `%s`" % cfg.eval_dataset if cfg.eval_dataset }}, a step correct when \
+P(correct) >= {{ g(cfg.threshold) }}:
 
 {{ table }}
 
-## License and versions
-
-- Base model license: {{ license or ("none: no base model (random initialization)" if tiny \
-else "unknown (no local or cached card)") }}.
-- Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}.
-
-## Command
+Base model license: {{ license or ("none: random initialization" if tiny else "unknown") }}. \
+Trained with torch {{ version('torch') }}, transformers {{ version('transformers') }}. Cite: \
+Uesato et al. 2022, arXiv:2211.14275; Lightman et al. 2023, arXiv:2305.20050. The command:
 
 ```bash
 {{ command }}
 ```
-
-## Citations
-
-- Uesato et al. 2022, Solving math word problems with process- and outcome-based feedback, \
-arXiv:2211.14275.
-- Lightman et al. 2023, Let's Verify Step by Step, arXiv:2305.20050.
 
 '''  # jinja drops the last newline
 
 
 def launch_command(argv=None, env=None) -> str:
     """The command line; under torchrun, its torchrun line (no rendezvous flags)."""
-    argv, env = list(sys.argv if argv is None else argv), os.environ if env is None else env
+    argv, env = sys.argv if argv is None else argv, os.environ if env is None else env
     if "LOCAL_WORLD_SIZE" in env:
         local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
         nodes = f"--nnodes {world // local} " if world > local else ""
@@ -122,8 +87,6 @@ def config_command(cfg) -> str:
 
 def base_license(model: str) -> str:
     """From the base model's local or cached card, or ''; offline."""
-    if model == "tiny":
-        return ""
     try:
         card = (os.path.join(model, "README.md") if os.path.isdir(model)
                 else try_to_load_from_cache(model, "README.md"))
@@ -136,7 +99,7 @@ def base_license(model: str) -> str:
 def model_card(cfg, metrics: dict, command: str) -> str:
     """Deterministic markdown: no dates, no timings."""
     tiny = cfg.model == "tiny"
-    license = base_license(cfg.model)
+    license = "" if tiny else base_license(cfg.model)
     # hub metadata names hub models and datasets only
     hub = [d for d in (cfg.dataset, cfg.eval_dataset) if d and d != "synthetic" and not is_local(d)]
     data = ModelCardData(library_name="transformers", pipeline_tag="token-classification",
@@ -153,7 +116,6 @@ def model_card(cfg, metrics: dict, command: str) -> str:
 
 
 def shown(v) -> str:
-    """A metric in a log line or the card."""
     return "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
@@ -173,7 +135,7 @@ def scalars(record: dict) -> dict:
     if "final" in record:
         items = {f"final/{k}": v for k, v in record["final"].items()}
     else:
-        items = {(f"eval/{k.removeprefix('eval_')}" if k.startswith("eval_") else f"train/{k}"): v
+        items = {("eval/" + k[5:] if k.startswith("eval_") else "train/" + k): v
                  for k, v in record.items() if k != "step"}
     return {k: float(v) for k, v in items.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
