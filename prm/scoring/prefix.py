@@ -13,8 +13,7 @@ from prm.core.varlen import NAME
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Prefix:
-    """`length` ids read and their (keys, values) per layer; `todo`: the question's ids, not run
-    yet."""
+    """`length` ids read, their (keys, values) per layer; `todo`: the question's ids, unrun."""
     length: int
     cache: tuple = ()
     todo: tuple = ()
@@ -27,7 +26,7 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
         return []
     sep = separator_ids(tokenizer, separator)
     new = [ids + sep for ids in tokenizer(list(steps), add_special_tokens=False)["input_ids"]]
-    # as in training, a step ending past max_length is unscored: not run
+    # as in training, a step ending past max_length is unscored
     fits = [not max_length or p.length + len(p.todo) + len(ids) <= max_length
             for p, ids in zip(prefixes, new)]
     # a question's ids run once, however many steps extend it
@@ -47,8 +46,7 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
     out = [(Prefix(p.length + len(p.todo) + len(ids)), None, 0) for p, ids in zip(prefixes, new)]
     lasts = torch.stack([probs[-1] for _, probs in grown]).tolist() if grown else []  # one sync
     for i, (prefix, _), p in zip(todo, grown, lasts):
-        # a question's tokens: counted with the first step extending it
-        question = len(prefixes[i].todo) if opened.pop(id(prefixes[i]), None) else 0
+        question = len(prefixes[i].todo) if opened.pop(id(prefixes[i]), None) else 0  # once
         out[i] = (prefix, p, len(new[i]) + question)
     return out
 
