@@ -72,9 +72,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
     try:
         if os.path.isfile(saved):
             with open(saved) as f:
-                generic = ("TokenizersBackend", "PreTrainedTokenizerFast")
-                if json.load(f).get("tokenizer_class") in generic:
-                    load, kw = PreTrainedTokenizerFast.from_pretrained, {}
+                kind = json.load(f).get("tokenizer_class")
+            if kind in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                load, kw = PreTrainedTokenizerFast.from_pretrained, {}
         tokenizer = loading(flag, name, load, weights=False, **kw)
     except UsageError:
         raise

@@ -1,5 +1,5 @@
-"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix, exact as
-training's rows tokenize steps and separators apart."""
+"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix (exact:
+steps and separators tokenize apart)."""
 import dataclasses
 import inspect
 

@@ -34,6 +34,10 @@ SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] +
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
     """char index -> the index of the token of ids completing it."""
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < len(tokenizer))]
+    if bad:
+        raise ValueError(f"completion {row}: completion_ids hold {bad[0]!r:.40}: expected ids 0 to "
+                         f"{len(tokenizer) - 1}")
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
@@ -45,7 +49,7 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
     return lambda c: bisect.bisect_right(range(len(ids) + 1), c, key=covered) - 1
 
 
-def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores=None):
+def refuse_bad_input(prompts: list, completions: list, ids=None, scores=None):
     for name, value in (("prompts", prompts), ("completion_ids", ids), ("scores", scores)):
         if value is not None and len(value) != len(completions):
             raise ValueError(f"{len(value)} {name} for {len(completions)} completions")
@@ -55,10 +59,6 @@ def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores
                     isinstance(m, dict) and isinstance(m.get("content"), str) for m in x):
                 raise ValueError(f"completion {i}: the {name} {x!r:.80}: expected a string or a "
                                  "list of messages")
-        bad = [t for t in (ids[i] if ids else []) if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"completion {i}: completion_ids hold {bad[0]!r:.40}: expected ids "
-                             f"0 to {vocab - 1}")
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
@@ -78,12 +78,12 @@ class PRMReward:
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
                  trust_remote_code: bool = False, dtype: str = None, **scoring):
-        cuda = not str(device).startswith("cuda") or torch.cuda.is_available()
         for name, ok, expected in (
                 ("aggregate", aggregate in AGGREGATES, "one of " + ", ".join(AGGREGATES)),
                 ("trust_remote_code", isinstance(trust_remote_code, bool), "True or False"),
                 ("batch_size", isinstance(batch_size, int) and batch_size > 0, "an int > 0"),
-                ("device", cuda, "a device this torch has (it has no CUDA)"),
+                ("device", torch.cuda.is_available() or "cuda" not in str(device),
+                 "a device this torch has (it has no CUDA)"),
                 ("step_separator", step_separator != "", "a non-empty string"),
                 ("dtype", dtype in (None, "auto", "fp32", "bf16", "fp16"),
                  "auto, fp32, bf16 or fp16")):
@@ -190,7 +190,7 @@ class PRMReward:
         """Per completion, per token: a step's SHAPINGS value on its last character's token."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
-        refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)
+        refuse_bad_input(prompts, completions, completion_ids, scores)
         holders = [token_holders(tokenizer, ids, self.text(c), i)
                    for i, (c, ids) in enumerate(zip(completions, completion_ids))]
         out = []

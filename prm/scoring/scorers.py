@@ -41,11 +41,11 @@ def shown(tokenizer, ids: list) -> list:
 def one_token(tokenizer, flag: str, text: str) -> int:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
-                         f"into {len(ids)}, {shown(tokenizer, ids)}")
+        raise UsageError(f"{flag} {text!r} must be one token: it splits into {len(ids)}, "
+                         f"{shown(tokenizer, ids)}")
     if ids[0] == tokenizer.unk_token_id:
-        raise UsageError(f"{flag} {text!r} is not in the model's vocabulary: its tokenizer reads "
-                         f"it as its unknown token {tokenizer.unk_token!r}")
+        raise UsageError(f"{flag} {text!r} is not in the model's vocabulary (read as "
+                         f"{tokenizer.unk_token!r})")
     return ids[0]
 
 
