@@ -25,7 +25,7 @@ GARBAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # from gar
 
 def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
     """load(name, **kw), a failure one UsageError line."""
-    # a path: the hub's "Repo id must be in the form ..." would hide the typo
+    # a path: the hub's "Repo id must be ..." would hide the typo
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         check([] if os.path.exists(name) else [f"{flag} {name}: no such folder"])
     if weights and flag == "--model" and os.path.isdir(name):
@@ -39,7 +39,7 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
         return load(name, **kw)
     except NotAPRM as e:
         raise UsageError(f"{flag} {e}") from None
-    # truncated weights; a .bin weights_only refuses; a config.json its class refuses
+    # truncated weights; a pickle weights_only refuses; a config its class refuses
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError,
             StrictDataclassError) as e:
         why = str(e.__cause__ if isinstance(e, StrictDataclassError) else e).strip()
@@ -49,7 +49,6 @@ def loading(flag: str, name: str, load, *, weights: bool = True, **kw):
 
 
 def outside_weights(path: str) -> list:
-    """Weight files a sharded index names that are not files inside path."""
     problems, root = [], os.path.realpath(path)
     for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
         try:
@@ -66,18 +65,17 @@ def outside_weights(path: str) -> list:
     return problems
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer", *,
-                   weights=True):
+def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--tokenizer"):
     """AutoTokenizer; a generic tokenizer.json as written (the model's class drops its <unk>)."""
     saved = os.path.join(name, "tokenizer_config.json")
     load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": trust_remote_code}
     try:
         if os.path.isfile(saved):
             with open(saved) as f:
-                generic = ("TokenizersBackend", "PreTrainedTokenizerFast")
-                if json.load(f).get("tokenizer_class") in generic:
-                    load, kw = PreTrainedTokenizerFast.from_pretrained, {}
-        tokenizer = loading(flag, name, load, weights=weights, **kw)
+                kind = json.load(f).get("tokenizer_class")
+            if kind in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                load, kw = PreTrainedTokenizerFast.from_pretrained, {}
+        tokenizer = loading(flag, name, load, weights=False, **kw)
     except UsageError:
         raise
     except GARBAGE as e:
@@ -90,11 +88,13 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--to
     return tokenizer
 
 
-def tokenizer_for(cfg):
+def tokenizer_for(cfg, given: bool = True):
+    """--tokenizer's if given or --model has none."""
     if cfg.model == "tiny" and not cfg.tokenizer:
         return char_tokenizer()
-    flag = "--tokenizer" if cfg.tokenizer else "--model"
-    return load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code, flag)
+    own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
+    flag = "--tokenizer" if cfg.tokenizer and (given or not own) else "--model"
+    return load_tokenizer(getattr(cfg, flag[2:]), cfg.trust_remote_code, flag)
 
 
 def tiny_config(tokenizer):
@@ -108,14 +108,14 @@ def tiny_config(tokenizer):
 def hf_config_for(cfg, tokenizer):
     if cfg.model == "tiny":
         return tiny_config(tokenizer)
-    return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    return loading("--model", cfg.model, AutoConfig.from_pretrained,
+                   trust_remote_code=cfg.trust_remote_code)
 
 
 def check_exportable(cfg):
     if cfg.model == "tiny":
         return
-    hf_cfg = loading("--model", cfg.model, AutoConfig.from_pretrained,
-                     trust_remote_code=cfg.trust_remote_code)
+    hf_cfg = hf_config_for(cfg, None)
     try:
         hf_names(hf_cfg)
     except ValueError:
@@ -146,7 +146,7 @@ def pretrained(name: str, trust_remote_code: bool, *, classifier_only: bool = Fa
 
 
 def model_for(cfg, tokenizer) -> PRM:
-    """The run's PRM on CPU, its --lora-r adapters added before DDP sees what trains."""
+    """The run's PRM on CPU, with its --lora-r adapters."""
     model = build_model(cfg.model, tokenizer, cfg.seed, cfg.trust_remote_code)
     if cfg.disable_dropout:  # as TRL's; before the adapters: --lora-dropout stays
         for module in model.backbone.modules():
@@ -175,12 +175,12 @@ def set_packing(model: PRM, packing: bool) -> PRM:
 
 
 def load_trained(cfg, tokenizer_given: bool):
-    """(tokenizer, model) of a LoRA or --fsdp checkpoint or any 2-label token classifier."""
+    """(tokenizer, model) of a LoRA or --fsdp checkpoint or a 2-label token classifier."""
     sharded = os.path.isdir(os.path.join(cfg.model, SHARDS))
     if sharded or os.path.isfile(os.path.join(cfg.model, TRAINABLE)):
         run = type(cfg).load(cfg.model)
         run.trust_remote_code = cfg.trust_remote_code  # never the file's
-        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model", weights=False)
+        tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code, "--model")
         model = model_for(run, tokenizer)
         if sharded:
             load_whole(cfg.model, model, trainable_only=has_lora(model))
@@ -188,8 +188,4 @@ def load_trained(cfg, tokenizer_given: bool):
             load_trainable(model, os.path.join(cfg.model, TRAINABLE))
         return tokenizer, model.float()  # as a classifier loads
     model = pretrained(cfg.model, cfg.trust_remote_code, classifier_only=True, dtype=torch.float32)
-    own = os.path.isfile(os.path.join(cfg.model, "tokenizer_config.json"))
-    given = cfg.tokenizer and (tokenizer_given or not own)
-    path, flag = (cfg.tokenizer, "--tokenizer") if given else (cfg.model, "--model")
-    tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
-    return tokenizer, set_packing(model, cfg.packing)
+    return tokenizer_for(cfg, tokenizer_given), set_packing(model, cfg.packing)

@@ -153,7 +153,7 @@ def test_a_chat_template_failing_on_one_prompt_names_its_completion(model_dir):
     reward.tokenizer.chat_template = ("{% for m in messages %}{% if m['content'] == 'bad' %}"
                                       "{{ raise_exception('no bad prompts') }}{% endif %}{{ m['content'] }}{% endfor %}")
     prompts = [[{"role": "user", "content": c}] for c in ("count from 1:", "bad")]
-    with pytest.raises(UsageError, match="completion 1: the tokenizer's chat template fails on its prompt: "
+    with pytest.raises(UsageError, match="completion 1: the chat template fails on its prompt: "
                                          "TemplateError: no bad prompts"):
         reward(prompts, COMPLETIONS[:2])
 
@@ -177,8 +177,8 @@ def test_a_model_saved_with_max_length_1_warns_that_no_step_is_scored(tmp_path, 
         config["prm"] = {"step_separator": "\n", "max_length": 1, "max_completion_length": 0}
         (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     reward = PRMReward(path, device="cpu")
-    with pytest.warns(UserWarning, match=r"0 of 3 completions truncated \(their cut steps are unscored\), 3 with "
-                                         r"no step that fits \(reward 0.0\); raise max_length \(now 1\)"):
+    with pytest.warns(UserWarning, match=r"0 of 3 completions truncated, 3 with no step that fits "
+                                         r"\(reward 0.0\): raise max_length \(1\)"):
         assert reward(PROMPTS, COMPLETIONS) == [EMPTY_REWARD] * 3
 
 

@@ -143,7 +143,7 @@ def test_bad_input_is_refused_with_the_row_named(model_dir):
     with pytest.raises(ValueError, match="1 scores for 2 completions"):  # not fewer rows, silently
         reward.token_rewards(PROMPTS[:2], ROWS[:2], ids, policy, scores=one)
     for bad in ("7", 7.0, -1, 10 ** 9, len(policy)):  # 259 ids: 0 to 258
-        message = rf"completion 1: completion_ids hold {bad!r}: expected the tokenizer's ids, 0 to "
+        message = rf"completion 1: completion_ids hold {bad!r}: expected ids 0 to "
         with pytest.raises(ValueError, match=message + "258"):
             reward.token_rewards(PROMPTS[:2], ROWS[:2], [ids[0], ids[1][:3] + [bad]], policy)
 

@@ -8,9 +8,8 @@ FAMILIES = ("classifier", "qwen-prm", "step-tag", "chat-turns")
 
 @dataclasses.dataclass(frozen=True)
 class ScorerOptions:
-    scorer: str = opt("auto", "how the model scores steps, as its authors do (auto: qwen-prm "
-                      "for a *ForProcessRewardModel config, else classifier)",
-                      choices=("auto",) + FAMILIES)
+    scorer: str = opt("auto", "the model's scoring recipe (auto: qwen-prm for a "
+                      "*ForProcessRewardModel, else classifier)", choices=("auto",) + FAMILIES)
     step_tag: str = opt("", "step-tag: the token ending each step (Math-Shepherd: ки)")
-    good_token: str = opt("+", "step-tag, chat-turns: the token meaning 'correct'")
-    bad_token: str = opt("-", "step-tag, chat-turns: the token meaning 'wrong'")
+    good_token: str = opt("+", "step-tag, chat-turns: the 'correct' token")
+    bad_token: str = opt("-", "step-tag, chat-turns: the 'wrong' token")

@@ -1,5 +1,5 @@
-"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix, exact as
-training's rows tokenize steps and separators apart."""
+"""Tree search's scorer: each step run once on the PRM's key/value cache of its prefix (exact:
+steps and separators tokenize apart)."""
 import dataclasses
 import inspect
 
@@ -13,8 +13,7 @@ from prm.core.varlen import NAME
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Prefix:
-    """`length` ids read and their (keys, values) per layer; `todo`: the question's ids, not run
-    yet."""
+    """`length` ids read, their (keys, values) per layer; `todo`: the question's ids, unrun."""
     length: int
     cache: tuple = ()
     todo: tuple = ()
@@ -27,12 +26,11 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
         return []
     sep = separator_ids(tokenizer, separator)
     new = [ids + sep for ids in tokenizer(list(steps), add_special_tokens=False)["input_ids"]]
-    # as in training, a step ending past max_length is unscored: not run
-    fits = [not max_length or p.length + len(p.todo) + len(ids) <= max_length
-            for p, ids in zip(prefixes, new)]
+    # as in training, a step ending past max_length is unscored
+    todo = [i for i, (p, ids) in enumerate(zip(prefixes, new))
+            if not max_length or p.length + len(p.todo) + len(ids) <= max_length]
     # a question's ids run once, however many steps extend it
-    opening = list({id(p): p for p, ok in zip(prefixes, fits) if ok and p.todo}.values())
-    todo = [i for i, ok in enumerate(fits) if ok]
+    opening = list({id(prefixes[i]): prefixes[i] for i in todo if prefixes[i].todo}.values())
     packed = model.backbone.config._attn_implementation == NAME
     if packed:  # it reads neither padding nor a cache
         model.backbone.set_attn_implementation("sdpa")
@@ -47,8 +45,7 @@ def extend(model, tokenizer, prefixes: list, steps: list, separator: str, *, max
     out = [(Prefix(p.length + len(p.todo) + len(ids)), None, 0) for p, ids in zip(prefixes, new)]
     lasts = torch.stack([probs[-1] for _, probs in grown]).tolist() if grown else []  # one sync
     for i, (prefix, _), p in zip(todo, grown, lasts):
-        # a question's tokens: counted with the first step extending it
-        question = len(prefixes[i].todo) if opened.pop(id(prefixes[i]), None) else 0
+        question = len(prefixes[i].todo) if opened.pop(id(prefixes[i]), None) else 0  # once
         out[i] = (prefix, p, len(new[i]) + question)
     return out
 
@@ -59,9 +56,8 @@ def run(model, prefixes: list, ids: list, batch_size: int, amp_dtype) -> list:
     out = [None] * len(prefixes)
     device = next(model.parameters()).device
     amp = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-    # transformers 5's name, else the older one
-    name = next((k for k in ("cache", "past_key_values")
-                 if k in inspect.signature(model.backbone.forward).parameters), "past_key_values")
+    params = inspect.signature(model.backbone.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"  # transformers 5's, else 4's
     for batch in eval_batches([p.length + len(x) for p, x in zip(prefixes, ids)], batch_size):
         past = max(prefixes[i].length for i in batch)
         width = max(len(ids[i]) for i in batch)

@@ -19,7 +19,7 @@ from prm.scoring import ScorerOptions
 from prm.scoring.prefix import Prefix, extend
 from prm.scoring.scorers import load
 
-EMPTY_REWARD = 0.0  # a completion with no step scored
+EMPTY_REWARD = 0.0  # no step scored
 
 
 def suffix_minima(ps: list) -> list:
@@ -28,13 +28,16 @@ def suffix_minima(ps: list) -> list:
     return [a - b for a, b in zip(m, m[1:])]
 
 
-# a step's reward from the P(correct)s: its own; P_k - P_(k-1); PURE's min form
 SHAPINGS = {"step": list, "delta": lambda ps: [p - q for p, q in zip(ps, [0.0] + ps[:-1])],
             "min": suffix_minima}
 
 
 def token_holders(tokenizer, ids: list, text: str, row: int):
-    """char index -> the index of the token of ids that completes it."""
+    """char index -> the index of the token of ids completing it."""
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < len(tokenizer))]
+    if bad:
+        raise ValueError(f"completion {row}: completion_ids hold {bad[0]!r:.40}: expected ids 0 to "
+                         f"{len(tokenizer) - 1}")
     decode = functools.lru_cache(lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True))
     if (whole := decode(len(ids))) != text:
         at = len(os.path.commonprefix([whole, text]))
@@ -46,7 +49,7 @@ def token_holders(tokenizer, ids: list, text: str, row: int):
     return lambda c: bisect.bisect_right(range(len(ids) + 1), c, key=covered) - 1
 
 
-def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores=None):
+def refuse_bad_input(prompts: list, completions: list, ids=None, scores=None):
     for name, value in (("prompts", prompts), ("completion_ids", ids), ("scores", scores)):
         if value is not None and len(value) != len(completions):
             raise ValueError(f"{len(value)} {name} for {len(completions)} completions")
@@ -55,11 +58,7 @@ def refuse_bad_input(prompts: list, completions: list, ids=None, vocab=0, scores
             if not isinstance(x, (str, list)) or isinstance(x, list) and not all(
                     isinstance(m, dict) and isinstance(m.get("content"), str) for m in x):
                 raise ValueError(f"completion {i}: the {name} {x!r:.80}: expected a string or a "
-                                 "list of messages with a 'content' string")
-        bad = [t for t in (ids[i] if ids else []) if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"completion {i}: completion_ids hold {bad[0]!r:.40}: expected the "
-                             f"tokenizer's ids, 0 to {vocab - 1}")
+                                 "list of messages")
 
 
 def load_reward_model(path: str, trust_remote_code: bool = False, **scoring):
@@ -79,12 +78,12 @@ class PRMReward:
     def __init__(self, model, aggregate: str = "min", device=None, batch_size: int = 16, *,
                  tokenizer=None, step_separator: str = None, max_length: int = None,
                  trust_remote_code: bool = False, dtype: str = None, **scoring):
-        cuda = not str(device).startswith("cuda") or torch.cuda.is_available()
         for name, ok, expected in (
                 ("aggregate", aggregate in AGGREGATES, "one of " + ", ".join(AGGREGATES)),
                 ("trust_remote_code", isinstance(trust_remote_code, bool), "True or False"),
                 ("batch_size", isinstance(batch_size, int) and batch_size > 0, "an int > 0"),
-                ("device", cuda, "a device this torch has (it has no CUDA)"),
+                ("device", torch.cuda.is_available() or "cuda" not in str(device),
+                 "a device this torch has (it has no CUDA)"),
                 ("step_separator", step_separator != "", "a non-empty string"),
                 ("dtype", dtype in (None, "auto", "fp32", "bf16", "fp16"),
                  "auto, fp32, bf16 or fp16")):
@@ -97,7 +96,7 @@ class PRMReward:
         elif scorer not in ("auto", "classifier"):
             raise ValueError(f"scorer {scorer!r} reads a model directory, not a loaded model")
         elif tokenizer is None:
-            raise ValueError("a loaded model needs its tokenizer: PRMReward(model, tokenizer=...)")
+            raise ValueError("a loaded model needs its tokenizer=")
         else:
             cfg = Config.from_dict(input_settings(model.config))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -108,7 +107,7 @@ class PRMReward:
         self.__name__ = f"prm_{aggregate}"  # TRL's logged column
         dtype = None if dtype == "auto" else dtype or cfg.dtype
         self.amp_dtype = autocast_dtype(dtype, self.device)
-        if self.amp_dtype == torch.bfloat16 and self.tokenize:  # a published PRM, as eval.py's
+        if self.amp_dtype == torch.bfloat16 and self.tokenize:  # as eval.py's
             self.model.to(torch.bfloat16)
 
     def text(self, completion) -> str:
@@ -132,7 +131,7 @@ class PRMReward:
         texts = [self.text(c) for c in completions]
         spans = [step_spans(text, self.step_separator) for text in texts]
         todo = [i for i, s in enumerate(spans) if s]
-        cap = self.max_length or None  # steps past it cannot fit: not tokenized
+        cap = self.max_length or None  # steps past it cannot fit
         solutions = [(self.prompt(prompts[i]), [texts[i][a:b] for a, b in spans[i][:cap]])
                      for i in todo]
         try:
@@ -140,21 +139,20 @@ class PRMReward:
                 self.model, self.tokenizer, solutions, self.step_separator,
                 max_length=self.max_length, batch_size=self.batch_size, tokenize=self.tokenize,
                 amp_dtype=self.amp_dtype)
-        except Exception:  # a chat template failure named as such
+        except Exception:  # a chat template's failure named
             for i, (prompt, _) in zip(todo, solutions):
                 try:
                     prompt_ids(prompt, self.tokenizer)
                 except Exception as e:
-                    raise UsageError(f"completion {i}: the tokenizer's chat template fails on its "
-                                     f"prompt: {type(e).__name__}: {str(e).strip()[:200]}") from e
+                    raise UsageError(f"completion {i}: the chat template fails on its prompt: "
+                                     f"{type(e).__name__}: {str(e).strip()[:200]}") from e
             raise
         scored = dict(zip(todo, probs))
         cut = [ps for i, ps in scored.items() if len(ps) < len(spans[i])]
         if cut:
-            warnings.warn(
-                f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated (their cut "
-                f"steps are unscored), {cut.count([])} with no step that fits (reward "
-                f"{EMPTY_REWARD}); raise max_length (now {self.max_length})", stacklevel=2)
+            warnings.warn(f"PRMReward: {sum(map(bool, cut))} of {len(todo)} completions truncated, "
+                          f"{cut.count([])} with no step that fits (reward {EMPTY_REWARD}): raise "
+                          f"max_length ({self.max_length})", stacklevel=2)
         return [[(a, b, p) for (a, b), p in itertools.zip_longest(s, scored.get(i, []))]
                 for i, s in enumerate(spans)]
 
@@ -164,8 +162,7 @@ class PRMReward:
             raise ValueError(f"{len(questions)} questions for {len(outputs)} lists of outputs")
         for i, texts in enumerate(outputs):
             if not isinstance(texts, (list, tuple)):
-                raise ValueError(f"outputs[{i}] {texts!r:.60}: expected a list of solutions per "
-                                 "question, such as [['1+1=2\\n2+1=3']]")
+                raise ValueError(f"outputs[{i}] {texts!r:.60}: expected a list of solutions")
         probs = self.step_probs([q for q, texts in zip(questions, outputs) for _ in texts],
                                 [text for texts in outputs for text in texts])
         rest = iter(probs)
@@ -173,7 +170,7 @@ class PRMReward:
 
     @property
     def cacheable(self) -> bool:
-        """Whether extend() is exact: a classifier on a causal decoder."""
+        """extend() is exact: a classifier on a causal decoder."""
         causal = [m.is_causal for m in self.model.modules() if hasattr(m, "is_causal")]
         return self.tokenize is None and isinstance(self.model, PRM) and all(causal or [False])
 
@@ -182,7 +179,7 @@ class PRMReward:
 
     def extend(self, prefixes: list, steps: list) -> list:
         if not self.cacheable:
-            raise UsageError("PRMReward.extend needs a classifier PRM: use score()")
+            raise UsageError("PRMReward.extend: not a classifier PRM: use score()")
         refuse_bad_input(["q"] * len(steps), steps)
         return extend(
             self.model, self.tokenizer, prefixes, steps, self.step_separator,
@@ -193,7 +190,7 @@ class PRMReward:
         """Per completion, per token: a step's SHAPINGS value on its last character's token."""
         if shaping not in SHAPINGS:
             raise ValueError(f"shaping {shaping!r}: expected one of {', '.join(SHAPINGS)}")
-        refuse_bad_input(prompts, completions, completion_ids, len(tokenizer), scores)
+        refuse_bad_input(prompts, completions, completion_ids, scores)
         holders = [token_holders(tokenizer, ids, self.text(c), i)
                    for i, (c, ids) in enumerate(zip(completions, completion_ids))]
         out = []

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from prm.loading import load_tokenizer, load_trained, loading, set_packing
+from prm.loading import load_trained, loading, set_packing, tokenizer_for
 from prm.core.data import columns, make_row
 from prm.core.model import PRM, saved_weights
 from prm.errors import UsageError
@@ -16,6 +16,8 @@ from prm.scoring import FAMILIES, ScorerOptions
 
 QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 QWEN_SEP = "<extra_0>"
+MARK_FLAGS = {"qwen-prm": "qwen-prm's step separator", "step-tag": "--step-tag",
+              "chat-turns": "--good-token"}
 with open(__file__, "rb") as _f:  # in every Family: an edit here is a new cache
     CODE = hashlib.sha256(_f.read()).hexdigest()
 
@@ -23,7 +25,7 @@ with open(__file__, "rb") as _f:  # in every Family: an edit here is a new cache
 def detect(model: str, scorer) -> str:
     if scorer and scorer != "auto":
         return scorer
-    try:  # no code runs: Qwen's PRMs declare a known model type
+    try:  # no code runs
         archs = AutoConfig.from_pretrained(model).architectures or []
     except Exception:  # load_trained says why
         return "classifier"
@@ -39,11 +41,11 @@ def shown(tokenizer, ids: list) -> list:
 def one_token(tokenizer, flag: str, text: str) -> int:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        raise UsageError(f"{flag} {text!r} must be one token of the model's tokenizer: it splits "
-                         f"into {len(ids)}, {shown(tokenizer, ids)}")
+        raise UsageError(f"{flag} {text!r} must be one token: it splits into {len(ids)}, "
+                         f"{shown(tokenizer, ids)}")
     if ids[0] == tokenizer.unk_token_id:
-        raise UsageError(f"{flag} {text!r} is not in the model's vocabulary: its tokenizer reads "
-                         f"it as its unknown token {tokenizer.unk_token!r}")
+        raise UsageError(f"{flag} {text!r} is not in the model's vocabulary (read as "
+                         f"{tokenizer.unk_token!r})")
     return ids[0]
 
 
@@ -63,7 +65,8 @@ class Family:
         for prompt, steps, labels in zip(batch["prompt"], batch["completions"], batch["labels"]):
             problem = prompt if isinstance(prompt, str) else "\n".join(
                 m["content"] for m in prompt if m.get("role", "user") == "user")
-            ids, reads, first = BUILDERS[self.name](self, tokenizer, problem, list(steps))
+            row = BUILDERS[self.name](self, tokenizer, problem, list(steps))
+            ids, reads, first = locate(self, tokenizer, *row)
             rows.append(make_row(ids, reads, labels, first=first, **kw))
         return columns(rows)
 
@@ -93,10 +96,11 @@ def family(tokenizer, name: str, *, step_tag="", good_token="+", bad_token="-") 
     return Family(name, step_tag, good_token, tag_id, good_id, bad_id)
 
 
-def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str, *,
-           first_char: int, shift: int = 0, special: bool = True) -> tuple:
-    """(input_ids, positions + shift of the token_id ending at ends, first step's first token)."""
-    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+def locate(fam: Family, tokenizer, text: str, ends: list, first_char: int) -> tuple:
+    """(input_ids, the marks' positions, first step's first token); chat-turns: a token before."""
+    chat = fam.name == "chat-turns"
+    mark, token_id = (fam.good, fam.good_id) if chat else (fam.tag, fam.tag_id)
+    enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     by_end = {e: j for j, (s, e) in enumerate(spans) if e > s}
     reads = []
@@ -105,9 +109,10 @@ def locate(tokenizer, text: str, ends: list, token_id: int, flag: str, mark: str
         if j is None or ids[j] != token_id:
             start = end - len(mark) - 1
             pieces = shown(tokenizer, [i for i, (s, e) in zip(ids, spans) if e > start and s < end])
+            flag = MARK_FLAGS[fam.name]
             raise UsageError(f"{flag} {mark!r} merges with the text around it: there "
                              f"{text[start:end]!r} tokenizes as {pieces}")
-        reads.append(j + shift)
+        reads.append(j - chat)
     return ids, reads, bisect.bisect_right([e for _, e in spans], first_char)
 
 
@@ -118,11 +123,9 @@ def qwen_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     at = text.rfind(content)
     if at < 0:
-        raise UsageError(f"--scorer qwen-prm: the chat template changes the assistant's text: "
-                         f"no {fam.tag} step end found")
-    ends = list(itertools.accumulate((len(s) + len(fam.tag) for s in steps), initial=at))[1:]
-    return locate(tokenizer, text, ends, fam.tag_id, "qwen-prm's step separator", fam.tag,
-                  first_char=at)
+        raise UsageError("--scorer qwen-prm: the chat template alters the assistant's text")
+    ends = itertools.accumulate((len(s) + len(fam.tag) for s in steps), initial=at)
+    return text, list(ends)[1:], at
 
 
 def step_tag_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
@@ -130,8 +133,7 @@ def step_tag_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
     for k, step in enumerate(steps):
         text += ("\n" if k else "") + step + " " + fam.tag
         ends.append(len(text))
-    return locate(tokenizer, text, ends, fam.tag_id, "--step-tag", fam.tag,
-                  first_char=len(problem) + 1)
+    return text, ends, len(problem) + 1
 
 
 def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
@@ -146,12 +148,11 @@ def chat_row(fam: Family, tokenizer, problem: str, steps: list) -> tuple:
             turns[:2 * k + 1], tokenize=False, add_generation_prompt=True)
         if not text.startswith(head + fam.good):
             raise UsageError(f"--scorer chat-turns: the chat template does not render turn "
-                             f"{2 * k + 2} ({fam.good!r} after step {k + 1}) where the turns "
-                             "before it end: it cannot hold a step boundary")
+                             f"{2 * k + 2} ({fam.good!r}) after the turns before it: it cannot "
+                             "hold a step boundary")
         ends.append(len(head) + len(fam.good))
     at = text.find(problem + " " + steps[0]) if steps else -1
-    return locate(tokenizer, text, ends, fam.good_id, "--good-token", fam.good, shift=-1,
-                  special=False, first_char=at + len(problem) + 1 if at >= 0 else 0)
+    return text, ends, at + len(problem) + 1 if at >= 0 else 0
 
 
 BUILDERS = {"qwen-prm": qwen_row, "step-tag": step_tag_row, "chat-turns": chat_row}
@@ -181,29 +182,27 @@ def lm_head_rows(lm, ids: list) -> PRM:
     return PRM(lm.base_model, rows)
 
 
-def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
-         dtype=torch.float32) -> tuple:
+def load(cfg, tokenizer_given: bool, opts: ScorerOptions, *, dtype=torch.float32) -> tuple:
     """(tokenizer, model, score_batch's `tokenize`: None for a classifier)."""
     settings = dataclasses.asdict(opts)
     name = detect(cfg.model, settings.pop("scorer"))
     if name not in FAMILIES:
         raise UsageError(f"--scorer {name!r}: expected one of {', '.join(FAMILIES)}")
-    flag = "--tokenizer" if cfg.tokenizer and tokenizer_given else "--model"
     if name == "classifier":
         family(None, name, **settings)  # refuses the flags it ignores
         tokenizer, model = load_trained(cfg, tokenizer_given)
         tokenize = None
     else:
-        path = cfg.tokenizer if flag == "--tokenizer" else cfg.model
-        tokenizer = load_tokenizer(path, cfg.trust_remote_code, flag)
+        tokenizer = tokenizer_for(cfg, tokenizer_given)
         fam = family(tokenizer, name, **settings)
-        if name == "qwen-prm" and not cfg.trust_remote_code:
+        qwen = name == "qwen-prm"
+        if qwen and not cfg.trust_remote_code:
             raise UsageError(f"--scorer qwen-prm: {cfg.model} runs its own model code: add "
                              "--trust-remote-code")
-        auto = AutoModel if name == "qwen-prm" else AutoModelForCausalLM
-        model = loading("--model", cfg.model, saved_weights, auto=auto,
-                        trust_remote_code=cfg.trust_remote_code, dtype=dtype)
-        if name == "qwen-prm":
+        model = loading("--model", cfg.model, saved_weights, dtype=dtype,
+                        auto=AutoModel if qwen else AutoModelForCausalLM,
+                        trust_remote_code=cfg.trust_remote_code)
+        if qwen:
             model = FirstOutput(model)
         else:
             model = set_packing(lm_head_rows(model, [fam.bad_id, fam.good_id]), cfg.packing)
@@ -211,6 +210,8 @@ def load(cfg, tokenizer_given: bool, opts: ScorerOptions = ScorerOptions(), *,
         tokenize = fam.tokenize_batch
     rows = model.config.get_text_config().vocab_size
     if len(tokenizer) > rows:
-        raise UsageError(f"{flag} {getattr(cfg, flag[2:])}: {len(tokenizer)} tokens, more than "
-                         f"--model {cfg.model}'s {rows} embeddings")
+        path = tokenizer.name_or_path
+        flag = "--tokenizer" if path == cfg.tokenizer else "--model"
+        raise UsageError(f"{flag} {path}: {len(tokenizer)} tokens, more than --model "
+                         f"{cfg.model}'s {rows} embeddings")
     return tokenizer, model, tokenize

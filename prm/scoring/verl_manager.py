@@ -50,7 +50,7 @@ class PRMRewardManager(RewardManagerBase):
             prompt_ids = item.batch["prompts"]  # (P,)
             kept = prompt_ids[mask[:len(prompt_ids)].bool()]
             prompt = self.tokenizer.decode(kept, skip_special_tokens=True)
-        elif not isinstance(prompt, (str, dict)):  # chat messages: a list or verl's numpy array
+        elif not isinstance(prompt, (str, dict)):  # a list or verl's numpy array of messages
             prompt = list(prompt)
         return await asyncio.get_running_loop().run_in_executor(None, self.score, prompt, ids)
 
