@@ -240,7 +240,9 @@ def _run(cmd: list) -> str:
 
 
 def _child(argv: list, *flags) -> dict:
-    cmd = [sys.executable, "-m", "prm.bench", *argv, *ONCE, *flags]
+    # argv's flags dashed: ONCE's then win, where '--peer_python' and '--peer-python' would clash
+    dashed = [re.sub(r"^--[^=\s]+(?=$|=)", lambda m: m[0].replace("_", "-"), x) for x in argv]
+    cmd = [sys.executable, "-m", "prm.bench", *dashed, *ONCE, *flags]
     return json.loads(_run(cmd).strip().splitlines()[-1])
 
 

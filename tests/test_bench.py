@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from prm import bench
 from prm.bench import BF16_PEAK_TFLOPS, ONCE, flops_per_token, parser, run_once
 from prm.config import Config
 
@@ -74,6 +75,14 @@ def test_a_child_runs_once_without_the_peer_or_variants():
             "--variants", "padded,packed"]
     a = parser().parse_args(argv + ONCE + ["--repeats", "2"])  # a variant's child repeats
     assert (a.repeats, a.variants, a.peer_python, a.peer_script, a.max_steps, a.model) == (2, "", "", "", 5, "m")
+
+
+def test_a_childs_flags_win_over_underscore_spellings(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "_run", lambda cmd: seen.append(cmd[3:]) or "{}")
+    bench._child(["--peer_python", "/x/py", "--peer_script=s.py", "--max_length", "8"], "--repeats", "2")
+    a = parser().parse_args(seen[0])
+    assert (a.repeats, a.peer_python, a.peer_script, a.max_length) == (2, "", "", 8)
 
 
 def test_flops_by_hand_for_one_layer():
