@@ -66,6 +66,7 @@ def target_list(value) -> str:
 
 def opt(default=None, help: str = "", *, rules: str = "", trl=(), check=(), like=None, **kw):
     """A field and its flag. kw: argparse's, section, flag, positional. like: a field to copy."""
+    assert set(rules.split()) <= RULES, rules
     meta = dict(help=help, rules=frozenset(rules.split()), trl=trl, check=check, **kw)
     if like is not None:
         default, meta = like.default, {**like.metadata, **{k: v for k, v in meta.items() if v}}
