@@ -306,9 +306,9 @@ class Config:
     def load(cls, directory: str) -> "Config":
         path = os.path.join(directory, FILE)
         saved, problems = read_mapping(path, path + ": "), []
-        for f in fields(cls):
+        for f in (f for f in fields(cls) if f.name in saved):  # the rest: their defaults
             try:
-                saved[f.name] = checked_value(f, saved[f.name]) if f.name in saved else f.default
+                saved[f.name] = checked_value(f, saved[f.name])
             except ValueError as e:
                 problems.append(f"{path}: {e}")
         check(problems)
