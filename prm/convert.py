@@ -17,7 +17,7 @@ RUN = Config.__dataclass_fields__
 
 @dataclass
 class ConvertOptions:
-    input: str = opt("", "hub id, .jsonl/.json/.parquet file or folder", positional=True)
+    input: str = opt("", RUN["dataset"].metadata["help"], positional=True)
     output: str = opt("-", "a .jsonl file; '-': stdout", positional=True, nargs="?")
     format: str = opt(like=RUN["format"])
     neutral_label: str = opt(like=RUN["neutral_label"])
