@@ -3,7 +3,7 @@ PRMScore, best-of-N. A table to stderr; stdout's last line: one JSON object."""
 import json
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from prm.cli import Parser, parsed, writable
 from prm.config import FILE, Checked, Config, at_least, opt
@@ -30,7 +30,7 @@ class Options(Checked):
                           "prompt)")
     best_of_n_draws: int = opt(8, "seeded shuffles per N", metavar="K", check=at_least(1))
     scoring: ScorerOptions = ScorerOptions()  # set by parse_args
-    given: dict = None
+    given: dict = field(default_factory=dict)  # {field: value} of the flags given
 
     def __post_init__(self):
         super().__post_init__()
