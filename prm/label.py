@@ -4,7 +4,7 @@ import dataclasses
 import datetime
 import glob
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -37,7 +37,10 @@ def is_regex(text: str) -> bool:
 
 
 def importable(checker: str) -> bool:
-    return checker != "math-verify" or importlib.util.find_spec("math_verify") is not None
+    try:  # an import, not find_spec: one found but broken fails only at import
+        return checker != "math-verify" or bool(importlib.import_module("math_verify"))
+    except ImportError:
+        return False
 
 
 @dataclasses.dataclass

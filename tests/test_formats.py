@@ -120,6 +120,29 @@ def test_prm800k_chosen_completion_must_be_an_int_index(chosen):
     assert rows[-1]["completions"] == ["b"]
 
 
+STEP = {"completions": [{"text": "a", "rating": 1}]}
+PRM800K = {"question": {"problem": "p"}, "label": {"steps": [STEP], "finish_reason": "solution"}}
+CANDIDATE = {"response": "s1 \u043a\u0438", "label": True}
+
+
+@pytest.mark.parametrize("record, fmt, problem", [
+    ({**PRM800K, "question": {"problem": 3}}, "prm800k", "field 'question.problem': expected text, got int 3"),
+    ({**PRM800K, "question": "p"}, "prm800k", "field 'question': expected an object, got str 'p'"),
+    ({**PRM800K, "label": {"steps": {}}}, "prm800k", "field 'label.steps': expected a list, got dict {}"),
+    ({**PRM800K, "label": {"steps": ["x"]}}, "prm800k", "field 'label.steps[0]': expected an object, got str 'x'"),
+    ({**PRM800K, "label": {"steps": [{"completions": "a"}]}}, "prm800k",
+     "field 'label.steps[0].completions': expected a list, got str 'a'"),
+    ({"question": "q", "outputs": [CANDIDATE, {**CANDIDATE, "label": 1}]}, "candidates",
+     "field 'outputs[1].label': expected true/false, got int 1"),
+    ({"question": "q", "outputs": [{**CANDIDATE, "response_answer": 2}]}, "candidates",
+     "field 'outputs[0].response_answer': expected text, got int 2"),
+    ({"question": "q", "outputs": [{"label": True}]}, "candidates", "field 'outputs[0].response': missing"),
+])
+def test_nested_fields_are_type_checked_and_named_by_their_path(record, fmt, problem):
+    assert convert(PRM800K, "prm800k") and convert({"question": "q", "outputs": [CANDIDATE]}, "candidates")
+    assert to_rows(record, fmt)[1] == [problem]
+
+
 def test_processbench_rows():
     recs = records("processbench.json")
     rows = [convert(r, "processbench")[0] for r in recs]

@@ -188,3 +188,12 @@ def test_ctrl_c_is_one_line_and_exit_130_and_the_rerun_continues(tmp_path, capsy
     assert exits(argv) == 0
     label_file(data, str(tmp_path / "whole.jsonl"), random_policy, LabelOptions(rollouts=2, samples=2), show=False)
     assert read(out) == read(tmp_path / "whole.jsonl")
+
+
+def test_a_math_verify_found_but_failing_to_import_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "math_verify").mkdir()
+    (tmp_path / "math_verify" / "__init__.py").write_text("raise ImportError('no antlr4')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "math_verify", raising=False)
+    with pytest.raises(UsageError, match="pip install 'math-verify"):
+        LabelOptions(policy="p", checker="math-verify")

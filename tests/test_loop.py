@@ -231,3 +231,29 @@ def test_a_figure_no_pipeline_has_reads_none_not_a_crash():
     from prm.tools.loop import mean_se
     assert mean_se([None, float("nan")]) == "none"
     assert mean_se([0.5, 0.7]).startswith("0.600 ± ")
+
+
+def test_the_prm_step_figures_against_the_truth():
+    from prm.tools.loop import prm_steps
+    wrong, right = ["0+1=1", "1+1=3", "3+1=4"], ["0+1=1", "1+1=2", "2+1=3"]  # truth: T F F; T T T
+    samples = [{"steps": wrong, "scores": [0.9, 0.2, 0.1]},  # first error found at 1: right
+               {"steps": right, "scores": [0.9, 0.4, 0.8]},  # an error where none is
+               {"steps": wrong, "scores": [0.3, 0.6]}]  # found at 0, truth at 1; scored 2 steps
+    got = prm_steps([{"row": 0, "samples": samples}], [{"prompt": "count 3 steps of 1 from 0:"}])
+    assert got == {"auroc": pytest.approx(13 / 15), "prec": pytest.approx(1 / 3), "recall": 0.5}
+
+
+def test_choose_takes_the_settings_best_on_validation(monkeypatch):
+    import prm.tools.loop as loop
+    right = {"answer": "c", "correct": True, "scores": [0.95, 0.95, 0.3]}  # best only by mean
+    samples = [right] + [{"answer": f"w{k}", "correct": False, "scores": [0.7] * 3} for k in range(15)]
+    sampled = {"samples": samples, "results": [{"method": m, "n": n} for m in ("best-of-n", "weighted")
+                                               for n in (4, 16)]}
+    votes = [{"answer": "c", "correct": True, "scores": [0.1]}] * 2 + [  # right only by majority
+        {"answer": "w1", "correct": False, "scores": [0.9]}, {"answer": "w2", "correct": False, "scores": [0.8]}]
+    wrong = [{"answer": "w", "correct": False, "scores": [0.9]}]
+    trees = lambda cands: {"results": [{"method": m, "n": n, "candidates": cands}  # noqa: E731
+                                       for m in ("beam", "dvts") for n in (4, 16)]}
+    found = {"valid": sampled, "valid-m4": trees(wrong), "valid-m2": trees(votes)}
+    monkeypatch.setattr(loop, "searched", lambda folder, name, *a, **kw: [found[name]])
+    assert loop.choose("", None, 0) == {"aggregate": "mean", "beam_width": 2, "select": "majority"}

@@ -161,3 +161,11 @@ def test_the_temporary_folder_of_a_killed_write_is_removed_by_the_next_run(data)
     shutil.move(held, held + ".incomplete")  # datasets' folder of a write killed before its rename
     assert splits(data) == first and not os.path.exists(held + ".incomplete")
     assert splits(data) == first
+
+
+def test_caching_off_no_entry_and_the_data_not_hashed(data, monkeypatch):
+    import prm.readers.sources as sources
+    assert rows_cache(Config(dataset=data)) is not None
+    monkeypatch.setattr(sources, "data_digest", lambda spec: pytest.fail("hashed with caching off"))
+    monkeypatch.setattr(datasets, "is_caching_enabled", lambda: False)
+    assert rows_cache(Config(dataset=data)) is None

@@ -307,6 +307,14 @@ def test_mixed_plain_and_chat_prompts_name_the_row(tmp_path):
         read_rows(path, "train", Config())
 
 
+def test_a_first_record_not_an_object_is_an_invalid_row_the_format_read_from_the_next(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [[1, 2], {"prompt": "q", "completions": ["a"], "labels": [True]}])
+    with pytest.raises(DataError, match=r"a.jsonl line 1: expected a JSON object, got list \[1, 2\]"):
+        read_rows(path, "train", Config())
+    assert read_rows(path, "train", Config(skip_invalid=True)) == [
+        {"prompt": "q", "completions": ["a"], "labels": [True]}]
+
+
 @needs_unlabeled_steps
 def test_processbench_steps_after_the_first_error_are_unlabeled():
     ds = load_eval(Config(), os.path.join(FIX, "processbench.json"))

@@ -279,8 +279,9 @@ def data_digest(spec: str) -> str:
 def rows_cache(cfg, digests: dict = None):
     """The cache folder of local splits (digests: {spec: digest} if known); None if not cached."""
     specs = [s for s in (cfg.dataset, cfg.eval_dataset) if s]
-    sums = [(digests or {}).get(s) or data_digest(s) for s in specs]
-    if not (datasets.is_caching_enabled() and all(sums)):
+    sums = datasets.is_caching_enabled() and [  # caching off: the data not hashed
+        (digests or {}).get(s) or data_digest(s) for s in specs]
+    if not (sums and all(sums)):
         return None
     # Hasher does not follow a function's callees: hash the code
     code = [inspect.getsource(sys.modules[m]) for m in (__name__, to_rows.__module__)]
