@@ -32,7 +32,9 @@ def writing(path: str):
             folder = path
             while folder and not os.path.exists(folder):
                 folder = os.path.dirname(folder)
-            cause += f" ({shutil.disk_usage(folder or '.').free / 2 ** 20:.1f} MiB free there)"
+            with contextlib.suppress(OSError):  # unknown: the WriteFailed all the same
+                free = shutil.disk_usage(folder or ".").free / 2 ** 20
+                cause += f" ({free:.1f} MiB free there)"
         raise WriteFailed(f"could not write {path}: {cause}", cause=cause) from e
 
 

@@ -79,16 +79,19 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r][-1] == stopped + 1
 
 
-def test_a_stop_between_log_steps_records_the_steps_since_the_last_log_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("signalled_at, logged", [(4, [(3, False), (5, False), (6, True), (7, False)]),
+                                                  (2, [(3, False), (6, True), (7, False)])])  # on a log step
+def test_a_stop_between_log_steps_records_the_steps_since_the_last_log_line(tmp_path, monkeypatch, signalled_at,
+                                                                             logged):
     """--log-every 3, SIGTERM while step 5 trains: the record of steps 4-5 is written before the checkpoint at 5,
-    so the resume keeps it and starts its own window at 6: every step is in exactly one record."""
+    so the resume keeps it and starts its own window at 6: every step is in exactly one record (at 3: once)."""
     from conftest import training
     from prm.errors import Stopped
     trainer, signalled = training(), []
     real = trainer.train_step
 
     def step_then_signal(run, batch):
-        if run.step == 4 and not signalled:  # run.step: the steps done before this one
+        if run.step == signalled_at and not signalled:  # run.step: the steps done before this one
             signalled.append(signal.raise_signal(signal.SIGTERM))
         return real(run, batch)
     monkeypatch.setattr(trainer, "train_step", step_then_signal)
@@ -96,8 +99,7 @@ def test_a_stop_between_log_steps_records_the_steps_since_the_last_log_line(tmp_
         run_train(tmp_path, max_steps=7, log_every=3)
     run_train(tmp_path, max_steps=7, log_every=3, resume="auto")
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
-    assert [(r["step"], r.get("since_resume", False)) for r in records] == [(3, False), (5, False), (6, True),
-                                                                            (7, False)]
+    assert [(r["step"], r.get("since_resume", False)) for r in records] == logged
 
 
 def test_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, capsys):

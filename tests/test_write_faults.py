@@ -153,6 +153,19 @@ def test_a_failed_sharded_save_is_a_write_failure(tmp_path):
     assert e.value.__cause__ is error
 
 
+def test_a_failed_write_is_a_write_failure_when_the_free_space_is_unknown(tmp_path, monkeypatch):
+    import shutil
+    from prm.files import writing
+    from prm.errors import WriteFailed
+    def disk_usage(path):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with pytest.raises(WriteFailed) as e:
+        with writing(str(tmp_path / "model.safetensors")):
+            raise SafetensorError("Error while serializing")
+    one_line(e, f"could not write {tmp_path / 'model.safetensors'}: Error while serializing")
+
+
 def test_any_write_failure_names_its_cause_when_final_cannot_be_rescued(tmp_path, monkeypatch):
     from types import SimpleNamespace
     from prm.training.checkpoint import Checkpointer

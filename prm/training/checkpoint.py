@@ -68,8 +68,11 @@ def file_digests(path: str, names: list = None) -> dict:
         full = os.path.join(path, name)
         if not stat.S_ISREG(os.lstat(full).st_mode):
             return NOT_REGULAR
+        h = hashlib.sha256()  # not hashlib.file_digest: Python 3.11+
         with open(full, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
     names = files_under(path) if names is None else names
     with ThreadPoolExecutor(8) as pool:  # hashlib and reads let go of the GIL
         return dict(zip(names, pool.map(digest, names)))
